@@ -1,0 +1,151 @@
+"""Every message that crosses a process boundary, and nothing else.
+
+Each socket carries one tagged union (see the `*Msg` aliases at the bottom), so a receiver has one
+decoder and one `match`. Structs are `array_like` msgpack: field order is the wire format, so new
+fields go last and carry defaults. Arrays travel as raw little-endian bytes next to their shape
+(`tokens`, `pcm`); no pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+_STRUCT = dict(array_like=True, omit_defaults=True, gc=False)
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0  # the model emitted a stop token
+    LENGTH = 1  # max_tokens (prompt included) or the context limit was reached
+    ABORT = 2  # the client went away or the gateway cancelled it
+    ERROR = 3  # a worker failed the request; `message` says why
+
+
+class ProcState(enum.IntEnum):
+    STARTING = 0
+    LOADING = 1
+    READY = 2
+    STOPPING = 3
+    FAILED = 4
+
+
+class SamplingParams(msgspec.Struct, **_STRUCT):
+    """Per-request sampling settings, already validated and filled with model defaults."""
+
+    temperature: float = 0.6  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    repetition_window: int = -1  # last N tokens (prompt included); -1 = whole context
+    seed: int = 0
+    max_tokens: int = 1200  # prompt included, as in the reference
+    min_tokens: int = 0  # stop tokens are masked until this many tokens were generated
+    constrained: bool = False  # keep every sampled token a valid code for its frame position
+
+
+class GenerateRequest(msgspec.Struct, tag="gen", **_STRUCT):
+    """gateway → tokenizer_worker: build this request's prompt."""
+
+    rid: str
+    text: str
+    sampling: SamplingParams
+    model_kwargs: dict[str, str] = {}
+    arrival: float = 0.0  # gateway's time.time() when the request was accepted
+
+
+class Prompt(msgspec.Struct, tag="prompt", **_STRUCT):
+    """tokenizer_worker → gpu_worker: a built prompt, int32 rows of n_codebooks ids."""
+
+    rid: str
+    tokens: bytes  # int32 little-endian, [n_rows, n_codebooks] row-major
+    n_rows: int
+    sampling: SamplingParams
+    arrival: float = 0.0
+
+
+class Abort(msgspec.Struct, tag="abort", **_STRUCT):
+    """gateway → gpu_worker: stop these requests and free their KV pages and slots."""
+
+    rids: list[str]
+
+
+class DetokChunk(msgspec.Struct, **_STRUCT):
+    """One codec window of a request: `index` counts the request's chunks from 0."""
+
+    rid: str
+    index: int
+    seed: int
+    tokens: bytes  # int32 little-endian, [detok_interval, n_codebooks]
+
+
+class Finished(msgspec.Struct, **_STRUCT):
+    rid: str
+    reason: FinishReason
+    n_tokens: int = 0  # generated tokens, prompt excluded
+    n_chunks: int = 0  # audio chunks sent for this request
+    message: str = ""
+    status: int = 0  # HTTP status the gateway should answer with when reason is ERROR
+
+
+class DetokBatch(msgspec.Struct, tag="detok", **_STRUCT):
+    """gpu_worker → codec_worker: every chunk that became ready in one step, then who finished."""
+
+    chunks: list[DetokChunk]
+    finished: list[Finished] = []
+    step: int = 0
+
+
+class AudioChunk(msgspec.Struct, **_STRUCT):
+    rid: str
+    index: int
+    pcm: bytes  # int16 little-endian mono at the model's sample rate; empty when the codec
+    # dropped the window (the reference does this for invalid codes)
+
+
+class AudioChunks(msgspec.Struct, tag="audio", **_STRUCT):
+    """codec_worker → gateway: one message per codec batch; `finished` follows the chunks."""
+
+    chunks: list[AudioChunk]
+    finished: list[Finished] = []
+
+
+class RequestError(msgspec.Struct, tag="reqerr", **_STRUCT):
+    """tokenizer_worker or gpu_worker → gateway: a request failed before producing audio."""
+
+    rid: str
+    status: int  # HTTP status: 4xx for the client's mistakes, 5xx for ours
+    message: str
+
+
+class ProcStatus(msgspec.Struct, tag="status", **_STRUCT):
+    """Every process → gateway, on each state change and as a heartbeat."""
+
+    name: str  # e.g. "gpu_worker", "tokenizer_worker.1"
+    role: str
+    pid: int
+    state: ProcState
+    detail: str = ""
+    time: float = 0.0
+    load: int = 0  # requests in flight (gpu_worker), queued prompts (tokenizer_worker)
+    capacity: int = 0
+
+
+class ModelInfo(msgspec.Struct, **_STRUCT):
+    """Model constants the gateway needs, from the program's `spec_meta`."""
+
+    name: str
+    sample_rate: int
+    voices: list[str]
+    default_voice: str
+    max_tokens: int
+    sampling: SamplingParams
+    max_text_chars: int
+
+
+# One union per receiving socket.
+TokenizerInMsg = GenerateRequest
+GpuInMsg = Prompt | Abort
+CodecInMsg = DetokBatch
+GatewayInMsg = AudioChunks | RequestError | ProcStatus

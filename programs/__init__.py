@@ -1,0 +1,39 @@
+"""Model registry. Specs (torch-free constants) and programs (torch) are imported lazily, so the
+gateway can read a model's spec without importing torch."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# --model name → (package under programs/, spec name inside its spec.py SPECS)
+_MODELS: dict[str, tuple[str, str]] = {
+    "orpheus": ("orpheus", "orpheus"),
+    "orpheus-3b": ("orpheus", "orpheus"),
+    "canopylabs/orpheus-3b-0.1-ft": ("orpheus", "orpheus"),
+    "orpheus-tiny": ("orpheus", "orpheus-tiny"),
+}
+
+
+def model_names() -> list[str]:
+    return sorted(_MODELS)
+
+
+def _lookup(name: str) -> tuple[str, str]:
+    key = name.lower()
+    if key in _MODELS:
+        return _MODELS[key]
+    raise ValueError(f"unknown model {name!r}; --model takes one of: {', '.join(model_names())}")
+
+
+def get_spec(name: str) -> dict[str, Any]:
+    """The model's constants (torch-free): voices, sample rate, sampling defaults, limits…"""
+    package, spec_name = _lookup(name)
+    specs = importlib.import_module(f"programs.{package}.spec").SPECS
+    return dict(specs[spec_name])
+
+
+def load_program_class(name: str) -> type:
+    package, _ = _lookup(name)
+    module = importlib.import_module(f"programs.{package}.program")
+    return module.PROGRAM

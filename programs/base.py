@@ -1,0 +1,143 @@
+"""The program contract: what a model supplies so that the runtime can serve it.
+
+A program is written once and never sees sockets or requests, only rows and batch entries. Loading
+is split by process: the gpu_worker calls `load_lm`, the codec_worker `load_codec`, and the
+tokenizer_worker neither (prompts read only `spec`).
+
+Hooks, with shapes (N = token rows this step, B = requests this step, C = n_codebooks,
+V = vocab_size, H = hidden size). "graph" marks code the GPU runtime captures in CUDA graphs: no
+host synchronization (.item(), .cpu(), .tolist(), Python `if` on tensor values), static shapes
+apart from N/B/Bd, state only in buffers, randomness only from the keys passed in.
+
+| hook | process | graph | shapes |
+|---|---|---|---|
+| `load_lm()` | gpu_worker | no | sets the LM constants below |
+| `load_codec()` | codec_worker | no | sets the codec constants below |
+| `embed(ids)` | gpu_worker | yes | ids [N, C] int64 → [N, H] |
+| `backbone(hidden, pos, attn)` | gpu_worker | yes | [N, H], pos [N] int64 → [N, H]; attention through `attn` |
+| `head(hidden)` | gpu_worker | yes | [B, H] → logits [B, C, V] float32 |
+| `candidates(n_audio)` | gpu_worker | yes | [B] int64 → [B, K] int64 token ids (constrained sampling) |
+| `classify(tokens, n_audio)` | gpu_worker | no (numpy) | [B, C] int64, [B] int64 → kinds [B] int8 |
+| `detokenize(tokens, keys)` | codec_worker | yes | [Bd, detok_interval, C] int64, keys [Bd] int64 → audio [Bd, detok_samples] float in [-1, 1], valid [Bd] bool |
+| `preprocess(text, model_kwargs)` | tokenizer_worker | no | → prompt rows [R, C] int32; ValueError → HTTP 400 |
+
+Audio chunks: the runtime counts the rows classified AUDIO per request (`n_audio`). Chunk j holds
+audio rows [j*s, j*s + detok_interval) with s = detok_interval - detok_overlap and is sent to the
+codec as soon as row j*s + detok_interval - 1 exists; each chunk returns only the samples it adds
+(`detok_samples`). A chunk whose `valid` is False yields no audio (the reference drops such
+windows). `keys` are per-chunk noise seeds derived from the request's seed and the chunk index, so
+a seed fixes the audio as well as the tokens.
+
+Attention: `attn` is an `Attention` planned by the runtime for this step. Each layer calls
+`attn.forward(layer, q, k, v)`: it writes the step's keys/values into the paged cache
+[num_layers, num_pages, 2, page_size, num_kv_heads, head_dim] and returns each row's causal
+attention over its request's context. Padding rows write to page 0 and their output is ignored.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+
+class TokenKind(enum.IntEnum):
+    OTHER = 0  # fed back to the LM, not decoded (interleaved text, dropped tokens)
+    AUDIO = 1  # a row of codec tokens
+    STOP = 2  # ends the request
+
+
+class Attention(Protocol):
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [N, Hq, D], k/v [N, Hkv, D] (RoPE applied) → [N, Hq, D]."""
+        ...
+
+
+class LMProgram:
+    """Base class of every model program. Subclasses set `name` and implement the hooks."""
+
+    name: str = ""
+    # LM constants (load_lm, or the spec for weight-free programs)
+    n_codebooks: int = 1
+    vocab_size: int = 0
+    num_layers: int = 0
+    num_qo_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    hidden_size: int = 0
+    # codec constants
+    detok_interval: int = 0  # rows per codec window
+    detok_overlap: int = 0  # rows consecutive windows share
+    detok_samples: int = 0  # samples each window adds
+    sample_rate: int = 24000
+
+    def __init__(
+        self,
+        spec: dict[str, Any],
+        *,
+        load_format: str = "auto",
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        weights: str | None = None,
+        codec_weights: str | None = None,
+    ) -> None:
+        self.spec = spec
+        self.load_format = load_format
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.weights = weights or spec.get("hf_id")
+        self.codec_weights = codec_weights or spec.get("codec_id")
+        self.detok_interval = spec["detok_interval"]
+        self.detok_overlap = spec["detok_overlap"]
+        self.detok_samples = spec["detok_samples"]
+        self.sample_rate = spec["sample_rate"]
+        self.n_codebooks = spec.get("n_codebooks", 1)
+
+    # --- loading -------------------------------------------------------------------------------
+    def load_lm(self) -> None:
+        raise NotImplementedError
+
+    def load_codec(self) -> None:
+        raise NotImplementedError
+
+    # --- LM step (graph) -----------------------------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def backbone(self, hidden: torch.Tensor, pos: torch.Tensor, attn: Attention) -> torch.Tensor:
+        raise NotImplementedError
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def candidates(self, n_audio: torch.Tensor) -> torch.Tensor:
+        """Token ids a constrained request may sample next, given its audio rows so far."""
+        raise NotImplementedError(f"{self.name} has no constrained sampling mode")
+
+    # --- tokens → meaning (host) ---------------------------------------------------------------
+    def stop_tokens(self) -> list[int]:
+        return list(self.spec["stop_tokens"])
+
+    def classify(self, tokens: np.ndarray, n_audio: np.ndarray) -> np.ndarray:
+        """Default: codebook-0 stop tokens stop, tokens in `audio_tokens` are audio."""
+        t0 = tokens[:, 0]
+        lo, hi = self.spec["audio_tokens"]
+        kinds = np.where((t0 >= lo) & (t0 < hi), TokenKind.AUDIO, TokenKind.OTHER).astype(np.int8)
+        kinds[np.isin(t0, self.stop_tokens())] = TokenKind.STOP
+        return kinds
+
+    # --- codec (graph) -------------------------------------------------------------------------
+    def detokenize(self, tokens: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    # --- prompts (tokenizer_worker) ------------------------------------------------------------
+    def preprocess(self, text: str, model_kwargs: dict[str, str]) -> np.ndarray:
+        raise NotImplementedError
+
+
+def pcm16(audio: torch.Tensor) -> torch.Tensor:
+    """Float audio → int16 the way the reference converts it (scale by 32767, truncate toward
+    zero), clamping first so out-of-range samples saturate instead of wrapping."""
+    return (audio.float().clamp(-1.0, 1.0) * 32767.0).to(torch.int16)
