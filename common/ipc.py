@@ -130,7 +130,9 @@ class AsyncPushChannel(Generic[T]):
 
 
 class AsyncPullChannel(Generic[T]):
-    def __init__(self, addr: str, msg_type: Any, bind: bool = True, ctx: zmq.asyncio.Context | None = None) -> None:
+    def __init__(
+        self, addr: str, msg_type: Any, bind: bool = True, ctx: zmq.asyncio.Context | None = None
+    ) -> None:
         self._sock = _socket(ctx or zmq.asyncio.Context.instance(), zmq.PULL, addr, bind)
         self._dec = msgspec.msgpack.Decoder(msg_type)
 

@@ -1,0 +1,167 @@
+"""`voxpipe serve`: start every process on one host, wait until all are ready, supervise them.
+
+Children are plain `python -m <role>` processes given the same ServeConfig as JSON, talking over
+ipc:// sockets in a private run directory. Readiness is read from the gateway's /ready, which
+collects every process's status; a child that dies is restarted (with a back-off, and a bound on
+restarts so a crash loop ends the server with a clear message instead of spinning).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+from common.config import ServeConfig
+from common.ipc import Addresses
+
+log = logging.getLogger("voxpipe.serve")
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAX_RESTARTS = 5  # within RESTART_WINDOW_S, per child
+RESTART_WINDOW_S = 60.0
+
+
+@dataclass
+class Child:
+    name: str
+    role: str
+    popen: subprocess.Popen | None = None
+    restarts: list[float] = field(default_factory=list)
+
+
+class Supervisor:
+    def __init__(self, cfg: ServeConfig) -> None:
+        if cfg.addresses is None:
+            cfg.addresses = Addresses.local(cfg.run_dir or None)
+        self.cfg = cfg
+        self.children = [Child("gateway", "gateway")]
+        self.children += [
+            Child(f"tokenizer_worker.{i}", "tokenizer_worker") for i in range(cfg.tokenizer_workers)
+        ]
+        self.children += [Child("gpu_worker", "gpu_worker"), Child("codec_worker", "codec_worker")]
+        self._stopping = False
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.cfg.host in ("0.0.0.0", "::", "") else self.cfg.host
+        return f"http://{host}:{self.cfg.port}"
+
+    def _spawn(self, child: Child) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = _ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        argv = [sys.executable, "-m", child.role, "--config-json", self.cfg.to_json(), "--name", child.name]
+        child.popen = subprocess.Popen(argv, env=env)
+        log.info("started %s (pid %d)", child.name, child.popen.pid)
+
+    def start(self) -> None:
+        for child in self.children:
+            self._spawn(child)
+
+    def ready_state(self) -> dict | None:
+        try:
+            with urllib.request.urlopen(self.url + "/ready", timeout=2) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            try:
+                return json.loads(e.read())
+            except ValueError:
+                return None
+        except (OSError, ValueError):
+            return None
+
+    def wait_ready(self, timeout_s: float = 1800.0) -> None:
+        """Block until /ready says every process is ready, logging progress as it changes."""
+        deadline = time.monotonic() + timeout_s
+        last = None
+        while time.monotonic() < deadline and not self._stopping:
+            for child in self.children:
+                code = child.popen.poll() if child.popen else None
+                if code is not None:
+                    raise RuntimeError(
+                        f"{child.name} exited with status {code} while starting; see its log above"
+                    )
+            state = self.ready_state()
+            if state is not None:
+                summary = ", ".join(
+                    f"{p['name']}: {p['state']} {p.get('detail', '')}".strip() for p in state["processes"]
+                )
+                if summary != last:
+                    log.info("%s", summary)
+                    last = summary
+                if state.get("ready"):
+                    return
+            time.sleep(0.2)
+        if self._stopping:
+            return
+        raise TimeoutError(f"not ready after {timeout_s:.0f} s")
+
+    def supervise(self) -> int:
+        """Restart children that die; returns an exit status once asked to stop or given up."""
+        while not self._stopping:
+            for child in self.children:
+                code = child.popen.poll() if child.popen else None
+                if code is None:
+                    continue
+                now = time.monotonic()
+                child.restarts = [t for t in child.restarts if now - t < RESTART_WINDOW_S] + [now]
+                if len(child.restarts) > MAX_RESTARTS:
+                    log.error(
+                        "%s died %d times within %.0f s; stopping", child.name, MAX_RESTARTS, RESTART_WINDOW_S
+                    )
+                    self.stop()
+                    return 1
+                log.error("%s exited with status %s; restarting it", child.name, code)
+                time.sleep(min(0.2 * len(child.restarts), 2.0))
+                self._spawn(child)
+            time.sleep(0.1)
+        return 0
+
+    def stop(self) -> None:
+        self._stopping = True
+        for child in self.children:
+            if child.popen and child.popen.poll() is None:
+                child.popen.terminate()
+        deadline = time.monotonic() + 5
+        for child in self.children:
+            if child.popen:
+                try:
+                    child.popen.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    child.popen.kill()
+        if not self.cfg.run_dir and self.cfg.addresses:
+            run_dir = os.path.dirname(self.cfg.addresses.gateway_in.removeprefix("ipc://"))
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def serve(cfg: ServeConfig) -> int:
+    sup = Supervisor(cfg)
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        log.info("received %s, stopping", signal.Signals(signum).name)
+        sup._stopping = True
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    sup.start()
+    try:
+        sup.wait_ready()
+    except (RuntimeError, TimeoutError) as e:
+        log.error("%s", e)
+        sup.stop()
+        return 1
+    if sup._stopping:
+        sup.stop()
+        return 0
+    log.info("voxpipe is ready: %s/generate (model %s)", sup.url, cfg.model)
+    code = sup.supervise()
+    sup.stop()
+    return code

@@ -1,0 +1,115 @@
+"""What every worker process shares: logging, status reporting with heartbeats, and `run_worker`,
+the body of each package's `__main__.main()` (name the process, log, build, report ready, loop; on
+an exception log it, report FAILED, exit non-zero)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from common.config import ServeConfig
+from common.ipc import PushChannel
+from common.messages import ProcState, ProcStatus
+
+HEARTBEAT_S = 0.25
+
+log = logging.getLogger(__name__)
+
+
+def setup_logging(name: str, level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format=f"%(asctime)s.%(msecs)03d {name}[%(process)d] %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+        force=True,
+    )
+
+
+class StatusReporter:
+    """Sends ProcStatus to the gateway on every change and as a heartbeat from its own thread
+    (with its own socket: zmq sockets are not thread-safe), so a worker busy loading weights or
+    running a long step still counts as alive, and a dead one goes quiet."""
+
+    def __init__(self, addr: str, name: str, role: str) -> None:
+        self._addr = addr
+        self._name = name
+        self._role = role
+        self._state = ProcState.STARTING
+        self._detail = ""
+        self._load = 0
+        self._capacity = 0
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self._thread.start()
+
+    def set(self, state: ProcState, detail: str = "") -> None:
+        self._state, self._detail = state, detail
+        self._wake.set()
+
+    def set_load(self, load: int, capacity: int = 0) -> None:
+        self._load, self._capacity = load, capacity
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=1.0)
+
+    def _run(self) -> None:
+        chan: PushChannel[ProcStatus] = PushChannel(self._addr)
+        while not self._stop.is_set():
+            chan.send(
+                ProcStatus(
+                    name=self._name,
+                    role=self._role,
+                    pid=os.getpid(),
+                    state=self._state,
+                    detail=self._detail,
+                    time=time.time(),
+                    load=self._load,
+                    capacity=self._capacity,
+                )
+            )
+            self._wake.wait(HEARTBEAT_S)
+            self._wake.clear()
+        chan.close()
+
+
+def parse_worker_args(role: str, argv: list[str] | None = None) -> tuple[ServeConfig, str]:
+    p = argparse.ArgumentParser(prog=f"python -m {role}")
+    p.add_argument("--config-json", required=True, help="ServeConfig as JSON (written by `voxpipe serve`)")
+    p.add_argument("--name", default=role, help="process name shown in /ready and logs")
+    args = p.parse_args(argv)
+    return ServeConfig.from_json(args.config_json), args.name
+
+
+def run_worker(
+    role: str, build: Callable[[ServeConfig, StatusReporter], Any], argv: list[str] | None = None
+) -> None:
+    """Build the worker (which reports LOADING progress itself), report READY, run its loop."""
+    cfg, name = parse_worker_args(role, argv)
+    setup_logging(name, cfg.log_level)
+    assert cfg.addresses is not None, "config has no addresses"
+    status = StatusReporter(cfg.addresses.gateway_in, name, role)
+    try:
+        status.set(ProcState.LOADING, "starting")
+        worker = build(cfg, status)
+        status.set(ProcState.READY)
+        log.info("%s ready", name)
+        worker.run()
+    except KeyboardInterrupt:
+        status.set(ProcState.STOPPING)
+    except Exception as e:
+        log.exception("%s failed", name)
+        status.set(ProcState.FAILED, f"{type(e).__name__}: {e}")
+        time.sleep(2 * HEARTBEAT_S)  # let the FAILED status reach the gateway
+        status.close()
+        sys.exit(1)
+    status.close()

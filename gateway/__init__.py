@@ -1,0 +1,20 @@
+"""The voxpipe gateway: the HTTP front door (aiohttp) of the worker pipeline.
+
+`build_app(cfg)` gives the aiohttp application; `python -m gateway --config-json ...` runs it.
+The gateway never imports torch: model constants come from `programs.get_spec`.
+"""
+
+from gateway.server import IDLE_TIMEOUT_S, Gateway, build_app
+from gateway.validation import BadRequest, GenerateParams, parse_generate
+from gateway.wav import wav_file, wav_header
+
+__all__ = [
+    "IDLE_TIMEOUT_S",
+    "BadRequest",
+    "Gateway",
+    "GenerateParams",
+    "build_app",
+    "parse_generate",
+    "wav_file",
+    "wav_header",
+]

@@ -1,0 +1,93 @@
+"""The gateway's view of the other processes, built from their `ProcStatus` heartbeats; it answers
+`GET /ready`.
+
+Every process sends a `ProcStatus` on each state change and every 0.25 s. Ages are measured on the
+gateway's own monotonic clock at receipt, not from the sender's `time`, so clock skew between hosts
+cannot make a live process look dead (or a dead one alive).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+from common.messages import ProcState, ProcStatus
+
+# Four missed heartbeats (0.25 s apart) and a process counts as not ready.
+STALE_AFTER_S = 1.0
+
+
+@dataclasses.dataclass
+class _Entry:
+    status: ProcStatus
+    received: float  # time.monotonic() at receipt
+
+
+class ProcessTable:
+    """Last status of every process that reported, and which ones a ready deployment needs."""
+
+    def __init__(self, tokenizer_workers: int, stale_after_s: float = STALE_AFTER_S) -> None:
+        # role → how many READY processes of that role a ready deployment needs
+        self.required = {"gpu_worker": 1, "codec_worker": 1, "tokenizer_worker": tokenizer_workers}
+        self.stale_after_s = stale_after_s
+        self._entries: dict[str, _Entry] = {}
+
+    def update(self, status: ProcStatus) -> None:
+        self._entries[status.name] = _Entry(status, time.monotonic())
+
+    def report(self) -> tuple[bool, list[dict[str, Any]]]:
+        """(ready, one row per process: the gateway, every reporter, then expected ones missing)."""
+        now = time.monotonic()
+        rows: list[dict[str, Any]] = [
+            {
+                "name": "gateway",
+                "role": "gateway",
+                "pid": os.getpid(),
+                "state": "ready",
+                "detail": "",
+                "age_s": 0.0,
+            }
+        ]
+        n_ready = dict.fromkeys(self.required, 0)
+        n_seen = dict.fromkeys(self.required, 0)
+        for name, entry in list(self._entries.items()):
+            st, age = entry.status, now - entry.received
+            stale = age > self.stale_after_s
+            if stale and st.state == ProcState.STOPPING:
+                # It said goodbye (a tokenizer worker leaving the pool): forget it.
+                del self._entries[name]
+                continue
+            state = "unresponsive" if stale else st.state.name.lower()
+            if st.role in n_seen:
+                n_seen[st.role] += 1
+                n_ready[st.role] += state == "ready"
+            rows.append(
+                {
+                    "name": name,
+                    "role": st.role,
+                    "pid": st.pid,
+                    "state": state,
+                    "detail": st.detail,
+                    "age_s": round(age, 3),
+                }
+            )
+        for role, need in self.required.items():
+            for name in _missing_names(role, need, n_seen[role], self._entries):
+                rows.append(
+                    {"name": name, "role": role, "pid": None, "state": "missing", "detail": "", "age_s": None}
+                )
+        ready = all(n_ready[role] >= need for role, need in self.required.items())
+        return ready, rows
+
+
+def _missing_names(role: str, need: int, seen: int, entries: dict[str, _Entry]) -> list[str]:
+    """Placeholder names for expected processes that never reported (`tokenizer_worker.N`)."""
+    if seen >= need:
+        return []
+    if role == "tokenizer_worker":  # a pool: members are numbered
+        candidates = [f"{role}.{i}" for i in range(need + len(entries))]
+    else:
+        candidates = [role]
+    return [name for name in candidates if name not in entries][: need - seen]

@@ -1,0 +1,54 @@
+"""Paged KV cache storage and its page allocator.
+
+Layout [num_layers, num_pages, 2, page_size, num_kv_heads, head_dim], the layout FlashInfer's
+paged kernels read (NHD, K and V interleaved per page). Page 0 is never handed out: padding rows
+write their keys there, so garbage never lands in a live request's pages.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PageAllocator:
+    def __init__(self, num_pages: int) -> None:
+        if num_pages < 2:
+            raise ValueError(f"need at least 2 KV pages (page 0 is reserved), got {num_pages}")
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, 0, -1))  # pop() hands out low pages first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - 1 - len(self._free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        """n pages, or None (and nothing taken) when fewer are free."""
+        if n > len(self._free):
+            return None
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+
+
+def pages_for(n_tokens: int, page_size: int) -> int:
+    return -(-n_tokens // page_size)
+
+
+def allocate_kv_cache(
+    num_layers: int,
+    num_pages: int,
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    # [L, P, 2, page, Hkv, D]
+    return torch.zeros(
+        num_layers, num_pages, 2, page_size, num_kv_heads, head_dim, dtype=dtype, device=device
+    )

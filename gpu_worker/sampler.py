@@ -1,0 +1,74 @@
+"""Batched sampling with per-request determinism.
+
+Order per row (as the reference servers apply it): repetition penalty over the request's last
+`repetition_window` tokens of prompt + output (HF/vLLM rule: positive logits divided, negative
+multiplied), stop tokens masked until `min_tokens`, optional constraint to the program's
+candidate ids, then greedy (temperature 0) or temperature → top-k → top-p → min-p and an
+inverse-CDF draw. The draw's uniform number is `rng.uniform(seed, n_generated)`: a pure function of
+the request, so a request samples the same tokens whatever batch it lands in, and every operation
+here is row-wise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from programs import rng
+
+
+@dataclass
+class SamplingRows:
+    """Per-row sampling inputs for one step, all on the sampler's device. B rows."""
+
+    temperature: torch.Tensor  # [B] float32, 0 = greedy
+    top_k: torch.Tensor  # [B] int64, 0 = off
+    top_p: torch.Tensor  # [B] float32
+    min_p: torch.Tensor  # [B] float32
+    rep_penalty: torch.Tensor  # [B] float32
+    seed: torch.Tensor  # [B] int64
+    counter: torch.Tensor  # [B] int64: tokens generated so far (the draw's counter)
+    history: torch.Tensor  # [B, W] int64: recent tokens, padded by repeating a real one
+    block_stop: torch.Tensor  # [B] bool: min_tokens not reached yet
+    candidates: torch.Tensor | None = None  # [B, K] int64 ids the rows may take
+
+
+def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor, penalty: torch.Tensor) -> None:
+    """In place. logits [B, V]; history [B, W] (duplicates harmless: same value written twice)."""
+    seen = logits.gather(1, history)  # [B, W]
+    p = penalty[:, None]
+    logits.scatter_(1, history, torch.where(seen > 0, seen / p, seen * p))
+
+
+def sample_rows(logits: torch.Tensor, rows: SamplingRows, stop_ids: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] float32 (modified in place) → token ids [B] int64."""
+    apply_repetition_penalty(logits, rows.history, rows.rep_penalty)
+    if stop_ids.numel():
+        blocked = logits[:, stop_ids].masked_fill(rows.block_stop[:, None], float("-inf"))
+        logits[:, stop_ids] = blocked
+    ids = rows.candidates
+    if ids is not None:
+        logits = logits.gather(1, ids)  # [B, K]
+
+    greedy = logits.argmax(dim=-1)  # [B]
+    temp = rows.temperature.clamp_min(1e-5)[:, None]
+    sorted_logits, order = torch.sort(logits / temp, dim=-1, descending=True)  # [B, V']
+    rank = torch.arange(sorted_logits.shape[-1], device=logits.device)[None, :]
+    top_k = torch.where(rows.top_k > 0, rows.top_k, sorted_logits.shape[-1])[:, None]
+    sorted_logits = sorted_logits.masked_fill(rank >= top_k, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # top-p: drop a token when the tokens ranked above it already hold top_p of the mass
+    # (so the first token always stays).
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop = mass_before > rows.top_p[:, None]
+    drop |= probs < rows.min_p[:, None] * probs[:, :1]
+    probs = probs.masked_fill(drop, 0.0)
+    cdf = probs.cumsum(dim=-1)  # [B, V']
+    u = rng.uniform(rows.seed, rows.counter)[:, None] * cdf[:, -1:]
+    pick = torch.searchsorted(cdf, u).clamp_max(cdf.shape[-1] - 1)  # [B, 1]
+    sampled = order.gather(1, pick)[:, 0]
+    choice = torch.where(rows.temperature > 0, sampled, greedy)
+    if ids is not None:
+        choice = ids.gather(1, choice[:, None])[:, 0]
+    return choice

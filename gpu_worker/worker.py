@@ -1,0 +1,79 @@
+"""The gpu_worker process: owns the LM program and the engine, and runs the step loop."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from common.config import ServeConfig, resolve_device
+from common.ipc import PullChannel, PushChannel
+from common.messages import Abort, CodecInMsg, GpuInMsg, ProcState, Prompt
+from common.proc import StatusReporter
+from gpu_worker.engine import Engine, EngineLimits
+from programs import get_spec, load_program_class
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype == "auto":
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"--dtype must be auto or one of {', '.join(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+class GpuWorker:
+    def __init__(self, cfg: ServeConfig, status: StatusReporter) -> None:
+        assert cfg.addresses is not None
+        device = resolve_device(cfg.device)
+        spec = get_spec(cfg.model)
+        program = load_program_class(cfg.model)(
+            spec, load_format=cfg.load_format, device=device, dtype=resolve_dtype(cfg.dtype, device)
+        )
+        status.set(ProcState.LOADING, f"loading {spec['name']} LM on {device}")
+        program.load_lm()
+        is_cpu = device == "cpu"
+        limits = EngineLimits(
+            max_batch_size=cfg.max_batch_size or (16 if is_cpu else 256),
+            max_context=min(cfg.max_context or spec["max_tokens"], spec["max_tokens"]),
+            page_size=cfg.page_size,
+            num_pages=cfg.num_pages,
+        )
+        status.set(ProcState.LOADING, "allocating KV cache")
+        self.engine = Engine(program, limits)
+        log.info(
+            "engine ready: %s on %s, batch %d, context %d, %d KV pages of %d",
+            spec["name"],
+            device,
+            limits.max_batch_size,
+            limits.max_context,
+            self.engine.allocator.num_pages,
+            limits.page_size,
+        )
+        self.status = status
+        self.inbox: PullChannel[GpuInMsg] = PullChannel(cfg.addresses.gpu_in, GpuInMsg, bind=True)
+        self.to_codec: PushChannel[CodecInMsg] = PushChannel(cfg.addresses.codec_in)
+
+    def run(self) -> None:
+        engine = self.engine
+        while True:
+            # 1. drain the inbox (block briefly only when idle)
+            for msg in self.inbox.drain(timeout_ms=0 if engine.has_work() else 50):
+                match msg:
+                    case Prompt():
+                        engine.add(msg)
+                    case Abort(rids=rids):
+                        for rid in rids:
+                            engine.abort(rid)
+                    case _:
+                        raise TypeError(f"unexpected message {type(msg).__name__}")
+            # 2-3. schedule and run one step
+            out = engine.step()
+            # 4. emit one message for the step
+            if out is not None:
+                self.to_codec.send(out)
+            self.status.set_load(engine.num_active, engine.limits.max_batch_size)

@@ -1,0 +1,88 @@
+"""Shared fixtures: a whole `voxpipe serve` on orpheus-tiny, and helpers to run single workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get_json(url: str, timeout: float = 5.0) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def wait_ready(base: str, proc: subprocess.Popen, timeout: float = 180.0) -> dict:
+    deadline = time.monotonic() + timeout
+    body: dict = {}
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
+        try:
+            code, body = get_json(base + "/ready", timeout=2)
+            if code == 200:
+                return body
+        except OSError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"server not ready after {timeout} s: {body}")
+
+
+def worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")  # 2-core CI: processes must not fight over threads
+    return env
+
+
+class Server:
+    def __init__(self, *args: str) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        cmd = [
+            sys.executable,
+            "-m",
+            "common.cli",
+            "serve",
+            "--model",
+            "orpheus-tiny",
+            "--port",
+            str(self.port),
+        ]
+        self.proc = subprocess.Popen([*cmd, *args], env=worker_env(), cwd=ROOT)
+        self.ready = wait_ready(self.base, self.proc)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[Server]:
+    srv = Server("--tokenizer-workers", "2")
+    yield srv
+    srv.stop()

@@ -1,0 +1,152 @@
+"""Each worker process alone, driven over real ZMQ sockets with the real message types: the test
+binds the sockets the worker's neighbours would and plays their part."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from codec_worker.worker import Codec
+from common.config import ServeConfig
+from common.ipc import Addresses, PullChannel, PushChannel
+from common.messages import (
+    Abort,
+    AudioChunks,
+    DetokBatch,
+    DetokChunk,
+    Finished,
+    FinishReason,
+    GatewayInMsg,
+    GenerateRequest,
+    ProcState,
+    ProcStatus,
+    Prompt,
+    RequestError,
+    SamplingParams,
+)
+from programs import get_spec, load_program_class
+from tests.conftest import ROOT, worker_env
+
+SPEC = get_spec("orpheus-tiny")
+
+
+@pytest.fixture
+def addrs(tmp_path) -> Addresses:
+    return Addresses.local(str(tmp_path / "run"))
+
+
+def start(role: str, addrs: Addresses) -> subprocess.Popen:
+    cfg = ServeConfig(model="orpheus-tiny", addresses=addrs, device="cpu", codec_device="cpu")
+    argv = [sys.executable, "-m", role, "--config-json", cfg.to_json(), "--name", role]
+    return subprocess.Popen(argv, env=worker_env(), cwd=ROOT)
+
+
+def wait_for(inbox: PullChannel, pred, timeout: float = 60.0) -> list:
+    """Messages received until one satisfies pred (inclusive)."""
+    got: list = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        msg = inbox.recv(timeout_ms=200)
+        if msg is not None:
+            got.append(msg)
+            if pred(msg):
+                return got
+    raise TimeoutError(f"condition not met; received {[type(m).__name__ for m in got]}")
+
+
+@pytest.fixture
+def gateway_inbox(addrs) -> Iterator[PullChannel]:
+    inbox: PullChannel[GatewayInMsg] = PullChannel(addrs.gateway_in, GatewayInMsg, bind=True)
+    yield inbox
+    inbox.close()
+
+
+def ready(name: str):
+    return lambda m: isinstance(m, ProcStatus) and m.name == name and m.state == ProcState.READY
+
+
+def prompt(rid: str, text: str, max_tokens: int, seed: int = 1) -> Prompt:
+    program = load_program_class("orpheus-tiny")(SPEC)
+    rows = program.preprocess(text, {}).astype("<i4")
+    sp = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3, seed=seed, max_tokens=max_tokens)
+    sp.constrained = True
+    return Prompt(rid, rows.tobytes(), len(rows), sp)
+
+
+def test_gpu_worker_streams_chunks_and_honours_abort(addrs, gateway_inbox):
+    codec_inbox: PullChannel[DetokBatch] = PullChannel(addrs.codec_in, DetokBatch, bind=True)
+    proc = start("gpu_worker", addrs)
+    try:
+        wait_for(gateway_inbox, ready("gpu_worker"))
+        to_gpu: PushChannel = PushChannel(addrs.gpu_in)
+        to_gpu.send(prompt("short", "Hi.", max_tokens=80))
+        to_gpu.send(prompt("long", "Hello.", max_tokens=400))
+        batches = wait_for(codec_inbox, lambda b: any(f.rid == "short" for f in b.finished))
+        chunks = [c for b in batches for c in b.chunks if c.rid == "short"]
+        fin = next(f for b in batches for f in b.finished if f.rid == "short")
+        assert fin.reason == FinishReason.LENGTH and fin.n_chunks == len(chunks) > 0
+        assert [c.index for c in chunks] == list(range(len(chunks)))
+        for c in chunks:
+            tok = np.frombuffer(c.tokens, dtype="<i4").reshape(28)
+            codes = tok - 128266 - 4096 * (np.arange(28) % 7)
+            assert ((codes > 0) & (codes < 4096)).all(), "constrained tokens are valid codes"
+        to_gpu.send(Abort(["long"]))
+        batches = wait_for(codec_inbox, lambda b: any(f.rid == "long" for f in b.finished))
+        fin = next(f for b in batches for f in b.finished if f.rid == "long")
+        assert fin.reason == FinishReason.ABORT
+    finally:
+        proc.kill()
+        codec_inbox.close()
+
+
+def test_codec_worker_decodes_chunks_in_order_then_finishes(addrs, gateway_inbox):
+    proc = start("codec_worker", addrs)
+    try:
+        wait_for(gateway_inbox, ready("codec_worker"))
+        rng = np.random.default_rng(0)
+        codes = rng.integers(1, 4096, size=(3, 28))
+        tokens = (codes + 128266 + 4096 * (np.arange(28) % 7)).astype("<i4")
+        chunks = [DetokChunk("r", i, 9, tokens[i].tobytes()) for i in range(3)]
+        to_codec: PushChannel = PushChannel(addrs.codec_in)
+        to_codec.send(DetokBatch(chunks, [Finished("r", FinishReason.STOP, 30, 3)]))
+        msgs = wait_for(gateway_inbox, lambda m: isinstance(m, AudioChunks) and m.finished)
+        out = next(m for m in msgs if isinstance(m, AudioChunks))
+        assert [c.index for c in out.chunks] == [0, 1, 2]
+        assert all(len(c.pcm) == 2048 * 2 for c in out.chunks)
+        assert out.finished[0].rid == "r"
+        # The same chunks decoded in this process give the same PCM: seeded noise, no hidden state.
+        program = load_program_class("orpheus-tiny")(SPEC)
+        program.load_codec()
+        local = Codec(program).decode(chunks)
+        for mine, theirs in zip(local, out.chunks, strict=True):
+            a, b = (np.frombuffer(x.pcm, dtype="<i2").astype(np.int32) for x in (mine, theirs))
+            assert np.abs(a - b).max() <= 1, "equal up to the last bit of PCM16 (thread counts differ)"
+    finally:
+        proc.kill()
+
+
+def test_tokenizer_worker_builds_prompts_and_reports_bad_ones(addrs, gateway_inbox):
+    gpu_inbox: PullChannel = PullChannel(addrs.gpu_in, Prompt, bind=True)
+    to_pool: PushChannel = PushChannel(addrs.requests, bind=True)
+    proc = start("tokenizer_worker", addrs)
+    try:
+        wait_for(gateway_inbox, ready("tokenizer_worker"))
+        sp = SamplingParams(max_tokens=300)
+        to_pool.send(GenerateRequest("ok", "Hello world", sp, {"voice": "zoe"}))
+        to_pool.send(GenerateRequest("bad", "Hello world", sp, {"voice": "nobody"}))
+        got = wait_for(gpu_inbox, lambda m: True)
+        expected = load_program_class("orpheus-tiny")(SPEC).preprocess("Hello world", {"voice": "zoe"})
+        assert got[0].rid == "ok"
+        assert np.array_equal(np.frombuffer(got[0].tokens, dtype="<i4"), expected.reshape(-1))
+        errs = wait_for(gateway_inbox, lambda m: isinstance(m, RequestError))
+        err = errs[-1]
+        assert err.rid == "bad" and err.status == 400 and "tara" in err.message
+    finally:
+        proc.kill()
+        gpu_inbox.close()
+        to_pool.close()
