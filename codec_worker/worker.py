@@ -12,7 +12,7 @@ import logging
 import numpy as np
 import torch
 
-from common.config import ServeConfig, resolve_device
+from common.config import ServeConfig, program_kwargs, resolve_device
 from common.ipc import PullChannel, PushChannel
 from common.messages import (
     AudioChunk,
@@ -64,8 +64,13 @@ class CodecWorker:
     def __init__(self, cfg: ServeConfig, status: StatusReporter) -> None:
         assert cfg.addresses is not None
         device = resolve_device(cfg.codec_device if cfg.codec_device != "auto" else cfg.device)
+        if device.startswith("cuda"):
+            # TF32 convolutions drift ~5e-4 from fp32 and vary with the batch size; keep fp32 exact
+            # so a chunk decodes the same alone or batched.
+            torch.backends.cudnn.allow_tf32 = False
+            torch.backends.cuda.matmul.allow_tf32 = False
         spec = get_spec(cfg.model)
-        program = load_program_class(cfg.model)(spec, load_format=cfg.load_format, device=device)
+        program = load_program_class(cfg.model)(spec, device=device, **program_kwargs(cfg))
         status.set(ProcState.LOADING, f"loading {spec['name']} codec on {device}")
         program.load_codec()
         self.codec = Codec(program)

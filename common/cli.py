@@ -22,6 +22,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--load-format", choices=["auto", "dummy"], default=d.load_format, help="dummy = random weights"
     )
+    p.add_argument("--weights", default="", help="LM checkpoint: Hugging Face id or local directory")
+    p.add_argument("--codec-weights", default="", help="codec checkpoint: Hugging Face id or local directory")
+    p.add_argument("--disable-cuda-graph", action="store_true", help="run GPU steps eagerly (debugging)")
     p.add_argument("--dtype", default=d.dtype, help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16")
     p.add_argument("--max-batch-size", type=int, default=d.max_batch_size, help="0 = 256 on GPU, 16 on CPU")
     p.add_argument("--max-context", type=int, default=d.max_context, help="0 = the model's max_tokens")

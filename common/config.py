@@ -19,6 +19,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     device: str = "auto"  # gpu_worker: "cpu", "cuda", "cuda:N"; auto = cuda if available
     codec_device: str = "auto"  # codec_worker; auto = the gpu_worker's device
     load_format: str = "auto"  # auto (real weights) | dummy (random weights of the real shape)
+    weights: str = ""  # LM checkpoint: Hugging Face id or local directory ("" = the model's default)
+    codec_weights: str = ""  # codec checkpoint, likewise
     dtype: str = "auto"  # auto = bfloat16 on GPU, float32 on CPU
     max_batch_size: int = 0  # 0 = 256 on GPU, 16 on CPU
     max_context: int = 0  # 0 = the model's max_tokens
@@ -28,6 +30,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     max_text_chars: int = 2000
     max_queue: int = 1024  # requests waiting for a slot beyond this get 503
     log_level: str = "INFO"
+    disable_cuda_graph: bool = False
     addresses: Addresses | None = None
     run_dir: str = ""
 
@@ -46,3 +49,10 @@ def resolve_device(device: str) -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def program_kwargs(cfg: ServeConfig) -> dict:
+    """The keyword arguments every process builds its program with."""
+    return dict(
+        load_format=cfg.load_format, weights=cfg.weights or None, codec_weights=cfg.codec_weights or None
+    )

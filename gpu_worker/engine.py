@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from common.messages import DetokBatch, DetokChunk, Finished, FinishReason, Prompt, SamplingParams
-from gpu_worker.attention import StepLayout, TorchPagedAttention
 from gpu_worker.kv_cache import PageAllocator, allocate_kv_cache, pages_for
+from gpu_worker.runner import StepBatch, make_runner
 from gpu_worker.sampler import SamplingRows, sample_rows
 from programs.base import LMProgram, TokenKind
 
@@ -36,6 +36,7 @@ class EngineLimits:
     page_size: int = 16
     num_pages: int = 0  # 0 = room for max_batch_size full contexts
     max_prefill_rows: int = 8192  # prompt rows per step, so one step never grows unbounded
+    cuda_graphs: bool = True  # GPU only: replay captured decode graphs
 
 
 @dataclass
@@ -75,7 +76,7 @@ class Engine:
             program.dtype,
             self.device,
         )
-        self.attn = TorchPagedAttention(self.kv_cache, program.num_qo_heads)
+        self.runner = make_runner(program, self.kv_cache, limits)
         self.stop_ids = torch.tensor(program.stop_tokens(), dtype=torch.int64, device=self.device)
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}
@@ -148,7 +149,8 @@ class Engine:
     def step(self) -> DetokBatch | None:
         """Run one step; the chunks and finished requests it produced, or None when idle."""
         self._admit()
-        batch = list(self.running.values())
+        # New requests first: runners take the prefill part and the decode part apart.
+        batch = sorted(self.running.values(), key=lambda r: r.n_ctx != 0)
         chunks: list[DetokChunk] = []
         if batch:
             tokens = self._forward_and_sample(batch)  # [B, C]
@@ -160,21 +162,26 @@ class Engine:
         self._finished = []
         return out
 
-    @torch.inference_mode()
-    def _forward_and_sample(self, batch: list[Request]) -> np.ndarray:
-        ids_rows, pos_rows, indptr = [], [], [0]
+    def _layout(self, batch: list[Request]) -> StepBatch:
+        ids_rows, pos_rows, indptr, kv_lens = [], [], [0], []
         for req in batch:
             rows = req.prompt if req.n_ctx == 0 else req.last[None, :]
             ids_rows.append(rows)
             pos_rows.append(np.arange(req.n_ctx, req.n_ctx + len(rows)))
             indptr.append(indptr[-1] + len(rows))
-        ids = torch.from_numpy(np.concatenate(ids_rows)).to(self.device)  # [N, C]
-        pos = torch.from_numpy(np.concatenate(pos_rows)).to(self.device)  # [N]
-        kv_lens = [req.n_ctx + indptr[i + 1] - indptr[i] for i, req in enumerate(batch)]
-        self.attn.plan(StepLayout(indptr, kv_lens, [req.pages for req in batch], pos))
-        hidden = self.program.backbone(self.program.embed(ids), pos, self.attn)  # [N, H]
-        last = torch.tensor(indptr[1:], device=self.device) - 1
-        logits = self.program.head(hidden[last]).float()  # [B, C, V]
+            kv_lens.append(req.n_ctx + len(rows))
+        return StepBatch(
+            ids=np.concatenate(ids_rows),
+            pos=np.concatenate(pos_rows),
+            qo_indptr=indptr,
+            kv_lens=kv_lens,
+            page_tables=[req.pages for req in batch],
+            num_prefill=sum(req.n_ctx == 0 for req in batch),
+        )
+
+    @torch.inference_mode()
+    def _forward_and_sample(self, batch: list[Request]) -> np.ndarray:
+        logits = self.runner.forward(self._layout(batch))  # [B, C, V]
         out = torch.empty(len(batch), dtype=torch.int64, device=self.device)
         # Constrained and free rows are sampled apart; every op is row-wise, so a row's result
         # does not depend on which group or batch it is in.

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from common.config import ServeConfig, resolve_device
+from common.config import ServeConfig, program_kwargs, resolve_device
 from common.ipc import PullChannel, PushChannel
 from common.messages import Abort, CodecInMsg, GpuInMsg, ProcState, Prompt
 from common.proc import StatusReporter
@@ -32,7 +32,7 @@ class GpuWorker:
         device = resolve_device(cfg.device)
         spec = get_spec(cfg.model)
         program = load_program_class(cfg.model)(
-            spec, load_format=cfg.load_format, device=device, dtype=resolve_dtype(cfg.dtype, device)
+            spec, device=device, dtype=resolve_dtype(cfg.dtype, device), **program_kwargs(cfg)
         )
         status.set(ProcState.LOADING, f"loading {spec['name']} LM on {device}")
         program.load_lm()
@@ -42,6 +42,7 @@ class GpuWorker:
             max_context=min(cfg.max_context or spec["max_tokens"], spec["max_tokens"]),
             page_size=cfg.page_size,
             num_pages=cfg.num_pages,
+            cuda_graphs=not cfg.disable_cuda_graph,
         )
         status.set(ProcState.LOADING, "allocating KV cache")
         self.engine = Engine(program, limits)

@@ -36,9 +36,12 @@ def mix64(x: torch.Tensor) -> torch.Tensor:
 
 
 def mix_keys(a: torch.Tensor | int, b: torch.Tensor | int) -> torch.Tensor:
-    """One key from two (seed, counter); order matters."""
+    """One key from two (seed, counter); order matters. A Python int stays a scalar operand (no
+    host→device copy), so this is safe inside CUDA graph capture."""
     a = torch.as_tensor(a, dtype=torch.int64)
-    return mix64(mix64(a) ^ torch.as_tensor(b, dtype=torch.int64, device=a.device))
+    if not isinstance(b, torch.Tensor):
+        b = _signed(b % (1 << 64))
+    return mix64(mix64(a) ^ b)
 
 
 def mix_keys_int(a: int, b: int) -> int:

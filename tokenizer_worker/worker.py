@@ -11,7 +11,7 @@ import logging
 
 import numpy as np
 
-from common.config import ServeConfig
+from common.config import ServeConfig, program_kwargs
 from common.ipc import PullChannel, PushChannel
 from common.messages import GatewayInMsg, GenerateRequest, GpuInMsg, ProcState, Prompt, RequestError
 from common.proc import StatusReporter
@@ -51,7 +51,7 @@ class TokenizerWorker:
     def __init__(self, cfg: ServeConfig, status: StatusReporter) -> None:
         assert cfg.addresses is not None
         spec = get_spec(cfg.model)
-        program = load_program_class(cfg.model)(spec, load_format=cfg.load_format, device="cpu")
+        program = load_program_class(cfg.model)(spec, device="cpu", **program_kwargs(cfg))
         status.set(ProcState.LOADING, "loading the text tokenizer")
         program.preprocess("warm up", {})  # loads the tokenizer now rather than on the first request
         self.builder = PromptBuilder(program, min(cfg.max_context or spec["max_tokens"], spec["max_tokens"]))

@@ -15,6 +15,7 @@ VOICES = ["tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe"]
 _COMMON = {
     "kind": "orpheus",
     "n_codebooks": 1,
+    "vocab_size": 156940,
     "sample_rate": 24000,
     "detok_interval": 28,  # 4 frames per SNAC window
     "detok_overlap": 21,  # a new window every 7 tokens (one frame)

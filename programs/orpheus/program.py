@@ -1,0 +1,158 @@
+"""Orpheus program: Llama-3.2-3B emitting SNAC 24 kHz codes, 7 tokens per 85 ms frame.
+
+Based on the reference implementation (canopyai/Orpheus-TTS: prompt layout in `engine_class.py`,
+token handling and windowing in `decoder.py`) and the program contract in programs/base.py.
+
+Which generated tokens count as audio follows the reference decoder exactly, because the count of
+accepted tokens decides both the frame slot of the next token and where windows start:
+- 128258 stops the request;
+- a token t is AUDIO when its code t - 128266 - 4096 * (n_audio % 7) is > 0 for the slot it
+  lands in (n_audio = audio tokens accepted so far); it is appended and advances the count. That
+  includes codes above 4095 (tokens of a later slot, or past the audio block): the reference
+  accepts them too, and then drops every window holding one (`valid` is False for it);
+- everything else is OTHER (fed back to the LM, never decoded, count unchanged): text and special
+  tokens, tokens of an earlier slot, and code 0 itself, which the reference skips (`token > 0`).
+Constrained sampling (`candidates`) offers only codes 1..4095 of the current slot plus the stop
+token, so every window it produces is decodable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from programs.base import Attention, LMProgram, TokenKind
+from programs.orpheus.spec import AUDIO_BASE, CODEBOOK, FRAME, STOP_TOKEN
+
+if TYPE_CHECKING:  # torch modules load only in the process that needs them
+    from programs.orpheus.codec import SnacCodec
+    from programs.orpheus.model import LlamaLM
+    from programs.orpheus.tokenizer import TextTokenizer
+
+CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
+
+
+def _read_config(name: str) -> dict[str, Any]:
+    with open(os.path.join(CONFIG_DIR, name)) as f:
+        return json.load(f)
+
+
+class OrpheusProgram(LMProgram):
+    name = "orpheus"
+    # SNAC is small (20 M parameters) and tanh-saturating; fp32 keeps it faithful to the reference.
+    codec_dtype: torch.dtype = torch.float32
+
+    def __init__(
+        self,
+        spec: dict[str, Any],
+        *,
+        load_format: str = "auto",
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        weights: str | None = None,
+        codec_weights: str | None = None,
+    ) -> None:
+        super().__init__(
+            spec,
+            load_format=load_format,
+            device=device,
+            dtype=dtype,
+            weights=weights,
+            codec_weights=codec_weights,
+        )
+        self.lm: LlamaLM | None = None  # set by load_lm (gpu_worker)
+        self.codec: SnacCodec | None = None  # set by load_codec (codec_worker)
+        self._tokenizer: TextTokenizer | None = None  # loaded on first preprocess (tokenizer_worker)
+        # Shapes from the shipped config, so weight-free programs know them too; load_lm rereads
+        # them from the checkpoint actually loaded.
+        self._set_lm_constants(_read_config(spec["lm_config"]))
+
+    def _set_lm_constants(self, cfg: dict[str, Any]) -> None:
+        self.vocab_size = cfg["vocab_size"]
+        self.num_layers = cfg["num_hidden_layers"]
+        self.num_qo_heads = cfg["num_attention_heads"]
+        self.num_kv_heads = cfg["num_key_value_heads"]
+        self.hidden_size = cfg["hidden_size"]
+        self.head_dim = cfg.get("head_dim") or self.hidden_size // self.num_qo_heads
+
+    # --- loading -------------------------------------------------------------------------------
+    def load_lm(self) -> None:
+        from programs.orpheus.model import LlamaLM
+
+        if self.load_format == "dummy" or self.weights is None:
+            self.lm = LlamaLM.dummy(_read_config(self.spec["lm_config"]), self.dtype, self.device)
+        else:
+            self.lm = LlamaLM.from_pretrained(self.weights, self.dtype, self.device)
+        self._set_lm_constants(self.lm.config)
+
+    def load_codec(self) -> None:
+        from programs.orpheus.codec import SnacCodec
+
+        if self.load_format == "dummy" or self.codec_weights is None:
+            path = os.path.join(CONFIG_DIR, self.spec["codec_config"])
+            self.codec = SnacCodec.from_config(path, self.codec_dtype, self.device)
+        else:
+            self.codec = SnacCodec.from_pretrained(self.codec_weights, self.codec_dtype, self.device)
+
+    def load_prompts(self) -> None:
+        from programs.orpheus.tokenizer import load_text_tokenizer
+
+        self._tokenizer = load_text_tokenizer(self.spec, self.weights, self.load_format)
+
+    # --- LM step (graph) -----------------------------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm.embed(ids[:, 0])  # [N, 1] int64 → [N, H]
+
+    def backbone(self, hidden: torch.Tensor, pos: torch.Tensor, attn: Attention) -> torch.Tensor:
+        return self.lm.backbone(hidden, pos, attn)  # [N, H] → [N, H]
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm.logits(hidden)[:, None, :]  # [B, H] → [B, 1, V] float32
+
+    def candidates(self, n_audio: torch.Tensor) -> torch.Tensor:
+        """[B] int64 → [B, 4096] int64: codes 1..4095 of the next frame slot, then the stop token."""
+        slot = n_audio % FRAME  # [B]
+        codes = torch.arange(1, CODEBOOK, dtype=torch.int64, device=n_audio.device)  # [4095]
+        ids = AUDIO_BASE + CODEBOOK * slot[:, None] + codes[None, :]  # [B, 4095]
+        stop = torch.full_like(ids[:, :1], STOP_TOKEN)  # [B, 1]
+        return torch.cat([ids, stop], dim=1)
+
+    # --- tokens → meaning (host) ---------------------------------------------------------------
+    def classify(self, tokens: np.ndarray, n_audio: np.ndarray) -> np.ndarray:
+        """tokens [B, 1] int64, n_audio [B] int64 → kinds [B] int8 (reference decoder rules)."""
+        tok = tokens[:, 0].astype(np.int64)  # [B]
+        code = tok - AUDIO_BASE - CODEBOOK * (n_audio.astype(np.int64) % FRAME)  # [B]
+        # Tokens below the custom-token block give negative codes, so `> 0` alone matches the
+        # reference's "custom token with a positive code" test.
+        kinds = np.where(code > 0, TokenKind.AUDIO, TokenKind.OTHER).astype(np.int8)
+        kinds[tok == STOP_TOKEN] = TokenKind.STOP
+        return kinds
+
+    # --- codec (graph) -------------------------------------------------------------------------
+    def detokenize(self, tokens: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[Bd, 28, 1] int64, keys [Bd] int64 → audio [Bd, 2048] float32, valid [Bd] bool."""
+        return self.codec.decode_orpheus_window(tokens, keys)
+
+    # --- prompts (tokenizer_worker) ------------------------------------------------------------
+    def preprocess(self, text: str, model_kwargs: dict[str, str]) -> np.ndarray:
+        """`[128259] + encode(f"{voice}: {text}") + [128009, 128260, 128261, 128257]` → [R, 1] int32."""
+        unknown = sorted(set(model_kwargs) - {"voice"})
+        if unknown:
+            raise ValueError(f"orpheus takes only the model option 'voice'; got {', '.join(unknown)}")
+        voice = model_kwargs.get("voice") or self.spec["default_voice"]
+        if voice not in self.spec["voices"]:
+            raise ValueError(f"unknown voice {voice!r}; orpheus voices: {', '.join(self.spec['voices'])}")
+        if not text or not text.strip():
+            raise ValueError("text is empty; give the text to speak")
+        if self._tokenizer is None:
+            self.load_prompts()
+        body = self._tokenizer.encode(self.spec["text_template"].format(voice=voice, text=text))
+        ids = [*self.spec["prefix_ids"], *body, *self.spec["suffix_ids"]]
+        return np.asarray(ids, dtype=np.int32)[:, None]
+
+
+PROGRAM = OrpheusProgram
