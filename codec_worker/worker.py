@@ -33,29 +33,38 @@ log = logging.getLogger(__name__)
 
 
 class Codec:
-    """The program's detokenizer over batches of wire chunks (no sockets: testable alone)."""
+    """The program's detokenizer over batches of wire chunks (no sockets: testable alone). On a GPU
+    it replays captured graphs per batch bucket unless `graphs` is False."""
 
-    def __init__(self, program: LMProgram, max_batch: int = 64) -> None:
+    def __init__(self, program: LMProgram, max_batch: int = 64, graphs: bool = True, progress=None) -> None:
         self.program = program
         self.max_batch = max_batch
         self.device = program.device
+        self.graphs = None
+        if graphs and self.device.type == "cuda":
+            from codec_worker.graphs import DetokGraphs
+
+            self.graphs = DetokGraphs(program, max_batch, progress)
 
     @torch.inference_mode()
+    def _decode_eager(self, tokens: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        audio, valid = self.program.detokenize(
+            torch.from_numpy(tokens).to(self.device), torch.from_numpy(keys).to(self.device)
+        )  # [Bd, S], [Bd]
+        return pcm16(audio).cpu().numpy(), valid.cpu().numpy()
+
     def decode(self, chunks: list[DetokChunk]) -> list[AudioChunk]:
         out: list[AudioChunk] = []
         p = self.program
+        run = self.graphs.decode if self.graphs is not None else self._decode_eager
         for lo in range(0, len(chunks), self.max_batch):
             part = chunks[lo : lo + self.max_batch]
             rows = np.stack([np.frombuffer(c.tokens, dtype="<i4") for c in part]).astype(np.int64)
-            tokens = torch.from_numpy(rows.reshape(len(part), p.detok_interval, p.n_codebooks)).to(
-                self.device
-            )
-            seeds = torch.tensor([c.seed for c in part], dtype=torch.int64, device=self.device)
-            index = torch.tensor([c.index for c in part], dtype=torch.int64, device=self.device)
-            audio, valid = p.detokenize(tokens, rng.mix_keys(seeds, index))  # [Bd, S], [Bd]
-            pcm = pcm16(audio).cpu().numpy().astype("<i2")
-            valid_np = valid.cpu().numpy()
-            for c, samples, ok in zip(part, pcm, valid_np, strict=True):
+            seeds = torch.tensor([c.seed for c in part], dtype=torch.int64)
+            index = torch.tensor([c.index for c in part], dtype=torch.int64)
+            keys = rng.mix_keys(seeds, index).numpy()  # [Bd] noise key per chunk
+            pcm, valid = run(rows.reshape(len(part), p.detok_interval, p.n_codebooks), keys)
+            for c, samples, ok in zip(part, pcm.astype("<i2"), valid, strict=True):
                 out.append(AudioChunk(c.rid, c.index, samples.tobytes() if ok else b""))
         return out
 
@@ -73,7 +82,11 @@ class CodecWorker:
         program = load_program_class(cfg.model)(spec, device=device, **program_kwargs(cfg))
         status.set(ProcState.LOADING, f"loading {spec['name']} codec on {device}")
         program.load_codec()
-        self.codec = Codec(program)
+        self.codec = Codec(
+            program,
+            graphs=not cfg.disable_cuda_graph,
+            progress=lambda msg: status.set(ProcState.LOADING, msg),
+        )
         self.status = status
         self.inbox: PullChannel[CodecInMsg] = PullChannel(cfg.addresses.codec_in, CodecInMsg, bind=True)
         self.to_gateway: PushChannel[GatewayInMsg] = PushChannel(cfg.addresses.gateway_in)

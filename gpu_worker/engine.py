@@ -23,7 +23,8 @@ import torch
 from common.messages import DetokBatch, DetokChunk, Finished, FinishReason, Prompt, SamplingParams
 from gpu_worker.kv_cache import PageAllocator, allocate_kv_cache, pages_for
 from gpu_worker.runner import StepBatch, make_runner
-from gpu_worker.sampler import SamplingRows, sample_rows
+from gpu_worker.sampler import sample_rows
+from gpu_worker.slots import SlotState
 from programs.base import LMProgram, TokenKind
 
 log = logging.getLogger(__name__)
@@ -50,14 +51,15 @@ class Request:
     n_ctx: int = 0  # rows written to the KV cache
     n_gen: int = 0  # rows sampled
     last: np.ndarray | None = None  # [C] the row fed back next step
-    history: list[int] = field(default_factory=list)  # codebook-0 ids, prompt + output
+    generated: list[int] = field(default_factory=list)  # codebook-0 ids fed back (stop excluded)
+    slot: int = -1  # sampling-state slot while running
     audio: list[np.ndarray] = field(default_factory=list)  # audio rows, [C] each
     n_chunks: int = 0
     admitted_at: float = 0.0
 
 
 class Engine:
-    def __init__(self, program: LMProgram, limits: EngineLimits) -> None:
+    def __init__(self, program: LMProgram, limits: EngineLimits, progress=None) -> None:
         self.program = program
         self.limits = limits
         self.device = program.device
@@ -76,12 +78,15 @@ class Engine:
             program.dtype,
             self.device,
         )
-        self.runner = make_runner(program, self.kv_cache, limits)
+        self.runner = make_runner(program, self.kv_cache, limits, progress)
+        self.slots = SlotState(limits.max_batch_size, limits.max_context, self.device)
         self.stop_ids = torch.tensor(program.stop_tokens(), dtype=torch.int64, device=self.device)
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}
         self._finished: list[Finished] = []
         self.step_count = 0
+        # rid → (generated codebook-0 ids, stop token excluded; reason) when kept (tests, benches).
+        self.outputs: dict[str, tuple[list[int], FinishReason]] | None = None
         s = program.detok_interval - program.detok_overlap
         if s <= 0:
             raise ValueError(f"{program.name}: detok_overlap must be smaller than detok_interval")
@@ -104,7 +109,6 @@ class Engine:
             )
             return
         req = Request(prompt.rid, rows, prompt.sampling, prompt.arrival, budget)
-        req.history = rows[:, 0].tolist()
         self.waiting.append(req)
 
     def abort(self, rid: str) -> None:
@@ -117,6 +121,15 @@ class Engine:
         if req is not None:
             self._finish(req, FinishReason.ABORT)
 
+    def run_until_idle(self) -> list[DetokBatch]:
+        """Step until every request has finished (offline use: tests, benchmarks)."""
+        out = []
+        while self.has_work():
+            batch = self.step()
+            if batch is not None:
+                out.append(batch)
+        return out
+
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self._finished)
 
@@ -125,7 +138,12 @@ class Engine:
         return len(self.running) + len(self.waiting)
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
+        if self.outputs is not None:
+            self.outputs[req.rid] = (req.generated, reason)
         self.running.pop(req.rid, None)
+        if req.slot >= 0:
+            self.slots.release(req.slot)
+            req.slot = -1
         self.allocator.free(req.pages)
         req.pages = []
         self._finished.append(Finished(req.rid, reason, n_tokens=req.n_gen, n_chunks=req.n_chunks))
@@ -142,6 +160,7 @@ class Engine:
                 break  # wait for a running request to finish and free its pages
             self.waiting.popleft()
             req.pages = pages
+            req.slot = self.slots.admit(req.sp, req.prompt[:, 0])
             req.admitted_at = time.time()
             self.running[req.rid] = req
             prefill_rows += len(req.prompt)
@@ -182,46 +201,28 @@ class Engine:
     @torch.inference_mode()
     def _forward_and_sample(self, batch: list[Request]) -> np.ndarray:
         logits = self.runner.forward(self._layout(batch))  # [B, C, V]
-        out = torch.empty(len(batch), dtype=torch.int64, device=self.device)
+        dev = self.device
+        i64 = dict(dtype=torch.int64, device=dev)
+        slots = torch.tensor([req.slot for req in batch], **i64)
+        n_gen = torch.tensor([req.n_gen for req in batch], **i64)
+        length = n_gen + torch.tensor([len(req.prompt) for req in batch], **i64)  # history entries
+        out = torch.empty(len(batch), **i64)
         # Constrained and free rows are sampled apart; every op is row-wise, so a row's result
         # does not depend on which group or batch it is in.
         constrained = [i for i, req in enumerate(batch) if req.sp.constrained]
         free = [i for i, req in enumerate(batch) if not req.sp.constrained]
         for group, use_candidates in ((constrained, True), (free, False)):
-            if group:
-                rows = self._sampling_rows([batch[i] for i in group], use_candidates)
-                idx = torch.tensor(group, device=self.device)
-                out[idx] = sample_rows(logits[idx, 0], rows, self.stop_ids)
+            if not group:
+                continue
+            idx = torch.tensor(group, **i64) if len(group) < len(batch) else slice(None)
+            cand = None
+            if use_candidates:
+                n_audio = torch.tensor([len(batch[i].audio) for i in group], **i64)
+                cand = self.program.candidates(n_audio)
+            rows = self.slots.rows(slots[idx], n_gen[idx], length[idx], cand)
+            out[idx] = sample_rows(logits[idx, 0], rows, self.stop_ids)
+        self.slots.append(slots, length, out)
         return out.cpu().numpy()[:, None]
-
-    def _sampling_rows(self, reqs: list[Request], use_candidates: bool) -> SamplingRows:
-        dev = self.device
-        hist = []
-        for req in reqs:
-            w = req.sp.repetition_window
-            h = req.history if w < 0 else req.history[-w:] if w > 0 else req.history[:1]
-            hist.append(h)
-        width = max(len(h) for h in hist)
-        # Pad with a token already in the row: gathering/scattering it twice changes nothing.
-        padded = np.array([h + [h[0]] * (width - len(h)) for h in hist], dtype=np.int64)
-        penalty = [req.sp.repetition_penalty if req.sp.repetition_window != 0 else 1.0 for req in reqs]
-        f32 = dict(dtype=torch.float32, device=dev)
-        i64 = dict(dtype=torch.int64, device=dev)
-        n_audio = torch.tensor([len(req.audio) for req in reqs], **i64)
-        return SamplingRows(
-            temperature=torch.tensor([req.sp.temperature for req in reqs], **f32),
-            top_k=torch.tensor([req.sp.top_k for req in reqs], **i64),
-            top_p=torch.tensor([req.sp.top_p for req in reqs], **f32),
-            min_p=torch.tensor([req.sp.min_p for req in reqs], **f32),
-            rep_penalty=torch.tensor(penalty, **f32),
-            seed=torch.tensor([req.sp.seed for req in reqs], **i64),
-            counter=torch.tensor([req.n_gen for req in reqs], **i64),
-            history=torch.from_numpy(padded).to(dev),
-            block_stop=torch.tensor(
-                [req.n_gen < req.sp.min_tokens for req in reqs], dtype=torch.bool, device=dev
-            ),
-            candidates=self.program.candidates(n_audio) if use_candidates else None,
-        )
 
     def _consume(self, batch: list[Request], tokens: np.ndarray) -> list[DetokChunk]:
         """Sampled rows → request state, audio chunks and finished requests."""
@@ -236,7 +237,7 @@ class Engine:
                 self._finish(req, FinishReason.STOP)
                 continue
             req.last = row
-            req.history.append(int(row[0]))
+            req.generated.append(int(row[0]))
             if kind == TokenKind.AUDIO:
                 req.audio.append(row)
                 n = len(req.audio)

@@ -63,7 +63,7 @@ class EagerRunner:
         return self.program.head(hidden[last]).float()
 
 
-def make_runner(program: LMProgram, kv_cache: torch.Tensor, limits) -> EagerRunner:
+def make_runner(program: LMProgram, kv_cache: torch.Tensor, limits, progress=None) -> EagerRunner:
     """Torch attention on CPU; FlashInfer on GPU, with decode graphs unless disabled."""
     if program.device.type == "cpu":
         from gpu_worker.attention import TorchPagedAttention
@@ -75,4 +75,4 @@ def make_runner(program: LMProgram, kv_cache: torch.Tensor, limits) -> EagerRunn
         return EagerRunner(program, FlashInferAttention(kv_cache, program.num_qo_heads))
     from gpu_worker.graphs import GraphRunner
 
-    return GraphRunner(program, kv_cache, limits)
+    return GraphRunner(program, kv_cache, limits, progress)

@@ -45,7 +45,7 @@ class GpuWorker:
             cuda_graphs=not cfg.disable_cuda_graph,
         )
         status.set(ProcState.LOADING, "allocating KV cache")
-        self.engine = Engine(program, limits)
+        self.engine = Engine(program, limits, progress=lambda msg: status.set(ProcState.LOADING, msg))
         log.info(
             "engine ready: %s on %s, batch %d, context %d, %d KV pages of %d",
             spec["name"],

@@ -13,7 +13,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from common.messages import FinishReason, Prompt, SamplingParams
-from gpu_worker.engine import Engine, EngineLimits, Request
+from gpu_worker.engine import Engine, EngineLimits
 from programs import get_spec, load_program_class
 
 SPEC = get_spec("orpheus-tiny")
@@ -38,25 +38,24 @@ def hf_model(program):
     return model
 
 
-class RecordingEngine(Engine):
-    def __init__(self, *a, **kw) -> None:
-        super().__init__(*a, **kw)
-        self.done: dict[str, tuple[list[int], FinishReason]] = {}
-
-    def _finish(self, req: Request, reason: FinishReason) -> None:
-        gen = req.history[len(req.prompt) :] + ([STOP] if reason == FinishReason.STOP else [])
-        self.done[req.rid] = (gen, reason)
-        super()._finish(req, reason)
+def recording_engine(program, **limits) -> Engine:
+    eng = Engine(program, EngineLimits(**limits))
+    eng.outputs = {}
+    return eng
 
 
-def run(engine: RecordingEngine, prompts: list[Prompt], stagger: bool = False) -> None:
+def generated(eng: Engine, rid: str) -> list[int]:
+    tokens, reason = eng.outputs[rid]
+    return tokens + ([STOP] if reason == FinishReason.STOP else [])
+
+
+def run(engine: Engine, prompts: list[Prompt], stagger: bool = False) -> None:
     for i, p in enumerate(prompts):
         engine.add(p)
         if stagger:  # later requests join a batch that is already decoding
             for _ in range(i + 1):
                 engine.step()
-    while engine.has_work():
-        engine.step()
+    engine.run_until_idle()
 
 
 def make_prompt(rid: str, ids: list[int], max_tokens: int, **sp) -> Prompt:
@@ -92,34 +91,34 @@ def test_greedy_tokens_equal_transformers_alone_and_in_a_batch(program, hf_model
     want = {rid: hf_generate(hf_model, ids, max_tokens[rid], penalty) for rid, ids in PROMPTS.items()}
     sp = dict(temperature=0.0, repetition_penalty=penalty)
     for rid, ids in PROMPTS.items():
-        alone = RecordingEngine(program, EngineLimits(max_batch_size=4, max_context=400))
+        alone = recording_engine(program, max_batch_size=4, max_context=400)
         run(alone, [make_prompt(rid, ids, max_tokens[rid], **sp)])
-        assert alone.done[rid][0] == want[rid], f"{rid} alone"
-    batched = RecordingEngine(program, EngineLimits(max_batch_size=4, max_context=400))
+        assert generated(alone, rid) == want[rid], f"{rid} alone"
+    batched = recording_engine(program, max_batch_size=4, max_context=400)
     run(batched, [make_prompt(rid, ids, max_tokens[rid], **sp) for rid, ids in PROMPTS.items()], stagger=True)
     for rid in PROMPTS:
-        assert batched.done[rid][0] == want[rid], f"{rid} in a batch"
+        assert generated(batched, rid) == want[rid], f"{rid} in a batch"
     assert batched.allocator.num_used == 0, "every KV page is returned"
 
 
 def test_sampled_tokens_do_not_depend_on_the_batch(program):
     sp = dict(temperature=0.8, top_p=0.9, top_k=50, repetition_penalty=1.3, seed=1234)
-    alone = RecordingEngine(program, EngineLimits(max_batch_size=4, max_context=400))
+    alone = recording_engine(program, max_batch_size=4, max_context=400)
     run(alone, [make_prompt("x", PROMPTS["b"], 60, **sp)])
-    crowd = RecordingEngine(program, EngineLimits(max_batch_size=4, max_context=400))
+    crowd = recording_engine(program, max_batch_size=4, max_context=400)
     others = [make_prompt(r, PROMPTS[r], 50, temperature=1.0, seed=i) for i, r in enumerate("acd")]
     run(crowd, [others[0], make_prompt("x", PROMPTS["b"], 60, **sp), *others[1:]], stagger=True)
-    assert alone.done["x"] == crowd.done["x"]
-    assert len(alone.done["x"][0]) > 5
+    assert alone.outputs["x"] == crowd.outputs["x"]
+    assert len(alone.outputs["x"][0]) > 5
 
 
 def test_constrained_requests_only_emit_audio_and_fill_their_budget(program):
-    eng = RecordingEngine(program, EngineLimits(max_batch_size=2, max_context=400))
+    eng = recording_engine(program, max_batch_size=2, max_context=400)
     run(
         eng,
         [make_prompt("k", PROMPTS["a"], 100, temperature=0.6, top_p=0.8, constrained=True, min_tokens=91)],
     )
-    gen, reason = eng.done["k"]
+    gen, reason = eng.outputs["k"]
     assert reason == FinishReason.LENGTH and len(gen) == 100 - len(PROMPTS["a"])
     codes = np.array(gen) - 128266 - 4096 * (np.arange(len(gen)) % 7)
     assert ((codes > 0) & (codes < 4096)).all()
@@ -127,11 +126,11 @@ def test_constrained_requests_only_emit_audio_and_fill_their_budget(program):
 
 def test_requests_wait_for_kv_pages_instead_of_failing(program):
     # Room for one 100-token budget at a time (7 pages of 16 plus the reserved page 0).
-    eng = RecordingEngine(program, EngineLimits(max_batch_size=4, max_context=100, num_pages=8))
+    eng = recording_engine(program, max_batch_size=4, max_context=100, num_pages=8)
     prompts = [make_prompt(r, PROMPTS[r], 100, temperature=0.0) for r in "abc"]
     for p in prompts:
         eng.add(p)
     eng.step()
     assert len(eng.running) == 1 and len(eng.waiting) == 2
     run(eng, [])
-    assert set(eng.done) == {"a", "b", "c"} and eng.allocator.num_used == 0
+    assert set(eng.outputs) == {"a", "b", "c"} and eng.allocator.num_used == 0

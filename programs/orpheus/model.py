@@ -192,6 +192,7 @@ class LlamaLM(nn.Module):
         # Kept fp32 whatever the weight dtype: RoPE angles are computed in fp32, as in HF.
         inv_freq = llama3_inv_freq(config, self.head_dim).to(device)
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2] float32
+        self.fused = False  # see fuse()
 
     # --- forward pieces (graph-safe) -------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -199,6 +200,8 @@ class LlamaLM(nn.Module):
 
     def backbone(self, hidden: torch.Tensor, pos: torch.Tensor, attn: Attention) -> torch.Tensor:
         """hidden [N, H], pos [N] int64 → [N, H] after the final norm."""
+        if self.fused:
+            return self._backbone_fused(hidden, pos, attn)
         freqs = pos.float()[:, None] * self.inv_freq.float()[None, :]  # [N, D/2] float32
         emb = torch.cat((freqs, freqs), dim=-1)  # [N, D]
         cos, sin = emb.cos().to(hidden.dtype), emb.sin().to(hidden.dtype)
@@ -209,6 +212,50 @@ class LlamaLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [B, H] → [B, V] float32
+
+    # --- GPU fast path ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def fuse(self, max_positions: int) -> None:
+        """Switch to fused GPU kernels: q/k/v and gate/up weights concatenated into one GEMM each,
+        FlashInfer RMSNorm (fused with the residual add), RoPE from a cos/sin table, SiLU-and-mul.
+        About 12 kernels per layer instead of ~45, which is what a small-batch decode step is made
+        of. Same math as `backbone`, in a different rounding order (bf16 tolerance, not bitwise);
+        the separate weights are freed, so this is one-way."""
+        for layer in self.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            a.qkv_weight = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])  # [(Hq+2Hkv)D, H]
+            m.gate_up_weight = torch.cat([m.gate_proj.weight, m.up_proj.weight])  # [2I, H]
+            if a.q_proj.bias is not None or m.gate_proj.bias is not None:
+                raise ValueError("fuse() supports bias-free Llama projections only")
+            del a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj
+        pos = torch.arange(max_positions, dtype=torch.float32, device=self.inv_freq.device)
+        freqs = pos[:, None] * self.inv_freq.float()[None, :]  # [P, D/2]
+        self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, D] float32
+        self.fused = True
+
+    def _backbone_fused(self, hidden: torch.Tensor, pos: torch.Tensor, attn: Attention) -> torch.Tensor:
+        import flashinfer
+
+        n, d = hidden.shape[0], self.head_dim
+        q_dim, kv_dim = self.num_qo_heads * d, self.num_kv_heads * d
+        eps = self.config.get("rms_norm_eps", 1e-5)
+        layers = self.model.layers
+        residual = hidden
+        x = flashinfer.rmsnorm(hidden, layers[0].input_layernorm.weight, eps)
+        for i, layer in enumerate(layers):
+            a, m = layer.self_attn, layer.mlp
+            qkv = F.linear(x, a.qkv_weight)  # [N, (Hq+2Hkv)D]
+            q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
+            q, k = q.contiguous(), k.contiguous()
+            flashinfer.apply_rope_with_cos_sin_cache_inplace(pos, q, k, d, self.cos_sin, is_neox=True)
+            o = attn.forward(i, q.view(n, -1, d), k.view(n, -1, d), v.reshape(n, -1, d))  # [N, Hq, D]
+            h = a.o_proj(o.reshape(n, q_dim))
+            flashinfer.fused_add_rmsnorm(h, residual, layer.post_attention_layernorm.weight, eps)
+            h = m.down_proj(flashinfer.silu_and_mul(F.linear(h, m.gate_up_weight)))
+            nxt = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else self.model.norm.weight
+            flashinfer.fused_add_rmsnorm(h, residual, nxt, eps)  # residual += h; h = norm(residual)
+            x = h
+        return x
 
     # --- weights ---------------------------------------------------------------------------------
     @torch.no_grad()

@@ -18,6 +18,7 @@ token, so every window it produces is decodable.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from typing import TYPE_CHECKING, Any
@@ -88,6 +89,8 @@ class OrpheusProgram(LMProgram):
         else:
             self.lm = LlamaLM.from_pretrained(self.weights, self.dtype, self.device)
         self._set_lm_constants(self.lm.config)
+        if self.device.type == "cuda" and importlib.util.find_spec("flashinfer") is not None:
+            self.lm.fuse(max_positions=max(self.spec["max_tokens"], 4096))
 
     def load_codec(self) -> None:
         from programs.orpheus.codec import SnacCodec

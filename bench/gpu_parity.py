@@ -1,0 +1,179 @@
+"""GPU fidelity checks (run on the H200 with dummy Orpheus-3B weights, bf16).
+
+1. Teacher-forced logits: the serving path (fused kernels + FlashInfer + CUDA graphs) against the
+   eager reference path (unfused, HF arithmetic, torch paged attention) on the same GPU, and against
+   the CPU torch backend in fp32 with the same weights.
+2. Greedy tokens of a request alone and inside batches of other requests.
+3. Codec graphs against the eager codec.
+
+Writes JSON to --out and exits non-zero if a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+import torch
+
+from common.messages import Prompt, SamplingParams
+from gpu_worker.attention import TorchPagedAttention
+from gpu_worker.engine import Engine, EngineLimits
+from gpu_worker.kv_cache import allocate_kv_cache
+from gpu_worker.runner import EagerRunner, StepBatch, make_runner
+from programs import get_spec, load_program_class
+from programs.orpheus.model import LlamaLM
+
+PAGE = 16
+
+
+def forced_batches(seqs: list[np.ndarray], n_prompt: list[int]) -> list[StepBatch]:
+    """Step 0 prefills every prompt; step t feeds each sequence's token at n_prompt + t - 1."""
+    per = 1 + max(len(s) for s in seqs) // PAGE
+    tables = [list(range(1 + i * per, 1 + (i + 1) * per)) for i in range(len(seqs))]
+    steps = []
+    ids = np.concatenate([s[:n] for s, n in zip(seqs, n_prompt, strict=True)])[:, None]
+    pos = np.concatenate([np.arange(n) for n in n_prompt])
+    steps.append(StepBatch(ids, pos, [0, *np.cumsum(n_prompt).tolist()], list(n_prompt), tables, len(seqs)))
+    for t in range(1, min(len(s) - n for s, n in zip(seqs, n_prompt, strict=True)) + 1):
+        ids = np.array([[s[n + t - 1]] for s, n in zip(seqs, n_prompt, strict=True)], dtype=np.int64)
+        pos = np.array([n + t - 1 for n in n_prompt], dtype=np.int64)
+        steps.append(StepBatch(ids, pos, list(range(len(seqs) + 1)), [n + t for n in n_prompt], tables, 0))
+    return steps
+
+
+def run_forced(runner, steps: list[StepBatch]) -> torch.Tensor:
+    return torch.stack([runner.forward(b)[:, 0].float().cpu() for b in steps])  # [T, B, V]
+
+
+def compare(a: torch.Tensor, b: torch.Tensor) -> dict:
+    diff = (a - b).abs()
+    return {
+        "max_abs": float(diff.max()),
+        "mean_abs": float(diff.mean()),
+        "ref_abs_max": float(b.abs().max()),
+        "top1_agree": float((a.argmax(-1) == b.argmax(-1)).float().mean()),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="gpu_parity.json")
+    ap.add_argument("--cpu", action="store_true", help="also compare with the CPU fp32 torch backend")
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    res: dict = {
+        "device": torch.cuda.get_device_name(),
+        "model": "orpheus-3b dummy bf16",
+        "date": time.strftime("%F"),
+    }
+    ok = True
+    spec = get_spec("orpheus")
+    cls = load_program_class("orpheus")
+    fast = cls(spec, load_format="dummy", device="cuda", dtype=torch.bfloat16)
+    fast.load_lm()  # fused on CUDA
+    ref = cls(spec, load_format="dummy", device="cuda", dtype=torch.bfloat16)
+    ref.lm = LlamaLM.dummy(fast.lm.config, torch.bfloat16, "cuda")  # same seed → same weights, unfused
+    assert fast.lm.fused and not ref.lm.fused
+
+    rng = np.random.default_rng(0)
+    prompts = [
+        ref.preprocess(t, {}).reshape(-1)
+        for t in ("Hello there.", "A longer sentence to speak, with commas.")
+    ]
+    seqs = [
+        np.concatenate([p, rng.integers(128266, 128266 + 7 * 4096, size=48)]).astype(np.int64)
+        for p in prompts
+    ]
+    n_prompt = [len(p) for p in prompts]
+    steps = forced_batches(seqs, n_prompt)
+    limits = EngineLimits(max_batch_size=8, max_context=1200)
+
+    def kv(program):
+        return allocate_kv_cache(
+            program.num_layers, 64, PAGE, program.num_kv_heads, program.head_dim, torch.bfloat16, "cuda"
+        )
+
+    graph_logits = run_forced(make_runner(fast, kv(fast), limits), steps)
+    eager_fast = run_forced(
+        make_runner(fast, kv(fast), EngineLimits(max_batch_size=8, cuda_graphs=False)), steps
+    )
+    reference = run_forced(EagerRunner(ref, TorchPagedAttention(kv(ref), ref.num_qo_heads)), steps)
+    res["graph_vs_eager_fused"] = compare(graph_logits, eager_fast)
+    res["graph_vs_reference_bf16"] = compare(graph_logits, reference)
+    ok &= res["graph_vs_eager_fused"]["max_abs"] < 1e-3
+    ok &= res["graph_vs_reference_bf16"]["top1_agree"] >= 0.95
+    if args.cpu:
+        cpu = cls(spec, load_format="dummy", device="cpu", dtype=torch.float32)
+        sd = {k: v.float().cpu() for k, v in ref.lm.state_dict().items()}
+        cpu.lm = LlamaLM.from_state_dict(ref.lm.config, sd, torch.float32, "cpu")
+        cpu_kv = allocate_kv_cache(
+            cpu.num_layers, 64, PAGE, cpu.num_kv_heads, cpu.head_dim, torch.float32, "cpu"
+        )
+        cpu_logits = run_forced(EagerRunner(cpu, TorchPagedAttention(cpu_kv, cpu.num_qo_heads)), steps[:9])
+        res["graph_vs_cpu_fp32"] = compare(graph_logits[:9], cpu_logits)
+        res["reference_bf16_vs_cpu_fp32"] = compare(reference[:9], cpu_logits)
+        ok &= res["graph_vs_cpu_fp32"]["top1_agree"] >= 0.95
+    print(json.dumps(res, indent=1), flush=True)
+    del ref
+
+    # 2. Greedy tokens alone vs in batches (constrained, so the tokens are real audio codes).
+    def prompt(rid, text, seed, max_tokens=300):
+        rows = fast.preprocess(text, {}).astype("<i4")
+        sp = SamplingParams(temperature=0.0, repetition_penalty=1.3, seed=seed, max_tokens=max_tokens)
+        sp.constrained, sp.min_tokens = True, max_tokens
+        return Prompt(rid, rows.tobytes(), len(rows), sp)
+
+    def engine() -> Engine:
+        eng = Engine(fast, EngineLimits(max_batch_size=64, max_context=1200))
+        eng.outputs = {}
+        return eng
+
+    eng = engine()
+    eng.add(prompt("x", "The same words, again.", 1))
+    eng.run_until_idle()
+    alone = eng.outputs["x"][0]
+    batch_match = {}
+    for n_others in (3, 17, 40):
+        eng = engine()
+        others = [prompt(f"o{i}", "other text " * (1 + i % 5), 100 + i, 200 + 3 * i) for i in range(n_others)]
+        for i, p in enumerate(
+            [*others[: n_others // 2], prompt("x", "The same words, again.", 1), *others[n_others // 2 :]]
+        ):
+            eng.add(p)
+            for _ in range(i % 3):
+                eng.step()  # join a batch already decoding
+        eng.run_until_idle()
+        got = eng.outputs["x"][0]
+        same = int(np.sum(np.array(got) == np.array(alone)))
+        first_diff = next((i for i, (a, b) in enumerate(zip(got, alone, strict=True)) if a != b), None)
+        batch_match[n_others] = {"tokens": len(alone), "equal": same, "first_difference": first_diff}
+    res["greedy_alone_vs_batched"] = batch_match
+    print(json.dumps(batch_match), flush=True)
+
+    # 3. Codec graphs vs eager.
+    from codec_worker.worker import Codec
+
+    torch.backends.cudnn.allow_tf32 = False
+    fast.load_codec()
+    graphs, eager = Codec(fast, max_batch=64), Codec(fast, max_batch=64, graphs=False)
+    codes = rng.integers(1, 4096, size=(40, 28))
+    tokens = (codes + 128266 + 4096 * (np.arange(28) % 7)).astype(np.int64)[:, :, None]
+    keys = rng.integers(0, 2**62, size=40)
+    pg, vg = graphs.graphs.decode(tokens, keys)
+    pe, ve = eager._decode_eager(tokens, keys)
+    d = np.abs(pg.astype(np.int32) - pe.astype(np.int32))
+    res["codec_graph_vs_eager"] = {"max_pcm_diff": int(d.max()), "valid_equal": bool((vg == ve).all())}
+    ok &= int(d.max()) <= 1
+    res["ok"] = bool(ok)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(json.dumps(res, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

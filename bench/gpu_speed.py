@@ -1,0 +1,240 @@
+"""GPU speed (H200, dummy Orpheus-3B, bf16): decode step per batch size, TTFA, offline throughput,
+and the Hugging Face `generate` + SNAC loop baseline measured in the same run.
+
+Writes one JSON (see --out) with `device`, `model`, `date`, `decode_step_ms`, `ttfa_p50_ms`,
+`offline_x_realtime`, `baseline_x_realtime` and the details behind each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+from codec_worker.worker import Codec
+from common.messages import Prompt, SamplingParams
+from gpu_worker.engine import Engine, EngineLimits
+from gpu_worker.graphs import GraphRunner
+from gpu_worker.kv_cache import allocate_kv_cache, pages_for
+from gpu_worker.runner import StepBatch
+from programs import get_spec, load_program_class
+
+TOKENS_PER_SECOND = 82.03  # Orpheus tokens per second of audio
+FLOORS_MS = {512: {1: 2.85, 8: 3.05, 64: 4.13, 128: 5.69, 256: 8.32, 384: 11.64, 512: 14.74}}
+FLOORS_MS[1024] = {1: 2.91, 8: 3.23, 64: 5.38, 128: 8.18, 256: 12.45, 384: 17.70, 512: 22.71}
+
+
+def cuda_ms(fn, reps: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1000 / reps
+
+
+def decode_steps(program, sizes: list[int], contexts: list[int]) -> dict:
+    page = 16
+    bmax = max(sizes)
+    per = pages_for(max(contexts) + 1, page)
+    kv = allocate_kv_cache(
+        program.num_layers,
+        1 + bmax * per,
+        page,
+        program.num_kv_heads,
+        program.head_dim,
+        torch.bfloat16,
+        "cuda",
+    )
+    runner = GraphRunner(program, kv, EngineLimits(max_batch_size=bmax, max_context=max(contexts) + 1))
+    out: dict = {}
+    for ctx in contexts:
+        out[ctx] = {}
+        for bs in sizes:
+            tables = [list(range(1 + i * per, 1 + (i + 1) * per)) for i in range(bs)]
+            b = StepBatch(
+                ids=np.full((bs, 1), 128300, dtype=np.int64),
+                pos=np.full(bs, ctx - 1, dtype=np.int64),
+                qo_indptr=list(range(bs + 1)),
+                kv_lens=[ctx] * bs,
+                page_tables=tables,
+                num_prefill=0,
+            )
+            step_ms = cuda_ms(lambda b=b: runner.forward(b), 20)
+            graph = runner.graphs[next(s for s in runner.sizes if s >= bs)][0]
+            replay_ms = cuda_ms(graph.replay, 20)
+            out[ctx][bs] = {
+                "step_ms": round(step_ms, 3),
+                "graph_only_ms": round(replay_ms, 3),
+                "floor_ms": FLOORS_MS.get(ctx, {}).get(bs),
+            }
+            print(f"ctx {ctx} batch {bs}: step {step_ms:.2f} ms, graph {replay_ms:.2f} ms", flush=True)
+    return out
+
+
+def prompt(program, rid: str, text: str, seed: int, n_tokens: int) -> Prompt:
+    rows = program.preprocess(text, {}).astype("<i4")
+    sp = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3, seed=seed)
+    sp.max_tokens, sp.min_tokens, sp.constrained = len(rows) + n_tokens, n_tokens, True
+    return Prompt(rid, rows.tobytes(), len(rows), sp)
+
+
+def offline(program, codec: Codec, n_requests: int, n_tokens: int, max_batch: int) -> dict:
+    """Every request at once; LM steps and codec batches alternate in one process (no overlap)."""
+    eng = Engine(program, EngineLimits(max_batch_size=max_batch, max_context=1200))
+    for i in range(n_requests):
+        eng.add(prompt(program, f"r{i}", f"Sentence number {i} to speak.", i, n_tokens))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    samples = 0
+    lm_s = codec_s = 0.0
+    while eng.has_work():
+        t1 = time.perf_counter()
+        out = eng.step()
+        t2 = time.perf_counter()
+        lm_s += t2 - t1
+        if out is not None and out.chunks:
+            samples += sum(len(c.pcm) // 2 for c in codec.decode(out.chunks))
+            codec_s += time.perf_counter() - t2
+    wall = time.perf_counter() - t0
+    audio_s = samples / 24000
+    return {
+        "requests": n_requests,
+        "tokens_each": n_tokens,
+        "wall_s": round(wall, 2),
+        "lm_s": round(lm_s, 2),
+        "codec_s": round(codec_s, 2),
+        "audio_s": round(audio_s, 1),
+        "x_realtime": round(audio_s / wall, 1),
+        "tokens_per_s": round(n_requests * n_tokens / wall),
+    }
+
+
+def ttfa_in_process(program, codec: Codec, reps: int) -> dict:
+    """Server-side TTFA: prompt handed to the engine → first PCM chunk decoded (single stream)."""
+    eng = Engine(program, EngineLimits(max_batch_size=8, max_context=1200))
+    times = []
+    for i in range(reps):
+        eng.add(prompt(program, f"t{i}", "Hello, how are you today?", 7 + i, 60))
+        t0 = time.perf_counter()
+        first = None
+        while eng.has_work():
+            out = eng.step()
+            if first is None and out is not None and out.chunks:
+                codec.decode(out.chunks[:1])
+                first = time.perf_counter() - t0
+        times.append(first * 1000)
+    return {"p50_ms": round(statistics.median(times), 2), "all_ms": [round(t, 2) for t in times]}
+
+
+def hf_baseline(n_tokens: int) -> dict:
+    """The reference way: transformers generate (bf16, eager, KV cache) then SNAC on each
+    28-token window every 7 tokens, one request at a time."""
+    from snac import SNAC
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from programs.orpheus.program import _read_config
+
+    cfg = LlamaConfig(**_read_config("orpheus-3b.json"))
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    snac = (
+        SNAC.from_config(__import__("os").path.join("programs/orpheus/configs", "snac_24khz.json"))
+        .cuda()
+        .eval()
+    )
+    ids = torch.tensor(
+        [[128259, 128000, 9906, 11, 1268, 527, 499, 3432, 30, 128009, 128260, 128261, 128257]], device="cuda"
+    )
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=n_tokens, min_new_tokens=n_tokens, do_sample=True, top_p=0.8,
+                             temperature=0.6, repetition_penalty=1.3, pad_token_id=128258)  # fmt: skip
+    torch.cuda.synchronize()
+    gen_s = time.perf_counter() - t0
+    rng = np.random.default_rng(0)
+    n_windows = (n_tokens - 28) // 7 + 1
+    t1 = time.perf_counter()
+    with torch.no_grad():
+        for _ in range(n_windows):
+            codes = [torch.from_numpy(rng.integers(0, 4096, size=(1, 4 * k))).cuda() for k in (1, 2, 4)]
+            audio = snac.decode(codes)[:, :, 2048:4096].cpu()
+    codec_s = time.perf_counter() - t1
+    del model, audio
+    torch.cuda.empty_cache()
+    audio_s = n_windows * 2048 / 24000
+    return {
+        "tokens": int(out.shape[1] - ids.shape[1]),
+        "generate_s": round(gen_s, 2),
+        "generate_ms_per_token": round(gen_s * 1000 / n_tokens, 2),
+        "snac_s": round(codec_s, 2),
+        "x_realtime": round(audio_s / (gen_s + codec_s), 3),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="gpu_speed.json")
+    ap.add_argument("--sizes", default="1,8,64,128,256,384,512")
+    ap.add_argument("--offline-requests", type=int, default=256)
+    ap.add_argument("--offline-tokens", type=int, default=1024)
+    ap.add_argument("--baseline-tokens", type=int, default=200)
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: steps,ttfa,offline,baseline")
+    args = ap.parse_args()
+    skip = set(args.skip.split(","))
+    torch.backends.cudnn.allow_tf32 = False
+    res: dict = {
+        "device": torch.cuda.get_device_name(),
+        "model": "orpheus-3b dummy bf16",
+        "date": time.strftime("%F"),
+    }
+
+    def save() -> None:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+    spec = get_spec("orpheus")
+    program = load_program_class("orpheus")(spec, load_format="dummy", device="cuda", dtype=torch.bfloat16)
+    program.load_lm()
+    program.load_codec()
+    if "steps" not in skip:
+        res["decode_step_ms"] = decode_steps(program, [int(s) for s in args.sizes.split(",")], [512, 1024])
+        torch.cuda.empty_cache()
+        save()
+    codec = Codec(program, max_batch=256)
+    if "ttfa" not in skip:
+        res["ttfa_in_process"] = ttfa_in_process(program, codec, 10)
+        res["ttfa_p50_ms"] = res["ttfa_in_process"]["p50_ms"]
+        print("ttfa", res["ttfa_in_process"], flush=True)
+        save()
+    if "offline" not in skip:
+        res["offline"] = offline(
+            program, codec, args.offline_requests, args.offline_tokens, args.offline_requests
+        )
+        res["offline_x_realtime"] = res["offline"]["x_realtime"]
+        print("offline", res["offline"], flush=True)
+        save()
+    if "baseline" not in skip:
+        del program, codec
+        torch.cuda.empty_cache()
+        res["baseline"] = hf_baseline(args.baseline_tokens)
+        res["baseline_x_realtime"] = res["baseline"]["x_realtime"]
+        if "offline_x_realtime" in res:
+            res["speedup_vs_baseline"] = round(res["offline_x_realtime"] / res["baseline_x_realtime"], 1)
+        print("baseline", res["baseline"], flush=True)
+        save()
+    print(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""CUDA graphs for the codec: one captured `detokenize` (+ PCM16 conversion) per batch bucket.
+
+Inputs live in one device arena (tokens, then noise keys) filled from a pinned host mirror with
+one copy; a replay writes PCM16 and the valid flags, read back with one copy. Padding entries hold
+token 0, an invalid window that the program clamps and decodes harmlessly; their output is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from programs.base import LMProgram, pcm16
+
+log = logging.getLogger(__name__)
+
+
+def codec_buckets(max_batch: int) -> list[int]:
+    sizes, b = [], 1
+    while b < max_batch:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_batch]
+
+
+class DetokGraphs:
+    def __init__(
+        self, program: LMProgram, max_batch: int, progress: Callable[[str], None] | None = None
+    ) -> None:
+        self.program = program
+        self.sizes = codec_buckets(max_batch)
+        p, dev = program, program.device
+        self.row = p.detok_interval * p.n_codebooks
+        bmax = self.sizes[-1]
+        # Arena: [tokens bmax*row | keys bmax] int64.
+        self.host = torch.zeros(bmax * (self.row + 1), dtype=torch.int64).pin_memory()
+        self.dev = torch.zeros_like(self.host, device=dev)
+        self.tokens = self.dev[: bmax * self.row].view(bmax, p.detok_interval, p.n_codebooks)
+        self.keys = self.dev[bmax * self.row :]
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        t0 = time.monotonic()
+        for i, bs in enumerate(reversed(self.sizes)):
+            if progress:
+                progress(f"capturing codec graphs: batch {bs} ({i + 1}/{len(self.sizes)})")
+            self.graphs[bs] = self._capture(bs)
+        log.info(
+            "captured %d codec graphs (batch %s) in %.1f s",
+            len(self.sizes),
+            self.sizes,
+            time.monotonic() - t0,
+        )
+
+    @torch.inference_mode()
+    def _capture(self, bs: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
+        def step() -> tuple[torch.Tensor, torch.Tensor]:
+            audio, valid = self.program.detokenize(self.tokens[:bs], self.keys[:bs])
+            return pcm16(audio), valid
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            pcm, valid = step()
+        return graph, pcm, valid
+
+    def decode(self, tokens: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """tokens [n, interval, C] int64, keys [n] int64 → PCM16 [n, S], valid [n] (n ≤ max)."""
+        n = len(tokens)
+        bs = next(s for s in self.sizes if s >= n)
+        bmax = self.sizes[-1]
+        self.host.zero_()
+        self.host[: n * self.row].copy_(torch.from_numpy(tokens.reshape(-1)))
+        self.host[bmax * self.row : bmax * self.row + n].copy_(torch.from_numpy(keys))
+        self.dev.copy_(self.host, non_blocking=True)
+        graph, pcm, valid = self.graphs[bs]
+        graph.replay()
+        return pcm[:n].cpu().numpy(), valid[:n].cpu().numpy()

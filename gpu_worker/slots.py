@@ -1,0 +1,89 @@
+"""Per-slot sampling state on the device.
+
+Each running request owns a slot: its sampling parameters are written once at admission, and its
+token history (prompt + output, for the repetition penalty) grows by one device write per step,
+so a step builds its `SamplingRows` by indexing with the batch's slot ids instead of copying
+Python lists of every request's history.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from common.messages import SamplingParams
+from gpu_worker.sampler import SamplingRows
+
+
+class SlotState:
+    def __init__(self, num_slots: int, max_context: int, device: torch.device) -> None:
+        f32 = dict(dtype=torch.float32, device=device)
+        i64 = dict(dtype=torch.int64, device=device)
+        self.device = device
+        self.temperature = torch.zeros(num_slots, **f32)
+        self.top_p = torch.ones(num_slots, **f32)
+        self.min_p = torch.zeros(num_slots, **f32)
+        self.penalty = torch.ones(num_slots, **f32)
+        self.top_k = torch.zeros(num_slots, **i64)
+        self.window = torch.full((num_slots,), -1, **i64)
+        self.seed = torch.zeros(num_slots, **i64)
+        self.min_tokens = torch.zeros(num_slots, **i64)
+        # Positions past a request's length hold its first prompt token: gathering or scattering
+        # a token that is already in the row changes nothing, so no mask is needed without a window.
+        self.history = torch.zeros(num_slots, max_context, **i64)  # [S, T]
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    def admit(self, sp: SamplingParams, prompt_ids: np.ndarray) -> int:
+        """Claim a slot for a request whose codebook-0 prompt ids are `prompt_ids` [R]."""
+        slot = self._free.pop()
+        self.temperature[slot] = sp.temperature
+        self.top_p[slot] = sp.top_p
+        self.min_p[slot] = sp.min_p
+        self.penalty[slot] = sp.repetition_penalty if sp.repetition_window != 0 else 1.0
+        self.top_k[slot] = sp.top_k
+        self.window[slot] = sp.repetition_window
+        self.seed[slot] = sp.seed
+        self.min_tokens[slot] = sp.min_tokens
+        ids = torch.from_numpy(prompt_ids.astype(np.int64))
+        self.history[slot].fill_(int(ids[0]))
+        self.history[slot, : len(ids)] = ids.to(self.device)
+        return slot
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def append(self, slots: torch.Tensor, pos: torch.Tensor, tokens: torch.Tensor) -> None:
+        """history[slot, pos] = token for each row (tokens [B] int64)."""
+        self.history[slots, pos] = tokens
+
+    def rows(
+        self,
+        slots: torch.Tensor,  # [B] int64
+        n_gen: torch.Tensor,  # [B] int64 tokens generated so far
+        length: torch.Tensor,  # [B] int64 valid history entries
+        candidates: torch.Tensor | None,
+    ) -> SamplingRows:
+        hist = self.history[slots]  # [B, T]
+        window = self.window[slots]
+        # A windowed penalty sees only the last `window` tokens: older entries (and the padding
+        # past the length) are replaced by the newest token, which is always in the window.
+        pos = torch.arange(hist.shape[1], device=hist.device)[None, :]
+        outside = (window[:, None] > 0) & ((pos < (length - window)[:, None]) | (pos >= length[:, None]))
+        newest = hist.gather(1, (length - 1).clamp_min(0)[:, None])
+        hist = torch.where(outside, newest, hist)
+        return SamplingRows(
+            temperature=self.temperature[slots],
+            top_k=self.top_k[slots],
+            top_p=self.top_p[slots],
+            min_p=self.min_p[slots],
+            rep_penalty=self.penalty[slots],
+            seed=self.seed[slots],
+            counter=n_gen,
+            history=hist,
+            block_stop=n_gen < self.min_tokens[slots],
+            candidates=candidates,
+        )
