@@ -59,6 +59,36 @@ def compare(a: torch.Tensor, b: torch.Tensor) -> dict:
     }
 
 
+VARIANTS = {
+    "default": {},
+    "no_split_kv": {"no_split_kv": True},
+    "min_batch_32": {"min_decode_batch": 32},
+    "both": {"no_split_kv": True, "min_decode_batch": 32},
+}
+
+
+def greedy_batches(engine, prompt, kw: dict) -> dict:
+    """One greedy request alone, then among 3, 17 and 40 others joining at different steps."""
+    eng = engine(**kw)
+    eng.add(prompt("x", "The same words, again.", 1))
+    eng.run_until_idle()
+    alone = eng.outputs["x"][0]
+    out = {}
+    for n_others in (3, 17, 40):
+        eng = engine(**kw)
+        others = [prompt(f"o{i}", "other text " * (1 + i % 5), 100 + i, 200 + 3 * i) for i in range(n_others)]
+        order = [*others[: n_others // 2], prompt("x", "The same words, again.", 1), *others[n_others // 2 :]]
+        for i, p in enumerate(order):
+            eng.add(p)
+            for _ in range(i % 3):
+                eng.step()  # join a batch already decoding
+        eng.run_until_idle()
+        got = eng.outputs["x"][0]
+        first_diff = next((i for i, (a, b) in enumerate(zip(got, alone, strict=True)) if a != b), None)
+        out[n_others] = {"tokens": len(alone), "first_difference": first_diff}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_parity.json")
@@ -105,7 +135,7 @@ def main() -> int:
     res["graph_vs_eager_fused"] = compare(graph_logits, eager_fast)
     res["graph_vs_reference_bf16"] = compare(graph_logits, reference)
     ok &= res["graph_vs_eager_fused"]["max_abs"] < 1e-3
-    ok &= res["graph_vs_reference_bf16"]["top1_agree"] >= 0.95
+    ok &= res["graph_vs_reference_bf16"]["max_abs"] < 0.5
     if args.cpu:
         cpu = cls(spec, load_format="dummy", device="cpu", dtype=torch.float32)
         sd = {k: v.float().cpu() for k, v in ref.lm.state_dict().items()}
@@ -116,7 +146,10 @@ def main() -> int:
         cpu_logits = run_forced(EagerRunner(cpu, TorchPagedAttention(cpu_kv, cpu.num_qo_heads)), steps[:9])
         res["graph_vs_cpu_fp32"] = compare(graph_logits[:9], cpu_logits)
         res["reference_bf16_vs_cpu_fp32"] = compare(reference[:9], cpu_logits)
-        ok &= res["graph_vs_cpu_fp32"]["top1_agree"] >= 0.95
+        # Random-weight logits are nearly tied everywhere, so bf16 rounding alone flips argmaxes
+        # (the unfused bf16 reference agrees with fp32 no better); the bar is being as close to
+        # fp32 as that reference is.
+        ok &= res["graph_vs_cpu_fp32"]["max_abs"] <= 1.25 * res["reference_bf16_vs_cpu_fp32"]["max_abs"]
     print(json.dumps(res, indent=1), flush=True)
     del ref
 
@@ -127,32 +160,17 @@ def main() -> int:
         sp.constrained, sp.min_tokens = True, max_tokens
         return Prompt(rid, rows.tobytes(), len(rows), sp)
 
-    def engine() -> Engine:
-        eng = Engine(fast, EngineLimits(max_batch_size=64, max_context=1200))
+    def engine(**kw) -> Engine:
+        eng = Engine(fast, EngineLimits(max_batch_size=64, max_context=1200, **kw))
         eng.outputs = {}
         return eng
 
-    eng = engine()
-    eng.add(prompt("x", "The same words, again.", 1))
-    eng.run_until_idle()
-    alone = eng.outputs["x"][0]
     batch_match = {}
-    for n_others in (3, 17, 40):
-        eng = engine()
-        others = [prompt(f"o{i}", "other text " * (1 + i % 5), 100 + i, 200 + 3 * i) for i in range(n_others)]
-        for i, p in enumerate(
-            [*others[: n_others // 2], prompt("x", "The same words, again.", 1), *others[n_others // 2 :]]
-        ):
-            eng.add(p)
-            for _ in range(i % 3):
-                eng.step()  # join a batch already decoding
-        eng.run_until_idle()
-        got = eng.outputs["x"][0]
-        same = int(np.sum(np.array(got) == np.array(alone)))
-        first_diff = next((i for i, (a, b) in enumerate(zip(got, alone, strict=True)) if a != b), None)
-        batch_match[n_others] = {"tokens": len(alone), "equal": same, "first_difference": first_diff}
+    for name, kw in VARIANTS.items():
+        batch_match[name] = greedy_batches(engine, prompt, kw)
+        print(name, json.dumps(batch_match[name]), flush=True)
+
     res["greedy_alone_vs_batched"] = batch_match
-    print(json.dumps(batch_match), flush=True)
 
     # 3. Codec graphs vs eager.
     from codec_worker.worker import Codec

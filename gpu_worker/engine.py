@@ -1,13 +1,21 @@
-"""The gpu_worker's engine: continuous batching over a paged KV cache.
+"""The gpu_worker's engine: continuous batching over a paged KV cache, one step ahead of the host.
 
-Each `step()` admits waiting prompts (while slots and pages last), runs one forward pass over the
-ragged rows of every running request (whole prompts for new ones, one fed-back row for the
-others), samples one row per request, and turns the sampled rows into audio chunks and finished
-requests, returned as one `DetokBatch` for the codec.
+Each `step()`:
+  1. admits waiting prompts while slots and KV pages last;
+  2. launches the next step on the device: one forward pass over every running request's rows
+     (whole prompts for new ones; for the others the token sampled last step, fed back on the
+     device), sampling, token classification, and one device→host copy of the results;
+  3. only then waits for the *previous* step's results and turns them into audio chunks and
+     finished requests (one `DetokBatch`).
+So the host's bookkeeping for step n overlaps the GPU's work on step n+1. The price is one step of
+lag in noticing a stop token: a request that stopped is already in the step launched after it,
+whose token is dropped. Everything a step needs is known ahead: positions and budgets advance by
+one per step, and the audio-row count that constrained sampling depends on is kept on the device.
 
 KV pages for a request's whole budget (max_tokens, prompt included) are reserved when it is
-admitted, so a running request can never run out of pages mid-stream; when pages are short,
-requests wait in arrival order instead.
+admitted, so a running request never runs out of pages mid-stream; when pages are short, requests
+wait in arrival order instead. Freeing pages or a slot while a launched step still uses them is
+safe: later writes by a new owner are queued on the same stream, after that step.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ from programs.base import LMProgram, TokenKind
 
 log = logging.getLogger(__name__)
 
+_STOP, _AUDIO = int(TokenKind.STOP), int(TokenKind.AUDIO)
+
 
 @dataclass
 class EngineLimits:
@@ -38,6 +48,10 @@ class EngineLimits:
     num_pages: int = 0  # 0 = room for max_batch_size full contexts
     max_prefill_rows: int = 8192  # prompt rows per step, so one step never grows unbounded
     cuda_graphs: bool = True  # GPU only: replay captured decode graphs
+    min_decode_batch: int = 1  # smallest decode graph: smaller batches are padded up to it
+    # FlashInfer: one KV split per request, so attention reduces in the same order at any batch
+    # size (measured on the H200: without it, greedy tokens change when the batch grows).
+    no_split_kv: bool = True
 
 
 @dataclass
@@ -48,14 +62,23 @@ class Request:
     arrival: float
     budget: int  # total tokens allowed, prompt included
     pages: list[int] = field(default_factory=list)
-    n_ctx: int = 0  # rows written to the KV cache
-    n_gen: int = 0  # rows sampled
-    last: np.ndarray | None = None  # [C] the row fed back next step
-    generated: list[int] = field(default_factory=list)  # codebook-0 ids fed back (stop excluded)
     slot: int = -1  # sampling-state slot while running
-    audio: list[np.ndarray] = field(default_factory=list)  # audio rows, [C] each
+    n_ctx: int = 0  # rows in the KV cache once the launched steps complete
+    n_launched: int = 0  # sampling steps launched
+    n_gen: int = 0  # sampled rows consumed
+    done: bool = False  # finished (its results from steps still in flight are dropped)
+    generated: list[int] = field(default_factory=list)  # codebook-0 ids consumed (stop excluded)
+    audio: np.ndarray | None = None  # [budget, C] int32 audio rows
+    n_audio: int = 0
     n_chunks: int = 0
     admitted_at: float = 0.0
+
+
+@dataclass
+class _InFlight:
+    batch: list[Request]
+    host: torch.Tensor  # [B, C + 1] int64: sampled row, then its kind
+    ready: torch.cuda.Event | None
 
 
 class Engine:
@@ -65,9 +88,9 @@ class Engine:
         self.device = program.device
         if program.n_codebooks != 1:
             raise ValueError(f"{program.name}: multi-codebook sampling (decode_tokens) is not supported yet")
-        num_pages = limits.num_pages or 1 + limits.max_batch_size * pages_for(
-            limits.max_context, limits.page_size
-        )
+        # +1 token per request: a launched step may run once past a stop it has not seen yet.
+        per_request = pages_for(limits.max_context + 1, limits.page_size)
+        num_pages = limits.num_pages or 1 + limits.max_batch_size * per_request
         self.allocator = PageAllocator(num_pages)
         self.kv_cache = allocate_kv_cache(
             program.num_layers,
@@ -79,11 +102,14 @@ class Engine:
             self.device,
         )
         self.runner = make_runner(program, self.kv_cache, limits, progress)
-        self.slots = SlotState(limits.max_batch_size, limits.max_context, self.device)
+        self.slots = SlotState(
+            limits.max_batch_size, limits.max_context + 1, program.n_codebooks, self.device
+        )
         self.stop_ids = torch.tensor(program.stop_tokens(), dtype=torch.int64, device=self.device)
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}
         self._finished: list[Finished] = []
+        self._inflight: _InFlight | None = None
         self.step_count = 0
         # rid → (generated codebook-0 ids, stop token excluded; reason) when kept (tests, benches).
         self.outputs: dict[str, tuple[list[int], FinishReason]] | None = None
@@ -108,8 +134,7 @@ class Engine:
                 )
             )
             return
-        req = Request(prompt.rid, rows, prompt.sampling, prompt.arrival, budget)
-        self.waiting.append(req)
+        self.waiting.append(Request(prompt.rid, rows, prompt.sampling, prompt.arrival, budget))
 
     def abort(self, rid: str) -> None:
         for req in self.waiting:
@@ -131,7 +156,7 @@ class Engine:
         return out
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self._finished)
+        return bool(self.running or self.waiting or self._finished or self._inflight)
 
     @property
     def num_active(self) -> int:
@@ -140,6 +165,7 @@ class Engine:
     def _finish(self, req: Request, reason: FinishReason) -> None:
         if self.outputs is not None:
             self.outputs[req.rid] = (req.generated, reason)
+        req.done = True
         self.running.pop(req.rid, None)
         if req.slot >= 0:
             self.slots.release(req.slot)
@@ -155,26 +181,25 @@ class Engine:
             req = self.waiting[0]
             if prefill_rows and prefill_rows + len(req.prompt) > self.limits.max_prefill_rows:
                 break
-            pages = self.allocator.alloc(pages_for(req.budget, self.limits.page_size))
+            pages = self.allocator.alloc(pages_for(req.budget + 1, self.limits.page_size))
             if pages is None:
                 break  # wait for a running request to finish and free its pages
             self.waiting.popleft()
             req.pages = pages
             req.slot = self.slots.admit(req.sp, req.prompt[:, 0])
+            req.audio = np.zeros((req.budget, self.program.n_codebooks), dtype="<i4")
             req.admitted_at = time.time()
             self.running[req.rid] = req
             prefill_rows += len(req.prompt)
 
     def step(self) -> DetokBatch | None:
-        """Run one step; the chunks and finished requests it produced, or None when idle."""
+        """Launch the next step, then collect the previous one; what it produced, or None."""
         self._admit()
-        # New requests first: runners take the prefill part and the decode part apart.
-        batch = sorted(self.running.values(), key=lambda r: r.n_ctx != 0)
-        chunks: list[DetokChunk] = []
-        if batch:
-            tokens = self._forward_and_sample(batch)  # [B, C]
-            chunks = self._consume(batch, tokens)
-            self.step_count += 1
+        # Requests whose budget is used up by launched steps wait for their last results.
+        batch = [r for r in self.running.values() if len(r.prompt) + r.n_launched < r.budget]
+        batch.sort(key=lambda r: r.n_ctx != 0)  # new requests first: runners split prefill/decode
+        previous, self._inflight = self._inflight, (self._launch(batch) if batch else None)
+        chunks = self._consume(previous) if previous is not None else []
         if not chunks and not self._finished:
             return None
         out = DetokBatch(chunks=chunks, finished=self._finished, step=self.step_count)
@@ -182,68 +207,89 @@ class Engine:
         return out
 
     def _layout(self, batch: list[Request]) -> StepBatch:
-        ids_rows, pos_rows, indptr, kv_lens = [], [], [0], []
-        for req in batch:
-            rows = req.prompt if req.n_ctx == 0 else req.last[None, :]
-            ids_rows.append(rows)
-            pos_rows.append(np.arange(req.n_ctx, req.n_ctx + len(rows)))
-            indptr.append(indptr[-1] + len(rows))
-            kv_lens.append(req.n_ctx + len(rows))
+        n_pre = sum(r.n_ctx == 0 for r in batch)
+        prompts = [r.prompt for r in batch[:n_pre]]
+        n_dec = len(batch) - n_pre
+        c = self.program.n_codebooks
+        ids = np.concatenate([*prompts, np.zeros((n_dec, c), dtype=np.int64)])  # decode rows fed on device
+        dec_pos = np.fromiter((r.n_ctx for r in batch[n_pre:]), dtype=np.int64, count=n_dec)
+        pos = np.concatenate([*(np.arange(len(p)) for p in prompts), dec_pos])
+        rows = [len(p) for p in prompts] + [1] * n_dec
         return StepBatch(
-            ids=np.concatenate(ids_rows),
-            pos=np.concatenate(pos_rows),
-            qo_indptr=indptr,
-            kv_lens=kv_lens,
-            page_tables=[req.pages for req in batch],
-            num_prefill=sum(req.n_ctx == 0 for req in batch),
+            ids=ids,
+            pos=pos,
+            qo_indptr=np.concatenate([[0], np.cumsum(rows)]).tolist(),
+            kv_lens=[len(p) for p in prompts] + (dec_pos + 1).tolist(),
+            page_tables=[r.pages for r in batch],
+            num_prefill=n_pre,
+            feedback=self.slots.last[self._slot_tensor(batch[n_pre:])] if n_dec else None,
         )
 
+    def _slot_tensor(self, reqs: list[Request]) -> torch.Tensor:
+        slots = np.fromiter((r.slot for r in reqs), dtype=np.int64, count=len(reqs))
+        return torch.from_numpy(slots).to(self.device, non_blocking=True)
+
     @torch.inference_mode()
-    def _forward_and_sample(self, batch: list[Request]) -> np.ndarray:
-        logits = self.runner.forward(self._layout(batch))  # [B, C, V]
+    def _launch(self, batch: list[Request]) -> _InFlight:
+        layout = self._layout(batch)
+        logits = self.runner.forward(layout)  # [B, C, V]
         dev = self.device
-        i64 = dict(dtype=torch.int64, device=dev)
-        slots = torch.tensor([req.slot for req in batch], **i64)
-        n_gen = torch.tensor([req.n_gen for req in batch], **i64)
-        length = n_gen + torch.tensor([len(req.prompt) for req in batch], **i64)  # history entries
-        out = torch.empty(len(batch), **i64)
+        n = len(batch)
+        meta = np.empty((3, n), dtype=np.int64)  # slot, tokens sampled before, prompt length
+        for i, r in enumerate(batch):
+            meta[0, i], meta[1, i], meta[2, i] = r.slot, r.n_launched, len(r.prompt)
+            r.n_ctx += len(r.prompt) if r.n_ctx == 0 else 1
+            r.n_launched += 1
+        slots, n_gen, plen = torch.from_numpy(meta).to(dev, non_blocking=True)
+        length = n_gen + plen  # history entries: prompt + tokens sampled before this step
+        out = torch.empty(n, dtype=torch.int64, device=dev)
         # Constrained and free rows are sampled apart; every op is row-wise, so a row's result
         # does not depend on which group or batch it is in.
-        constrained = [i for i, req in enumerate(batch) if req.sp.constrained]
-        free = [i for i, req in enumerate(batch) if not req.sp.constrained]
-        for group, use_candidates in ((constrained, True), (free, False)):
+        constrained = [i for i, r in enumerate(batch) if r.sp.constrained]
+        groups = [(constrained, True), ([i for i, r in enumerate(batch) if not r.sp.constrained], False)]
+        for group, use_candidates in groups:
             if not group:
                 continue
-            idx = torch.tensor(group, **i64) if len(group) < len(batch) else slice(None)
-            cand = None
-            if use_candidates:
-                n_audio = torch.tensor([len(batch[i].audio) for i in group], **i64)
-                cand = self.program.candidates(n_audio)
+            idx = torch.tensor(group, device=dev) if len(group) < n else slice(None)
+            cand = self.program.candidates(self.slots.n_audio[slots[idx]]) if use_candidates else None
             rows = self.slots.rows(slots[idx], n_gen[idx], length[idx], cand)
             out[idx] = sample_rows(logits[idx, 0], rows, self.stop_ids)
-        self.slots.append(slots, length, out)
-        return out.cpu().numpy()[:, None]
+        tokens = out[:, None]  # [B, C]
+        kinds = self.slots.record(
+            slots, length, tokens, self.program.classify(tokens, self.slots.n_audio[slots])
+        )
+        result = torch.cat([tokens, kinds[:, None]], dim=1)  # [B, C + 1]
+        if dev.type == "cpu":
+            return _InFlight(batch, result, None)
+        host = torch.empty(result.shape, dtype=torch.int64, pin_memory=True)
+        host.copy_(result, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return _InFlight(batch, host, ready)
 
-    def _consume(self, batch: list[Request], tokens: np.ndarray) -> list[DetokChunk]:
-        """Sampled rows → request state, audio chunks and finished requests."""
-        n_audio = np.array([len(req.audio) for req in batch], dtype=np.int64)
-        kinds = self.program.classify(tokens, n_audio)
+    def _consume(self, step: _InFlight) -> list[DetokChunk]:
+        """A completed step's sampled rows → request state, audio chunks and finished requests."""
+        if step.ready is not None:
+            step.ready.synchronize()
+        self.step_count += 1
+        res = step.host.numpy()
+        c = self.program.n_codebooks
         interval, stride = self.program.detok_interval, self._chunk_stride
         chunks: list[DetokChunk] = []
-        for req, row, kind in zip(batch, tokens, kinds, strict=True):
-            req.n_ctx += len(req.prompt) if req.n_ctx == 0 else 1
+        for req, row, kind in zip(step.batch, res[:, :c], res[:, c].tolist(), strict=True):
+            if req.done:
+                continue  # stopped or aborted while this step was in flight
             req.n_gen += 1
-            if kind == TokenKind.STOP:
+            if kind == _STOP:
                 self._finish(req, FinishReason.STOP)
                 continue
-            req.last = row
             req.generated.append(int(row[0]))
-            if kind == TokenKind.AUDIO:
-                req.audio.append(row)
-                n = len(req.audio)
+            if kind == _AUDIO:
+                req.audio[req.n_audio] = row
+                req.n_audio += 1
+                n = req.n_audio
                 if n >= interval and (n - interval) % stride == 0:
-                    start = (n - interval) // stride * stride
-                    window = np.stack(req.audio[start:n]).astype("<i4")
+                    window = req.audio[n - interval : n]
                     chunks.append(DetokChunk(req.rid, req.n_chunks, req.sp.seed, window.tobytes()))
                     req.n_chunks += 1
             if len(req.prompt) + req.n_gen >= req.budget:

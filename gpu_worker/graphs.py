@@ -27,8 +27,9 @@ from programs.base import LMProgram
 log = logging.getLogger(__name__)
 
 
-def decode_buckets(max_batch: int) -> list[int]:
-    """1, 2, 4, 8, then steps of 8 to 64, of 16 to 128, of 32 beyond: padding stays under ~12 %."""
+def decode_buckets(max_batch: int, min_batch: int = 1) -> list[int]:
+    """1, 2, 4, 8, then steps of 8 to 64, of 16 to 128, of 32 beyond: padding stays under ~12 %.
+    Sizes below `min_batch` are dropped (their batches pad up to the first size kept)."""
     sizes, b = [], 1
     while b < 8:
         sizes.append(b)
@@ -36,7 +37,8 @@ def decode_buckets(max_batch: int) -> list[int]:
     while b < max_batch:
         sizes.append(b)
         b += 8 if b < 64 else 16 if b < 128 else 32
-    return sorted({*(s for s in sizes if s < max_batch), max_batch})
+    min_batch = min(min_batch, max_batch)
+    return sorted({*(s for s in sizes if min_batch <= s < max_batch), max(min_batch, max_batch)})
 
 
 class _GraphAttention:
@@ -66,7 +68,8 @@ class GraphRunner:
         self.kv_cache = kv_cache
         self.page_size = kv_cache.shape[3]
         self.eager = EagerRunner(program, FlashInferAttention(kv_cache, program.num_qo_heads))
-        self.sizes = decode_buckets(limits.max_batch_size)
+        self.sizes = decode_buckets(limits.max_batch_size, limits.min_decode_batch)
+        self.no_split_kv = limits.no_split_kv
         bmax, c, dev = self.sizes[-1], program.n_codebooks, program.device
         # Input arena: [ids (bmax*c) | pos | write page | write offset], int64.
         self._spans = {"ids": (0, bmax * c), "pos": (bmax * c, bmax), "page": (bmax * (c + 1), bmax)}
@@ -79,6 +82,8 @@ class GraphRunner:
         self.kv_indices = torch.zeros(max_pages, dtype=torch.int32, device=dev)
         self.kv_last = torch.zeros(bmax, dtype=torch.int32, device=dev)
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object, torch.Tensor]] = {}
         t0 = time.monotonic()
@@ -112,7 +117,7 @@ class GraphRunner:
         wrapper.plan(
             torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last),
             p.num_qo_heads, p.num_kv_heads, p.head_dim, self.page_size,
-            q_data_type=self.kv_cache.dtype, kv_data_type=self.kv_cache.dtype,
+            q_data_type=self.kv_cache.dtype, kv_data_type=self.kv_cache.dtype, disable_split_kv=self.no_split_kv,
         )  # fmt: skip
 
     @torch.inference_mode()
@@ -154,6 +159,7 @@ class GraphRunner:
         bs = next(s for s in self.sizes if s >= n)
         pad = bs - n
         c = self.program.n_codebooks
+        self._copied.synchronize()  # the last step's copy out of the host arena is done
         self.host.zero_()  # padding rows: token 0, position 0, page 0, offset 0
         self._view(self.host, "ids", n * c).copy_(torch.from_numpy(b.ids.reshape(-1)))
         self._view(self.host, "pos", n).copy_(torch.from_numpy(b.pos))
@@ -164,6 +170,9 @@ class GraphRunner:
         self._view(self.host, "page", n).copy_(torch.from_numpy(page))
         self._view(self.host, "off", n).copy_(torch.from_numpy(pos % self.page_size))
         self.dev.copy_(self.host, non_blocking=True)
+        self._copied.record()
+        if b.feedback is not None:
+            self._view(self.dev, "ids", n * c).view(n, c).copy_(b.feedback)
         graph, wrapper, out = self.graphs[bs]
         self._plan(wrapper, *page_arrays(b.kv_lens + [1] * pad, b.page_tables + [[0]] * pad, self.page_size))
         graph.replay()

@@ -25,6 +25,7 @@ class StepBatch:
     kv_lens: list[int]  # [B] context after this step
     page_tables: list[list[int]]  # [B]
     num_prefill: int  # the first num_prefill requests bring prompt rows
+    feedback: torch.Tensor | None = None  # [B - num_prefill, C] device ids of the decode rows
 
     @property
     def batch_size(self) -> int:
@@ -33,6 +34,9 @@ class StepBatch:
     def part(self, lo: int, hi: int) -> StepBatch:
         """Requests [lo, hi) as a batch of their own."""
         r0, r1 = self.qo_indptr[lo], self.qo_indptr[hi]
+        fb = None
+        if self.feedback is not None and hi > self.num_prefill:
+            fb = self.feedback[max(lo - self.num_prefill, 0) : hi - self.num_prefill]
         return StepBatch(
             ids=self.ids[r0:r1],
             pos=self.pos[r0:r1],
@@ -40,6 +44,7 @@ class StepBatch:
             kv_lens=self.kv_lens[lo:hi],
             page_tables=self.page_tables[lo:hi],
             num_prefill=max(0, min(self.num_prefill, hi) - lo),
+            feedback=fb,
         )
 
 
@@ -56,6 +61,8 @@ class EagerRunner:
         """→ logits [B, C, V] float32 on the device."""
         dev = self.device
         ids = torch.from_numpy(b.ids).to(dev, non_blocking=True)  # [N, C]
+        if b.feedback is not None:  # decode rows are the last ones; their ids never left the device
+            ids[ids.shape[0] - b.feedback.shape[0] :] = b.feedback
         pos = torch.from_numpy(b.pos).to(dev, non_blocking=True)  # [N]
         self.attn.plan(StepLayout(b.qo_indptr, b.kv_lens, b.page_tables, pos))
         hidden = self.program.backbone(self.program.embed(ids), pos, self.attn)  # [N, H]

@@ -13,10 +13,11 @@ import torch
 
 from common.messages import SamplingParams
 from gpu_worker.sampler import SamplingRows
+from programs.base import TokenKind
 
 
 class SlotState:
-    def __init__(self, num_slots: int, max_context: int, device: torch.device) -> None:
+    def __init__(self, num_slots: int, max_context: int, n_codebooks: int, device: torch.device) -> None:
         f32 = dict(dtype=torch.float32, device=device)
         i64 = dict(dtype=torch.int64, device=device)
         self.device = device
@@ -31,6 +32,8 @@ class SlotState:
         # Positions past a request's length hold its first prompt token: gathering or scattering
         # a token that is already in the row changes nothing, so no mask is needed without a window.
         self.history = torch.zeros(num_slots, max_context, **i64)  # [S, T]
+        self.last = torch.zeros(num_slots, n_codebooks, **i64)  # [S, C] the row fed back next step
+        self.n_audio = torch.zeros(num_slots, **i64)  # [S] rows classified AUDIO so far
         self._free = list(range(num_slots - 1, -1, -1))
 
     def admit(self, sp: SamplingParams, prompt_ids: np.ndarray) -> int:
@@ -44,6 +47,7 @@ class SlotState:
         self.window[slot] = sp.repetition_window
         self.seed[slot] = sp.seed
         self.min_tokens[slot] = sp.min_tokens
+        self.n_audio[slot] = 0
         ids = torch.from_numpy(prompt_ids.astype(np.int64))
         self.history[slot].fill_(int(ids[0]))
         self.history[slot, : len(ids)] = ids.to(self.device)
@@ -56,9 +60,15 @@ class SlotState:
     def num_free(self) -> int:
         return len(self._free)
 
-    def append(self, slots: torch.Tensor, pos: torch.Tensor, tokens: torch.Tensor) -> None:
-        """history[slot, pos] = token for each row (tokens [B] int64)."""
-        self.history[slots, pos] = tokens
+    def record(
+        self, slots: torch.Tensor, pos: torch.Tensor, tokens: torch.Tensor, kinds: torch.Tensor
+    ) -> torch.Tensor:
+        """After sampling: tokens [B, C] become each slot's history entry at `pos`, its next input,
+        and (when AUDIO) one more audio row. Returns `kinds`."""
+        self.history[slots, pos] = tokens[:, 0]
+        self.last[slots] = tokens
+        self.n_audio[slots] += (kinds == TokenKind.AUDIO).to(torch.int64)
+        return kinds
 
     def rows(
         self,

@@ -17,7 +17,7 @@ apart from N/B/Bd, state only in buffers, randomness only from the keys passed i
 | `backbone(hidden, pos, attn)` | gpu_worker | yes | [N, H], pos [N] int64 → [N, H]; attention through `attn` |
 | `head(hidden)` | gpu_worker | yes | [B, H] → logits [B, C, V] float32 |
 | `candidates(n_audio)` | gpu_worker | yes | [B] int64 → [B, K] int64 token ids (constrained sampling) |
-| `classify(tokens, n_audio)` | gpu_worker | no (numpy) | [B, C] int64, [B] int64 → kinds [B] int8 |
+| `classify(tokens, n_audio)` | gpu_worker | yes | [B, C] int64, [B] int64 → kinds [B] int64 (TokenKind) |
 | `detokenize(tokens, keys)` | codec_worker | yes | [Bd, detok_interval, C] int64, keys [Bd] int64 → audio [Bd, detok_samples] float in [-1, 1], valid [Bd] bool |
 | `preprocess(text, model_kwargs)` | tokenizer_worker | no | → prompt rows [R, C] int32; ValueError → HTTP 400 |
 
@@ -120,13 +120,14 @@ class LMProgram:
     def stop_tokens(self) -> list[int]:
         return list(self.spec["stop_tokens"])
 
-    def classify(self, tokens: np.ndarray, n_audio: np.ndarray) -> np.ndarray:
-        """Default: codebook-0 stop tokens stop, tokens in `audio_tokens` are audio."""
+    def classify(self, tokens: torch.Tensor, n_audio: torch.Tensor) -> torch.Tensor:
+        """What each sampled row means, given the request's audio rows so far; runs on the device
+        right after sampling. Default: codebook-0 stop tokens stop, `audio_tokens` are audio."""
         t0 = tokens[:, 0]
         lo, hi = self.spec["audio_tokens"]
-        kinds = np.where((t0 >= lo) & (t0 < hi), TokenKind.AUDIO, TokenKind.OTHER).astype(np.int8)
-        kinds[np.isin(t0, self.stop_tokens())] = TokenKind.STOP
-        return kinds
+        kinds = torch.where((t0 >= lo) & (t0 < hi), int(TokenKind.AUDIO), int(TokenKind.OTHER))
+        stop = torch.isin(t0, torch.tensor(self.stop_tokens(), device=t0.device))
+        return torch.where(stop, int(TokenKind.STOP), kinds)
 
     # --- codec (graph) -------------------------------------------------------------------------
     def detokenize(self, tokens: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

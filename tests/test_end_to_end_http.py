@@ -24,6 +24,13 @@ def pcm_of(wav: bytes) -> np.ndarray:
     return np.frombuffer(wav[44:], dtype="<i2")
 
 
+def same_audio(a: np.ndarray, b: np.ndarray) -> bool:
+    """Equal length and equal samples up to one PCM16 step: the codec batches chunks of different
+    requests together, and a convolution over another batch size may round its last float bit the
+    other way, which truncation to int16 can turn into 1 step (3e-5 of full scale)."""
+    return len(a) == len(b) and int(np.abs(a.astype(np.int32) - b.astype(np.int32)).max(initial=0)) <= 1
+
+
 async def test_streaming_and_complete_wavs_decode_at_24khz(server):
     async with aiohttp.ClientSession() as s:
         status, headers, streamed = await generate(
@@ -42,7 +49,7 @@ async def test_streaming_and_complete_wavs_decode_at_24khz(server):
     assert rate == 24000
     # Constrained sampling: every token is audio, a window every 7 tokens after the first 28.
     assert len(audio) > 0 and len(audio) % CHUNK == 0
-    assert np.array_equal(audio, pcm_of(streamed)), "same seed, streaming or not: same audio"
+    assert same_audio(audio, pcm_of(streamed)), "same seed, streaming or not: same audio"
     assert np.abs(audio.astype(np.int32)).max() > 0
 
 
@@ -58,8 +65,8 @@ async def test_a_seed_gives_the_same_audio_alone_and_among_concurrent_requests(s
         )
     assert all(code == 200 for code, _, _ in results)
     assert len(pcm_of(alone)) > 0
-    assert np.array_equal(pcm_of(results[0][2]), pcm_of(alone))
-    assert not np.array_equal(pcm_of(results[1][2])[: len(pcm_of(alone))], pcm_of(alone))
+    assert same_audio(pcm_of(results[0][2]), pcm_of(alone))
+    assert not same_audio(pcm_of(results[1][2])[: len(pcm_of(alone))], pcm_of(alone))
 
 
 async def test_form_requests_and_bad_input_leave_the_server_serving(server):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -211,14 +210,14 @@ def test_classify_follows_the_reference_token_filter() -> None:
     program = OrpheusProgram(get_spec("orpheus"))
     rnd = random.Random(0)
     streams = [_random_stream(rnd, 400) for _ in range(4)]
-    n_audio = np.zeros(len(streams), dtype=np.int64)
+    n_audio = torch.zeros(len(streams), dtype=torch.int64)
     ours: list[list[int]] = [[] for _ in streams]
     for t in range(400):  # classify the four streams as one batch per step, like the runtime
-        tokens = np.array([[s[t]] for s in streams], dtype=np.int64)
+        tokens = torch.tensor([[s[t]] for s in streams], dtype=torch.int64)
         kinds = program.classify(tokens, n_audio)
-        assert kinds.dtype == np.int8
+        assert kinds.dtype == torch.int64
         n_audio += kinds == TokenKind.AUDIO
-        for i, k in enumerate(kinds):
+        for i, k in enumerate(kinds.tolist()):
             ours[i].append(int(k))
     for stream, got in zip(streams, ours, strict=True):
         assert got == _reference_kinds(stream)
@@ -233,7 +232,7 @@ def test_candidates_are_only_accepted_audio_tokens_or_stop() -> None:
     for row, n in zip(cands.numpy(), n_audio.numpy(), strict=True):
         assert len(set(row.tolist())) == 4096
         assert row.max() < program.vocab_size
-        kinds = program.classify(row[:, None], np.full(4096, n, dtype=np.int64))
+        kinds = program.classify(torch.from_numpy(row[:, None]), torch.full((4096,), int(n))).numpy()
         assert (kinds == TokenKind.STOP).sum() == 1
         assert (kinds == TokenKind.AUDIO).sum() == 4095
         codes = row[kinds == TokenKind.AUDIO] - 128266 - 4096 * (n % 7)

@@ -125,15 +125,14 @@ class OrpheusProgram(LMProgram):
         return torch.cat([ids, stop], dim=1)
 
     # --- tokens → meaning (host) ---------------------------------------------------------------
-    def classify(self, tokens: np.ndarray, n_audio: np.ndarray) -> np.ndarray:
-        """tokens [B, 1] int64, n_audio [B] int64 → kinds [B] int8 (reference decoder rules)."""
-        tok = tokens[:, 0].astype(np.int64)  # [B]
-        code = tok - AUDIO_BASE - CODEBOOK * (n_audio.astype(np.int64) % FRAME)  # [B]
+    def classify(self, tokens: torch.Tensor, n_audio: torch.Tensor) -> torch.Tensor:
+        """tokens [B, 1] int64, n_audio [B] int64 → kinds [B] int64 (reference decoder rules)."""
+        tok = tokens[:, 0]  # [B]
+        code = tok - AUDIO_BASE - CODEBOOK * (n_audio % FRAME)  # [B]
         # Tokens below the custom-token block give negative codes, so `> 0` alone matches the
         # reference's "custom token with a positive code" test.
-        kinds = np.where(code > 0, TokenKind.AUDIO, TokenKind.OTHER).astype(np.int8)
-        kinds[tok == STOP_TOKEN] = TokenKind.STOP
-        return kinds
+        kinds = torch.where(code > 0, int(TokenKind.AUDIO), int(TokenKind.OTHER))
+        return torch.where(tok == STOP_TOKEN, int(TokenKind.STOP), kinds)
 
     # --- codec (graph) -------------------------------------------------------------------------
     def detokenize(self, tokens: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,98 @@
+"""Single-stream time to first audio at the HTTP client, through every process of `voxpipe serve`.
+
+Starts the server (dummy weights unless told otherwise), sends sequential streaming requests and
+times the first PCM byte after the WAV header. Writes JSON with the samples and their p50.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+import aiohttp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+async def one(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[float, float, int]:
+    t0 = time.perf_counter()
+    first = None
+    n = 0
+    async with session.post(url, json=body) as r:
+        r.raise_for_status()
+        async for data in r.content.iter_any():
+            n += len(data)
+            if first is None and n > 44:
+                first = time.perf_counter() - t0
+    return first if first is not None else float("nan"), time.perf_counter() - t0, n - 44
+
+
+async def measure(base: str, reps: int, tokens: int) -> list[tuple[float, float, int]]:
+    async with aiohttp.ClientSession() as s:
+        body = {
+            "text": "Hello, how are you today?",
+            "seed": 1,
+            "max_tokens": 60 + tokens,
+            "min_tokens": tokens,
+        }
+        await one(s, base + "/generate", body)  # warm-up
+        return [await one(s, base + "/generate", {**body, "seed": i}) for i in range(reps)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="orpheus")
+    ap.add_argument("--port", type=int, default=8123)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--out", default="ttfa_http.json")
+    ap.add_argument("serve_args", nargs="*", help="extra `voxpipe serve` flags (after --)")
+    args = ap.parse_args()
+    cmd = [sys.executable, "-m", "common.cli", "serve", "--model", args.model, "--port", str(args.port)]
+    cmd += ["--load-format", "dummy", "--constrained", *args.serve_args]
+    server = subprocess.Popen(cmd, cwd=ROOT)
+    base = f"http://127.0.0.1:{args.port}"
+    try:
+        t0 = time.monotonic()
+        while True:
+            try:
+                import urllib.request
+
+                with urllib.request.urlopen(base + "/ready", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if server.poll() is not None or time.monotonic() - t0 > 400:
+                raise RuntimeError("server did not become ready")
+            time.sleep(0.5)
+        startup = time.monotonic() - t0
+        res = asyncio.run(measure(base, args.reps, args.tokens))
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(30)
+    ttfa = [r[0] * 1000 for r in res]
+    out = {
+        "model": f"{args.model} dummy",
+        "date": time.strftime("%F"),
+        "startup_s": round(startup, 1),
+        "ttfa_p50_ms": round(statistics.median(ttfa), 2),
+        "ttfa_ms": [round(t, 2) for t in ttfa],
+        "request_s": [round(r[1], 3) for r in res],
+        "audio_s": [round(r[2] / 2 / 24000, 3) for r in res],
+    }
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
