@@ -130,6 +130,9 @@ class ProcStatus(msgspec.Struct, tag="status", **_STRUCT):
     time: float = 0.0
     load: int = 0  # requests in flight (gpu_worker), queued prompts (tokenizer_worker)
     capacity: int = 0
+    # Gauges and counters for /metrics, e.g. gpu_worker: kv_pages_used, kv_pages_total,
+    # decode_batch_size, queue_depth, generated_tokens_total, steps_total.
+    metrics: dict[str, float] = {}
 
 
 class ModelInfo(msgspec.Struct, **_STRUCT):

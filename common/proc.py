@@ -45,6 +45,7 @@ class StatusReporter:
         self._detail = ""
         self._load = 0
         self._capacity = 0
+        self._metrics: dict[str, float] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
@@ -54,8 +55,11 @@ class StatusReporter:
         self._state, self._detail = state, detail
         self._wake.set()
 
-    def set_load(self, load: int, capacity: int = 0) -> None:
+    def set_load(self, load: int, capacity: int = 0, metrics: dict[str, float] | None = None) -> None:
+        """Called from the worker's loop; the heartbeat thread sends the latest values."""
         self._load, self._capacity = load, capacity
+        if metrics is not None:
+            self._metrics = metrics
 
     def close(self) -> None:
         self._stop.set()
@@ -75,6 +79,7 @@ class StatusReporter:
                     time=time.time(),
                     load=self._load,
                     capacity=self._capacity,
+                    metrics=dict(self._metrics),
                 )
             )
             self._wake.wait(HEARTBEAT_S)

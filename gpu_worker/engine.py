@@ -111,6 +111,8 @@ class Engine:
         self._finished: list[Finished] = []
         self._inflight: _InFlight | None = None
         self.step_count = 0
+        self.tokens_total = 0  # sampled rows consumed, all requests
+        self.last_batch_size = 0
         # rid → (generated codebook-0 ids, stop token excluded; reason) when kept (tests, benches).
         self.outputs: dict[str, tuple[list[int], FinishReason]] | None = None
         s = program.detok_interval - program.detok_overlap
@@ -162,6 +164,17 @@ class Engine:
     def num_active(self) -> int:
         return len(self.running) + len(self.waiting)
 
+    def metrics(self) -> dict[str, float]:
+        return {
+            "kv_pages_used": self.allocator.num_used,
+            "kv_pages_total": self.allocator.num_pages - 1,
+            "decode_batch_size": self.last_batch_size,
+            "queue_depth": len(self.waiting),
+            "active_streams": len(self.running),
+            "generated_tokens_total": self.tokens_total,
+            "steps_total": self.step_count,
+        }
+
     def _finish(self, req: Request, reason: FinishReason) -> None:
         if self.outputs is not None:
             self.outputs[req.rid] = (req.generated, reason)
@@ -198,6 +211,7 @@ class Engine:
         # Requests whose budget is used up by launched steps wait for their last results.
         batch = [r for r in self.running.values() if len(r.prompt) + r.n_launched < r.budget]
         batch.sort(key=lambda r: r.n_ctx != 0)  # new requests first: runners split prefill/decode
+        self.last_batch_size = len(batch)
         previous, self._inflight = self._inflight, (self._launch(batch) if batch else None)
         chunks = self._consume(previous) if previous is not None else []
         if not chunks and not self._finished:
@@ -280,6 +294,7 @@ class Engine:
             if req.done:
                 continue  # stopped or aborted while this step was in flight
             req.n_gen += 1
+            self.tokens_total += 1
             if kind == _STOP:
                 self._finish(req, FinishReason.STOP)
                 continue

@@ -77,4 +77,4 @@ class GpuWorker:
             # 4. emit one message for the step
             if out is not None:
                 self.to_codec.send(out)
-            self.status.set_load(engine.num_active, engine.limits.max_batch_size)
+            self.status.set_load(engine.num_active, engine.limits.max_batch_size, engine.metrics())
