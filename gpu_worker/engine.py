@@ -38,6 +38,7 @@ from programs.base import LMProgram, TokenKind
 log = logging.getLogger(__name__)
 
 _STOP, _AUDIO = int(TokenKind.STOP), int(TokenKind.AUDIO)
+_MAX_TOMBSTONES = 10_000
 
 
 @dataclass
@@ -110,6 +111,7 @@ class Engine:
         self.running: dict[str, Request] = {}
         self._finished: list[Finished] = []
         self._inflight: _InFlight | None = None
+        self._aborted: dict[str, bool] = {}  # rids aborted before their prompt arrived (bounded)
         self.step_count = 0
         self.tokens_total = 0  # sampled rows consumed, all requests
         self.last_batch_size = 0
@@ -136,6 +138,14 @@ class Engine:
                 )
             )
             return
+        if rows.min() < 0 or rows.max() >= self.program.vocab_size:
+            self._finished.append(
+                Finished(prompt.rid, FinishReason.ERROR, message="prompt token ids out of range", status=400)
+            )
+            return
+        if self._aborted.pop(prompt.rid, False):
+            self._finished.append(Finished(prompt.rid, FinishReason.ABORT))
+            return
         self.waiting.append(Request(prompt.rid, rows, prompt.sampling, prompt.arrival, budget))
 
     def abort(self, rid: str) -> None:
@@ -147,6 +157,19 @@ class Engine:
         req = self.running.get(rid)
         if req is not None:
             self._finish(req, FinishReason.ABORT)
+            return
+        # The abort overtook its prompt (still in the tokenizer pool): drop the prompt on arrival.
+        self._aborted[rid] = True
+        while len(self._aborted) > _MAX_TOMBSTONES:
+            self._aborted.pop(next(iter(self._aborted)))
+
+    def fail_all(self, message: str) -> None:
+        """After a failed step: end every request with an explicit error and reclaim all state."""
+        self._inflight = None
+        for req in [*self.running.values(), *self.waiting]:
+            self._finish(req, FinishReason.ERROR)
+            self._finished[-1].message, self._finished[-1].status = message, 500
+        self.waiting.clear()
 
     def run_until_idle(self) -> list[DetokBatch]:
         """Step until every request has finished (offline use: tests, benchmarks)."""

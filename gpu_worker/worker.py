@@ -73,7 +73,19 @@ class GpuWorker:
                     case _:
                         raise TypeError(f"unexpected message {type(msg).__name__}")
             # 2-3. schedule and run one step
-            out = engine.step()
+            try:
+                out = engine.step()
+            except Exception as e:
+                # Every request in flight ends with an explicit error rather than a hang. A CUDA
+                # error leaves the context unusable: then exit and let the supervisor restart us.
+                log.exception("step failed; failing %d requests", engine.num_active)
+                engine.fail_all(f"gpu_worker step failed: {type(e).__name__}: {e}")
+                out = engine.step()
+                if out is not None:
+                    self.to_codec.send(out)
+                if isinstance(e, torch.cuda.CudaError) or "CUDA" in str(e):
+                    raise
+                continue
             # 4. emit one message for the step
             if out is not None:
                 self.to_codec.send(out)
