@@ -46,7 +46,7 @@ def forced_batches(seqs: list[np.ndarray], n_prompt: list[int]) -> list[StepBatc
 
 
 def run_forced(runner, steps: list[StepBatch]) -> torch.Tensor:
-    return torch.stack([runner.forward(b)[:, 0].float().cpu() for b in steps])  # [T, B, V]
+    return torch.stack([runner.forward(b)[0][:, 0].float().cpu() for b in steps])  # [T, B, V]
 
 
 def compare(a: torch.Tensor, b: torch.Tensor) -> dict:

@@ -249,7 +249,10 @@ class Engine:
         n_dec = len(batch) - n_pre
         c = self.program.n_codebooks
         ids = np.concatenate([*prompts, np.zeros((n_dec, c), dtype=np.int64)])  # decode rows fed on device
-        dec_pos = np.fromiter((r.n_ctx for r in batch[n_pre:]), dtype=np.int64, count=n_dec)
+        meta = np.empty((4, len(batch)), dtype=np.int64)  # slot, sampled before, prompt length, n_ctx
+        for i, r in enumerate(batch):
+            meta[0, i], meta[1, i], meta[2, i], meta[3, i] = r.slot, r.n_launched, len(r.prompt), r.n_ctx
+        dec_pos = meta[3, n_pre:]
         pos = np.concatenate([*(np.arange(len(p)) for p in prompts), dec_pos])
         rows = [len(p) for p in prompts] + [1] * n_dec
         return StepBatch(
@@ -259,25 +262,20 @@ class Engine:
             kv_lens=[len(p) for p in prompts] + (dec_pos + 1).tolist(),
             page_tables=[r.pages for r in batch],
             num_prefill=n_pre,
-            feedback=self.slots.last[self._slot_tensor(batch[n_pre:])] if n_dec else None,
+            meta=np.ascontiguousarray(meta[:3]),
+            last_rows=self.slots.last,
         )
-
-    def _slot_tensor(self, reqs: list[Request]) -> torch.Tensor:
-        slots = np.fromiter((r.slot for r in reqs), dtype=np.int64, count=len(reqs))
-        return torch.from_numpy(slots).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def _launch(self, batch: list[Request]) -> _InFlight:
         layout = self._layout(batch)
-        logits = self.runner.forward(layout)  # [B, C, V]
-        dev = self.device
-        n = len(batch)
-        meta = np.empty((3, n), dtype=np.int64)  # slot, tokens sampled before, prompt length
-        for i, r in enumerate(batch):
-            meta[0, i], meta[1, i], meta[2, i] = r.slot, r.n_launched, len(r.prompt)
+        logits, meta = self.runner.forward(layout)  # [B, C, V], [3, B] on the device
+        for r in batch:
             r.n_ctx += len(r.prompt) if r.n_ctx == 0 else 1
             r.n_launched += 1
-        slots, n_gen, plen = torch.from_numpy(meta).to(dev, non_blocking=True)
+        dev = self.device
+        n = len(batch)
+        slots, n_gen, plen = meta
         length = n_gen + plen  # history entries: prompt + tokens sampled before this step
         out = torch.empty(n, dtype=torch.int64, device=dev)
         # Constrained and free rows are sampled apart; every op is row-wise, so a row's result

@@ -71,10 +71,12 @@ class GraphRunner:
         self.sizes = decode_buckets(limits.max_batch_size, limits.min_decode_batch)
         self.no_split_kv = limits.no_split_kv
         bmax, c, dev = self.sizes[-1], program.n_codebooks, program.device
-        # Input arena: [ids (bmax*c) | pos | write page | write offset], int64.
+        # Input arena: [ids (bmax*c) | pos | write page | write offset | meta (3*bmax)], int64;
+        # meta (slot, tokens sampled, prompt length) covers every request of the step.
         self._spans = {"ids": (0, bmax * c), "pos": (bmax * c, bmax), "page": (bmax * (c + 1), bmax)}
         self._spans["off"] = (bmax * (c + 2), bmax)
-        total = bmax * (c + 3)
+        self._spans["meta"] = (bmax * (c + 3), 3 * bmax)
+        total = bmax * (c + 6)
         self.host = torch.zeros(total, dtype=torch.int64).pin_memory()
         self.dev = torch.zeros(total, dtype=torch.int64, device=dev)
         max_pages = bmax * pages_for(limits.max_context, self.page_size) + bmax
@@ -143,36 +145,49 @@ class GraphRunner:
         return graph, wrapper, out
 
     @torch.inference_mode()
-    def forward(self, b: StepBatch) -> torch.Tensor:
-        """→ logits [B, C, V] float32: prefill part eager, decode part from a graph."""
+    def forward(self, b: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """→ (logits [B, C, V] float32, meta [3, B] on the device): prefill part eager, decode part
+        from a graph; one host→device copy of the arena carries the decode rows and all of meta."""
+        n_dec = b.batch_size - b.num_prefill
+        if n_dec > self.sizes[-1] or b.batch_size > self.sizes[-1]:
+            return self.eager.forward(b)
+        meta = self._fill_arena(b)
         parts = []
         if b.num_prefill:
-            parts.append(self.eager.forward(b.part(0, b.num_prefill)))
-        n_dec = b.batch_size - b.num_prefill
+            pre = b.part(0, b.num_prefill)
+            pre.meta = None  # already on the device, in the arena
+            parts.append(self.eager.forward(pre)[0])
         if n_dec:
-            dec = b.part(b.num_prefill, b.batch_size)
-            parts.append(self._replay(dec) if n_dec <= self.sizes[-1] else self.eager.forward(dec))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+            parts.append(self._replay(b.part(b.num_prefill, b.batch_size), meta[0, b.num_prefill :]))
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)), meta
 
-    def _replay(self, b: StepBatch) -> torch.Tensor:
-        n = b.batch_size
-        bs = next(s for s in self.sizes if s >= n)
-        pad = bs - n
-        c = self.program.n_codebooks
+    def _fill_arena(self, b: StepBatch) -> torch.Tensor | None:
+        """Decode rows (padding zeroed) and the step's meta → one copy to the device arena."""
         self._copied.synchronize()  # the last step's copy out of the host arena is done
         self.host.zero_()  # padding rows: token 0, position 0, page 0, offset 0
-        self._view(self.host, "ids", n * c).copy_(torch.from_numpy(b.ids.reshape(-1)))
-        self._view(self.host, "pos", n).copy_(torch.from_numpy(b.pos))
-        pos = b.pos
-        page = np.fromiter(
-            (t[p // self.page_size] for t, p in zip(b.page_tables, pos, strict=True)), np.int64, n
-        )
-        self._view(self.host, "page", n).copy_(torch.from_numpy(page))
-        self._view(self.host, "off", n).copy_(torch.from_numpy(pos % self.page_size))
+        dec = b.part(b.num_prefill, b.batch_size)
+        n, c = dec.batch_size, self.program.n_codebooks
+        if n:
+            self._view(self.host, "ids", n * c).copy_(torch.from_numpy(dec.ids.reshape(-1)))
+            self._view(self.host, "pos", n).copy_(torch.from_numpy(dec.pos))
+            pos = dec.pos
+            page = np.fromiter(
+                (t[p // self.page_size] for t, p in zip(dec.page_tables, pos, strict=True)), np.int64, n
+            )
+            self._view(self.host, "page", n).copy_(torch.from_numpy(page))
+            self._view(self.host, "off", n).copy_(torch.from_numpy(pos % self.page_size))
+        if b.meta is not None:
+            self._view(self.host, "meta", b.meta.size).copy_(torch.from_numpy(b.meta.reshape(-1)))
         self.dev.copy_(self.host, non_blocking=True)
         self._copied.record()
-        if b.feedback is not None:
-            self._view(self.dev, "ids", n * c).view(n, c).copy_(b.feedback)
+        return None if b.meta is None else self._view(self.dev, "meta", b.meta.size).view(3, -1)
+
+    def _replay(self, b: StepBatch, dec_slots: torch.Tensor | None) -> torch.Tensor:
+        n, c = b.batch_size, self.program.n_codebooks
+        bs = next(s for s in self.sizes if s >= n)
+        pad = bs - n
+        if b.last_rows is not None:
+            self._view(self.dev, "ids", n * c).view(n, c).copy_(b.last_rows[dec_slots])
         graph, wrapper, out = self.graphs[bs]
         self._plan(wrapper, *page_arrays(b.kv_lens + [1] * pad, b.page_tables + [[0]] * pad, self.page_size))
         graph.replay()

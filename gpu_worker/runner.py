@@ -25,7 +25,11 @@ class StepBatch:
     kv_lens: list[int]  # [B] context after this step
     page_tables: list[list[int]]  # [B]
     num_prefill: int  # the first num_prefill requests bring prompt rows
-    feedback: torch.Tensor | None = None  # [B - num_prefill, C] device ids of the decode rows
+    # [3, B] int64 per request: sampling slot, tokens sampled before this step, prompt length.
+    meta: np.ndarray | None = None
+    # [S, C] device table of each slot's last sampled row: decode rows take their ids from it, so
+    # fed-back tokens never leave the device. None: `ids` holds every row.
+    last_rows: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -34,9 +38,6 @@ class StepBatch:
     def part(self, lo: int, hi: int) -> StepBatch:
         """Requests [lo, hi) as a batch of their own."""
         r0, r1 = self.qo_indptr[lo], self.qo_indptr[hi]
-        fb = None
-        if self.feedback is not None and hi > self.num_prefill:
-            fb = self.feedback[max(lo - self.num_prefill, 0) : hi - self.num_prefill]
         return StepBatch(
             ids=self.ids[r0:r1],
             pos=self.pos[r0:r1],
@@ -44,7 +45,8 @@ class StepBatch:
             kv_lens=self.kv_lens[lo:hi],
             page_tables=self.page_tables[lo:hi],
             num_prefill=max(0, min(self.num_prefill, hi) - lo),
-            feedback=fb,
+            meta=None if self.meta is None else self.meta[:, lo:hi],
+            last_rows=self.last_rows,
         )
 
 
@@ -57,17 +59,26 @@ class EagerRunner:
         self.device = program.device
 
     @torch.inference_mode()
-    def forward(self, b: StepBatch) -> torch.Tensor:
-        """→ logits [B, C, V] float32 on the device."""
+    def forward(self, b: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """→ (logits [B, C, V] float32, meta [3, B] on the device) with one host→device copy."""
         dev = self.device
-        ids = torch.from_numpy(b.ids).to(dev, non_blocking=True)  # [N, C]
-        if b.feedback is not None:  # decode rows are the last ones; their ids never left the device
-            ids[ids.shape[0] - b.feedback.shape[0] :] = b.feedback
-        pos = torch.from_numpy(b.pos).to(dev, non_blocking=True)  # [N]
+        n, c = b.ids.shape
+        parts = [b.ids.reshape(-1), b.pos] + ([b.meta.reshape(-1)] if b.meta is not None else [])
+        arena = torch.from_numpy(np.concatenate(parts)).to(dev, non_blocking=True)
+        ids, pos = arena[: n * c].view(n, c), arena[n * c : n * c + n]  # [N, C], [N]
+        meta = arena[n * (c + 1) :].view(3, -1) if b.meta is not None else None
+        feed_decode_rows(ids, b, meta)
         self.attn.plan(StepLayout(b.qo_indptr, b.kv_lens, b.page_tables, pos))
         hidden = self.program.backbone(self.program.embed(ids), pos, self.attn)  # [N, H]
         last = torch.tensor(b.qo_indptr[1:], device=dev) - 1
-        return self.program.head(hidden[last]).float()
+        return self.program.head(hidden[last]).float(), meta
+
+
+def feed_decode_rows(ids: torch.Tensor, b: StepBatch, meta: torch.Tensor | None) -> None:
+    """Decode rows (the last ones) take the ids sampled last step, straight from the device."""
+    n_dec = b.batch_size - b.num_prefill
+    if b.last_rows is not None and n_dec:
+        ids[ids.shape[0] - n_dec :] = b.last_rows[meta[0, b.num_prefill :]]
 
 
 def make_runner(program: LMProgram, kv_cache: torch.Tensor, limits, progress=None) -> EagerRunner:
