@@ -1,0 +1,44 @@
+"""CPU checks of the pure pieces of the GPU path: graph buckets and FlashInfer page arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from codec_worker.graphs import codec_buckets
+from gpu_worker.attention import StepLayout
+from gpu_worker.flashinfer_backend import page_arrays, write_slots
+from gpu_worker.graphs import decode_buckets
+
+
+def test_decode_buckets_cover_every_batch_size_with_little_padding():
+    for max_batch in (1, 7, 16, 100, 256, 512):
+        sizes = decode_buckets(max_batch)
+        assert sizes[0] == 1 and sizes[-1] == max_batch and sizes == sorted(set(sizes))
+        for n in range(1, max_batch + 1):
+            bucket = next(s for s in sizes if s >= n)
+            assert bucket - n <= max(7, n // 4)  # a few rows, or under a quarter, of padding
+    assert decode_buckets(256, min_batch=32)[0] == 32
+
+
+def test_codec_buckets_double_up_to_the_maximum():
+    assert codec_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert codec_buckets(100)[-1] == 100
+
+
+def test_page_arrays_match_flashinfer_conventions():
+    # kv lengths 1, 16, 17, 40 with page size 16 → 1, 1, 2, 3 pages; last page fill 1, 16, 1, 8.
+    tables = [[5], [7, 8], [9, 10, 11], [2, 3, 4, 6]]
+    indptr, indices, last = page_arrays([1, 16, 17, 40], tables, 16)
+    assert indptr.tolist() == [0, 1, 2, 4, 7]
+    assert indices.tolist() == [5, 7, 9, 10, 2, 3, 4]
+    assert last.tolist() == [1, 16, 1, 8]
+    assert indptr.dtype == indices.dtype == last.dtype == np.int32
+
+
+def test_write_slots_put_each_row_in_its_page():
+    pos = torch.tensor([0, 1, 2, 17, 40])
+    layout = StepLayout([0, 3, 4, 5], [3, 18, 41], [[5], [7, 8], [2, 3, 4]], pos)
+    page, off = write_slots(layout, 16)
+    assert page.tolist() == [5, 5, 5, 8, 4]
+    assert off.tolist() == [0, 1, 2, 1, 8]
