@@ -47,24 +47,8 @@ class OrpheusProgram(LMProgram):
     # SNAC is small (20 M parameters) and tanh-saturating; fp32 keeps it faithful to the reference.
     codec_dtype: torch.dtype = torch.float32
 
-    def __init__(
-        self,
-        spec: dict[str, Any],
-        *,
-        load_format: str = "auto",
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
-        weights: str | None = None,
-        codec_weights: str | None = None,
-    ) -> None:
-        super().__init__(
-            spec,
-            load_format=load_format,
-            device=device,
-            dtype=dtype,
-            weights=weights,
-            codec_weights=codec_weights,
-        )
+    def __init__(self, spec: dict[str, Any], **kwargs: Any) -> None:
+        super().__init__(spec, **kwargs)  # keyword arguments: see LMProgram
         self.lm: LlamaLM | None = None  # set by load_lm (gpu_worker)
         self.codec: SnacCodec | None = None  # set by load_codec (codec_worker)
         self._tokenizer: TextTokenizer | None = None  # loaded on first preprocess (tokenizer_worker)
