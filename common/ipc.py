@@ -1,21 +1,35 @@
-"""The one place that makes ZeroMQ sockets: the address book and typed channels.
+"""The one place that makes ZeroMQ sockets: the address book, typed channels and taps.
 
 Call sites never see zmq or msgpack: they hold a `PushChannel[T]` / `PullChannel[T]` (or the
 asyncio variants) that encode and decode one tagged union each. Bound sockets belong to the
 receiver of a stream (gateway inbox, gpu_worker inbox, codec inbox); senders connect, so any
-number of senders (tokenizer workers, several gpu_workers) can join and leave.
+number of senders (tokenizer workers, several gpu_workers) can join and leave. The tokenizer pool
+is pull-based instead (`common.pool`): workers ask for one request at a time.
+
+Every address is written the way a connecting process reaches it (`tcp://gateway:5557`,
+`ipc:///run/x/requests`); the process that binds it derives its bind address (`bind_address`), so
+one address book serves every process of a deployment.
+
+Taps: `install_tap(addr, proc)` gives the process an XPUB socket on which every send of every
+channel (and every `publish_stage` event) is mirrored as [TapHeader, message bytes]. Mirroring
+happens only while someone subscribes; otherwise a send pays one clock read and a comparison.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import tempfile
+import threading
+import time
 from typing import Any, Generic, TypeVar
 
 import msgspec
 import zmq
 import zmq.asyncio
+
+from common.messages import StageEvent, TapHeader
 
 log = logging.getLogger(__name__)
 
@@ -23,12 +37,26 @@ T = TypeVar("T")
 
 # Enough to absorb bursts; a full queue blocks the sender (backpressure) rather than dropping.
 _HWM = 100_000
+# A tap drops rather than blocks: a slow `voxpipe tap` must never slow the pipeline.
+_TAP_HWM = 10_000
+
+# Default tcp ports of the separate-services deployment (README "Running as separate services").
+DEFAULT_PORTS = {"requests": 5557, "gateway_in": 5558, "gpu_in": 5559, "codec_in": 5560}
+
+# Which side of each address a role holds: it binds the streams it receives, connects to the rest.
+ROLE_SOCKETS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "gateway": (("requests", "gateway_in"), ("gpu_in",)),
+    "tokenizer_worker": ((), ("requests", "gpu_in", "gateway_in")),
+    "gpu_worker": (("gpu_in",), ("codec_in", "gateway_in")),
+    "codec_worker": (("codec_in",), ("gateway_in",)),
+}
 
 
 class Addresses(msgspec.Struct, frozen=True):
-    """Where each receiving socket is bound. Every process gets the same book."""
+    """Where each receiving socket is, as a connecting process reaches it. Every process gets the
+    same book."""
 
-    requests: str  # gateway PUSH (bind) → tokenizer workers PULL (connect)
+    requests: str  # gateway ROUTER (bind) ↔ tokenizer workers DEALER (connect), see common.pool
     gpu_in: str  # gpu_worker PULL (bind) ← tokenizer workers (prompts), gateway (aborts)
     codec_in: str  # codec_worker PULL (bind) ← gpu_worker
     gateway_in: str  # gateway PULL (bind) ← codec_worker, tokenizer workers, status of all
@@ -48,28 +76,167 @@ class Addresses(msgspec.Struct, frozen=True):
             gateway_in=f"ipc://{p(run_dir, 'gateway_in')}",
         )
 
+    @classmethod
+    def tcp(cls, host: str = "127.0.0.1", ports: dict[str, int] | None = None) -> Addresses:
+        """tcp:// sockets on one host name (the separate-services defaults use 127.0.0.1)."""
+        ports = {**DEFAULT_PORTS, **(ports or {})}
+        return cls(**{f: f"tcp://{host}:{ports[f]}" for f in cls.__struct_fields__})
 
-def _socket(ctx: zmq.Context, kind: int, addr: str, bind: bool) -> zmq.Socket:
+
+def _split_tcp(addr: str) -> tuple[str, str]:
+    host, sep, port = addr.removeprefix("tcp://").rpartition(":")
+    if not sep or not host or not port:
+        raise ValueError(f"{addr!r} is not a tcp://HOST:PORT address")
+    return host, port
+
+
+def is_wildcard(addr: str) -> bool:
+    return addr.startswith("tcp://") and _split_tcp(addr)[0] in ("*", "0.0.0.0", "::", "[::]")
+
+
+def bind_address(addr: str) -> str:
+    """The address a binding process binds for `addr`: ipc:// and IP literals as given (127.0.0.1
+    stays loopback-only), `localhost` as 127.0.0.1, and any other host name (a service name such
+    as `gateway`, which is this process's own) as every interface, `tcp://*:PORT`."""
+    if not addr.startswith("tcp://"):
+        return addr
+    host, port = _split_tcp(addr)
+    if host in ("*", "0.0.0.0", "::", "[::]"):
+        return addr
+    if host == "localhost":
+        return f"tcp://127.0.0.1:{port}"
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return addr
+    except ValueError:
+        return f"tcp://*:{port}"
+
+
+def _socket(
+    ctx: zmq.Context, kind: int, addr: str, bind: bool, options: dict[int, Any] | None = None
+) -> zmq.Socket:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, _HWM)
     sock.setsockopt(zmq.RCVHWM, _HWM)
+    if addr.startswith("tcp://"):
+        # ZMTP heartbeats: a peer whose host or container vanished is dropped within seconds, so
+        # a dispatcher stops counting on it and a reconnect starts cleanly.
+        sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+    for opt, value in (options or {}).items():
+        sock.setsockopt(opt, value)
     if bind:
-        sock.bind(addr)
+        sock.bind(bind_address(addr))
     else:
+        if is_wildcard(addr):
+            raise ValueError(f"cannot connect to {addr!r}: it is a bind address; give the host name")
         sock.connect(addr)
     return sock
 
 
-class PushChannel(Generic[T]):
-    """Sends messages of one union type. `bind=False` (connect) is the usual side for senders."""
+# --- taps -----------------------------------------------------------------------------------------
 
-    def __init__(self, addr: str, bind: bool = False, ctx: zmq.Context | None = None) -> None:
+
+class Tap:
+    """An XPUB socket mirroring this process's sends. XPUB (not PUB) so the process learns whether
+    anyone subscribes and skips the mirror entirely when nobody does; subscriptions are read at
+    most every `CHECK_S`, so a new subscriber sees messages within that much of connecting."""
+
+    CHECK_S = 0.05
+
+    def __init__(self, addr: str, proc: str, ctx: zmq.Context | None = None) -> None:
+        self.addr = addr
+        self.proc = proc
+        self._sock = (ctx or zmq.Context.instance()).socket(zmq.XPUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, _TAP_HWM)
+        self._sock.bind(bind_address(addr))
+        self._enc = msgspec.msgpack.Encoder()
+        self._topics: set[bytes] = set()
+        self._next_check = 0.0
+        self._owner = threading.get_ident()  # zmq sockets are single-thread: other threads skip
+        self.listening = False
+
+    def poll(self) -> bool:
+        """Whether anyone subscribes (cheap: reads subscriptions at most every CHECK_S)."""
+        now = time.monotonic()
+        if now >= self._next_check:
+            self._next_check = now + self.CHECK_S
+            while True:
+                try:
+                    sub = self._sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if sub[:1] == b"\x01":
+                    self._topics.add(sub[1:])
+                elif sub[:1] == b"\x00":
+                    self._topics.discard(sub[1:])
+            self.listening = bool(self._topics)
+        return self.listening and threading.get_ident() == self._owner
+
+    def send(self, payload: bytes, addr: str = "", peer: str = "") -> None:
+        header = self._enc.encode(TapHeader(self.proc, time.time(), addr, peer))
+        try:
+            self._sock.send_multipart([header, payload], zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            pass  # the subscriber is behind: drop, never block
+
+    def stage(self, rid: str, stage: str, t: float | None = None, **detail: str | int | float) -> None:
+        self.send(self._enc.encode(StageEvent(rid, stage, time.time() if t is None else t, detail)))
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+_tap: Tap | None = None
+
+
+def install_tap(addr: str, proc: str) -> Tap:
+    """Mirror this process's sends on a tap bound at `addr` (`--tap` / VOXPIPE_TAP)."""
+    global _tap
+    if _tap is not None:
+        _tap.close()
+    _tap = Tap(addr, proc)
+    log.info("tap on %s", addr)
+    return _tap
+
+
+def tap_listening() -> bool:
+    """True while someone subscribes to this process's tap (gate any work done only for taps)."""
+    return _tap is not None and _tap.poll()
+
+
+def publish_stage(rid: str, stage: str, t: float | None = None, **detail: str | int | float) -> None:
+    """A StageEvent on this process's tap; costs ~nothing when nobody listens."""
+    if _tap is not None and _tap.poll():
+        _tap.stage(rid, stage, t, **detail)
+
+
+def mirror(payload: bytes, addr: str, peer: str = "") -> None:
+    if _tap is not None and _tap.poll():
+        _tap.send(payload, addr, peer)
+
+
+# --- channels -------------------------------------------------------------------------------------
+
+
+class PushChannel(Generic[T]):
+    """Sends messages of one union type. `bind=False` (connect) is the usual side for senders.
+    `tap=False` for channels used off the main thread (heartbeats) or not worth mirroring."""
+
+    def __init__(
+        self, addr: str, bind: bool = False, ctx: zmq.Context | None = None, tap: bool = True
+    ) -> None:
         self._sock = _socket(ctx or zmq.Context.instance(), zmq.PUSH, addr, bind)
         self._enc = msgspec.msgpack.Encoder()
+        self._addr = addr if tap else ""
 
     def send(self, msg: T) -> None:
-        self._sock.send(self._enc.encode(msg), copy=False)
+        data = self._enc.encode(msg)
+        if self._addr and _tap is not None and _tap.poll():
+            _tap.send(data, self._addr)  # before the real send, so a tap sees causes before effects
+        self._sock.send(data, copy=False)
 
     def close(self) -> None:
         self._sock.close(linger=0)
@@ -118,12 +285,18 @@ class PullChannel(Generic[T]):
 
 
 class AsyncPushChannel(Generic[T]):
-    def __init__(self, addr: str, bind: bool = False, ctx: zmq.asyncio.Context | None = None) -> None:
+    def __init__(
+        self, addr: str, bind: bool = False, ctx: zmq.asyncio.Context | None = None, tap: bool = True
+    ) -> None:
         self._sock = _socket(ctx or zmq.asyncio.Context.instance(), zmq.PUSH, addr, bind)
         self._enc = msgspec.msgpack.Encoder()
+        self._addr = addr if tap else ""
 
     async def send(self, msg: T) -> None:
-        await self._sock.send(self._enc.encode(msg), copy=False)
+        data = self._enc.encode(msg)
+        if self._addr and _tap is not None and _tap.poll():
+            _tap.send(data, self._addr)
+        await self._sock.send(data, copy=False)
 
     def close(self) -> None:
         self._sock.close(linger=0)
@@ -147,3 +320,26 @@ class AsyncPullChannel(Generic[T]):
 
     def close(self) -> None:
         self._sock.close(linger=0)
+
+
+# The pull-based pool lives beside this file; re-exported so call sites import channels from here.
+from common.pool import AsyncDispatchChannel, AsyncWorkChannel, WorkChannel  # noqa: E402
+
+__all__ = [
+    "DEFAULT_PORTS",
+    "ROLE_SOCKETS",
+    "Addresses",
+    "AsyncDispatchChannel",
+    "AsyncPullChannel",
+    "AsyncPushChannel",
+    "AsyncWorkChannel",
+    "PullChannel",
+    "PushChannel",
+    "Tap",
+    "WorkChannel",
+    "bind_address",
+    "install_tap",
+    "mirror",
+    "publish_stage",
+    "tap_listening",
+]

@@ -152,3 +152,53 @@ TokenizerInMsg = GenerateRequest
 GpuInMsg = Prompt | Abort
 CodecInMsg = DetokBatch
 GatewayInMsg = AudioChunks | RequestError | ProcStatus
+
+
+# --- Pool control and taps (added after the unions above; fields carry defaults) -----------------
+
+
+class WorkerReady(msgspec.Struct, tag="wready", **_STRUCT):
+    """pool worker → dispatcher: "I am free, send me one message". `seq` counts the messages the
+    worker has received, so the dispatcher can tell a stale announcement (one that crossed a message
+    on the wire) from a fresh one; a worker repeats it while idle, which also re-registers it with
+    a restarted gateway."""
+
+    name: str = ""
+    seq: int = 0
+
+
+class WorkerLeaving(msgspec.Struct, tag="wleave", **_STRUCT):
+    """pool worker → dispatcher: send me nothing more; answer with `LeaveAck`."""
+
+    name: str = ""
+
+
+class LeaveAck(msgspec.Struct, tag="wbye", **_STRUCT):
+    """dispatcher → pool worker: nothing more is on its way to you (anything sent earlier arrives
+    before this), so you may exit."""
+
+    name: str = ""
+
+
+class StageEvent(msgspec.Struct, tag="stage", **_STRUCT):
+    """Published on a tap only, never on a pipeline socket: a point in a request's life that no
+    wire message marks (gpu_worker "admitted" / "first_token", gateway "first_byte_sent")."""
+
+    rid: str = ""
+    stage: str = ""
+    time: float = 0.0  # time.time() of the event in the publishing process
+    detail: dict[str, str | int | float] = {}
+
+
+class TapHeader(msgspec.Struct, **_STRUCT):
+    """First frame of every message on a tap; the second frame is the message exactly as sent."""
+
+    proc: str = ""  # the publishing process's name
+    time: float = 0.0  # time.time() just before the message was sent
+    addr: str = ""  # the socket it was sent on ("" for a StageEvent)
+    peer: str = ""  # for a dispatched message: the pool worker that took it
+
+
+PoolWorkerMsg = WorkerReady | WorkerLeaving  # pool worker → dispatcher
+# Everything a tap can carry: one decoder for `voxpipe tap`.
+TapMsg = GenerateRequest | Prompt | Abort | DetokBatch | AudioChunks | RequestError | ProcStatus | StageEvent

@@ -37,6 +37,16 @@ class ProcessTable:
     def update(self, status: ProcStatus) -> None:
         self._entries[status.name] = _Entry(status, time.monotonic())
 
+    def fresh_metrics(self) -> list[tuple[str, str, dict[str, float]]]:
+        """(name, role, metrics) of every process heard from within `stale_after_s`: a process
+        that went quiet must not keep showing its last KV pages and queue."""
+        now = time.monotonic()
+        return [
+            (name, e.status.role, dict(e.status.metrics))
+            for name, e in list(self._entries.items())
+            if now - e.received <= self.stale_after_s and e.status.metrics
+        ]
+
     def report(self) -> tuple[bool, list[dict[str, Any]]]:
         """(ready, one row per process: the gateway, every reporter, then expected ones missing)."""
         now = time.monotonic()

@@ -1,52 +1,40 @@
-"""Validation of a `POST /generate` body: a pure function from the decoded fields to a request.
+"""Validation of `POST /generate` and `POST /v1/audio/speech` bodies: pure functions from the decoded
+fields to a request, driven by the field tables below (which /openapi.json also publishes).
 
-Bodies come from JSON (typed values) or from HTML forms (every value a string), so each field
-parser accepts both: `0.7` and `"0.7"`, `false` and `"no"`. Every problem raises `BadRequest` with
-a message that names the field, what was given and what is allowed; the server turns it into a
-400. Defaults come from the model spec (`programs.<x>.spec`), so the gateway needs no torch.
+Defaults come from the model spec (`programs.<x>.spec`), so the gateway needs no torch. Texts may be
+longer than one generation can speak: `gateway.segments` splits them; the limit here is
+--max-text-chars on the whole input.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 from collections.abc import Mapping
 from typing import Any
 
 from common.config import ServeConfig
 from common.messages import SamplingParams
-
-# Request fields a client may set; anything else is rejected so typos do not pass silently.
-FIELDS = (
-    "text",
-    "voice",
-    "streaming",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "seed",
-    "max_tokens",
-    "min_tokens",
-)
+from gateway.encoders import available_formats, default_format
+from gateway.fields import BadRequest, Field, parse_fields, show
+from gateway.segments import text_limit
+from programs import get_spec, model_names
 
 # Used when the spec does not say how large the vocabulary is; any larger k means "all tokens".
 TOP_K_MAX = 1_000_000
 SEED_MAX = 2**63 - 1
 
-_TRUE = ("true", "1", "yes", "on")
-_FALSE = ("false", "0", "no", "off")
+# OpenAI's model names, accepted for the served model so that OpenAI clients work unchanged.
+OPENAI_MODEL_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+# Formats OpenAI offers that this build cannot produce, and why (the message tells the client).
+UNSUPPORTED_FORMATS = {"aac": "libsndfile, which encodes the audio here, has no AAC encoder"}
 
-
-class BadRequest(ValueError):
-    """The client's body is invalid; the message says what to change."""
+__all__ = ["BadRequest", "GenerateParams", "SpeechParams", "parse_generate", "parse_speech"]
 
 
 @dataclasses.dataclass(frozen=True)
 class GenerateParams:
-    """A validated request, ready to become a `GenerateRequest`."""
+    """A validated request, ready to be split into segments and submitted."""
 
     text: str
     voice: str
@@ -54,57 +42,15 @@ class GenerateParams:
     streaming: bool
 
 
-def parse_generate(body: Mapping[str, Any], spec: Mapping[str, Any], cfg: ServeConfig) -> GenerateParams:
-    """Check every field of `body` against the model `spec` and the deployment `cfg`.
+@dataclasses.dataclass(frozen=True)
+class SpeechParams(GenerateParams):
+    """A validated OpenAI speech request: `GenerateParams` plus the output container and framing."""
 
-    A field given as JSON `null` counts as absent (its default applies), except `text`.
-    """
-    unknown = sorted(k for k in body if k not in FIELDS)
-    if unknown:
-        names = ", ".join(repr(k) for k in unknown)
-        hint = ""
-        if any(k.lstrip().startswith("{") for k in unknown):
-            hint = " (a JSON body needs the header Content-Type: application/json)"
-        raise BadRequest(f"unknown field {names}{hint}; accepted fields: {', '.join(FIELDS)}")
+    response_format: str = "wav"
+    stream_format: str = "audio"  # "audio": raw bytes; "sse": speech.audio.delta events
 
-    def get(name: str) -> Any:
-        return body.get(name)
 
-    text = _text(get("text"), cfg.max_text_chars)
-    voice = _voice(get("voice"), spec)
-    streaming = True if get("streaming") is None else _bool("streaming", get("streaming"))
-
-    defaults = spec.get("sampling", {})
-    # Only fields SamplingParams has: a spec may carry extra knobs other processes read.
-    sampling: dict[str, Any] = {k: v for k, v in defaults.items() if k in SamplingParams.__struct_fields__}
-
-    def override(name: str, value: Any) -> None:
-        if value is not None:
-            sampling[name] = value
-
-    override("temperature", _number("temperature", get("temperature"), 0.0, 2.0))
-    override("top_p", _number("top_p", get("top_p"), 0.0, 1.0, lo_open=True))
-    top_k_max = int(spec.get("vocab_size") or TOP_K_MAX)
-    override("top_k", _integer("top_k", get("top_k"), 0, top_k_max))
-    override("min_p", _number("min_p", get("min_p"), 0.0, 1.0))
-    override(
-        "repetition_penalty",
-        _number("repetition_penalty", get("repetition_penalty"), 0.0, 10.0, lo_open=True),
-    )
-
-    seed = _integer("seed", get("seed"), 0, SEED_MAX)
-    sampling["seed"] = random.getrandbits(63) if seed is None else seed
-
-    limit = max_tokens_limit(spec, cfg)
-    max_tokens = _integer("max_tokens", get("max_tokens"), 1, limit)
-    sampling["max_tokens"] = limit if max_tokens is None else max_tokens
-    min_tokens = _integer("min_tokens", get("min_tokens"), 0, sampling["max_tokens"])
-    sampling["min_tokens"] = 0 if min_tokens is None else min_tokens
-
-    sampling["constrained"] = bool(
-        spec.get("constrained", False) if cfg.constrained is None else cfg.constrained
-    )
-    return GenerateParams(text=text, voice=voice, sampling=SamplingParams(**sampling), streaming=streaming)
+# -- the field tables ----------------------------------------------------------------------------------
 
 
 def max_tokens_limit(spec: Mapping[str, Any], cfg: ServeConfig) -> int:
@@ -115,95 +61,249 @@ def max_tokens_limit(spec: Mapping[str, Any], cfg: ServeConfig) -> int:
     return limit
 
 
-def _text(value: Any, max_chars: int) -> str:
-    if value is None:
-        raise BadRequest("field 'text' is required: the text to speak, a non-empty string")
-    if not isinstance(value, str):
-        raise BadRequest(f"field 'text' must be a string, got {_show(value)}")
-    if not value.strip():
-        raise BadRequest("field 'text' is empty; give the text to speak")
-    if len(value) > max_chars:
+def _text_field(name: str, cfg: ServeConfig) -> Field:
+    return Field(
+        name,
+        "string",
+        "The text to speak, a non-empty string. Text longer than one generation can speak is split "
+        "at sentence ends and spoken as consecutive segments.",
+        required=True,
+        max_length=text_limit(cfg),
+        max_length_hint="--max-text-chars sets it",
+    )
+
+
+def _voice_field(spec: Mapping[str, Any]) -> Field:
+    voices = tuple(spec.get("voices", ()))
+    return Field(
+        "voice",
+        "string",
+        "One of the model's voices.",
+        default=spec.get("default_voice", voices[0] if voices else None),
+        choices=voices,
+        choice_error="unknown voice {value}; this model's voices are: {choices}",
+    )
+
+
+def sampling_fields(spec: Mapping[str, Any], cfg: ServeConfig) -> list[Field]:
+    """Sampling options, shared by both endpoints (extra fields on the OpenAI one)."""
+    d = spec.get("sampling", {})
+    limit = max_tokens_limit(spec, cfg)
+    return [
+        Field("temperature", "number", "Sampling temperature; 0 = greedy.", d.get("temperature"), minimum=0, maximum=2),
+        Field(
+            "top_p", "number", "Nucleus sampling mass.", d.get("top_p"), minimum=0, maximum=1, exclusive_minimum=True
+        ),
+        Field("top_k", "integer", "Keep the k likeliest tokens; 0 = off.", d.get("top_k", 0), minimum=0,
+              maximum=int(spec.get("vocab_size") or TOP_K_MAX)),  # fmt: skip
+        Field("min_p", "number", "Drop tokens below min_p x the top probability; 0 = off.", d.get("min_p", 0.0),
+              minimum=0, maximum=1),  # fmt: skip
+        Field(
+            "repetition_penalty",
+            "number",
+            "Penalty on tokens already in the prompt or generated.",
+            d.get("repetition_penalty"),
+            minimum=0,
+            maximum=10,
+            exclusive_minimum=True,
+        ),
+        Field(
+            "seed",
+            "integer",
+            "Fixes the tokens and the codec's noise: the same seed gives the same audio. Segment k of a "
+            "long text uses seed + k. Default: random.",
+            minimum=0,
+            maximum=SEED_MAX,
+        ),
+        Field(
+            "max_tokens",
+            "integer",
+            "Token budget of each generation (each segment of a long text), prompt included.",
+            limit,
+            minimum=1,
+            maximum=limit,
+        ),
+        Field(
+            "min_tokens",
+            "integer",
+            "The stop token is masked until this many tokens were generated; at most max_tokens.",
+            0,
+            minimum=0,
+            maximum=limit,
+        ),
+    ]
+
+
+def generate_fields(spec: Mapping[str, Any], cfg: ServeConfig) -> list[Field]:
+    """The fields of `POST /generate`, in the order error messages list them."""
+    streaming = Field(
+        "streaming",
+        "boolean",
+        "true: chunked WAV with unknown sizes (0xFFFFFFFF), PCM16 as it is decoded; false: one complete WAV.",
+        True,
+    )
+    return [_text_field("text", cfg), _voice_field(spec), streaming, *sampling_fields(spec, cfg)]
+
+
+def accepted_models(served: str) -> list[str]:
+    """Names a speech request may give for the served model: the served name, the registry's other
+    names for the same model, and OpenAI's model names."""
+    spec_name = get_spec(served)["name"]
+    names = [served] + [n for n in model_names() if n != served.lower() and get_spec(n)["name"] == spec_name]
+    return names + [n for n in OPENAI_MODEL_ALIASES if n not in names]
+
+
+def speech_fields(spec: Mapping[str, Any], cfg: ServeConfig) -> list[Field]:
+    """The fields of `POST /v1/audio/speech`: OpenAI's, then voxpipe's extras."""
+    formats = tuple(available_formats(int(spec["sample_rate"])))
+    models = tuple(accepted_models(cfg.model))
+    return [
+        Field(
+            "model",
+            "string",
+            f"The served model, {cfg.model}, or an alias of it (see GET /v1/models).",
+            required=True,
+            choices=models,
+        ),
+        _text_field("input", cfg),
+        _voice_field(spec),
+        Field(
+            "response_format",
+            "string",
+            "Audio container: pcm is raw 16-bit little-endian mono samples at the model's sample rate; "
+            "flac is sent whole when generation ends (its header holds the length).",
+            default_format(int(spec["sample_rate"])),
+            choices=formats,
+            choice_error="unsupported response_format {value}; use one of: {choices}",
+        ),
+        Field(
+            "speed",
+            "number",
+            f"Speaking rate. {spec['name']} cannot change it, so only 1.0 is accepted.",
+            1.0,
+            minimum=1.0,
+            maximum=1.0,
+        ),
+        Field(
+            "stream_format",
+            "string",
+            "audio: the encoded bytes, chunked as they are produced; sse: text/event-stream of "
+            "speech.audio.delta events (base64 audio) and a final speech.audio.done.",
+            "audio",
+            choices=("audio", "sse"),
+        ),
+        Field(
+            "instructions",
+            "string",
+            f"Voice instructions; {spec['name']} has none, so it must be empty.",
+            max_length=0,
+            max_length_hint="this model takes no instructions: leave the field out",
+        ),
+        Field(
+            "streaming",
+            "boolean",
+            "voxpipe extension. false: one complete file with exact sizes (stream_format audio only).",
+            True,
+        ),
+        *sampling_fields(spec, cfg),
+    ]
+
+
+# -- parsing -------------------------------------------------------------------------------------------
+
+
+def parse_generate(body: Mapping[str, Any], spec: Mapping[str, Any], cfg: ServeConfig) -> GenerateParams:
+    """Check every field of a /generate `body` against the model `spec` and the deployment `cfg`.
+
+    A field given as JSON `null` counts as absent (its default applies), except `text`.
+    """
+    fields = generate_fields(spec, cfg)
+    v = parse_fields(body, fields)
+    return GenerateParams(
+        text=v["text"],
+        voice=v["voice"] or _default(fields, "voice"),
+        sampling=_sampling(v, fields, spec, cfg),
+        streaming=True if v["streaming"] is None else v["streaming"],
+    )
+
+
+def parse_speech(body: Mapping[str, Any], spec: Mapping[str, Any], cfg: ServeConfig) -> SpeechParams:
+    """Check an OpenAI speech `body`. A model that is not served is a 404 (`model_not_found`)."""
+    fields = speech_fields(spec, cfg)
+    models = _default_choices(fields, "model")
+    model = body.get("model")
+    if isinstance(model, str):
+        match = next((m for m in models if m.lower() == model.lower()), None)  # names are case-blind
+        if match is None:
+            raise BadRequest(
+                f"model {show(model)} is not served here; this server serves {cfg.model} "
+                f"(accepted names: {', '.join(models)}); see GET /v1/models",
+                param="model",
+                code="model_not_found",
+                status=404,
+            )
+        body = {**body, "model": match}
+    fmt = body.get("response_format")
+    if isinstance(fmt, str) and fmt in UNSUPPORTED_FORMATS:
+        choices = ", ".join(available_formats(int(spec["sample_rate"])))
         raise BadRequest(
-            f"field 'text' has {len(value)} characters; the limit is {max_chars} "
-            "(split the text, or raise --max-text-chars)"
+            f"response_format {fmt!r} is not supported: {UNSUPPORTED_FORMATS[fmt]}; use one of: {choices}",
+            param="response_format",
+            code="unsupported_value",
         )
-    return value
+    speed = body.get("speed")
+    if speed is not None:
+        try:
+            next(f for f in fields if f.name == "speed").parse(speed)
+        except BadRequest:
+            raise BadRequest(
+                f"field 'speed' must be 1.0, got {show(speed)}: {spec['name']} cannot change its speaking "
+                "rate; leave speed out (or resample the audio on your side)",
+                param="speed",
+                code="unsupported_value",
+            ) from None
+    v = parse_fields(body, fields)
+    stream_format = v["stream_format"] or "audio"
+    streaming = True if v["streaming"] is None else v["streaming"]
+    if not streaming and stream_format == "sse":
+        raise BadRequest(
+            "stream_format 'sse' always streams; drop streaming: false or use stream_format 'audio'",
+            param="streaming",
+        )
+    return SpeechParams(
+        text=v["input"],
+        voice=v["voice"] or _default(fields, "voice"),
+        sampling=_sampling(v, fields, spec, cfg),
+        streaming=streaming,
+        response_format=v["response_format"] or _default(fields, "response_format"),
+        stream_format=stream_format,
+    )
 
 
-def _voice(value: Any, spec: Mapping[str, Any]) -> str:
-    voices = list(spec.get("voices", []))
-    if value is None:
-        return str(spec.get("default_voice", voices[0] if voices else ""))
-    if not isinstance(value, str) or value not in voices:
-        raise BadRequest(f"unknown voice {_show(value)}; this model's voices are: {', '.join(voices)}")
-    return value
+def _default(fields: list[Field], name: str) -> Any:
+    return next(f.default for f in fields if f.name == name)
 
 
-def _bool(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str):
-        word = value.strip().lower()
-        if word in _TRUE:
-            return True
-        if word in _FALSE:
-            return False
-    raise BadRequest(f"field {name!r} must be a boolean (true/false, 1/0, yes/no), got {_show(value)}")
+def _default_choices(fields: list[Field], name: str) -> tuple[str, ...]:
+    return next(f.choices or () for f in fields if f.name == name)
 
 
-def _to_float(name: str, value: Any, expected: str) -> float:
-    # bool is an int subclass, but `"temperature": true` is a client bug, not a number.
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise BadRequest(f"field {name!r} must be {expected}, got {_show(value)}")
-    try:
-        number = float(value)
-    except (ValueError, OverflowError):
-        raise BadRequest(f"field {name!r} must be {expected}, got {_show(value)}") from None
-    if not math.isfinite(number):
-        raise BadRequest(f"field {name!r} must be a finite number ({expected}), got {_show(value)}")
-    return number
-
-
-def _number(name: str, value: Any, lo: float, hi: float, lo_open: bool = False) -> float | None:
-    """A float in [lo, hi] (or (lo, hi] with `lo_open`); None when absent."""
-    if value is None:
-        return None
-    allowed = f"a number in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
-    number = _to_float(name, value, allowed)
-    if number < lo or number > hi or (lo_open and number == lo):
-        raise BadRequest(f"field {name!r} must be {allowed}, got {_show(value)}")
-    return number
-
-
-def _integer(name: str, value: Any, lo: int, hi: int) -> int | None:
-    """An integer in [lo, hi]; integral floats (`50.0`) pass. None when absent."""
-    if value is None:
-        return None
-    allowed = f"an integer in [{lo}, {hi}]"
-    if isinstance(value, int) and not isinstance(value, bool):
-        number = value  # exact: large seeds must not round-trip through float
-    elif isinstance(value, str) and value.strip().lstrip("+-").isdigit():
-        number = int(value.strip())
-    else:
-        as_float = _to_float(name, value, allowed)
-        if not as_float.is_integer():
-            raise BadRequest(f"field {name!r} must be {allowed}, got {_show(value)}")
-        number = int(as_float)
-    if number < lo or number > hi:
-        raise BadRequest(f"field {name!r} must be {allowed}, got {_show(value)}")
-    return number
-
-
-def _show(value: Any) -> str:
-    """A short, JSON-like rendering of a client's value for error messages."""
-    if isinstance(value, bool):
-        text = "true" if value else "false"
-    elif isinstance(value, str):
-        text = repr(value)
-    elif isinstance(value, (int, float)):
-        text = repr(value)
-    else:
-        text = f"a {type(value).__name__}"
-    return text if len(text) <= 60 else text[:57] + "..."
+def _sampling(
+    v: Mapping[str, Any], fields: list[Field], spec: Mapping[str, Any], cfg: ServeConfig
+) -> SamplingParams:
+    """SamplingParams from the parsed values, the spec's defaults filling the gaps."""
+    defaults = spec.get("sampling", {})
+    # Only fields SamplingParams has: a spec may carry extra knobs other processes read.
+    sampling: dict[str, Any] = {k: x for k, x in defaults.items() if k in SamplingParams.__struct_fields__}
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        if v[name] is not None:
+            sampling[name] = v[name]
+    sampling["seed"] = random.getrandbits(63) if v["seed"] is None else v["seed"]
+    sampling["max_tokens"] = max_tokens_limit(spec, cfg) if v["max_tokens"] is None else v["max_tokens"]
+    if v["min_tokens"] is not None and v["min_tokens"] > sampling["max_tokens"]:
+        # The bound depends on this request's max_tokens: re-check with it, for the same message.
+        min_field = next(f for f in fields if f.name == "min_tokens")
+        dataclasses.replace(min_field, maximum=sampling["max_tokens"]).parse(v["min_tokens"])
+    sampling["min_tokens"] = v["min_tokens"] or 0
+    sampling["constrained"] = bool(spec.get("constrained", False) if cfg.constrained is None else cfg.constrained)
+    return SamplingParams(**sampling)

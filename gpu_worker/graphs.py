@@ -158,7 +158,8 @@ class GraphRunner:
             pre.meta = None  # already on the device, in the arena
             parts.append(self.eager.forward(pre)[0])
         if n_dec:
-            parts.append(self._replay(b.part(b.num_prefill, b.batch_size), meta[0, b.num_prefill :]))
+            dec_slots = meta[0, b.num_prefill :] if meta is not None else None
+            parts.append(self._replay(b.part(b.num_prefill, b.batch_size), dec_slots))
         return (parts[0] if len(parts) == 1 else torch.cat(parts)), meta
 
     def _fill_arena(self, b: StepBatch) -> torch.Tensor | None:
