@@ -1,0 +1,233 @@
+"""Load benchmark over the HTTP API: fixed concurrency or Poisson arrivals, bounded in time.
+
+Each request streams `POST /generate` with `min_tokens` = `max_tokens` - prompt allowance, so random
+weights produce a fixed amount of audio. Per request it records the time to first audio (first PCM
+byte after the WAV header) and every chunk's arrival. A chunk is *on time* when the audio received
+before it covers the playback time elapsed since the first chunk (a player that started at the
+first byte would not have run dry); a request is on time when all its chunks are.
+
+For each load level it reports TTFA p50/p90/p99, the share of requests fully on time, aggregate
+× real time (audio seconds delivered per wall second) and errors; it writes JSON (and a PNG when
+matplotlib is installed). `max_streams_meeting_target` is the largest level with ≥ 99 % of requests
+on time and p99 TTFA ≤ 250 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+HEADER = 44
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Streaming speech should start quickly and never stall.",
+    "Many listeners at once, each hearing audio without gaps.",
+    "A short sentence.",
+]
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    error: str = ""
+    ttfa: float = float("nan")  # seconds
+    chunks: list[tuple[float, int]] = field(default_factory=list)  # (time since send, bytes so far)
+
+    def on_time(self, sample_rate: int, slack_s: float = 0.0) -> bool:
+        if not self.ok or not self.chunks:
+            return False
+        t0, _ = self.chunks[0]
+        prev_bytes = self.chunks[0][1]
+        for t, total in self.chunks[1:]:
+            buffered_s = prev_bytes / 2 / sample_rate  # audio received before this chunk
+            if t - t0 > buffered_s + slack_s:
+                return False
+            prev_bytes = total
+        return True
+
+    def audio_s(self, sample_rate: int) -> float:
+        return (self.chunks[-1][1] / 2 / sample_rate) if self.chunks else 0.0
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, body: dict) -> Result:
+    res = Result()
+    t0 = time.perf_counter()
+    got = 0
+    try:
+        async with session.post(url, json=body) as r:
+            if r.status != 200:
+                res.error = f"HTTP {r.status}: {(await r.text())[:200]}"
+                return res
+            async for data in r.content.iter_any():
+                got += len(data)
+                if got > HEADER:
+                    now = time.perf_counter() - t0
+                    if not res.chunks:
+                        res.ttfa = now
+                    res.chunks.append((now, got - HEADER))
+        res.ok = True
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    k = min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))
+    return values[k]
+
+
+def summarize(results: list[Result], wall_s: float, sample_rate: int) -> dict:
+    ok = [r for r in results if r.ok]
+    ttfa = [r.ttfa * 1000 for r in ok if r.chunks]
+    return {
+        "requests": len(results),
+        "errors": len(results) - len(ok),
+        "error_examples": sorted({r.error for r in results if not r.ok})[:3],
+        "ttfa_p50_ms": round(percentile(ttfa, 50), 2),
+        "ttfa_p90_ms": round(percentile(ttfa, 90), 2),
+        "ttfa_p99_ms": round(percentile(ttfa, 99), 2),
+        "on_time_share": round(sum(r.on_time(sample_rate) for r in results) / max(1, len(results)), 4),
+        "x_realtime": round(sum(r.audio_s(sample_rate) for r in ok) / wall_s, 2),
+        "wall_s": round(wall_s, 2),
+    }
+
+
+async def run_level(
+    base: str,
+    *,
+    concurrency: int = 0,
+    rate: float = 0.0,
+    duration: float,
+    tokens: int,
+    prompt_allowance: int,
+    seed: int,
+) -> tuple[list[Result], float]:
+    """Closed loop (`concurrency` clients, each sending back to back) or open loop (Poisson `rate`)."""
+    rng = random.Random(seed)
+    url = base + "/generate"
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
+    results: list[Result] = []
+
+    def body() -> dict:
+        return {
+            "text": rng.choice(TEXTS),
+            "seed": rng.randrange(2**31),
+            "max_tokens": tokens + prompt_allowance,
+            "min_tokens": tokens,
+        }
+
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as s:
+        t0 = time.perf_counter()
+        deadline = t0 + duration
+        if concurrency:
+
+            async def client() -> None:
+                while time.perf_counter() < deadline:
+                    results.append(await one_request(s, url, body()))
+
+            await asyncio.gather(*(client() for _ in range(concurrency)))
+        else:
+            tasks = []
+            while time.perf_counter() < deadline:
+                tasks.append(asyncio.create_task(one_request(s, url, body())))
+                await asyncio.sleep(rng.expovariate(rate))
+            results.extend(await asyncio.gather(*tasks))
+        return results, time.perf_counter() - t0
+
+
+def meets_target(point: dict) -> bool:
+    return point["errors"] == 0 and point["on_time_share"] >= 0.99 and point["ttfa_p99_ms"] <= 250
+
+
+def plot(curve: list[dict], key: str, path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    x = [p[key] for p in curve]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(x, [p["ttfa_p50_ms"] for p in curve], "o-", label="TTFA p50 (ms)")
+    ax.plot(x, [p["ttfa_p99_ms"] for p in curve], "s--", label="TTFA p99 (ms)")
+    ax.set_xlabel(key)
+    ax.set_ylabel("ms")
+    ax2 = ax.twinx()
+    ax2.plot(x, [100 * p["on_time_share"] for p in curve], "g^-", label="on time (%)")
+    ax2.set_ylabel("% of requests fully on time")
+    ax2.set_ylim(0, 105)
+    fig.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="voxpipe bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    group = ap.add_mutually_exclusive_group()
+    group.add_argument("--concurrency", default="", help="comma list of concurrent streams, e.g. 1,8,32")
+    group.add_argument("--rate", default="", help="comma list of Poisson arrival rates (requests/s)")
+    ap.add_argument("--duration", type=float, default=30.0, help="seconds of load per level")
+    ap.add_argument("--tokens", type=int, default=1024, help="tokens generated per request")
+    ap.add_argument("--prompt-allowance", type=int, default=100, help="max_tokens = tokens + this")
+    ap.add_argument("--sample-rate", type=int, default=24000)
+    ap.add_argument("--model", default="", help="label for the results (default: from /ready)")
+    ap.add_argument("--device", default="", help="label for the results")
+    ap.add_argument("--out", default="bench_load.json")
+    ap.add_argument("--plot", default="", help="PNG path (needs matplotlib)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    levels = [int(c) for c in args.concurrency.split(",") if c] or []
+    rates = [float(r) for r in args.rate.split(",") if r]
+    if not levels and not rates:
+        levels = [1]
+    key = "concurrency" if levels else "rate"
+    curve = []
+    for i, level in enumerate(levels or rates):
+        kw = {"concurrency": level} if levels else {"rate": level}
+        results, wall = asyncio.run(
+            run_level(
+                args.url,
+                duration=args.duration,
+                tokens=args.tokens,
+                prompt_allowance=args.prompt_allowance,
+                seed=args.seed + i,
+                **kw,
+            )
+        )
+        point = {key: level, **summarize(results, wall, args.sample_rate)}
+        curve.append(point)
+        print(json.dumps(point), flush=True)
+    passing = [p[key] for p in curve if meets_target(p)]
+    out = {
+        "device": args.device,
+        "model": args.model,
+        "date": time.strftime("%F"),
+        "tokens_per_request": args.tokens,
+        "duration_s_per_level": args.duration,
+        "target": "no errors, >= 99% of requests fully on time, p99 TTFA <= 250 ms",
+        "max_streams_meeting_target": max(passing) if passing else 0,
+        "curve": curve,
+    }
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    if args.plot and not plot(curve, key, args.plot):
+        print("matplotlib is not installed: no plot written (pip install matplotlib)")
+    print(json.dumps({k: out[k] for k in ("max_streams_meeting_target", "date")}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
