@@ -1,49 +1,29 @@
-"""The `voxpipe` command line."""
+"""The `voxpipe` command line.
+
+voxpipe serve          every process on this host over ipc:// (the embedded default)
+voxpipe gateway        one process as a service, over tcp:// (also `python -m gateway`);
+voxpipe tokenizer      likewise `tokenizer_worker`, `gpu_worker`, `codec_worker`
+voxpipe gpu-worker
+voxpipe codec-worker
+voxpipe tap            print per-request timelines from the processes' taps
+voxpipe models         the model names --model accepts
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from common.config import ServeConfig
+from common.config import ServeConfig, add_options, resolve
 from common.proc import setup_logging
 
-
-def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    d = ServeConfig()
-    p.add_argument("--model", default=d.model, help="model name (see `voxpipe models`)")
-    p.add_argument("--host", default=d.host, help="HTTP bind address (default 127.0.0.1: local only)")
-    p.add_argument("--port", type=int, default=d.port)
-    p.add_argument(
-        "--tokenizer-workers", type=int, default=d.tokenizer_workers, help="prompt-builder processes"
-    )
-    p.add_argument("--device", default=d.device, help="LM device: auto, cpu, cuda, cuda:N")
-    p.add_argument("--codec-device", default=d.codec_device, help="codec device (default: the LM's)")
-    p.add_argument(
-        "--load-format", choices=["auto", "dummy"], default=d.load_format, help="dummy = random weights"
-    )
-    p.add_argument("--weights", default="", help="LM checkpoint: Hugging Face id or local directory")
-    p.add_argument("--codec-weights", default="", help="codec checkpoint: Hugging Face id or local directory")
-    p.add_argument("--disable-cuda-graph", action="store_true", help="run GPU steps eagerly (debugging)")
-    p.add_argument("--dtype", default=d.dtype, help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16")
-    p.add_argument("--max-batch-size", type=int, default=d.max_batch_size, help="0 = 256 on GPU, 16 on CPU")
-    p.add_argument("--max-context", type=int, default=d.max_context, help="0 = the model's max_tokens")
-    p.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
-    p.add_argument("--num-pages", type=int, default=d.num_pages, help="0 = max-batch-size full contexts")
-    p.add_argument(
-        "--constrained",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="keep sampled tokens valid codes for their frame position (default: the model's choice)",
-    )
-    p.add_argument("--max-text-chars", type=int, default=d.max_text_chars, help="longest accepted text")
-    p.add_argument("--log-level", default=d.log_level)
-    p.add_argument("--run-dir", default="", help="directory for ipc:// sockets (default: a private temp dir)")
-
-
-def _config_from_args(args: argparse.Namespace) -> ServeConfig:
-    fields = {f: getattr(args, f) for f in ServeConfig.__struct_fields__ if hasattr(args, f)}
-    return ServeConfig(**fields)
+# `voxpipe <command>` → the role (= package) it runs
+ROLE_COMMANDS = {
+    "gateway": "gateway",
+    "tokenizer": "tokenizer_worker",
+    "gpu-worker": "gpu_worker",
+    "codec-worker": "codec_worker",
+}
 
 
 def _validate(cfg: ServeConfig) -> None:
@@ -58,11 +38,21 @@ def _validate(cfg: ServeConfig) -> None:
         raise ValueError("--page-size must be positive; --max-batch-size, --max-context, --num-pages >= 0")
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="voxpipe", description="Serve speech language models.")
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_serve_args(sub.add_parser("serve", help="start every process on this host and serve HTTP"))
+    add_options(sub.add_parser("serve", help="start every process on this host and serve HTTP"), "serve")
+    for command, role in ROLE_COMMANDS.items():
+        add_options(sub.add_parser(command, help=f"run the {role} as a service (tcp:// addresses)"), role)
+    from common.tap import add_tap_args
+
+    add_tap_args(sub.add_parser("tap", help="print request timelines (JSON lines) from the processes' taps"))
     sub.add_parser("models", help="list the model names --model accepts")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
 
     if args.command == "models":
@@ -70,16 +60,32 @@ def main(argv: list[str] | None = None) -> None:
 
         print("\n".join(model_names()))
         return
-    if args.command == "serve":
-        cfg = _config_from_args(args)
-        setup_logging("serve", cfg.log_level)
+    if args.command == "tap":
+        from common.tap import run_tap
+
         try:
-            _validate(cfg)
+            sys.exit(run_tap(args))
         except ValueError as e:
             parser.error(str(e))
+    role = "serve" if args.command == "serve" else ROLE_COMMANDS[args.command]
+    try:
+        settings = resolve(role, args)
+        if role == "serve":
+            _validate(settings.cfg)
+    except ValueError as e:
+        parser.error(str(e))
+    if role == "serve":
+        setup_logging("serve", settings.cfg.log_level)
         from common.launcher import serve
 
-        sys.exit(serve(cfg))
+        sys.exit(serve(settings.cfg))
+    # Each package's __main__ is the one place that runs its process; import it only now (torch).
+    if role == "gateway":
+        from gateway.__main__ import main as run_gateway
+
+        sys.exit(run_gateway(settings=settings))
+    module = __import__(f"{role}.__main__", fromlist=["main"])
+    module.main(settings=settings)
 
 
 if __name__ == "__main__":

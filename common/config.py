@@ -1,14 +1,26 @@
-"""Settings shared by every process of one deployment.
+"""Settings shared by every process of one deployment, and how each process gets them.
 
-`voxpipe serve` parses the command line once into a `ServeConfig` and hands it to each child as
+`voxpipe serve` parses its command line once into a `ServeConfig` and hands it to each child as
 JSON (`--config-json`), so all processes agree on the model, the limits and the addresses.
+
+Run as separate services (`python -m gpu_worker`, `voxpipe gpu-worker`), a process reads the same
+settings from flags or `VOXPIPE_*` environment variables (flags win over the environment; with
+`--config-json` the environment is ignored, since the JSON is the whole deployment's config). One
+table, `OPTIONS`, says which setting each role takes, its flag and its variable.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
 import msgspec
 
-from common.ipc import Addresses
+from common.ipc import ROLE_SOCKETS, Addresses, is_wildcard
 
 
 class ServeConfig(msgspec.Struct, kw_only=True):
@@ -56,3 +68,234 @@ def program_kwargs(cfg: ServeConfig) -> dict:
     return dict(
         load_format=cfg.load_format, weights=cfg.weights or None, codec_weights=cfg.codec_weights or None
     )
+
+
+# --- options: flags and environment variables ------------------------------------------------------
+
+SERVICES = ("gateway", "tokenizer_worker", "gpu_worker", "codec_worker")
+_ALL = ("serve", *SERVICES)
+_LOADERS = ("serve", "tokenizer_worker", "gpu_worker", "codec_worker")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _parse_bool(text: str) -> bool | None:
+    t = text.strip().lower()
+    if t in _TRUE:
+        return True
+    if t in _FALSE:
+        return False
+    if t in ("", "auto", "default"):
+        return None
+    raise ValueError(f"expected one of {', '.join(_TRUE + _FALSE)} or auto")
+
+
+@dataclass(frozen=True)
+class Option:
+    field: str  # ServeConfig field, Addresses field, or a per-process setting (name, tap)
+    help: str
+    roles: tuple[str, ...]
+    type: Callable[[str], Any] = str
+    kind: str = "config"  # config | address | process
+    choices: tuple[str, ...] = ()
+    negatable: bool = True  # a boolean flag with a --no- form (else: store_true)
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.field.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return "VOXPIPE_" + self.field.upper()
+
+
+def _address_roles(field: str) -> tuple[str, ...]:
+    return tuple(r for r, (binds, connects) in ROLE_SOCKETS.items() if field in binds + connects)
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("model", "model name (see `voxpipe models`)", _ALL),
+    Option(
+        "host", "HTTP bind address (127.0.0.1: this host only; 0.0.0.0 in a container)", ("serve", "gateway")
+    ),
+    Option("port", "HTTP port", ("serve", "gateway"), int),
+    Option(
+        "tokenizer_workers",
+        "serve: prompt-builder processes to start; gateway: how many must be ready for /ready",
+        ("serve", "gateway"),
+        int,
+    ),
+    Option("device", "LM device: auto, cpu, cuda, cuda:N", ("serve", "gpu_worker", "codec_worker")),
+    Option("codec_device", "codec device (auto: the LM's)", ("serve", "codec_worker")),
+    Option("load_format", "auto (real weights) or dummy (random)", _LOADERS, choices=("auto", "dummy")),
+    Option("weights", "LM checkpoint: Hugging Face id or local directory", _LOADERS),
+    Option("codec_weights", "codec checkpoint: Hugging Face id or local directory", _LOADERS),
+    Option(
+        "disable_cuda_graph",
+        "run GPU steps eagerly (debugging)",
+        ("serve", "gpu_worker", "codec_worker"),
+        _parse_bool,
+        negatable=False,
+    ),
+    Option("dtype", "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16", ("serve", "gpu_worker")),
+    Option("max_batch_size", "0 = 256 on GPU, 16 on CPU", ("serve", "gpu_worker"), int),
+    Option(
+        "max_context",
+        "0 = the model's max_tokens",
+        ("serve", "gateway", "tokenizer_worker", "gpu_worker"),
+        int,
+    ),
+    Option("page_size", "tokens per KV page", ("serve", "gpu_worker"), int),
+    Option("num_pages", "0 = max-batch-size full contexts", ("serve", "gpu_worker"), int),
+    Option(
+        "constrained",
+        "keep sampled tokens valid codes for their frame position (default: the model's choice)",
+        ("serve", "gateway"),
+        _parse_bool,
+    ),
+    Option("max_text_chars", "longest accepted text", ("serve", "gateway"), int),
+    Option("max_queue", "requests waiting for a slot beyond this get 503", ("serve", "gateway"), int),
+    Option("log_level", "DEBUG, INFO, WARNING, ERROR", _ALL),
+    Option("run_dir", "directory for ipc:// sockets and taps (default: a private temp dir)", ("serve",)),
+    Option(
+        "requests",
+        "requests to the tokenizer pool (gateway binds)",
+        _address_roles("requests"),
+        kind="address",
+    ),
+    Option("gateway_in", "the gateway's inbox (gateway binds)", _address_roles("gateway_in"), kind="address"),
+    Option("gpu_in", "the gpu_worker's inbox (gpu_worker binds)", _address_roles("gpu_in"), kind="address"),
+    Option(
+        "codec_in",
+        "the codec_worker's inbox (codec_worker binds)",
+        _address_roles("codec_in"),
+        kind="address",
+    ),
+    Option("name", "process name in /ready and logs", SERVICES, kind="process"),
+    Option(
+        "tap",
+        "mirror this process's sends on a PUB socket bound here (see `voxpipe tap`)",
+        SERVICES,
+        kind="process",
+    ),
+)
+
+
+def options_for(role: str) -> list[Option]:
+    return [o for o in OPTIONS if role in o.roles]
+
+
+def add_options(parser: argparse.ArgumentParser, role: str) -> None:
+    """The role's flags. Every default is None, so `resolve` can tell a flag from an absent one."""
+    d = ServeConfig()
+    defaults = {
+        **{f: getattr(d, f) for f in ServeConfig.__struct_fields__},
+        **{f: a for f, a in msgspec.structs.asdict(Addresses.tcp()).items()},
+    }
+    if role != "serve":
+        parser.add_argument(
+            "--config-json", help="the deployment's ServeConfig as JSON (written by `voxpipe serve`)"
+        )
+    for opt in options_for(role):
+        shown = defaults.get(opt.field, "")
+        help = (
+            f"{opt.help} [env {opt.env}; default {shown!r}]"
+            if shown not in ("", None)
+            else f"{opt.help} [env {opt.env}]"
+        )
+        if opt.type is _parse_bool:
+            action = argparse.BooleanOptionalAction if opt.negatable else "store_true"
+            parser.add_argument(opt.flag, action=action, default=None, help=help)
+        else:
+            conv = int if opt.type is int else str
+            parser.add_argument(opt.flag, type=conv, default=None, choices=opt.choices or None, help=help)
+
+
+@dataclass
+class RoleSettings:
+    """What one process runs with: the deployment's config, and its own name and tap address."""
+
+    cfg: ServeConfig
+    name: str
+    tap: str
+
+
+def default_name(role: str) -> str:
+    # Replicas of the tokenizer service share a command line: host name and pid keep them apart.
+    if role == "tokenizer_worker":
+        return f"tokenizer_worker.{socket.gethostname()}.{os.getpid()}"
+    return role
+
+
+def resolve(role: str, ns: argparse.Namespace, environ: Mapping[str, str] | None = None) -> RoleSettings:
+    """Flags, then VOXPIPE_* variables (unless --config-json), then defaults. Raises ValueError
+    naming the flag and variable to fix."""
+    environ = os.environ if environ is None else environ
+    from_json = getattr(ns, "config_json", None)
+    try:
+        cfg = ServeConfig.from_json(from_json) if from_json else ServeConfig()
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ValueError(f"--config-json is not a valid ServeConfig: {e}") from None
+    values: dict[str, Any] = {}
+    for opt in options_for(role):
+        value = getattr(ns, opt.field, None)
+        if value is None and not from_json and environ.get(opt.env, "") != "":
+            try:
+                value = opt.type(environ[opt.env])
+            except ValueError as e:
+                raise ValueError(f"{opt.env}={environ[opt.env]!r} is not valid for {opt.flag}: {e}") from None
+            if opt.choices and value not in opt.choices:
+                raise ValueError(f"{opt.env} must be one of {', '.join(opt.choices)}, got {value!r}")
+        if value is not None:
+            values[opt.field] = value
+    name = values.pop("name", None) or default_name(role)
+    tap = values.pop("tap", "")
+    addr_fields = {o.field for o in OPTIONS if o.kind == "address"}
+    given = {f: values.pop(f) for f in list(values) if f in addr_fields}
+    if role != "serve":
+        base = cfg.addresses or (Addresses.local(cfg.run_dir) if cfg.run_dir else Addresses.tcp())
+        cfg.addresses = msgspec.structs.replace(base, **given)
+        _check_connects(role, cfg.addresses)
+    for f, v in values.items():
+        setattr(cfg, f, v)
+    return RoleSettings(cfg, name, tap)
+
+
+def _check_connects(role: str, addresses: Addresses) -> None:
+    opts = {o.field: o for o in OPTIONS}
+    for f in ROLE_SOCKETS[role][1]:
+        addr = getattr(addresses, f)
+        if not addr.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(
+                f"{opts[f].flag} / {opts[f].env} must be a tcp:// or ipc:// address, got {addr!r}"
+            )
+        if is_wildcard(addr):
+            raise ValueError(
+                f"{opts[f].flag} / {opts[f].env} is {addr!r}, a bind address, but {role} connects to it: "
+                f"give the host that binds it, e.g. tcp://{_binder(f)}:{addr.rpartition(':')[2]}"
+            )
+
+
+def _binder(field: str) -> str:
+    return next(r for r, (binds, _) in ROLE_SOCKETS.items() if field in binds)
+
+
+def role_parser(role: str, prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog or f"python -m {role}",
+        description=f"Run the {role} as a service. Settings come from flags or VOXPIPE_* variables.",
+    )
+    add_options(parser, role)
+    return parser
+
+
+def parse_role(
+    role: str, argv: list[str] | None = None, environ: Mapping[str, str] | None = None
+) -> RoleSettings:
+    """`python -m <role>`'s command line → settings; exits with a usage error on a bad value."""
+    parser = role_parser(role)
+    ns = parser.parse_args(argv)
+    try:
+        return resolve(role, ns, environ)
+    except ValueError as e:
+        parser.error(str(e))
+        raise  # unreachable: parser.error exits

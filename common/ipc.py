@@ -155,11 +155,13 @@ class Tap:
         self._enc = msgspec.msgpack.Encoder()
         self._topics: set[bytes] = set()
         self._next_check = 0.0
-        self._owner = threading.get_ident()  # zmq sockets are single-thread: other threads skip
+        self._owner = threading.get_ident()
         self.listening = False
 
     def poll(self) -> bool:
         """Whether anyone subscribes (cheap: reads subscriptions at most every CHECK_S)."""
+        if threading.get_ident() != self._owner:
+            return False  # zmq sockets are single-thread: other threads never mirror
         now = time.monotonic()
         if now >= self._next_check:
             self._next_check = now + self.CHECK_S
@@ -173,7 +175,7 @@ class Tap:
                 elif sub[:1] == b"\x00":
                     self._topics.discard(sub[1:])
             self.listening = bool(self._topics)
-        return self.listening and threading.get_ident() == self._owner
+        return self.listening
 
     def send(self, payload: bytes, addr: str = "", peer: str = "") -> None:
         header = self._enc.encode(TapHeader(self.proc, time.time(), addr, peer))
@@ -322,24 +324,14 @@ class AsyncPullChannel(Generic[T]):
         self._sock.close(linger=0)
 
 
-# The pull-based pool lives beside this file; re-exported so call sites import channels from here.
-from common.pool import AsyncDispatchChannel, AsyncWorkChannel, WorkChannel  # noqa: E402
+_POOL_NAMES = ("AsyncDispatchChannel", "AsyncWorkChannel", "WorkChannel")
 
-__all__ = [
-    "DEFAULT_PORTS",
-    "ROLE_SOCKETS",
-    "Addresses",
-    "AsyncDispatchChannel",
-    "AsyncPullChannel",
-    "AsyncPushChannel",
-    "AsyncWorkChannel",
-    "PullChannel",
-    "PushChannel",
-    "Tap",
-    "WorkChannel",
-    "bind_address",
-    "install_tap",
-    "mirror",
-    "publish_stage",
-    "tap_listening",
-]
+
+def __getattr__(name: str) -> Any:
+    """The pull-based pool's channels live in common/pool.py (which builds on this module); they
+    are importable from here too, so call sites take every channel from common.ipc."""
+    if name in _POOL_NAMES:
+        from common import pool
+
+        return getattr(pool, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

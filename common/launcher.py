@@ -1,7 +1,9 @@
 """`voxpipe serve`: start every process on one host, wait until all are ready, supervise them.
 
 Children are plain `python -m <role>` processes given the same ServeConfig as JSON, talking over
-ipc:// sockets in a private run directory. Readiness is read from the gateway's /ready, which
+ipc:// sockets in a private run directory, where each also binds its tap (`tap-<name>`). A state
+file (`common.tap.state_path`) records the run directory and the taps, so `voxpipe tap` with no
+address attaches to this server. Readiness is read from the gateway's /ready, which
 collects every process's status; a child that dies is restarted (with a back-off, and a bound on
 restarts so a crash loop ends the server with a clear message instead of spinning).
 """
@@ -15,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 
 from common.config import ServeConfig
 from common.ipc import Addresses
+from common.tap import remove_state, write_state
 
 log = logging.getLogger("voxpipe.serve")
 
@@ -40,8 +44,9 @@ class Child:
 
 class Supervisor:
     def __init__(self, cfg: ServeConfig) -> None:
+        self.run_dir = cfg.run_dir or tempfile.mkdtemp(prefix="voxpipe-")
         if cfg.addresses is None:
-            cfg.addresses = Addresses.local(cfg.run_dir or None)
+            cfg.addresses = Addresses.local(self.run_dir)
         self.cfg = cfg
         self.children = [Child("gateway", "gateway")]
         self.children += [
@@ -49,6 +54,10 @@ class Supervisor:
         ]
         self.children += [Child("gpu_worker", "gpu_worker"), Child("codec_worker", "codec_worker")]
         self._stopping = False
+        self.state_file = ""
+
+    def tap_address(self, child: Child) -> str:
+        return f"ipc://{os.path.join(self.run_dir, 'tap-' + child.name)}"
 
     @property
     def url(self) -> str:
@@ -59,12 +68,15 @@ class Supervisor:
         env = dict(os.environ)
         env["PYTHONPATH"] = _ROOT + os.pathsep + env.get("PYTHONPATH", "")
         argv = [sys.executable, "-m", child.role, "--config-json", self.cfg.to_json(), "--name", child.name]
+        argv += ["--tap", self.tap_address(child)]
         child.popen = subprocess.Popen(argv, env=env)
         log.info("started %s (pid %d)", child.name, child.popen.pid)
 
     def start(self) -> None:
         for child in self.children:
             self._spawn(child)
+        taps = {child.name: self.tap_address(child) for child in self.children}
+        self.state_file = write_state(self.cfg.port, self.url, self.run_dir, self.cfg.model, taps)
 
     def ready_state(self) -> dict | None:
         try:
@@ -137,9 +149,10 @@ class Supervisor:
                     child.popen.wait(max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     child.popen.kill()
-        if not self.cfg.run_dir and self.cfg.addresses:
-            run_dir = os.path.dirname(self.cfg.addresses.gateway_in.removeprefix("ipc://"))
-            shutil.rmtree(run_dir, ignore_errors=True)
+        if self.state_file:
+            remove_state(self.state_file)
+        if not self.cfg.run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
 def serve(cfg: ServeConfig) -> int:

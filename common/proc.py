@@ -1,20 +1,23 @@
 """What every worker process shares: logging, status reporting with heartbeats, and `run_worker`,
 the body of each package's `__main__.main()` (name the process, log, build, report ready, loop; on
-an exception log it, report FAILED, exit non-zero)."""
+an exception log it, report FAILED, exit non-zero).
+
+A worker with a `stop()` method (the tokenizer worker) stops gracefully on SIGTERM/SIGINT: `stop()`
+asks its loop to finish, and `run()` returns once it has handed back or finished its work."""
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
+import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from common.config import ServeConfig
-from common.ipc import PushChannel
+from common.config import RoleSettings, ServeConfig, parse_role
+from common.ipc import PushChannel, install_tap
 from common.messages import ProcState, ProcStatus
 
 HEARTBEAT_S = 0.25
@@ -51,6 +54,10 @@ class StatusReporter:
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self._thread.start()
 
+    @property
+    def name(self) -> str:
+        return self._name
+
     def set(self, state: ProcState, detail: str = "") -> None:
         self._state, self._detail = state, detail
         self._wake.set()
@@ -67,8 +74,11 @@ class StatusReporter:
         self._thread.join(timeout=1.0)
 
     def _run(self) -> None:
-        chan: PushChannel[ProcStatus] = PushChannel(self._addr)
-        while not self._stop.is_set():
+        # Its own socket (zmq sockets are single-thread), never mirrored on the tap: heartbeats
+        # are noise on a per-request timeline.
+        chan: PushChannel[ProcStatus] = PushChannel(self._addr, tap=False)
+        while True:
+            stopping = self._stop.is_set()  # read first: the last state set before close() goes out
             chan.send(
                 ProcStatus(
                     name=self._name,
@@ -82,33 +92,40 @@ class StatusReporter:
                     metrics=dict(self._metrics),
                 )
             )
+            if stopping:
+                break
             self._wake.wait(HEARTBEAT_S)
             self._wake.clear()
+        time.sleep(0.05)  # LINGER is 0: give the last status a moment to leave
         chan.close()
 
 
-def parse_worker_args(role: str, argv: list[str] | None = None) -> tuple[ServeConfig, str]:
-    p = argparse.ArgumentParser(prog=f"python -m {role}")
-    p.add_argument("--config-json", required=True, help="ServeConfig as JSON (written by `voxpipe serve`)")
-    p.add_argument("--name", default=role, help="process name shown in /ready and logs")
-    args = p.parse_args(argv)
-    return ServeConfig.from_json(args.config_json), args.name
-
-
 def run_worker(
-    role: str, build: Callable[[ServeConfig, StatusReporter], Any], argv: list[str] | None = None
+    role: str,
+    build: Callable[[ServeConfig, StatusReporter], Any],
+    argv: list[str] | None = None,
+    settings: RoleSettings | None = None,
 ) -> None:
     """Build the worker (which reports LOADING progress itself), report READY, run its loop."""
-    cfg, name = parse_worker_args(role, argv)
+    settings = settings or parse_role(role, argv)
+    cfg, name = settings.cfg, settings.name
     setup_logging(name, cfg.log_level)
     assert cfg.addresses is not None, "config has no addresses"
+    if settings.tap:
+        install_tap(settings.tap, name)
     status = StatusReporter(cfg.addresses.gateway_in, name, role)
     try:
         status.set(ProcState.LOADING, "starting")
         worker = build(cfg, status)
+        stop = getattr(worker, "stop", None)
+        if stop is not None:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda _signum, _frame: stop())
         status.set(ProcState.READY)
         log.info("%s ready", name)
         worker.run()
+        status.set(ProcState.STOPPING)
+        log.info("%s stopped", name)
     except KeyboardInterrupt:
         status.set(ProcState.STOPPING)
     except Exception as e:

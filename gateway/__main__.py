@@ -1,36 +1,36 @@
-"""`python -m gateway --config-json '<ServeConfig JSON>'`: run the HTTP gateway until SIGINT/SIGTERM.
+"""`python -m gateway` (or `voxpipe gateway`): run the HTTP gateway until SIGINT/SIGTERM.
 
-`voxpipe serve` starts it with the same config JSON as every other process; exiting non-zero tells
-the supervisor that it failed.
+Settings from flags or VOXPIPE_* variables (`--help` lists them), or `--config-json` from
+`voxpipe serve`, which starts it with the same config as every other process; exiting non-zero
+tells the supervisor that it failed.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import multiprocessing
 import sys
 
 from aiohttp import web
 
-from common.config import ServeConfig
+from common.config import RoleSettings, parse_role
+from common.ipc import install_tap
 
 log = logging.getLogger("gateway")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gateway", description=__doc__)
-    parser.add_argument("--config-json", required=True, help="the deployment's ServeConfig as JSON")
-    parser.add_argument("--name", default="gateway", help="process name in logs (the launcher passes it)")
-    args = parser.parse_args(argv)
+def main(argv: list[str] | None = None, settings: RoleSettings | None = None) -> int:
+    settings = settings or parse_role("gateway", argv)
+    cfg = settings.cfg
     # Named so that log lines from every process of a deployment say which one wrote them.
-    multiprocessing.current_process().name = args.name
+    multiprocessing.current_process().name = settings.name
     try:
-        cfg = ServeConfig.from_json(args.config_json)
         logging.basicConfig(
             level=cfg.log_level.upper(),
             format="%(asctime)s %(processName)s[%(process)d] %(levelname)s %(name)s: %(message)s",
         )
+        if settings.tap:
+            install_tap(settings.tap, settings.name)
         from gateway.server import build_app  # after logging is set up: imports may log
 
         app = build_app(cfg)

@@ -11,6 +11,7 @@ from common.ipc import PullChannel, PushChannel
 from common.messages import Abort, CodecInMsg, GpuInMsg, ProcState, Prompt
 from common.proc import StatusReporter
 from gpu_worker.engine import Engine, EngineLimits
+from gpu_worker.stages import StageReporter
 from programs import get_spec, load_program_class
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class GpuWorker:
         self.status = status
         self.inbox: PullChannel[GpuInMsg] = PullChannel(cfg.addresses.gpu_in, GpuInMsg, bind=True)
         self.to_codec: PushChannel[CodecInMsg] = PushChannel(cfg.addresses.codec_in)
+        self.stages = StageReporter()  # tap-only events: admitted, first token
 
     def run(self) -> None:
         engine = self.engine
@@ -87,6 +89,7 @@ class GpuWorker:
                     raise
                 continue
             # 4. emit one message for the step
+            self.stages.publish(engine)
             if out is not None:
                 self.to_codec.send(out)
             self.status.set_load(engine.num_active, engine.limits.max_batch_size, engine.metrics())

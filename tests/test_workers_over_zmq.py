@@ -3,6 +3,7 @@ binds the sockets the worker's neighbours would and plays their part."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
@@ -13,7 +14,7 @@ import pytest
 
 from codec_worker.worker import Codec
 from common.config import ServeConfig
-from common.ipc import Addresses, PullChannel, PushChannel
+from common.ipc import Addresses, AsyncDispatchChannel, PullChannel, PushChannel
 from common.messages import (
     Abort,
     AudioChunks,
@@ -132,13 +133,20 @@ def test_codec_worker_decodes_chunks_in_order_then_finishes(addrs, gateway_inbox
 
 def test_tokenizer_worker_builds_prompts_and_reports_bad_ones(addrs, gateway_inbox):
     gpu_inbox: PullChannel = PullChannel(addrs.gpu_in, Prompt, bind=True)
-    to_pool: PushChannel = PushChannel(addrs.requests, bind=True)
+    loop = asyncio.new_event_loop()
+    to_pool: AsyncDispatchChannel = AsyncDispatchChannel(addrs.requests)  # the gateway's side
     proc = start("tokenizer_worker", addrs)
     try:
         wait_for(gateway_inbox, ready("tokenizer_worker"))
         sp = SamplingParams(max_tokens=300)
-        to_pool.send(GenerateRequest("ok", "Hello world", sp, {"voice": "zoe"}))
-        to_pool.send(GenerateRequest("bad", "Hello world", sp, {"voice": "nobody"}))
+
+        async def submit() -> None:
+            # Returns once the worker took both: it asks for the second after building the first.
+            ok = to_pool.send(GenerateRequest("ok", "Hello world", sp, {"voice": "zoe"}))
+            bad = to_pool.send(GenerateRequest("bad", "Hello world", sp, {"voice": "nobody"}))
+            await asyncio.wait_for(asyncio.gather(ok, bad), 30)
+
+        loop.run_until_complete(submit())
         got = wait_for(gpu_inbox, lambda m: True)
         expected = load_program_class("orpheus-tiny")(SPEC).preprocess("Hello world", {"voice": "zoe"})
         assert got[0].rid == "ok"
@@ -150,3 +158,4 @@ def test_tokenizer_worker_builds_prompts_and_reports_bad_ones(addrs, gateway_inb
         proc.kill()
         gpu_inbox.close()
         to_pool.close()
+        loop.close()

@@ -1,18 +1,22 @@
 """A tokenizer_worker process: builds prompts on a weight-free program.
 
-Any number of these pull GenerateRequests from the gateway's PUSH socket. A request the program
-rejects (ValueError) gets a 400 RequestError with the program's message; anything else a 500, and
-the worker keeps serving.
+Any number of these take GenerateRequests from the gateway's dispatcher, one at a time and only
+when free (`common.pool`), so they can join and leave while serving. On SIGTERM a worker stops
+asking for work, finishes what was already on its way, and exits. A request the program rejects
+(ValueError) gets a 400 RequestError with the program's message; anything else a 500, and the
+worker keeps serving.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import time
 
 import numpy as np
 
 from common.config import ServeConfig, program_kwargs
-from common.ipc import PullChannel, PushChannel
+from common.ipc import PullChannel, PushChannel, WorkChannel
 from common.messages import GatewayInMsg, GenerateRequest, GpuInMsg, ProcState, Prompt, RequestError
 from common.proc import StatusReporter
 from programs import get_spec, load_program_class
@@ -47,6 +51,16 @@ class PromptBuilder:
         return Prompt(req.rid, rows.tobytes(), len(rows), req.sampling, req.arrival)
 
 
+def _test_delay() -> tuple[str, float] | None:
+    """Test-only hook: VOXPIPE_TEST_PROMPT_DELAY="PREFIX=SECONDS" makes prompts whose text starts
+    with PREFIX take SECONDS longer (how the pool tests make a slow prompt)."""
+    spec = os.environ.get("VOXPIPE_TEST_PROMPT_DELAY", "")
+    if not spec:
+        return None
+    prefix, _, seconds = spec.rpartition("=")
+    return prefix, float(seconds)
+
+
 class TokenizerWorker:
     def __init__(self, cfg: ServeConfig, status: StatusReporter) -> None:
         assert cfg.addresses is not None
@@ -55,19 +69,44 @@ class TokenizerWorker:
         status.set(ProcState.LOADING, "loading the text tokenizer")
         program.preprocess("warm up", {})  # loads the tokenizer now rather than on the first request
         self.builder = PromptBuilder(program, min(cfg.max_context or spec["max_tokens"], spec["max_tokens"]))
-        self.inbox: PullChannel[GenerateRequest] = PullChannel(
-            cfg.addresses.requests, GenerateRequest, bind=False
+        self.status = status
+        self.inbox: WorkChannel[GenerateRequest] = WorkChannel(
+            cfg.addresses.requests, GenerateRequest, name=status.name
         )
         self.to_gpu: PushChannel[GpuInMsg] = PushChannel(cfg.addresses.gpu_in)
         self.to_gateway: PushChannel[GatewayInMsg] = PushChannel(cfg.addresses.gateway_in)
+        # TRANSITION (issue 6): a gateway that still PUSHes requests (AsyncPushChannel) reaches
+        # this PULL instead; delete it, and its use in run(), with the gateway's switch to
+        # AsyncDispatchChannel.
+        self._legacy_inbox: PullChannel[GenerateRequest] = PullChannel(
+            cfg.addresses.requests, GenerateRequest, bind=False
+        )
+        self._stopping = False
+        self._delay = _test_delay()
+
+    def stop(self) -> None:
+        """From a signal handler: finish the current prompt, then leave the pool."""
+        self._stopping = True
 
     def run(self) -> None:
-        while True:
-            req = self.inbox.recv()
-            if req is None:
-                continue
-            out = self.builder.build(req)
-            if isinstance(out, Prompt):
-                self.to_gpu.send(out)
-            else:
-                self.to_gateway.send(out)
+        while not self._stopping:
+            req = self.inbox.recv(timeout_ms=10) or self._legacy_inbox.recv(timeout_ms=10)
+            if req is not None:
+                self.handle(req)
+        handed = self.inbox.leave()  # what the dispatcher sent before it saw us leave: finish it
+        for req in handed:
+            self.handle(req)
+        log.info("left the pool (%d prompts finished after the stop)", len(handed))
+        self.inbox.close()
+        self._legacy_inbox.close()
+
+    def handle(self, req: GenerateRequest) -> None:
+        self.status.set_load(1, 1)
+        if self._delay is not None and req.text.startswith(self._delay[0]):
+            time.sleep(self._delay[1])
+        out = self.builder.build(req)
+        if isinstance(out, Prompt):
+            self.to_gpu.send(out)
+        else:
+            self.to_gateway.send(out)
+        self.status.set_load(0, 1)

@@ -1,0 +1,290 @@
+"""Pull-based work distribution for a pool of identical workers (the tokenizer pool).
+
+PUSH/PULL deals messages round-robin to whoever is connected, so work queues behind a busy or
+slow worker, and a worker that leaves takes its queue with it. Here the dispatcher (gateway side,
+ROUTER, bound) holds the queue, and each worker (DEALER, connects) asks for one message at a time:
+
+    worker ──WorkerReady(seq)──▶ dispatcher      "I am free" (repeated every second while idle)
+    worker ◀──── one message ─── dispatcher      the oldest waiting message, to the longest-free worker
+    worker ──WorkerLeaving─────▶ dispatcher      on SIGTERM: send nothing more
+    worker ◀───── LeaveAck ───── dispatcher      after anything already sent to it
+
+So a worker started later takes work from its first announcement; a busy worker is never sent a
+second message; a leaving worker finishes what was already on its way (it arrives before the ack)
+and loses nothing. `seq` (messages received so far) lets the dispatcher ignore an announcement that
+crossed a message on the wire. With ROUTER_MANDATORY a message to a worker that vanished fails at
+once and goes to the next free one instead.
+
+What this does not cover: a worker killed (SIGKILL, crash) while building a prompt loses that one
+request; its client gets the gateway's idle timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+import uuid
+from typing import Any, Generic, TypeVar
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from common.ipc import _socket, mirror
+from common.messages import LeaveAck, PoolWorkerMsg, WorkerLeaving, WorkerReady
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+REANNOUNCE_S = 1.0  # an idle worker repeats WorkerReady this often (finds a restarted gateway)
+LEAVE_TIMEOUT_MS = 1000  # a leaving worker waits this long for LeaveAck (the gateway may be gone)
+
+
+class AsyncDispatchChannel(Generic[T]):
+    """Gateway side: `await send(msg)` hands `msg` to one free worker, in arrival order, and
+    returns once a worker has it; while every worker is busy (or none is connected) it waits, so a
+    timeout around it means "no worker took it". Same shape as AsyncPushChannel."""
+
+    def __init__(self, addr: str, bind: bool = True, ctx: zmq.asyncio.Context | None = None) -> None:
+        self._sock = _socket(
+            ctx or zmq.asyncio.Context.instance(), zmq.ROUTER, addr, bind, {zmq.ROUTER_MANDATORY: 1}
+        )
+        self._addr = addr
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(PoolWorkerMsg)
+        self._free: collections.OrderedDict[bytes, str] = collections.OrderedDict()  # id → name
+        self._sent: dict[bytes, int] = {}  # worker id → messages handed to it
+        self._waiting: collections.deque[tuple[bytes, asyncio.Future[None]]] = collections.deque()
+        self._task: asyncio.Task[None] | None = None
+        self.dispatched: collections.Counter[str] = collections.Counter()  # worker name → messages
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    async def send(self, msg: T) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._recv_loop(), name="dispatch-recv")
+        item = (self._enc.encode(msg), asyncio.get_running_loop().create_future())
+        self._waiting.append(item)
+        self._pump()
+        try:
+            await item[1]
+        except BaseException:
+            # Cancelled (a timeout, the client gone) before a worker took it: never send it later.
+            if not item[1].done() or item[1].cancelled():
+                item[1].cancel()
+                try:
+                    self._waiting.remove(item)
+                except ValueError:
+                    pass
+            raise
+
+    def _pump(self) -> None:
+        """Hand waiting messages to free workers, oldest first on both sides."""
+        while self._waiting and self._free:
+            data, fut = self._waiting[0]
+            if fut.done():
+                self._waiting.popleft()
+                continue
+            ident, name = self._free.popitem(last=False)
+            if not self._send_now(ident, data):
+                continue  # that worker is gone: try the next one
+            self._waiting.popleft()
+            self._sent[ident] = self._sent.get(ident, 0) + 1
+            self.dispatched[name] += 1
+            mirror(data, self._addr, peer=name)
+            fut.set_result(None)
+
+    def _send_now(self, ident: bytes, data: bytes) -> bool:
+        # NOBLOCK sends resolve at once (pyzmq tries them before queueing), and never queue
+        # behind one another, so the future is always done here.
+        fut = self._sock.send_multipart([ident, data], flags=zmq.NOBLOCK, copy=False)
+        err = fut.exception() if fut.done() else None
+        if err is not None:
+            log.info("pool worker %r unreachable (%s); dropping it", ident, err)
+            self._sent.pop(ident, None)
+            return False
+        return True
+
+    async def _recv_loop(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart()
+            if len(frames) != 2:
+                log.warning("dropped a malformed pool message (%d frames)", len(frames))
+                continue
+            ident, data = frames
+            try:
+                msg = self._dec.decode(data)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                log.warning("dropped a malformed pool message (%d bytes): %s", len(data), e)
+                continue
+            try:
+                self._handle(ident, msg)
+            except Exception:
+                log.exception("failed to handle %s from pool worker %r", type(msg).__name__, ident)
+            self._pump()
+
+    def _handle(self, ident: bytes, msg: WorkerReady | WorkerLeaving) -> None:
+        match msg:
+            case WorkerReady(name=name, seq=seq):
+                # A seq behind what we sent it: it crossed that message on the wire; ignore it.
+                if seq >= self._sent.get(ident, 0):
+                    self._sent[ident] = seq
+                    if ident not in self._free:
+                        self._free[ident] = name
+                        log.debug("pool worker %s is free", name)
+            case WorkerLeaving(name=name):
+                self._free.pop(ident, None)
+                self._sent.pop(ident, None)
+                self._send_now(ident, self._enc.encode(LeaveAck(name)))
+                log.info("pool worker %s left", name)
+            case _:
+                raise TypeError(f"unexpected pool message {type(msg).__name__}")
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for _, fut in self._waiting:
+            if not fut.done():
+                fut.set_exception(ConnectionError("the dispatcher closed before a worker took the message"))
+        self._waiting.clear()
+        self._sock.close(linger=0)
+
+
+class _WorkerSide(Generic[T]):
+    """State shared by the sync and asyncio worker sides: identity, counters, decoding."""
+
+    def __init__(self, msg_type: Any, name: str) -> None:
+        self.name = name
+        # Unique per connection: a ROUTER refuses a second peer with the same id.
+        self.identity = f"{name}/{uuid.uuid4().hex[:8]}".encode()
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(msg_type | LeaveAck)
+        self._seq = 0  # messages received
+        self._asked_at: float | None = None  # monotonic time of the last WorkerReady; None = not asked
+        self.acked = False
+
+    def _ready_due(self) -> bool:
+        return self._asked_at is None or time.monotonic() - self._asked_at >= REANNOUNCE_S
+
+    def _ready(self) -> bytes:
+        self._asked_at = time.monotonic()
+        return self._enc.encode(WorkerReady(self.name, self._seq))
+
+    def _decode(self, data: bytes) -> T | None:
+        try:
+            msg = self._dec.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            log.warning("dropped a malformed message (%d bytes): %s", len(data), e)
+            return None
+        if isinstance(msg, LeaveAck):
+            self.acked = True
+            return None
+        self._seq += 1
+        self._asked_at = None  # busy now: the next recv() announces again
+        return msg
+
+
+class WorkChannel(_WorkerSide[T]):
+    """Worker side: `recv()` says "I am free" and waits for one message; `leave()` ends it."""
+
+    def __init__(self, addr: str, msg_type: Any, name: str, ctx: zmq.Context | None = None) -> None:
+        super().__init__(msg_type, name)
+        self._sock = _socket(
+            ctx or zmq.Context.instance(), zmq.DEALER, addr, False, {zmq.ROUTING_ID: self.identity}
+        )
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+
+    def recv(self, timeout_ms: int | None = None) -> T | None:
+        """One message, or None after `timeout_ms` (None = wait forever)."""
+        deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
+        while True:
+            if self._ready_due():
+                self._send(self._ready())
+            assert self._asked_at is not None
+            wait = self._asked_at + REANNOUNCE_S - time.monotonic()
+            if deadline is not None:
+                wait = min(wait, deadline - time.monotonic())
+            if self._poller.poll(max(0, int(wait * 1000))):
+                msg = self._decode(self._sock.recv())
+                if msg is not None:
+                    return msg
+            elif deadline is not None and time.monotonic() >= deadline:
+                return None
+
+    def _send(self, data: bytes) -> None:
+        # Never block: with no dispatcher connected (not up yet, or a peer that is not one) a
+        # DEALER send would wait forever; a dropped announcement is repeated within REANNOUNCE_S.
+        try:
+            self._sock.send(data, zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def leave(self, timeout_ms: int = LEAVE_TIMEOUT_MS) -> list[T]:
+        """Stop taking work. Returns what the dispatcher had already sent: finish it."""
+        self._send(self._enc.encode(WorkerLeaving(self.name)))
+        got: list[T] = []
+        deadline = time.monotonic() + timeout_ms / 1000
+        while not self.acked and (left := deadline - time.monotonic()) > 0:
+            if self._poller.poll(int(left * 1000) + 1):
+                msg = self._decode(self._sock.recv())
+                if msg is not None:
+                    got.append(msg)
+        if not self.acked:
+            log.warning("no LeaveAck within %d ms (is the gateway gone?); leaving anyway", timeout_ms)
+        return got
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class AsyncWorkChannel(_WorkerSide[T]):
+    """The asyncio twin of WorkChannel (test fakes, async workers)."""
+
+    def __init__(self, addr: str, msg_type: Any, name: str, ctx: zmq.asyncio.Context | None = None) -> None:
+        super().__init__(msg_type, name)
+        self._sock = _socket(
+            ctx or zmq.asyncio.Context.instance(), zmq.DEALER, addr, False, {zmq.ROUTING_ID: self.identity}
+        )
+
+    def _send(self, data: bytes) -> None:
+        fut = self._sock.send(data, zmq.NOBLOCK)  # resolves at once; dropped if no dispatcher
+        if fut.done() and fut.exception() is not None and not isinstance(fut.exception(), zmq.Again):
+            raise fut.exception()  # type: ignore[misc]
+
+    async def recv(self) -> T:
+        while True:
+            if self._ready_due():
+                self._send(self._ready())
+            try:
+                data = await asyncio.wait_for(self._sock.recv(), REANNOUNCE_S)
+            except asyncio.TimeoutError:
+                continue
+            msg = self._decode(data)
+            if msg is not None:
+                return msg
+
+    async def leave(self, timeout_s: float = LEAVE_TIMEOUT_MS / 1000) -> list[T]:
+        self._send(self._enc.encode(WorkerLeaving(self.name)))
+        got: list[T] = []
+        deadline = time.monotonic() + timeout_s
+        while not self.acked and (left := deadline - time.monotonic()) > 0:
+            try:
+                msg = self._decode(await asyncio.wait_for(self._sock.recv(), left))
+            except asyncio.TimeoutError:
+                break
+            if msg is not None:
+                got.append(msg)
+        return got
+
+    def close(self) -> None:
+        self._sock.close(linger=0)

@@ -1,0 +1,70 @@
+"""Each process as a service: settings from flags or VOXPIPE_* variables, tcp:// addresses that
+bind on the binding side and name hosts on the connecting side."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.cli import ROLE_COMMANDS, build_parser
+from common.config import ServeConfig, parse_role, resolve
+from common.ipc import ROLE_SOCKETS, Addresses, bind_address
+
+
+def test_flags_win_over_environment_and_environment_over_defaults():
+    env = {"VOXPIPE_MODEL": "orpheus", "VOXPIPE_MAX_BATCH_SIZE": "8", "VOXPIPE_GPU_IN": "tcp://gpu:6000"}
+    s = parse_role("gpu_worker", ["--model", "orpheus-tiny", "--tap", "tcp://*:5570"], env)
+    assert s.cfg.model == "orpheus-tiny"  # flag
+    assert s.cfg.max_batch_size == 8  # environment
+    assert s.cfg.page_size == ServeConfig().page_size  # default
+    assert s.cfg.addresses.gpu_in == "tcp://gpu:6000"
+    assert s.cfg.addresses.codec_in == Addresses.tcp().codec_in  # default tcp book
+    assert s.tap == "tcp://*:5570" and s.name == "gpu_worker"
+
+
+def test_config_json_from_the_launcher_ignores_the_environment():
+    book = {f: f"ipc:///run/vp/{f}" for f in Addresses.__struct_fields__}
+    cfg = ServeConfig(model="orpheus-tiny", addresses=Addresses(**book))
+    env = {"VOXPIPE_MODEL": "orpheus", "VOXPIPE_GATEWAY_IN": "tcp://elsewhere:1"}
+    s = parse_role("codec_worker", ["--config-json", cfg.to_json(), "--name", "codec_worker"], env)
+    assert s.cfg.model == "orpheus-tiny"
+    assert s.cfg.addresses == cfg.addresses
+
+
+def test_boolean_and_integer_variables_parse_and_bad_ones_name_the_variable():
+    s = parse_role("gateway", [], {"VOXPIPE_CONSTRAINED": "false", "VOXPIPE_PORT": "9000"})
+    assert s.cfg.constrained is False and s.cfg.port == 9000
+    with pytest.raises(SystemExit):
+        parse_role("gateway", [], {"VOXPIPE_PORT": "eighty"})
+    with pytest.raises(ValueError, match="VOXPIPE_PORT"):
+        resolve("gateway", build_parser().parse_args(["gateway"]), {"VOXPIPE_PORT": "eighty"})
+
+
+def test_a_connecting_process_given_a_bind_address_is_told_which_host_to_name():
+    ns = build_parser().parse_args(["tokenizer", "--gpu-in", "tcp://*:5559"])
+    with pytest.raises(ValueError, match=r"--gpu-in / VOXPIPE_GPU_IN .* tcp://gpu_worker:5559"):
+        resolve("tokenizer_worker", ns, {})
+
+
+def test_binding_sides_bind_every_interface_for_host_names_and_keep_ip_literals():
+    assert bind_address("tcp://gateway:5557") == "tcp://*:5557"
+    assert bind_address("tcp://127.0.0.1:5557") == "tcp://127.0.0.1:5557"
+    assert bind_address("tcp://localhost:5557") == "tcp://127.0.0.1:5557"
+    assert bind_address("tcp://0.0.0.0:5557") == "tcp://0.0.0.0:5557"
+    assert bind_address("ipc:///run/vp/requests") == "ipc:///run/vp/requests"
+
+
+def test_every_role_command_parses_and_takes_exactly_the_addresses_it_uses():
+    parser = build_parser()
+    for command, role in ROLE_COMMANDS.items():
+        args = parser.parse_args([command])
+        binds, connects = ROLE_SOCKETS[role]
+        for field in Addresses.__struct_fields__:
+            assert hasattr(args, field) == (field in binds + connects), (role, field)
+    assert parser.parse_args(["serve", "--tokenizer-workers", "3"]).tokenizer_workers == 3
+    assert parser.parse_args(["tap", "--rid", "x", "--stage", "admitted"]).rid == ["x"]
+
+
+def test_replicas_of_the_tokenizer_get_distinct_default_names():
+    a = parse_role("tokenizer_worker", [], {})
+    assert a.name.startswith("tokenizer_worker.") and a.name != "tokenizer_worker"
+    assert parse_role("gateway", [], {}).name == "gateway"
