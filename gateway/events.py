@@ -18,6 +18,12 @@ class Done:
     """The workers finished the request (STOP / LENGTH) or cancelled it (ABORT)."""
 
     reason: FinishReason
+    n_tokens: int = 0  # tokens generated, prompt excluded (all segments, once a synthesis ends)
+
+    @property
+    def complete(self) -> bool:
+        """The audio is all there (not cancelled)."""
+        return self.reason in (FinishReason.STOP, FinishReason.LENGTH)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +52,7 @@ class Pending:
 def finished_event(fin: Finished) -> Done | Failed:
     if fin.reason == FinishReason.ERROR:
         return Failed(error_status(fin.status or 500), fin.message or "the request failed in a worker")
-    return Done(FinishReason(fin.reason))
+    return Done(FinishReason(fin.reason), fin.n_tokens)
 
 
 def error_status(status: int) -> int:

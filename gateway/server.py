@@ -2,8 +2,12 @@
 
 One `Gateway` per process. It pushes each validated request to the tokenizer pool, and one
 background task drains the inbox (`AudioChunks`, `RequestError`, `ProcStatus`) into per-request
-asyncio queues that the HTTP handlers read. A handler waits for its request's first event before
-sending headers, so errors found upstream (a prompt that is too long) still get a proper status.
+asyncio queues that the HTTP handlers read (through `gateway.synthesis`, which also splits long
+texts into segments, and `gateway.respond`, which encodes and frames the audio).
+
+Endpoints: `POST /generate` (here), `POST /v1/audio/speech` and `GET /v1/models` (OpenAI's API, in
+`gateway.openai`), `GET /openapi.json` (`gateway.openapi`), `GET /metrics` (Prometheus),
+`GET /health`, `GET /ready`.
 
 Cancellation: a request that ends for any reason other than the workers finishing it (client gone,
 idle timeout, shutdown) is aborted on the gpu_worker, so no KV pages stay held by a dead request.
@@ -21,20 +25,16 @@ from aiohttp import web
 
 from common.config import ServeConfig
 from common.ipc import Addresses, AsyncPullChannel, AsyncPushChannel
-from common.messages import (
-    Abort,
-    AudioChunks,
-    FinishReason,
-    GatewayInMsg,
-    GenerateRequest,
-    ProcStatus,
-    RequestError,
-)
+from common.messages import Abort, AudioChunks, GatewayInMsg, GenerateRequest, ProcStatus, RequestError
+from gateway import openai, openapi
 from gateway.body import MAX_BODY_BYTES, BodyError, read_fields
-from gateway.events import ClientGone, Done, Event, Failed, Pending, error_status, finished_event
+from gateway.encoders import WavEncoder
+from gateway.events import ClientGone, Event, Failed, Pending, error_status, finished_event
+from gateway.metrics import CONTENT_TYPE, GatewayMetrics, outcome_of
 from gateway.procs import ProcessTable
+from gateway.respond import error_body, speak
+from gateway.segments import MAX_TEXT_CHARS_LIMIT
 from gateway.validation import BadRequest, parse_generate
-from gateway.wav import wav_file, wav_header
 from programs import get_spec
 
 log = logging.getLogger(__name__)
@@ -42,10 +42,11 @@ log = logging.getLogger(__name__)
 IDLE_TIMEOUT_S = 120.0  # no event for this long → 504 and Abort: nothing hangs forever
 SUBMIT_TIMEOUT_S = 30.0  # no tokenizer worker connected for this long → 503
 DISCONNECT_POLL_S = 1.0  # how often a waiting handler checks that its client is still there
+ENDPOINTS = "POST /generate, POST /v1/audio/speech, GET /v1/models, GET /openapi.json, GET /metrics, GET /health, GET /ready"
 
 
 class Gateway:
-    """Sockets, per-request queues and the process table, shared by the HTTP handlers."""
+    """Sockets, per-request queues, the process table and the metrics, shared by the handlers."""
 
     def __init__(
         self,
@@ -61,12 +62,21 @@ class Gateway:
         self.idle_timeout_s = idle_timeout_s
         self.submit_timeout_s = submit_timeout_s
         self.procs = ProcessTable(cfg.tokenizer_workers)
+        self.metrics = GatewayMetrics(self.procs)
+        self.created = int(time.time())
+        self.closing = False  # set on shutdown: no new segments are submitted
         self._pending: dict[str, Pending] = {}
         self._tasks: set[asyncio.Task[Any]] = set()  # background sends, kept so they are not GC'd
         self._inbox_task: asyncio.Task[None] | None = None
         self._send_to_tokenizers: AsyncPushChannel[GenerateRequest] | None = None
         self._send_to_gpu: AsyncPushChannel[Abort] | None = None
         self._recv_from_workers: AsyncPullChannel[GatewayInMsg] | None = None
+        if cfg.max_text_chars > MAX_TEXT_CHARS_LIMIT:
+            log.warning(
+                "--max-text-chars %d is above the gateway's limit; texts are capped at %d characters",
+                cfg.max_text_chars,
+                MAX_TEXT_CHARS_LIMIT,
+            )
 
     # -- lifecycle (aiohttp signals) -------------------------------------------------------------
 
@@ -80,12 +90,13 @@ class Gateway:
 
     async def shutdown(self, app: web.Application) -> None:
         """Fail what is in flight (its handlers then return at once) and abort it upstream."""
+        self.closing = True
         rids = list(self._pending)
         if rids:
             log.info("shutting down with %d requests in flight; aborting them", len(rids))
             for rid in rids:  # their handlers see an upstream end, so they send no Abort of their own
                 self._pending[rid].queue.put_nowait(Failed(503, "the gateway is shutting down; retry"))
-            self._spawn(self._send_abort(rids))
+            self.abort(rids)
 
     async def stop(self, app: web.Application) -> None:
         if self._inbox_task is not None:
@@ -128,10 +139,32 @@ class Gateway:
         if pending is not None:  # else the request is already gone (aborted, timed out): late news
             pending.queue.put_nowait(event)
 
-    # -- helpers for handlers --------------------------------------------------------------------
+    # -- what a synthesis uses -------------------------------------------------------------------
 
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.create_task(coro)
+    def register(self, rid: str) -> Pending:
+        """Start routing `rid`'s events to a new queue (before submitting, so none is missed)."""
+        pending = self._pending[rid] = Pending()
+        return pending
+
+    def release(self, rid: str) -> None:
+        self._pending.pop(rid, None)
+
+    async def submit(self, req: GenerateRequest) -> Failed | None:
+        """Hand `req` to the tokenizer pool; a Failed(503) when no worker takes it in time."""
+        assert self._send_to_tokenizers is not None
+        try:
+            await asyncio.wait_for(self._send_to_tokenizers.send(req), self.submit_timeout_s)
+        except asyncio.TimeoutError:
+            return Failed(
+                503, f"no tokenizer worker took the request within {self.submit_timeout_s:g} s; see /ready"
+            )
+        log.debug("[%s] submitted: %d chars", req.rid, len(req.text))
+        return None
+
+    def abort(self, rids: list[str]) -> None:
+        """Tell the gpu_worker to drop these requests and free their KV pages (in the background:
+        this runs in handlers' `finally`, also when they are being cancelled)."""
+        task = asyncio.create_task(self._send_abort(rids))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -143,7 +176,7 @@ class Gateway:
         except Exception:
             log.exception("could not send Abort for %s", ", ".join(rids))
 
-    async def _next_event(self, request: web.Request, pending: Pending) -> Event:
+    async def next_event(self, request: web.Request, pending: Pending) -> Event:
         """The request's next event, or `Failed(504)` after `idle_timeout_s` without one.
 
         Raises ClientGone when the client disconnects while we wait. aiohttp's handler
@@ -154,6 +187,7 @@ class Gateway:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
+                pending.ended_upstream = False  # the workers may still be at it: abort
                 return Failed(
                     504, f"no progress from the workers for {self.idle_timeout_s:g} s; request aborted"
                 )
@@ -169,121 +203,33 @@ class Gateway:
     # -- HTTP handlers ---------------------------------------------------------------------------
 
     async def handle_generate(self, request: web.Request) -> web.StreamResponse:
+        started = time.monotonic()
         rid = uuid.uuid4().hex
         headers = {"X-Request-Id": rid}
         try:
             params = parse_generate(await read_fields(request), self.spec, self.cfg)
-        except BodyError as e:
-            return _error(e.status, e.message, headers)
-        except BadRequest as e:
-            return _error(400, str(e), headers)
+        except (BodyError, BadRequest) as e:
+            status = e.status
+            self.metrics.finished("generate", outcome_of(status))
+            return _error(status, str(e), headers)
         except ConnectionError:
             raise  # the client went away while sending its body; nothing to answer
         except Exception:
             log.exception("[%s] failed to read the request", rid)
+            self.metrics.finished("generate", "server_error")
             return _error(500, "internal error while reading the request", headers)
-
-        pending = self._pending[rid] = Pending()
-        try:
-            req = GenerateRequest(
-                rid=rid,
-                text=params.text,
-                sampling=params.sampling,
-                model_kwargs={"voice": params.voice},
-                arrival=time.time(),
-            )
-            assert self._send_to_tokenizers is not None
-            try:
-                await asyncio.wait_for(self._send_to_tokenizers.send(req), self.submit_timeout_s)
-            except asyncio.TimeoutError:
-                return _error(
-                    503,
-                    f"no tokenizer worker took the request within {self.submit_timeout_s:g} s; see /ready",
-                    headers,
-                )
-            log.debug("[%s] submitted: %d chars, voice %s", rid, len(params.text), params.voice)
-
-            first = await self._next_event(request, pending)
-            if isinstance(first, Failed):
-                log.info("[%s] failed before audio: %d %s", rid, first.status, first.message)
-                return _error(first.status, first.message, headers)
-            if first == Done(FinishReason.ABORT):
-                return _error(
-                    503, "the request was cancelled by the workers before any audio; retry", headers
-                )
-            if params.streaming:
-                return await self._stream(request, rid, first, pending, headers)
-            return await self._collect(request, rid, first, pending, headers)
-        except asyncio.CancelledError:
-            log.info("[%s] client disconnected", rid)  # aiohttp cancels the handler when it notices
-            raise
-        except ClientGone:
-            log.info("[%s] client disconnected", rid)
-            # Nobody reads this; 499 ("client closed request", as nginx logs it) is for the access log.
-            return web.Response(status=499, headers=headers)
-        finally:
-            # Also runs when aiohttp cancels the handler because the client disconnected.
-            del self._pending[rid]
-            if not pending.ended_upstream:
-                self._spawn(self._send_abort([rid]))
-
-    async def _stream(
-        self,
-        request: web.Request,
-        rid: str,
-        event: Event,
-        pending: Pending,
-        headers: dict[str, str],
-    ) -> web.StreamResponse:
-        """Chunked WAV: an open-ended header, then PCM as it arrives."""
-        resp = web.StreamResponse(
-            status=200, headers={**headers, "Content-Type": "audio/wav", "Cache-Control": "no-store"}
+        return await speak(
+            self,
+            request,
+            rid,
+            params,
+            endpoint="generate",
+            encoder=WavEncoder(self.sample_rate, params.streaming),
+            mode="stream" if params.streaming else "whole",
+            headers=headers,
+            error=_error,
+            started=started,
         )
-        n_bytes = 0
-        try:
-            await resp.prepare(request)  # no Content-Length: aiohttp sends it chunked (HTTP/1.1)
-            header = wav_header(self.sample_rate, None)  # sent with the first audio: one write fewer
-            while isinstance(event, bytes):
-                await resp.write(header + event)
-                n_bytes += len(event)
-                header = b""
-                event = await self._next_event(request, pending)
-            if header:
-                await resp.write(header)
-            if event in (Done(FinishReason.STOP), Done(FinishReason.LENGTH)):
-                await resp.write_eof()
-                log.info("[%s] streamed %.2f s of audio", rid, n_bytes / 2 / self.sample_rate)
-                return resp
-        except (ConnectionError, ClientGone):
-            # The client went away; returning the prepared response lets aiohttp finish quietly.
-            log.info("[%s] client disconnected after %d audio bytes", rid, n_bytes)
-            return resp
-        why = event.message if isinstance(event, Failed) else "cancelled by the workers"
-        log.warning("[%s] failed after %d audio bytes: %s; breaking the stream", rid, n_bytes, why)
-        _break_stream(request)
-        return resp
-
-    async def _collect(
-        self,
-        request: web.Request,
-        rid: str,
-        event: Event,
-        pending: Pending,
-        headers: dict[str, str],
-    ) -> web.Response:
-        """Non-streaming: gather every chunk, answer one complete WAV (or a JSON error)."""
-        parts: list[bytes] = []
-        while isinstance(event, bytes):
-            parts.append(event)
-            event = await self._next_event(request, pending)
-        if isinstance(event, Failed):
-            log.info("[%s] failed: %d %s", rid, event.status, event.message)
-            return _error(event.status, event.message, headers)
-        if event.reason == FinishReason.ABORT:
-            return _error(503, "the request was cancelled by the workers before it finished; retry", headers)
-        body = wav_file(self.sample_rate, b"".join(parts))
-        log.info("[%s] returning %.2f s of audio", rid, (len(body) - 44) / 2 / self.sample_rate)
-        return web.Response(body=body, headers={**headers, "Content-Type": "audio/wav"})
 
     async def handle_health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -293,13 +239,10 @@ class Gateway:
         body = {"ready": ready, "model": self.cfg.model, "processes": rows}
         return web.json_response(body, status=200 if ready else 503)
 
-
-def _break_stream(request: web.Request) -> None:
-    """End a chunked response without its terminating chunk, so the client sees a broken
-    transfer instead of a short file that looks complete. close() (not abort()) flushes the
-    audio already written; aiohttp's later write_eof then fails quietly on the closed transport."""
-    if request.transport is not None:
-        request.transport.close()
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        resp = web.Response(body=self.metrics.render())
+        resp.headers["Content-Type"] = CONTENT_TYPE  # has a version parameter: not content_type=
+        return resp
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
@@ -309,23 +252,28 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
 @web.middleware
 async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
     """aiohttp's own errors (404, 405, 413 outside a handler) and anything a handler let slip,
-    as JSON like the rest of the API."""
+    as JSON like the rest of the API (OpenAI's error shape under /v1/)."""
+    openai_shape = request.path.startswith("/v1/")
     try:
         return await handler(request)
     except web.HTTPException as e:
         if e.status < 400:
             raise
         if e.status == 404:
-            message = f"no such endpoint {request.path}; endpoints: POST /generate, GET /health, GET /ready"
+            message = f"no such endpoint {request.path}; endpoints: {ENDPOINTS}"
         elif e.status == 405:
             message = f"{request.method} is not allowed on {request.path}; allowed: {', '.join(sorted(_allowed(e)))}"
         else:
             message = e.text or e.reason
+        if openai_shape:
+            return web.json_response({"error": error_body(e.status, message)}, status=e.status)
         return _error(e.status, message)
     except (asyncio.CancelledError, ConnectionError):
         raise
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
+        if openai_shape:
+            return web.json_response({"error": error_body(500, "internal error")}, status=500)
         return _error(500, "internal error")
 
 
@@ -357,6 +305,9 @@ def build_app(
     app.router.add_post("/generate", gateway.handle_generate)
     app.router.add_get("/health", gateway.handle_health)
     app.router.add_get("/ready", gateway.handle_ready)
+    app.router.add_get("/metrics", gateway.handle_metrics)
+    openai.add_routes(app, gateway)
+    openapi.add_routes(app, gateway)
     app.on_startup.append(gateway.start)
     app.on_shutdown.append(gateway.shutdown)
     app.on_cleanup.append(gateway.stop)

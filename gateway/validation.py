@@ -17,7 +17,7 @@ from common.config import ServeConfig
 from common.messages import SamplingParams
 from gateway.encoders import available_formats, default_format
 from gateway.fields import BadRequest, Field, parse_fields, show
-from gateway.segments import text_limit
+from gateway.segments import MAX_TEXT_CHARS_LIMIT, prompt_overhead, segment_budget, split_text, text_limit
 from programs import get_spec, model_names
 
 # Used when the spec does not say how large the vocabulary is; any larger k means "all tokens".
@@ -40,6 +40,7 @@ class GenerateParams:
     voice: str
     sampling: SamplingParams
     streaming: bool
+    segments: tuple[str, ...] = ()  # the text as generations (see gateway.segments)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +70,7 @@ def _text_field(name: str, cfg: ServeConfig) -> Field:
         "at sentence ends and spoken as consecutive segments.",
         required=True,
         max_length=text_limit(cfg),
-        max_length_hint="--max-text-chars sets it",
+        max_length_hint=f"the server's --max-text-chars, at most {MAX_TEXT_CHARS_LIMIT}; send longer texts in parts",
     )
 
 
@@ -90,14 +91,39 @@ def sampling_fields(spec: Mapping[str, Any], cfg: ServeConfig) -> list[Field]:
     d = spec.get("sampling", {})
     limit = max_tokens_limit(spec, cfg)
     return [
-        Field("temperature", "number", "Sampling temperature; 0 = greedy.", d.get("temperature"), minimum=0, maximum=2),
         Field(
-            "top_p", "number", "Nucleus sampling mass.", d.get("top_p"), minimum=0, maximum=1, exclusive_minimum=True
+            "temperature",
+            "number",
+            "Sampling temperature; 0 = greedy.",
+            d.get("temperature"),
+            minimum=0,
+            maximum=2,
         ),
-        Field("top_k", "integer", "Keep the k likeliest tokens; 0 = off.", d.get("top_k", 0), minimum=0,
-              maximum=int(spec.get("vocab_size") or TOP_K_MAX)),  # fmt: skip
-        Field("min_p", "number", "Drop tokens below min_p x the top probability; 0 = off.", d.get("min_p", 0.0),
-              minimum=0, maximum=1),  # fmt: skip
+        Field(
+            "top_p",
+            "number",
+            "Nucleus sampling mass.",
+            d.get("top_p"),
+            minimum=0,
+            maximum=1,
+            exclusive_minimum=True,
+        ),
+        Field(
+            "top_k",
+            "integer",
+            "Keep the k likeliest tokens; 0 = off.",
+            d.get("top_k", 0),
+            minimum=0,
+            maximum=int(spec.get("vocab_size") or TOP_K_MAX),
+        ),
+        Field(
+            "min_p",
+            "number",
+            "Drop tokens below min_p x the top probability; 0 = off.",
+            d.get("min_p", 0.0),
+            minimum=0,
+            maximum=1,
+        ),
         Field(
             "repetition_penalty",
             "number",
@@ -219,11 +245,13 @@ def parse_generate(body: Mapping[str, Any], spec: Mapping[str, Any], cfg: ServeC
     """
     fields = generate_fields(spec, cfg)
     v = parse_fields(body, fields)
+    sampling = _sampling(v, fields, spec, cfg)
     return GenerateParams(
         text=v["text"],
         voice=v["voice"] or _default(fields, "voice"),
-        sampling=_sampling(v, fields, spec, cfg),
+        sampling=sampling,
         streaming=True if v["streaming"] is None else v["streaming"],
+        segments=plan_segments(v["text"], sampling.max_tokens, spec, cfg),
     )
 
 
@@ -270,14 +298,37 @@ def parse_speech(body: Mapping[str, Any], spec: Mapping[str, Any], cfg: ServeCon
             "stream_format 'sse' always streams; drop streaming: false or use stream_format 'audio'",
             param="streaming",
         )
+    sampling = _sampling(v, fields, spec, cfg)
     return SpeechParams(
         text=v["input"],
         voice=v["voice"] or _default(fields, "voice"),
-        sampling=_sampling(v, fields, spec, cfg),
+        sampling=sampling,
+        segments=plan_segments(v["input"], sampling.max_tokens, spec, cfg),
         streaming=streaming,
         response_format=v["response_format"] or _default(fields, "response_format"),
         stream_format=stream_format,
     )
+
+
+def plan_segments(text: str, max_tokens: int, spec: Mapping[str, Any], cfg: ServeConfig) -> tuple[str, ...]:
+    """The text's segments, sized for the model's full token budget (see `gateway.segments`).
+
+    A request's `max_tokens` then caps each segment's generation. When the text is split, it must
+    leave every segment room for its prompt (at most one token per byte) and one codec window of
+    audio: cutting every sentence short is never what a client of a long text wants."""
+    segments = tuple(split_text(text, segment_budget(spec, max_tokens_limit(spec, cfg))))
+    if len(segments) <= 1:
+        return (text,)  # one generation: the text as the client sent it
+    longest = max(len(s.encode("utf-8")) for s in segments)
+    need = prompt_overhead(spec) + longest + int(spec["detok_interval"])
+    if max_tokens < need:
+        raise BadRequest(
+            f"max_tokens={max_tokens} is too small for this text: it is spoken as {len(segments)} "
+            f"segments of up to {longest} bytes, and each generation needs up to {need} tokens for its "
+            f"prompt and first audio; raise max_tokens to at least {need} or leave it out",
+            param="max_tokens",
+        )
+    return segments
 
 
 def _default(fields: list[Field], name: str) -> Any:
@@ -305,5 +356,7 @@ def _sampling(
         min_field = next(f for f in fields if f.name == "min_tokens")
         dataclasses.replace(min_field, maximum=sampling["max_tokens"]).parse(v["min_tokens"])
     sampling["min_tokens"] = v["min_tokens"] or 0
-    sampling["constrained"] = bool(spec.get("constrained", False) if cfg.constrained is None else cfg.constrained)
+    sampling["constrained"] = bool(
+        spec.get("constrained", False) if cfg.constrained is None else cfg.constrained
+    )
     return SamplingParams(**sampling)

@@ -1,0 +1,120 @@
+"""Prometheus metrics of one gateway, served as text by `GET /metrics`.
+
+Two sources: what the gateway measures itself (time to first audio, gaps between chunks, request
+outcomes, requests in flight), and what the workers report in their heartbeats (`ProcStatus.metrics`:
+KV pages, batch size, queue, token and step counters), exported at scrape time with a `process`
+label, one series per worker that was heard from in the last second (several gpu_workers may share
+one gateway; sum them in queries). Each app gets its own `CollectorRegistry`, so tests can build
+several apps in one process.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from gateway.procs import ProcessTable
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+ENDPOINTS = ("generate", "speech")
+# ok: complete audio; client_error: 4xx; server_error: 5xx, or a stream broken by a failure;
+# cancelled: the client went away first.
+OUTCOMES = ("ok", "client_error", "server_error", "cancelled")
+
+# Heartbeat key → help text. Keys ending in _total are counters; unknown keys export as gauges.
+WORKER_METRICS = {
+    "active_streams": "Requests running on the worker, each holding a slot and KV pages.",
+    "queue_depth": "Prompts waiting on the worker for a slot or KV pages.",
+    "kv_pages_used": "KV cache pages held by running requests (reserved for their whole budget).",
+    "kv_pages_total": "KV cache pages the worker can hand out.",
+    "decode_batch_size": "Requests in the worker's latest step.",
+    "generated_tokens_total": "Tokens sampled by the worker, all requests.",
+    "steps_total": "Engine steps the worker has run.",
+}
+
+# 85 ms is one 2048-sample chunk at 24 kHz: gaps above it mean slower than real time.
+TTFA_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
+GAP_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.085, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
+
+
+class WorkerCollector:
+    """Turns the workers' latest heartbeat metrics into Prometheus families at scrape time."""
+
+    def __init__(self, procs: ProcessTable) -> None:
+        self.procs = procs
+
+    def describe(self) -> list[Metric]:
+        return []  # the families depend on what the workers report
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+        for name, role, metrics in sorted(self.procs.fresh_metrics()):
+            for key, value in metrics.items():
+                family = families.get(key)
+                if family is None:
+                    family = families[key] = _family(key)
+                family.add_metric([name, role], float(value))
+        yield from families.values()
+
+
+def _family(key: str) -> GaugeMetricFamily | CounterMetricFamily:
+    name = "voxpipe_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
+    doc = WORKER_METRICS.get(key, f"{key}, as the worker reports it.")
+    if name.endswith("_total"):
+        return CounterMetricFamily(name[: -len("_total")], doc, labels=["process", "role"])
+    return GaugeMetricFamily(name, doc, labels=["process", "role"])
+
+
+class GatewayMetrics:
+    """The gateway's registry and the instruments the handlers update."""
+
+    def __init__(self, procs: ProcessTable) -> None:
+        self.registry = CollectorRegistry()
+        self.time_to_first_audio = Histogram(
+            "voxpipe_time_to_first_audio_seconds",
+            "From a request's arrival to its first audio leaving the gateway.",
+            buckets=TTFA_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_chunk_gap = Histogram(
+            "voxpipe_inter_chunk_gap_seconds",
+            "Between consecutive audio chunks of one request, as they leave the gateway.",
+            buckets=GAP_BUCKETS,
+            registry=self.registry,
+        )
+        self.requests = Counter(
+            "voxpipe_requests",
+            "Speech requests by endpoint and outcome (ok, client_error, server_error, cancelled).",
+            ["endpoint", "outcome"],
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "voxpipe_http_requests_in_flight",
+            "Speech requests the gateway is answering now.",
+            ["endpoint"],
+            registry=self.registry,
+        )
+        for endpoint in ENDPOINTS:  # every series exists from the start, at 0
+            self.in_flight.labels(endpoint)
+            for outcome in OUTCOMES:
+                self.requests.labels(endpoint, outcome)
+        self.registry.register(WorkerCollector(procs))
+
+    def finished(self, endpoint: str, outcome: str) -> None:
+        self.requests.labels(endpoint, outcome).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def outcome_of(status: int) -> str:
+    """The outcome label of a request answered with HTTP `status`."""
+    if status == 499:
+        return "cancelled"
+    if 400 <= status < 500:
+        return "client_error"
+    return "server_error" if status >= 500 else "ok"

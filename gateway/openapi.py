@@ -1,0 +1,217 @@
+"""`GET /openapi.json`: an OpenAPI 3.1 document of the gateway's HTTP API.
+
+The request bodies are the field tables that validation runs on (`gateway.validation`), turned into
+JSON Schema by `gateway.fields`, with this deployment's limits filled in (voices, max_tokens,
+--max-text-chars, the formats libsndfile can encode): the document describes exactly what this
+server accepts.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from gateway.encoders import available_formats, content_type
+from gateway.fields import schema_of
+from gateway.validation import generate_fields, speech_fields
+
+if TYPE_CHECKING:
+    from gateway.server import Gateway
+
+_BINARY = {"type": "string", "format": "binary"}
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _errors(schema: str, statuses: dict[int, str]) -> dict[str, Any]:
+    return {
+        str(status): {"description": why, "content": {"application/json": {"schema": _ref(schema)}}}
+        for status, why in statuses.items()
+    }
+
+
+_REQUEST_ERRORS = {
+    400: "A field is missing or invalid; the message names it and says what is allowed.",
+    413: "The body is larger than 1 MiB.",
+    415: "The Content-Type is not one the endpoint reads.",
+    500: "An internal error.",
+    503: "No worker could take the request (see /ready), or the gateway is shutting down.",
+    504: "The workers made no progress for the idle timeout; the request was aborted.",
+}
+
+
+def document(gateway: Gateway) -> dict[str, Any]:
+    """The OpenAPI document for this gateway's model and settings."""
+    spec, cfg = gateway.spec, gateway.cfg
+    formats = available_formats(gateway.sample_rate)
+    generate_body = {"schema": _ref("GenerateRequest")}
+    speech_audio = {content_type(f): {"schema": _BINARY} for f in formats}
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "voxpipe",
+            "version": _version(),
+            "description": f"Speech synthesis with {cfg.model}: {gateway.sample_rate} Hz mono audio.",
+        },
+        "paths": {
+            "/generate": {
+                "post": {
+                    "summary": "Speak a text; WAV audio, streamed by default.",
+                    "description": "Form bodies carry the same fields as strings.",
+                    "requestBody": {
+                        "required": True,
+                        "content": {
+                            "application/json": generate_body,
+                            "application/x-www-form-urlencoded": generate_body,
+                            "multipart/form-data": generate_body,
+                        },
+                    },
+                    "responses": {
+                        "200": {
+                            "description": "PCM16 mono WAV.",
+                            "content": {"audio/wav": {"schema": _BINARY}},
+                        },
+                        **_errors("Error", _REQUEST_ERRORS),
+                    },
+                }
+            },
+            "/v1/audio/speech": {
+                "post": {
+                    "summary": "OpenAI-compatible speech: the text in the requested audio format.",
+                    "requestBody": {
+                        "required": True,
+                        "content": {"application/json": {"schema": _ref("SpeechRequest")}},
+                    },
+                    "responses": {
+                        "200": {
+                            "description": "The audio (stream_format audio), or server-sent events (sse).",
+                            "content": {
+                                **speech_audio,
+                                "text/event-stream": {"schema": _ref("SpeechStreamEvent")},
+                            },
+                        },
+                        **_errors("OpenAIError", {**_REQUEST_ERRORS, 404: "The model is not served here."}),
+                    },
+                }
+            },
+            "/v1/models": {
+                "get": {
+                    "summary": "The served model, its voices and sample rate.",
+                    "responses": {"200": _json("The model list.", _ref("ModelList"))},
+                }
+            },
+            "/v1/models/{model}": {
+                "get": {
+                    "summary": "One model, by its id or an alias.",
+                    "parameters": [
+                        {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+                    ],
+                    "responses": {
+                        "200": _json("The model.", _ref("Model")),
+                        **_errors("OpenAIError", {404: "The model is not served here."}),
+                    },
+                }
+            },
+            "/health": {
+                "get": {"summary": "200 while the gateway runs.", "responses": {"200": _json("OK.", {})}}
+            },
+            "/ready": {
+                "get": {
+                    "summary": "Whether every process is ready, and each process's state.",
+                    "responses": {"200": _json("All ready.", {}), "503": _json("Not all ready.", {})},
+                }
+            },
+            "/metrics": {
+                "get": {
+                    "summary": "Prometheus metrics (text exposition format).",
+                    "responses": {"200": {"description": "Metrics.", "content": {"text/plain": {}}}},
+                }
+            },
+            "/openapi.json": {
+                "get": {"summary": "This document.", "responses": {"200": _json("OpenAPI 3.1.", {})}}
+            },
+        },
+        "components": {
+            "schemas": {
+                "GenerateRequest": schema_of(generate_fields(spec, cfg)),
+                "SpeechRequest": schema_of(speech_fields(spec, cfg)),
+                "Error": _object({"error": {"type": "string", "description": "What to change."}}),
+                "OpenAIError": _object(
+                    {
+                        "error": _object(
+                            {
+                                "message": {"type": "string"},
+                                "type": {"type": "string", "enum": ["invalid_request_error", "server_error"]},
+                                "param": {"type": ["string", "null"]},
+                                "code": {"type": ["string", "null"]},
+                            }
+                        )
+                    }
+                ),
+                "SpeechStreamEvent": {"oneOf": [_ref("SpeechAudioDeltaEvent"), _ref("SpeechAudioDoneEvent")]},
+                "SpeechAudioDeltaEvent": _object(
+                    {
+                        "type": {"const": "speech.audio.delta"},
+                        "audio": {"type": "string", "description": "Base64 of the next encoded bytes."},
+                    }
+                ),
+                "SpeechAudioDoneEvent": _object(
+                    {
+                        "type": {"const": "speech.audio.done"},
+                        "usage": _object(
+                            {
+                                k: {"type": "integer"}
+                                for k in ("input_tokens", "output_tokens", "total_tokens")
+                            }
+                        ),
+                    }
+                ),
+                "Model": _object(
+                    {
+                        "id": {"type": "string"},
+                        "object": {"const": "model"},
+                        "created": {"type": "integer"},
+                        "owned_by": {"type": "string"},
+                        "aliases": {"type": "array", "items": {"type": "string"}},
+                        "voices": {"type": "array", "items": {"type": "string"}},
+                        "default_voice": {"type": "string"},
+                        "sample_rate": {"type": "integer"},
+                        "response_formats": {"type": "array", "items": {"type": "string"}},
+                        "max_input_chars": {"type": "integer"},
+                        "max_tokens": {"type": "integer"},
+                    }
+                ),
+                "ModelList": _object(
+                    {"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}}
+                ),
+            }
+        },
+    }
+
+
+def _object(properties: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "properties": properties, "required": list(properties)}
+
+
+def _json(description: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("voxpipe")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def add_routes(app: web.Application, gateway: Gateway) -> None:
+    doc = document(gateway)  # fixed for the life of the app: it depends only on the config
+
+    async def handle_openapi(request: web.Request) -> web.Response:
+        return web.json_response(doc)
+
+    app.router.add_get("/openapi.json", handle_openapi)

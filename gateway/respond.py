@@ -1,0 +1,256 @@
+"""Answering a speech request: a `Synthesis` through an `Encoder`, as one of three responses.
+
+- "stream": chunked bytes as they are encoded. A failure after audio went out breaks the transfer
+  (no terminating chunk), so a client cannot take a truncated file for a complete one.
+- "whole": one body with Content-Length once the audio is complete; a failure is a JSON error.
+- "sse": `text/event-stream` of OpenAI's `speech.audio.delta` events (base64 of the encoded
+  bytes) and a final `speech.audio.done` with token usage; a failure is an `error` event.
+
+The handler waits for the first event before sending headers, so errors found upstream (a prompt
+that is too long, no tokenizer worker) still get a proper status. `speak` also keeps the metrics:
+requests in flight and each request's outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import concurrent.futures
+import json
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from gateway.encoders import Encoder
+from gateway.events import ClientGone, Done, Event, Failed
+from gateway.metrics import outcome_of
+from gateway.synthesis import Synthesis
+from gateway.validation import GenerateParams
+
+if TYPE_CHECKING:
+    from gateway.server import Gateway
+
+log = logging.getLogger(__name__)
+
+ErrorFn = Callable[[int, str, dict[str, str]], web.Response]
+
+# libsndfile releases the GIL while it encodes, so a few threads spread mp3/opus work over cores.
+_ENCODE_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="encode")
+
+ABORTED_BEFORE_AUDIO = "the request was cancelled by the workers before any audio; retry"
+ABORTED_BEFORE_END = "the request was cancelled by the workers before it finished; retry"
+
+
+class _Coder:
+    """Runs an encoder's calls in order, off the event loop when it is CPU-heavy, and closes it
+    only once no call is running: a handler cancelled mid-call must not free libsndfile's state
+    under the thread still using it (the thread's own future says when it is done; the asyncio
+    future wrapping it is cancelled with the handler)."""
+
+    def __init__(self, encoder: Encoder) -> None:
+        self.encoder = encoder
+        self._busy: concurrent.futures.Future[bytes] | None = None
+
+    async def feed(self, pcm: bytes) -> bytes:
+        return await self._run(self.encoder.feed, pcm)
+
+    async def finish(self) -> bytes:
+        return await self._run(self.encoder.finish)
+
+    async def _run(self, fn: Callable[..., bytes], *args: Any) -> bytes:
+        if not self.encoder.threaded:
+            return fn(*args)
+        self._busy = _ENCODE_POOL.submit(fn, *args)
+        return await asyncio.wrap_future(self._busy)
+
+    def close(self) -> None:
+        if self._busy is not None and not self._busy.done():
+            self._busy.add_done_callback(lambda _: self.encoder.close())
+        else:
+            self.encoder.close()
+
+
+async def speak(
+    gateway: Gateway,
+    request: web.Request,
+    rid: str,
+    params: GenerateParams,
+    *,
+    endpoint: str,
+    encoder: Encoder,
+    mode: str,
+    headers: dict[str, str],
+    error: ErrorFn,
+    started: float,
+) -> web.StreamResponse:
+    """Generate `params` and answer with `encoder`'s bytes in `mode` ("stream", "whole", "sse")."""
+    synth = Synthesis(gateway, request, rid, params, started)
+    coder = _Coder(encoder)
+    outcome = "server_error"
+    gateway.metrics.in_flight.labels(endpoint).inc()
+    try:
+        if len(synth.segments) > 1:
+            log.info("[%s] %d chars in %d segments", rid, len(params.text), len(synth.segments))
+        first = await synth.next()
+        if isinstance(first, Failed):
+            log.info("[%s] failed before audio: %d %s", rid, first.status, first.message)
+            outcome = outcome_of(first.status)
+            return error(first.status, first.message, headers)
+        if isinstance(first, Done) and not first.complete:
+            return error(503, ABORTED_BEFORE_AUDIO, headers)
+        if mode == "sse":
+            resp, outcome = await _sse(request, synth, coder, first, headers)
+        elif mode == "stream" and encoder.streaming:
+            resp, outcome = await _stream(request, synth, coder, first, headers)
+        else:
+            resp, outcome = await _whole(synth, coder, first, headers, error)
+        return resp
+    except asyncio.CancelledError:
+        log.info("[%s] client disconnected", rid)  # aiohttp cancels the handler when it notices
+        outcome = "cancelled"
+        raise
+    except ClientGone:
+        log.info("[%s] client disconnected", rid)
+        outcome = "cancelled"
+        # Nobody reads this; 499 ("client closed request", as nginx logs it) is for the access log.
+        return web.Response(status=499, headers=headers)
+    finally:
+        synth.close()
+        coder.close()
+        gateway.metrics.in_flight.labels(endpoint).dec()
+        gateway.metrics.finished(endpoint, outcome)
+
+
+async def _stream(
+    request: web.Request, synth: Synthesis, coder: _Coder, event: Event, headers: dict[str, str]
+) -> tuple[web.StreamResponse, str]:
+    resp = web.StreamResponse(
+        status=200,
+        headers={**headers, "Content-Type": coder.encoder.content_type, "Cache-Control": "no-store"},
+    )
+    rid = headers.get("X-Request-Id", "")
+    try:
+        await resp.prepare(request)  # no Content-Length: aiohttp sends it chunked (HTTP/1.1)
+        while isinstance(event, bytes):
+            data = await coder.feed(event)
+            if data:
+                await resp.write(data)
+            event = await synth.next()
+        if isinstance(event, Done) and event.complete:
+            tail = await coder.finish()
+            if tail:
+                await resp.write(tail)
+            await resp.write_eof()
+            log.info("[%s] streamed %.2f s of audio", rid, _seconds(synth))
+            return resp, "ok"
+    except (ConnectionError, ClientGone):
+        # The client went away; returning the prepared response lets aiohttp finish quietly.
+        log.info("[%s] client disconnected after %.2f s of audio", rid, _seconds(synth))
+        return resp, "cancelled"
+    why = event.message if isinstance(event, Failed) else "cancelled by the workers"
+    log.warning("[%s] failed after %.2f s of audio: %s; breaking the stream", rid, _seconds(synth), why)
+    _break_stream(request)
+    return resp, outcome_of(event.status) if isinstance(event, Failed) else "server_error"
+
+
+async def _whole(
+    synth: Synthesis, coder: _Coder, event: Event, headers: dict[str, str], error: ErrorFn
+) -> tuple[web.Response, str]:
+    rid = headers.get("X-Request-Id", "")
+    while isinstance(event, bytes):
+        await coder.feed(event)
+        event = await synth.next()
+    if isinstance(event, Failed):
+        log.info("[%s] failed: %d %s", rid, event.status, event.message)
+        return error(event.status, event.message, headers), outcome_of(event.status)
+    if not event.complete:
+        return error(503, ABORTED_BEFORE_END, headers), "server_error"
+    body = await coder.finish()
+    log.info("[%s] returning %.2f s of audio", rid, _seconds(synth))
+    return web.Response(body=body, headers={**headers, "Content-Type": coder.encoder.content_type}), "ok"
+
+
+async def _sse(
+    request: web.Request, synth: Synthesis, coder: _Coder, event: Event, headers: dict[str, str]
+) -> tuple[web.StreamResponse, str]:
+    resp = web.StreamResponse(
+        status=200,
+        headers={
+            **headers,
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",  # proxies (nginx) must not hold events back
+        },
+    )
+    rid = headers.get("X-Request-Id", "")
+    try:
+        await resp.prepare(request)
+        while isinstance(event, bytes):
+            data = await coder.feed(event)
+            if data:
+                await resp.write(sse_event({"type": "speech.audio.delta", "audio": _b64(data)}))
+            event = await synth.next()
+        if isinstance(event, Done) and event.complete:
+            tail = await coder.finish()
+            if tail:
+                await resp.write(sse_event({"type": "speech.audio.delta", "audio": _b64(tail)}))
+            # input_tokens: the workers do not report prompt lengths to the gateway yet.
+            usage = {"input_tokens": 0, "output_tokens": event.n_tokens, "total_tokens": event.n_tokens}
+            await resp.write(sse_event({"type": "speech.audio.done", "usage": usage}))
+            await resp.write_eof()
+            log.info("[%s] streamed %.2f s of audio as events", rid, _seconds(synth))
+            return resp, "ok"
+        status, message = (
+            (event.status, event.message) if isinstance(event, Failed) else (503, ABORTED_BEFORE_END)
+        )
+        log.warning("[%s] failed after %.2f s of audio: %s", rid, _seconds(synth), message)
+        await resp.write(sse_event({"type": "error", "error": error_body(status, message)}))
+        await resp.write_eof()
+        return resp, outcome_of(status)
+    except (ConnectionError, ClientGone):
+        log.info("[%s] client disconnected after %.2f s of audio", rid, _seconds(synth))
+        return resp, "cancelled"
+
+
+def sse_event(payload: dict[str, Any]) -> bytes:
+    """One server-sent event carrying `payload` as JSON in its data line (no `event:` line, as
+    OpenAI sends them: the type is in the payload, and EventSource.onmessage sees every event)."""
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error object: {"message", "type", "param", "code"}."""
+    kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
+    return {"message": message, "type": kind, "param": param, "code": code or _CODES.get(status, "error")}
+
+
+_CODES = {
+    400: "invalid_value",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+    415: "unsupported_media_type",
+    500: "internal_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _seconds(synth: Synthesis) -> float:
+    return synth.n_samples / synth.gateway.sample_rate
+
+
+def _break_stream(request: web.Request) -> None:
+    """End a chunked response without its terminating chunk, so the client sees a broken
+    transfer instead of a short file that looks complete. close() (not abort()) flushes the
+    audio already written; aiohttp's later write_eof then fails quietly on the closed transport."""
+    if request.transport is not None:
+        request.transport.close()
