@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from common.ipc import publish_stage
 from gateway.encoders import Encoder
 from gateway.events import ClientGone, Done, Event, Failed
 from gateway.metrics import outcome_of
@@ -131,12 +132,16 @@ async def _stream(
         headers={**headers, "Content-Type": coder.encoder.content_type, "Cache-Control": "no-store"},
     )
     rid = headers.get("X-Request-Id", "")
+    first = True
     try:
         await resp.prepare(request)  # no Content-Length: aiohttp sends it chunked (HTTP/1.1)
         while isinstance(event, bytes):
             data = await coder.feed(event)
             if data:
                 await resp.write(data)
+                if first:
+                    publish_stage(rid, "first_byte_sent", bytes=len(data))
+                    first = False
             event = await synth.next()
         if isinstance(event, Done) and event.complete:
             tail = await coder.finish()
@@ -168,6 +173,7 @@ async def _whole(
     if not event.complete:
         return error(503, ABORTED_BEFORE_END, headers), "server_error"
     body = await coder.finish()
+    publish_stage(rid, "first_byte_sent", bytes=len(body))  # aiohttp sends it as we return
     log.info("[%s] returning %.2f s of audio", rid, _seconds(synth))
     return web.Response(body=body, headers={**headers, "Content-Type": coder.encoder.content_type}), "ok"
 
@@ -185,12 +191,16 @@ async def _sse(
         },
     )
     rid = headers.get("X-Request-Id", "")
+    first = True
     try:
         await resp.prepare(request)
         while isinstance(event, bytes):
             data = await coder.feed(event)
             if data:
                 await resp.write(sse_event({"type": "speech.audio.delta", "audio": _b64(data)}))
+                if first:
+                    publish_stage(rid, "first_byte_sent", bytes=len(data))
+                    first = False
             event = await synth.next()
         if isinstance(event, Done) and event.complete:
             tail = await coder.finish()
@@ -254,3 +264,13 @@ def _break_stream(request: web.Request) -> None:
     audio already written; aiohttp's later write_eof then fails quietly on the closed transport."""
     if request.transport is not None:
         request.transport.close()
+
+
+_RID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:-")
+
+
+def client_request_id(request: web.Request) -> str | None:
+    """The client's X-Request-Id when it is 1-64 of [A-Za-z0-9._:-] (so `voxpipe tap --rid` can
+    follow a request its client names), else None: the gateway makes one."""
+    rid = request.headers.get("X-Request-Id", "")
+    return rid if 0 < len(rid) <= 64 and set(rid) <= _RID_CHARS else None

@@ -24,7 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from common.config import ServeConfig
-from common.ipc import Addresses, AsyncPullChannel, AsyncPushChannel
+from common.ipc import Addresses, AsyncDispatchChannel, AsyncPullChannel, AsyncPushChannel, publish_stage
 from common.messages import Abort, AudioChunks, GatewayInMsg, GenerateRequest, ProcStatus, RequestError
 from gateway import openai, openapi
 from gateway.body import MAX_BODY_BYTES, BodyError, read_fields
@@ -32,7 +32,7 @@ from gateway.encoders import WavEncoder
 from gateway.events import ClientGone, Event, Failed, Pending, error_status, finished_event
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics, outcome_of
 from gateway.procs import ProcessTable
-from gateway.respond import error_body, speak
+from gateway.respond import client_request_id, error_body, speak
 from gateway.segments import MAX_TEXT_CHARS_LIMIT
 from gateway.validation import BadRequest, parse_generate
 from programs import get_spec
@@ -68,7 +68,7 @@ class Gateway:
         self._pending: dict[str, Pending] = {}
         self._tasks: set[asyncio.Task[Any]] = set()  # background sends, kept so they are not GC'd
         self._inbox_task: asyncio.Task[None] | None = None
-        self._send_to_tokenizers: AsyncPushChannel[GenerateRequest] | None = None
+        self._send_to_tokenizers: AsyncDispatchChannel[GenerateRequest] | None = None
         self._send_to_gpu: AsyncPushChannel[Abort] | None = None
         self._recv_from_workers: AsyncPullChannel[GatewayInMsg] | None = None
         if cfg.max_text_chars > MAX_TEXT_CHARS_LIMIT:
@@ -82,7 +82,7 @@ class Gateway:
 
     async def start(self, app: web.Application) -> None:
         a = self.addresses
-        self._send_to_tokenizers = AsyncPushChannel(a.requests, bind=True)
+        self._send_to_tokenizers = AsyncDispatchChannel(a.requests, bind=True)
         self._send_to_gpu = AsyncPushChannel(a.gpu_in, bind=False)
         self._recv_from_workers = AsyncPullChannel(a.gateway_in, GatewayInMsg, bind=True)
         self._inbox_task = asyncio.create_task(self._inbox_loop(), name="gateway-inbox")
@@ -147,7 +147,11 @@ class Gateway:
         return pending
 
     def release(self, rid: str) -> None:
-        self._pending.pop(rid, None)
+        if self._pending.pop(rid, None) is not None:
+            publish_stage(rid, "response_done")
+
+    def in_flight(self, rid: str) -> bool:
+        return rid in self._pending
 
     async def submit(self, req: GenerateRequest) -> Failed | None:
         """Hand `req` to the tokenizer pool; a Failed(503) when no worker takes it in time."""
@@ -204,8 +208,10 @@ class Gateway:
 
     async def handle_generate(self, request: web.Request) -> web.StreamResponse:
         started = time.monotonic()
-        rid = uuid.uuid4().hex
+        rid = client_request_id(request) or uuid.uuid4().hex
         headers = {"X-Request-Id": rid}
+        if self.in_flight(rid):
+            return _error(409, f"request id {rid} is already in flight; send a unique X-Request-Id", headers)
         try:
             params = parse_generate(await read_fields(request), self.spec, self.cfg)
         except (BodyError, BadRequest) as e:

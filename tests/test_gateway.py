@@ -32,7 +32,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from common.config import ServeConfig
-from common.ipc import Addresses, AsyncPullChannel, AsyncPushChannel
+from common.ipc import Addresses, AsyncPullChannel, AsyncPushChannel, AsyncWorkChannel
 from common.messages import (
     Abort,
     AudioChunk,
@@ -61,7 +61,7 @@ class FakeWorkers:
     """The tokenizer pool, gpu_worker and codec_worker, reduced to their sockets."""
 
     def __init__(self, addrs: Addresses, tokenizer: bool = True) -> None:
-        self.recv_requests = AsyncPullChannel[GenerateRequest](addrs.requests, GenerateRequest, bind=False)
+        self.recv_requests = AsyncWorkChannel[GenerateRequest](addrs.requests, GenerateRequest, name="fake")
         if not tokenizer:  # no tokenizer worker in the pool
             self.recv_requests.close()
         self.recv_gpu_in = AsyncPullChannel[GpuInMsg](addrs.gpu_in, GpuInMsg, bind=True)

@@ -104,8 +104,7 @@ def test_tap_with_a_rid_prints_that_requests_stages_in_order(served):
         )
         with urllib.request.urlopen(req, timeout=60) as r:
             assert r.status == 200 and len(r.read()) > 44
-            if r.headers["X-Request-Id"] != rid:
-                pytest.skip("the gateway does not take X-Request-Id from clients yet (issue 6 report)")
+            assert r.headers["X-Request-Id"] == rid
         lines = tap.wait_line(tap.out, lambda line: '"response_done"' in line, timeout=20)
     finally:
         tap.stop()

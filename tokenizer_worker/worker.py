@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from common.config import ServeConfig, program_kwargs
-from common.ipc import PullChannel, PushChannel, WorkChannel
+from common.ipc import PushChannel, WorkChannel
 from common.messages import GatewayInMsg, GenerateRequest, GpuInMsg, ProcState, Prompt, RequestError
 from common.proc import StatusReporter
 from programs import get_spec, load_program_class
@@ -75,12 +75,6 @@ class TokenizerWorker:
         )
         self.to_gpu: PushChannel[GpuInMsg] = PushChannel(cfg.addresses.gpu_in)
         self.to_gateway: PushChannel[GatewayInMsg] = PushChannel(cfg.addresses.gateway_in)
-        # TRANSITION (issue 6): a gateway that still PUSHes requests (AsyncPushChannel) reaches
-        # this PULL instead; delete it, and its use in run(), with the gateway's switch to
-        # AsyncDispatchChannel.
-        self._legacy_inbox: PullChannel[GenerateRequest] = PullChannel(
-            cfg.addresses.requests, GenerateRequest, bind=False
-        )
         self._stopping = False
         self._delay = _test_delay()
 
@@ -90,7 +84,7 @@ class TokenizerWorker:
 
     def run(self) -> None:
         while not self._stopping:
-            req = self.inbox.recv(timeout_ms=10) or self._legacy_inbox.recv(timeout_ms=10)
+            req = self.inbox.recv(timeout_ms=100)
             if req is not None:
                 self.handle(req)
         handed = self.inbox.leave()  # what the dispatcher sent before it saw us leave: finish it
@@ -98,7 +92,6 @@ class TokenizerWorker:
             self.handle(req)
         log.info("left the pool (%d prompts finished after the stop)", len(handed))
         self.inbox.close()
-        self._legacy_inbox.close()
 
     def handle(self, req: GenerateRequest) -> None:
         self.status.set_load(1, 1)
