@@ -26,6 +26,9 @@ ROLE_COMMANDS = {
 }
 
 
+MAX_TEXT_CHARS = 50_000  # the gateway's own cap (gateway/segments.py MAX_TEXT_CHARS_LIMIT)
+
+
 def _validate(cfg: ServeConfig) -> None:
     from programs import get_spec
 
@@ -36,6 +39,8 @@ def _validate(cfg: ServeConfig) -> None:
         raise ValueError(f"--port must be in 1..65535, got {cfg.port}")
     if cfg.page_size < 1 or cfg.max_batch_size < 0 or cfg.max_context < 0 or cfg.num_pages < 0:
         raise ValueError("--page-size must be positive; --max-batch-size, --max-context, --num-pages >= 0")
+    if not 1 <= cfg.max_text_chars <= MAX_TEXT_CHARS:
+        raise ValueError(f"--max-text-chars must be in 1..{MAX_TEXT_CHARS}, got {cfg.max_text_chars}")
 
 
 def build_parser() -> argparse.ArgumentParser:

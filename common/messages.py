@@ -87,6 +87,7 @@ class Finished(msgspec.Struct, **_STRUCT):
     n_chunks: int = 0  # audio chunks sent for this request
     message: str = ""
     status: int = 0  # HTTP status the gateway should answer with when reason is ERROR
+    n_prompt_tokens: int = 0  # prompt rows the request was admitted with
 
 
 class DetokBatch(msgspec.Struct, tag="detok", **_STRUCT):

@@ -19,6 +19,7 @@ class Done:
 
     reason: FinishReason
     n_tokens: int = 0  # tokens generated, prompt excluded (all segments, once a synthesis ends)
+    n_prompt_tokens: int = 0  # prompt tokens (all segments)
 
     @property
     def complete(self) -> bool:
@@ -52,7 +53,7 @@ class Pending:
 def finished_event(fin: Finished) -> Done | Failed:
     if fin.reason == FinishReason.ERROR:
         return Failed(error_status(fin.status or 500), fin.message or "the request failed in a worker")
-    return Done(FinishReason(fin.reason), fin.n_tokens)
+    return Done(FinishReason(fin.reason), fin.n_tokens, fin.n_prompt_tokens)
 
 
 def error_status(status: int) -> int:

@@ -206,8 +206,11 @@ async def _sse(
             tail = await coder.finish()
             if tail:
                 await resp.write(sse_event({"type": "speech.audio.delta", "audio": _b64(tail)}))
-            # input_tokens: the workers do not report prompt lengths to the gateway yet.
-            usage = {"input_tokens": 0, "output_tokens": event.n_tokens, "total_tokens": event.n_tokens}
+            usage = {
+                "input_tokens": event.n_prompt_tokens,
+                "output_tokens": event.n_tokens,
+                "total_tokens": event.n_prompt_tokens + event.n_tokens,
+            }
             await resp.write(sse_event({"type": "speech.audio.done", "usage": usage}))
             await resp.write_eof()
             log.info("[%s] streamed %.2f s of audio as events", rid, _seconds(synth))

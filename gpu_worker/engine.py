@@ -208,7 +208,11 @@ class Engine:
             req.slot = -1
         self.allocator.free(req.pages)
         req.pages = []
-        self._finished.append(Finished(req.rid, reason, n_tokens=req.n_gen, n_chunks=req.n_chunks))
+        self._finished.append(
+            Finished(
+                req.rid, reason, n_tokens=req.n_gen, n_chunks=req.n_chunks, n_prompt_tokens=len(req.prompt)
+            )
+        )
 
     # --- one step ------------------------------------------------------------------------------
     def _admit(self) -> None:

@@ -49,7 +49,9 @@ async def _serve(rig: Rig, n_chunks: int = 3, **body: Any) -> tuple[Any, bytes, 
     task = _speech(rig, input="Hello there.", **body)
     req = await rig.workers.next_request()
     pcm = [_tone(CHUNK, i * CHUNK) for i in range(n_chunks)]
-    await rig.workers.audio(req.rid, *pcm, finish=FinishReason.STOP, n_tokens=28 + 7 * (n_chunks - 1))
+    await rig.workers.audio(
+        req.rid, *pcm, finish=FinishReason.STOP, n_tokens=28 + 7 * (n_chunks - 1), n_prompt_tokens=12
+    )
     resp = await task
     return resp, await resp.read(), b"".join(pcm)
 
@@ -135,7 +137,7 @@ async def test_sse_stream_carries_base64_audio_deltas_then_a_done_event_with_usa
     assert len(events) >= 3 and all(set(e) == {"type", "audio"} for e in events[:-1])
     assert events[-1] == {
         "type": "speech.audio.done",
-        "usage": {"input_tokens": 0, "output_tokens": 42, "total_tokens": 42},
+        "usage": {"input_tokens": 12, "output_tokens": 42, "total_tokens": 54},
     }
     audio = _decode(fmt, b"".join(base64.b64decode(e["audio"]) for e in events[:-1]))
     if fmt == "pcm":
