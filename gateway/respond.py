@@ -124,6 +124,31 @@ async def speak(
         gateway.metrics.finished(endpoint, outcome)
 
 
+async def _pump(
+    resp: web.StreamResponse,
+    synth: Synthesis,
+    coder: _Coder,
+    event: Event,
+    rid: str,
+    wrap: Callable[[bytes], bytes],
+) -> Event:
+    """Encode and write audio events as they come; returns the first event that is not audio."""
+    first = True
+    while isinstance(event, bytes):
+        data = await coder.feed(event)
+        if data:
+            await resp.write(wrap(data))
+            if first:
+                publish_stage(rid, "first_byte_sent", bytes=len(data))
+                first = False
+        event = await synth.next()
+    return event
+
+
+def _delta(data: bytes) -> bytes:
+    return sse_event({"type": "speech.audio.delta", "audio": _b64(data)})
+
+
 async def _stream(
     request: web.Request, synth: Synthesis, coder: _Coder, event: Event, headers: dict[str, str]
 ) -> tuple[web.StreamResponse, str]:
@@ -132,17 +157,9 @@ async def _stream(
         headers={**headers, "Content-Type": coder.encoder.content_type, "Cache-Control": "no-store"},
     )
     rid = headers.get("X-Request-Id", "")
-    first = True
     try:
         await resp.prepare(request)  # no Content-Length: aiohttp sends it chunked (HTTP/1.1)
-        while isinstance(event, bytes):
-            data = await coder.feed(event)
-            if data:
-                await resp.write(data)
-                if first:
-                    publish_stage(rid, "first_byte_sent", bytes=len(data))
-                    first = False
-            event = await synth.next()
+        event = await _pump(resp, synth, coder, event, rid, lambda data: data)
         if isinstance(event, Done) and event.complete:
             tail = await coder.finish()
             if tail:
@@ -191,21 +208,13 @@ async def _sse(
         },
     )
     rid = headers.get("X-Request-Id", "")
-    first = True
     try:
         await resp.prepare(request)
-        while isinstance(event, bytes):
-            data = await coder.feed(event)
-            if data:
-                await resp.write(sse_event({"type": "speech.audio.delta", "audio": _b64(data)}))
-                if first:
-                    publish_stage(rid, "first_byte_sent", bytes=len(data))
-                    first = False
-            event = await synth.next()
+        event = await _pump(resp, synth, coder, event, rid, _delta)
         if isinstance(event, Done) and event.complete:
             tail = await coder.finish()
             if tail:
-                await resp.write(sse_event({"type": "speech.audio.delta", "audio": _b64(tail)}))
+                await resp.write(_delta(tail))
             usage = {
                 "input_tokens": event.n_prompt_tokens,
                 "output_tokens": event.n_tokens,
