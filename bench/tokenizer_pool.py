@@ -4,7 +4,7 @@
                                    [--work-ms 0]
 
 Real `python -m tokenizer_worker` processes over ipc://, the real `AsyncDispatchChannel`, and this
-process collecting the Prompts in the gpu_worker's place. `--work-ms` adds that much (sleeping,
+process collecting the Prompts in the gateway inbox's place. `--work-ms` adds that much (sleeping,
 not CPU) to every prompt through the workers' test hook, to see how the pool scales when prompt
 building is slower than the round trip (a long text on a real BPE tokenizer), even on few cores.
 """
@@ -40,7 +40,6 @@ async def run(n_workers: int, args: argparse.Namespace) -> float:
     d = tempfile.mkdtemp(prefix="vpbench-")
     a = Addresses.local(d)
     dispatch: AsyncDispatchChannel[GenerateRequest] = AsyncDispatchChannel(a.requests)
-    gpu_in: AsyncPullChannel[Prompt] = AsyncPullChannel(a.gpu_in, Prompt)
     gw_in: AsyncPullChannel[GatewayInMsg] = AsyncPullChannel(a.gateway_in, GatewayInMsg)
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "VOXPIPE_LOG_LEVEL": "WARNING"}
     if args.work_ms:
@@ -48,7 +47,7 @@ async def run(n_workers: int, args: argparse.Namespace) -> float:
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "tokenizer_worker", "--model", args.model, "--name", f"tok{i}",
-             "--requests", a.requests, "--gpu-in", a.gpu_in, "--gateway-in", a.gateway_in],
+             "--requests", a.requests, "--gateway-in", a.gateway_in],
             env=env, cwd=ROOT,
         )
         for i in range(n_workers)
@@ -66,8 +65,9 @@ async def run(n_workers: int, args: argparse.Namespace) -> float:
             asyncio.ensure_future(dispatch.send(GenerateRequest(f"r{i}", TEXT * 2, sp)))
             for i in range(args.requests)
         ]
-        for _ in range(args.requests):
-            await gpu_in.recv()
+        built = 0
+        while built < args.requests:
+            built += isinstance(await gw_in.recv(), Prompt)
         elapsed = time.perf_counter() - t0
         await asyncio.gather(*sends)
         return args.requests / elapsed
@@ -77,7 +77,7 @@ async def run(n_workers: int, args: argparse.Namespace) -> float:
         deadline = time.monotonic() + 10
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)  # the dispatcher answers their WorkerLeaving meanwhile
-        for chan in (dispatch, gpu_in, gw_in):
+        for chan in (dispatch, gw_in):
             chan.close()
         shutil.rmtree(d, ignore_errors=True)
 

@@ -35,6 +35,14 @@ def _validate(cfg: ServeConfig) -> None:
     get_spec(cfg.model)  # raises with the list of models
     if cfg.tokenizer_workers < 1:
         raise ValueError("--tokenizer-workers must be at least 1")
+    if cfg.gpu_workers < 1:
+        raise ValueError("--gpu-workers must be at least 1")
+    for spec in (cfg.device, cfg.codec_device):
+        n = len([p for p in spec.split(",") if p.strip()])
+        if n > 1 and n != cfg.gpu_workers:
+            raise ValueError(
+                f"--device/--codec-device list {n} devices but --gpu-workers is {cfg.gpu_workers}"
+            )
     if not 1 <= cfg.port <= 65535:
         raise ValueError(f"--port must be in 1..65535, got {cfg.port}")
     if cfg.page_size < 1 or cfg.max_batch_size < 0 or cfg.max_context < 0 or cfg.num_pages < 0:

@@ -28,8 +28,12 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 8000
     tokenizer_workers: int = 1
-    device: str = "auto"  # gpu_worker: "cpu", "cuda", "cuda:N"; auto = cuda if available
-    codec_device: str = "auto"  # codec_worker; auto = the gpu_worker's device
+    # serve: gpu_worker + codec_worker pairs to start; gateway: how many of each /ready expects
+    gpu_workers: int = 1
+    # gpu_worker: "cpu", "cuda", "cuda:N"; auto = cuda if available. serve with --gpu-workers N:
+    # one device, or a comma-separated list of N (auto/cuda → cuda:i per pair)
+    device: str = "auto"
+    codec_device: str = "auto"  # codec_worker; auto = the gpu_worker's device; a list like --device
     load_format: str = "auto"  # auto (real weights) | dummy (random weights of the real shape)
     weights: str = ""  # LM checkpoint: Hugging Face id or local directory ("" = the model's default)
     codec_weights: str = ""  # codec checkpoint, likewise
@@ -61,6 +65,29 @@ def resolve_device(device: str) -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pair_devices(spec: str, n: int, cuda_available: Callable[[], bool] | None = None) -> list[str]:
+    """The device of each of `n` gpu_worker/codec_worker pairs from `--device` (or
+    `--codec-device`): a list of n, or one device for all (auto and cuda: `cuda:i` for pair i when
+    there is a GPU, else cpu; auto stays auto when n == 1). Raises ValueError on a list of another
+    length."""
+    parts = [p.strip() for p in spec.split(",") if p.strip()] or ["auto"]
+    if len(parts) == n:
+        return parts
+    if len(parts) != 1:
+        raise ValueError(f"--device/--codec-device lists {len(parts)} devices for {n} gpu workers")
+    dev = parts[0]
+    if n == 1 or dev not in ("auto", "cuda"):
+        return [dev] * n
+    if dev == "auto":
+        if cuda_available is None:
+            import torch
+
+            cuda_available = torch.cuda.is_available
+        if not cuda_available():
+            return ["cpu"] * n
+    return [f"cuda:{i}" for i in range(n)]
 
 
 def program_kwargs(cfg: ServeConfig) -> dict:
@@ -124,8 +151,24 @@ OPTIONS: tuple[Option, ...] = (
         ("serve", "gateway"),
         int,
     ),
-    Option("device", "LM device: auto, cpu, cuda, cuda:N", ("serve", "gpu_worker", "codec_worker")),
-    Option("codec_device", "codec device (auto: the LM's)", ("serve", "codec_worker")),
+    Option(
+        "gpu_workers",
+        "serve: gpu_worker + codec_worker pairs to start (one per GPU); gateway: how many of each "
+        "must be ready for /ready",
+        ("serve", "gateway"),
+        int,
+    ),
+    Option(
+        "device",
+        "LM device: auto, cpu, cuda, cuda:N (serve with --gpu-workers N: one, or a comma-separated "
+        "list of N; auto/cuda give pair i cuda:i)",
+        ("serve", "gpu_worker", "codec_worker"),
+    ),
+    Option(
+        "codec_device",
+        "codec device (auto: the LM's); with --gpu-workers a list too",
+        ("serve", "codec_worker"),
+    ),
     Option("load_format", "auto (real weights) or dummy (random)", _LOADERS, choices=("auto", "dummy")),
     Option("weights", "LM checkpoint: Hugging Face id or local directory", _LOADERS),
     Option("codec_weights", "codec checkpoint: Hugging Face id or local directory", _LOADERS),
@@ -163,10 +206,15 @@ OPTIONS: tuple[Option, ...] = (
         kind="address",
     ),
     Option("gateway_in", "the gateway's inbox (gateway binds)", _address_roles("gateway_in"), kind="address"),
-    Option("gpu_in", "the gpu_worker's inbox (gpu_worker binds)", _address_roles("gpu_in"), kind="address"),
+    Option(
+        "gpu_in",
+        "prompts and aborts to the gpu_workers (gateway binds, gpu_workers connect)",
+        _address_roles("gpu_in"),
+        kind="address",
+    ),
     Option(
         "codec_in",
-        "the codec_worker's inbox (codec_worker binds)",
+        "the codec_worker's inbox (codec_worker binds; each gpu_worker/codec_worker pair its own)",
         _address_roles("codec_in"),
         kind="address",
     ),

@@ -2,9 +2,11 @@
 
 Call sites never see zmq or msgpack: they hold a `PushChannel[T]` / `PullChannel[T]` (or the
 asyncio variants) that encode and decode one tagged union each. Bound sockets belong to the
-receiver of a stream (gateway inbox, gpu_worker inbox, codec inbox); senders connect, so any
-number of senders (tokenizer workers, several gpu_workers) can join and leave. The tokenizer pool
-is pull-based instead (`common.pool`): workers ask for one request at a time.
+receiver of a stream (gateway inbox, codec inbox); senders connect, so any number of senders
+(tokenizer workers, several gpu_workers) can join and leave. The two pools are pull-based instead
+(`common.pool`), both dispatched by the gateway: tokenizer workers ask for one request at a time
+(`requests`), gpu_workers for as many prompts as they have free slots (`gpu_in`). Prompts travel
+tokenizer_worker → gateway_in → gateway → gpu_in → the gpu_worker with free capacity.
 
 Every address is written the way a connecting process reaches it (`tcp://gateway:5557`,
 `ipc:///run/x/requests`); the process that binds it derives its bind address (`bind_address`), so
@@ -45,9 +47,9 @@ DEFAULT_PORTS = {"requests": 5557, "gateway_in": 5558, "gpu_in": 5559, "codec_in
 
 # Which side of each address a role holds: it binds the streams it receives, connects to the rest.
 ROLE_SOCKETS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "gateway": (("requests", "gateway_in"), ("gpu_in",)),
-    "tokenizer_worker": ((), ("requests", "gpu_in", "gateway_in")),
-    "gpu_worker": (("gpu_in",), ("codec_in", "gateway_in")),
+    "gateway": (("requests", "gateway_in", "gpu_in"), ()),
+    "tokenizer_worker": ((), ("requests", "gateway_in")),
+    "gpu_worker": ((), ("gpu_in", "codec_in", "gateway_in")),
     "codec_worker": (("codec_in",), ("gateway_in",)),
 }
 
@@ -57,9 +59,9 @@ class Addresses(msgspec.Struct, frozen=True):
     same book."""
 
     requests: str  # gateway ROUTER (bind) ↔ tokenizer workers DEALER (connect), see common.pool
-    gpu_in: str  # gpu_worker PULL (bind) ← tokenizer workers (prompts), gateway (aborts)
-    codec_in: str  # codec_worker PULL (bind) ← gpu_worker
-    gateway_in: str  # gateway PULL (bind) ← codec_worker, tokenizer workers, status of all
+    gpu_in: str  # gateway ROUTER (bind) ↔ gpu_workers DEALER (connect): prompts, aborts
+    codec_in: str  # codec_worker PULL (bind) ← its gpu_worker (one codec_in per pair, `numbered`)
+    gateway_in: str  # gateway PULL (bind) ← codec_workers, tokenizer workers (prompts), status of all
 
     @classmethod
     def local(cls, run_dir: str | None = None) -> Addresses:
@@ -81,6 +83,15 @@ class Addresses(msgspec.Struct, frozen=True):
         """tcp:// sockets on one host name (the separate-services defaults use 127.0.0.1)."""
         ports = {**DEFAULT_PORTS, **(ports or {})}
         return cls(**{f: f"tcp://{host}:{ports[f]}" for f in cls.__struct_fields__})
+
+
+def numbered(addr: str, index: int) -> str:
+    """The `index`-th of several addresses derived from one (a codec_in per gpu_worker/codec_worker
+    pair): ipc:// paths get a `.index` suffix, tcp:// ports count up from the given one."""
+    if addr.startswith("tcp://"):
+        host, port = _split_tcp(addr)
+        return f"tcp://{host}:{int(port) + index}"
+    return f"{addr}.{index}"
 
 
 def _split_tcp(addr: str) -> tuple[str, str]:
@@ -324,7 +335,7 @@ class AsyncPullChannel(Generic[T]):
         self._sock.close(linger=0)
 
 
-_POOL_NAMES = ("AsyncDispatchChannel", "AsyncWorkChannel", "WorkChannel")
+_POOL_NAMES = ("AsyncDispatchChannel", "AsyncWorkChannel", "CreditWorkChannel", "WorkChannel")
 
 
 def __getattr__(name: str) -> Any:

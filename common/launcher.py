@@ -24,7 +24,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from common.config import ServeConfig
-from common.ipc import Addresses
+from common.ipc import Addresses, numbered
 from common.tap import remove_state, write_state
 
 log = logging.getLogger("voxpipe.serve")
@@ -39,6 +39,7 @@ class Child:
     name: str
     role: str
     popen: subprocess.Popen | None = None
+    args: list[str] = field(default_factory=list)  # per-child flags (a pair's codec_in, device)
     restarts: list[float] = field(default_factory=list)
 
 
@@ -52,9 +53,28 @@ class Supervisor:
         self.children += [
             Child(f"tokenizer_worker.{i}", "tokenizer_worker") for i in range(cfg.tokenizer_workers)
         ]
-        self.children += [Child("gpu_worker", "gpu_worker"), Child("codec_worker", "codec_worker")]
+        self.children += self._pairs(cfg)
         self._stopping = False
         self.state_file = ""
+
+    @staticmethod
+    def _pairs(cfg: ServeConfig) -> list[Child]:
+        """One gpu_worker and one codec_worker per GPU; with several, each pair has its own
+        codec_in and device and numbered names (gpu_worker.0, codec_worker.0, ...)."""
+        from common.config import pair_devices
+
+        n = cfg.gpu_workers
+        assert cfg.addresses is not None
+        if n == 1:
+            return [Child("gpu_worker", "gpu_worker"), Child("codec_worker", "codec_worker")]
+        lm = pair_devices(cfg.device, n)
+        codec = lm if cfg.codec_device == "auto" else pair_devices(cfg.codec_device, n)
+        out = []
+        for i in range(n):
+            addr = ["--codec-in", numbered(cfg.addresses.codec_in, i), "--device", lm[i]]
+            out.append(Child(f"gpu_worker.{i}", "gpu_worker", args=addr))
+            out.append(Child(f"codec_worker.{i}", "codec_worker", args=[*addr, "--codec-device", codec[i]]))
+        return out
 
     def tap_address(self, child: Child) -> str:
         return f"ipc://{os.path.join(self.run_dir, 'tap-' + child.name)}"
@@ -68,7 +88,7 @@ class Supervisor:
         env = dict(os.environ)
         env["PYTHONPATH"] = _ROOT + os.pathsep + env.get("PYTHONPATH", "")
         argv = [sys.executable, "-m", child.role, "--config-json", self.cfg.to_json(), "--name", child.name]
-        argv += ["--tap", self.tap_address(child)]
+        argv += ["--tap", self.tap_address(child), *child.args]
         child.popen = subprocess.Popen(argv, env=env)
         log.info("started %s (pid %d)", child.name, child.popen.pid)
 

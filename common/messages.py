@@ -56,7 +56,8 @@ class GenerateRequest(msgspec.Struct, tag="gen", **_STRUCT):
 
 
 class Prompt(msgspec.Struct, tag="prompt", **_STRUCT):
-    """tokenizer_worker → gpu_worker: a built prompt, int32 rows of n_codebooks ids."""
+    """tokenizer_worker → gateway → gpu_worker: a built prompt, int32 rows of n_codebooks ids (the
+    gateway hands it to a gpu_worker with free capacity, see `common.pool`)."""
 
     rid: str
     tokens: bytes  # int32 little-endian, [n_rows, n_codebooks] row-major
@@ -66,7 +67,8 @@ class Prompt(msgspec.Struct, tag="prompt", **_STRUCT):
 
 
 class Abort(msgspec.Struct, tag="abort", **_STRUCT):
-    """gateway → gpu_worker: stop these requests and free their KV pages and slots."""
+    """gateway → every gpu_worker: stop these requests and free their KV pages and slots (a worker
+    that does not hold a rid keeps a bounded tombstone for it)."""
 
     rids: list[str]
 
@@ -152,7 +154,7 @@ class ModelInfo(msgspec.Struct, **_STRUCT):
 TokenizerInMsg = GenerateRequest
 GpuInMsg = Prompt | Abort
 CodecInMsg = DetokBatch
-GatewayInMsg = AudioChunks | RequestError | ProcStatus
+GatewayInMsg = AudioChunks | RequestError | ProcStatus | Prompt
 
 
 # --- Pool control and taps (added after the unions above; fields carry defaults) -----------------
@@ -162,10 +164,15 @@ class WorkerReady(msgspec.Struct, tag="wready", **_STRUCT):
     """pool worker → dispatcher: "I am free, send me one message". `seq` counts the messages the
     worker has received, so the dispatcher can tell a stale announcement (one that crossed a message
     on the wire) from a fresh one; a worker repeats it while idle, which also re-registers it with
-    a restarted gateway."""
+    a restarted gateway.
+
+    `credits`: how many more messages the worker can take after the `seq` it has received (1 for a
+    tokenizer worker; free slots for a gpu_worker, 0 when full); the dispatcher subtracts what it
+    sent since `seq`."""
 
     name: str = ""
     seq: int = 0
+    credits: int = 1
 
 
 class WorkerLeaving(msgspec.Struct, tag="wleave", **_STRUCT):

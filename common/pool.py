@@ -15,6 +15,13 @@ and loses nothing. `seq` (messages received so far) lets the dispatcher ignore a
 crossed a message on the wire. With ROUTER_MANDATORY a message to a worker that vanished fails at
 once and goes to the next free one instead.
 
+Credits: a worker that takes several messages at once (a gpu_worker, which batches requests) says
+in WorkerReady how many more it can take (`credits`, its free slots); the dispatcher hands it at
+most that many (less what it sent since that announcement's `seq`) and sends each message to the
+worker with the most credit, so prompts go to free capacity, never into a full worker's queue. Such
+a worker announces again whenever its credit or seq changes (`CreditWorkChannel.offer`). Messages
+outside the pool protocol (`broadcast`: the gateway's Aborts) are not counted.
+
 What this does not cover: a worker killed (SIGKILL, crash) while building a prompt loses that one
 request; its client gets the gateway's idle timeout.
 """
@@ -56,8 +63,10 @@ class AsyncDispatchChannel(Generic[T]):
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(PoolWorkerMsg)
         self._free: collections.OrderedDict[bytes, str] = collections.OrderedDict()  # id → name
+        self._credit: dict[bytes, int] = {}  # id → messages it can still take (free ones only)
         self._sent: dict[bytes, int] = {}  # worker id → messages handed to it
-        self._waiting: collections.deque[tuple[bytes, asyncio.Future[None]]] = collections.deque()
+        self._known: dict[bytes, str] = {}  # every worker that announced and has not left
+        self._waiting: collections.deque[tuple[bytes, asyncio.Future[bytes]]] = collections.deque()
         self._task: asyncio.Task[None] | None = None
         self.dispatched: collections.Counter[str] = collections.Counter()  # worker name → messages
 
@@ -69,14 +78,24 @@ class AsyncDispatchChannel(Generic[T]):
     def num_waiting(self) -> int:
         return len(self._waiting)
 
-    async def send(self, msg: T) -> None:
+    @property
+    def workers(self) -> dict[bytes, str]:
+        """Every connected worker that announced itself (id → name), free or not."""
+        return dict(self._known)
+
+    def start(self) -> None:
+        """Start reading announcements now (else on the first `send`)."""
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._recv_loop(), name="dispatch-recv")
+
+    async def send(self, msg: T) -> bytes:
+        """Returns the id of the worker that took `msg`."""
+        self.start()
         item = (self._enc.encode(msg), asyncio.get_running_loop().create_future())
         self._waiting.append(item)
         self._pump()
         try:
-            await item[1]
+            return await item[1]
         except BaseException:
             # Cancelled (a timeout, the client gone) before a worker took it: never send it later.
             if not item[1].done() or item[1].cancelled():
@@ -94,14 +113,33 @@ class AsyncDispatchChannel(Generic[T]):
             if fut.done():
                 self._waiting.popleft()
                 continue
-            ident, name = self._free.popitem(last=False)
+            # The most credit wins; among equals the longest free (the first in `_free`).
+            ident = max(self._free, key=lambda i: self._credit.get(i, 1))
+            name = self._free[ident]
+            self._credit[ident] = self._credit.get(ident, 1) - 1
+            if self._credit[ident] <= 0:
+                del self._free[ident]
+                self._credit.pop(ident, None)
             if not self._send_now(ident, data):
+                self._free.pop(ident, None)
+                self._credit.pop(ident, None)
                 continue  # that worker is gone: try the next one
             self._waiting.popleft()
             self._sent[ident] = self._sent.get(ident, 0) + 1
             self.dispatched[name] += 1
             mirror(data, self._addr, peer=name)
-            fut.set_result(None)
+            fut.set_result(ident)
+
+    def broadcast(self, msg: Any) -> int:
+        """Send `msg` to every known worker, outside the pool protocol (not counted against credit);
+        returns how many took it."""
+        data = self._enc.encode(msg)
+        sent = 0
+        for ident, name in list(self._known.items()):
+            if self._send_now(ident, data):
+                mirror(data, self._addr, peer=name)
+                sent += 1
+        return sent
 
     def _send_now(self, ident: bytes, data: bytes) -> bool:
         # NOBLOCK sends resolve at once (pyzmq tries them before queueing), and never queue
@@ -111,6 +149,7 @@ class AsyncDispatchChannel(Generic[T]):
         if err is not None:
             log.info("pool worker %r unreachable (%s); dropping it", ident, err)
             self._sent.pop(ident, None)
+            self._known.pop(ident, None)
             return False
         return True
 
@@ -134,15 +173,25 @@ class AsyncDispatchChannel(Generic[T]):
 
     def _handle(self, ident: bytes, msg: WorkerReady | WorkerLeaving) -> None:
         match msg:
-            case WorkerReady(name=name, seq=seq):
-                # A seq behind what we sent it: it crossed that message on the wire; ignore it.
-                if seq >= self._sent.get(ident, 0):
-                    self._sent[ident] = seq
+            case WorkerReady(name=name, seq=seq, credits=credits):
+                self._known[ident] = name
+                # A seq behind what we sent it: that many messages crossed this announcement on the
+                # wire and use up its credit. A seq ahead (a restarted dispatcher): trust the worker.
+                sent = max(self._sent.get(ident, 0), seq)
+                self._sent[ident] = sent
+                credit = credits - (sent - seq)
+                if credit > 0:
                     if ident not in self._free:
                         self._free[ident] = name
-                        log.debug("pool worker %s is free", name)
+                        log.debug("pool worker %s is free (%d)", name, credit)
+                    self._credit[ident] = credit
+                else:
+                    self._free.pop(ident, None)
+                    self._credit.pop(ident, None)
             case WorkerLeaving(name=name):
                 self._free.pop(ident, None)
+                self._credit.pop(ident, None)
+                self._known.pop(ident, None)
                 self._sent.pop(ident, None)
                 self._send_now(ident, self._enc.encode(LeaveAck(name)))
                 log.info("pool worker %s left", name)
@@ -162,8 +211,9 @@ class AsyncDispatchChannel(Generic[T]):
 class _WorkerSide(Generic[T]):
     """State shared by the sync and asyncio worker sides: identity, counters, decoding."""
 
-    def __init__(self, msg_type: Any, name: str) -> None:
+    def __init__(self, msg_type: Any, name: str, uncounted: tuple[type, ...] = ()) -> None:
         self.name = name
+        self._uncounted = uncounted  # message types sent outside the pool protocol (broadcasts)
         # Unique per connection: a ROUTER refuses a second peer with the same id.
         self.identity = f"{name}/{uuid.uuid4().hex[:8]}".encode()
         self._enc = msgspec.msgpack.Encoder()
@@ -175,9 +225,9 @@ class _WorkerSide(Generic[T]):
     def _ready_due(self) -> bool:
         return self._asked_at is None or time.monotonic() - self._asked_at >= REANNOUNCE_S
 
-    def _ready(self) -> bytes:
+    def _ready(self, credits: int = 1) -> bytes:
         self._asked_at = time.monotonic()
-        return self._enc.encode(WorkerReady(self.name, self._seq))
+        return self._enc.encode(WorkerReady(self.name, self._seq, credits))
 
     def _decode(self, data: bytes) -> T | None:
         try:
@@ -188,6 +238,8 @@ class _WorkerSide(Generic[T]):
         if isinstance(msg, LeaveAck):
             self.acked = True
             return None
+        if isinstance(msg, self._uncounted):
+            return msg
         self._seq += 1
         self._asked_at = None  # busy now: the next recv() announces again
         return msg
@@ -285,6 +337,53 @@ class AsyncWorkChannel(_WorkerSide[T]):
             if msg is not None:
                 got.append(msg)
         return got
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class CreditWorkChannel(_WorkerSide[T]):
+    """Worker side for a worker that takes several messages at once (the gpu_worker): `offer(n)`
+    says it can take n more (sent when n or the messages received change, and every REANNOUNCE_S),
+    `drain()` returns whatever arrived. Messages of the `uncounted` types (broadcast Aborts) arrive
+    on the same socket without counting against the credit."""
+
+    def __init__(
+        self,
+        addr: str,
+        msg_type: Any,
+        name: str,
+        uncounted: tuple[type, ...] = (),
+        ctx: zmq.Context | None = None,
+    ) -> None:
+        super().__init__(msg_type, name, uncounted)
+        self._sock = _socket(
+            ctx or zmq.Context.instance(), zmq.DEALER, addr, False, {zmq.ROUTING_ID: self.identity}
+        )
+        self._offered: tuple[int, int] | None = None  # (seq, credits) last announced
+
+    def offer(self, credits: int) -> None:
+        credits = max(0, credits)
+        if self._offered != (self._seq, credits) or self._ready_due():
+            self._offered = (self._seq, credits)
+            try:
+                self._sock.send(self._ready(credits), zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # no dispatcher yet: repeated within REANNOUNCE_S
+
+    def drain(self, timeout_ms: int = 0) -> list[T]:
+        """Everything waiting; blocks up to `timeout_ms` for the first message."""
+        out: list[T] = []
+        if timeout_ms > 0 and not self._sock.poll(timeout_ms, zmq.POLLIN):
+            return out
+        while True:
+            try:
+                data = self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            msg = self._decode(data)
+            if msg is not None:
+                out.append(msg)
 
     def close(self) -> None:
         self._sock.close(linger=0)

@@ -28,9 +28,15 @@ class _Entry:
 class ProcessTable:
     """Last status of every process that reported, and which ones a ready deployment needs."""
 
-    def __init__(self, tokenizer_workers: int, stale_after_s: float = STALE_AFTER_S) -> None:
+    def __init__(
+        self, tokenizer_workers: int, stale_after_s: float = STALE_AFTER_S, gpu_workers: int = 1
+    ) -> None:
         # role → how many READY processes of that role a ready deployment needs
-        self.required = {"gpu_worker": 1, "codec_worker": 1, "tokenizer_worker": tokenizer_workers}
+        self.required = {
+            "gpu_worker": gpu_workers,
+            "codec_worker": gpu_workers,
+            "tokenizer_worker": tokenizer_workers,
+        }
         self.stale_after_s = stale_after_s
         self._entries: dict[str, _Entry] = {}
 
@@ -96,7 +102,7 @@ def _missing_names(role: str, need: int, seen: int, entries: dict[str, _Entry]) 
     """Placeholder names for expected processes that never reported (`tokenizer_worker.N`)."""
     if seen >= need:
         return []
-    if role == "tokenizer_worker":  # a pool: members are numbered
+    if role == "tokenizer_worker" or need > 1:  # a pool, or several pairs: members are numbered
         candidates = [f"{role}.{i}" for i in range(need + len(entries))]
     else:
         candidates = [role]

@@ -9,8 +9,16 @@ Endpoints: `POST /generate` (here), `POST /v1/audio/speech` and `GET /v1/models`
 `gateway.openai`), `GET /openapi.json` (`gateway.openapi`), `GET /metrics` (Prometheus),
 `GET /health`, `GET /ready`.
 
+Prompts: the tokenizer pool sends each built prompt back to the gateway inbox, and the gateway hands
+it to a gpu_worker with free capacity (`common.pool` with credits: each gpu_worker announces its free
+slots on `gpu_in`), so several gpu_workers (one per GPU, each with its codec_worker) share this
+gateway and tokenizer pool, and a full worker is never sent a prompt to queue.
+
 Cancellation: a request that ends for any reason other than the workers finishing it (client gone,
-idle timeout, shutdown) is aborted on the gpu_worker, so no KV pages stay held by a dead request.
+idle timeout, shutdown) is aborted: a prompt still waiting here for a free gpu_worker is dropped, one
+that arrives later is dropped on arrival, and an Abort goes to every gpu_worker (the one holding the
+request frees its KV pages; the others keep a bounded tombstone), so no KV pages stay held by a dead
+request.
 """
 
 from __future__ import annotations
@@ -24,8 +32,17 @@ from typing import Any
 from aiohttp import web
 
 from common.config import ServeConfig
-from common.ipc import Addresses, AsyncDispatchChannel, AsyncPullChannel, AsyncPushChannel, publish_stage
-from common.messages import Abort, AudioChunks, GatewayInMsg, GenerateRequest, ProcStatus, RequestError
+from common.ipc import Addresses, AsyncDispatchChannel, AsyncPullChannel, publish_stage
+from common.messages import (
+    Abort,
+    AudioChunks,
+    GatewayInMsg,
+    GenerateRequest,
+    GpuInMsg,
+    ProcStatus,
+    Prompt,
+    RequestError,
+)
 from gateway import openai, openapi
 from gateway.body import MAX_BODY_BYTES, BodyError, read_fields
 from gateway.encoders import WavEncoder
@@ -61,7 +78,7 @@ class Gateway:
         self.sample_rate = int(self.spec["sample_rate"])
         self.idle_timeout_s = idle_timeout_s
         self.submit_timeout_s = submit_timeout_s
-        self.procs = ProcessTable(cfg.tokenizer_workers)
+        self.procs = ProcessTable(cfg.tokenizer_workers, gpu_workers=cfg.gpu_workers)
         self.metrics = GatewayMetrics(self.procs)
         self.created = int(time.time())
         self.closing = False  # set on shutdown: no new segments are submitted
@@ -69,7 +86,8 @@ class Gateway:
         self._tasks: set[asyncio.Task[Any]] = set()  # background sends, kept so they are not GC'd
         self._inbox_task: asyncio.Task[None] | None = None
         self._send_to_tokenizers: AsyncDispatchChannel[GenerateRequest] | None = None
-        self._send_to_gpu: AsyncPushChannel[Abort] | None = None
+        self._send_to_gpu: AsyncDispatchChannel[GpuInMsg] | None = None
+        self._routing: dict[str, asyncio.Task[Any]] = {}  # rid → prompt waiting for a gpu_worker
         self._recv_from_workers: AsyncPullChannel[GatewayInMsg] | None = None
         if cfg.max_text_chars > MAX_TEXT_CHARS_LIMIT:
             log.warning(
@@ -83,7 +101,8 @@ class Gateway:
     async def start(self, app: web.Application) -> None:
         a = self.addresses
         self._send_to_tokenizers = AsyncDispatchChannel(a.requests, bind=True)
-        self._send_to_gpu = AsyncPushChannel(a.gpu_in, bind=False)
+        self._send_to_gpu = AsyncDispatchChannel(a.gpu_in, bind=True)
+        self._send_to_gpu.start()  # gpu_workers register before the first prompt (aborts reach them)
         self._recv_from_workers = AsyncPullChannel(a.gateway_in, GatewayInMsg, bind=True)
         self._inbox_task = asyncio.create_task(self._inbox_loop(), name="gateway-inbox")
         log.info("gateway for %s: requests → %s, inbox ← %s", self.cfg.model, a.requests, a.gateway_in)
@@ -131,8 +150,26 @@ class Gateway:
                 self._put(rid, Failed(error_status(status), message))
             case ProcStatus():
                 self.procs.update(msg)
+            case Prompt(rid=rid):
+                self._route(msg)
             case _:
                 raise TypeError(f"unexpected message type {type(msg).__name__} on the gateway inbox")
+
+    def _route(self, prompt: Prompt) -> None:
+        """Hand a built prompt to a gpu_worker with free capacity (waits here while all are full)."""
+        if prompt.rid not in self._pending or prompt.rid in self._routing:
+            log.debug("[%s] dropped a prompt for a request that is gone", prompt.rid)
+            return
+        assert self._send_to_gpu is not None
+        task = asyncio.create_task(self._send_to_gpu.send(prompt))
+        self._routing[prompt.rid] = task
+        task.add_done_callback(lambda t, rid=prompt.rid: self._routed(rid, t))
+
+    def _routed(self, rid: str, task: asyncio.Task[Any]) -> None:
+        if self._routing.get(rid) is task:
+            del self._routing[rid]
+        if not task.cancelled() and task.exception() is not None:
+            self._put(rid, Failed(503, f"could not hand the prompt to a gpu_worker: {task.exception()}"))
 
     def _put(self, rid: str, event: Event) -> None:
         pending = self._pending.get(rid)
@@ -166,17 +203,17 @@ class Gateway:
         return None
 
     def abort(self, rids: list[str]) -> None:
-        """Tell the gpu_worker to drop these requests and free their KV pages (in the background:
-        this runs in handlers' `finally`, also when they are being cancelled)."""
-        task = asyncio.create_task(self._send_abort(rids))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _send_abort(self, rids: list[str]) -> None:
+        """Drop these requests: a prompt still waiting for a free gpu_worker is never sent, and every
+        gpu_worker is told to free their KV pages (this runs in handlers' `finally`, also when they
+        are being cancelled, so it never waits: sends that cannot go at once are dropped)."""
+        for rid in rids:
+            task = self._routing.pop(rid, None)
+            if task is not None and not task.done():
+                task.cancel()
         assert self._send_to_gpu is not None
         try:
-            await self._send_to_gpu.send(Abort(rids=rids))
-            log.info("aborted %s", ", ".join(rids))
+            n = self._send_to_gpu.broadcast(Abort(rids=rids))
+            log.info("aborted %s (told %d gpu_workers)", ", ".join(rids), n)
         except Exception:
             log.exception("could not send Abort for %s", ", ".join(rids))
 

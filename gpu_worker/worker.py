@@ -1,4 +1,9 @@
-"""The gpu_worker process: owns the LM program and the engine, and runs the step loop."""
+"""The gpu_worker process: owns the LM program and the engine, and runs the step loop.
+
+It takes prompts from the gateway's dispatcher on `gpu_in` (several gpu_workers can share one
+gateway): after each step it announces its free capacity (`credits`: free slots, bounded by the KV
+pages a full-budget request needs), so it is only ever sent prompts it can start at once. Aborts
+arrive on the same socket, broadcast to every gpu_worker."""
 
 from __future__ import annotations
 
@@ -7,10 +12,11 @@ import logging
 import torch
 
 from common.config import ServeConfig, program_kwargs, resolve_device
-from common.ipc import PullChannel, PushChannel
+from common.ipc import CreditWorkChannel, PushChannel
 from common.messages import Abort, CodecInMsg, GpuInMsg, ProcState, Prompt
 from common.proc import StatusReporter
 from gpu_worker.engine import Engine, EngineLimits
+from gpu_worker.kv_cache import pages_for
 from gpu_worker.stages import StageReporter
 from programs import get_spec, load_program_class
 
@@ -57,13 +63,18 @@ class GpuWorker:
             limits.page_size,
         )
         self.status = status
-        self.inbox: PullChannel[GpuInMsg] = PullChannel(cfg.addresses.gpu_in, GpuInMsg, bind=True)
+        self.inbox: CreditWorkChannel[GpuInMsg] = CreditWorkChannel(
+            cfg.addresses.gpu_in, GpuInMsg, name=status.name, uncounted=(Abort,)
+        )
+        self._pages_per_request = pages_for(limits.max_context + 1, limits.page_size)
         self.to_codec: PushChannel[CodecInMsg] = PushChannel(cfg.addresses.codec_in)
         self.stages = StageReporter()  # tap-only events: admitted, first token
 
     def run(self) -> None:
         engine = self.engine
         while True:
+            # 0. say how many more prompts this worker can start now
+            self.inbox.offer(self.credits())
             # 1. drain the inbox (block briefly only when idle)
             for msg in self.inbox.drain(timeout_ms=0 if engine.has_work() else 50):
                 match msg:
@@ -93,3 +104,14 @@ class GpuWorker:
             if out is not None:
                 self.to_codec.send(out)
             self.status.set_load(engine.num_active, engine.limits.max_batch_size, engine.metrics())
+
+    def credits(self) -> int:
+        """Prompts this worker can start at once: free slots, and no more than the free KV pages
+        cover at a full budget each (an idle worker always takes one)."""
+        engine = self.engine
+        slots = engine.limits.max_batch_size - engine.num_active
+        pages = engine.allocator.num_free // self._pages_per_request - len(engine.waiting)
+        credits = min(slots, pages)
+        if engine.num_active == 0:
+            credits = max(credits, 1)
+        return max(0, credits)

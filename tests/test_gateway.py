@@ -3,7 +3,7 @@
 `FakeWorkers` binds/connects the other ends of the gateway's sockets through `common.ipc`
 channels and speaks the real message types: it pulls `GenerateRequest`s as a tokenizer worker
 would, pushes `AudioChunks` / `RequestError` / `ProcStatus` as the codec and tokenizer workers
-would, and pulls what the gateway sends the gpu_worker (`Abort`).
+would, and joins the gateway's gpu pool as a gpu_worker to take what it sends there (`Abort`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from common.config import ServeConfig
-from common.ipc import Addresses, AsyncPullChannel, AsyncPushChannel, AsyncWorkChannel
+from common.ipc import Addresses, AsyncPushChannel, AsyncWorkChannel
 from common.messages import (
     Abort,
     AudioChunk,
@@ -47,7 +47,7 @@ from common.messages import (
     RequestError,
 )
 from gateway.body import MAX_BODY_BYTES
-from gateway.server import build_app
+from gateway.server import GATEWAY, build_app
 from gateway.validation import BadRequest, parse_generate
 from gateway.wav import wav_header
 from programs import get_spec
@@ -64,8 +64,17 @@ class FakeWorkers:
         self.recv_requests = AsyncWorkChannel[GenerateRequest](addrs.requests, GenerateRequest, name="fake")
         if not tokenizer:  # no tokenizer worker in the pool
             self.recv_requests.close()
-        self.recv_gpu_in = AsyncPullChannel[GpuInMsg](addrs.gpu_in, GpuInMsg, bind=True)
+        # A gpu_worker of the gateway's gpu pool (it takes Prompts and broadcast Aborts).
+        self.recv_gpu_in = AsyncWorkChannel[GpuInMsg](addrs.gpu_in, GpuInMsg, name="fake-gpu")
         self.send_to_gateway = AsyncPushChannel[GatewayInMsg](addrs.gateway_in, bind=False)
+
+    async def join_gpu_pool(self, app: web.Application) -> None:
+        """Announce the fake gpu_worker until the gateway knows it (so broadcast Aborts reach it)."""
+        deadline = time.monotonic() + 5
+        while not app[GATEWAY]._send_to_gpu.workers:
+            assert time.monotonic() < deadline, "the gateway never heard from the fake gpu_worker"
+            self.recv_gpu_in._send(self.recv_gpu_in._ready())
+            await asyncio.sleep(0.02)
 
     async def next_request(self) -> GenerateRequest:
         return await asyncio.wait_for(self.recv_requests.recv(), 5)
@@ -131,6 +140,7 @@ async def start_rig(make_addrs: Callable[[], Addresses]) -> AsyncIterator[Callab
         cfg = _cfg(addrs)
         client = TestClient(TestServer(build_app(cfg, **app_kwargs)))
         await client.start_server()
+        await workers.join_gpu_pool(client.app)
 
         async def cleanup() -> None:
             await client.close()
@@ -428,6 +438,7 @@ async def test_client_disconnect_is_noticed_without_handler_cancellation(
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     workers = FakeWorkers(addrs)
+    await workers.join_gpu_pool(runner.app)
     try:
         async with aiohttp.ClientSession() as session:
             task = asyncio.create_task(session.post(f"http://127.0.0.1:{port}/generate", json={"text": "hi"}))

@@ -1,6 +1,6 @@
 """The tokenizer pool over real sockets: real `python -m tokenizer_worker` processes, the gateway's
-real `AsyncDispatchChannel`, and the test in the places of the gpu_worker (it collects Prompts)
-and the gateway inbox (it reads ProcStatus). Workers join and leave while requests flow; no
+real `AsyncDispatchChannel`, and the test in the place of the gateway inbox (it collects the built
+Prompts and reads ProcStatus). Workers join and leave while requests flow; no
 request is lost or built twice, and a slow prompt holds up nobody else.
 
 The workers share one module (starting one costs seconds of imports); each test makes sure the
@@ -49,31 +49,26 @@ class PoolRig:
 
     async def _open(self) -> None:
         self.dispatch: AsyncDispatchChannel[GenerateRequest] = AsyncDispatchChannel(self.addrs.requests)
-        self.gpu_in: AsyncPullChannel[Prompt] = AsyncPullChannel(self.addrs.gpu_in, Prompt)
         self.gw_in: AsyncPullChannel[GatewayInMsg] = AsyncPullChannel(self.addrs.gateway_in, GatewayInMsg)
-        self._keep(self._collect_prompts())
-        self._keep(self._collect_status())
+        self._keep(self._collect())
 
     def _keep(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _collect_prompts(self) -> None:
-        while True:
-            msg = await self.gpu_in.recv()
-            self.arrivals.append((msg.rid, time.monotonic()))
-
-    async def _collect_status(self) -> None:
+    async def _collect(self) -> None:
         while True:
             msg = await self.gw_in.recv()
-            if isinstance(msg, ProcStatus):
+            if isinstance(msg, Prompt):
+                self.arrivals.append((msg.rid, time.monotonic()))
+            elif isinstance(msg, ProcStatus):
                 (self.ready.add if msg.state == ProcState.READY else self.ready.discard)(msg.name)
 
     def start_worker(self, name: str) -> subprocess.Popen:
         a = self.addrs
         argv = [sys.executable, "-m", "tokenizer_worker", "--model", "orpheus-tiny", "--name", name]
-        argv += ["--requests", a.requests, "--gpu-in", a.gpu_in, "--gateway-in", a.gateway_in]
+        argv += ["--requests", a.requests, "--gateway-in", a.gateway_in]
         env = {**worker_env(), "VOXPIPE_TEST_PROMPT_DELAY": f"slow={SLOW_S}"}
         self.workers[name] = subprocess.Popen(argv, env=env, cwd=ROOT)
         return self.workers[name]

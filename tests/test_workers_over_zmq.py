@@ -41,8 +41,8 @@ def addrs(tmp_path) -> Addresses:
     return Addresses.local(str(tmp_path / "run"))
 
 
-def start(role: str, addrs: Addresses) -> subprocess.Popen:
-    cfg = ServeConfig(model="orpheus-tiny", addresses=addrs, device="cpu", codec_device="cpu")
+def start(role: str, addrs: Addresses, **settings) -> subprocess.Popen:
+    cfg = ServeConfig(model="orpheus-tiny", addresses=addrs, device="cpu", codec_device="cpu", **settings)
     argv = [sys.executable, "-m", role, "--config-json", cfg.to_json(), "--name", role]
     return subprocess.Popen(argv, env=worker_env(), cwd=ROOT)
 
@@ -79,14 +79,45 @@ def prompt(rid: str, text: str, max_tokens: int, seed: int = 1) -> Prompt:
     return Prompt(rid, rows.tobytes(), len(rows), sp)
 
 
+class GpuPool:
+    """The gateway's side of the gpu pool (a dispatcher bound on gpu_in), driven synchronously."""
+
+    def __init__(self, addrs: Addresses) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.chan: AsyncDispatchChannel = AsyncDispatchChannel(addrs.gpu_in)
+        self.pending: list[asyncio.Task] = []
+
+    def send(self, *prompts: Prompt) -> None:
+        """Queue prompts; each goes out once a gpu_worker has credit for it."""
+
+        async def go() -> None:
+            self.pending += [asyncio.ensure_future(self.chan.send(p)) for p in prompts]
+
+        self.loop.run_until_complete(go())
+
+    def run(self, seconds: float) -> None:
+        self.loop.run_until_complete(asyncio.sleep(seconds))
+
+    def abort(self, *rids: str) -> int:
+        async def go() -> int:
+            return self.chan.broadcast(Abort(list(rids)))
+
+        return self.loop.run_until_complete(go())
+
+    def close(self) -> None:
+        self.chan.close()
+        self.loop.close()
+
+
 def test_gpu_worker_streams_chunks_and_honours_abort(addrs, gateway_inbox):
     codec_inbox: PullChannel[DetokBatch] = PullChannel(addrs.codec_in, DetokBatch, bind=True)
+    pool = GpuPool(addrs)
     proc = start("gpu_worker", addrs)
     try:
         wait_for(gateway_inbox, ready("gpu_worker"))
-        to_gpu: PushChannel = PushChannel(addrs.gpu_in)
-        to_gpu.send(prompt("short", "Hi.", max_tokens=80))
-        to_gpu.send(prompt("long", "Hello.", max_tokens=400))
+        pool.send(prompt("short", "Hi.", max_tokens=80), prompt("long", "Hello.", max_tokens=400))
+        pool.run(0.5)
+        assert pool.chan.dispatched["gpu_worker"] == 2
         batches = wait_for(codec_inbox, lambda b: any(f.rid == "short" for f in b.finished))
         chunks = [c for b in batches for c in b.chunks if c.rid == "short"]
         fin = next(f for b in batches for f in b.finished if f.rid == "short")
@@ -96,13 +127,38 @@ def test_gpu_worker_streams_chunks_and_honours_abort(addrs, gateway_inbox):
             tok = np.frombuffer(c.tokens, dtype="<i4").reshape(28)
             codes = tok - 128266 - 4096 * (np.arange(28) % 7)
             assert ((codes > 0) & (codes < 4096)).all(), "constrained tokens are valid codes"
-        to_gpu.send(Abort(["long"]))
+        assert pool.abort("long") == 1
         batches = wait_for(codec_inbox, lambda b: any(f.rid == "long" for f in b.finished))
         fin = next(f for b in batches for f in b.finished if f.rid == "long")
         assert fin.reason == FinishReason.ABORT
     finally:
         proc.kill()
         codec_inbox.close()
+        pool.close()
+
+
+def test_a_full_gpu_worker_is_sent_no_prompt_until_a_slot_frees(addrs, gateway_inbox):
+    codec_inbox: PullChannel[DetokBatch] = PullChannel(addrs.codec_in, DetokBatch, bind=True)
+    pool = GpuPool(addrs)
+    proc = start("gpu_worker", addrs, max_batch_size=2)
+    try:
+        wait_for(gateway_inbox, ready("gpu_worker"))
+        pool.send(*(prompt(f"r{i}", "Hello.", max_tokens=1000) for i in range(3)))
+        pool.run(1.5)  # more than a re-announcement period: the worker says it is full
+        assert pool.chan.dispatched["gpu_worker"] == 2, "a worker with 2 slots took a third prompt"
+        assert [t.done() for t in pool.pending] == [True, True, False]
+        assert pool.abort("r0") == 1  # frees a slot: the waiting prompt goes out
+        deadline = time.monotonic() + 10
+        while not pool.pending[2].done():
+            assert time.monotonic() < deadline, "the freed slot was not offered again"
+            pool.run(0.05)
+        assert pool.chan.dispatched["gpu_worker"] == 3
+        pool.abort("r1", "r2")
+        wait_for(codec_inbox, lambda b: any(f.rid == "r2" for f in b.finished))
+    finally:
+        proc.kill()
+        codec_inbox.close()
+        pool.close()
 
 
 def test_codec_worker_decodes_chunks_in_order_then_finishes(addrs, gateway_inbox):
@@ -132,7 +188,6 @@ def test_codec_worker_decodes_chunks_in_order_then_finishes(addrs, gateway_inbox
 
 
 def test_tokenizer_worker_builds_prompts_and_reports_bad_ones(addrs, gateway_inbox):
-    gpu_inbox: PullChannel = PullChannel(addrs.gpu_in, Prompt, bind=True)
     loop = asyncio.new_event_loop()
     to_pool: AsyncDispatchChannel = AsyncDispatchChannel(addrs.requests)  # the gateway's side
     proc = start("tokenizer_worker", addrs)
@@ -147,7 +202,7 @@ def test_tokenizer_worker_builds_prompts_and_reports_bad_ones(addrs, gateway_inb
             await asyncio.wait_for(asyncio.gather(ok, bad), 30)
 
         loop.run_until_complete(submit())
-        got = wait_for(gpu_inbox, lambda m: True)
+        got = [m for m in wait_for(gateway_inbox, lambda m: isinstance(m, Prompt)) if isinstance(m, Prompt)]
         expected = load_program_class("orpheus-tiny")(SPEC).preprocess("Hello world", {"voice": "zoe"})
         assert got[0].rid == "ok"
         assert np.array_equal(np.frombuffer(got[0].tokens, dtype="<i4"), expected.reshape(-1))
@@ -156,6 +211,5 @@ def test_tokenizer_worker_builds_prompts_and_reports_bad_ones(addrs, gateway_inb
         assert err.rid == "bad" and err.status == 400 and "tara" in err.message
     finally:
         proc.kill()
-        gpu_inbox.close()
         to_pool.close()
         loop.close()

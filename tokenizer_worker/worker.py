@@ -1,7 +1,8 @@
 """A tokenizer_worker process: builds prompts on a weight-free program.
 
 Any number of these take GenerateRequests from the gateway's dispatcher, one at a time and only
-when free (`common.pool`), so they can join and leave while serving. On SIGTERM a worker stops
+when free (`common.pool`), so they can join and leave while serving. Built prompts go back to the
+gateway, which hands each to a gpu_worker with free capacity. On SIGTERM a worker stops
 asking for work, finishes what was already on its way, and exits. A request the program rejects
 (ValueError) gets a 400 RequestError with the program's message; anything else a 500, and the
 worker keeps serving.
@@ -17,7 +18,7 @@ import numpy as np
 
 from common.config import ServeConfig, program_kwargs
 from common.ipc import PushChannel, WorkChannel
-from common.messages import GatewayInMsg, GenerateRequest, GpuInMsg, ProcState, Prompt, RequestError
+from common.messages import GatewayInMsg, GenerateRequest, ProcState, Prompt, RequestError
 from common.proc import StatusReporter
 from programs import get_spec, load_program_class
 from programs.base import LMProgram
@@ -73,7 +74,6 @@ class TokenizerWorker:
         self.inbox: WorkChannel[GenerateRequest] = WorkChannel(
             cfg.addresses.requests, GenerateRequest, name=status.name
         )
-        self.to_gpu: PushChannel[GpuInMsg] = PushChannel(cfg.addresses.gpu_in)
         self.to_gateway: PushChannel[GatewayInMsg] = PushChannel(cfg.addresses.gateway_in)
         self._stopping = False
         self._delay = _test_delay()
@@ -97,9 +97,5 @@ class TokenizerWorker:
         self.status.set_load(1, 1)
         if self._delay is not None and req.text.startswith(self._delay[0]):
             time.sleep(self._delay[1])
-        out = self.builder.build(req)
-        if isinstance(out, Prompt):
-            self.to_gpu.send(out)
-        else:
-            self.to_gateway.send(out)
+        self.to_gateway.send(self.builder.build(req))  # a Prompt, or a RequestError
         self.status.set_load(0, 1)
