@@ -138,6 +138,8 @@ def events_of(header: TapHeader, msg: Any) -> list[Event]:
                 ev(msg.rid, "received", msg.arrival or t, chars=len(msg.text), model_kwargs=msg.model_kwargs),
                 ev(msg.rid, "dispatched", worker=header.peer) if header.peer else ev(msg.rid, "dispatched"),
             ]
+        case Prompt() if header.peer:  # the gateway handing it to a gpu_worker with free capacity
+            return [ev(msg.rid, "routed", worker=header.peer)]
         case Prompt():
             return [ev(msg.rid, "prompt_built", rows=msg.n_rows, arrival=msg.arrival)]
         case RequestError():

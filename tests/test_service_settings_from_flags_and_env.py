@@ -40,9 +40,9 @@ def test_boolean_and_integer_variables_parse_and_bad_ones_name_the_variable():
 
 
 def test_a_connecting_process_given_a_bind_address_is_told_which_host_to_name():
-    ns = build_parser().parse_args(["tokenizer", "--gpu-in", "tcp://*:5559"])
-    with pytest.raises(ValueError, match=r"--gpu-in / VOXPIPE_GPU_IN .* tcp://gpu_worker:5559"):
-        resolve("tokenizer_worker", ns, {})
+    ns = build_parser().parse_args(["gpu-worker", "--gpu-in", "tcp://*:5559"])
+    with pytest.raises(ValueError, match=r"--gpu-in / VOXPIPE_GPU_IN .* tcp://gateway:5559"):
+        resolve("gpu_worker", ns, {})
 
 
 def test_binding_sides_bind_every_interface_for_host_names_and_keep_ip_literals():

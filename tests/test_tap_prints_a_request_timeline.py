@@ -28,6 +28,7 @@ CAUSAL = [  # each stage causes the next: their times must increase in this orde
     "received",
     "dispatched",
     "prompt_built",
+    "routed",
     "admitted",
     "first_token",
     "first_chunk_ready",
