@@ -188,8 +188,8 @@ class Tap:
             self.listening = bool(self._topics)
         return self.listening
 
-    def send(self, payload: bytes, addr: str = "", peer: str = "") -> None:
-        header = self._enc.encode(TapHeader(self.proc, time.time(), addr, peer))
+    def send(self, payload: bytes, addr: str = "", peer: str = "", t: float | None = None) -> None:
+        header = self._enc.encode(TapHeader(self.proc, time.time() if t is None else t, addr, peer))
         try:
             self._sock.send_multipart([header, payload], zmq.NOBLOCK, copy=False)
         except zmq.Again:
@@ -226,9 +226,10 @@ def publish_stage(rid: str, stage: str, t: float | None = None, **detail: str | 
         _tap.stage(rid, stage, t, **detail)
 
 
-def mirror(payload: bytes, addr: str, peer: str = "") -> None:
+def mirror(payload: bytes, addr: str, peer: str = "", t: float | None = None) -> None:
+    """Mirror a send on the tap; `t` is when it was sent (default now)."""
     if _tap is not None and _tap.poll():
-        _tap.send(payload, addr, peer)
+        _tap.send(payload, addr, peer, t)
 
 
 # --- channels -------------------------------------------------------------------------------------

@@ -120,6 +120,7 @@ class AsyncDispatchChannel(Generic[T]):
             if self._credit[ident] <= 0:
                 del self._free[ident]
                 self._credit.pop(ident, None)
+            sent_at = time.time()  # the tap's time is the send's: the worker may answer first
             if not self._send_now(ident, data):
                 self._free.pop(ident, None)
                 self._credit.pop(ident, None)
@@ -127,7 +128,7 @@ class AsyncDispatchChannel(Generic[T]):
             self._waiting.popleft()
             self._sent[ident] = self._sent.get(ident, 0) + 1
             self.dispatched[name] += 1
-            mirror(data, self._addr, peer=name)
+            mirror(data, self._addr, peer=name, t=sent_at)
             fut.set_result(ident)
 
     def broadcast(self, msg: Any) -> int:
