@@ -192,3 +192,15 @@ def test_an_abort_reaches_the_worker_holding_the_request(two):
         time.sleep(0.05)
     generated = gpu_series(two)["voxpipe_generated_tokens_total"][holder] - tokens_before[holder]
     assert generated < 300, "the request ran to its budget (400, prompt included) instead of being aborted"
+
+
+def test_serve_refuses_a_device_list_that_does_not_match_the_gpu_workers(capsys):
+    from common.cli import main
+
+    for argv, message in (
+        (["--gpu-workers", "0"], "--gpu-workers must be at least 1"),
+        (["--gpu-workers", "2", "--device", "cuda:0,cuda:1,cuda:2"], "list 3 devices but --gpu-workers is 2"),
+    ):
+        with pytest.raises(SystemExit):
+            main(["serve", "--model", "orpheus-tiny", *argv])
+        assert message in capsys.readouterr().err
