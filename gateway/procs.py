@@ -39,9 +39,32 @@ class ProcessTable:
         }
         self.stale_after_s = stale_after_s
         self._entries: dict[str, _Entry] = {}
+        self._dead: set[str] = set()  # reported dead, not heard from since
 
-    def update(self, status: ProcStatus) -> None:
+    def update(self, status: ProcStatus) -> bool:
+        """Record a status; True when it comes from a new instance that replaced one whose death
+        was not noticed yet (a restart faster than the heartbeat timeout)."""
+        old = self._entries.get(status.name)
+        replaced = old is not None and old.status.pid != status.pid and status.name not in self._dead
+        if old is not None and old.status.pid != status.pid:
+            self._dead.discard(status.name)
         self._entries[status.name] = _Entry(status, time.monotonic())
+        return replaced
+
+    def newly_dead(self) -> list[str]:
+        """Processes that died since the last call: gone quiet without saying goodbye, or FAILED.
+        Each death is reported once (again only after the process was heard from alive)."""
+        now = time.monotonic()
+        dead: set[str] = set()
+        for name, e in self._entries.items():
+            quiet = now - e.received > self.stale_after_s and e.status.state != ProcState.STOPPING
+            if quiet or e.status.state == ProcState.FAILED:
+                if name not in self._dead:
+                    dead.add(name)
+                    self._dead.add(name)
+            else:
+                self._dead.discard(name)
+        return sorted(dead)
 
     def fresh_metrics(self) -> list[tuple[str, str, dict[str, float]]]:
         """(name, role, metrics) of every process heard from within `stale_after_s`: a process

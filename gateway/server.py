@@ -57,6 +57,7 @@ from programs import get_spec
 log = logging.getLogger(__name__)
 
 IDLE_TIMEOUT_S = 120.0  # no event for this long → 504 and Abort: nothing hangs forever
+WATCH_INTERVAL_S = 0.2  # how often the gateway looks for processes that died
 SUBMIT_TIMEOUT_S = 30.0  # no tokenizer worker connected for this long → 503
 DISCONNECT_POLL_S = 1.0  # how often a waiting handler checks that its client is still there
 ENDPOINTS = "POST /generate, POST /v1/audio/speech, GET /v1/models, GET /openapi.json, GET /metrics, GET /health, GET /ready"
@@ -85,9 +86,11 @@ class Gateway:
         self._pending: dict[str, Pending] = {}
         self._tasks: set[asyncio.Task[Any]] = set()  # background sends, kept so they are not GC'd
         self._inbox_task: asyncio.Task[None] | None = None
+        self._watch_task: asyncio.Task[None] | None = None
         self._send_to_tokenizers: AsyncDispatchChannel[GenerateRequest] | None = None
         self._send_to_gpu: AsyncDispatchChannel[GpuInMsg] | None = None
         self._routing: dict[str, asyncio.Task[Any]] = {}  # rid → prompt waiting for a gpu_worker
+        self._holder: dict[str, str] = {}  # rid → the process holding it (tokenizer, then gpu_worker)
         self._recv_from_workers: AsyncPullChannel[GatewayInMsg] | None = None
         if cfg.max_text_chars > MAX_TEXT_CHARS_LIMIT:
             log.warning(
@@ -105,6 +108,7 @@ class Gateway:
         self._send_to_gpu.start()  # gpu_workers register before the first prompt (aborts reach them)
         self._recv_from_workers = AsyncPullChannel(a.gateway_in, GatewayInMsg, bind=True)
         self._inbox_task = asyncio.create_task(self._inbox_loop(), name="gateway-inbox")
+        self._watch_task = asyncio.create_task(self._watch_processes(), name="gateway-watch")
         log.info("gateway for %s: requests → %s, inbox ← %s", self.cfg.model, a.requests, a.gateway_in)
 
     async def shutdown(self, app: web.Application) -> None:
@@ -117,10 +121,29 @@ class Gateway:
                 self._pending[rid].queue.put_nowait(Failed(503, "the gateway is shutting down; retry"))
             self.abort(rids)
 
+    async def _watch_processes(self) -> None:
+        """Every request a process held when it died ends now with an explicit 503 (a stream is
+        broken, a whole response is a JSON error), instead of waiting out the idle timeout."""
+        while not self.closing:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            for name in self.procs.newly_dead():
+                self._fail_held_by(name)
+
+    def _fail_held_by(self, name: str) -> None:
+        # A codec_worker's requests are those its gpu_worker (same suffix) was given.
+        holders = {name, name.replace("codec_worker", "gpu_worker", 1)}
+        rids = [rid for rid, holder in self._holder.items() if holder in holders and rid in self._pending]
+        log.error("%s stopped; failing the %d requests it held", name, len(rids))
+        for rid in rids:
+            self._put(rid, Failed(503, f"{name} stopped while handling this request; retry"))
+        if rids and not name.startswith("tokenizer_worker"):
+            self.abort(rids)  # a dead codec's gpu_worker may still be generating for them
+
     async def stop(self, app: web.Application) -> None:
-        if self._inbox_task is not None:
-            self._inbox_task.cancel()
-            await asyncio.gather(self._inbox_task, return_exceptions=True)
+        for task in (self._inbox_task, self._watch_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=1.0)
         for chan in (self._send_to_tokenizers, self._send_to_gpu, self._recv_from_workers):
@@ -148,8 +171,11 @@ class Gateway:
                     self._put(fin.rid, finished_event(fin))
             case RequestError(rid=rid, status=status, message=message):
                 self._put(rid, Failed(error_status(status), message))
-            case ProcStatus():
-                self.procs.update(msg)
+            case ProcStatus(name=name):
+                # A restart noticed here, in inbox order, fails only what the old instance held:
+                # nothing can have been routed to the new one before its first status.
+                if self.procs.update(msg):
+                    self._fail_held_by(name)
             case Prompt(rid=rid):
                 self._route(msg)
             case _:
@@ -168,8 +194,13 @@ class Gateway:
     def _routed(self, rid: str, task: asyncio.Task[Any]) -> None:
         if self._routing.get(rid) is task:
             del self._routing[rid]
-        if not task.cancelled() and task.exception() is not None:
+        if task.cancelled():
+            return
+        if task.exception() is not None:
             self._put(rid, Failed(503, f"could not hand the prompt to a gpu_worker: {task.exception()}"))
+        elif rid in self._pending:
+            assert self._send_to_gpu is not None
+            self._holder[rid] = self._send_to_gpu.workers.get(task.result(), "")
 
     def _put(self, rid: str, event: Event) -> None:
         pending = self._pending.get(rid)
@@ -184,6 +215,7 @@ class Gateway:
         return pending
 
     def release(self, rid: str) -> None:
+        self._holder.pop(rid, None)
         if self._pending.pop(rid, None) is not None:
             publish_stage(rid, "response_done")
 
@@ -194,7 +226,9 @@ class Gateway:
         """Hand `req` to the tokenizer pool; a Failed(503) when no worker takes it in time."""
         assert self._send_to_tokenizers is not None
         try:
-            await asyncio.wait_for(self._send_to_tokenizers.send(req), self.submit_timeout_s)
+            ident = await asyncio.wait_for(self._send_to_tokenizers.send(req), self.submit_timeout_s)
+            if req.rid in self._pending:
+                self._holder.setdefault(req.rid, self._send_to_tokenizers.workers.get(ident, ""))
         except asyncio.TimeoutError:
             return Failed(
                 503, f"no tokenizer worker took the request within {self.submit_timeout_s:g} s; see /ready"

@@ -56,7 +56,7 @@ def worker_env() -> dict[str, str]:
 
 
 class Server:
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         cmd = [
@@ -69,7 +69,7 @@ class Server:
             "--port",
             str(self.port),
         ]
-        self.proc = subprocess.Popen([*cmd, *args], env=worker_env(), cwd=ROOT)
+        self.proc = subprocess.Popen([*cmd, *args], env={**worker_env(), **(env or {})}, cwd=ROOT)
         self.ready = wait_ready(self.base, self.proc)
 
     def stop(self) -> None:
