@@ -61,10 +61,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_tap_args(sub.add_parser("tap", help="print request timelines (JSON lines) from the processes' taps"))
     sub.add_parser("models", help="list the model names --model accepts")
+    bench = sub.add_parser(
+        "bench",
+        help="load a running server over HTTP (TTFA, on-time share, x real time); see --help",
+        add_help=False,
+    )
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from bench.load import main as run_bench
+
+        sys.exit(run_bench(argv[1:]))
     parser = build_parser()
     args = parser.parse_args(argv)
 

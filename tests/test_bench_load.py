@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 
-from bench.load import Result, main
+import pytest
+
+from bench.load import Result
+from common.cli import main
 
 
 def test_on_time_means_the_player_never_runs_dry():
@@ -18,10 +21,10 @@ def test_on_time_means_the_player_never_runs_dry():
 
 def test_load_levels_report_ttfa_viability_and_throughput(server, tmp_path):
     out = tmp_path / "load.json"
-    code = main(
-        ["--url", server.base, "--concurrency", "1,3", "--duration", "3", "--tokens", "60", "--out", str(out)]
-    )
-    assert code == 0
+    argv = ["bench", "--url", server.base, "--concurrency", "1,3", "--duration", "3", "--tokens", "60"]
+    with pytest.raises(SystemExit) as done:
+        main([*argv, "--out", str(out)])  # `voxpipe bench …`
+    assert done.value.code == 0
     res = json.loads(out.read_text())
     assert [p["concurrency"] for p in res["curve"]] == [1, 3]
     for point in res["curve"]:
