@@ -138,20 +138,7 @@ class ProcStatus(msgspec.Struct, tag="status", **_STRUCT):
     metrics: dict[str, float] = {}
 
 
-class ModelInfo(msgspec.Struct, **_STRUCT):
-    """Model constants the gateway needs, from the program's `spec_meta`."""
-
-    name: str
-    sample_rate: int
-    voices: list[str]
-    default_voice: str
-    max_tokens: int
-    sampling: SamplingParams
-    max_text_chars: int
-
-
 # One union per receiving socket.
-TokenizerInMsg = GenerateRequest
 GpuInMsg = Prompt | Abort
 CodecInMsg = DetokBatch
 GatewayInMsg = AudioChunks | RequestError | ProcStatus | Prompt

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -20,7 +19,7 @@ from aiohttp import web
 from gateway.body import BodyError, read_fields
 from gateway.encoders import available_formats, make_encoder
 from gateway.metrics import outcome_of
-from gateway.respond import client_request_id, error_body, speak
+from gateway.respond import error_body, speak
 from gateway.segments import text_limit
 from gateway.validation import BadRequest, accepted_models, max_tokens_limit, parse_speech
 
@@ -70,12 +69,10 @@ class OpenAIRoutes:
     async def speech(self, request: web.Request) -> web.StreamResponse:
         gateway = self.gateway
         started = time.monotonic()
-        rid = client_request_id(request) or uuid.uuid4().hex
+        rid, clash = gateway.request_id(request)
         headers = {"X-Request-Id": rid}
-        if gateway.in_flight(rid):
-            return openai_error(
-                409, f"request id {rid} is already in flight; send a unique X-Request-Id", headers
-            )
+        if clash:
+            return openai_error(409, clash, headers)
         try:
             params = parse_speech(await read_fields(request), gateway.spec, gateway.cfg)
             encoder = make_encoder(params.response_format, gateway.sample_rate, params.streaming)

@@ -219,8 +219,13 @@ class Gateway:
         if self._pending.pop(rid, None) is not None:
             publish_stage(rid, "response_done")
 
-    def in_flight(self, rid: str) -> bool:
-        return rid in self._pending
+    def request_id(self, request: web.Request) -> tuple[str, str | None]:
+        """(rid, why it cannot be used): the client's X-Request-Id when valid, else a new one; an
+        id already in flight is refused, for each endpoint to answer in its own error shape."""
+        rid = client_request_id(request) or uuid.uuid4().hex
+        if rid in self._pending:
+            return rid, f"request id {rid} is already in flight; send a unique X-Request-Id"
+        return rid, None
 
     async def submit(self, req: GenerateRequest) -> Failed | None:
         """Hand `req` to the tokenizer pool; a Failed(503) when no worker takes it in time."""
@@ -279,10 +284,10 @@ class Gateway:
 
     async def handle_generate(self, request: web.Request) -> web.StreamResponse:
         started = time.monotonic()
-        rid = client_request_id(request) or uuid.uuid4().hex
+        rid, clash = self.request_id(request)
         headers = {"X-Request-Id": rid}
-        if self.in_flight(rid):
-            return _error(409, f"request id {rid} is already in flight; send a unique X-Request-Id", headers)
+        if clash:
+            return _error(409, clash, headers)
         try:
             params = parse_generate(await read_fields(request), self.spec, self.cfg)
         except (BodyError, BadRequest) as e:

@@ -294,9 +294,8 @@ class Engine:
             rows = self.slots.rows(slots[idx], n_gen[idx], length[idx], cand)
             out[idx] = sample_rows(logits[idx, 0], rows, self.stop_ids)
         tokens = out[:, None]  # [B, C]
-        kinds = self.slots.record(
-            slots, length, tokens, self.program.classify(tokens, self.slots.n_audio[slots])
-        )
+        kinds = self.program.classify(tokens, self.slots.n_audio[slots])  # before the count moves
+        self.slots.record(slots, length, tokens, kinds)
         result = torch.cat([tokens, kinds[:, None]], dim=1)  # [B, C + 1]
         if dev.type == "cpu":
             return _InFlight(batch, result, None)

@@ -62,13 +62,12 @@ class SlotState:
 
     def record(
         self, slots: torch.Tensor, pos: torch.Tensor, tokens: torch.Tensor, kinds: torch.Tensor
-    ) -> torch.Tensor:
+    ) -> None:
         """After sampling: tokens [B, C] become each slot's history entry at `pos`, its next input,
-        and (when AUDIO) one more audio row. Returns `kinds`."""
+        and (when AUDIO) one more audio row."""
         self.history[slots, pos] = tokens[:, 0]
         self.last[slots] = tokens
         self.n_audio[slots] += (kinds == TokenKind.AUDIO).to(torch.int64)
-        return kinds
 
     def rows(
         self,

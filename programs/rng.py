@@ -44,11 +44,6 @@ def mix_keys(a: torch.Tensor | int, b: torch.Tensor | int) -> torch.Tensor:
     return mix64(mix64(a) ^ b)
 
 
-def mix_keys_int(a: int, b: int) -> int:
-    """`mix_keys` for Python ints (host-side key derivation, same result)."""
-    return int(mix_keys(torch.tensor(a, dtype=torch.int64), b))
-
-
 def uniform(keys: torch.Tensor, counter: torch.Tensor | int = 0) -> torch.Tensor:
     """Uniform floats in (0, 1), one per key: float32 from the top 24 bits."""
     z = mix_keys(keys, counter)
