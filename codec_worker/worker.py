@@ -61,7 +61,7 @@ class Codec:
             part = chunks[lo : lo + self.max_batch]
             rows = np.stack([np.frombuffer(c.tokens, dtype="<i4") for c in part]).astype(np.int64)
             seeds = torch.tensor([c.seed for c in part], dtype=torch.int64)
-            index = torch.tensor([c.index for c in part], dtype=torch.int64)
+            index = torch.tensor([c.noise_id for c in part], dtype=torch.int64)
             keys = rng.mix_keys(seeds, index).numpy()  # [Bd] noise key per chunk
             pcm, valid = run(rows.reshape(len(part), p.detok_interval, p.n_codebooks), keys)
             for c, samples, ok in zip(part, pcm.astype("<i2"), valid, strict=True):

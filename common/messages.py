@@ -74,12 +74,19 @@ class Abort(msgspec.Struct, tag="abort", **_STRUCT):
 
 
 class DetokChunk(msgspec.Struct, **_STRUCT):
-    """One codec window of a request: `index` counts the request's chunks from 0."""
+    """One codec window of a request: `index` counts the request's chunks from 0 (the order the
+    gateway plays them in). `noise_id` names the window's noise stream, so a window's audio does
+    not depend on which chunks came before it: regular window j (rows [j*s, j*s + interval)) has
+    noise_id j; a lead window of R rows (the program's `detok_lead`) has LEAD_NOISE_BASE + R."""
 
     rid: str
     index: int
     seed: int
-    tokens: bytes  # int32 little-endian, [detok_interval, n_codebooks]
+    tokens: bytes  # int32 little-endian, [rows, n_codebooks]: detok_interval rows, or a lead size
+    noise_id: int = 0
+
+
+LEAD_NOISE_BASE = 1 << 40  # noise ids of lead windows start here, far above any regular window
 
 
 class Finished(msgspec.Struct, **_STRUCT):

@@ -329,7 +329,8 @@ class Engine:
                 n = req.n_audio
                 if n >= interval and (n - interval) % stride == 0:
                     window = req.audio[n - interval : n]
-                    chunks.append(DetokChunk(req.rid, req.n_chunks, req.sp.seed, window.tobytes()))
+                    j = (n - interval) // stride
+                    chunks.append(DetokChunk(req.rid, req.n_chunks, req.sp.seed, window.tobytes(), j))
                     req.n_chunks += 1
             if len(req.prompt) + req.n_gen >= req.budget:
                 self._finish(req, FinishReason.LENGTH)

@@ -168,7 +168,7 @@ def test_codec_worker_decodes_chunks_in_order_then_finishes(addrs, gateway_inbox
         rng = np.random.default_rng(0)
         codes = rng.integers(1, 4096, size=(3, 28))
         tokens = (codes + 128266 + 4096 * (np.arange(28) % 7)).astype("<i4")
-        chunks = [DetokChunk("r", i, 9, tokens[i].tobytes()) for i in range(3)]
+        chunks = [DetokChunk("r", i, 9, tokens[i].tobytes(), i) for i in range(3)]
         to_codec: PushChannel = PushChannel(addrs.codec_in)
         to_codec.send(DetokBatch(chunks, [Finished("r", FinishReason.STOP, 30, 3)]))
         msgs = wait_for(gateway_inbox, lambda m: isinstance(m, AudioChunks) and m.finished)
