@@ -25,6 +25,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 import torch
 
@@ -68,7 +69,8 @@ class Request:
     n_launched: int = 0  # sampling steps launched
     n_gen: int = 0  # sampled rows consumed
     done: bool = False  # finished (its results from steps still in flight are dropped)
-    generated: list[int] = field(default_factory=list)  # codebook-0 ids consumed (stop excluded)
+    # rows consumed (stop excluded): the codebook-0 id when C = 1, else the whole row as a list
+    generated: list = field(default_factory=list)
     audio: np.ndarray | None = None  # [budget, C] int32 audio rows
     n_audio: int = 0
     n_chunks: int = 0
@@ -87,8 +89,6 @@ class Engine:
         self.program = program
         self.limits = limits
         self.device = program.device
-        if program.n_codebooks != 1:
-            raise ValueError(f"{program.name}: multi-codebook sampling (decode_tokens) is not supported yet")
         # +1 token per request: a launched step may run once past a stop it has not seen yet.
         per_request = pages_for(limits.max_context + 1, limits.page_size)
         num_pages = limits.num_pages or 1 + limits.max_batch_size * per_request
@@ -115,8 +115,8 @@ class Engine:
         self.step_count = 0
         self.tokens_total = 0  # sampled rows consumed, all requests
         self.last_batch_size = 0
-        # rid → (generated codebook-0 ids, stop token excluded; reason) when kept (tests, benches).
-        self.outputs: dict[str, tuple[list[int], FinishReason]] | None = None
+        # rid → (generated rows as in Request.generated, stop excluded; reason) when kept (tests, benches).
+        self.outputs: dict[str, tuple[list, FinishReason]] | None = None
         s = program.detok_interval - program.detok_overlap
         if s <= 0:
             raise ValueError(f"{program.name}: detok_overlap must be smaller than detok_interval")
@@ -138,7 +138,7 @@ class Engine:
                 )
             )
             return
-        if rows.min() < 0 or rows.max() >= self.program.vocab_size:
+        if rows.min() < 0 or rows.max() >= self.program.input_vocab_size:
             self._finished.append(
                 Finished(prompt.rid, FinishReason.ERROR, message="prompt token ids out of range", status=400)
             )
@@ -226,11 +226,21 @@ class Engine:
                 break  # wait for a running request to finish and free its pages
             self.waiting.popleft()
             req.pages = pages
-            req.slot = self.slots.admit(req.sp, req.prompt[:, 0])
-            req.audio = np.zeros((req.budget, self.program.n_codebooks), dtype="<i4")
+            req.slot = self.slots.admit(*self._sampling_state(req))
+            p = self.program
+            req.audio = np.zeros((p.detok_preseed + req.budget, p.n_codebooks), dtype="<i4")
+            req.audio[: p.detok_preseed] = p.preseed_rows()
+            req.n_audio = p.detok_preseed
             req.admitted_at = time.time()
             self.running[req.rid] = req
             prefill_rows += len(req.prompt)
+
+    def _sampling_state(self, req: Request) -> tuple[SamplingParams, np.ndarray]:
+        """What a slot is admitted with: the params, and the codebook-0 history for the penalty."""
+        if self.program.uses_repetition_penalty:
+            return req.sp, req.prompt[:, 0]
+        # No penalty: prompt ids may lie outside the sampled vocabulary, so none enter the history.
+        return msgspec.structs.replace(req.sp, repetition_penalty=1.0), np.zeros(1, dtype=np.int64)
 
     def step(self) -> DetokBatch | None:
         """Launch the next step, then collect the previous one; what it produced, or None."""
@@ -273,7 +283,7 @@ class Engine:
     @torch.inference_mode()
     def _launch(self, batch: list[Request]) -> _InFlight:
         layout = self._layout(batch)
-        logits, meta = self.runner.forward(layout)  # [B, C, V], [3, B] on the device
+        logits, meta, hidden = self.runner.forward(layout)  # [B, C', V], [3, B], [B, H] | None
         for r in batch:
             r.n_ctx += len(r.prompt) if r.n_ctx == 0 else 1
             r.n_launched += 1
@@ -293,7 +303,10 @@ class Engine:
             cand = self.program.candidates(self.slots.n_audio[slots[idx]]) if use_candidates else None
             rows = self.slots.rows(slots[idx], n_gen[idx], length[idx], cand)
             out[idx] = sample_rows(logits[idx, 0], rows, self.stop_ids)
-        tokens = out[:, None]  # [B, C]
+        if self.program.n_codebooks == 1:
+            tokens = out[:, None]  # [B, 1]
+        else:  # codebooks 1..C-1 from the program's depth step, sampled with the same settings
+            tokens = self.runner.decode_tokens(hidden, out, self.slots.rows(slots, n_gen, length, None))
         kinds = self.program.classify(tokens, self.slots.n_audio[slots])  # before the count moves
         self.slots.record(slots, length, tokens, kinds)
         result = torch.cat([tokens, kinds[:, None]], dim=1)  # [B, C + 1]
@@ -322,7 +335,7 @@ class Engine:
             if kind == _STOP:
                 self._finish(req, FinishReason.STOP)
                 continue
-            req.generated.append(int(row[0]))
+            req.generated.append(int(row[0]) if c == 1 else row.tolist())
             if kind == _AUDIO:
                 req.audio[req.n_audio] = row
                 req.n_audio += 1

@@ -87,7 +87,7 @@ class GraphRunner:
         self._copied = torch.cuda.Event()
         self._copied.record()
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object, tuple[torch.Tensor, torch.Tensor]]] = {}
         t0 = time.monotonic()
         for i, bs in enumerate(sorted(self.sizes, reverse=True)):
             if progress:
@@ -109,6 +109,11 @@ class GraphRunner:
             self.sizes,
             time.monotonic() - t0,
         )
+        self.depth = None
+        if program.n_codebooks > 1:
+            from gpu_worker.depth_graphs import DepthGraphs
+
+            self.depth = DepthGraphs(program, self.sizes, self.pool, progress)
 
     def _view(self, buf: torch.Tensor, name: str, n: int) -> torch.Tensor:
         lo, _ = self._spans[name]
@@ -123,7 +128,9 @@ class GraphRunner:
         )  # fmt: skip
 
     @torch.inference_mode()
-    def _capture(self, bs: int, wrapper) -> tuple[torch.cuda.CUDAGraph, object, torch.Tensor]:
+    def _capture(
+        self, bs: int, wrapper
+    ) -> tuple[torch.cuda.CUDAGraph, object, tuple[torch.Tensor, torch.Tensor]]:
         p, c = self.program, self.program.n_codebooks
         ids = self._view(self.dev, "ids", bs * c).view(bs, c)
         pos = self._view(self.dev, "pos", bs)
@@ -131,8 +138,9 @@ class GraphRunner:
             self.kv_cache, wrapper, self._view(self.dev, "page", bs), self._view(self.dev, "off", bs)
         )
 
-        def step() -> torch.Tensor:
-            return p.head(p.backbone(p.embed(ids), pos, attn)).float()  # [bs, C, V]
+        def step() -> tuple[torch.Tensor, torch.Tensor]:
+            hidden = p.backbone(p.embed(ids), pos, attn)  # [bs, H]
+            return p.head(hidden).float(), hidden  # [bs, C', V], [bs, H]
 
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -145,22 +153,36 @@ class GraphRunner:
         return graph, wrapper, out
 
     @torch.inference_mode()
-    def forward(self, b: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """→ (logits [B, C, V] float32, meta [3, B] on the device): prefill part eager, decode part
-        from a graph; one host→device copy of the arena carries the decode rows and all of meta."""
+    def forward(self, b: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """→ (logits [B, C', V] float32, meta [3, B] on the device, hidden [B, H] or None; see
+        EagerRunner): prefill part eager, decode part from a graph; one host→device copy of the
+        arena carries the decode rows and all of meta."""
         n_dec = b.batch_size - b.num_prefill
         if n_dec > self.sizes[-1] or b.batch_size > self.sizes[-1]:
             return self.eager.forward(b)
         meta = self._fill_arena(b)
-        parts = []
+        parts, hiddens = [], []
         if b.num_prefill:
             pre = b.part(0, b.num_prefill)
             pre.meta = None  # already on the device, in the arena
-            parts.append(self.eager.forward(pre)[0])
+            logits, _, hidden = self.eager.forward(pre)
+            parts.append(logits)
+            hiddens.append(hidden)
         if n_dec:
             dec_slots = meta[0, b.num_prefill :] if meta is not None else None
-            parts.append(self._replay(b.part(b.num_prefill, b.batch_size), dec_slots))
-        return (parts[0] if len(parts) == 1 else torch.cat(parts)), meta
+            logits, hidden = self._replay(b.part(b.num_prefill, b.batch_size), dec_slots)
+            parts.append(logits)
+            hiddens.append(hidden)
+        hidden = None
+        if self.program.n_codebooks > 1:
+            hidden = hiddens[0] if len(hiddens) == 1 else torch.cat(hiddens)
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)), meta, hidden
+
+    def decode_tokens(self, hidden: torch.Tensor, c0: torch.Tensor, rows) -> torch.Tensor:
+        """The program's depth step from a captured graph (eager past the largest bucket)."""
+        if hidden.shape[0] > self.sizes[-1]:
+            return self.eager.decode_tokens(hidden, c0, rows)
+        return self.depth.run(hidden, c0, rows)
 
     def _fill_arena(self, b: StepBatch) -> torch.Tensor | None:
         """Decode rows (padding zeroed) and the step's meta → one copy to the device arena."""
@@ -183,7 +205,7 @@ class GraphRunner:
         self._copied.record()
         return None if b.meta is None else self._view(self.dev, "meta", b.meta.size).view(3, -1)
 
-    def _replay(self, b: StepBatch, dec_slots: torch.Tensor | None) -> torch.Tensor:
+    def _replay(self, b: StepBatch, dec_slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         n, c = b.batch_size, self.program.n_codebooks
         bs = next(s for s in self.sizes if s >= n)
         pad = bs - n
@@ -192,4 +214,4 @@ class GraphRunner:
         graph, wrapper, out = self.graphs[bs]
         self._plan(wrapper, *page_arrays(b.kv_lens + [1] * pad, b.page_tables + [[0]] * pad, self.page_size))
         graph.replay()
-        return out[:n]
+        return out[0][:n], out[1][:n]

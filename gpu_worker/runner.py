@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from gpu_worker.attention import StepLayout
+from gpu_worker.sampler import SamplingRows, depth_sampler
 from programs.base import LMProgram
 
 
@@ -59,8 +60,9 @@ class EagerRunner:
         self.device = program.device
 
     @torch.inference_mode()
-    def forward(self, b: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """→ (logits [B, C, V] float32, meta [3, B] on the device) with one host→device copy."""
+    def forward(self, b: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """→ (logits [B, C', V] float32, meta [3, B] on the device, each request's last hidden state
+        [B, H] when the program has several codebooks, else None) with one host→device copy."""
         dev = self.device
         n, c = b.ids.shape
         parts = [b.ids.reshape(-1), b.pos] + ([b.meta.reshape(-1)] if b.meta is not None else [])
@@ -71,7 +73,14 @@ class EagerRunner:
         self.attn.plan(StepLayout(b.qo_indptr, b.kv_lens, b.page_tables, pos))
         hidden = self.program.backbone(self.program.embed(ids), pos, self.attn)  # [N, H]
         last = torch.tensor(b.qo_indptr[1:], device=dev) - 1
-        return self.program.head(hidden[last]).float(), meta
+        hidden = hidden[last]  # [B, H]
+        keep = hidden if self.program.n_codebooks > 1 else None
+        return self.program.head(hidden).float(), meta, keep
+
+    @torch.inference_mode()
+    def decode_tokens(self, hidden: torch.Tensor, c0: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+        """The program's depth step: [B, H], [B] → rows [B, C] int64."""
+        return self.program.decode_tokens(hidden, c0, depth_sampler(rows))
 
 
 def feed_decode_rows(ids: torch.Tensor, b: StepBatch, meta: torch.Tensor | None) -> None:

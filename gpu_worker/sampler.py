@@ -29,7 +29,9 @@ class SamplingRows:
     rep_penalty: torch.Tensor  # [B] float32
     seed: torch.Tensor  # [B] int64
     counter: torch.Tensor  # [B] int64: tokens generated so far (the draw's counter)
-    history: torch.Tensor  # [B, W] int64: recent tokens, padded by repeating a real one
+    history: (
+        torch.Tensor | None
+    )  # [B, W] int64: recent tokens, padded by repeating a real one; None: no penalty
     block_stop: torch.Tensor  # [B] bool: min_tokens not reached yet
     candidates: torch.Tensor | None = None  # [B, K] int64 ids the rows may take
 
@@ -43,7 +45,8 @@ def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor, penalt
 
 def sample_rows(logits: torch.Tensor, rows: SamplingRows, stop_ids: torch.Tensor) -> torch.Tensor:
     """logits [B, V] float32 (modified in place) → token ids [B] int64."""
-    apply_repetition_penalty(logits, rows.history, rows.rep_penalty)
+    if rows.history is not None:
+        apply_repetition_penalty(logits, rows.history, rows.rep_penalty)
     if stop_ids.numel():
         blocked = logits[:, stop_ids].masked_fill(rows.block_stop[:, None], float("-inf"))
         logits[:, stop_ids] = blocked
@@ -72,3 +75,26 @@ def sample_rows(logits: torch.Tensor, rows: SamplingRows, stop_ids: torch.Tensor
     if ids is not None:
         choice = ids.gather(1, choice[:, None])[:, 0]
     return choice
+
+
+def depth_sampler(rows: SamplingRows):
+    """The `sample(logits, salt)` handed to a program's `decode_tokens`: the request's temperature,
+    top-k/p and min-p, no penalty or stop masking, and a random stream keyed by (seed, salt) at the
+    same counter, so each salt draws independently of codebook 0 and of the batch."""
+    no_stop = torch.empty(0, dtype=torch.int64, device=rows.seed.device)
+
+    def sample(logits: torch.Tensor, salt: int) -> torch.Tensor:
+        salted = SamplingRows(
+            temperature=rows.temperature,
+            top_k=rows.top_k,
+            top_p=rows.top_p,
+            min_p=rows.min_p,
+            rep_penalty=rows.rep_penalty,
+            seed=rng.mix_keys(rows.seed, salt),
+            counter=rows.counter,
+            history=None,
+            block_stop=rows.block_stop,
+        )
+        return sample_rows(logits.float(), salted, no_stop)
+
+    return sample

@@ -15,16 +15,31 @@ apart from N/B/Bd, state only in buffers, randomness only from the keys passed i
 | `load_codec()` | codec_worker | no | sets the codec constants below |
 | `embed(ids)` | gpu_worker | yes | ids [N, C] int64 → [N, H] |
 | `backbone(hidden, pos, attn)` | gpu_worker | yes | [N, H], pos [N] int64 → [N, H]; attention through `attn` |
-| `head(hidden)` | gpu_worker | yes | [B, H] → logits [B, C, V] float32 |
+| `head(hidden)` | gpu_worker | yes | [B, H] → logits [B, C', V] float32; the runtime samples codebook 0 |
+| `decode_tokens(hidden, c0, sample)` | gpu_worker | yes | [B, H], [B] int64 → row [B, C] int64 (only when C > 1) |
 | `candidates(n_audio)` | gpu_worker | yes | [B] int64 → [B, K] int64 token ids (constrained sampling) |
 | `classify(tokens, n_audio)` | gpu_worker | yes | [B, C] int64, [B] int64 → kinds [B] int64 (TokenKind) |
 | `detokenize(tokens, keys)` | codec_worker | yes | [Bd, detok_interval, C] int64, keys [Bd] int64 → audio [Bd, detok_samples] float in [-1, 1], valid [Bd] bool |
 | `preprocess(text, model_kwargs)` | tokenizer_worker | no | → prompt rows [R, C] int32; ValueError → HTTP 400 |
 
+Multi-codebook rows (C > 1): a row is one frame of C codebook ids (a program may also encode
+non-audio rows in it, e.g. a text token, as long as `embed` tells them apart; prompt ids must lie
+in [0, input_vocab_size)). The runtime samples codebook 0 from `head(...)[:, 0]` with the request's
+sampler (repetition penalty, min_tokens, top-k/p, seed), then calls `decode_tokens` with the
+backbone's last hidden state of each request: it returns the whole row, codebook 0 included, e.g.
+by running a depth transformer for codebooks 1..C-1. It is captured like the backbone (fixed
+shapes, no host sync) and draws every random number through `sample(logits [B, V], salt)`, the
+runtime's sampler with the request's temperature/top-k/top-p/min-p and a stream keyed by (seed,
+salt, tokens generated): no repetition penalty or stop masking, and a different salt per call, so a
+request samples the same row in any batch. The full row is fed back as the next input on the device
+and handed to `classify`. With C = 1 the runtime does not call `decode_tokens`.
+
 Audio chunks: the runtime counts the rows classified AUDIO per request (`n_audio`). Chunk j holds
 audio rows [j*s, j*s + detok_interval) with s = detok_interval - detok_overlap and is sent to the
 codec as soon as row j*s + detok_interval - 1 exists; each chunk returns only the samples it adds
-(`detok_samples`). A chunk whose `valid` is False yields no audio (the reference drops such
+(`detok_samples`). With `detok_preseed` = P > 0, every request's audio starts with the P rows of
+`preseed_rows()` (then the first chunk comes after detok_interval - P real rows instead of
+detok_interval, and a window with overlap P covers the start of the stream). A chunk whose `valid` is False yields no audio (the reference drops such
 windows). `keys` are per-chunk noise seeds derived from the request's seed and the chunk index, so
 a seed fixes the audio as well as the tokens.
 
@@ -55,6 +70,12 @@ class Attention(Protocol):
         ...
 
 
+class Sampler(Protocol):
+    def __call__(self, logits: torch.Tensor, salt: int) -> torch.Tensor:
+        """logits [B, V] float32 → token ids [B] int64 with each request's sampling settings."""
+        ...
+
+
 class LMProgram:
     """Base class of every model program. Subclasses set `name` and implement the hooks."""
 
@@ -72,6 +93,10 @@ class LMProgram:
     detok_overlap: int = 0  # rows consecutive windows share
     detok_samples: int = 0  # samples each window adds
     sample_rate: int = 24000
+    detok_preseed: int = 0  # pad rows before a request's first audio row (see preseed_rows)
+    # False: the model has no repetition penalty; requests' repetition_penalty is ignored, and
+    # prompt ids need not be sampleable ids (input_vocab_size may exceed vocab_size).
+    uses_repetition_penalty: bool = True
 
     def __init__(
         self,
@@ -94,6 +119,12 @@ class LMProgram:
         self.detok_samples = spec["detok_samples"]
         self.sample_rate = spec["sample_rate"]
         self.n_codebooks = spec.get("n_codebooks", 1)
+        self.detok_preseed = spec.get("detok_preseed", 0)
+
+    @property
+    def input_vocab_size(self) -> int:
+        """Prompt row ids must lie in [0, input_vocab_size)."""
+        return self.vocab_size
 
     # --- loading -------------------------------------------------------------------------------
     def load_lm(self) -> None:
@@ -111,6 +142,11 @@ class LMProgram:
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def decode_tokens(self, hidden: torch.Tensor, c0: torch.Tensor, sample: Sampler) -> torch.Tensor:
+        """hidden [B, H] (backbone, last row of each request), c0 [B] int64 sampled codebook 0 →
+        the full row [B, C] int64. Needed when n_codebooks > 1."""
+        raise NotImplementedError(f"{self.name} has {self.n_codebooks} codebooks and no decode_tokens")
 
     def candidates(self, n_audio: torch.Tensor) -> torch.Tensor:
         """Token ids a constrained request may sample next, given its audio rows so far."""
@@ -132,6 +168,10 @@ class LMProgram:
     # --- codec (graph) -------------------------------------------------------------------------
     def detokenize(self, tokens: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
+
+    def preseed_rows(self) -> np.ndarray:
+        """[detok_preseed, C] int32 rows placed before a request's first audio row."""
+        return np.zeros((self.detok_preseed, self.n_codebooks), dtype=np.int32)
 
     # --- prompts (tokenizer_worker) ------------------------------------------------------------
     def preprocess(self, text: str, model_kwargs: dict[str, str]) -> np.ndarray:

@@ -1,0 +1,83 @@
+"""CUDA graphs for a program's `decode_tokens` (depth transformers): one graph per decode bucket.
+
+A depth step is dozens of tiny sequential kernels per codebook (a few transformer layers, a head
+and the sampler, C - 1 times), so eager launches would dominate a decode step. Each bucket's graph
+reads static buffers: the backbone's hidden states, the sampled codebook 0 and the per-row sampling
+settings, copied in on the device (no host round trip); padding entries repeat the last step's
+values, compute garbage and are dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from gpu_worker.sampler import SamplingRows, depth_sampler
+from programs.base import LMProgram
+
+log = logging.getLogger(__name__)
+
+_FIELDS = ("temperature", "top_k", "top_p", "min_p", "rep_penalty", "seed", "counter", "block_stop")
+
+
+class DepthGraphs:
+    def __init__(
+        self, program: LMProgram, sizes: list[int], pool, progress: Callable[[str], None] | None = None
+    ) -> None:
+        self.program = program
+        self.sizes = sizes
+        bmax, dev = sizes[-1], program.device
+        f32 = dict(dtype=torch.float32, device=dev)
+        i64 = dict(dtype=torch.int64, device=dev)
+        self.hidden = torch.zeros(bmax, program.hidden_size, dtype=program.dtype, device=dev)  # [bmax, H]
+        self.c0 = torch.zeros(bmax, **i64)
+        self.rows = SamplingRows(
+            temperature=torch.zeros(bmax, **f32),
+            top_k=torch.zeros(bmax, **i64),
+            top_p=torch.ones(bmax, **f32),
+            min_p=torch.zeros(bmax, **f32),
+            rep_penalty=torch.ones(bmax, **f32),
+            seed=torch.zeros(bmax, **i64),
+            counter=torch.zeros(bmax, **i64),
+            history=None,
+            block_stop=torch.zeros(bmax, dtype=torch.bool, device=dev),
+        )
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        t0 = time.monotonic()
+        for i, bs in enumerate(sorted(sizes, reverse=True)):
+            if progress:
+                progress(f"capturing depth graphs: batch {bs} ({i + 1}/{len(sizes)})")
+            self.graphs[bs] = self._capture(bs, pool)
+        log.info("captured %d depth graphs in %.1f s", len(sizes), time.monotonic() - t0)
+
+    def _view(self, bs: int) -> SamplingRows:
+        return SamplingRows(**{f: getattr(self.rows, f)[:bs] for f in _FIELDS}, history=None, candidates=None)
+
+    @torch.inference_mode()
+    def _capture(self, bs: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        p = self.program
+        hidden, c0, sample = self.hidden[:bs], self.c0[:bs], depth_sampler(self._view(bs))
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            p.decode_tokens(hidden, c0, sample)  # warm-up outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = p.decode_tokens(hidden, c0, sample)  # [bs, C]
+        return graph, out
+
+    def run(self, hidden: torch.Tensor, c0: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+        """hidden [n, H], c0 [n], rows (n entries) → [n, C] int64, from the smallest bucket ≥ n."""
+        n = hidden.shape[0]
+        bs = next(s for s in self.sizes if s >= n)
+        self.hidden[:n].copy_(hidden)
+        self.c0[:n].copy_(c0)
+        for f in _FIELDS:
+            getattr(self.rows, f)[:n].copy_(getattr(rows, f))
+        graph, out = self.graphs[bs]
+        graph.replay()
+        return out[:n]
