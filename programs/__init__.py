@@ -12,6 +12,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     "orpheus-3b": ("orpheus", "orpheus"),
     "canopylabs/orpheus-3b-0.1-ft": ("orpheus", "orpheus"),
     "orpheus-tiny": ("orpheus", "orpheus-tiny"),
+    "csm": ("csm", "csm"),
+    "csm-1b": ("csm", "csm"),
+    "sesame/csm-1b": ("csm", "csm"),
+    "csm-tiny": ("csm", "csm-tiny"),
 }
 
 

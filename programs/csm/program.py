@@ -1,0 +1,176 @@
+"""CSM program (sesame/csm-1b): Llama-1B backbone over 32-codebook Mimi frames, a depth decoder for
+codebooks 1..31, Mimi 24 kHz. See programs/csm/spec.py for the row layout and the reference facts.
+
+The contract pieces it uses beyond a single-codebook model (programs/base.py): `decode_tokens`
+(the depth decoder, inside the step), `input_vocab_size` (text rows carry text ids),
+`uses_repetition_penalty = False` (the reference has none), `detok_preseed` (pad frames before the
+first frame, so the first Mimi window comes early) and a `classify` on the whole frame.
+
+Request options (model_kwargs): `voice` = the speaker id (0..9) and `context`, a JSON list of earlier
+turns `[{"speaker": 1, "text": "…", "codes": [[32 codes] per frame]}]`: each becomes the reference's
+`[speaker]text` turn followed by its audio frames and the all-zero end frame. `codes` are Mimi codes
+(for instance of an earlier reply, or `MimiModel.encode` of a recording); the reference's chat
+template requires audio on every turn but the last, so a context turn without codes is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from programs.base import Attention, LMProgram, Sampler, TokenKind
+from programs.csm.spec import EOS_ID, N_CODEBOOKS, TEXT_MARK
+
+if TYPE_CHECKING:
+    from programs.csm.codec import MimiCodec
+    from programs.csm.model import CsmLM
+    from programs.orpheus.tokenizer import TextTokenizer
+
+CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
+_MAX_CONTEXT_TURNS = 16
+
+
+def _read_config(name: str) -> dict[str, Any]:
+    with open(os.path.join(CONFIG_DIR, name)) as f:
+        return json.load(f)
+
+
+class CsmProgram(LMProgram):
+    name = "csm"
+    codec_dtype: torch.dtype = torch.float32
+    uses_repetition_penalty = False
+
+    def __init__(self, spec: dict[str, Any], **kwargs: Any) -> None:
+        super().__init__(spec, **kwargs)
+        self.lm: CsmLM | None = None
+        self.codec: MimiCodec | None = None
+        self._tokenizer: TextTokenizer | None = None
+        self._set_lm_constants(_read_config(spec["lm_config"]))
+
+    def _set_lm_constants(self, cfg: dict[str, Any]) -> None:
+        self.vocab_size = cfg["vocab_size"]
+        self.text_vocab_size = cfg["text_vocab_size"]
+        self.num_layers = cfg["num_hidden_layers"]
+        self.num_qo_heads = cfg["num_attention_heads"]
+        self.num_kv_heads = cfg["num_key_value_heads"]
+        self.hidden_size = cfg["hidden_size"]
+        self.head_dim = cfg.get("head_dim") or self.hidden_size // self.num_qo_heads
+        if cfg["num_codebooks"] != N_CODEBOOKS:
+            raise ValueError(f"CSM rows hold {N_CODEBOOKS} codebooks; the config has {cfg['num_codebooks']}")
+
+    @property
+    def input_vocab_size(self) -> int:
+        return self.text_vocab_size  # text rows hold text ids; frames hold codes < 2051
+
+    # --- loading -------------------------------------------------------------------------------
+    def load_lm(self) -> None:
+        from programs.csm.model import CsmLM
+
+        if self.load_format == "dummy" or self.weights is None:
+            self.lm = CsmLM.dummy(_read_config(self.spec["lm_config"]), self.dtype, self.device)
+        else:
+            self.lm = CsmLM.from_pretrained(self.weights, self.dtype, self.device)
+        self._set_lm_constants(self.lm.config)
+
+    def load_codec(self) -> None:
+        from programs.csm.codec import MimiCodec
+
+        stride = self.detok_interval - self.detok_overlap
+        if self.load_format == "dummy" or self.codec_weights is None:
+            path = os.path.join(CONFIG_DIR, self.spec["codec_config"])
+            self.codec = MimiCodec.from_config(path, stride, self.codec_dtype, self.device)
+        else:
+            self.codec = MimiCodec.from_pretrained(self.codec_weights, stride, self.codec_dtype, self.device)
+
+    def load_prompts(self) -> None:
+        from programs.orpheus.tokenizer import load_text_tokenizer
+
+        self._tokenizer = load_text_tokenizer(self.spec, self.weights, self.load_format)
+
+    # --- LM step (graph) -----------------------------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm.embed(ids)  # [N, 32] → [N, H]
+
+    def backbone(self, hidden: torch.Tensor, pos: torch.Tensor, attn: Attention) -> torch.Tensor:
+        return self.lm.backbone(hidden, pos, attn)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm.logits(hidden)[:, None, :]  # [B, 1, 2051]: codebook 0
+
+    def decode_tokens(self, hidden: torch.Tensor, c0: torch.Tensor, sample: Sampler) -> torch.Tensor:
+        return self.lm.depth(hidden, c0, sample)  # [B, 32]
+
+    # --- tokens → meaning ----------------------------------------------------------------------
+    def classify(self, tokens: torch.Tensor, n_audio: torch.Tensor) -> torch.Tensor:
+        """[B, 32] → kinds [B]: the reference stops on a frame whose codebooks 0..30 are all 0
+        (`input_ids[:, -1, :-1] == codebook_eos_token_id`); every other frame is audio."""
+        stop = (tokens[:, :-1] == 0).all(dim=1)
+        return torch.where(stop, int(TokenKind.STOP), int(TokenKind.AUDIO))
+
+    # --- codec (graph) -------------------------------------------------------------------------
+    def detokenize(self, tokens: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[Bd, 12, 32] frames → audio [Bd, 4 * 1920] (Mimi has no noise: keys unused), valid [Bd]."""
+        return self.codec.decode_window(tokens)
+
+    # --- prompts (tokenizer_worker) ------------------------------------------------------------
+    def _turn(self, speaker: str, text: str) -> list[list[int]]:
+        body = self._tokenizer.tokenizer.encode(f"[{speaker}]{text}", add_special_tokens=False).ids
+        ids = [self.spec["bos_id"], *body, EOS_ID]
+        return [[i] + [TEXT_MARK] * (N_CODEBOOKS - 1) for i in ids]
+
+    def preprocess(self, text: str, model_kwargs: dict[str, str]) -> np.ndarray:
+        """Context turns, then `[speaker]text` → rows [R, 32] int32 (see the module docstring)."""
+        unknown = sorted(set(model_kwargs) - {"voice", "context"})
+        if unknown:
+            raise ValueError(f"csm takes the model options 'voice' and 'context'; got {', '.join(unknown)}")
+        speaker = model_kwargs.get("voice") or self.spec["default_voice"]
+        if not speaker.isdigit():
+            raise ValueError(f"voice is a CSM speaker id (a non-negative integer); got {speaker!r}")
+        if not text or not text.strip():
+            raise ValueError("text is empty; give the text to speak")
+        if self._tokenizer is None:
+            self.load_prompts()
+        rows: list[list[int]] = []
+        for turn in _parse_context(model_kwargs.get("context") or "[]"):
+            rows += self._turn(str(turn["speaker"]), turn["text"])
+            rows += [list(f) for f in turn["codes"]] + [[0] * N_CODEBOOKS]  # frames, then the end frame
+        rows += self._turn(speaker, text)
+        return np.asarray(rows, dtype=np.int32)
+
+
+def _parse_context(raw: str) -> list[dict[str, Any]]:
+    try:
+        turns = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"context is not JSON: {e}") from None
+    if not isinstance(turns, list) or len(turns) > _MAX_CONTEXT_TURNS:
+        raise ValueError(f"context is a JSON list of at most {_MAX_CONTEXT_TURNS} turns")
+    for i, t in enumerate(turns):
+        if (
+            not isinstance(t, dict)
+            or not isinstance(t.get("text"), str)
+            or not str(t.get("speaker", "")).isdigit()
+        ):
+            raise ValueError(f"context turn {i} needs 'speaker' (an integer) and 'text' (a string)")
+        codes = t.get("codes")
+        if not isinstance(codes, list) or not codes:
+            raise ValueError(
+                f"context turn {i} has no 'codes': every context turn carries its audio as Mimi codes"
+            )
+        if not all(
+            isinstance(f, list)
+            and len(f) == N_CODEBOOKS
+            and all(isinstance(c, int) and 0 <= c < 2048 for c in f)
+            for f in codes
+        ):
+            raise ValueError(
+                f"context turn {i}: 'codes' is a list of frames of {N_CODEBOOKS} Mimi codes in [0, 2048)"
+            )
+    return turns
+
+
+PROGRAM = CsmProgram
