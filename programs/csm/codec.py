@@ -9,8 +9,9 @@ Windows: the runtime hands `decode_window` [Bd, detok_interval, 32] frames; each
 causal (causal convolutions, a causal transformer over a 250-step sliding window), so a kept sample
 depends only on earlier frames; what a window lacks is context older than its first frame, which
 the whole-sequence decode has. So a window's samples equal MimiModel.decode of that window exactly,
-and they equal the decode of the whole stream as far as `detok_overlap` frames of context carry
-(bench/csm_windows.py measures how far, per config).
+and they equal the decode of the whole stream as far as `detok_overlap` frames of context carry:
+on random weights (csm-tiny's Mimi and the real kyutai/mimi shape), to 1e-6 with 8 frames;
+trained weights may reach further back (bench/csm_windows.py measures it for any weights).
 """
 
 from __future__ import annotations
@@ -23,20 +24,33 @@ import torch
 
 
 class MimiCodec:
-    def __init__(self, model, stride: int) -> None:
+    def __init__(self, model, stride: int, preseed: int = 0, pad_code: int = 2050) -> None:
         self.model = model  # transformers MimiModel, eval, on its device
         self.stride = stride  # frames each window adds
+        self.pad_code = pad_code
         self.codebook_size = model.config.codebook_size
         self.samples_per_frame = int(model.config.sampling_rate / model.config.frame_rate)
+        # Leading pad counts a window can have: window j of a stream holds max(0, preseed - j*stride).
+        self.pad_counts = sorted({min(k * stride, preseed) for k in range(-(-preseed // stride) + 1)})
 
     @torch.no_grad()
     def decode_window(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[Bd, T, 32] int64 → audio [Bd, stride * 1920] float32, valid [Bd] bool (every code is a
-        Mimi code: the LM's extra ids 2048..2050 have no audio)."""
-        valid = (tokens < self.codebook_size).all(dim=2).all(dim=1)  # [Bd]
+        Mimi code: the LM's extra ids 2048..2050 have no audio).
+
+        Leading pad frames (the runtime's preseed) stand for "no earlier audio": a window with p of
+        them is decoded from its first real frame on, as the whole-stream decode starts, so the
+        start of a stream matches it exactly. One decode per possible p keeps shapes static."""
+        pad = (tokens == self.pad_code).all(dim=2).long().cumprod(dim=1).bool()  # [Bd, T] leading pads
+        n_pad = pad.sum(dim=1)  # [Bd]
+        valid = ((tokens < self.codebook_size) | pad[:, :, None]).all(dim=2).all(dim=1)  # [Bd]
         codes = tokens.clamp(0, self.codebook_size - 1).transpose(1, 2)  # [Bd, 32, T]
-        audio = self.model.decode(codes).audio_values[:, 0]  # [Bd, T * 1920]
-        return audio[:, -self.stride * self.samples_per_frame :].float(), valid
+        keep = self.stride * self.samples_per_frame
+        audio = None
+        for p in self.pad_counts:
+            a = self.model.decode(codes[:, :, p:]).audio_values[:, 0, -keep:]  # [Bd, keep]
+            audio = a if audio is None else torch.where((n_pad == p)[:, None], a, audio)
+        return audio.float(), valid
 
     @torch.no_grad()
     def decode_all(self, frames: torch.Tensor) -> torch.Tensor:
@@ -44,17 +58,21 @@ class MimiCodec:
         return self.model.decode(frames.T[None]).audio_values[0, 0]
 
     @classmethod
-    def from_config(cls, path: str, stride: int, dtype: torch.dtype, device, seed: int = 0) -> MimiCodec:
+    def from_config(
+        cls, path: str, stride: int, preseed: int, dtype: torch.dtype, device, seed: int = 0
+    ) -> MimiCodec:
         from transformers import MimiConfig, MimiModel
 
         with open(path) as f:
             cfg = MimiConfig(**json.load(f))
         torch.manual_seed(seed)  # transformers' own init; fixed seed so every process builds the same
         model = MimiModel(cfg).to(device=device, dtype=dtype).eval()
-        return cls(model, stride)
+        return cls(model, stride, preseed)
 
     @classmethod
-    def from_pretrained(cls, id_or_dir: str, stride: int, dtype: torch.dtype, device) -> MimiCodec:
+    def from_pretrained(
+        cls, id_or_dir: str, stride: int, preseed: int, dtype: torch.dtype, device
+    ) -> MimiCodec:
         """A MimiModel checkpoint, or a CSM checkpoint holding Mimi under `codec_model.*`."""
         from transformers import MimiConfig, MimiModel
 
@@ -66,7 +84,7 @@ class MimiCodec:
         with open(os.path.join(path, "config.json")) as f:
             config = json.load(f)
         if config.get("model_type") != "csm":
-            return cls(MimiModel.from_pretrained(path, torch_dtype=dtype).to(device).eval(), stride)
+            return cls(MimiModel.from_pretrained(path, dtype=dtype).to(device).eval(), stride, preseed)
         from safetensors import safe_open
 
         model = MimiModel(MimiConfig(**config["codec_config"]))
@@ -77,4 +95,4 @@ class MimiCodec:
                     if name.startswith("codec_model."):
                         state[name.removeprefix("codec_model.")] = f.get_tensor(name)
         model.load_state_dict(state, strict=True)
-        return cls(model.to(device=device, dtype=dtype).eval(), stride)
+        return cls(model.to(device=device, dtype=dtype).eval(), stride, preseed)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from programs.base import Attention, LMProgram, Sampler, TokenKind
-from programs.csm.spec import EOS_ID, N_CODEBOOKS, TEXT_MARK
+from programs.csm.spec import EOS_ID, N_CODEBOOKS, PAD_CODE, TEXT_MARK
 
 if TYPE_CHECKING:
     from programs.csm.codec import MimiCodec
@@ -82,9 +82,13 @@ class CsmProgram(LMProgram):
         stride = self.detok_interval - self.detok_overlap
         if self.load_format == "dummy" or self.codec_weights is None:
             path = os.path.join(CONFIG_DIR, self.spec["codec_config"])
-            self.codec = MimiCodec.from_config(path, stride, self.codec_dtype, self.device)
+            self.codec = MimiCodec.from_config(
+                path, stride, self.detok_preseed, self.codec_dtype, self.device
+            )
         else:
-            self.codec = MimiCodec.from_pretrained(self.codec_weights, stride, self.codec_dtype, self.device)
+            self.codec = MimiCodec.from_pretrained(
+                self.codec_weights, stride, self.detok_preseed, self.codec_dtype, self.device
+            )
 
     def load_prompts(self) -> None:
         from programs.orpheus.tokenizer import load_text_tokenizer
@@ -115,6 +119,11 @@ class CsmProgram(LMProgram):
     def detokenize(self, tokens: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[Bd, 12, 32] frames → audio [Bd, 4 * 1920] (Mimi has no noise: keys unused), valid [Bd]."""
         return self.codec.decode_window(tokens)
+
+    def preseed_rows(self) -> np.ndarray:
+        """Pad frames (codebook_pad_token_id 2050) before the first frame: the codec reads them as
+        "no earlier audio" (programs/csm/codec.py)."""
+        return np.full((self.detok_preseed, N_CODEBOOKS), PAD_CODE, dtype=np.int32)
 
     # --- prompts (tokenizer_worker) ------------------------------------------------------------
     def _turn(self, speaker: str, text: str) -> list[list[int]]:

@@ -16,6 +16,7 @@ column, so `embed` tells them apart on the device.
 
 AUDIO_VOCAB = 2051  # codes per codebook in the LM (Mimi's 2048 + 3 specials)
 TEXT_MARK = AUDIO_VOCAB
+PAD_CODE = 2050  # codebook_pad_token_id: the codec's "no audio here" frames
 N_CODEBOOKS = 32
 BOS_ID = 128000
 EOS_ID = 128001  # <|end_of_text|>, closes every turn's text

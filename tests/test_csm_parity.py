@@ -1,0 +1,184 @@
+"""CSM through the gpu_worker engine equals transformers' CsmForConditionalGeneration for the same
+random weights (csm-tiny, CPU fp32): greedy frames (backbone and depth decoder) alone and inside a
+batch of staggered requests, a prompt with a context turn carrying audio, the all-zero stop frame;
+and the audio of the streamed Mimi windows equals `generate(output_audio=True)`'s whole decode."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from transformers import CsmConfig, CsmForConditionalGeneration
+
+from common.messages import FinishReason, Prompt, SamplingParams
+from gpu_worker.engine import Engine, EngineLimits
+from programs import get_spec, load_program_class
+from programs.csm.codec import MimiCodec
+from programs.csm.model import CsmLM
+from programs.csm.spec import TEXT_MARK
+
+SPEC = get_spec("csm-tiny")
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "programs", "csm", "configs")
+AUDIO, AUDIO_EOS = 128002, 128003  # the processor's <|AUDIO|> and <|audio_eos|>
+
+
+def _config(name: str) -> dict:
+    with open(os.path.join(CONFIGS, name)) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny matrices: one thread is faster, and far faster on a loaded 2-core machine.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    torch.manual_seed(0)
+    cfg = CsmConfig(**_config(SPEC["lm_config"]), codec_config=_config(SPEC["codec_config"]))
+    return CsmForConditionalGeneration(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def program(hf):
+    p = load_program_class("csm-tiny")(SPEC, load_format="dummy")
+    lm = CsmLM(_config(SPEC["lm_config"]))
+    state = {k: v for k, v in hf.state_dict().items() if not k.startswith("codec_model.")}
+    lm._check_complete(lm.load_weights(state.items()))
+    p.lm = lm.eval()
+    p.codec = MimiCodec(hf.codec_model, p.detok_interval - p.detok_overlap, p.detok_preseed)
+    return p
+
+
+def text_rows(ids: list[int]) -> list[list[int]]:
+    return [[i] + [TEXT_MARK] * 31 for i in ids]
+
+
+def make_prompt(rid: str, rows: list[list[int]], new: int, **sp) -> Prompt:
+    arr = np.asarray(rows, dtype="<i4")
+    return Prompt(rid, arr.tobytes(), len(arr), SamplingParams(max_tokens=len(arr) + new, **sp))
+
+
+def run(program, prompts: list[Prompt], stagger: bool = False) -> Engine:
+    eng = Engine(program, EngineLimits(max_batch_size=4, max_context=200))
+    eng.outputs = {}
+    for i, p in enumerate(prompts):
+        eng.add(p)
+        if stagger:  # later requests join a batch that is already decoding
+            for _ in range(i + 1):
+                eng.step()
+    eng.batches = eng.run_until_idle()
+    assert eng.allocator.num_used == 0, "every KV page is returned"
+    return eng
+
+
+def hf_generate(hf, ids: list[int], new: int, **audio) -> np.ndarray:
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([ids]), max_new_tokens=new, do_sample=False, depth_decoder_do_sample=False, **audio
+        )
+    return out[0].numpy()  # [new, 32]
+
+
+TEXTS = {
+    "a": [128000, 300, 301, 302, 128001],
+    "b": [128000, *range(500, 520), 128001],
+    "c": [128000, 7, 128001],
+}
+NEW = {"a": 9, "b": 6, "c": 12}
+
+
+def test_greedy_frames_equal_transformers_alone_and_in_a_batch(hf, program):
+    want = {rid: hf_generate(hf, ids, NEW[rid]) for rid, ids in TEXTS.items()}
+    sp = dict(temperature=0.0)
+    prompts = [make_prompt(rid, text_rows(ids), NEW[rid], **sp) for rid, ids in TEXTS.items()]
+    alone = run(program, prompts[:1])
+    np.testing.assert_array_equal(np.array(alone.outputs["a"][0]), want["a"])
+    batched = run(program, prompts, stagger=True)
+    for rid in TEXTS:
+        frames, reason = batched.outputs[rid]
+        assert reason == FinishReason.LENGTH
+        np.testing.assert_array_equal(np.array(frames), want[rid], err_msg=f"{rid} in a batch")
+
+
+def test_context_turn_with_audio_equals_transformers_encoding_it(hf, program):
+    wave = torch.randn(1, 1, 9600, generator=torch.Generator().manual_seed(3)) * 0.1  # 0.4 s
+    with torch.no_grad():
+        codes = hf.codec_model.encode(wave).audio_codes[0].T.tolist()  # [frames, 32] Mimi codes
+    turn0, turn1 = [128000, 300, 301, 128001], [128000, 400, 401, 402, 128001]
+    ids = turn0 + [AUDIO] * len(codes) + [AUDIO_EOS] + turn1
+    # transformers' own merge encodes the audio and places its frames and the end frame; generate()
+    # then runs from those embeddings (its input_values path in 5.x drops the audio during prefill).
+    with torch.no_grad():
+        merged = hf._merge_input_ids_with_input_values(torch.tensor([ids]), wave, torch.tensor([[9600]]))
+        want = hf.generate(
+            inputs_embeds=merged["inputs_embeds"],
+            max_new_tokens=5,
+            do_sample=False,
+            depth_decoder_do_sample=False,
+        )[0].numpy()
+    rows = text_rows(turn0) + codes + [[0] * 32] + text_rows(turn1)
+    eng = run(program, [make_prompt("ctx", rows, 5, temperature=0.0)])
+    np.testing.assert_array_equal(np.array(eng.outputs["ctx"][0]), want)
+
+
+def test_all_zero_frame_stops_like_transformers(hf, program):
+    # Zero heads make every logit 0, so greedy picks code 0 everywhere: the first frame is the end.
+    zeroed = CsmForConditionalGeneration(hf.config).eval()
+    zeroed.load_state_dict(hf.state_dict())
+    with torch.no_grad():
+        zeroed.lm_head.weight.zero_()
+        zeroed.depth_decoder.codebooks_head.weight.zero_()
+    want = hf_generate(zeroed, TEXTS["a"], 8)
+    assert want.tolist() == [[0] * 32], "transformers stops after the end frame"
+    p = load_program_class("csm-tiny")(SPEC, load_format="dummy")
+    p.lm = CsmLM(_config(SPEC["lm_config"]))
+    p.lm.load_weights((k, v) for k, v in zeroed.state_dict().items() if not k.startswith("codec_model."))
+    eng = run(p, [make_prompt("z", text_rows(TEXTS["a"]), 8, temperature=0.0)])
+    assert eng.outputs["z"] == ([], FinishReason.STOP)
+
+
+def test_sampled_frames_do_not_depend_on_the_batch(program):
+    sp = dict(temperature=0.9, top_k=50, seed=77)
+    alone = run(program, [make_prompt("x", text_rows(TEXTS["b"]), 6, **sp)])
+    others = [
+        make_prompt(r, text_rows(TEXTS[r]), NEW[r], temperature=1.0, seed=i) for i, r in enumerate("ac")
+    ]
+    crowd = run(
+        program, [others[0], make_prompt("x", text_rows(TEXTS["b"]), 6, **sp), others[1]], stagger=True
+    )
+    assert alone.outputs["x"] == crowd.outputs["x"]
+    frames = np.array(alone.outputs["x"][0])
+    assert len(frames) == 6 and len(np.unique(frames[:, 1:])) > 20, "the depth decoder samples too"
+
+
+def test_streamed_windows_equal_the_whole_mimi_decode(hf, program):
+    new = 12  # 12 frames: chunks after 4, 8 and 12 of them
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([TEXTS["c"]]),
+            max_new_tokens=new,
+            do_sample=False,
+            depth_decoder_do_sample=False,
+            output_audio=True,
+            return_dict_in_generate=True,
+        )
+    frames = out.sequences[0]
+    assert (frames < 2048).all(), "greedy frames of these weights are all decodable"
+    eng = run(program, [make_prompt("c", text_rows(TEXTS["c"]), new, temperature=0.0)])
+    chunks = [c for b in eng.batches for c in b.chunks]
+    assert [c.index for c in chunks] == [0, 1, 2]
+    windows = np.stack([np.frombuffer(c.tokens, dtype="<i4") for c in chunks]).reshape(3, 12, 32)
+    audio, valid = program.detokenize(torch.from_numpy(windows).long(), torch.zeros(3, dtype=torch.long))
+    assert valid.all()
+    streamed = audio.reshape(-1)
+    reference = out.audio[0]  # transformers: MimiModel.decode of the whole stream
+    assert streamed.shape == reference.shape == (new * 1920,)
+    assert (streamed - reference).abs().max() < 1e-4
