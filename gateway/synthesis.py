@@ -97,7 +97,7 @@ class Synthesis:
             rid=self.rids[k],
             text=self.segments[k],
             sampling=msgspec.structs.replace(sampling, seed=(sampling.seed + k) % (SEED_MAX + 1)),
-            model_kwargs={"voice": self.params.voice},
+            model_kwargs={"voice": self.params.voice, **dict(self.params.options)},
             arrival=time.time(),
         )
         return await self.gateway.submit(req)  # on failure close() aborts it, in case it got through

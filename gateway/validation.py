@@ -23,6 +23,7 @@ from programs import get_spec, model_names
 # Used when the spec does not say how large the vocabulary is; any larger k means "all tokens".
 TOP_K_MAX = 1_000_000
 SEED_MAX = 2**63 - 1
+_OPTION_MAX_CHARS = 4_000_000  # a model option may carry audio codes (CSM's context)
 
 # OpenAI's model names, accepted for the served model so that OpenAI clients work unchanged.
 OPENAI_MODEL_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
@@ -41,6 +42,7 @@ class GenerateParams:
     sampling: SamplingParams
     streaming: bool
     segments: tuple[str, ...] = ()  # the text as generations (see gateway.segments)
+    options: tuple[tuple[str, str], ...] = ()  # the model's own request options (spec "model_options")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +86,19 @@ def _voice_field(spec: Mapping[str, Any]) -> Field:
         choices=voices,
         choice_error="unknown voice {value}; this model's voices are: {choices}",
     )
+
+
+def option_fields(spec: Mapping[str, Any]) -> list[Field]:
+    """The model's own string options (spec "model_options": name → description), passed through
+    to its prompt builder as model_kwargs, which checks them (a ValueError there is a 400)."""
+    return [
+        Field(name, "string", description, max_length=_OPTION_MAX_CHARS, max_length_hint="send less context")
+        for name, description in spec.get("model_options", {}).items()
+    ]
+
+
+def _options(v: Mapping[str, Any], spec: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    return tuple((n, v[n]) for n in spec.get("model_options", {}) if v[n] is not None)
 
 
 def sampling_fields(spec: Mapping[str, Any], cfg: ServeConfig) -> list[Field]:
@@ -168,7 +183,13 @@ def generate_fields(spec: Mapping[str, Any], cfg: ServeConfig) -> list[Field]:
         "true: chunked WAV with unknown sizes (0xFFFFFFFF), PCM16 as it is decoded; false: one complete WAV.",
         True,
     )
-    return [_text_field("text", cfg), _voice_field(spec), streaming, *sampling_fields(spec, cfg)]
+    return [
+        _text_field("text", cfg),
+        _voice_field(spec),
+        streaming,
+        *sampling_fields(spec, cfg),
+        *option_fields(spec),
+    ]
 
 
 def accepted_models(served: str) -> list[str]:
@@ -232,6 +253,7 @@ def speech_fields(spec: Mapping[str, Any], cfg: ServeConfig) -> list[Field]:
             True,
         ),
         *sampling_fields(spec, cfg),
+        *option_fields(spec),
     ]
 
 
@@ -252,6 +274,7 @@ def parse_generate(body: Mapping[str, Any], spec: Mapping[str, Any], cfg: ServeC
         sampling=sampling,
         streaming=True if v["streaming"] is None else v["streaming"],
         segments=plan_segments(v["text"], sampling.max_tokens, spec, cfg),
+        options=_options(v, spec),
     )
 
 
@@ -304,6 +327,7 @@ def parse_speech(body: Mapping[str, Any], spec: Mapping[str, Any], cfg: ServeCon
         voice=v["voice"] or _default(fields, "voice"),
         sampling=sampling,
         segments=plan_segments(v["input"], sampling.max_tokens, spec, cfg),
+        options=_options(v, spec),
         streaming=streaming,
         response_format=v["response_format"] or _default(fields, "response_format"),
         stream_format=stream_format,

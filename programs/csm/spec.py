@@ -42,6 +42,12 @@ _COMMON = {
     "voices": SPEAKERS,  # CSM speaker ids; the OpenAI `voice` field picks one
     "default_voice": "0",
     "text_template": "[{voice}]{text}",
+    # Request options beyond voice (gateway fields, passed to preprocess as model_kwargs).
+    "model_options": {
+        "context": "CSM conversation context: a JSON list of earlier turns, "
+        '[{"speaker": 1, "text": "...", "codes": [[32 Mimi codes], ...]}], each with its audio as Mimi '
+        "codes (the reference's template gives every context turn audio).",
+    },
     "max_tokens": 2048,  # frames, prompt included: the backbone's max_position_embeddings
     # sesame/csm-1b's generation_config: sampling with temperature 0.9 and top_k 50, for the
     # backbone and the depth decoder alike (both sets of settings are the request's here).
