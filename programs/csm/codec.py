@@ -23,8 +23,20 @@ import os
 import torch
 
 
+def keep_shape_buffers_on_host(model) -> None:
+    """MimiConv1d computes its padding from stride/kernel buffers; on a GPU that is a device→host
+    read per convolution, which CUDA graph capture forbids. The same integers on the CPU give the
+    same padding with no sync (the weights and activations stay on the device)."""
+    for m in model.modules():
+        for name in ("stride", "kernel_size", "padding_total"):
+            buf = m._buffers.get(name) if hasattr(m, "_buffers") else None
+            if buf is not None and buf.dtype == torch.int64 and buf.dim() == 0:
+                m._buffers[name] = buf.cpu()
+
+
 class MimiCodec:
     def __init__(self, model, stride: int, preseed: int = 0, pad_code: int = 2050) -> None:
+        keep_shape_buffers_on_host(model)
         self.model = model  # transformers MimiModel, eval, on its device
         self.stride = stride  # frames each window adds
         self.pad_code = pad_code
