@@ -35,10 +35,13 @@ _COMMON = {
     "detok_overlap": 8,
     "detok_preseed": 8,
     "detok_samples": 4 * SAMPLES_PER_FRAME,
+    # Codebook-0 code 0 is what a stop frame starts with: the sampler masks it until min_tokens
+    # (the stop itself is decided on the whole frame, in CsmProgram.classify).
     "stop_tokens": [0],
     "audio_tokens": [0, 2048],
     "bos_id": BOS_ID,
     "eos_id": EOS_ID,
+    "suffix_ids": [EOS_ID],  # after a turn's text (the gateway counts it when it sizes segments)
     "voices": SPEAKERS,  # CSM speaker ids; the OpenAI `voice` field picks one
     "default_voice": "0",
     "text_template": "[{voice}]{text}",
