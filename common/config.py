@@ -42,6 +42,9 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     max_context: int = 0  # 0 = the model's max_tokens
     page_size: int = 16
     num_pages: int = 0  # 0 = enough for max_batch_size full contexts
+    first_chunk: str = "adaptive"  # gpu_worker: reference | adaptive | fastest (see EngineLimits)
+    lm_head: str = "full"  # gpu_worker: full vocabulary, or "audio": logits for codec tokens + stop only
+    quantization: str = "none"  # gpu_worker: none | fp8 (LM linear weights in float8, per-channel scales)
     constrained: bool | None = None  # None = the model's default
     max_text_chars: int = 2000
     max_queue: int = 1024  # requests waiting for a slot beyond this get 503
@@ -193,6 +196,26 @@ OPTIONS: tuple[Option, ...] = (
         "constrained",
         "keep sampled tokens valid codes for their frame position (default: the model's choice)",
         ("serve", "gateway"),
+    Option(
+        "first_chunk",
+        "first audio: reference (first full codec window), adaptive (a short lead window when the "
+        "measured step rate keeps the stream fed) or fastest (always the shortest lead)",
+        ("serve", "gpu_worker"),
+        choices=("reference", "adaptive", "fastest"),
+    ),
+    Option(
+        "lm_head",
+        "full (whole vocabulary) or audio (logits only for codec tokens and stop: less work per step; "
+        "text tokens can no longer be sampled)",
+        ("serve", "gpu_worker"),
+        choices=("full", "audio"),
+    ),
+    Option(
+        "quantization",
+        "none, or fp8 (LM linear layers in float8 with per-channel scales; GPU with fp8 tensor cores)",
+        ("serve", "gpu_worker"),
+        choices=("none", "fp8"),
+    ),
         _parse_bool,
     ),
     Option("max_text_chars", "longest accepted text", ("serve", "gateway"), int),

@@ -50,6 +50,7 @@ class GpuWorker:
             page_size=cfg.page_size,
             num_pages=cfg.num_pages,
             cuda_graphs=not cfg.disable_cuda_graph,
+            first_chunk=cfg.first_chunk,
         )
         status.set(ProcState.LOADING, "allocating KV cache")
         self.engine = Engine(program, limits, progress=lambda msg: status.set(ProcState.LOADING, msg))

@@ -71,6 +71,7 @@ class LMProgram:
     detok_interval: int = 0  # rows per codec window
     detok_overlap: int = 0  # rows consecutive windows share
     detok_samples: int = 0  # samples each window adds
+    detok_offset: int = 0  # window j's audio covers audio rows from j*s + detok_offset (s: stride)
     sample_rate: int = 24000
 
     def __init__(
@@ -92,6 +93,8 @@ class LMProgram:
         self.detok_interval = spec["detok_interval"]
         self.detok_overlap = spec["detok_overlap"]
         self.detok_samples = spec["detok_samples"]
+        # Default: a window's audio is its newest rows (a codec that keeps the end of its window).
+        self.detok_offset = spec.get("detok_offset", spec["detok_overlap"])
         self.sample_rate = spec["sample_rate"]
         self.n_codebooks = spec.get("n_codebooks", 1)
 
