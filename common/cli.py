@@ -47,6 +47,8 @@ def _validate(cfg: ServeConfig) -> None:
         raise ValueError(f"--port must be in 1..65535, got {cfg.port}")
     if cfg.page_size < 1 or cfg.max_batch_size < 0 or cfg.max_context < 0 or cfg.num_pages < 0:
         raise ValueError("--page-size must be positive; --max-batch-size, --max-context, --num-pages >= 0")
+    if cfg.max_queue < 0 or cfg.max_streams < 0 or not 0 < cfg.queue_timeout < float("inf"):
+        raise ValueError("--max-queue and --max-streams must be >= 0 and --queue-timeout a positive number")
     if not 1 <= cfg.max_text_chars <= MAX_TEXT_CHARS:
         raise ValueError(f"--max-text-chars must be in 1..{MAX_TEXT_CHARS}, got {cfg.max_text_chars}")
 

@@ -48,6 +48,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     constrained: bool | None = None  # None = the model's default
     max_text_chars: int = 2000
     max_queue: int = 1024  # requests waiting for a slot beyond this get 503
+    queue_timeout: float = 30.0  # gateway: seconds a request may wait for a stream before a 503
+    max_streams: int = 0  # gateway: active streams admitted at once (0 = what the gpu_workers measure)
     log_level: str = "INFO"
     disable_cuda_graph: bool = False
     addresses: Addresses | None = None
@@ -219,7 +221,19 @@ OPTIONS: tuple[Option, ...] = (
         _parse_bool,
     ),
     Option("max_text_chars", "longest accepted text", ("serve", "gateway"), int),
-    Option("max_queue", "requests waiting for a slot beyond this get 503", ("serve", "gateway"), int),
+    Option("max_queue", "requests waiting for a stream beyond this get 503", ("serve", "gateway"), int),
+    Option(
+        "queue_timeout",
+        "seconds a request may wait for a stream before it gets 503",
+        ("serve", "gateway"),
+        float,
+    ),
+    Option(
+        "max_streams",
+        "requests streaming at once (0 = the capacity the gpu_workers measure, else their batch size)",
+        ("serve", "gateway"),
+        int,
+    ),
     Option("log_level", "DEBUG, INFO, WARNING, ERROR", _ALL),
     Option("run_dir", "directory for ipc:// sockets and taps (default: a private temp dir)", ("serve",)),
     Option(
@@ -277,7 +291,7 @@ def add_options(parser: argparse.ArgumentParser, role: str) -> None:
             action = argparse.BooleanOptionalAction if opt.negatable else "store_true"
             parser.add_argument(opt.flag, action=action, default=None, help=help)
         else:
-            conv = int if opt.type is int else str
+            conv = opt.type if opt.type in (int, float) else str
             parser.add_argument(opt.flag, type=conv, default=None, choices=opt.choices or None, help=help)
 
 

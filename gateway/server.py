@@ -44,6 +44,7 @@ from common.messages import (
     RequestError,
 )
 from gateway import openai, openapi
+from gateway.admission import Admission
 from gateway.body import MAX_BODY_BYTES, BodyError, read_fields
 from gateway.encoders import WavEncoder
 from gateway.events import ClientGone, Event, Failed, Pending, error_status, finished_event
@@ -80,7 +81,8 @@ class Gateway:
         self.idle_timeout_s = idle_timeout_s
         self.submit_timeout_s = submit_timeout_s
         self.procs = ProcessTable(cfg.tokenizer_workers, gpu_workers=cfg.gpu_workers)
-        self.metrics = GatewayMetrics(self.procs)
+        self.admission = Admission(self._stream_capacity, cfg.max_queue, cfg.queue_timeout)
+        self.metrics = GatewayMetrics(self.procs, self.admission)
         self.created = int(time.time())
         self.closing = False  # set on shutdown: no new segments are submitted
         self._pending: dict[str, Pending] = {}
@@ -121,6 +123,11 @@ class Gateway:
                 self._pending[rid].queue.put_nowait(Failed(503, "the gateway is shutting down; retry"))
             self.abort(rids)
 
+    def _stream_capacity(self) -> float | None:
+        if self.cfg.max_streams > 0:
+            return float(self.cfg.max_streams)
+        return self.procs.stream_capacity()
+
     async def _watch_processes(self) -> None:
         """Every request a process held when it died ends now with an explicit 503 (a stream is
         broken, a whole response is a JSON error), instead of waiting out the idle timeout."""
@@ -128,6 +135,7 @@ class Gateway:
             await asyncio.sleep(WATCH_INTERVAL_S)
             for name in self.procs.newly_dead():
                 self._fail_held_by(name)
+            self.admission.pump()  # capacity grows when a gpu_worker reports
 
     def _fail_held_by(self, name: str) -> None:
         # A codec_worker's requests are those its gpu_worker (same suffix) was given.
