@@ -40,7 +40,7 @@ from common.messages import (
 from gpu_worker.kv_cache import PageAllocator, allocate_kv_cache, pages_for
 from gpu_worker.pacing import StepClock, lead_fits
 from gpu_worker.runner import StepBatch, make_runner
-from gpu_worker.sampler import sample_rows
+from gpu_worker.sampler import HeadColumns, sample_rows
 from gpu_worker.slots import SlotState
 from programs.base import LMProgram, TokenKind
 
@@ -122,6 +122,10 @@ class Engine:
             limits.max_batch_size, limits.max_context + 1, program.n_codebooks, self.device
         )
         self.stop_ids = torch.tensor(program.stop_tokens(), dtype=torch.int64, device=self.device)
+        self.head: HeadColumns | None = None  # a partial output head: sample over its columns
+        if program.head_ids is not None:
+            self.head = HeadColumns(program.head_ids, program.vocab_size)
+            self.stop_ids = self.head.column[self.stop_ids]
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}
         self._finished: list[Finished] = []
@@ -317,7 +321,12 @@ class Engine:
             idx = torch.tensor(group, device=dev) if len(group) < n else slice(None)
             cand = self.program.candidates(self.slots.n_audio[slots[idx]]) if use_candidates else None
             rows = self.slots.rows(slots[idx], n_gen[idx], length[idx], cand)
-            out[idx] = sample_rows(logits[idx, 0], rows, self.stop_ids)
+            scores = logits[idx, 0]
+            if self.head is not None:
+                scores, rows = self.head.logits(scores), self.head.rows(rows)
+            out[idx] = sample_rows(scores, rows, self.stop_ids)
+        if self.head is not None:
+            out = self.head.ids[out]
         tokens = out[:, None]  # [B, C]
         kinds = self.program.classify(tokens, self.slots.n_audio[slots])  # before the count moves
         self.slots.record(slots, length, tokens, kinds)

@@ -39,7 +39,12 @@ class GpuWorker:
         device = resolve_device(cfg.device)
         spec = get_spec(cfg.model)
         program = load_program_class(cfg.model)(
-            spec, device=device, dtype=resolve_dtype(cfg.dtype, device), **program_kwargs(cfg)
+            spec,
+            device=device,
+            dtype=resolve_dtype(cfg.dtype, device),
+            lm_head=cfg.lm_head,
+            quantization=cfg.quantization,
+            **program_kwargs(cfg),
         )
         status.set(ProcState.LOADING, f"loading {spec['name']} LM on {device}")
         program.load_lm()
