@@ -49,6 +49,10 @@ def _validate(cfg: ServeConfig) -> None:
         raise ValueError("--page-size must be positive; --max-batch-size, --max-context, --num-pages >= 0")
     if cfg.max_queue < 0 or cfg.max_streams < 0 or not 0 < cfg.queue_timeout < float("inf"):
         raise ValueError("--max-queue and --max-streams must be >= 0 and --queue-timeout a positive number")
+    if cfg.api_key_file:
+        from gateway.auth import load_api_key
+
+        load_api_key(cfg)  # an unreadable or empty key file fails here, not in the gateway
     if not 1 <= cfg.max_text_chars <= MAX_TEXT_CHARS:
         raise ValueError(f"--max-text-chars must be in 1..{MAX_TEXT_CHARS}, got {cfg.max_text_chars}")
 

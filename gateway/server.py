@@ -43,7 +43,7 @@ from common.messages import (
     Prompt,
     RequestError,
 )
-from gateway import openai, openapi
+from gateway import auth, openai, openapi
 from gateway.admission import Admission
 from gateway.body import MAX_BODY_BYTES, BodyError, read_fields
 from gateway.encoders import WavEncoder
@@ -390,7 +390,12 @@ def build_app(
             "ServeConfig has neither addresses nor run_dir; set one so the gateway can find the workers"
         )
     gateway = Gateway(cfg, addresses, idle_timeout_s=idle_timeout_s, submit_timeout_s=submit_timeout_s)
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_json_errors])
+    middlewares = [_json_errors]
+    key = auth.load_api_key(cfg)
+    if key is not None:
+        middlewares.append(auth.middleware(key, error_body))
+        log.info("the HTTP API requires a Bearer key (except /health and /ready)")
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
     app[GATEWAY] = gateway
     app.router.add_post("/generate", gateway.handle_generate)
     app.router.add_get("/health", gateway.handle_health)
