@@ -95,7 +95,7 @@ async def speak(
     try:
         rejected = await gateway.admission.acquire(lambda: _client_gone(request))
         if rejected is not None:
-            log.info("[%s] rejected (%s): %s", rid, rejected.reason, rejected.message)
+            log.debug("[%s] rejected (%s): %s", rid, rejected.reason, rejected.message)
             outcome = "rejected"
             gateway.metrics.rejected.labels(rejected.reason).inc()
             return error(rejected.status, rejected.message, {**headers, **rejected.headers})
