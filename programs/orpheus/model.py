@@ -228,7 +228,8 @@ class LlamaLM(nn.Module):
             m.gate_up_weight = torch.cat([m.gate_proj.weight, m.up_proj.weight])  # [2I, H]
             if any(x.bias is not None for x in (a.q_proj, a.o_proj, m.gate_proj, m.down_proj)):
                 raise ValueError("fuse() supports bias-free Llama projections only")
-            a.o_weight, m.down_weight = a.o_proj.weight, m.down_proj.weight  # [H, HqD], [H, I]
+            # Plain tensors, not Parameters, so quantize_fp8 may replace them.
+            a.o_weight, m.down_weight = a.o_proj.weight.detach(), m.down_proj.weight.detach()
             del a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj
         pos = torch.arange(max_positions, dtype=torch.float32, device=self.inv_freq.device)
         freqs = pos[:, None] * self.inv_freq.float()[None, :]  # [P, D/2]
