@@ -38,6 +38,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     weights: str = ""  # LM checkpoint: Hugging Face id or local directory ("" = the model's default)
     codec_weights: str = ""  # codec checkpoint, likewise
     dtype: str = "auto"  # auto = bfloat16 on GPU, float32 on CPU
+    codec_dtype: str = "auto"  # codec precision: auto = the model's choice (orpheus: float32)
     max_batch_size: int = 0  # 0 = 256 on GPU, 16 on CPU
     max_context: int = 0  # 0 = the model's max_tokens
     page_size: int = 16
@@ -99,7 +100,10 @@ def pair_devices(spec: str, n: int, cuda_available: Callable[[], bool] | None = 
 def program_kwargs(cfg: ServeConfig) -> dict:
     """The keyword arguments every process builds its program with."""
     return dict(
-        load_format=cfg.load_format, weights=cfg.weights or None, codec_weights=cfg.codec_weights or None
+        load_format=cfg.load_format,
+        weights=cfg.weights or None,
+        codec_weights=cfg.codec_weights or None,
+        codec_dtype=cfg.codec_dtype,
     )
 
 
@@ -186,6 +190,12 @@ OPTIONS: tuple[Option, ...] = (
         negatable=False,
     ),
     Option("dtype", "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16", ("serve", "gpu_worker")),
+    Option(
+        "codec_dtype",
+        "codec precision: auto (the model's choice; orpheus: float32), float32, bfloat16, float16",
+        ("serve", "codec_worker"),
+        choices=("auto", "float32", "bfloat16", "float16"),
+    ),
     Option("max_batch_size", "0 = 256 on GPU, 16 on CPU", ("serve", "gpu_worker"), int),
     Option(
         "max_context",

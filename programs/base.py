@@ -57,7 +57,6 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-
 CODEC_DTYPES = ("float32", "bfloat16", "float16")
 
 
