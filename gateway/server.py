@@ -106,6 +106,7 @@ class Gateway:
     async def start(self, app: web.Application) -> None:
         a = self.addresses
         self._send_to_tokenizers = AsyncDispatchChannel(a.requests, bind=True)
+        self._send_to_tokenizers.start()  # read announcements now: a bad one is dropped, not left queued
         self._send_to_gpu = AsyncDispatchChannel(a.gpu_in, bind=True)
         self._send_to_gpu.start()  # gpu_workers register before the first prompt (aborts reach them)
         self._recv_from_workers = AsyncPullChannel(a.gateway_in, GatewayInMsg, bind=True)
@@ -194,10 +195,23 @@ class Gateway:
         if prompt.rid not in self._pending or prompt.rid in self._routing:
             log.debug("[%s] dropped a prompt for a request that is gone", prompt.rid)
             return
+        bad = self._inconsistent(prompt)
+        if bad:
+            log.error("[%s] dropped an inconsistent prompt from a tokenizer worker: %s", prompt.rid, bad)
+            self._put(prompt.rid, Failed(500, f"the prompt builder sent an inconsistent prompt ({bad})"))
+            return
         assert self._send_to_gpu is not None
         task = asyncio.create_task(self._send_to_gpu.send(prompt))
         self._routing[prompt.rid] = task
         task.add_done_callback(lambda t, rid=prompt.rid: self._routed(rid, t))
+
+    def _inconsistent(self, prompt: Prompt) -> str:
+        """Why a prompt's shape does not add up ("" when it does): a gpu_worker is never handed a
+        prompt it cannot even read."""
+        n_codebooks = int(self.spec.get("n_codebooks", 1))
+        if prompt.n_rows < 0 or len(prompt.tokens) != prompt.n_rows * n_codebooks * 4:
+            return f"{len(prompt.tokens)} bytes for {prompt.n_rows} rows of {n_codebooks} int32 ids"
+        return ""
 
     def _routed(self, rid: str, task: asyncio.Task[Any]) -> None:
         if self._routing.get(rid) is task:
