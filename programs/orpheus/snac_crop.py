@@ -17,9 +17,9 @@ cropped decode is capturable in a CUDA graph like the full one. The quantizer's 
 (embedding, 1x1 projection, `repeat_interleave` by the level's stride; no local attention in
 the 24 kHz model) is pointwise in time and a few positions long, so it stays whole.
 
-SNAC 24 kHz, 4-frame window (latent 16 → 8192 samples), kept [2048, 4096): each ResidualUnit
-(k7, dilations 1, 3, 9) widens the need by 3 + 9 + 27 = 39 per side, a ConvTranspose (k 2s,
-stride s) by one input, so the needed inputs of the transposed convs are latent [0, 15) of 16,
+SNAC 24 kHz, 4-frame window (latent 16 → 8192 samples), kept [2048, 4096): a block's three
+ResidualUnits (k7, dilations 1, 3, 9) widen the need by 3 + 9 + 27 = 39 per side, its
+ConvTranspose (kernel 2s, stride s) by about one input, so the needed inputs of the transposed convs are latent [0, 15) of 16,
 [24, 72) of 128, [240, 528) of 1024, [1002, 2070) of 4096, and of conv out [2045, 4099) of 8192.
 Convolution work per window (multiply-accumulates, full → cropped): conv in 12.7 → 11.9 M,
 block 1 270 → 223 M, block 2 542 → 191 M, block 3 548 → 152 M, block 4 279 → 72 M, out 3.7 →
