@@ -95,7 +95,8 @@ class _Conv(_Op):
 
     def __post_init__(self) -> None:
         m = self.module
-        assert m.stride[0] == 1 and isinstance(m.padding[0], int), "cropping needs stride-1 convs"
+        if m.stride[0] != 1 or not isinstance(m.padding[0], int):
+            raise NotImplementedError("cropping needs stride-1 convs with numeric padding")
         self.pad, self.dil, self.k = m.padding[0], m.dilation[0], m.kernel_size[0]
 
     def t_out(self, t_in):
@@ -129,7 +130,8 @@ class _ConvTranspose(_Op):
 
     def __post_init__(self) -> None:
         m = self.module
-        assert m.output_padding[0] == 0 and m.dilation[0] == 1, "cropping needs plain transposed convs"
+        if m.output_padding[0] != 0 or m.dilation[0] != 1:  # SNAC's odd strides (32/44 kHz)
+            raise NotImplementedError("cropping needs transposed convs without output padding")
         self.s, self.p, self.k = m.stride[0], m.padding[0], m.kernel_size[0]
 
     def t_out(self, t_in):
