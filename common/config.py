@@ -51,6 +51,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     max_queue: int = 1024  # requests waiting for a slot beyond this get 503
     queue_timeout: float = 30.0  # gateway: seconds a request may wait for a stream before a 503
     max_streams: int = 0  # gateway: active streams admitted at once (0 = what the gpu_workers measure)
+    zmq_curve_dir: str = ""  # every process: CURVE keys for tcp:// sockets (`voxpipe keys DIR`)
     api_key_file: str = ""  # gateway: file holding the HTTP API's Bearer key (or VOXPIPE_API_KEY)
     log_level: str = "INFO"
     disable_cuda_graph: bool = False
@@ -249,6 +250,11 @@ OPTIONS: tuple[Option, ...] = (
         "api_key_file",
         "file holding the Bearer key the HTTP API requires (or set VOXPIPE_API_KEY; never a flag)",
         ("serve", "gateway"),
+    ),
+    Option(
+        "zmq_curve_dir",
+        "CURVE keys (from `voxpipe keys DIR`) that encrypt and authenticate every tcp:// socket",
+        _ALL,
     ),
     Option("log_level", "DEBUG, INFO, WARNING, ERROR", _ALL),
     Option("run_dir", "directory for ipc:// sockets and taps (default: a private temp dir)", ("serve",)),
