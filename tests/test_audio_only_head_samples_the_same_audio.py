@@ -40,7 +40,9 @@ def test_audio_head_logits_are_the_full_heads_audio_columns(programs):
     full, audio = programs
     hidden = torch.randn(3, full.hidden_size)
     assert audio.head_ids.tolist()[-1] == STOP_TOKEN and audio.head_ids[0] == AUDIO_BASE
-    torch.testing.assert_close(audio.head(hidden), full.head(hidden)[:, :, audio.head_ids], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        audio.head(hidden), full.head(hidden)[:, :, audio.head_ids], rtol=1e-5, atol=1e-5
+    )
 
 
 def test_constrained_requests_sample_the_same_tokens_with_either_head(programs):
