@@ -1,5 +1,6 @@
-"""GPU speed (H200, dummy Orpheus-3B, bf16): decode step per batch size, TTFA, offline throughput,
-and the Hugging Face `generate` + SNAC loop baseline measured in the same run.
+"""GPU speed (H200, dummy Orpheus-3B, bf16): decode step per batch size, prefill step eager vs
+graph, TTFA, offline throughput, and the Hugging Face `generate` + SNAC loop baseline measured in
+the same run.
 
 Writes one JSON (see --out) with `device`, `model`, `date`, `decode_step_ms`, `ttfa_p50_ms`,
 `offline_x_realtime`, `baseline_x_realtime` and the details behind each.
@@ -19,9 +20,10 @@ import torch
 from codec_worker.worker import Codec
 from common.messages import Prompt, SamplingParams
 from gpu_worker.engine import Engine, EngineLimits
+from gpu_worker.flashinfer_backend import FlashInferAttention
 from gpu_worker.graphs import GraphRunner
 from gpu_worker.kv_cache import allocate_kv_cache, pages_for
-from gpu_worker.runner import StepBatch
+from gpu_worker.runner import EagerRunner, StepBatch
 from programs import get_spec, load_program_class
 
 TOKENS_PER_SECOND = 82.03  # Orpheus tokens per second of audio
@@ -76,6 +78,44 @@ def decode_steps(program, sizes: list[int], contexts: list[int]) -> dict:
                 "floor_ms": FLOORS_MS.get(ctx, {}).get(bs),
             }
             print(f"ctx {ctx} batch {bs}: step {step_ms:.2f} ms, graph {replay_ms:.2f} ms", flush=True)
+    return out
+
+
+def prefill_steps(program, counts: list[int], rows: int) -> dict:
+    """One step prefilling `count` prompts of `rows` rows: eager FlashInfer prefill vs the prefill
+    graph (the whole `forward`, host work included), and the graph replay alone."""
+    page, max_context = 16, 1200
+    per = pages_for(max_context + 1, page)
+    n = max(counts)
+    kv = allocate_kv_cache(
+        program.num_layers, 1 + n * per, page, program.num_kv_heads, program.head_dim, torch.bfloat16, "cuda"
+    )
+    graph = GraphRunner(program, kv, EngineLimits(max_batch_size=n, max_context=max_context))
+    eager = EagerRunner(program, FlashInferAttention(kv, program.num_qo_heads))
+    rng = np.random.default_rng(0)
+    out: dict = {}
+    for count in counts:
+        b = StepBatch(
+            ids=rng.integers(0, 128256, size=(count * rows, 1)).astype(np.int64),
+            pos=np.tile(np.arange(rows, dtype=np.int64), count),
+            qo_indptr=[i * rows for i in range(count + 1)],
+            kv_lens=[rows] * count,
+            page_tables=[list(range(1 + i * per, 1 + (i + 1) * per)) for i in range(count)],
+            num_prefill=count,
+        )
+        lay = graph.prefill.layout(b)
+        eager_ms = cuda_ms(lambda b=b: eager.forward(b), 20)
+        graph_ms = cuda_ms(lambda b=b: graph.forward(b), 20)
+        replay_ms = cuda_ms(graph.prefill.graphs[lay.rows][0].replay, 20) if lay is not None else None
+        out[count] = {
+            "rows_each": rows,
+            "bucket_rows": None if lay is None else lay.rows,
+            "eager_ms": round(eager_ms, 3),
+            "graph_ms": round(graph_ms, 3),
+            "graph_only_ms": None if replay_ms is None else round(replay_ms, 3),
+            "eager_over_graph": round(eager_ms / graph_ms, 2),
+        }
+        print(f"prefill {count} x {rows} rows: {out[count]}", flush=True)
     return out
 
 
@@ -188,7 +228,11 @@ def main() -> int:
     ap.add_argument("--offline-requests", type=int, default=256)
     ap.add_argument("--offline-tokens", type=int, default=1024)
     ap.add_argument("--baseline-tokens", type=int, default=200)
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: steps,ttfa,offline,baseline")
+    ap.add_argument("--prefill-counts", default="1,4,16", help="prompts per prefill step timed")
+    ap.add_argument("--prefill-rows", type=int, default=40, help="rows of each prompt (Orpheus: ~20-60)")
+    ap.add_argument(
+        "--skip", default="", help="comma list of sections to skip: steps,prefill,ttfa,offline,baseline"
+    )
     args = ap.parse_args()
     skip = set(args.skip.split(","))
     torch.backends.cudnn.allow_tf32 = False
@@ -208,6 +252,11 @@ def main() -> int:
     program.load_codec()
     if "steps" not in skip:
         res["decode_step_ms"] = decode_steps(program, [int(s) for s in args.sizes.split(",")], [512, 1024])
+        torch.cuda.empty_cache()
+        save()
+    if "prefill" not in skip:
+        counts = [int(s) for s in args.prefill_counts.split(",")]
+        res["prefill_step_ms"] = prefill_steps(program, counts, args.prefill_rows)
         torch.cuda.empty_cache()
         save()
     codec = Codec(program, max_batch=256)

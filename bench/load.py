@@ -110,8 +110,10 @@ async def run_level(
     tokens: int,
     prompt_allowance: int,
     seed: int,
+    ramp: float = 0.0,
 ) -> tuple[list[Result], float]:
-    """Closed loop (`concurrency` clients, each sending back to back) or open loop (Poisson `rate`)."""
+    """Closed loop (`concurrency` clients, each sending back to back, their first requests spread
+    evenly over `ramp` seconds) or open loop (Poisson `rate`)."""
     rng = random.Random(seed)
     url = base + "/generate"
     timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
@@ -130,11 +132,12 @@ async def run_level(
         deadline = t0 + duration
         if concurrency:
 
-            async def client() -> None:
+            async def client(i: int) -> None:
+                await asyncio.sleep(ramp * i / concurrency)
                 while time.perf_counter() < deadline:
                     results.append(await one_request(s, url, body()))
 
-            await asyncio.gather(*(client() for _ in range(concurrency)))
+            await asyncio.gather(*(client(i) for i in range(concurrency)))
         else:
             tasks = []
             while time.perf_counter() < deadline:
@@ -188,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench_load.json")
     ap.add_argument("--plot", default="", help="PNG path (needs matplotlib)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ramp", type=float, default=0.0, help="closed loop: spread client starts over S s")
     args = ap.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",") if c] or []
     rates = [float(r) for r in args.rate.split(",") if r]
@@ -204,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                 tokens=args.tokens,
                 prompt_allowance=args.prompt_allowance,
                 seed=args.seed + i,
+                ramp=args.ramp,
                 **kw,
             )
         )
@@ -217,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%F"),
         "tokens_per_request": args.tokens,
         "duration_s_per_level": args.duration,
+        "ramp_s": args.ramp,
         "target": "no errors, >= 99% of requests fully on time, p99 TTFA <= 250 ms",
         "max_streams_meeting_target": max(passing) if passing else 0,
         "curve": curve,

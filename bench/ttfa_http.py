@@ -1,7 +1,11 @@
-"""Single-stream time to first audio at the HTTP client, through every process of `voxpipe serve`.
+"""Single-stream time to first audio at the HTTP client, through every process of `voxpipe serve`,
+and optionally the load curve on the same server.
 
 Starts the server (dummy weights unless told otherwise), sends sequential streaming requests and
-times the first PCM byte after the WAV header. Writes JSON with the samples and their p50.
+times the first PCM byte after the WAV header. Writes JSON with the samples and their p50. With
+`--load 64,128,…` it then runs `voxpipe bench` levels (closed loop) against the same server and
+writes the curve (`--load-out`, `--plot`), with the server's own gauges (measured stream capacity,
+row period) read from /metrics after each level.
 """
 
 from __future__ import annotations
@@ -46,6 +50,52 @@ async def measure(base: str, reps: int, tokens: int) -> list[tuple[float, float,
         return [await one(s, base + "/generate", {**body, "seed": i}) for i in range(reps)]
 
 
+def server_gauges(base: str) -> dict[str, float]:
+    """gpu_worker gauges worth keeping next to a load level (summed over gpu_workers)."""
+    import urllib.request
+
+    keep = ("stream_capacity", "row_period_ms", "decode_batch_size", "kv_pages_used")
+    out: dict[str, float] = {}
+    with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            for k in keep:
+                if line.startswith(f"voxpipe_{k}{{"):
+                    out[k] = out.get(k, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def load_curve(base: str, args) -> None:
+    from bench.load import meets_target, plot, run_level, summarize
+
+    curve = []
+    for i, level in enumerate(int(c) for c in args.load.split(",")):
+        results, wall = asyncio.run(
+            run_level(base, concurrency=level, duration=args.load_duration, tokens=args.load_tokens,
+                      prompt_allowance=100, seed=i, ramp=args.ramp)
+        )  # fmt: skip
+        point = {"concurrency": level, **summarize(results, wall, 24000), "server": server_gauges(base)}
+        curve.append(point)
+        print(json.dumps(point), flush=True)
+        out = {
+            "device": args.label,
+            "model": f"{args.model} dummy",
+            "date": time.strftime("%F"),
+            "serve_args": args.serve_args,
+            "tokens_per_request": args.load_tokens,
+            "duration_s_per_level": args.load_duration,
+            "ramp_s": args.ramp,
+            "target": "no errors, >= 99% of requests fully on time, p99 TTFA <= 250 ms",
+            "max_streams_meeting_target": max(
+                [p["concurrency"] for p in curve if meets_target(p)], default=0
+            ),
+            "curve": curve,
+        }
+        with open(args.load_out, "w") as f:
+            json.dump(out, f, indent=1)
+    if args.plot:
+        plot(curve, "concurrency", args.plot)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="orpheus")
@@ -53,6 +103,13 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--out", default="ttfa_http.json")
+    ap.add_argument("--load", default="", help="comma list of concurrency levels to run afterwards")
+    ap.add_argument("--load-duration", type=float, default=30.0)
+    ap.add_argument("--load-tokens", type=int, default=1024)
+    ap.add_argument("--ramp", type=float, default=0.0)
+    ap.add_argument("--load-out", default="load.json")
+    ap.add_argument("--plot", default="")
+    ap.add_argument("--label", default="", help="device label for the load results")
     ap.add_argument("serve_args", nargs="*", help="extra `voxpipe serve` flags (after --)")
     args = ap.parse_args()
     cmd = [sys.executable, "-m", "common.cli", "serve", "--model", args.model, "--port", str(args.port)]
@@ -75,6 +132,8 @@ def main() -> int:
             time.sleep(0.5)
         startup = time.monotonic() - t0
         res = asyncio.run(measure(base, args.reps, args.tokens))
+        if args.load:
+            load_curve(base, args)
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(30)

@@ -1,4 +1,5 @@
-"""CUDA graphs for the codec: one captured `detokenize` (+ PCM16 conversion) per batch bucket.
+"""CUDA graphs for the codec: one captured `detokenize` (+ PCM16 conversion) per batch bucket, for
+one window row count (the regular `detok_interval`, or a lead size: one `DetokGraphs` each).
 
 Inputs live in one device arena (tokens, then noise keys) filled from a pinned host mirror with
 one copy; a replay writes PCM16 and the valid flags, read back with one copy. Padding entries hold
@@ -29,28 +30,38 @@ def codec_buckets(max_batch: int) -> list[int]:
 
 class DetokGraphs:
     def __init__(
-        self, program: LMProgram, max_batch: int, progress: Callable[[str], None] | None = None
+        self,
+        program: LMProgram,
+        max_batch: int,
+        progress: Callable[[str], None] | None = None,
+        rows: int = 0,
+        pool: tuple | None = None,
     ) -> None:
         self.program = program
         self.sizes = codec_buckets(max_batch)
+        self.max_batch = self.sizes[-1]
         p, dev = program, program.device
-        self.row = p.detok_interval * p.n_codebooks
+        self.rows = rows or p.detok_interval  # token rows per window
+        self.row = self.rows * p.n_codebooks
         bmax = self.sizes[-1]
         # Arena: [tokens bmax*row | keys bmax] int64.
         self.host = torch.zeros(bmax * (self.row + 1), dtype=torch.int64).pin_memory()
         self.dev = torch.zeros_like(self.host, device=dev)
-        self.tokens = self.dev[: bmax * self.row].view(bmax, p.detok_interval, p.n_codebooks)
+        self.tokens = self.dev[: bmax * self.row].view(bmax, self.rows, p.n_codebooks)
         self.keys = self.dev[bmax * self.row :]
-        self.pool = torch.cuda.graph_pool_handle()
+        # Graphs of several row counts may share one pool: they replay one at a time, and each
+        # replay's outputs are copied out before the next.
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         t0 = time.monotonic()
         for i, bs in enumerate(reversed(self.sizes)):
             if progress:
-                progress(f"capturing codec graphs: batch {bs} ({i + 1}/{len(self.sizes)})")
+                progress(f"capturing codec graphs: {self.rows} rows, batch {bs} ({i + 1}/{len(self.sizes)})")
             self.graphs[bs] = self._capture(bs)
         log.info(
-            "captured %d codec graphs (batch %s) in %.1f s",
+            "captured %d codec graphs (%d rows, batch %s) in %.1f s",
             len(self.sizes),
+            self.rows,
             self.sizes,
             time.monotonic() - t0,
         )
@@ -72,7 +83,7 @@ class DetokGraphs:
         return graph, pcm, valid
 
     def decode(self, tokens: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """tokens [n, interval, C] int64, keys [n] int64 → PCM16 [n, S], valid [n] (n ≤ max)."""
+        """tokens [n, rows, C] int64, keys [n] int64 → PCM16 [n, S], valid [n] (n ≤ max_batch)."""
         n = len(tokens)
         bs = next(s for s in self.sizes if s >= n)
         bmax = self.sizes[-1]

@@ -1,13 +1,14 @@
 """The codec_worker process: batches ready chunks across requests and turns them into PCM16.
 
-Everything drained in one pass is decoded together (in batches of at most `max_codec_batch`), and
-each request's `Finished` is forwarded after its chunks, so the gateway sees a request's audio
-complete before its end.
+Everything drained in one pass is decoded together (in batches of at most `max_batch` windows of
+one row count: regular windows and each lead size apart), and each request's `Finished` is
+forwarded after its chunks, so the gateway sees a request's audio complete before its end.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -29,22 +30,33 @@ from common.proc import StatusReporter
 from programs import get_spec, load_program_class, rng
 from programs.base import LMProgram, pcm16
 
+if TYPE_CHECKING:
+    from codec_worker.graphs import DetokGraphs
+
 log = logging.getLogger(__name__)
+
+
+LEAD_MAX_BATCH = 16  # lead windows are first chunks only: few per pass; graphs up to this batch
 
 
 class Codec:
     """The program's detokenizer over batches of wire chunks (no sockets: testable alone). On a GPU
-    it replays captured graphs per batch bucket unless `graphs` is False."""
+    it replays captured graphs per row count and batch bucket unless `graphs` is False."""
 
     def __init__(self, program: LMProgram, max_batch: int = 64, graphs: bool = True, progress=None) -> None:
         self.program = program
-        self.max_batch = max_batch
         self.device = program.device
-        self.graphs = None
+        # Largest batch decoded at once, per window row count.
+        self.limits = {program.detok_interval: max_batch, **dict.fromkeys(program.detok_lead, LEAD_MAX_BATCH)}
+        self.graphs: dict[int, DetokGraphs] = {}
         if graphs and self.device.type == "cuda":
             from codec_worker.graphs import DetokGraphs
 
-            self.graphs = DetokGraphs(program, max_batch, progress)
+            pool = torch.cuda.graph_pool_handle()
+            for rows, limit in self.limits.items():
+                self.graphs[rows] = DetokGraphs(program, limit, progress, rows=rows, pool=pool)
+        else:
+            self.limits = {rows: max_batch for rows in self.limits}  # eager: any batch
 
     @torch.inference_mode()
     def _decode_eager(self, tokens: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -54,19 +66,34 @@ class Codec:
         return pcm16(audio).cpu().numpy(), valid.cpu().numpy()
 
     def decode(self, chunks: list[DetokChunk]) -> list[AudioChunk]:
-        out: list[AudioChunk] = []
+        """One AudioChunk per chunk, in the chunks' order; chunks of one row count decode together."""
         p = self.program
-        run = self.graphs.decode if self.graphs is not None else self._decode_eager
-        for lo in range(0, len(chunks), self.max_batch):
-            part = chunks[lo : lo + self.max_batch]
-            rows = np.stack([np.frombuffer(c.tokens, dtype="<i4") for c in part]).astype(np.int64)
-            seeds = torch.tensor([c.seed for c in part], dtype=torch.int64)
-            index = torch.tensor([c.noise_id for c in part], dtype=torch.int64)
-            keys = rng.mix_keys(seeds, index).numpy()  # [Bd] noise key per chunk
-            pcm, valid = run(rows.reshape(len(part), p.detok_interval, p.n_codebooks), keys)
-            for c, samples, ok in zip(part, pcm.astype("<i2"), valid, strict=True):
-                out.append(AudioChunk(c.rid, c.index, samples.tobytes() if ok else b""))
-        return out
+        groups: dict[int, list[int]] = {}  # row count → positions in `chunks`
+        for i, c in enumerate(chunks):
+            rows = len(c.tokens) // (4 * p.n_codebooks)
+            if rows not in self.limits:
+                raise ValueError(
+                    f"chunk {c.index} of {c.rid} has {rows} rows; {p.name} windows have "
+                    f"{p.detok_interval} (lead windows: {list(p.detok_lead)})"
+                )
+            groups.setdefault(rows, []).append(i)
+        out: list[AudioChunk | None] = [None] * len(chunks)
+        for rows, where in groups.items():
+            run = self.graphs[rows].decode if rows in self.graphs else self._decode_eager
+            limit = self.limits[rows]
+            for lo in range(0, len(where), limit):
+                part = where[lo : lo + limit]
+                tokens = np.stack([np.frombuffer(chunks[i].tokens, dtype="<i4") for i in part]).astype(
+                    np.int64
+                )
+                seeds = torch.tensor([chunks[i].seed for i in part], dtype=torch.int64)
+                index = torch.tensor([chunks[i].noise_id for i in part], dtype=torch.int64)
+                keys = rng.mix_keys(seeds, index).numpy()  # [Bd] noise key per chunk
+                pcm, valid = run(tokens.reshape(len(part), rows, p.n_codebooks), keys)
+                for i, samples, ok in zip(part, pcm.astype("<i2"), valid, strict=True):
+                    c = chunks[i]
+                    out[i] = AudioChunk(c.rid, c.index, samples.tobytes() if ok else b"")
+        return out  # type: ignore[return-value]
 
 
 class CodecWorker:
@@ -80,7 +107,8 @@ class CodecWorker:
             torch.backends.cuda.matmul.allow_tf32 = False
         spec = get_spec(cfg.model)
         program = load_program_class(cfg.model)(spec, device=device, **program_kwargs(cfg))
-        status.set(ProcState.LOADING, f"loading {spec['name']} codec on {device}")
+        dtype = str(program.codec_dtype).removeprefix("torch.")
+        status.set(ProcState.LOADING, f"loading {spec['name']} codec ({dtype}) on {device}")
         program.load_codec()
         self.codec = Codec(
             program,

@@ -7,6 +7,7 @@ voxpipe gpu-worker
 voxpipe codec-worker
 voxpipe tap            print per-request timelines from the processes' taps
 voxpipe models         the model names --model accepts
+voxpipe keys DIR       CURVE keypairs for tcp:// between hosts (then --zmq-curve-dir DIR everywhere)
 """
 
 from __future__ import annotations
@@ -47,6 +48,16 @@ def _validate(cfg: ServeConfig) -> None:
         raise ValueError(f"--port must be in 1..65535, got {cfg.port}")
     if cfg.page_size < 1 or cfg.max_batch_size < 0 or cfg.max_context < 0 or cfg.num_pages < 0:
         raise ValueError("--page-size must be positive; --max-batch-size, --max-context, --num-pages >= 0")
+    if cfg.max_queue < 0 or cfg.max_streams < 0 or not 0 < cfg.queue_timeout < float("inf"):
+        raise ValueError("--max-queue and --max-streams must be >= 0 and --queue-timeout a positive number")
+    if cfg.zmq_curve_dir:
+        from common.ipc import CurveKeys
+
+        CurveKeys(cfg.zmq_curve_dir)  # missing keys fail here, naming `voxpipe keys`
+    if cfg.api_key_file:
+        from gateway.auth import load_api_key
+
+        load_api_key(cfg)  # an unreadable or empty key file fails here, not in the gateway
     if not 1 <= cfg.max_text_chars <= MAX_TEXT_CHARS:
         raise ValueError(f"--max-text-chars must be in 1..{MAX_TEXT_CHARS}, got {cfg.max_text_chars}")
 
@@ -61,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_tap_args(sub.add_parser("tap", help="print request timelines (JSON lines) from the processes' taps"))
     sub.add_parser("models", help="list the model names --model accepts")
+    keys = sub.add_parser(
+        "keys",
+        help="create CURVE keys that encrypt and authenticate tcp:// sockets (use with --zmq-curve-dir)",
+    )
+    keys.add_argument("dir", help="directory for the keys (created mode 0700; existing keys are kept)")
     bench = sub.add_parser(
         "bench",
         help="load a running server over HTTP (TTFA, on-time share, x real time); see --help",
@@ -83,6 +99,17 @@ def main(argv: list[str] | None = None) -> None:
         from programs import model_names
 
         print("\n".join(model_names()))
+        return
+    if args.command == "keys":
+        from common.ipc import create_curve_keys
+
+        written = create_curve_keys(args.dir)
+        print("\n".join(written) if written else f"{args.dir} already holds every key")
+        print(
+            f"every process: --zmq-curve-dir {args.dir} (VOXPIPE_ZMQ_CURVE_DIR); copy the directory to "
+            "each host, readable only by the service user",
+            file=sys.stderr,
+        )
         return
     if args.command == "tap":
         from common.tap import run_tap

@@ -38,13 +38,21 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     weights: str = ""  # LM checkpoint: Hugging Face id or local directory ("" = the model's default)
     codec_weights: str = ""  # codec checkpoint, likewise
     dtype: str = "auto"  # auto = bfloat16 on GPU, float32 on CPU
+    codec_dtype: str = "auto"  # codec precision: auto = the model's choice (orpheus: float32)
     max_batch_size: int = 0  # 0 = 256 on GPU, 16 on CPU
     max_context: int = 0  # 0 = the model's max_tokens
     page_size: int = 16
     num_pages: int = 0  # 0 = enough for max_batch_size full contexts
+    first_chunk: str = "adaptive"  # gpu_worker: reference | adaptive | fastest (see EngineLimits)
+    lm_head: str = "full"  # gpu_worker: full vocabulary, or "audio": logits for codec tokens + stop only
+    quantization: str = "none"  # gpu_worker: none | fp8 (LM linear weights in float8, per-channel scales)
     constrained: bool | None = None  # None = the model's default
     max_text_chars: int = 2000
     max_queue: int = 1024  # requests waiting for a slot beyond this get 503
+    queue_timeout: float = 30.0  # gateway: seconds a request may wait for a stream before a 503
+    max_streams: int = 0  # gateway: active streams admitted at once (0 = what the gpu_workers measure)
+    zmq_curve_dir: str = ""  # every process: CURVE keys for tcp:// sockets (`voxpipe keys DIR`)
+    api_key_file: str = ""  # gateway: file holding the HTTP API's Bearer key (or VOXPIPE_API_KEY)
     log_level: str = "INFO"
     disable_cuda_graph: bool = False
     addresses: Addresses | None = None
@@ -93,7 +101,10 @@ def pair_devices(spec: str, n: int, cuda_available: Callable[[], bool] | None = 
 def program_kwargs(cfg: ServeConfig) -> dict:
     """The keyword arguments every process builds its program with."""
     return dict(
-        load_format=cfg.load_format, weights=cfg.weights or None, codec_weights=cfg.codec_weights or None
+        load_format=cfg.load_format,
+        weights=cfg.weights or None,
+        codec_weights=cfg.codec_weights or None,
+        codec_dtype=cfg.codec_dtype,
     )
 
 
@@ -180,6 +191,12 @@ OPTIONS: tuple[Option, ...] = (
         negatable=False,
     ),
     Option("dtype", "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16", ("serve", "gpu_worker")),
+    Option(
+        "codec_dtype",
+        "codec precision: auto (the model's choice; orpheus: float32), float32, bfloat16, float16",
+        ("serve", "codec_worker"),
+        choices=("auto", "float32", "bfloat16", "float16"),
+    ),
     Option("max_batch_size", "0 = 256 on GPU, 16 on CPU", ("serve", "gpu_worker"), int),
     Option(
         "max_context",
@@ -193,10 +210,52 @@ OPTIONS: tuple[Option, ...] = (
         "constrained",
         "keep sampled tokens valid codes for their frame position (default: the model's choice)",
         ("serve", "gateway"),
+        Option(
+            "first_chunk",
+            "first audio: reference (first full codec window), adaptive (a short lead window when the "
+            "measured step rate keeps the stream fed) or fastest (always the shortest lead)",
+            ("serve", "gpu_worker"),
+            choices=("reference", "adaptive", "fastest"),
+        ),
+        Option(
+            "lm_head",
+            "full (whole vocabulary) or audio (logits only for codec tokens and stop: less work per step; "
+            "text tokens can no longer be sampled)",
+            ("serve", "gpu_worker"),
+            choices=("full", "audio"),
+        ),
+        Option(
+            "quantization",
+            "none, or fp8 (LM linear layers in float8 with per-channel scales; GPU with fp8 tensor cores)",
+            ("serve", "gpu_worker"),
+            choices=("none", "fp8"),
+        ),
         _parse_bool,
     ),
     Option("max_text_chars", "longest accepted text", ("serve", "gateway"), int),
-    Option("max_queue", "requests waiting for a slot beyond this get 503", ("serve", "gateway"), int),
+    Option("max_queue", "requests waiting for a stream beyond this get 503", ("serve", "gateway"), int),
+    Option(
+        "queue_timeout",
+        "seconds a request may wait for a stream before it gets 503",
+        ("serve", "gateway"),
+        float,
+    ),
+    Option(
+        "max_streams",
+        "requests streaming at once (0 = the capacity the gpu_workers measure, else their batch size)",
+        ("serve", "gateway"),
+        int,
+    ),
+    Option(
+        "api_key_file",
+        "file holding the Bearer key the HTTP API requires (or set VOXPIPE_API_KEY; never a flag)",
+        ("serve", "gateway"),
+    ),
+    Option(
+        "zmq_curve_dir",
+        "CURVE keys (from `voxpipe keys DIR`) that encrypt and authenticate every tcp:// socket",
+        _ALL,
+    ),
     Option("log_level", "DEBUG, INFO, WARNING, ERROR", _ALL),
     Option("run_dir", "directory for ipc:// sockets and taps (default: a private temp dir)", ("serve",)),
     Option(
@@ -254,7 +313,7 @@ def add_options(parser: argparse.ArgumentParser, role: str) -> None:
             action = argparse.BooleanOptionalAction if opt.negatable else "store_true"
             parser.add_argument(opt.flag, action=action, default=None, help=help)
         else:
-            conv = int if opt.type is int else str
+            conv = opt.type if opt.type in (int, float) else str
             parser.add_argument(opt.flag, type=conv, default=None, choices=opt.choices or None, help=help)
 
 

@@ -86,6 +86,8 @@ class Supervisor:
 
     def _spawn(self, child: Child) -> None:
         env = dict(os.environ)
+        if child.role != "gateway":
+            env.pop("VOXPIPE_API_KEY", None)  # only the gateway checks it: no other process holds it
         env["PYTHONPATH"] = _ROOT + os.pathsep + env.get("PYTHONPATH", "")
         argv = [sys.executable, "-m", child.role, "--config-json", self.cfg.to_json(), "--name", child.name]
         argv += ["--tap", self.tap_address(child), *child.args]

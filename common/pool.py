@@ -22,8 +22,9 @@ worker with the most credit, so prompts go to free capacity, never into a full w
 a worker announces again whenever its credit or seq changes (`CreditWorkChannel.offer`). Messages
 outside the pool protocol (`broadcast`: the gateway's Aborts) are not counted.
 
-What this does not cover: a worker killed (SIGKILL, crash) while building a prompt loses that one
-request; its client gets the gateway's idle timeout.
+A worker killed (SIGKILL, crash) while holding a message loses it here; the gateway, which records
+which worker took each request, fails those requests with an explicit 503 once the worker's
+heartbeat stops (`gateway.server.Gateway._fail_held_by`).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from common.config import RoleSettings, ServeConfig, parse_role
-from common.ipc import PushChannel, install_tap
+from common.ipc import PushChannel, install_tap, use_curve
 from common.messages import ProcState, ProcStatus
 
 HEARTBEAT_S = 0.25
@@ -113,6 +113,8 @@ def run_worker(
     assert cfg.addresses is not None, "config has no addresses"
     if settings.tap:
         install_tap(settings.tap, name)
+    if cfg.zmq_curve_dir:
+        use_curve(cfg.zmq_curve_dir)  # before any socket: the heartbeat's too
     status = StatusReporter(cfg.addresses.gateway_in, name, role)
     try:
         status.set(ProcState.LOADING, "starting")

@@ -14,7 +14,7 @@ import sys
 from aiohttp import web
 
 from common.config import RoleSettings, parse_role
-from common.ipc import install_tap
+from common.ipc import install_tap, use_curve
 
 log = logging.getLogger("gateway")
 
@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None, settings: RoleSettings | None = None) ->
         )
         if settings.tap:
             install_tap(settings.tap, settings.name)
+        if cfg.zmq_curve_dir:
+            use_curve(cfg.zmq_curve_dir)
         from gateway.server import build_app  # after logging is set up: imports may log
 
         app = build_app(cfg)

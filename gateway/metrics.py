@@ -17,13 +17,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from gateway.admission import Admission
 from gateway.procs import ProcessTable
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 ENDPOINTS = ("generate", "speech")
 # ok: complete audio; client_error: 4xx; server_error: 5xx, or a stream broken by a failure;
-# cancelled: the client went away first.
-OUTCOMES = ("ok", "client_error", "server_error", "cancelled")
+# cancelled: the client went away first; rejected: refused by admission (503 with Retry-After).
+OUTCOMES = ("ok", "client_error", "server_error", "cancelled", "rejected")
 
 # Heartbeat key → help text. Keys ending in _total are counters; unknown keys export as gauges.
 WORKER_METRICS = {
@@ -44,7 +45,7 @@ GAP_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.085, 0.1, 0.15, 0.2, 0.3, 0.5, 1
 class WorkerCollector:
     """Turns the workers' latest heartbeat metrics into Prometheus families at scrape time."""
 
-    def __init__(self, procs: ProcessTable) -> None:
+    def __init__(self, procs: ProcessTable, admission: Admission | None = None) -> None:
         self.procs = procs
 
     def describe(self) -> list[Metric]:
@@ -72,7 +73,7 @@ def _family(key: str) -> GaugeMetricFamily | CounterMetricFamily:
 class GatewayMetrics:
     """The gateway's registry and the instruments the handlers update."""
 
-    def __init__(self, procs: ProcessTable) -> None:
+    def __init__(self, procs: ProcessTable, admission: Admission | None = None) -> None:
         self.registry = CollectorRegistry()
         self.time_to_first_audio = Histogram(
             "voxpipe_time_to_first_audio_seconds",
@@ -102,7 +103,35 @@ class GatewayMetrics:
             self.in_flight.labels(endpoint)
             for outcome in OUTCOMES:
                 self.requests.labels(endpoint, outcome)
+        self.rejected = Counter(
+            "voxpipe_rejected_requests",
+            "Requests refused by admission (503 with Retry-After), by reason (queue_full, queue_timeout).",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in ("queue_full", "queue_timeout"):
+            self.rejected.labels(reason)
         self.registry.register(WorkerCollector(procs))
+        if admission is not None:
+            self._watch(admission)
+
+    def _watch(self, admission: Admission) -> None:
+        """Admission's state, read at scrape time."""
+        gauges = (
+            (
+                "voxpipe_admission_queue_length",
+                "Requests waiting for a stream (--max-queue bounds it).",
+                lambda: admission.queue_length,
+            ),
+            ("voxpipe_admitted_streams", "Requests admitted and not finished.", lambda: admission.active),
+            (
+                "voxpipe_stream_limit",
+                "Streams admitted at once (-1: no gpu_worker has reported yet).",
+                lambda: -1 if (n := admission.limit()) is None else n,
+            ),
+        )
+        for name, doc, fn in gauges:
+            Gauge(name, doc, registry=self.registry).set_function(fn)
 
     def finished(self, endpoint: str, outcome: str) -> None:
         self.requests.labels(endpoint, outcome).inc()

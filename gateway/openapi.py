@@ -39,7 +39,9 @@ _REQUEST_ERRORS = {
     413: "The body is larger than 1 MiB.",
     415: "The Content-Type is not one the endpoint reads.",
     500: "An internal error.",
-    503: "No worker could take the request (see /ready), or the gateway is shutting down.",
+    503: "The server is at capacity and its queue is full (or the wait passed --queue-timeout): "
+    "retry after the Retry-After header's seconds; or no worker could take the request (see /ready), "
+    "or the gateway is shutting down.",
     504: "The workers made no progress for the idle timeout; the request was aborted.",
 }
 

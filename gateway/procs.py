@@ -9,6 +9,7 @@ cannot make a live process look dead (or a dead one alive).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from typing import Any
@@ -75,6 +76,20 @@ class ProcessTable:
             for name, e in list(self._entries.items())
             if now - e.received <= self.stale_after_s and e.status.metrics
         ]
+
+    def stream_capacity(self) -> float | None:
+        """Concurrent streams the gpu_workers can serve: each one's measured `stream_capacity`
+        (heartbeat metrics), else its max batch size; None while no gpu_worker has said. A worker
+        that went quiet still counts (it is usually being restarted, and its requests fail anyway)."""
+        total, known = 0.0, False
+        for e in list(self._entries.values()):
+            st = e.status
+            if st.role != "gpu_worker" or st.state == ProcState.STOPPING:
+                continue
+            cap = float(st.metrics.get("stream_capacity", 0.0)) or float(st.capacity)
+            if cap > 0 and math.isfinite(cap):
+                total, known = total + cap, True
+        return total if known else None
 
     def report(self) -> tuple[bool, list[dict[str, Any]]]:
         """(ready, one row per process: the gateway, every reporter, then expected ones missing)."""

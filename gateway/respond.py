@@ -90,8 +90,16 @@ async def speak(
     synth = Synthesis(gateway, request, rid, params, started)
     coder = _Coder(encoder)
     outcome = "server_error"
+    admitted = False
     gateway.metrics.in_flight.labels(endpoint).inc()
     try:
+        rejected = await gateway.admission.acquire(lambda: _client_gone(request))
+        if rejected is not None:
+            log.debug("[%s] rejected (%s): %s", rid, rejected.reason, rejected.message)
+            outcome = "rejected"
+            gateway.metrics.rejected.labels(rejected.reason).inc()
+            return error(rejected.status, rejected.message, {**headers, **rejected.headers})
+        admitted = True
         if len(synth.segments) > 1:
             log.info("[%s] %d chars in %d segments", rid, len(params.text), len(synth.segments))
         first = await synth.next()
@@ -120,6 +128,8 @@ async def speak(
     finally:
         synth.close()
         coder.close()
+        if admitted:
+            gateway.admission.release()
         gateway.metrics.in_flight.labels(endpoint).dec()
         gateway.metrics.finished(endpoint, outcome)
 
@@ -268,6 +278,10 @@ def _b64(data: bytes) -> str:
 
 def _seconds(synth: Synthesis) -> float:
     return synth.n_samples / synth.gateway.sample_rate
+
+
+def _client_gone(request: web.Request) -> bool:
+    return request.transport is None or request.transport.is_closing()
 
 
 def _break_stream(request: web.Request) -> None:

@@ -43,7 +43,8 @@ from common.messages import (
     Prompt,
     RequestError,
 )
-from gateway import openai, openapi
+from gateway import auth, openai, openapi
+from gateway.admission import Admission
 from gateway.body import MAX_BODY_BYTES, BodyError, read_fields
 from gateway.encoders import WavEncoder
 from gateway.events import ClientGone, Event, Failed, Pending, error_status, finished_event
@@ -80,7 +81,8 @@ class Gateway:
         self.idle_timeout_s = idle_timeout_s
         self.submit_timeout_s = submit_timeout_s
         self.procs = ProcessTable(cfg.tokenizer_workers, gpu_workers=cfg.gpu_workers)
-        self.metrics = GatewayMetrics(self.procs)
+        self.admission = Admission(self._stream_capacity, cfg.max_queue, cfg.queue_timeout)
+        self.metrics = GatewayMetrics(self.procs, self.admission)
         self.created = int(time.time())
         self.closing = False  # set on shutdown: no new segments are submitted
         self._pending: dict[str, Pending] = {}
@@ -104,6 +106,7 @@ class Gateway:
     async def start(self, app: web.Application) -> None:
         a = self.addresses
         self._send_to_tokenizers = AsyncDispatchChannel(a.requests, bind=True)
+        self._send_to_tokenizers.start()  # read announcements now: a bad one is dropped, not left queued
         self._send_to_gpu = AsyncDispatchChannel(a.gpu_in, bind=True)
         self._send_to_gpu.start()  # gpu_workers register before the first prompt (aborts reach them)
         self._recv_from_workers = AsyncPullChannel(a.gateway_in, GatewayInMsg, bind=True)
@@ -121,6 +124,11 @@ class Gateway:
                 self._pending[rid].queue.put_nowait(Failed(503, "the gateway is shutting down; retry"))
             self.abort(rids)
 
+    def _stream_capacity(self) -> float | None:
+        if self.cfg.max_streams > 0:
+            return float(self.cfg.max_streams)
+        return self.procs.stream_capacity()
+
     async def _watch_processes(self) -> None:
         """Every request a process held when it died ends now with an explicit 503 (a stream is
         broken, a whole response is a JSON error), instead of waiting out the idle timeout."""
@@ -128,6 +136,7 @@ class Gateway:
             await asyncio.sleep(WATCH_INTERVAL_S)
             for name in self.procs.newly_dead():
                 self._fail_held_by(name)
+            self.admission.pump()  # capacity grows when a gpu_worker reports
 
     def _fail_held_by(self, name: str) -> None:
         # A codec_worker's requests are those its gpu_worker (same suffix) was given.
@@ -186,10 +195,23 @@ class Gateway:
         if prompt.rid not in self._pending or prompt.rid in self._routing:
             log.debug("[%s] dropped a prompt for a request that is gone", prompt.rid)
             return
+        bad = self._inconsistent(prompt)
+        if bad:
+            log.error("[%s] dropped an inconsistent prompt from a tokenizer worker: %s", prompt.rid, bad)
+            self._put(prompt.rid, Failed(500, f"the prompt builder sent an inconsistent prompt ({bad})"))
+            return
         assert self._send_to_gpu is not None
         task = asyncio.create_task(self._send_to_gpu.send(prompt))
         self._routing[prompt.rid] = task
         task.add_done_callback(lambda t, rid=prompt.rid: self._routed(rid, t))
+
+    def _inconsistent(self, prompt: Prompt) -> str:
+        """Why a prompt's shape does not add up ("" when it does): a gpu_worker is never handed a
+        prompt it cannot even read."""
+        n_codebooks = int(self.spec.get("n_codebooks", 1))
+        if prompt.n_rows < 0 or len(prompt.tokens) != prompt.n_rows * n_codebooks * 4:
+            return f"{len(prompt.tokens)} bytes for {prompt.n_rows} rows of {n_codebooks} int32 ids"
+        return ""
 
     def _routed(self, rid: str, task: asyncio.Task[Any]) -> None:
         if self._routing.get(rid) is task:
@@ -382,7 +404,12 @@ def build_app(
             "ServeConfig has neither addresses nor run_dir; set one so the gateway can find the workers"
         )
     gateway = Gateway(cfg, addresses, idle_timeout_s=idle_timeout_s, submit_timeout_s=submit_timeout_s)
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_json_errors])
+    middlewares = [_json_errors]
+    key = auth.load_api_key(cfg)
+    if key is not None:
+        middlewares.append(auth.middleware(key, error_body))
+        log.info("the HTTP API requires a Bearer key (except /health and /ready)")
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
     app[GATEWAY] = gateway
     app.router.add_post("/generate", gateway.handle_generate)
     app.router.add_get("/health", gateway.handle_health)

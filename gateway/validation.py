@@ -61,6 +61,10 @@ def max_tokens_limit(spec: Mapping[str, Any], cfg: ServeConfig) -> int:
     limit = int(spec["max_tokens"])
     if cfg.max_context > 0:
         limit = min(limit, cfg.max_context)
+    if cfg.num_pages > 0:
+        # The gpu_worker reserves KV pages for a request's whole budget (+1 token) before it starts:
+        # a budget larger than the whole cache could never start, and would block the queue behind it.
+        limit = min(limit, max(1, (cfg.num_pages - 1) * cfg.page_size - 1))
     return limit
 
 

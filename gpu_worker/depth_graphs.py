@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from gpu_worker.graph_io import capture
 from gpu_worker.sampler import SamplingRows, depth_sampler
 from programs.base import LMProgram
 
@@ -25,7 +26,7 @@ _FIELDS = ("temperature", "top_k", "top_p", "min_p", "rep_penalty", "seed", "cou
 
 class DepthGraphs:
     def __init__(
-        self, program: LMProgram, sizes: list[int], pool, progress: Callable[[str], None] | None = None
+        self, program: LMProgram, sizes: list[int], progress: Callable[[str], None] | None = None
     ) -> None:
         self.program = program
         self.sizes = sizes
@@ -46,6 +47,9 @@ class DepthGraphs:
             block_stop=torch.zeros(bmax, dtype=torch.bool, device=dev),
         )
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # A pool of its own: the backbone's graphs replay in their capture order within a shared
+        # pool, and keeping the depth step apart leaves that order alone.
+        pool = torch.cuda.graph_pool_handle()
         t0 = time.monotonic()
         for i, bs in enumerate(sorted(sizes, reverse=True)):
             if progress:
@@ -58,17 +62,8 @@ class DepthGraphs:
 
     @torch.inference_mode()
     def _capture(self, bs: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        p = self.program
         hidden, c0, sample = self.hidden[:bs], self.c0[:bs], depth_sampler(self._view(bs))
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            p.decode_tokens(hidden, c0, sample)  # warm-up outside the capture
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out = p.decode_tokens(hidden, c0, sample)  # [bs, C]
-        return graph, out
+        return capture(lambda: self.program.decode_tokens(hidden, c0, sample), pool)  # out [bs, C]
 
     def run(self, hidden: torch.Tensor, c0: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
         """hidden [n, H], c0 [n], rows (n entries) → [n, C] int64, from the smallest bucket ≥ n."""

@@ -29,10 +29,19 @@ import msgspec
 import numpy as np
 import torch
 
-from common.messages import DetokBatch, DetokChunk, Finished, FinishReason, Prompt, SamplingParams
+from common.messages import (
+    LEAD_NOISE_BASE,
+    DetokBatch,
+    DetokChunk,
+    Finished,
+    FinishReason,
+    Prompt,
+    SamplingParams,
+)
 from gpu_worker.kv_cache import PageAllocator, allocate_kv_cache, pages_for
+from gpu_worker.pacing import StepClock, lead_fits
 from gpu_worker.runner import StepBatch, make_runner
-from gpu_worker.sampler import sample_rows
+from gpu_worker.sampler import HeadColumns, sample_rows
 from gpu_worker.slots import SlotState
 from programs.base import LMProgram, TokenKind
 
@@ -54,6 +63,11 @@ class EngineLimits:
     # FlashInfer: one KV split per request, so attention reduces in the same order at any batch
     # size (measured on the H200: without it, greedy tokens change when the batch grows).
     no_split_kv: bool = True
+    # First audio of a request: "reference" waits for the first full window (28 Orpheus tokens);
+    # "adaptive" sends a short lead window (the program's `detok_lead`) as soon as the measured
+    # step rate lets the next window arrive before the lead has played out; "fastest" always
+    # sends the smallest lead (deterministic: for tests).
+    first_chunk: str = "adaptive"
 
 
 @dataclass
@@ -74,6 +88,7 @@ class Request:
     audio: np.ndarray | None = None  # [budget, C] int32 audio rows
     n_audio: int = 0
     n_chunks: int = 0
+    first_window: int = 0  # regular windows below this are covered by the lead window sent
     admitted_at: float = 0.0
 
 
@@ -107,6 +122,10 @@ class Engine:
             limits.max_batch_size, limits.max_context + 1, program.n_codebooks, self.device
         )
         self.stop_ids = torch.tensor(program.stop_tokens(), dtype=torch.int64, device=self.device)
+        self.head: HeadColumns | None = None  # a partial output head: sample over its columns
+        if program.head_ids is not None:
+            self.head = HeadColumns(program.head_ids, program.vocab_size)
+            self.stop_ids = self.head.column[self.stop_ids]
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}
         self._finished: list[Finished] = []
@@ -121,6 +140,13 @@ class Engine:
         if s <= 0:
             raise ValueError(f"{program.name}: detok_overlap must be smaller than detok_interval")
         self._chunk_stride = s
+        if limits.first_chunk not in ("reference", "adaptive", "fastest"):
+            raise ValueError(
+                f"first_chunk must be reference, adaptive or fastest, not {limits.first_chunk!r}"
+            )
+        self._leads = () if limits.first_chunk == "reference" else tuple(getattr(program, "detok_lead", ()))
+        # Rows per second of audio: a regular window adds `s` rows' worth of `detok_samples`.
+        self.clock = StepClock(program.sample_rate * s / program.detok_samples, limits.max_batch_size)
 
     # --- requests in and out -------------------------------------------------------------------
     def add(self, prompt: Prompt) -> None:
@@ -196,6 +222,8 @@ class Engine:
             "active_streams": len(self.running),
             "generated_tokens_total": self.tokens_total,
             "steps_total": self.step_count,
+            "stream_capacity": round(self.clock.capacity(), 1),
+            "row_period_ms": round(1000 * self.clock.row_period(), 3),
         }
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
@@ -249,6 +277,7 @@ class Engine:
         batch = [r for r in self.running.values() if len(r.prompt) + r.n_launched < r.budget]
         batch.sort(key=lambda r: r.n_ctx != 0)  # new requests first: runners split prefill/decode
         self.last_batch_size = len(batch)
+        self.clock.tick(len(batch))
         previous, self._inflight = self._inflight, (self._launch(batch) if batch else None)
         chunks = self._consume(previous) if previous is not None else []
         if not chunks and not self._finished:
@@ -302,7 +331,12 @@ class Engine:
             idx = torch.tensor(group, device=dev) if len(group) < n else slice(None)
             cand = self.program.candidates(self.slots.n_audio[slots[idx]]) if use_candidates else None
             rows = self.slots.rows(slots[idx], n_gen[idx], length[idx], cand)
-            out[idx] = sample_rows(logits[idx, 0], rows, self.stop_ids)
+            scores = logits[idx, 0]
+            if self.head is not None:
+                scores, rows = self.head.logits(scores), self.head.rows(rows)
+            out[idx] = sample_rows(scores, rows, self.stop_ids)
+        if self.head is not None:
+            out = self.head.ids[out]
         if self.program.n_codebooks == 1:
             tokens = out[:, None]  # [B, 1]
         else:  # codebooks 1..C-1 from the program's depth step, sampled with the same settings
@@ -341,10 +375,34 @@ class Engine:
                 req.n_audio += 1
                 n = req.n_audio
                 if n >= interval and (n - interval) % stride == 0:
-                    window = req.audio[n - interval : n]
                     j = (n - interval) // stride
-                    chunks.append(DetokChunk(req.rid, req.n_chunks, req.sp.seed, window.tobytes(), j))
-                    req.n_chunks += 1
+                    if j >= req.first_window:
+                        window = req.audio[n - interval : n]
+                        chunks.append(DetokChunk(req.rid, req.n_chunks, req.sp.seed, window.tobytes(), j))
+                        req.n_chunks += 1
+                elif req.n_chunks == 0 and n in self._leads and self._lead_now(n):
+                    chunks.append(
+                        DetokChunk(req.rid, 0, req.sp.seed, req.audio[:n].tobytes(), LEAD_NOISE_BASE + n)
+                    )
+                    req.n_chunks = 1
+                    req.first_window = self._first_window_after(n)
             if len(req.prompt) + req.n_gen >= req.budget:
                 self._finish(req, FinishReason.LENGTH)
         return chunks
+
+    # --- lead windows --------------------------------------------------------------------------
+    def _first_window_after(self, lead_rows: int) -> int:
+        """The first regular window whose audio starts at or after the lead's: window j covers
+        audio rows from j*s + detok_offset."""
+        s, offset = self._chunk_stride, self.program.detok_offset
+        return max(0, -(-(lead_rows - offset) // s))
+
+    def _lead_now(self, lead_rows: int) -> bool:
+        """Send a lead window of `lead_rows` now? Only when the next regular window will arrive
+        before the lead's audio has played out, at the rate steps go now."""
+        if self.limits.first_chunk == "fastest":
+            return True
+        p = self.program
+        gap = self._first_window_after(lead_rows) * self._chunk_stride + p.detok_interval - lead_rows
+        lead_audio_s = lead_rows * p.detok_samples / self._chunk_stride / p.sample_rate
+        return lead_fits(gap, lead_audio_s, self.clock.row_period())

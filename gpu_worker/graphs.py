@@ -1,13 +1,13 @@
-"""CUDA graphs for decode steps: one captured graph per batch-size bucket.
+"""CUDA graphs: `lm_decode` per batch-size bucket here, `lm_prefill` per row bucket in
+`gpu_worker.prefill_graphs`, and the `GraphRunner` that replays them.
 
-Every graph reads one device *input arena* (token ids, positions, KV write slots), filled from a
-pinned host mirror with a single host→device copy per step, and FlashInfer decode wrappers whose
-page-table buffers are fixed at capture (`use_cuda_graph=True`); `plan` refreshes them before each
-replay. Padding entries (bucket larger than the batch) decode token 0 at position 0, write their
-key/value into the reserved page 0 and attend to it alone: harmless work whose logits are dropped.
-
-Steps that bring prompt rows run their prefill part eagerly (FlashInfer's ragged prefill kernel),
-and the decode part still replays a graph.
+Every graph reads one device input arena (`gpu_worker.graph_io`: token ids, positions, KV write
+slots, meta), filled from a pinned host mirror with a single host→device copy per step, and
+FlashInfer wrappers whose page-table buffers are fixed at capture (`use_cuda_graph=True`); `plan`
+refreshes them before each replay. Decode padding entries (bucket larger than the batch) decode
+token 0 at position 0, write their key/value into the reserved page 0 and attend to it alone:
+harmless work whose logits are dropped. A step's prompt rows replay a prefill graph (padded the same
+way), or run eagerly when they fit no bucket; its decode rows then replay a decode graph.
 """
 
 from __future__ import annotations
@@ -20,7 +20,15 @@ import numpy as np
 import torch
 
 from gpu_worker.flashinfer_backend import WORKSPACE_BYTES, FlashInferAttention, page_arrays
+from gpu_worker.graph_io import GraphAttention, InputArena, capture
 from gpu_worker.kv_cache import pages_for
+from gpu_worker.prefill_graphs import (
+    PrefillGraphs,
+    fill_prefill,
+    max_prefill_pages,
+    prefill_buckets,
+    prefill_spans,
+)
 from gpu_worker.runner import EagerRunner, StepBatch
 from programs.base import LMProgram
 
@@ -41,20 +49,28 @@ def decode_buckets(max_batch: int, min_batch: int = 1) -> list[int]:
     return sorted({*(s for s in sizes if min_batch <= s < max_batch), max(min_batch, max_batch)})
 
 
-class _GraphAttention:
-    """Attention as captured: writes to the arena's slots, runs one wrapper."""
+def decode_spans(bmax: int, n_codebooks: int) -> dict[str, int]:
+    """Arena spans of the decode graphs; meta (slot, tokens sampled, prompt length) covers every
+    request of the step, prefill ones included."""
+    return {"ids": bmax * n_codebooks, "pos": bmax, "page": bmax, "off": bmax, "meta": 3 * bmax}
 
-    def __init__(self, kv_cache: torch.Tensor, wrapper, page: torch.Tensor, off: torch.Tensor) -> None:
-        self.kv_cache, self.wrapper, self.page, self.off = kv_cache, wrapper, page, off
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        cache = self.kv_cache[layer]
-        cache[self.page, 0, self.off] = k
-        cache[self.page, 1, self.off] = v
-        return self.wrapper.run(q, cache)
+def fill_decode(arena: InputArena, dec: StepBatch, page_size: int) -> None:
+    """Decode rows' positions and write slots into the (zeroed) host arena; their ids too when the
+    batch carries them (with `last_rows` they are gathered on the device after the copy)."""
+    n, c = dec.batch_size, dec.ids.shape[1]
+    arena.host_view("ids", n * c).copy_(torch.from_numpy(np.ascontiguousarray(dec.ids).reshape(-1)))
+    pos = np.asarray(dec.pos, dtype=np.int64)
+    arena.host_view("pos", n).copy_(torch.from_numpy(pos))
+    page = np.fromiter((t[p // page_size] for t, p in zip(dec.page_tables, pos, strict=True)), np.int64, n)
+    arena.host_view("page", n).copy_(torch.from_numpy(page))
+    arena.host_view("off", n).copy_(torch.from_numpy(pos % page_size))
 
 
 class GraphRunner:
+    """Replays a prefill graph for a step's prompt rows (eager when none holds them) and a decode
+    graph for its fed-back rows, from one input arena sent with one host→device copy."""
+
     def __init__(
         self,
         program: LMProgram,
@@ -71,22 +87,31 @@ class GraphRunner:
         self.sizes = decode_buckets(limits.max_batch_size, limits.min_decode_batch)
         self.no_split_kv = limits.no_split_kv
         bmax, c, dev = self.sizes[-1], program.n_codebooks, program.device
-        # Input arena: [ids (bmax*c) | pos | write page | write offset | meta (3*bmax)], int64;
-        # meta (slot, tokens sampled, prompt length) covers every request of the step.
-        self._spans = {"ids": (0, bmax * c), "pos": (bmax * c, bmax), "page": (bmax * (c + 1), bmax)}
-        self._spans["off"] = (bmax * (c + 2), bmax)
-        self._spans["meta"] = (bmax * (c + 3), 3 * bmax)
-        total = bmax * (c + 6)
-        self.host = torch.zeros(total, dtype=torch.int64).pin_memory()
-        self.dev = torch.zeros(total, dtype=torch.int64, device=dev)
+        buckets = prefill_buckets(limits.max_context)
+        rows, reqs = buckets[-1]
+        p_pages = max_prefill_pages(rows, reqs, limits.max_context, self.page_size)
+        self.arena = InputArena({**decode_spans(bmax, c), **prefill_spans(rows, reqs, c, p_pages)}, dev)
         max_pages = bmax * pages_for(limits.max_context, self.page_size) + bmax
         self.kv_indptr = torch.zeros(bmax + 1, dtype=torch.int32, device=dev)
         self.kv_indices = torch.zeros(max_pages, dtype=torch.int32, device=dev)
         self.kv_last = torch.zeros(bmax, dtype=torch.int32, device=dev)
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
-        self._copied = torch.cuda.Event()
-        self._copied.record()
+        # One memory pool for all graphs. Prefill graphs are captured first: a step replays its
+        # prefill graph, then its decode graph, and graphs sharing a pool must replay in capture
+        # order, so that no graph's scratch memory holds an output that is still to be read.
         self.pool = torch.cuda.graph_pool_handle()
+        self.prefill = PrefillGraphs(
+            program,
+            kv_cache,
+            self.arena,
+            self.workspace,
+            self.pool,
+            buckets,
+            p_pages,
+            self.no_split_kv,
+            progress,
+        )
+        # bucket → (graph, wrapper, (logits [bs, C', V], hidden [bs, H]))
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object, tuple[torch.Tensor, torch.Tensor]]] = {}
         t0 = time.monotonic()
         for i, bs in enumerate(sorted(self.sizes, reverse=True)):
@@ -113,11 +138,7 @@ class GraphRunner:
         if program.n_codebooks > 1:
             from gpu_worker.depth_graphs import DepthGraphs
 
-            self.depth = DepthGraphs(program, self.sizes, self.pool, progress)
-
-    def _view(self, buf: torch.Tensor, name: str, n: int) -> torch.Tensor:
-        lo, _ = self._spans[name]
-        return buf[lo : lo + n]
+            self.depth = DepthGraphs(program, self.sizes, progress)
 
     def _plan(self, wrapper, indptr: np.ndarray, indices: np.ndarray, last: np.ndarray) -> None:
         p = self.program
@@ -131,48 +152,69 @@ class GraphRunner:
     def _capture(
         self, bs: int, wrapper
     ) -> tuple[torch.cuda.CUDAGraph, object, tuple[torch.Tensor, torch.Tensor]]:
-        p, c = self.program, self.program.n_codebooks
-        ids = self._view(self.dev, "ids", bs * c).view(bs, c)
-        pos = self._view(self.dev, "pos", bs)
-        attn = _GraphAttention(
-            self.kv_cache, wrapper, self._view(self.dev, "page", bs), self._view(self.dev, "off", bs)
-        )
+        p, c, a = self.program, self.program.n_codebooks, self.arena
+        ids, pos = a.dev_view("ids", bs * c).view(bs, c), a.dev_view("pos", bs)
+        attn = GraphAttention(self.kv_cache, wrapper, a.dev_view("page", bs), a.dev_view("off", bs))
 
         def step() -> tuple[torch.Tensor, torch.Tensor]:
             hidden = p.backbone(p.embed(ids), pos, attn)  # [bs, H]
             return p.head(hidden).float(), hidden  # [bs, C', V], [bs, H]
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step()  # warm-up: kernel selection and JIT happen outside the capture
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = step()
+        graph, out = capture(step, self.pool)
         return graph, wrapper, out
 
     @torch.inference_mode()
     def forward(self, b: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """→ (logits [B, C', V] float32, meta [3, B] on the device, hidden [B, H] or None; see
-        EagerRunner): prefill part eager, decode part from a graph; one host→device copy of the
-        arena carries the decode rows and all of meta."""
-        n_dec = b.batch_size - b.num_prefill
-        if n_dec > self.sizes[-1] or b.batch_size > self.sizes[-1]:
+        EagerRunner): the prefill part from a graph (or eagerly when no bucket holds it), the
+        decode part from a graph."""
+        n_pre, n_dec = b.num_prefill, b.batch_size - b.num_prefill
+        if b.batch_size > self.sizes[-1]:
             return self.eager.forward(b)
-        meta = self._fill_arena(b)
+        pre = b.part(0, n_pre) if n_pre else None
+        dec = b.part(n_pre, b.batch_size) if n_dec else None
+        lay = self.prefill.layout(pre) if pre is not None else None
+        # 1. One copy of the arena: decode rows, meta, and the prefill rows when a graph runs them.
+        a = self.arena
+        upto = a.total if lay is not None else a.end("meta")
+        a.begin(upto)
+        if dec is not None:
+            fill_decode(a, dec, self.page_size)
+        if b.meta is not None:
+            a.host_view("meta", b.meta.size).copy_(torch.from_numpy(b.meta.reshape(-1)))
+        if lay is not None:
+            fill_prefill(a, pre, lay)
+        a.send(upto)
+        meta = None if b.meta is None else a.dev_view("meta", b.meta.size).view(3, -1)
+        # 2. Plan both graphs' attention (their own buffers), then mark the copies done.
+        if lay is not None:
+            self.prefill.plan(lay)
+        if dec is not None:
+            bs = next(s for s in self.sizes if s >= n_dec)
+            graph, wrapper, out = self.graphs[bs]
+            pad = bs - n_dec
+            self._plan(
+                wrapper, *page_arrays(dec.kv_lens + [1] * pad, dec.page_tables + [[0]] * pad, self.page_size)
+            )
+        a.seal()
+        # 3. Replay: prefill first (the capture order), then decode.
         parts, hiddens = [], []
-        if b.num_prefill:
-            pre = b.part(0, b.num_prefill)
-            pre.meta = None  # already on the device, in the arena
-            logits, _, hidden = self.eager.forward(pre)
+        if pre is not None:
+            if lay is not None:
+                logits, hidden = self.prefill.replay(lay)
+            else:
+                pre.meta = None  # already on the device, in the arena
+                logits, _, hidden = self.eager.forward(pre)
             parts.append(logits)
             hiddens.append(hidden)
-        if n_dec:
-            dec_slots = meta[0, b.num_prefill :] if meta is not None else None
-            logits, hidden = self._replay(b.part(b.num_prefill, b.batch_size), dec_slots)
-            parts.append(logits)
-            hiddens.append(hidden)
+        if dec is not None:
+            if b.last_rows is not None and meta is not None:  # fed-back ids, gathered on the device
+                a.dev_view("ids", n_dec * self.program.n_codebooks).view(n_dec, -1).copy_(
+                    b.last_rows[meta[0, n_pre:]]
+                )
+            graph.replay()
+            parts.append(out[0][:n_dec])
+            hiddens.append(out[1][:n_dec])
         hidden = None
         if self.program.n_codebooks > 1:
             hidden = hiddens[0] if len(hiddens) == 1 else torch.cat(hiddens)
@@ -183,35 +225,3 @@ class GraphRunner:
         if hidden.shape[0] > self.sizes[-1]:
             return self.eager.decode_tokens(hidden, c0, rows)
         return self.depth.run(hidden, c0, rows)
-
-    def _fill_arena(self, b: StepBatch) -> torch.Tensor | None:
-        """Decode rows (padding zeroed) and the step's meta → one copy to the device arena."""
-        self._copied.synchronize()  # the last step's copy out of the host arena is done
-        self.host.zero_()  # padding rows: token 0, position 0, page 0, offset 0
-        dec = b.part(b.num_prefill, b.batch_size)
-        n, c = dec.batch_size, self.program.n_codebooks
-        if n:
-            self._view(self.host, "ids", n * c).copy_(torch.from_numpy(dec.ids.reshape(-1)))
-            self._view(self.host, "pos", n).copy_(torch.from_numpy(dec.pos))
-            pos = dec.pos
-            page = np.fromiter(
-                (t[p // self.page_size] for t, p in zip(dec.page_tables, pos, strict=True)), np.int64, n
-            )
-            self._view(self.host, "page", n).copy_(torch.from_numpy(page))
-            self._view(self.host, "off", n).copy_(torch.from_numpy(pos % self.page_size))
-        if b.meta is not None:
-            self._view(self.host, "meta", b.meta.size).copy_(torch.from_numpy(b.meta.reshape(-1)))
-        self.dev.copy_(self.host, non_blocking=True)
-        self._copied.record()
-        return None if b.meta is None else self._view(self.dev, "meta", b.meta.size).view(3, -1)
-
-    def _replay(self, b: StepBatch, dec_slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        n, c = b.batch_size, self.program.n_codebooks
-        bs = next(s for s in self.sizes if s >= n)
-        pad = bs - n
-        if b.last_rows is not None:
-            self._view(self.dev, "ids", n * c).view(n, c).copy_(b.last_rows[dec_slots])
-        graph, wrapper, out = self.graphs[bs]
-        self._plan(wrapper, *page_arrays(b.kv_lens + [1] * pad, b.page_tables + [[0]] * pad, self.page_size))
-        graph.replay()
-        return out[0][:n], out[1][:n]

@@ -3,7 +3,7 @@
 The engine orders a step's requests prefill first (whole prompts), then decode (one fed-back row
 each), and hands the runner a `StepBatch`. `EagerRunner` runs it as one ragged forward pass with
 any attention backend (torch on CPU, FlashInfer on GPU); `gpu_worker.graphs.GraphRunner` replays
-CUDA graphs for the decode part.
+CUDA graphs for the prefill part (per row bucket) and the decode part (per batch size).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def feed_decode_rows(ids: torch.Tensor, b: StepBatch, meta: torch.Tensor | None)
 
 
 def make_runner(program: LMProgram, kv_cache: torch.Tensor, limits, progress=None) -> EagerRunner:
-    """Torch attention on CPU; FlashInfer on GPU, with decode graphs unless disabled."""
+    """Torch attention on CPU; FlashInfer on GPU, with prefill and decode graphs unless disabled."""
     if program.device.type == "cpu":
         from gpu_worker.attention import TorchPagedAttention
 

@@ -98,3 +98,25 @@ def depth_sampler(rows: SamplingRows):
         return sample_rows(logits.float(), salted, no_stop)
 
     return sample
+
+
+class HeadColumns:
+    """Sampling over a partial output head (`program.head_ids`): token ids in the sampling inputs
+    become logits columns, with one extra *sink* column, always -inf, for ids outside the head (a
+    text token in the penalty history, say), and sampled columns become token ids again."""
+
+    def __init__(self, head_ids: torch.Tensor, vocab_size: int) -> None:
+        v = head_ids.numel()
+        self.column = torch.full((vocab_size,), v, dtype=torch.int64, device=head_ids.device)  # [V]
+        self.column[head_ids] = torch.arange(v, device=head_ids.device)
+        self.ids = torch.cat([head_ids, head_ids[-1:]])  # [V' + 1]; the sink is never sampled
+
+    def logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """[B, V'] → [B, V' + 1] with the sink column."""
+        return torch.cat([logits, logits.new_full((logits.shape[0], 1), float("-inf"))], dim=1)
+
+    def rows(self, rows: SamplingRows) -> SamplingRows:
+        rows.history = self.column[rows.history]
+        if rows.candidates is not None:
+            rows.candidates = self.column[rows.candidates]
+        return rows

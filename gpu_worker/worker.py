@@ -39,7 +39,12 @@ class GpuWorker:
         device = resolve_device(cfg.device)
         spec = get_spec(cfg.model)
         program = load_program_class(cfg.model)(
-            spec, device=device, dtype=resolve_dtype(cfg.dtype, device), **program_kwargs(cfg)
+            spec,
+            device=device,
+            dtype=resolve_dtype(cfg.dtype, device),
+            lm_head=cfg.lm_head,
+            quantization=cfg.quantization,
+            **program_kwargs(cfg),
         )
         status.set(ProcState.LOADING, f"loading {spec['name']} LM on {device}")
         program.load_lm()
@@ -50,6 +55,7 @@ class GpuWorker:
             page_size=cfg.page_size,
             num_pages=cfg.num_pages,
             cuda_graphs=not cfg.disable_cuda_graph,
+            first_chunk=cfg.first_chunk,
         )
         status.set(ProcState.LOADING, "allocating KV cache")
         self.engine = Engine(program, limits, progress=lambda msg: status.set(ProcState.LOADING, msg))

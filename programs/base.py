@@ -15,11 +15,11 @@ apart from N/B/Bd, state only in buffers, randomness only from the keys passed i
 | `load_codec()` | codec_worker | no | sets the codec constants below |
 | `embed(ids)` | gpu_worker | yes | ids [N, C] int64 → [N, H] |
 | `backbone(hidden, pos, attn)` | gpu_worker | yes | [N, H], pos [N] int64 → [N, H]; attention through `attn` |
-| `head(hidden)` | gpu_worker | yes | [B, H] → logits [B, C', V] float32; the runtime samples codebook 0 |
+| `head(hidden)` | gpu_worker | yes | [B, H] → logits [B, C', V] float32 (V' columns when `head_ids` is set); the runtime samples codebook 0 |
 | `decode_tokens(hidden, c0, sample)` | gpu_worker | yes | [B, H], [B] int64 → row [B, C] int64 (only when C > 1) |
 | `candidates(n_audio)` | gpu_worker | yes | [B] int64 → [B, K] int64 token ids (constrained sampling) |
 | `classify(tokens, n_audio)` | gpu_worker | yes | [B, C] int64, [B] int64 → kinds [B] int64 (TokenKind) |
-| `detokenize(tokens, keys)` | codec_worker | yes | [Bd, detok_interval, C] int64, keys [Bd] int64 → audio [Bd, detok_samples] float in [-1, 1], valid [Bd] bool |
+| `detokenize(tokens, keys)` | codec_worker | yes | [Bd, R, C] int64 (R = detok_interval, or one of `detok_lead`), keys [Bd] int64 → audio [Bd, S] float in [-1, 1] (S = detok_samples for a regular window, R / s * detok_samples for a lead window), valid [Bd] bool |
 | `preprocess(text, model_kwargs)` | tokenizer_worker | no | → prompt rows [R, C] int32; ValueError → HTTP 400 |
 
 Multi-codebook rows (C > 1): a row is one frame of C codebook ids (a program may also encode
@@ -43,6 +43,21 @@ detok_interval, and a window with overlap P covers the start of the stream). A c
 windows). `keys` are per-chunk noise seeds derived from the request's seed and the chunk index, so
 a seed fixes the audio as well as the tokens.
 
+Lead windows (for a fast first chunk): `detok_lead` lists the row counts R a request's first
+chunk may have instead (() when the program has none). A lead window holds audio rows [0, R),
+R a multiple of s, and `detokenize` returns all of their audio, R / s * detok_samples samples
+(one call sees one R for every entry; the codec_worker groups chunks by row count).
+`detok_samples` stays the regular window's count.
+
+The codec's precision is `codec_dtype` (the `codec_dtype` keyword: "auto" keeps the program's
+choice, else float32, bfloat16 or float16), read by `load_codec`.
+
+Output heads: a program may compute logits for a subset of its vocabulary (`lm_head="audio"`:
+only the tokens a speech stream can use). It then sets `head_ids` [V'] int64, the token id of each
+logits column; the runtime samples over those columns (penalties, stop masks and candidates are
+mapped onto them; tokens outside the head cannot be sampled) and hands token ids to every other
+hook as before. `head_ids` None means the columns are the whole vocabulary.
+
 Attention: `attn` is an `Attention` planned by the runtime for this step. Each layer calls
 `attn.forward(layer, q, k, v)`: it writes the step's keys/values into the paged cache
 [num_layers, num_pages, 2, page_size, num_kv_heads, head_dim] and returns each row's causal
@@ -56,6 +71,8 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+
+CODEC_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class TokenKind(enum.IntEnum):
@@ -92,6 +109,10 @@ class LMProgram:
     detok_interval: int = 0  # rows per codec window
     detok_overlap: int = 0  # rows consecutive windows share
     detok_samples: int = 0  # samples each window adds
+    detok_offset: int = 0  # window j's audio covers audio rows from j*s + detok_offset (s: stride)
+    detok_lead: tuple[int, ...] = ()  # row counts a lead window may have (see Lead windows)
+    codec_dtype: torch.dtype = torch.float32  # the codec's weights and activations
+    head_ids: torch.Tensor | None = None  # [V'] token id of each logits column (None: all of V)
     sample_rate: int = 24000
     detok_preseed: int = 0  # pad rows before a request's first audio row (see preseed_rows)
     # False: the model has no repetition penalty; requests' repetition_penalty is ignored, and
@@ -107,6 +128,9 @@ class LMProgram:
         dtype: torch.dtype = torch.float32,
         weights: str | None = None,
         codec_weights: str | None = None,
+        lm_head: str = "full",
+        quantization: str = "none",
+        codec_dtype: str = "auto",
     ) -> None:
         self.spec = spec
         self.load_format = load_format
@@ -114,12 +138,29 @@ class LMProgram:
         self.dtype = dtype
         self.weights = weights or spec.get("hf_id")
         self.codec_weights = codec_weights or spec.get("codec_id")
+        # gpu_worker options: "full" | "audio" output head (see Output heads), "none" | "fp8" weights.
+        if lm_head not in ("full", "audio"):
+            raise ValueError(f"lm_head must be full or audio, not {lm_head!r}")
+        if quantization not in ("none", "fp8"):
+            raise ValueError(f"quantization must be none or fp8, not {quantization!r}")
+        self.lm_head, self.quantization = lm_head, quantization
         self.detok_interval = spec["detok_interval"]
         self.detok_overlap = spec["detok_overlap"]
         self.detok_samples = spec["detok_samples"]
+        # Default: a window's audio is its newest rows (a codec that keeps the end of its window).
+        self.detok_offset = spec.get("detok_offset", spec["detok_overlap"])
+        self.detok_lead = tuple(spec.get("detok_lead", ()))
         self.sample_rate = spec["sample_rate"]
         self.n_codebooks = spec.get("n_codebooks", 1)
         self.detok_preseed = spec.get("detok_preseed", 0)
+        if self.detok_preseed and self.detok_lead:
+            raise ValueError(f"{spec['name']}: detok_preseed and detok_lead are alternatives; set one")
+        if codec_dtype != "auto":
+            if codec_dtype not in CODEC_DTYPES:
+                raise ValueError(
+                    f"codec_dtype must be auto or one of {', '.join(CODEC_DTYPES)}, not {codec_dtype!r}"
+                )
+            self.codec_dtype = getattr(torch, codec_dtype)
 
     @property
     def input_vocab_size(self) -> int:

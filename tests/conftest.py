@@ -83,6 +83,8 @@ class Server:
 
 @pytest.fixture(scope="session")
 def server() -> Iterator[Server]:
-    srv = Server("--tokenizer-workers", "2")
+    # Always the shortest lead window: the default (adaptive) picks it from measured step times,
+    # which would make a request's first frame depend on the machine's load.
+    srv = Server("--tokenizer-workers", "2", "--first-chunk", "fastest")
     yield srv
     srv.stop()

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from programs import fp8
 from programs.base import Attention
 
 
@@ -225,13 +226,33 @@ class LlamaLM(nn.Module):
             a, m = layer.self_attn, layer.mlp
             a.qkv_weight = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])  # [(Hq+2Hkv)D, H]
             m.gate_up_weight = torch.cat([m.gate_proj.weight, m.up_proj.weight])  # [2I, H]
-            if a.q_proj.bias is not None or m.gate_proj.bias is not None:
+            if any(x.bias is not None for x in (a.q_proj, a.o_proj, m.gate_proj, m.down_proj)):
                 raise ValueError("fuse() supports bias-free Llama projections only")
-            del a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj
+            # Plain tensors, not Parameters, so quantize_fp8 may replace them.
+            a.o_weight, m.down_weight = a.o_proj.weight.detach(), m.down_proj.weight.detach()
+            del a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj
         pos = torch.arange(max_positions, dtype=torch.float32, device=self.inv_freq.device)
         freqs = pos[:, None] * self.inv_freq.float()[None, :]  # [P, D/2]
         self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, D] float32
         self.fused = True
+
+    @torch.no_grad()
+    def quantize_fp8(self) -> None:
+        """The four GEMM weights of every layer to float8 with per-channel scales (after `fuse`;
+        embeddings, norms and the output head stay in their dtype). One-way."""
+        if not self.fused:
+            raise ValueError("--quantization fp8 needs the fused GPU path (CUDA and FlashInfer)")
+        for layer in self.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            for owner, name in (
+                (a, "qkv_weight"),
+                (a, "o_weight"),
+                (m, "gate_up_weight"),
+                (m, "down_weight"),
+            ):
+                setattr(owner, name, fp8.Fp8Weight(getattr(owner, name)))
+        torch.cuda.empty_cache()
+        fp8.compile_quantizer(self.inv_freq.device)
 
     def _backbone_fused(self, hidden: torch.Tensor, pos: torch.Tensor, attn: Attention) -> torch.Tensor:
         import flashinfer
@@ -244,14 +265,14 @@ class LlamaLM(nn.Module):
         x = flashinfer.rmsnorm(hidden, layers[0].input_layernorm.weight, eps)
         for i, layer in enumerate(layers):
             a, m = layer.self_attn, layer.mlp
-            qkv = F.linear(x, a.qkv_weight)  # [N, (Hq+2Hkv)D]
+            qkv = fp8.linear(x, a.qkv_weight)  # [N, (Hq+2Hkv)D]
             q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
             q, k = q.contiguous(), k.contiguous()
             flashinfer.apply_rope_with_cos_sin_cache_inplace(pos, q, k, d, self.cos_sin, is_neox=True)
             o = attn.forward(i, q.view(n, -1, d), k.view(n, -1, d), v.reshape(n, -1, d))  # [N, Hq, D]
-            h = a.o_proj(o.reshape(n, q_dim))
+            h = fp8.linear(o.reshape(n, q_dim), a.o_weight)
             flashinfer.fused_add_rmsnorm(h, residual, layer.post_attention_layernorm.weight, eps)
-            h = m.down_proj(flashinfer.silu_and_mul(F.linear(h, m.gate_up_weight)))
+            h = fp8.linear(flashinfer.silu_and_mul(fp8.linear(h, m.gate_up_weight)), m.down_weight)
             nxt = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else self.model.norm.weight
             flashinfer.fused_add_rmsnorm(h, residual, nxt, eps)  # residual += h; h = norm(residual)
             x = h

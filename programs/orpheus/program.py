@@ -44,7 +44,8 @@ def _read_config(name: str) -> dict[str, Any]:
 
 class OrpheusProgram(LMProgram):
     name = "orpheus"
-    # SNAC is small (20 M parameters) and tanh-saturating; fp32 keeps it faithful to the reference.
+    # SNAC is small (20 M parameters) and tanh-saturating; fp32 keeps it faithful to the reference
+    # (--codec-dtype bfloat16/float16 trade that for speed; tests/test_codec_precision.py: SNR).
     codec_dtype: torch.dtype = torch.float32
 
     def __init__(self, spec: dict[str, Any], **kwargs: Any) -> None:
@@ -75,6 +76,13 @@ class OrpheusProgram(LMProgram):
         self._set_lm_constants(self.lm.config)
         if self.device.type == "cuda" and importlib.util.find_spec("flashinfer") is not None:
             self.lm.fuse(max_positions=max(self.spec["max_tokens"], 4096))
+        if self.quantization == "fp8":
+            self.lm.quantize_fp8()
+        if self.lm_head == "audio":
+            # Codec tokens of all 7 frame slots, then stop: 28,673 of 156,940 rows of the head.
+            ids = [*range(AUDIO_BASE, AUDIO_BASE + FRAME * CODEBOOK), STOP_TOKEN]
+            self.head_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+            self._head_weight = self.lm.lm_head.weight[self.head_ids].contiguous()  # [V', H]
 
     def load_codec(self) -> None:
         from programs.orpheus.codec import SnacCodec
@@ -98,6 +106,8 @@ class OrpheusProgram(LMProgram):
         return self.lm.backbone(hidden, pos, attn)  # [N, H] → [N, H]
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.head_ids is not None:  # [B, H] → [B, 1, V'] float32, columns = head_ids
+            return torch.nn.functional.linear(hidden, self._head_weight).float()[:, None, :]
         return self.lm.logits(hidden)[:, None, :]  # [B, H] → [B, 1, V] float32
 
     def candidates(self, n_audio: torch.Tensor) -> torch.Tensor:
@@ -120,7 +130,9 @@ class OrpheusProgram(LMProgram):
 
     # --- codec (graph) -------------------------------------------------------------------------
     def detokenize(self, tokens: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[Bd, 28, 1] int64, keys [Bd] int64 → audio [Bd, 2048] float32, valid [Bd] bool."""
+        """[Bd, R, 1] int64, keys [Bd] int64 → audio [Bd, S] float32, valid [Bd] bool: R = 28 gives
+        S = 2048 (the reference's kept samples); a lead window (R = 7, 14, 21: `detok_lead`) of
+        L = R / 7 frames gives all L * 2048 samples of their SNAC decode."""
         return self.codec.decode_orpheus_window(tokens, keys)
 
     # --- prompts (tokenizer_worker) ------------------------------------------------------------

@@ -1,0 +1,134 @@
+"""GPU: what the LM options buy (H200, dummy Orpheus-3B): decode step time of the full engine step
+(graph replay + plan + sampler) per batch size, for bf16 vs the audio-only head vs fp8 weights,
+as ratios against plain bf16 measured in the same run; and the fp8 model's teacher-forced logits
+against bf16's on the same prompts.
+
+    python bench/lm_options.py --out lm_options.json [--sizes 1,64,256,384,512] [--ctx 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+
+import numpy as np
+import torch
+
+from bench.gpu_speed import cuda_ms
+from common.messages import Prompt, SamplingParams
+from gpu_worker.engine import Engine, EngineLimits
+from gpu_worker.flashinfer_backend import FlashInferAttention
+from gpu_worker.kv_cache import allocate_kv_cache, pages_for
+from gpu_worker.runner import EagerRunner, StepBatch
+from programs import get_spec, load_program_class
+
+CONFIGS = {
+    "bf16": {},
+    "bf16+audio_head": {"lm_head": "audio"},
+    "fp8": {"quantization": "fp8"},
+    "fp8+audio_head": {"quantization": "fp8", "lm_head": "audio"},
+}
+
+
+def load(**kw):
+    p = load_program_class("orpheus")(get_spec("orpheus"), load_format="dummy", device="cuda",
+                                      dtype=torch.bfloat16, **kw)  # fmt: skip
+    p.load_lm()
+    return p
+
+
+def engine_steps(program, sizes: list[int], ctx: int) -> dict:
+    """Full engine steps (sampling included) with every request decoding at context ~ctx."""
+    out = {}
+    bmax = max(sizes)
+    eng = Engine(program, EngineLimits(max_batch_size=bmax, max_context=ctx + 300, first_chunk="reference"))
+    for bs in sizes:
+        for i in range(bs):
+            rows = np.full(ctx, 128300, dtype="<i4")
+            rows[0] = 128259
+            sp = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3, seed=i, constrained=True)
+            sp.max_tokens, sp.min_tokens = ctx + 280, 280
+            eng.add(Prompt(f"b{bs}r{i}", rows.tobytes(), ctx, sp))
+        while eng.waiting or any(r.n_ctx == 0 for r in eng.running.values()):
+            eng.step()  # admit and prefill everyone
+        for _ in range(3):
+            eng.step()
+        ms = cuda_ms(eng.step, 30)
+        out[bs] = round(ms, 3)
+        print(f"  batch {bs}: {ms:.2f} ms/step", flush=True)
+        for rid in list(eng.running):
+            eng.abort(rid)
+        eng.run_until_idle()
+    return out
+
+
+def last_row_logits(program, prompts: list[np.ndarray]) -> torch.Tensor:
+    page = 16
+    per = pages_for(max(map(len, prompts)) + 1, page)
+    kv = allocate_kv_cache(program.num_layers, 1 + len(prompts) * per, page, program.num_kv_heads,
+                           program.head_dim, torch.bfloat16, "cuda")  # fmt: skip
+    runner = EagerRunner(program, FlashInferAttention(kv, program.num_qo_heads))
+    lens = [len(p) for p in prompts]
+    b = StepBatch(
+        ids=np.concatenate(prompts)[:, None].astype(np.int64),
+        pos=np.concatenate([np.arange(n) for n in lens]),
+        qo_indptr=np.concatenate([[0], np.cumsum(lens)]).tolist(),
+        kv_lens=lens,
+        page_tables=[list(range(1 + i * per, 1 + (i + 1) * per)) for i in range(len(prompts))],
+        num_prefill=len(prompts),
+    )
+    return runner.forward(b)[0][:, 0].float()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="lm_options.json")
+    ap.add_argument("--sizes", default="1,64,256,384,512")
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    res: dict = {"device": torch.cuda.get_device_name(), "model": "orpheus-3b dummy", "date": time.strftime("%F"),
+                 "ctx": args.ctx, "step_ms": {}, "ratio_vs_bf16": {}}  # fmt: skip
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(128266, 128266 + 28672, size=n) for n in (40, 100, 180, 260, 333, 512)]
+    ref_logits = None
+    for name in args.configs.split(","):
+        print(name, flush=True)
+        t0 = time.perf_counter()
+        program = load(**CONFIGS[name])
+        res.setdefault("load_s", {})[name] = round(time.perf_counter() - t0, 1)
+        logits = last_row_logits(program, prompts)
+        if program.head_ids is not None:
+            logits = torch.full((len(prompts), program.vocab_size), float("nan"), device="cuda").index_copy_(
+                1, program.head_ids, logits
+            )
+        if name == "bf16":
+            ref_logits = logits
+        elif ref_logits is not None:
+            cols = program.head_ids if program.head_ids is not None else slice(None)
+            a, b = logits[:, cols], ref_logits[:, cols]
+            res.setdefault("logits_vs_bf16", {})[name] = {
+                "max_abs": round((a - b).abs().max().item(), 4),
+                "mean_abs": round((a - b).abs().mean().item(), 5),
+                "ref_abs_max": round(b.abs().max().item(), 3),
+                "argmax_agree": float((a.argmax(1) == b.argmax(1)).float().mean().item()),
+            }
+            print("  logits vs bf16:", res["logits_vs_bf16"][name], flush=True)
+        res["step_ms"][name] = engine_steps(program, sizes, args.ctx)
+        if "bf16" in res["step_ms"]:
+            base = res["step_ms"]["bf16"]
+            res["ratio_vs_bf16"][name] = {b: round(res["step_ms"][name][b] / base[b], 3) for b in sizes}
+        del program
+        gc.collect()
+        torch.cuda.empty_cache()
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    print(json.dumps(res["ratio_vs_bf16"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

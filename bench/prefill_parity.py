@@ -1,0 +1,182 @@
+"""Prefill-graph checks for bench/gpu_parity.py (H200, dummy Orpheus-3B, bf16).
+
+For each prompt mix, one prefill step through `GraphRunner` (a captured prefill graph, or eager
+prefill when no bucket holds the mix) against the eager runner (FlashInfer prefill, not captured):
+logits, the KV pages written, and one decode step on top of them. A third runner runs the eager
+prefill with one extra request padding the rows to the graph's bucket: the graph does the same
+arithmetic on the same number of rows, so `graph_vs_eager_padded` isolates the graph mechanics
+(expected bitwise equal, apart from the output head seeing a different row count), while
+`eager_padded_vs_eager` shows what the row count alone does to bf16 GEMMs.
+
+Then teacher-forced steps where requests join a batch that is decoding: every step mixes the
+prefill rows of the new requests with the decode rows of the others.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from gpu_worker.engine import EngineLimits
+from gpu_worker.flashinfer_backend import FlashInferAttention
+from gpu_worker.graphs import GraphRunner
+from gpu_worker.kv_cache import allocate_kv_cache, pages_for
+from gpu_worker.prefill_graphs import pick_bucket
+from gpu_worker.runner import EagerRunner, StepBatch
+
+MAX_CONTEXT = 1200
+# A few bf16 ulps of a logit of magnitude ~6 (ulp 1/32): reordered GEMM accumulation, not a bug;
+# unrelated arithmetic (fused vs unfused) differs by ~0.3.
+TOLERANCE = 0.1
+
+CASES = {
+    "1x12": [12],
+    "1x28": [28],
+    "1x40": [40],
+    "1x61": [61],
+    "7+33": [7, 33],
+    "4x40": [40] * 4,
+    "16x40": [40] * 16,
+    "17x40 (eager: more requests than a graph takes)": [40] * 17,
+    "3+250+19": [3, 250, 19],
+    "1x1000": [1000],
+    "1x1180": [1180],
+}
+
+
+def compare(a: torch.Tensor, b: torch.Tensor) -> dict:
+    diff = (a.float() - b.float()).abs()
+    return {
+        "max_abs": float(diff.max()),
+        "mean_abs": float(diff.mean()),
+        "ref_abs_max": float(b.abs().max()),
+        "top1_agree": float((a.argmax(-1) == b.argmax(-1)).float().mean()),
+        "bitwise": bool(torch.equal(a, b)),
+    }
+
+
+def prompt_step(lengths: list[int], tables: list[list[int]], rng) -> StepBatch:
+    ids = rng.integers(0, 128256, size=(sum(lengths), 1)).astype(np.int64)
+    pos = np.concatenate([np.arange(n) for n in lengths]).astype(np.int64)
+    qo = [0, *np.cumsum(lengths).tolist()]
+    return StepBatch(ids, pos, qo, list(lengths), tables[: len(lengths)], len(lengths))
+
+
+def padded_step(pre: StepBatch, rows: int, spare: list[int], rng) -> StepBatch:
+    """`pre` plus one request of the bucket's remaining rows on spare pages."""
+    extra = rows - pre.qo_indptr[-1]
+    ids = np.concatenate([pre.ids, rng.integers(0, 128256, size=(extra, 1))]).astype(np.int64)
+    pos = np.concatenate([pre.pos, np.arange(extra)]).astype(np.int64)
+    return StepBatch(
+        ids, pos, [*pre.qo_indptr, rows], [*pre.kv_lens, extra], [*pre.page_tables, spare], pre.batch_size + 1
+    )
+
+
+def decode_step(lengths: list[int], tables: list[list[int]], rng) -> StepBatch:
+    n = len(lengths)
+    ids = rng.integers(128266, 128266 + 7 * 4096, size=(n, 1)).astype(np.int64)
+    pos = np.asarray(lengths, dtype=np.int64)
+    return StepBatch(ids, pos, list(range(n + 1)), [x + 1 for x in lengths], tables[:n], 0)
+
+
+def staggered_steps(seqs: list[np.ndarray], n_prompt: list[int], joins: list[int], tables) -> list[StepBatch]:
+    """Sequence i joins at step joins[i] (whole prompt); then one teacher-forced row per step."""
+    steps = []
+    for t in range(max(joins) + 8):
+        pre = [i for i in range(len(seqs)) if joins[i] == t]
+        dec = [i for i in range(len(seqs)) if joins[i] < t and n_prompt[i] + t - joins[i] <= len(seqs[i])]
+        if not pre and not dec:
+            continue
+        ids, pos, rows, kv = [], [], [], []
+        for i in pre:
+            ids.append(seqs[i][: n_prompt[i]])
+            pos.append(np.arange(n_prompt[i]))
+            rows.append(n_prompt[i])
+            kv.append(n_prompt[i])
+        for i in dec:
+            k = n_prompt[i] + t - joins[i] - 1
+            ids.append(seqs[i][k : k + 1])
+            pos.append(np.array([k]))
+            rows.append(1)
+            kv.append(k + 1)
+        steps.append(
+            StepBatch(
+                np.concatenate(ids).astype(np.int64)[:, None],
+                np.concatenate(pos).astype(np.int64),
+                [0, *np.cumsum(rows).tolist()],
+                kv,
+                [tables[i] for i in pre + dec],
+                len(pre),
+            )
+        )
+    return steps
+
+
+def prefill_checks(program, page: int) -> tuple[dict, bool]:
+    """→ (results, ok)."""
+    n_max = 1 + max(len(v) for v in CASES.values())  # + spare pages for the padded eager run
+    per = pages_for(MAX_CONTEXT + 1, page)
+    tables = [list(range(1 + i * per, 1 + (i + 1) * per)) for i in range(n_max)]
+
+    def kv() -> torch.Tensor:
+        return allocate_kv_cache(
+            program.num_layers,
+            1 + n_max * per,
+            page,
+            program.num_kv_heads,
+            program.head_dim,
+            torch.bfloat16,
+            "cuda",
+        )
+
+    kv_g, kv_e, kv_p = kv(), kv(), kv()
+    graph = GraphRunner(program, kv_g, EngineLimits(max_batch_size=32, max_context=MAX_CONTEXT))
+    eager = EagerRunner(program, FlashInferAttention(kv_e, program.num_qo_heads))
+    eager_pad = EagerRunner(program, FlashInferAttention(kv_p, program.num_qo_heads))
+    rng = np.random.default_rng(1)
+    res: dict = {"buckets": graph.prefill.buckets, "tolerance": TOLERANCE, "cases": {}}
+    ok = True
+    for name, lengths in CASES.items():
+        pre = prompt_step(lengths, tables, rng)
+        bucket = pick_bucket(graph.prefill.buckets, len(lengths), sum(lengths))
+        lg, le = graph.forward(pre)[0], eager.forward(pre)[0]
+        out = {"bucket": bucket, "graph_vs_eager": compare(lg, le)}
+        if bucket is not None:
+            lp = eager_pad.forward(padded_step(pre, bucket[0], tables[-1], rng))[0][: len(lengths)]
+            out["graph_vs_eager_padded"] = compare(lg, lp)
+            out["eager_padded_vs_eager"] = compare(lp, le)
+        pages = [p for t, n in zip(tables, lengths, strict=False) for p in t[: pages_for(n, page)]]
+        out["kv_pages_graph_vs_eager"] = compare(kv_g[:, pages], kv_e[:, pages])
+        dec = decode_step(lengths, tables, rng)
+        out["next_decode_graph_vs_eager"] = compare(graph.forward(dec)[0], eager.forward(dec)[0])
+        ok &= out["graph_vs_eager"]["max_abs"] < TOLERANCE
+        ok &= out["next_decode_graph_vs_eager"]["max_abs"] < TOLERANCE
+        res["cases"][name] = out
+        print(
+            "prefill",
+            name,
+            bucket,
+            {k: v["max_abs"] for k, v in out.items() if isinstance(v, dict)},
+            flush=True,
+        )
+
+    # Requests joining a decoding batch: every step after the first mixes prefill and decode rows.
+    lens = [13, 29, 40, 61, 22]
+    seqs = [
+        np.concatenate([rng.integers(0, 128256, size=n), rng.integers(128266, 128266 + 7 * 4096, size=12)])
+        for n in lens
+    ]
+    steps = staggered_steps(seqs, lens, [0, 2, 2, 5, 7], tables)
+    g = [graph.forward(b)[0].cpu() for b in steps]
+    e = [eager.forward(b)[0].cpu() for b in steps]
+    res["mixed_steps"] = {
+        "steps": len(steps),
+        "mixed": sum(0 < b.num_prefill < b.batch_size for b in steps),
+        "graph_vs_eager": compare(torch.cat(g), torch.cat(e)),
+        "per_step_max_abs": [float((a - b).abs().max()) for a, b in zip(g, e, strict=True)],
+    }
+    ok &= res["mixed_steps"]["graph_vs_eager"]["max_abs"] < TOLERANCE
+    print("mixed steps", res["mixed_steps"]["graph_vs_eager"], flush=True)
+    del graph, eager, eager_pad, kv_g, kv_e, kv_p
+    torch.cuda.empty_cache()
+    return res, bool(ok)

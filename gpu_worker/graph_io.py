@@ -1,0 +1,85 @@
+"""What the decode and prefill graphs share: the input arena and the capture routine.
+
+The arena is one int64 device buffer holding every input a step's graphs read (token ids,
+positions, KV write slots, meta, prefill page indices), laid out in named spans, with a host mirror
+(pinned on GPU). Each step zeroes the host prefix it uses (zero is the padding value: token 0 at
+position 0, written to page 0 offset 0), fills it and sends it with one host→device copy. Decode
+spans come first, so a step without prompt rows copies only them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+class InputArena:
+    def __init__(self, sizes: dict[str, int], device: torch.device | str) -> None:
+        self.spans: dict[str, tuple[int, int]] = {}
+        lo = 0
+        for name, n in sizes.items():
+            self.spans[name] = (lo, n)
+            lo += n
+        self.total = lo
+        cuda = torch.device(device).type == "cuda"
+        self.host = torch.zeros(lo, dtype=torch.int64, pin_memory=cuda)
+        self.dev = torch.zeros(lo, dtype=torch.int64, device=device)
+        self._copied = torch.cuda.Event() if cuda else None
+        if self._copied is not None:
+            self._copied.record()
+
+    def end(self, name: str) -> int:
+        lo, n = self.spans[name]
+        return lo + n
+
+    def host_view(self, name: str, n: int | None = None) -> torch.Tensor:
+        lo, size = self.spans[name]
+        return self.host[lo : lo + (size if n is None else n)]
+
+    def dev_view(self, name: str, n: int | None = None) -> torch.Tensor:
+        lo, size = self.spans[name]
+        return self.dev[lo : lo + (size if n is None else n)]
+
+    def begin(self, upto: int) -> None:
+        """Wait until the last step's copies out of the host mirror are done, zero its first `upto`."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        self.host[:upto].zero_()
+
+    def send(self, upto: int) -> None:
+        self.dev[:upto].copy_(self.host[:upto], non_blocking=True)
+
+    def seal(self) -> None:
+        """Mark the end of this step's host→device copies (the arena's and FlashInfer's plans,
+        which stage through pinned buffers of their own): the next `begin` waits for them."""
+        if self._copied is not None:
+            self._copied.record()
+
+
+class GraphAttention:
+    """Attention as captured: writes the rows' keys/values to the arena's slots, runs one wrapper
+    whose page-table buffers were fixed at construction and are refreshed by `plan` each step."""
+
+    def __init__(self, kv_cache: torch.Tensor, wrapper, page: torch.Tensor, off: torch.Tensor) -> None:
+        self.kv_cache, self.wrapper, self.page, self.off = kv_cache, wrapper, page, off
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cache = self.kv_cache[layer]  # [P, 2, page, Hkv, D]
+        cache[self.page, 0, self.off] = k
+        cache[self.page, 1, self.off] = v
+        return self.wrapper.run(q, cache)
+
+
+def capture(step: Callable[[], torch.Tensor], pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Warm up `step` on a side stream (kernel selection and JIT happen outside the capture), then
+    capture it into `pool`; → (graph, its output tensor, rewritten by each replay)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = step()
+    return graph, out

@@ -1,0 +1,89 @@
+"""How fast the engine steps, measured while it serves: real-time capacity and the first-chunk choice.
+
+A step produces one row for every running request, so the time between consecutive steps is the
+time each stream waits for its next row. A stream stays real time while that interval is below
+the program's row period (1 / rows per audio second: 12.19 ms for Orpheus). `StepClock` keeps an
+exponential average of the interval per batch-size bucket (quarter octaves), which gives
+
+- `capacity()`: the largest batch whose measured (or extrapolated) interval fits the row period
+  with some headroom: the gateway admits that many streams to this worker;
+- `row_period()`: the recent interval at the current load, which decides whether a request's first
+  audio can come from a short lead window (see `lead_fits`).
+
+Intervals are wall-clock and include everything that shares the GPU and the host loop (the codec,
+prefill steps, message handling): what a stream actually experiences.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+_MIN_SAMPLES = 8  # steps measured in a bucket before it counts
+
+
+def _bucket(batch: int) -> int:
+    """Quarter-octave bucket of a batch size: 1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 13, 16, 19, 23, …"""
+    if batch <= 8:
+        return batch
+    return round(2 ** (round(math.log2(batch) * 4) / 4))
+
+
+class StepClock:
+    def __init__(self, rows_per_second: float, max_batch: int, headroom: float = 0.92) -> None:
+        self.period = 1.0 / rows_per_second  # seconds per row a real-time stream can afford
+        self.max_batch = max_batch
+        self.headroom = headroom
+        self._ema: dict[int, float] = {}
+        self._count: dict[int, int] = {}
+        self._recent = 0.0  # EMA of the interval at whatever the batch was lately
+        self._last: float | None = None
+
+    def tick(self, batch: int) -> None:
+        """Call once per launched step with its batch size (0 when the engine had nothing to run)."""
+        now = time.perf_counter()
+        last, self._last = self._last, (now if batch else None)
+        if last is not None and batch:  # else the engine was idle in between: not a step
+            self.record(batch, now - last)
+
+    def record(self, batch: int, dt: float) -> None:
+        """One step of `batch` requests took `dt` seconds from the previous one."""
+        key = _bucket(batch)
+        n = self._count.get(key, 0)
+        self._count[key] = n + 1
+        # Average the first samples plainly, then track drift (graphs warming up, context growth).
+        alpha = max(1.0 / (n + 1), 0.05)
+        self._ema[key] = dt if n == 0 else self._ema[key] + alpha * (dt - self._ema[key])
+        self._recent = dt if self._recent == 0.0 else self._recent + 0.2 * (dt - self._recent)
+
+    def row_period(self) -> float:
+        """Seconds per row at the current load (0.0 before any step was measured)."""
+        return self._recent
+
+    def capacity(self) -> float:
+        """Concurrent streams this worker can keep real time (max_batch until measured)."""
+        budget = self.headroom * self.period
+        points = sorted((k, v) for k, v in self._ema.items() if self._count[k] >= _MIN_SAMPLES)
+        if not points:
+            return float(self.max_batch)
+        fitting = [k for k, v in points if v <= budget]
+        if not fitting:
+            # Even the smallest measured batch is too slow: scale it down proportionally.
+            k, v = points[0]
+            return max(1.0, k * budget / v)
+        best = max(fitting)
+        i = next(i for i, (k, _) in enumerate(points) if k == best)
+        if i + 1 < len(points):  # a larger measured batch is too slow: interpolate up to it
+            (k1, v1), (k2, v2) = points[i], points[i + 1]
+        elif len(points) == 1:
+            return float(self.max_batch) if points[0][1] <= 0.5 * budget else float(best)
+        else:  # extrapolate from the two largest measured buckets (decode time grows ~linearly)
+            (k1, v1), (k2, v2) = points[-2], points[-1]
+        slope = max((v2 - v1) / (k2 - k1), 1e-9)
+        return float(min(self.max_batch, max(best, k1 + (budget - v1) / slope)))
+
+
+def lead_fits(gap_rows: int, lead_audio_s: float, row_period: float, margin: float = 1.3) -> bool:
+    """A lead window of `lead_audio_s` seconds keeps its listener fed if the next regular window,
+    `gap_rows` steps later, arrives before the lead has played out (with `margin` for jitter)."""
+    return row_period > 0 and gap_rows * row_period * margin <= lead_audio_s

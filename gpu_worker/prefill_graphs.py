@@ -1,0 +1,209 @@
+"""CUDA graphs for the prefill part of a step (`lm_prefill`): one captured graph per row bucket.
+
+A bucket is (rows, reqs): the graph runs `rows` prompt rows as `reqs + 1` FlashInfer requests,
+because a CUDA-graph prefill wrapper fixes its batch size (the length of its qo/kv indptr buffers)
+and, at its first `plan`, its total row count (`plan` raises if a later one has more rows; the work
+schedule, sized for that total, keeps the same shape, so the captured kernels stay valid). The step's
+n new requests come first; entries n..reqs-1 are one padding row each and the last entry takes the
+rest of the rows (at least one), so every entry has rows and the row total is always `rows`.
+Padding rows are arena zeros: token 0 at position 0, key/value written to the reserved page 0,
+attending causally to a context made of page 0 alone. Harmless work; their logits are not computed
+(the head runs on each request's last row only, as in the eager runner).
+
+Keys/values are written into their pages first, then `BatchPrefillWithPagedKVCacheWrapper` attends
+causally (bottom-right aligned, like the eager path, which runs the same wrapper un-captured).
+Small buckets serve a single Orpheus prompt (20-60 rows) without padding it to hundreds of rows;
+steps that fit no bucket (more new requests or rows than the largest) run their prefill eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gpu_worker.flashinfer_backend import page_arrays
+from gpu_worker.graph_io import GraphAttention, InputArena, capture
+from gpu_worker.kv_cache import pages_for
+from gpu_worker.runner import StepBatch
+from programs.base import LMProgram
+
+log = logging.getLogger(__name__)
+
+MAX_PREFILL_REQS = 16  # new requests one prefill graph takes; a step with more prefills eagerly
+MIN_PREFILL_ROWS = 32
+REQS_PER_ROWS = 16  # a bucket of R rows takes up to R // 16 requests, so small buckets stay small
+
+
+def prefill_buckets(max_context: int, max_reqs: int = MAX_PREFILL_REQS) -> list[tuple[int, int]]:
+    """(rows, reqs) per graph: rows 32, 64, … doubling to 1024, then steps of 512, until one prompt
+    of `max_context` rows fits with its padding."""
+    top = max_context + max_reqs + 1
+    out, rows = [], MIN_PREFILL_ROWS
+    while True:
+        out.append((rows, max(1, min(max_reqs, rows // REQS_PER_ROWS))))
+        if rows >= top:
+            return out
+        rows = rows * 2 if rows < 1024 else rows + 512
+
+
+def pick_bucket(buckets: list[tuple[int, int]], n_reqs: int, n_rows: int) -> tuple[int, int] | None:
+    """The smallest bucket that holds n_reqs requests of n_rows rows in all, plus one padding row
+    for each unused request entry and at least one for the last entry; None: run eagerly."""
+    for rows, reqs in buckets:
+        if n_reqs <= reqs and n_rows + (reqs - n_reqs) + 1 <= rows:
+            return rows, reqs
+    return None
+
+
+def max_prefill_pages(rows: int, reqs: int, max_context: int, page_size: int) -> int:
+    """Bound on one prefill plan's page indices: reqs whole contexts, one page per one-row pad,
+    and the last entry's pages."""
+    return reqs * pages_for(max_context + 1, page_size) + reqs + pages_for(rows, page_size)
+
+
+@dataclass
+class PrefillLayout:
+    rows: int
+    reqs: int
+    qo_indptr: np.ndarray  # [reqs + 2] int32 row offsets: n requests, then the padding entries
+    kv_indptr: np.ndarray  # [reqs + 2] int32
+    kv_indices: np.ndarray  # [pages] int32
+    kv_last: np.ndarray  # [reqs + 1] int32
+    page: np.ndarray  # [r] int64 page each real row's key/value goes to
+    off: np.ndarray  # [r] int64 offset in that page
+    last: np.ndarray  # [n] int64 each request's last row
+
+
+def prefill_layout(pre: StepBatch, rows: int, reqs: int, page_size: int) -> PrefillLayout:
+    """Page tables and write slots of the prefill requests `pre`, padded to the bucket (rows, reqs)."""
+    n, r = pre.batch_size, pre.qo_indptr[-1]
+    pad = [1] * (reqs - n) + [rows - r - (reqs - n)]
+    if n > reqs or pad[-1] < 1:
+        raise ValueError(f"{n} requests of {r} rows do not fit the prefill bucket ({rows}, {reqs})")
+    qo = np.asarray([*pre.qo_indptr, *(r + np.cumsum(pad))], dtype=np.int32)
+    # A padding entry's context is its own rows (causal, so every row sees a key), all on page 0.
+    tables = [*pre.page_tables, *([0] * pages_for(p, page_size) for p in pad)]
+    kv_indptr, kv_indices, kv_last = page_arrays([*pre.kv_lens, *pad], tables, page_size)
+    pos = np.asarray(pre.pos, dtype=np.int64)
+    page = np.empty(r, dtype=np.int64)
+    for b in range(n):
+        lo, hi = qo[b], qo[b + 1]
+        page[lo:hi] = np.asarray(tables[b], dtype=np.int64)[pos[lo:hi] // page_size]
+    last = np.asarray(pre.qo_indptr[1:], dtype=np.int64) - 1
+    return PrefillLayout(rows, reqs, qo, kv_indptr, kv_indices, kv_last, page, pos % page_size, last)
+
+
+def prefill_spans(rows: int, reqs: int, n_codebooks: int, max_pages: int) -> dict[str, int]:
+    """Arena spans the prefill graphs read (after the decode spans)."""
+    return {
+        "p_last": reqs,
+        "p_ids": rows * n_codebooks,
+        "p_pos": rows,
+        "p_page": rows,
+        "p_off": rows,
+        "p_kv": max_pages,  # page indices: planned from the device, so `plan` never blocks
+    }
+
+
+def fill_prefill(arena: InputArena, pre: StepBatch, lay: PrefillLayout) -> None:
+    """Write the real rows into the (zeroed) host arena; padding rows stay zero."""
+    r = pre.qo_indptr[-1]
+    arena.host_view("p_ids", pre.ids.size).copy_(torch.from_numpy(np.ascontiguousarray(pre.ids).reshape(-1)))
+    arena.host_view("p_pos", r).copy_(torch.from_numpy(np.asarray(pre.pos, dtype=np.int64)))
+    arena.host_view("p_page", r).copy_(torch.from_numpy(lay.page))
+    arena.host_view("p_off", r).copy_(torch.from_numpy(lay.off))
+    arena.host_view("p_last", len(lay.last)).copy_(torch.from_numpy(lay.last))
+    arena.host_view("p_kv", len(lay.kv_indices)).copy_(torch.from_numpy(lay.kv_indices))
+
+
+def empty_prefill(n_codebooks: int) -> StepBatch:
+    return StepBatch(np.zeros((0, n_codebooks), np.int64), np.zeros(0, np.int64), [0], [], [], 0)
+
+
+class PrefillGraphs:
+    """The captured prefill graphs; `GraphRunner` owns the arena and calls fill, plan, replay."""
+
+    def __init__(
+        self,
+        program: LMProgram,
+        kv_cache: torch.Tensor,
+        arena: InputArena,
+        workspace: torch.Tensor,
+        pool,
+        buckets: list[tuple[int, int]],
+        max_pages: int,
+        no_split_kv: bool,
+        progress: Callable[[str], None] | None = None,
+    ) -> None:
+        self.program, self.kv_cache, self.arena = program, kv_cache, arena
+        self.page_size = kv_cache.shape[3]
+        self.buckets, self.no_split_kv = buckets, no_split_kv
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object, torch.Tensor]] = {}
+        t0 = time.monotonic()
+        for i, (rows, reqs) in enumerate(sorted(buckets, reverse=True)):
+            if progress:
+                progress(f"capturing prefill graphs: {rows} rows ({i + 1}/{len(buckets)})")
+            self.graphs[rows] = self._capture(rows, reqs, workspace, pool, max_pages)
+        log.info("captured %d prefill graphs (rows, requests) %s in %.1f s", len(buckets), buckets,
+                 time.monotonic() - t0)  # fmt: skip
+
+    @torch.inference_mode()
+    def _capture(self, rows: int, reqs: int, workspace: torch.Tensor, pool, max_pages: int):
+        import flashinfer
+
+        p, a, c, dev = self.program, self.arena, self.program.n_codebooks, self.kv_cache.device
+        # Buffers of its own per wrapper: a step plans prefill and decode before replaying either.
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            workspace,
+            "NHD",
+            use_cuda_graph=True,
+            qo_indptr_buf=torch.zeros(reqs + 2, dtype=torch.int32, device=dev),
+            paged_kv_indptr_buf=torch.zeros(reqs + 2, dtype=torch.int32, device=dev),
+            paged_kv_indices_buf=torch.zeros(max_pages, dtype=torch.int32, device=dev),
+            paged_kv_last_page_len_buf=torch.zeros(reqs + 1, dtype=torch.int32, device=dev),
+        )
+        # The first plan fixes the wrapper's row total: every later plan has exactly `rows`.
+        lay = prefill_layout(empty_prefill(c), rows, reqs, self.page_size)
+        self._plan(wrapper, lay, torch.from_numpy(lay.kv_indices))
+        ids, pos, last = (
+            a.dev_view("p_ids", rows * c).view(rows, c),
+            a.dev_view("p_pos", rows),
+            a.dev_view("p_last", reqs),
+        )
+        attn = GraphAttention(self.kv_cache, wrapper, a.dev_view("p_page", rows), a.dev_view("p_off", rows))
+
+        def step() -> tuple[torch.Tensor, torch.Tensor]:
+            hidden = p.backbone(p.embed(ids), pos, attn)[last]  # [reqs, H] each request's last row
+            return p.head(hidden).float(), hidden  # [reqs, C', V], [reqs, H]
+
+        graph, out = capture(step, pool)
+        return graph, wrapper, out
+
+    def layout(self, pre: StepBatch) -> PrefillLayout | None:
+        """The padded layout of these prefill requests, or None when no graph holds them."""
+        bucket = pick_bucket(self.buckets, pre.batch_size, pre.qo_indptr[-1])
+        return None if bucket is None else prefill_layout(pre, *bucket, self.page_size)
+
+    def _plan(self, wrapper, lay: PrefillLayout, kv_indices: torch.Tensor) -> None:
+        p, dt = self.program, self.kv_cache.dtype
+        wrapper.plan(
+            torch.from_numpy(lay.qo_indptr), torch.from_numpy(lay.kv_indptr), kv_indices,
+            torch.from_numpy(lay.kv_last), p.num_qo_heads, p.num_kv_heads, p.head_dim, self.page_size,
+            causal=True, q_data_type=dt, kv_data_type=dt, disable_split_kv=self.no_split_kv,
+        )  # fmt: skip
+
+    def plan(self, lay: PrefillLayout) -> None:
+        """After the arena's copy: the page indices come from the device arena (an on-device copy,
+        where a host tensor would make FlashInfer's copy wait for the whole stream)."""
+        self._plan(self.graphs[lay.rows][1], lay, self.arena.dev_view("p_kv", len(lay.kv_indices)))
+
+    def replay(self, lay: PrefillLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        graph, _, out = self.graphs[lay.rows]
+        graph.replay()
+        n = len(lay.last)
+        return out[0][:n], out[1][:n]  # [n, C', V], [n, H]

@@ -1,0 +1,78 @@
+"""A request's first audio can come from a short lead window; the regular windows after it are the
+reference's, unchanged, and the engine measures its step rate to decide when a lead is safe."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from common.messages import LEAD_NOISE_BASE, Prompt, SamplingParams
+from gpu_worker.engine import Engine, EngineLimits
+from gpu_worker.pacing import StepClock, lead_fits
+from programs import get_spec, load_program_class
+
+PROMPT = [128259, 300, 301, 302, 128009, 128260, 128261, 128257]
+
+
+@pytest.fixture(scope="module")
+def program():
+    p = load_program_class("orpheus-tiny")(get_spec("orpheus-tiny"), load_format="dummy")
+    p.load_lm()
+    p.detok_lead = (7, 14, 21)  # the Orpheus lead sizes, set here so the test does not depend on them
+    return p
+
+
+def chunks_of(program, first_chunk: str, seed: int = 5, max_tokens: int = 120) -> list:
+    eng = Engine(program, EngineLimits(max_batch_size=4, max_context=200, first_chunk=first_chunk))
+    rows = np.array(PROMPT, dtype="<i4")
+    sp = SamplingParams(max_tokens=max_tokens, min_tokens=100, constrained=True, seed=seed)
+    eng.add(Prompt("r", rows.tobytes(), len(rows), sp))
+    return [c for batch in eng.run_until_idle() for c in batch.chunks]
+
+
+def test_fastest_sends_one_frame_first_then_the_reference_windows_unchanged(program):
+    ref = chunks_of(program, "reference")
+    lead = chunks_of(program, "fastest")
+    assert [c.index for c in lead] == list(range(len(lead)))
+    first = np.frombuffer(lead[0].tokens, dtype="<i4")
+    assert len(first) == 7 and lead[0].noise_id == LEAD_NOISE_BASE + 7
+    # Window 0 (frame 1's audio) follows at once: the lead only added frame 0, which the
+    # reference never plays. Same tokens, same noise streams as without the lead.
+    assert [(c.tokens, c.noise_id) for c in lead[1:]] == [(c.tokens, c.noise_id) for c in ref]
+    assert np.array_equal(first, np.frombuffer(ref[0].tokens, dtype="<i4")[:7])
+
+
+def test_reference_mode_sends_no_lead(program):
+    ref = chunks_of(program, "reference")
+    assert all(len(c.tokens) == 28 * 4 for c in ref)
+    assert [c.noise_id for c in ref] == list(range(len(ref)))
+
+
+def test_a_longer_lead_replaces_the_regular_windows_it_covers(program):
+    eng = Engine(program, EngineLimits(max_batch_size=4, max_context=200, first_chunk="fastest"))
+    # Window j's audio starts at row 7j + 7: a 14-row lead covers window 0, a 21-row lead 0 and 1.
+    assert [eng._first_window_after(r) for r in (7, 14, 21)] == [0, 1, 2]
+
+
+def test_a_lead_is_sent_only_when_the_next_window_arrives_before_it_has_played():
+    # One Orpheus frame is 85.3 ms of audio; the next window comes 21 rows after a one-frame lead.
+    frame = 2048 / 24000
+    assert lead_fits(21, frame, 0.003)  # 3 ms steps: 63 ms (82 with margin) < 85 ms
+    assert not lead_fits(21, frame, 0.006)
+    assert lead_fits(21, 3 * frame, 0.009)  # a three-frame lead covers slower steps
+    assert not lead_fits(21, frame, 0.0)  # nothing measured yet: no lead
+
+
+def test_capacity_follows_the_measured_step_times():
+    clock = StepClock(rows_per_second=82.03, max_batch=512)
+    assert clock.capacity() == 512  # nothing measured: the configured maximum
+    for b, ms in ((64, 4.3), (128, 5.6), (256, 8.7)):
+        for _ in range(10):
+            clock.record(b, ms / 1000)
+    # Extrapolated: 256 + (0.92 * 12.19 - 8.7) / ((8.7 - 5.6) / 128) ≈ 348 streams.
+    assert 330 < clock.capacity() < 365
+    for _ in range(10):
+        clock.record(362, 12.5 / 1000)  # measured too slow there: interpolate below it
+    cap = clock.capacity()
+    assert 256 < cap < 362
+    assert clock.row_period() == pytest.approx(0.0125, rel=0.3)

@@ -1,0 +1,170 @@
+"""`GraphRunner` (prefill graphs per row bucket, decode graphs per batch size, one input arena)
+gives the eager runner's logits and KV pages, run on CPU against a stand-in for FlashInfer.
+
+The stand-in keeps the contract a CUDA graph relies on: a wrapper built with `use_cuda_graph` has
+fixed buffers and a fixed batch size, `plan` only refills those buffers (and refuses more rows than
+its first plan), `run` reads nothing but the buffers; a "graph" replays its captured function into
+the output tensor it returned at capture, reading the arena's device views. So the arena layout,
+the padding, the order plan → copy → replay and the prefill/decode split are checked here; the
+FlashInfer kernels themselves only on the GPU (bench/gpu_parity.py).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.attention import TorchPagedAttention
+from gpu_worker.engine import EngineLimits
+from gpu_worker.kv_cache import allocate_kv_cache, pages_for
+from gpu_worker.runner import EagerRunner, StepBatch
+from programs import get_spec, load_program_class
+
+PAGE = 16
+MAX_CONTEXT = 400
+
+
+class _Wrapper:
+    """FlashInfer's paged wrappers as far as the runtime uses them (NHD, causal, GQA)."""
+
+    decode = False
+
+    def __init__(self, workspace, layout, use_cuda_graph=False, use_tensor_cores=False, **bufs) -> None:
+        self.graph = use_cuda_graph
+        self.qo = bufs.get("qo_indptr_buf")
+        self.kvp = bufs.get("paged_kv_indptr_buf", bufs.get("paged_kv_indptr_buffer"))
+        self.idx = bufs.get("paged_kv_indices_buf", bufs.get("paged_kv_indices_buffer"))
+        self.last = bufs.get("paged_kv_last_page_len_buf", bufs.get("paged_kv_last_page_len_buffer"))
+        self.max_rows = None
+
+    def plan(self, *args, **kw) -> None:
+        qo, kvp, idx, last = (None, *args[:3]) if self.decode else args[:4]
+        n = len(kvp) - 1
+        qo = torch.arange(n + 1, dtype=torch.int32) if qo is None else qo
+        if not self.graph:
+            self.qo, self.kvp, self.idx, self.last = qo.clone(), kvp.clone(), idx.clone(), last.clone()
+            return
+        assert n == len(self.kvp) - 1, "cuda-graph wrappers keep their batch size"
+        self.max_rows = self.max_rows or int(qo[-1])
+        assert int(qo[-1]) <= self.max_rows, "more rows than the first plan"
+        if self.qo is not None:
+            self.qo.copy_(qo)
+        self.kvp.copy_(kvp)
+        self.last.copy_(last)
+        self.idx[: len(idx)].copy_(idx)
+
+    def run(self, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        qo = torch.arange(len(self.kvp), dtype=torch.int32) if self.decode else self.qo
+        assert q.shape[0] == int(qo[-1])
+        out = torch.zeros_like(q)
+        group = q.shape[1] // cache.shape[3]
+        for b in range(len(self.kvp) - 1):
+            pages = self.idx[int(self.kvp[b]) : int(self.kvp[b + 1])].long()
+            n_kv = (len(pages) - 1) * cache.shape[2] + int(self.last[b])
+            kv = cache[pages]  # [pages, 2, page, Hkv, D]
+            keys = kv[:, 0].reshape(-1, *kv.shape[-2:])[:n_kv].repeat_interleave(group, 1).transpose(0, 1)
+            vals = kv[:, 1].reshape(-1, *kv.shape[-2:])[:n_kv].repeat_interleave(group, 1).transpose(0, 1)
+            lo, hi = int(qo[b]), int(qo[b + 1])
+            q_pos = torch.arange(n_kv - (hi - lo), n_kv)
+            mask = torch.arange(n_kv)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(q[lo:hi].transpose(0, 1), keys, vals, attn_mask=mask)
+            out[lo:hi] = o.transpose(0, 1)
+        return out
+
+
+class _Decode(_Wrapper):
+    decode = True
+
+
+class _Graph:
+    def __init__(self, step, out) -> None:
+        self.step, self.out = step, out
+
+    def replay(self) -> None:
+        outs, new = (self.out, self.step()) if isinstance(self.out, tuple) else ((self.out,), (self.step(),))
+        for o, n in zip(outs, new, strict=True):
+            o.copy_(n)
+
+
+def _capture(step, pool):
+    out = step()
+    return _Graph(step, out), out
+
+
+@pytest.fixture(scope="module")
+def graph_runner_cls():
+    fake = types.ModuleType("flashinfer")
+    fake.BatchPrefillWithPagedKVCacheWrapper, fake.BatchDecodeWithPagedKVCacheWrapper = _Wrapper, _Decode
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "flashinfer", fake)
+        mp.setattr("gpu_worker.graphs.capture", _capture)
+        mp.setattr("gpu_worker.prefill_graphs.capture", _capture)
+        mp.setattr("gpu_worker.depth_graphs.capture", _capture)
+        mp.setattr("torch.cuda.graph_pool_handle", lambda: None)
+        mp.setattr("gpu_worker.graphs.WORKSPACE_BYTES", 16)
+        mp.setattr("gpu_worker.flashinfer_backend.WORKSPACE_BYTES", 16)
+        from gpu_worker.graphs import GraphRunner
+
+        yield GraphRunner
+
+
+@pytest.fixture(scope="module")
+def program():
+    p = load_program_class("orpheus-tiny")(get_spec("orpheus-tiny"), load_format="dummy")
+    p.load_lm()
+    return p
+
+
+def test_graph_runner_matches_eager_for_prefill_decode_and_mixed_steps(program, graph_runner_cls):
+    n_seq, per = 6, pages_for(MAX_CONTEXT + 1, PAGE)
+    shape = (program.num_layers, 1 + n_seq * per, PAGE, program.num_kv_heads, program.head_dim)
+    kv_g = allocate_kv_cache(*shape, torch.float32, "cpu")
+    kv_e = allocate_kv_cache(*shape, torch.float32, "cpu")
+    graphs = graph_runner_cls(program, kv_g, EngineLimits(max_batch_size=8, max_context=MAX_CONTEXT))
+    assert [r for r, _ in graphs.prefill.buckets] == [32, 64, 128, 256, 512]
+    eager = EagerRunner(program, TorchPagedAttention(kv_e, program.num_qo_heads))
+    rng = np.random.default_rng(0)
+    tables = [list(range(1 + i * per, 1 + (i + 1) * per))[::-1] for i in range(n_seq)]
+    # Sequence i: prompt length, step it joins at. Step 0 prefills 28 + 40 rows (bucket 128); step
+    # 2 mixes 2 prefills with 2 decodes; step 4 brings 300 + 250 rows (no bucket: eager prefill).
+    lens, joins = [28, 40, 7, 33, 300, 250], [0, 0, 2, 2, 4, 4]
+    seqs = [rng.integers(0, 1000, size=n + 8) for n in lens]
+    last_rows = torch.zeros(n_seq, 1, dtype=torch.int64)  # the device table of fed-back rows
+    for t in range(8):
+        pre = [i for i in range(n_seq) if joins[i] == t]
+        dec = [i for i in range(n_seq) if joins[i] < t]
+        ids, pos, rows, kv_lens = [], [], [], []
+        for i in pre:
+            ids += seqs[i][: lens[i]].tolist()
+            pos += list(range(lens[i]))
+            rows.append(lens[i])
+            kv_lens.append(lens[i])
+        for i in dec:
+            k = lens[i] + t - joins[i] - 1
+            ids.append(0)  # fed back on the device from last_rows
+            last_rows[i, 0] = int(seqs[i][k])
+            pos.append(k)
+            rows.append(1)
+            kv_lens.append(k + 1)
+        order = pre + dec
+        meta = np.array([order, [t - joins[i] for i in order], [lens[i] for i in order]], dtype=np.int64)
+        b = StepBatch(
+            np.array(ids, dtype=np.int64)[:, None],
+            np.array(pos, dtype=np.int64),
+            [0, *np.cumsum(rows).tolist()],
+            kv_lens,
+            [tables[i] for i in order],
+            len(pre),
+            meta=meta,
+            last_rows=last_rows,
+        )
+        got, got_meta, _ = graphs.forward(b)
+        want, want_meta, _ = eager.forward(b)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"step {t}")
+        assert got_meta.tolist() == want_meta.tolist() == meta.tolist()
+        torch.testing.assert_close(kv_g[:, 1:], kv_e[:, 1:], rtol=1e-4, atol=1e-4, msg=f"step {t}")
