@@ -99,6 +99,11 @@ class _InFlight:
     ready: torch.cuda.Event | None
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host → device without waiting for the stream (a plain `.to` from pageable memory does)."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 class Engine:
     def __init__(self, program: LMProgram, limits: EngineLimits, progress=None) -> None:
         self.program = program
@@ -328,7 +333,7 @@ class Engine:
         for group, use_candidates in groups:
             if not group:
                 continue
-            idx = torch.tensor(group, device=dev) if len(group) < n else slice(None)
+            idx = _to_device(torch.tensor(group), dev) if len(group) < n else slice(None)
             cand = self.program.candidates(self.slots.n_audio[slots[idx]]) if use_candidates else None
             rows = self.slots.rows(slots[idx], n_gen[idx], length[idx], cand)
             scores = logits[idx, 0]

@@ -21,11 +21,9 @@ def page_arrays(kv_lens: list[int], page_tables: list[list[int]], page_size: int
     n_pages = [-(-n // page_size) for n in kv_lens]
     indptr = np.zeros(len(kv_lens) + 1, dtype=np.int32)
     np.cumsum(n_pages, out=indptr[1:])
-    indices = np.fromiter(
-        (p for table, n in zip(page_tables, n_pages, strict=True) for p in table[:n]),
-        dtype=np.int32,
-        count=indptr[-1],
-    )
+    # One slice per request, not one Python step per page (13k pages at batch 400).
+    parts = [np.asarray(table[:n], dtype=np.int32) for table, n in zip(page_tables, n_pages, strict=True)]
+    indices = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
     last = np.array([n - (k - 1) * page_size for n, k in zip(kv_lens, n_pages, strict=True)], dtype=np.int32)
     return indptr, indices, last
 

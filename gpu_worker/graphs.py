@@ -49,10 +49,12 @@ def decode_buckets(max_batch: int, min_batch: int = 1) -> list[int]:
     return sorted({*(s for s in sizes if min_batch <= s < max_batch), max(min_batch, max_batch)})
 
 
-def decode_spans(bmax: int, n_codebooks: int) -> dict[str, int]:
+def decode_spans(bmax: int, n_codebooks: int, max_pages: int = 0) -> dict[str, int]:
     """Arena spans of the decode graphs; meta (slot, tokens sampled, prompt length) covers every
-    request of the step, prefill ones included."""
-    return {"ids": bmax * n_codebooks, "pos": bmax, "page": bmax, "off": bmax, "meta": 3 * bmax}
+    request of the step, prefill ones included; d_kv holds the decode batch's KV page indices
+    (last, so a decode-only step copies only the indices it uses)."""
+    spans = {"ids": bmax * n_codebooks, "pos": bmax, "page": bmax, "off": bmax, "meta": 3 * bmax}
+    return {**spans, "d_kv": max_pages}
 
 
 def fill_decode(arena: InputArena, dec: StepBatch, page_size: int) -> None:
@@ -90,8 +92,9 @@ class GraphRunner:
         buckets = prefill_buckets(limits.max_context)
         rows, reqs = buckets[-1]
         p_pages = max_prefill_pages(rows, reqs, limits.max_context, self.page_size)
-        self.arena = InputArena({**decode_spans(bmax, c), **prefill_spans(rows, reqs, c, p_pages)}, dev)
         max_pages = bmax * pages_for(limits.max_context, self.page_size) + bmax
+        spans = {**decode_spans(bmax, c, max_pages), **prefill_spans(rows, reqs, c, p_pages)}
+        self.arena = InputArena(spans, dev)
         self.kv_indptr = torch.zeros(bmax + 1, dtype=torch.int32, device=dev)
         self.kv_indices = torch.zeros(max_pages, dtype=torch.int32, device=dev)
         self.kv_last = torch.zeros(bmax, dtype=torch.int32, device=dev)
@@ -140,10 +143,16 @@ class GraphRunner:
 
             self.depth = DepthGraphs(program, self.sizes, progress)
 
-    def _plan(self, wrapper, indptr: np.ndarray, indices: np.ndarray, last: np.ndarray) -> None:
+    def _plan(
+        self, wrapper, indptr: np.ndarray, indices: np.ndarray | torch.Tensor, last: np.ndarray
+    ) -> None:
+        """`indices` on the device when planning a step: FlashInfer copies host indices with a
+        blocking copy, which would wait for the whole stream (all work queued before this step)."""
         p = self.program
+        if isinstance(indices, np.ndarray):
+            indices = torch.from_numpy(indices)
         wrapper.plan(
-            torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last),
+            torch.from_numpy(indptr), indices, torch.from_numpy(last),
             p.num_qo_heads, p.num_kv_heads, p.head_dim, self.page_size,
             q_data_type=self.kv_cache.dtype, kv_data_type=self.kv_cache.dtype, disable_split_kv=self.no_split_kv,
         )  # fmt: skip
@@ -176,10 +185,16 @@ class GraphRunner:
         lay = self.prefill.layout(pre) if pre is not None else None
         # 1. One copy of the arena: decode rows, meta, and the prefill rows when a graph runs them.
         a = self.arena
-        upto = a.total if lay is not None else a.end("meta")
+        if dec is not None:
+            bs = next(s for s in self.sizes if s >= n_dec)
+            pad = bs - n_dec
+            kv = page_arrays(dec.kv_lens + [1] * pad, dec.page_tables + [[0]] * pad, self.page_size)
+        n_kv = len(kv[1]) if dec is not None else 0
+        upto = a.total if lay is not None else a.spans["d_kv"][0] + n_kv
         a.begin(upto)
         if dec is not None:
             fill_decode(a, dec, self.page_size)
+            a.host_view("d_kv", n_kv).copy_(torch.from_numpy(kv[1]))
         if b.meta is not None:
             a.host_view("meta", b.meta.size).copy_(torch.from_numpy(b.meta.reshape(-1)))
         if lay is not None:
@@ -190,12 +205,8 @@ class GraphRunner:
         if lay is not None:
             self.prefill.plan(lay)
         if dec is not None:
-            bs = next(s for s in self.sizes if s >= n_dec)
             graph, wrapper, out = self.graphs[bs]
-            pad = bs - n_dec
-            self._plan(
-                wrapper, *page_arrays(dec.kv_lens + [1] * pad, dec.page_tables + [[0]] * pad, self.page_size)
-            )
+            self._plan(wrapper, kv[0], a.dev_view("d_kv", n_kv), kv[2])
         a.seal()
         # 3. Replay: prefill first (the capture order), then decode.
         parts, hiddens = [], []

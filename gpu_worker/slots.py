@@ -50,7 +50,9 @@ class SlotState:
         self.n_audio[slot] = 0
         ids = torch.from_numpy(prompt_ids.astype(np.int64))
         self.history[slot].fill_(int(ids[0]))
-        self.history[slot, : len(ids)] = ids.to(self.device)
+        if self.device.type == "cuda":  # pinned + non-blocking: no wait for the queued steps
+            ids = ids.pin_memory().to(self.device, non_blocking=True)
+        self.history[slot, : len(ids)] = ids
         return slot
 
     def release(self, slot: int) -> None:
