@@ -1,0 +1,61 @@
+"""CSM through `GraphRunner` (prefill and decode graphs returning hidden states, depth graphs per
+batch bucket with padded entries) generates the eager runner's frames, on CPU with the stand-ins
+for FlashInfer and CUDA graphs of test_graph_runner_replays_match_eager_on_cpu; greedy and sampled,
+requests joining a batch that is already decoding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from common.messages import Prompt, SamplingParams
+from gpu_worker.engine import Engine, EngineLimits
+from programs import get_spec, load_program_class
+from tests.test_graph_runner_replays_match_eager_on_cpu import graph_runner_cls  # noqa: F401 (fixture)
+
+LIMITS = dict(max_batch_size=4, max_context=200)
+
+
+@pytest.fixture(scope="module")
+def program():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: one thread is faster on a loaded machine
+    p = load_program_class("csm-tiny")(get_spec("csm-tiny"), load_format="dummy")
+    p.load_lm()
+    yield p
+    torch.set_num_threads(before)
+
+
+def prompts(program) -> list[Prompt]:
+    out = []
+    for i, (text, sp) in enumerate(
+        [
+            ("Hello there.", dict(temperature=0.0)),
+            ("A longer sentence, to speak slowly.", dict(temperature=0.9, top_k=50, seed=5)),
+            ("Yes.", dict(temperature=0.0)),
+        ]
+    ):
+        rows = program.preprocess(text, {"voice": str(i)}).astype("<i4")
+        out.append(Prompt(f"r{i}", rows.tobytes(), len(rows), SamplingParams(max_tokens=len(rows) + 7, **sp)))
+    return out
+
+
+def run(eng: Engine, batch: list[Prompt]) -> dict:
+    eng.outputs = {}
+    for i, p in enumerate(batch):
+        eng.add(p)
+        for _ in range(i):
+            eng.step()  # later requests join a batch that is already decoding
+    eng.run_until_idle()
+    return eng.outputs
+
+
+def test_graph_runner_frames_equal_the_eager_runner(program, graph_runner_cls):  # noqa: F811
+    eager = run(Engine(program, EngineLimits(**LIMITS)), prompts(program))
+    eng = Engine(program, EngineLimits(**LIMITS))
+    eng.runner = graph_runner_cls(program, eng.kv_cache, EngineLimits(**LIMITS))
+    assert eng.runner.depth is not None and eng.runner.depth.sizes == [1, 2, 4]
+    graphs = run(eng, prompts(program))
+    assert graphs == eager
+    assert all(np.array(frames).shape == (7, 32) for frames, _ in graphs.values())
