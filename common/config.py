@@ -210,26 +210,26 @@ OPTIONS: tuple[Option, ...] = (
         "constrained",
         "keep sampled tokens valid codes for their frame position (default: the model's choice)",
         ("serve", "gateway"),
-        Option(
-            "first_chunk",
-            "first audio: reference (first full codec window), adaptive (a short lead window when the "
-            "measured step rate keeps the stream fed) or fastest (always the shortest lead)",
-            ("serve", "gpu_worker"),
-            choices=("reference", "adaptive", "fastest"),
-        ),
-        Option(
-            "lm_head",
-            "full (whole vocabulary) or audio (logits only for codec tokens and stop: less work per step; "
-            "text tokens can no longer be sampled)",
-            ("serve", "gpu_worker"),
-            choices=("full", "audio"),
-        ),
-        Option(
-            "quantization",
-            "none, or fp8 (LM linear layers in float8 with per-channel scales; GPU with fp8 tensor cores)",
-            ("serve", "gpu_worker"),
-            choices=("none", "fp8"),
-        ),
+    Option(
+        "first_chunk",
+        "first audio: reference (first full codec window), adaptive (a short lead window when the "
+        "measured step rate keeps the stream fed) or fastest (always the shortest lead)",
+        ("serve", "gpu_worker"),
+        choices=("reference", "adaptive", "fastest"),
+    ),
+    Option(
+        "lm_head",
+        "full (whole vocabulary) or audio (logits only for codec tokens and stop: less work per step; "
+        "text tokens can no longer be sampled)",
+        ("serve", "gpu_worker"),
+        choices=("full", "audio"),
+    ),
+    Option(
+        "quantization",
+        "none, or fp8 (LM linear layers in float8 with per-channel scales; GPU with fp8 tensor cores)",
+        ("serve", "gpu_worker"),
+        choices=("none", "fp8"),
+    ),
         _parse_bool,
     ),
     Option("max_text_chars", "longest accepted text", ("serve", "gateway"), int),
