@@ -51,8 +51,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     max_queue: int = 1024  # requests waiting for a slot beyond this get 503
     queue_timeout: float = 30.0  # gateway: seconds a request may wait for a stream before a 503
     max_streams: int = 0  # gateway: active streams admitted at once (0 = what the gpu_workers measure)
-    zmq_curve_dir: str = ""  # every process: CURVE keys for tcp:// sockets (`voxpipe keys DIR`)
     api_key_file: str = ""  # gateway: file holding the HTTP API's Bearer key (or VOXPIPE_API_KEY)
+    zmq_curve_dir: str = ""  # every process: CURVE keys for tcp:// sockets (`voxpipe keys DIR`)
     log_level: str = "INFO"
     disable_cuda_graph: bool = False
     addresses: Addresses | None = None
@@ -207,10 +207,6 @@ OPTIONS: tuple[Option, ...] = (
     Option("page_size", "tokens per KV page", ("serve", "gpu_worker"), int),
     Option("num_pages", "0 = max-batch-size full contexts", ("serve", "gpu_worker"), int),
     Option(
-        "constrained",
-        "keep sampled tokens valid codes for their frame position (default: the model's choice)",
-        ("serve", "gateway"),
-    Option(
         "first_chunk",
         "first audio: reference (first full codec window), adaptive (a short lead window when the "
         "measured step rate keeps the stream fed) or fastest (always the shortest lead)",
@@ -230,6 +226,10 @@ OPTIONS: tuple[Option, ...] = (
         ("serve", "gpu_worker"),
         choices=("none", "fp8"),
     ),
+    Option(
+        "constrained",
+        "keep sampled tokens valid codes for their frame position (default: the model's choice)",
+        ("serve", "gateway"),
         _parse_bool,
     ),
     Option("max_text_chars", "longest accepted text", ("serve", "gateway"), int),

@@ -26,7 +26,11 @@ import io
 from typing import Any
 
 import numpy as np
-import soundfile as sf
+
+try:  # libsndfile through cffi; without it only wav and pcm are served (see available_formats)
+    import soundfile as sf
+except (ImportError, OSError):
+    sf = None
 
 from gateway.wav import wav_file, wav_header
 
@@ -152,6 +156,8 @@ class SoundfileEncoder(Encoder):
         super().__init__(fmt, streaming)
         major, subtype, extra = _LIBSNDFILE[fmt]
         self._sink = _Sink(self.streaming)
+        if sf is None:
+            raise RuntimeError(f"{fmt} needs the soundfile package (libsndfile), which is not installed")
         self._file: sf.SoundFile | None = sf.SoundFile(
             self._sink, "w", samplerate=sample_rate, channels=1, format=major, subtype=subtype, **extra
         )

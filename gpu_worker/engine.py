@@ -227,7 +227,10 @@ class Engine:
             "active_streams": len(self.running),
             "generated_tokens_total": self.tokens_total,
             "steps_total": self.step_count,
-            "stream_capacity": round(self.clock.capacity(), 1),
+            # On CPU (tests, demos) nothing is real time: admit by batch size, not by pace.
+            "stream_capacity": round(
+                self.clock.capacity() if self.device.type == "cuda" else self.limits.max_batch_size, 1
+            ),
             "row_period_ms": round(1000 * self.clock.row_period(), 3),
         }
 
@@ -249,11 +252,15 @@ class Engine:
 
     # --- one step ------------------------------------------------------------------------------
     def _admit(self) -> None:
-        prefill_rows = 0
+        prefill_rows = admitted = 0
+        cap = self.runner.max_prefills_per_step  # 0: no limit
         while self.waiting and len(self.running) < self.limits.max_batch_size:
             req = self.waiting[0]
             if prefill_rows and prefill_rows + len(req.prompt) > self.limits.max_prefill_rows:
                 break
+            if cap and admitted >= cap:
+                break
+            admitted += 1
             pages = self.allocator.alloc(pages_for(req.budget + 1, self.limits.page_size))
             if pages is None:
                 break  # wait for a running request to finish and free its pages

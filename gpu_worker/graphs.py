@@ -23,6 +23,7 @@ from gpu_worker.flashinfer_backend import WORKSPACE_BYTES, FlashInferAttention, 
 from gpu_worker.graph_io import GraphAttention, InputArena, capture
 from gpu_worker.kv_cache import pages_for
 from gpu_worker.prefill_graphs import (
+    MAX_PREFILL_REQS,
     PrefillGraphs,
     fill_prefill,
     max_prefill_pages,
@@ -72,6 +73,8 @@ def fill_decode(arena: InputArena, dec: StepBatch, page_size: int) -> None:
 class GraphRunner:
     """Replays a prefill graph for a step's prompt rows (eager when none holds them) and a decode
     graph for its fed-back rows, from one input arena sent with one host→device copy."""
+
+    max_prefills_per_step = MAX_PREFILL_REQS  # the engine admits no more new requests per step
 
     def __init__(
         self,

@@ -54,6 +54,8 @@ class StepBatch:
 class EagerRunner:
     """One ragged forward pass; logits only for each request's last row."""
 
+    max_prefills_per_step = 0  # any number of new requests per step
+
     def __init__(self, program: LMProgram, attn) -> None:
         self.program = program
         self.attn = attn

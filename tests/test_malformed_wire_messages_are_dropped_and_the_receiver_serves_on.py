@@ -200,16 +200,19 @@ def test_gateway_drops_malformed_messages_on_each_socket_and_serves_on(addrs, tm
             socks.append(dealer)
         socks.append(push)
         wait_dropped(proc, sent + 2)
-        # Still serving: the next valid status shows in /ready.
-        PushChannel(addrs.gateway_in).send(
-            ProcStatus(
-                name="codec_worker", role="codec_worker", pid=77, state=ProcState.READY, time=time.time()
-            )
-        )
-        deadline = time.monotonic() + 5
+        # Still serving: the next valid status shows in /ready (sent as a heartbeat is, repeatedly:
+        # a fresh PUSH socket may not be connected yet when its first send goes).
+        status = PushChannel(addrs.gateway_in)
+        socks.append(status._sock)
+        deadline = time.monotonic() + 10
         while not any(p["pid"] == 77 for p in get_json(base + "/ready")[1]["processes"]):
             assert time.monotonic() < deadline, "the gateway did not take the valid status"
-            time.sleep(0.05)
+            status.send(
+                ProcStatus(
+                    name="codec_worker", role="codec_worker", pid=77, state=ProcState.READY, time=time.time()
+                )
+            )
+            time.sleep(0.1)
         assert proc.popen.poll() is None
     finally:
         for s in socks:

@@ -51,7 +51,7 @@ def prefill_batch(lengths: list[int], seed: int) -> StepBatch:
 
 
 def arena_for(n_codebooks: int) -> InputArena:
-    rows, reqs = prefill_buckets(MAX_CONTEXT)[-1]
+    rows, reqs = prefill_buckets(MAX_CONTEXT, max_reqs=16)[-1]
     pages = max_prefill_pages(rows, reqs, MAX_CONTEXT, PAGE)
     return InputArena(
         {**decode_spans(8, n_codebooks), **prefill_spans(rows, reqs, n_codebooks, pages)}, "cpu"
@@ -61,7 +61,7 @@ def arena_for(n_codebooks: int) -> InputArena:
 def graph_emulation(program, kv: torch.Tensor, pre: StepBatch) -> torch.Tensor:
     """What the captured prefill graph computes, with torch attention planned like FlashInfer."""
     c = program.n_codebooks
-    bucket = pick_bucket(prefill_buckets(MAX_CONTEXT), pre.batch_size, pre.qo_indptr[-1])
+    bucket = pick_bucket(prefill_buckets(MAX_CONTEXT, max_reqs=16), pre.batch_size, pre.qo_indptr[-1])
     assert bucket is not None
     lay = prefill_layout(pre, *bucket, PAGE)
     rows, reqs = bucket
@@ -104,15 +104,19 @@ def test_padded_prefill_layout_gives_eager_logits_and_pages(program, lengths):
 
 
 def test_prefill_buckets_start_small_and_hold_a_whole_context():
-    assert prefill_buckets(1200) == [(32, 2), (64, 4), (128, 8), (256, 16), (512, 16), (1024, 16), (1536, 16)]
+    # The default: one request per graph (batch invariance); the layout supports more.
+    assert prefill_buckets(1200) == [(32, 1), (64, 1), (128, 1), (256, 1), (512, 1), (1024, 1), (1536, 1)]
+    assert prefill_buckets(1200, max_reqs=16) == [
+        (32, 2), (64, 4), (128, 8), (256, 16), (512, 16), (1024, 16), (1536, 16)
+    ]  # fmt: skip
     for max_context in (100, 1200, 2048, 4096):
-        buckets = prefill_buckets(max_context)
+        buckets = prefill_buckets(max_context, max_reqs=16)
         assert buckets[-1][0] >= max_context + buckets[-1][1] + 1
         assert pick_bucket(buckets, 1, max_context) is not None
 
 
 def test_pick_bucket_takes_the_smallest_that_fits_with_padding():
-    b = prefill_buckets(1200)
+    b = prefill_buckets(1200, max_reqs=16)
     assert pick_bucket(b, 1, 28) == (32, 2)  # 28 rows + 1 one-row pad + the last entry's row
     assert pick_bucket(b, 1, 30) == (32, 2)
     assert pick_bucket(b, 1, 31) == (64, 4)

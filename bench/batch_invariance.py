@@ -1,0 +1,52 @@
+"""GPU: greedy tokens of one request alone vs among 3, 17 and 40 others (graphs on, the serving
+defaults), the check of `bench/gpu_parity.py` section 3 on its own (a minute instead of several).
+
+    python -m bench.batch_invariance --out batch_invariance.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from bench.gpu_parity import greedy_batches
+from common.messages import Prompt, SamplingParams
+from gpu_worker.engine import Engine, EngineLimits
+from programs import get_spec, load_program_class
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="batch_invariance.json")
+    ap.add_argument("--lm-head", default="full")
+    args = ap.parse_args()
+    p = load_program_class("orpheus")(get_spec("orpheus"), load_format="dummy", device="cuda",
+                                      dtype=torch.bfloat16, lm_head=args.lm_head)  # fmt: skip
+    p.load_lm()
+
+    def prompt(rid, text, seed, max_tokens=300):
+        rows = p.preprocess(text, {}).astype("<i4")
+        sp = SamplingParams(temperature=0.0, repetition_penalty=1.3, seed=seed, max_tokens=max_tokens)
+        sp.constrained, sp.min_tokens = True, max_tokens
+        return Prompt(rid, rows.tobytes(), len(rows), sp)
+
+    def engine(**kw) -> Engine:
+        eng = Engine(p, EngineLimits(max_batch_size=64, max_context=1200, **kw))
+        eng.outputs = {}
+        return eng
+
+    res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%F"), "lm_head": args.lm_head}
+    res["greedy_alone_vs_batched"] = greedy_batches(engine, prompt, {})
+    res["ok"] = all(v["first_difference"] is None for v in res["greedy_alone_vs_batched"].values())
+    print(json.dumps(res), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    return 0 if res["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
