@@ -92,6 +92,10 @@ class Codec:
                 pcm, valid = run(tokens.reshape(len(part), rows, p.n_codebooks), keys)
                 for i, samples, ok in zip(part, pcm.astype("<i2"), valid, strict=True):
                     c = chunks[i]
+                    if c.n_rows:  # a request's padded last window: only its real rows' samples
+                        samples = samples[
+                            : c.n_rows * p.detok_samples // (p.detok_interval - p.detok_overlap)
+                        ]
                     out[i] = AudioChunk(c.rid, c.index, samples.tobytes() if ok else b"")
         return out  # type: ignore[return-value]
 

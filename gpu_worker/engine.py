@@ -379,6 +379,7 @@ class Engine:
             req.n_gen += 1
             self.tokens_total += 1
             if kind == _STOP:
+                self._flush(req, chunks)
                 self._finish(req, FinishReason.STOP)
                 continue
             req.generated.append(int(row[0]) if c == 1 else row.tolist())
@@ -399,8 +400,24 @@ class Engine:
                     req.n_chunks = 1
                     req.first_window = self._first_window_after(n)
             if len(req.prompt) + req.n_gen >= req.budget:
+                self._flush(req, chunks)
                 self._finish(req, FinishReason.LENGTH)
         return chunks
+
+    def _flush(self, req: Request, chunks: list[DetokChunk]) -> None:
+        """detok_flush: the rows past the request's last window (fewer than a stride) go out in
+        one more window, padded with the program's pad rows (no lead windows with detok_flush)."""
+        p = self.program
+        if not p.detok_flush:
+            return
+        j, s = req.n_chunks, self._chunk_stride
+        start, end = j * s, j * s + p.detok_interval  # window j; its audio is its last s rows
+        r = req.n_audio - (end - s)
+        if r <= 0:
+            return
+        window = np.concatenate([req.audio[start : req.n_audio], p.pad_rows(end - req.n_audio)]).astype("<i4")
+        chunks.append(DetokChunk(req.rid, j, req.sp.seed, window.tobytes(), j, n_rows=r))
+        req.n_chunks += 1
 
     # --- lead windows --------------------------------------------------------------------------
     def _first_window_after(self, lead_rows: int) -> int:

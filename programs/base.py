@@ -37,11 +37,17 @@ and handed to `classify`. With C = 1 the runtime does not call `decode_tokens`.
 Audio chunks: the runtime counts the rows classified AUDIO per request (`n_audio`). Chunk j holds
 audio rows [j*s, j*s + detok_interval) with s = detok_interval - detok_overlap and is sent to the
 codec as soon as row j*s + detok_interval - 1 exists; each chunk returns only the samples it adds
-(`detok_samples`). With `detok_preseed` = P > 0, every request's audio starts with the P rows of
-`preseed_rows()` (then the first chunk comes after detok_interval - P real rows instead of
-detok_interval, and a window with overlap P covers the start of the stream). A chunk whose `valid` is False yields no audio (the reference drops such
+(`detok_samples`). A chunk whose `valid` is False yields no audio (the reference drops such
 windows). `keys` are per-chunk noise seeds derived from the request's seed and the chunk index, so
 a seed fixes the audio as well as the tokens.
+
+Stream edges (for codecs that must decode every row, like Mimi): with `detok_preseed` = P > 0,
+every request's audio starts with P `pad_rows` (so the first chunk comes after
+detok_interval - P real rows, and a window with overlap P covers the start of the stream). With
+`detok_flush`, a request that ends with r rows (0 < r < s) past its last window gets one more:
+rows [j*s, n) followed by pad rows, sent with `DetokChunk.n_rows` = r; the codec_worker keeps the
+first r * detok_samples / s samples of what it adds. That needs a causal codec (samples never
+depend on later rows), so trailing pad rows change nothing before them. Both exclude lead windows.
 
 Lead windows (for a fast first chunk): `detok_lead` lists the row counts R a request's first
 chunk may have instead (() when the program has none). A lead window holds audio rows [0, R),
@@ -115,6 +121,7 @@ class LMProgram:
     head_ids: torch.Tensor | None = None  # [V'] token id of each logits column (None: all of V)
     sample_rate: int = 24000
     detok_preseed: int = 0  # pad rows before a request's first audio row (see preseed_rows)
+    detok_flush: bool = False  # a request's last rows short of a window go out in a padded one
     # False: the model has no repetition penalty; requests' repetition_penalty is ignored, and
     # prompt ids need not be sampleable ids (input_vocab_size may exceed vocab_size).
     uses_repetition_penalty: bool = True
@@ -153,8 +160,12 @@ class LMProgram:
         self.sample_rate = spec["sample_rate"]
         self.n_codebooks = spec.get("n_codebooks", 1)
         self.detok_preseed = spec.get("detok_preseed", 0)
-        if self.detok_preseed and self.detok_lead:
-            raise ValueError(f"{spec['name']}: detok_preseed and detok_lead are alternatives; set one")
+        self.detok_flush = bool(spec.get("detok_flush", False))
+        if (self.detok_preseed or self.detok_flush) and self.detok_lead:
+            raise ValueError(f"{spec['name']}: detok_preseed/detok_flush and detok_lead are alternatives")
+        stride = self.detok_interval - self.detok_overlap
+        if self.detok_flush and self.detok_samples % stride:
+            raise ValueError(f"{spec['name']}: detok_flush needs detok_samples divisible by the stride")
         if codec_dtype != "auto":
             if codec_dtype not in CODEC_DTYPES:
                 raise ValueError(
@@ -210,9 +221,14 @@ class LMProgram:
     def detokenize(self, tokens: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    def pad_rows(self, n: int) -> np.ndarray:
+        """[n, C] int32 rows the codec reads as "no audio here": before a request's first audio row
+        (detok_preseed) and after its last (detok_flush)."""
+        return np.zeros((n, self.n_codebooks), dtype=np.int32)
+
     def preseed_rows(self) -> np.ndarray:
         """[detok_preseed, C] int32 rows placed before a request's first audio row."""
-        return np.zeros((self.detok_preseed, self.n_codebooks), dtype=np.int32)
+        return self.pad_rows(self.detok_preseed)
 
     # --- prompts (tokenizer_worker) ------------------------------------------------------------
     def preprocess(self, text: str, model_kwargs: dict[str, str]) -> np.ndarray:

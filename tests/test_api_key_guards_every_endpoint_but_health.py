@@ -103,5 +103,3 @@ async def _speak(base: str, headers: dict[str, str]) -> tuple[int, bytes]:
     async with aiohttp.ClientSession(headers=headers) as s:
         async with s.post(base + "/generate", json={"text": "Hi.", "max_tokens": 60}) as r:
             return r.status, await r.read()
-
-

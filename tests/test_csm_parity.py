@@ -1,7 +1,8 @@
 """CSM through the gpu_worker engine equals transformers' CsmForConditionalGeneration for the same
 random weights (csm-tiny, CPU fp32): greedy frames (backbone and depth decoder) alone and inside a
 batch of staggered requests, a prompt with a context turn carrying audio, the all-zero stop frame;
-and the audio of the streamed Mimi windows equals `generate(output_audio=True)`'s whole decode."""
+and the audio of the streamed Mimi windows (the last one padded past the end) equals
+`generate(output_audio=True)`'s whole decode."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ import pytest
 import torch
 from transformers import CsmConfig, CsmForConditionalGeneration
 
+from codec_worker.worker import Codec
 from common.messages import FinishReason, Prompt, SamplingParams
 from gpu_worker.engine import Engine, EngineLimits
 from programs import get_spec, load_program_class
+from programs.base import pcm16
 from programs.csm.codec import MimiCodec
 from programs.csm.model import CsmLM
 from programs.csm.spec import TEXT_MARK
@@ -160,7 +163,7 @@ def test_sampled_frames_do_not_depend_on_the_batch(program):
 
 
 def test_streamed_windows_equal_the_whole_mimi_decode(hf, program):
-    new = 12  # 12 frames: chunks after 4, 8 and 12 of them
+    new = 14  # windows after 4, 8 and 12 frames, then the last 2 frames in a padded window
     with torch.no_grad():
         out = hf.generate(
             torch.tensor([TEXTS["c"]]),
@@ -170,15 +173,18 @@ def test_streamed_windows_equal_the_whole_mimi_decode(hf, program):
             output_audio=True,
             return_dict_in_generate=True,
         )
-    frames = out.sequences[0]
-    assert (frames < 2048).all(), "greedy frames of these weights are all decodable"
+    assert (out.sequences[0] < 2048).all(), "greedy frames of these weights are all decodable"
     eng = run(program, [make_prompt("c", text_rows(TEXTS["c"]), new, temperature=0.0)])
     chunks = [c for b in eng.batches for c in b.chunks]
-    assert [c.index for c in chunks] == [0, 1, 2]
-    windows = np.stack([np.frombuffer(c.tokens, dtype="<i4") for c in chunks]).reshape(3, 12, 32)
-    audio, valid = program.detokenize(torch.from_numpy(windows).long(), torch.zeros(3, dtype=torch.long))
+    assert [(c.index, c.n_rows) for c in chunks] == [(0, 0), (1, 0), (2, 0), (3, 2)]
+    windows = torch.from_numpy(np.stack([np.frombuffer(c.tokens, dtype="<i4") for c in chunks])).long()
+    audio, valid = program.detokenize(windows.reshape(4, 12, 32), torch.zeros(4, dtype=torch.long))
     assert valid.all()
-    streamed = audio.reshape(-1)
+    streamed = torch.cat([a[: (c.n_rows or 4) * 1920] for a, c in zip(audio, chunks, strict=True)])
     reference = out.audio[0]  # transformers: MimiModel.decode of the whole stream
     assert streamed.shape == reference.shape == (new * 1920,)
     assert (streamed - reference).abs().max() < 1e-4
+    # The codec_worker's path (PCM16, the last window cut to its 2 frames) gives the same audio.
+    pcm = np.concatenate([np.frombuffer(a.pcm, dtype="<i2") for a in Codec(program).decode(chunks)])
+    want = pcm16(reference).numpy()
+    assert len(pcm) == len(want) and np.abs(pcm.astype(np.int32) - want).max() <= 1

@@ -1,5 +1,5 @@
 """csm-tiny served through every process (gateway → tokenizer pool → gpu_worker → codec_worker):
-the OpenAI endpoint returns a 24 kHz WAV of whole Mimi windows for a speaker and a context turn,
+the OpenAI endpoint returns a 24 kHz WAV of whole Mimi frames for a speaker and a context turn,
 and the context option is checked by the program (a bad one is a 400 naming the problem)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import soundfile as sf
 
 from tests.conftest import Server
 
-WINDOW = 4 * 1920  # samples each Mimi window adds (4 frames of 1920)
+FRAME = 1920  # samples per Mimi frame
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ async def speech(base: str, **body) -> tuple[int, bytes]:
             return r.status, await r.read()
 
 
-async def test_a_speaker_with_context_gets_a_wav_of_whole_mimi_windows(csm_server):
+async def test_a_speaker_with_context_gets_a_wav_of_whole_mimi_frames(csm_server):
     context = [
         {
             "speaker": 0,
@@ -45,7 +45,7 @@ async def test_a_speaker_with_context_gets_a_wav_of_whole_mimi_windows(csm_serve
     assert status == 200, wav
     audio, rate = sf.read(io.BytesIO(wav), dtype="int16")
     assert rate == 24000
-    assert len(audio) > 0 and len(audio) % WINDOW == 0
+    assert len(audio) > 0 and len(audio) % FRAME == 0
     assert np.abs(audio.astype(np.int32)).max() > 0
     again_status, again = await speech(csm_server.base, **body)
     assert again_status == 200 and again == wav, "same seed, same audio"

@@ -52,10 +52,12 @@ class MimiCodec:
 
         Leading pad frames (the runtime's preseed) stand for "no earlier audio": a window with p of
         them is decoded from its first real frame on, as the whole-stream decode starts, so the
-        start of a stream matches it exactly. One decode per possible p keeps shapes static."""
-        pad = (tokens == self.pad_code).all(dim=2).long().cumprod(dim=1).bool()  # [Bd, T] leading pads
-        n_pad = pad.sum(dim=1)  # [Bd]
-        valid = ((tokens < self.codebook_size) | pad[:, :, None]).all(dim=2).all(dim=1)  # [Bd]
+        start of a stream matches it exactly. One decode per possible p keeps shapes static.
+        Trailing pad frames (a stream's last, flushed window) are decoded as code 0: Mimi is
+        causal, so they change no sample before them, and the runtime drops their own."""
+        is_pad = (tokens == self.pad_code).all(dim=2)  # [Bd, T]
+        n_pad = is_pad.long().cumprod(dim=1).sum(dim=1)  # [Bd] leading pads
+        valid = ((tokens < self.codebook_size) | is_pad[:, :, None]).all(dim=2).all(dim=1)  # [Bd]
         codes = tokens.clamp(0, self.codebook_size - 1).transpose(1, 2)  # [Bd, 32, T]
         keep = self.stride * self.samples_per_frame
         audio = None

@@ -3,8 +3,9 @@ codebooks 1..31, Mimi 24 kHz. See programs/csm/spec.py for the row layout and th
 
 The contract pieces it uses beyond a single-codebook model (programs/base.py): `decode_tokens`
 (the depth decoder, inside the step), `input_vocab_size` (text rows carry text ids),
-`uses_repetition_penalty = False` (the reference has none), `detok_preseed` (pad frames before the
-first frame, so the first Mimi window comes early) and a `classify` on the whole frame.
+`uses_repetition_penalty = False` (the reference has none), `detok_preseed` and `detok_flush`
+(pad frames before the first frame and after the last, so Mimi decodes every frame of a stream,
+the first window early) and a `classify` on the whole frame.
 
 Request options (model_kwargs): `voice` = the speaker id (0..9) and `context`, a JSON list of earlier
 turns `[{"speaker": 1, "text": "…", "codes": [[32 codes] per frame]}]`: each becomes the reference's
@@ -120,10 +121,10 @@ class CsmProgram(LMProgram):
         """[Bd, 12, 32] frames → audio [Bd, 4 * 1920] (Mimi has no noise: keys unused), valid [Bd]."""
         return self.codec.decode_window(tokens)
 
-    def preseed_rows(self) -> np.ndarray:
-        """Pad frames (codebook_pad_token_id 2050) before the first frame: the codec reads them as
-        "no earlier audio" (programs/csm/codec.py)."""
-        return np.full((self.detok_preseed, N_CODEBOOKS), PAD_CODE, dtype=np.int32)
+    def pad_rows(self, n: int) -> np.ndarray:
+        """Pad frames (codebook_pad_token_id 2050) before a stream's first frame and after its last:
+        the codec reads them as "no audio here" (programs/csm/codec.py)."""
+        return np.full((n, N_CODEBOOKS), PAD_CODE, dtype=np.int32)
 
     # --- prompts (tokenizer_worker) ------------------------------------------------------------
     def _turn(self, speaker: str, text: str) -> list[list[int]]:

@@ -30,10 +30,12 @@ _COMMON = {
     "sample_rate": 24000,
     # Mimi windows: each chunk decodes 12 frames and keeps the samples of its last 4 (320 ms), so
     # every kept sample has at least 8 frames (640 ms) of codec context. 8 pad frames go before a
-    # request's first frame, so the first chunk needs only 4 generated frames.
+    # request's first frame, so the first chunk needs only 4 generated frames; the last 1-3 frames
+    # of a stream go out in one more window padded past the end, so every frame is decoded.
     "detok_interval": 12,
     "detok_overlap": 8,
     "detok_preseed": 8,
+    "detok_flush": True,
     "detok_samples": 4 * SAMPLES_PER_FRAME,
     # Codebook-0 code 0 is what a stop frame starts with: the sampler masks it until min_tokens
     # (the stop itself is decided on the whole frame, in CsmProgram.classify).
