@@ -71,6 +71,9 @@ class CsmProgram(LMProgram):
     def load_lm(self) -> None:
         from programs.csm.model import CsmLM
 
+        # lm_head "audio" is what CSM's head is already (2051 codes); fp8 is not implemented here.
+        if self.quantization != "none":
+            raise ValueError(f"{self.name} runs with --quantization none (got {self.quantization!r})")
         if self.load_format == "dummy" or self.weights is None:
             self.lm = CsmLM.dummy(_read_config(self.spec["lm_config"]), self.dtype, self.device)
         else:
