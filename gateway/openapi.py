@@ -195,6 +195,20 @@ def document(gateway: Gateway) -> dict[str, Any]:
     }
 
 
+def _secure(doc: dict[str, Any]) -> dict[str, Any]:
+    """With an API key: a bearer scheme for every operation but /health and /ready, and their 401."""
+    doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    doc["security"] = [{"bearer": []}]
+    for path, ops in doc["paths"].items():
+        for op in ops.values():
+            if path in ("/health", "/ready"):
+                op["security"] = []
+            else:
+                shape = "OpenAIError" if path.startswith("/v1/") else "Error"
+                op["responses"].update(_errors(shape, {401: "No valid Authorization: Bearer key."}))
+    return doc
+
+
 def _object(properties: dict[str, Any]) -> dict[str, Any]:
     return {"type": "object", "properties": properties, "required": list(properties)}
 
@@ -212,6 +226,8 @@ def _version() -> str:
 
 def add_routes(app: web.Application, gateway: Gateway) -> None:
     doc = document(gateway)  # fixed for the life of the app: it depends only on the config
+    if gateway.requires_key:
+        doc = _secure(doc)
 
     async def handle_openapi(request: web.Request) -> web.Response:
         return web.json_response(doc)

@@ -85,6 +85,7 @@ class Gateway:
         self.metrics = GatewayMetrics(self.procs, self.admission)
         self.created = int(time.time())
         self.closing = False  # set on shutdown: no new segments are submitted
+        self.requires_key = False  # an API key guards the HTTP API (gateway.auth)
         self._pending: dict[str, Pending] = {}
         self._tasks: set[asyncio.Task[Any]] = set()  # background sends, kept so they are not GC'd
         self._inbox_task: asyncio.Task[None] | None = None
@@ -408,6 +409,7 @@ def build_app(
     key = auth.load_api_key(cfg)
     if key is not None:
         middlewares.append(auth.middleware(key, error_body))
+        gateway.requires_key = True
         log.info("the HTTP API requires a Bearer key (except /health and /ready)")
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
     app[GATEWAY] = gateway

@@ -20,6 +20,11 @@ import math
 import time
 
 _MIN_SAMPLES = 8  # steps measured in a bucket before it counts
+# A bucket not measured for this long stops counting. Admission keeps batches below the capacity,
+# so a large batch once measured slow (a burst of prefills, say) would otherwise cap the capacity
+# for good: measured on the H200, one such moment held a server to ~140 streams for minutes while
+# its steady step times allowed ~350. Forgetting it lets admission probe that batch size again.
+STALE_S = 20.0
 
 
 def _bucket(batch: int) -> int:
@@ -36,6 +41,7 @@ class StepClock:
         self.headroom = headroom
         self._ema: dict[int, float] = {}
         self._count: dict[int, int] = {}
+        self._seen: dict[int, float] = {}  # bucket → perf_counter of its last measurement
         self._recent = 0.0  # EMA of the interval at whatever the batch was lately
         self._last: float | None = None
 
@@ -46,9 +52,13 @@ class StepClock:
         if last is not None and batch:  # else the engine was idle in between: not a step
             self.record(batch, now - last)
 
-    def record(self, batch: int, dt: float) -> None:
+    def record(self, batch: int, dt: float, now: float | None = None) -> None:
         """One step of `batch` requests took `dt` seconds from the previous one."""
         key = _bucket(batch)
+        now = time.perf_counter() if now is None else now
+        if now - self._seen.get(key, now) > STALE_S:
+            self._count[key] = 0  # stale: start this bucket's average afresh
+        self._seen[key] = now
         n = self._count.get(key, 0)
         self._count[key] = n + 1
         # Average the first samples plainly, then track drift (graphs warming up, context growth).
@@ -60,10 +70,15 @@ class StepClock:
         """Seconds per row at the current load (0.0 before any step was measured)."""
         return self._recent
 
-    def capacity(self) -> float:
+    def capacity(self, now: float | None = None) -> float:
         """Concurrent streams this worker can keep real time (max_batch until measured)."""
         budget = self.headroom * self.period
-        points = sorted((k, v) for k, v in self._ema.items() if self._count[k] >= _MIN_SAMPLES)
+        now = time.perf_counter() if now is None else now
+        points = sorted(
+            (k, v)
+            for k, v in self._ema.items()
+            if self._count[k] >= _MIN_SAMPLES and now - self._seen[k] <= STALE_S
+        )
         if not points:
             return float(self.max_batch)
         fitting = [k for k, v in points if v <= budget]

@@ -66,6 +66,9 @@ async def test_the_right_key_passes(client: TestClient) -> None:
         assert resp.status == 200, path
     resp = await client.post("/generate", headers=auth, json={"text": ""})
     assert resp.status == 400  # past the key, on to validation
+    doc = await (await client.get("/openapi.json", headers=auth)).json()
+    assert doc["security"] == [{"bearer": []}] and doc["paths"]["/health"]["get"]["security"] == []
+    assert "401" in doc["paths"]["/v1/audio/speech"]["post"]["responses"]
 
 
 def test_an_empty_key_file_is_refused_at_startup(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from common.messages import LEAD_NOISE_BASE, Prompt, SamplingParams
 from gpu_worker.engine import Engine, EngineLimits
-from gpu_worker.pacing import StepClock, lead_fits
+from gpu_worker.pacing import STALE_S, StepClock, lead_fits
 from programs import get_spec, load_program_class
 
 PROMPT = [128259, 300, 301, 302, 128009, 128260, 128261, 128257]
@@ -76,3 +76,18 @@ def test_capacity_follows_the_measured_step_times():
     cap = clock.capacity()
     assert 256 < cap < 362
     assert clock.row_period() == pytest.approx(0.0125, rel=0.3)
+
+
+def test_a_batch_measured_slow_long_ago_stops_capping_the_capacity():
+    clock = StepClock(rows_per_second=82.03, max_batch=512)
+    for b, ms in ((64, 4.3), (128, 5.6)):
+        for _ in range(10):
+            clock.record(b, ms / 1000, now=100.0)
+    for _ in range(10):
+        clock.record(181, 14.0 / 1000, now=100.0)  # a burst: slow steps at 181
+    assert clock.capacity(now=101.0) < 181
+    for b, ms in ((64, 4.3), (128, 5.6)):  # admission kept batches small since
+        for _ in range(10):
+            clock.record(b, ms / 1000, now=100.0 + STALE_S + 5)
+    # The old slow bucket no longer counts: extrapolate from what is current, and probe again.
+    assert clock.capacity(now=100.0 + STALE_S + 5) > 181
