@@ -25,7 +25,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import msgspec
 import numpy as np
 import torch
 
@@ -43,6 +42,7 @@ from gpu_worker.pacing import StepClock, lead_fits
 from gpu_worker.runner import StepBatch, make_runner
 from gpu_worker.sampler import HeadColumns, sample_rows
 from gpu_worker.slots import SlotState
+from gpu_worker.stream_edges import flush_window
 from programs.base import LMProgram, TokenKind
 
 log = logging.getLogger(__name__)
@@ -266,7 +266,7 @@ class Engine:
                 break  # wait for a running request to finish and free its pages
             self.waiting.popleft()
             req.pages = pages
-            req.slot = self.slots.admit(*self._sampling_state(req))
+            req.slot = self.slots.admit(req.sp, req.prompt[:, 0], self.program.uses_repetition_penalty)
             p = self.program
             req.audio = np.zeros((p.detok_preseed + req.budget, p.n_codebooks), dtype="<i4")
             req.audio[: p.detok_preseed] = p.preseed_rows()
@@ -274,13 +274,6 @@ class Engine:
             req.admitted_at = time.time()
             self.running[req.rid] = req
             prefill_rows += len(req.prompt)
-
-    def _sampling_state(self, req: Request) -> tuple[SamplingParams, np.ndarray]:
-        """What a slot is admitted with: the params, and the codebook-0 history for the penalty."""
-        if self.program.uses_repetition_penalty:
-            return req.sp, req.prompt[:, 0]
-        # No penalty: prompt ids may lie outside the sampled vocabulary, so none enter the history.
-        return msgspec.structs.replace(req.sp, repetition_penalty=1.0), np.zeros(1, dtype=np.int64)
 
     def step(self) -> DetokBatch | None:
         """Launch the next step, then collect the previous one; what it produced, or None."""
@@ -405,19 +398,11 @@ class Engine:
         return chunks
 
     def _flush(self, req: Request, chunks: list[DetokChunk]) -> None:
-        """detok_flush: the rows past the request's last window (fewer than a stride) go out in
-        one more window, padded with the program's pad rows (no lead windows with detok_flush)."""
-        p = self.program
-        if not p.detok_flush:
-            return
-        j, s = req.n_chunks, self._chunk_stride
-        start, end = j * s, j * s + p.detok_interval  # window j; its audio is its last s rows
-        r = req.n_audio - (end - s)
-        if r <= 0:
-            return
-        window = np.concatenate([req.audio[start : req.n_audio], p.pad_rows(end - req.n_audio)]).astype("<i4")
-        chunks.append(DetokChunk(req.rid, j, req.sp.seed, window.tobytes(), j, n_rows=r))
-        req.n_chunks += 1
+        """detok_flush: rows past the last window go out in one more, padded (see programs/base.py)."""
+        chunk = flush_window(self.program, req.rid, req.sp.seed, req.audio[: req.n_audio], req.n_chunks)
+        if chunk is not None:
+            chunks.append(chunk)
+            req.n_chunks += 1
 
     # --- lead windows --------------------------------------------------------------------------
     def _first_window_after(self, lead_rows: int) -> int:

@@ -8,6 +8,7 @@ Python lists of every request's history.
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import torch
 
@@ -36,9 +37,13 @@ class SlotState:
         self.n_audio = torch.zeros(num_slots, **i64)  # [S] rows classified AUDIO so far
         self._free = list(range(num_slots - 1, -1, -1))
 
-    def admit(self, sp: SamplingParams, prompt_ids: np.ndarray) -> int:
-        """Claim a slot for a request whose codebook-0 prompt ids are `prompt_ids` [R]."""
+    def admit(self, sp: SamplingParams, prompt_ids: np.ndarray, penalty: bool = True) -> int:
+        """Claim a slot for a request whose codebook-0 prompt ids are `prompt_ids` [R]. With
+        `penalty` False (a program without one) the penalty is off and the prompt stays out of the
+        history: its ids need not be sampleable (CSM's text rows)."""
         slot = self._free.pop()
+        if not penalty:
+            sp, prompt_ids = msgspec.structs.replace(sp, repetition_penalty=1.0), np.zeros(1, np.int64)
         self.temperature[slot] = sp.temperature
         self.top_p[slot] = sp.top_p
         self.min_p[slot] = sp.min_p
