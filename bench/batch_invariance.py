@@ -13,9 +13,7 @@ import time
 
 import torch
 
-from bench.gpu_parity import greedy_batches
-from common.messages import Prompt, SamplingParams
-from gpu_worker.engine import Engine, EngineLimits
+from bench.gpu_parity import greedy_batches, greedy_setup
 from programs import get_spec, load_program_class
 
 
@@ -27,18 +25,7 @@ def main() -> int:
     p = load_program_class("orpheus")(get_spec("orpheus"), load_format="dummy", device="cuda",
                                       dtype=torch.bfloat16, lm_head=args.lm_head)  # fmt: skip
     p.load_lm()
-
-    def prompt(rid, text, seed, max_tokens=300):
-        rows = p.preprocess(text, {}).astype("<i4")
-        sp = SamplingParams(temperature=0.0, repetition_penalty=1.3, seed=seed, max_tokens=max_tokens)
-        sp.constrained, sp.min_tokens = True, max_tokens
-        return Prompt(rid, rows.tobytes(), len(rows), sp)
-
-    def engine(**kw) -> Engine:
-        eng = Engine(p, EngineLimits(max_batch_size=64, max_context=1200, **kw))
-        eng.outputs = {}
-        return eng
-
+    prompt, engine = greedy_setup(p)
     res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%F"), "lm_head": args.lm_head}
     res["greedy_alone_vs_batched"] = greedy_batches(engine, prompt, {})
     res["ok"] = all(v["first_difference"] is None for v in res["greedy_alone_vs_batched"].values())

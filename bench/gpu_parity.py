@@ -59,6 +59,24 @@ VARIANTS = {
 }
 
 
+def greedy_setup(program):
+    """(prompt factory, engine factory) for the greedy checks: constrained greedy requests of
+    `max_tokens` tokens each, engines that keep every request's output."""
+
+    def prompt(rid, text, seed, max_tokens=300):
+        rows = program.preprocess(text, {}).astype("<i4")
+        sp = SamplingParams(temperature=0.0, repetition_penalty=1.3, seed=seed, max_tokens=max_tokens)
+        sp.constrained, sp.min_tokens = True, max_tokens
+        return Prompt(rid, rows.tobytes(), len(rows), sp)
+
+    def engine(**kw) -> Engine:
+        eng = Engine(program, EngineLimits(max_batch_size=64, max_context=1200, **kw))
+        eng.outputs = {}
+        return eng
+
+    return prompt, engine
+
+
 def greedy_batches(engine, prompt, kw: dict) -> dict:
     """One greedy request alone, then among 3, 17 and 40 others joining at different steps."""
     eng = engine(**kw)
@@ -168,17 +186,7 @@ def main() -> int:
     ok &= prefill_ok
 
     # 3. Greedy tokens alone vs in batches (constrained, so the tokens are real audio codes).
-    def prompt(rid, text, seed, max_tokens=300):
-        rows = fast.preprocess(text, {}).astype("<i4")
-        sp = SamplingParams(temperature=0.0, repetition_penalty=1.3, seed=seed, max_tokens=max_tokens)
-        sp.constrained, sp.min_tokens = True, max_tokens
-        return Prompt(rid, rows.tobytes(), len(rows), sp)
-
-    def engine(**kw) -> Engine:
-        eng = Engine(fast, EngineLimits(max_batch_size=64, max_context=1200, **kw))
-        eng.outputs = {}
-        return eng
-
+    prompt, engine = greedy_setup(fast)
     batch_match = {}
     for name, kw in VARIANTS.items():
         batch_match[name] = greedy_batches(engine, prompt, kw)

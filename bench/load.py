@@ -165,6 +165,7 @@ def plot(curve: list[dict], key: str, path: str) -> bool:
     ax.plot(x, [p["ttfa_p99_ms"] for p in curve], "s--", label="TTFA p99 (ms)")
     ax.set_xlabel(key)
     ax.set_ylabel("ms")
+    ax.set_yscale("log")
     ax2 = ax.twinx()
     ax2.plot(x, [100 * p["on_time_share"] for p in curve], "g^-", label="on time (%)")
     ax2.set_ylabel("% of requests fully on time")

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from common.graphs import capture
 from programs.base import LMProgram, pcm16
 
 log = logging.getLogger(__name__)
@@ -72,14 +73,7 @@ class DetokGraphs:
             audio, valid = self.program.detokenize(self.tokens[:bs], self.keys[:bs])
             return pcm16(audio), valid
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            pcm, valid = step()
+        graph, (pcm, valid) = capture(step, self.pool)
         return graph, pcm, valid
 
     def decode(self, tokens: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from gpu_worker.graph_io import capture
+from common.graphs import capture
 from gpu_worker.sampler import SamplingRows, depth_sampler
 from programs.base import LMProgram
 

@@ -155,29 +155,40 @@ class Engine:
 
     # --- requests in and out -------------------------------------------------------------------
     def add(self, prompt: Prompt) -> None:
-        rows = np.frombuffer(prompt.tokens, dtype="<i4").astype(np.int64)
-        rows = rows.reshape(prompt.n_rows, self.program.n_codebooks)
+        c = self.program.n_codebooks
+        if prompt.n_rows < 0 or len(prompt.tokens) != 4 * c * prompt.n_rows:
+            self.reject(
+                prompt.rid, f"prompt holds {len(prompt.tokens)} bytes, not {prompt.n_rows} rows of {c}"
+            )
+            return
+        rows = np.frombuffer(prompt.tokens, dtype="<i4").astype(np.int64).reshape(prompt.n_rows, c)
         budget = min(prompt.sampling.max_tokens, self.limits.max_context)
+        need = pages_for(budget + 1, self.limits.page_size)
+        if need > self.allocator.num_pages - 1:
+            self.reject(
+                prompt.rid,
+                f"max_tokens={prompt.sampling.max_tokens} needs {need} KV pages, more than the whole cache "
+                f"holds ({self.allocator.num_pages - 1}); lower max_tokens or raise --num-pages",
+            )
+            return
         if prompt.n_rows == 0 or prompt.n_rows >= budget:
-            self._finished.append(
-                Finished(
-                    prompt.rid,
-                    FinishReason.ERROR,
-                    message=f"prompt is {prompt.n_rows} tokens, which leaves no room to generate within "
-                    f"max_tokens={prompt.sampling.max_tokens} (context limit {self.limits.max_context})",
-                    status=400,
-                )
+            self.reject(
+                prompt.rid,
+                f"prompt is {prompt.n_rows} tokens, which leaves no room to generate within "
+                f"max_tokens={prompt.sampling.max_tokens} (context limit {self.limits.max_context})",
             )
             return
         if rows.min() < 0 or rows.max() >= self.program.input_vocab_size:
-            self._finished.append(
-                Finished(prompt.rid, FinishReason.ERROR, message="prompt token ids out of range", status=400)
-            )
+            self.reject(prompt.rid, "prompt token ids out of range")
             return
         if self._aborted.pop(prompt.rid, False):
             self._finished.append(Finished(prompt.rid, FinishReason.ABORT))
             return
         self.waiting.append(Request(prompt.rid, rows, prompt.sampling, prompt.arrival, budget))
+
+    def reject(self, rid: str, message: str) -> None:
+        """End a request that could not start with an explicit 400."""
+        self._finished.append(Finished(rid, FinishReason.ERROR, message=message, status=400))
 
     def abort(self, rid: str) -> None:
         for req in self.waiting:

@@ -1,4 +1,4 @@
-"""What the decode and prefill graphs share: the input arena and the capture routine.
+"""What the decode and prefill graphs share: the input arena and the captured attention.
 
 The arena is one int64 device buffer holding every input a step's graphs read (token ids,
 positions, KV write slots, meta, prefill page indices), laid out in named spans, with a host mirror
@@ -8,8 +8,6 @@ spans come first, so a step without prompt rows copies only them.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 
@@ -69,17 +67,3 @@ class GraphAttention:
         cache[self.page, 0, self.off] = k
         cache[self.page, 1, self.off] = v
         return self.wrapper.run(q, cache)
-
-
-def capture(step: Callable[[], torch.Tensor], pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """Warm up `step` on a side stream (kernel selection and JIT happen outside the capture), then
-    capture it into `pool`; → (graph, its output tensor, rewritten by each replay)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = step()
-    return graph, out

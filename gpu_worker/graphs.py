@@ -19,8 +19,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from common.graphs import capture
 from gpu_worker.flashinfer_backend import WORKSPACE_BYTES, FlashInferAttention, page_arrays
-from gpu_worker.graph_io import GraphAttention, InputArena, capture
+from gpu_worker.graph_io import GraphAttention, InputArena
 from gpu_worker.kv_cache import pages_for
 from gpu_worker.prefill_graphs import (
     MAX_PREFILL_REQS,

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from common.graphs import capture
 from gpu_worker.flashinfer_backend import page_arrays
-from gpu_worker.graph_io import GraphAttention, InputArena, capture
+from gpu_worker.graph_io import GraphAttention, InputArena
 from gpu_worker.kv_cache import pages_for
 from gpu_worker.runner import StepBatch
 from programs.base import LMProgram

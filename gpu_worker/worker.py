@@ -83,14 +83,19 @@ class GpuWorker:
             self.inbox.offer(self.credits())
             # 1. drain the inbox (block briefly only when idle)
             for msg in self.inbox.drain(timeout_ms=0 if engine.has_work() else 50):
-                match msg:
-                    case Prompt():
-                        engine.add(msg)
-                    case Abort(rids=rids):
-                        for rid in rids:
-                            engine.abort(rid)
-                    case _:
-                        raise TypeError(f"unexpected message {type(msg).__name__}")
+                try:
+                    match msg:
+                        case Prompt():
+                            engine.add(msg)
+                        case Abort(rids=rids):
+                            for rid in rids:
+                                engine.abort(rid)
+                        case _:
+                            raise TypeError(f"unexpected message {type(msg).__name__}")
+                except Exception as e:  # a bad message ends its request, never the worker
+                    log.exception("could not take %s", type(msg).__name__)
+                    if isinstance(msg, Prompt):
+                        engine.reject(msg.rid, f"gpu_worker could not take the prompt: {e}")
             # 2-3. schedule and run one step
             try:
                 out = engine.step()

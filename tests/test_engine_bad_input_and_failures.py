@@ -72,3 +72,23 @@ def test_a_failed_step_ends_every_request_with_an_error(program):
     }  # fmt: skip
     assert all(f.status == 500 and "boom" in f.message for f in done.values())
     assert eng.allocator.num_used == 0 and eng.slots.num_free == 4
+
+
+def test_a_prompt_whose_bytes_do_not_match_its_rows_is_refused(program):
+    eng = Engine(program, EngineLimits(max_batch_size=4, max_context=200))
+    bad = Prompt("bad", np.array([1, 2, 3], dtype="<i4").tobytes(), 5, SamplingParams(max_tokens=60))
+    eng.add(bad)
+    eng.add(prompt("ok", [128259, 300, 128009], max_tokens=40))
+    done = finished(eng)
+    assert done["bad"].status == 400 and "bytes" in done["bad"].message
+    assert done["ok"].reason != FinishReason.ERROR
+
+
+def test_a_budget_larger_than_the_whole_kv_cache_is_refused_not_left_waiting(program):
+    eng = Engine(program, EngineLimits(max_batch_size=4, max_context=200, num_pages=5))
+    eng.add(prompt("big", [128259, 300, 128009], max_tokens=200))
+    eng.add(prompt("small", [128259, 300, 128009], max_tokens=40))
+    done = finished(eng)
+    assert done["big"].status == 400 and "--num-pages" in done["big"].message
+    assert done["small"].reason != FinishReason.ERROR
+    assert eng.allocator.num_used == 0
