@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 from common.messages import (
-    LEAD_NOISE_BASE,
     DetokBatch,
     DetokChunk,
     Finished,
@@ -38,11 +37,11 @@ from common.messages import (
     SamplingParams,
 )
 from gpu_worker.kv_cache import PageAllocator, allocate_kv_cache, pages_for
-from gpu_worker.pacing import StepClock, lead_fits
+from gpu_worker.pacing import StepClock
 from gpu_worker.runner import StepBatch, make_runner
 from gpu_worker.sampler import HeadColumns, sample_rows
 from gpu_worker.slots import SlotState
-from gpu_worker.stream_edges import flush_window
+from gpu_worker.windows import AudioWindows
 from programs.base import LMProgram, TokenKind
 
 log = logging.getLogger(__name__)
@@ -141,17 +140,10 @@ class Engine:
         self.last_batch_size = 0
         # rid → (generated rows as in Request.generated, stop excluded; reason) when kept (tests, benches).
         self.outputs: dict[str, tuple[list, FinishReason]] | None = None
-        s = program.detok_interval - program.detok_overlap
-        if s <= 0:
-            raise ValueError(f"{program.name}: detok_overlap must be smaller than detok_interval")
-        self._chunk_stride = s
-        if limits.first_chunk not in ("reference", "adaptive", "fastest"):
-            raise ValueError(
-                f"first_chunk must be reference, adaptive or fastest, not {limits.first_chunk!r}"
-            )
-        self._leads = () if limits.first_chunk == "reference" else tuple(getattr(program, "detok_lead", ()))
+        s = max(1, program.detok_interval - program.detok_overlap)
         # Rows per second of audio: a regular window adds `s` rows' worth of `detok_samples`.
         self.clock = StepClock(program.sample_rate * s / program.detok_samples, limits.max_batch_size)
+        self.windows = AudioWindows(program, limits.first_chunk, self.clock)
 
     # --- requests in and out -------------------------------------------------------------------
     def add(self, prompt: Prompt) -> None:
@@ -245,7 +237,12 @@ class Engine:
             "row_period_ms": round(1000 * self.clock.row_period(), 3),
         }
 
-    def _finish(self, req: Request, reason: FinishReason) -> None:
+    def _finish(self, req: Request, reason: FinishReason, chunks: list[DetokChunk] | None = None) -> None:
+        """End a request; `chunks` (a natural end) also takes its flushed last window, if any."""
+        if chunks is not None:
+            last = self.windows.flush(req)
+            if last is not None:
+                chunks.append(last)
         if self.outputs is not None:
             self.outputs[req.rid] = (req.generated, reason)
         req.done = True
@@ -375,7 +372,6 @@ class Engine:
         self.step_count += 1
         res = step.host.numpy()
         c = self.program.n_codebooks
-        interval, stride = self.program.detok_interval, self._chunk_stride
         chunks: list[DetokChunk] = []
         for req, row, kind in zip(step.batch, res[:, :c], res[:, c].tolist(), strict=True):
             if req.done:
@@ -383,51 +379,15 @@ class Engine:
             req.n_gen += 1
             self.tokens_total += 1
             if kind == _STOP:
-                self._flush(req, chunks)
-                self._finish(req, FinishReason.STOP)
+                self._finish(req, FinishReason.STOP, chunks)
                 continue
             req.generated.append(int(row[0]) if c == 1 else row.tolist())
             if kind == _AUDIO:
                 req.audio[req.n_audio] = row
                 req.n_audio += 1
-                n = req.n_audio
-                if n >= interval and (n - interval) % stride == 0:
-                    j = (n - interval) // stride
-                    if j >= req.first_window:
-                        window = req.audio[n - interval : n]
-                        chunks.append(DetokChunk(req.rid, req.n_chunks, req.sp.seed, window.tobytes(), j))
-                        req.n_chunks += 1
-                elif req.n_chunks == 0 and n in self._leads and self._lead_now(n):
-                    chunks.append(
-                        DetokChunk(req.rid, 0, req.sp.seed, req.audio[:n].tobytes(), LEAD_NOISE_BASE + n)
-                    )
-                    req.n_chunks = 1
-                    req.first_window = self._first_window_after(n)
+                chunk = self.windows.after_row(req)
+                if chunk is not None:
+                    chunks.append(chunk)
             if len(req.prompt) + req.n_gen >= req.budget:
-                self._flush(req, chunks)
-                self._finish(req, FinishReason.LENGTH)
+                self._finish(req, FinishReason.LENGTH, chunks)
         return chunks
-
-    def _flush(self, req: Request, chunks: list[DetokChunk]) -> None:
-        """detok_flush: rows past the last window go out in one more, padded (see programs/base.py)."""
-        chunk = flush_window(self.program, req.rid, req.sp.seed, req.audio[: req.n_audio], req.n_chunks)
-        if chunk is not None:
-            chunks.append(chunk)
-            req.n_chunks += 1
-
-    # --- lead windows --------------------------------------------------------------------------
-    def _first_window_after(self, lead_rows: int) -> int:
-        """The first regular window whose audio starts at or after the lead's: window j covers
-        audio rows from j*s + detok_offset."""
-        s, offset = self._chunk_stride, self.program.detok_offset
-        return max(0, -(-(lead_rows - offset) // s))
-
-    def _lead_now(self, lead_rows: int) -> bool:
-        """Send a lead window of `lead_rows` now? Only when the next regular window will arrive
-        before the lead's audio has played out, at the rate steps go now."""
-        if self.limits.first_chunk == "fastest":
-            return True
-        p = self.program
-        gap = self._first_window_after(lead_rows) * self._chunk_stride + p.detok_interval - lead_rows
-        lead_audio_s = lead_rows * p.detok_samples / self._chunk_stride / p.sample_rate
-        return lead_fits(gap, lead_audio_s, self.clock.row_period())

@@ -51,7 +51,7 @@ def test_reference_mode_sends_no_lead(program):
 def test_a_longer_lead_replaces_the_regular_windows_it_covers(program):
     eng = Engine(program, EngineLimits(max_batch_size=4, max_context=200, first_chunk="fastest"))
     # Window j's audio starts at row 7j + 7: a 14-row lead covers window 0, a 21-row lead 0 and 1.
-    assert [eng._first_window_after(r) for r in (7, 14, 21)] == [0, 1, 2]
+    assert [eng.windows.first_window_after(r) for r in (7, 14, 21)] == [0, 1, 2]
 
 
 def test_a_lead_is_sent_only_when_the_next_window_arrives_before_it_has_played():
