@@ -22,6 +22,8 @@ import os
 
 import torch
 
+from programs.weights import checkpoint_dir
+
 
 def keep_shape_buffers_on_host(model) -> None:
     """MimiConv1d computes its padding from stride/kernel buffers; on a GPU that is a device→host
@@ -90,13 +92,7 @@ class MimiCodec:
         """A MimiModel checkpoint, or a CSM checkpoint holding Mimi under `codec_model.*`."""
         from transformers import MimiConfig, MimiModel
 
-        path = id_or_dir
-        if not os.path.isdir(path):
-            from huggingface_hub import snapshot_download
-
-            path = snapshot_download(id_or_dir, allow_patterns=["*.json", "*.safetensors"])
-        with open(os.path.join(path, "config.json")) as f:
-            config = json.load(f)
+        path, config = checkpoint_dir(id_or_dir)
         if config.get("model_type") != "csm":
             return cls(MimiModel.from_pretrained(path, dtype=dtype).to(device).eval(), stride, preseed)
         from safetensors import safe_open

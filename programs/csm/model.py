@@ -35,6 +35,7 @@ from programs.orpheus.model import (
     _rotate_half,
     llama3_inv_freq,
 )
+from programs.weights import checkpoint_dir, copy_weights
 
 
 def _rope(cfg: dict[str, Any], head_dim: int, pos: torch.Tensor, dtype: torch.dtype):
@@ -187,20 +188,10 @@ class CsmLM(nn.Module):
     # --- weights ---------------------------------------------------------------------------------
     @torch.no_grad()
     def load_weights(self, weights) -> set[str]:
-        params = dict(self.named_parameters(remove_duplicate=False))
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if name.startswith("codec_model.") or name.endswith("rotary_emb.inv_freq"):
-                continue
-            if name not in params:
-                raise KeyError(f"checkpoint weight {name!r} has no place in CsmLM")
-            if params[name].shape != tensor.shape:
-                raise ValueError(
-                    f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(params[name].shape)}"
-                )
-            params[name].copy_(tensor)
-            loaded.add(name)
-        return loaded
+        # Mimi's weights (codec_model.*) belong to the codec_worker; old checkpoints saved RoPE buffers.
+        return copy_weights(
+            self, weights, skip=lambda n: n.startswith("codec_model.") or n.endswith("rotary_emb.inv_freq")
+        )
 
     def _check_complete(self, loaded: set[str]) -> None:
         missing = {n for n, _ in self.named_parameters(remove_duplicate=False)} - loaded
@@ -216,17 +207,9 @@ class CsmLM(nn.Module):
     @classmethod
     def from_pretrained(cls, id_or_dir: str, dtype: torch.dtype, device: str | torch.device) -> CsmLM:
         """config.json + *.safetensors of sesame/csm-1b (a local dir or the hub id)."""
-        import json
-
         from safetensors import safe_open
 
-        path = id_or_dir
-        if not os.path.isdir(path):
-            from huggingface_hub import snapshot_download
-
-            path = snapshot_download(id_or_dir, allow_patterns=["*.json", "*.safetensors"])
-        with open(os.path.join(path, "config.json")) as f:
-            config = json.load(f)
+        path, config = checkpoint_dir(id_or_dir)
         lm = cls(config, dtype, device)
         loaded: set[str] = set()
         for shard in sorted(glob.glob(os.path.join(path, "*.safetensors"))):

@@ -14,7 +14,6 @@ with explicit positions, and attention is delegated to the runtime's `attn.forwa
 from __future__ import annotations
 
 import glob
-import json
 import math
 import os
 from collections.abc import Iterable
@@ -26,6 +25,7 @@ from torch import nn
 
 from programs import fp8
 from programs.base import Attention
+from programs.weights import checkpoint_dir, copy_weights
 
 
 def _rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any]]:
@@ -283,20 +283,8 @@ class LlamaLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy (name, tensor) pairs into the parameters (casting to their dtype and device);
         returns the names loaded. Unknown names raise: a silently ignored weight is a wrong model."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq"):  # old checkpoints saved the RoPE buffer
-                continue
-            if name not in params:
-                raise KeyError(f"checkpoint weight {name!r} has no place in LlamaLM")
-            if params[name].shape != tensor.shape:
-                raise ValueError(
-                    f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(params[name].shape)}"
-                )
-            params[name].copy_(tensor)
-            loaded.add(name)
-        return loaded
+        # Old checkpoints saved the RoPE buffer.
+        return copy_weights(self, weights, skip=lambda name: name.endswith("rotary_emb.inv_freq"))
 
     def _check_complete(self, loaded: set[str]) -> None:
         expected = {n for n, _ in self.named_parameters(remove_duplicate=False)}
@@ -325,13 +313,7 @@ class LlamaLM(nn.Module):
         """Load config.json and every *.safetensors shard of a local dir or a Hugging Face repo."""
         from safetensors import safe_open
 
-        path = id_or_dir
-        if not os.path.isdir(path):
-            from huggingface_hub import snapshot_download
-
-            path = snapshot_download(id_or_dir, allow_patterns=["*.json", "*.safetensors"])
-        with open(os.path.join(path, "config.json")) as f:
-            config = json.load(f)
+        path, config = checkpoint_dir(id_or_dir)
         shards = sorted(glob.glob(os.path.join(path, "*.safetensors")))
         if not shards:
             raise FileNotFoundError(f"no *.safetensors in {path}; convert the checkpoint to safetensors")
