@@ -200,6 +200,14 @@ class AsyncDispatchChannel(Generic[T]):
             case _:
                 raise TypeError(f"unexpected pool message {type(msg).__name__}")
 
+    async def aclose(self) -> None:
+        """Close, and let the reading task finish its cancellation before the loop goes away."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        self.close()
+
     def close(self) -> None:
         if self._task is not None:
             self._task.cancel()

@@ -156,9 +156,11 @@ class Gateway:
                 await asyncio.gather(task, return_exceptions=True)
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=1.0)
-        for chan in (self._send_to_tokenizers, self._send_to_gpu, self._recv_from_workers):
+        for chan in (self._send_to_tokenizers, self._send_to_gpu):
             if chan is not None:
-                chan.close()
+                await chan.aclose()
+        if self._recv_from_workers is not None:
+            self._recv_from_workers.close()
 
     # -- inbox -----------------------------------------------------------------------------------
 

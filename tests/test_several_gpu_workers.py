@@ -75,8 +75,9 @@ def test_prompts_go_to_the_worker_with_credit_and_wait_when_all_are_full():
         assert sends[3].done() and [m.rid for m in got["b"] if isinstance(m, Prompt)][-1] == "p3"
         assert pool.dispatched == {"a": 2, "b": 2}
     finally:
-        for chan in (a, b, pool):
+        for chan in (a, b):
             chan.close()
+        loop.run_until_complete(pool.aclose())
         loop.close()
         shutil.rmtree(d, ignore_errors=True)
 

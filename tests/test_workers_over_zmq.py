@@ -105,7 +105,7 @@ class GpuPool:
         return self.loop.run_until_complete(go())
 
     def close(self) -> None:
-        self.chan.close()
+        self.loop.run_until_complete(self.chan.aclose())
         self.loop.close()
 
 
