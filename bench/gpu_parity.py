@@ -69,8 +69,15 @@ def greedy_setup(program):
         sp.constrained, sp.min_tokens = True, max_tokens
         return Prompt(rid, rows.tobytes(), len(rows), sp)
 
+    engines: dict[tuple, Engine] = {}
+
     def engine(**kw) -> Engine:
-        eng = Engine(program, EngineLimits(max_batch_size=64, max_context=1200, **kw))
+        """One engine per setting, reused once idle: its graphs are captured once, not per run."""
+        key = tuple(sorted(kw.items()))
+        if key not in engines:
+            engines[key] = Engine(program, EngineLimits(max_batch_size=64, max_context=1200, **kw))
+        eng = engines[key]
+        assert not eng.has_work()
         eng.outputs = {}
         return eng
 
