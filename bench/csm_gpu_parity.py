@@ -161,7 +161,7 @@ def main() -> int:
     tokens = rng.integers(0, 2048, size=(16, prog.detok_interval, 32)).astype(np.int64)
     tokens[0, : prog.detok_preseed] = prog.preseed_rows()  # a stream's first window
     keys = np.zeros(16, dtype=np.int64)
-    pg, vg = graphs.graphs[prog.detok_interval].decode(tokens, keys)
+    pg, vg = graphs.graphs[prog.detok_interval, 0].decode(tokens, keys)
     pe, ve = eager._decode_eager(tokens, keys)
     diff = np.abs(pg.astype(np.int32) - pe.astype(np.int32))
     res["codec_graph_vs_eager"] = {"max_pcm_diff": int(diff.max()), "valid_equal": bool((vg == ve).all())}

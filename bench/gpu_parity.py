@@ -213,7 +213,7 @@ def main() -> int:
     codes = rng.integers(1, 4096, size=(40, 28))
     tokens = (codes + 128266 + 4096 * (np.arange(28) % 7)).astype(np.int64)[:, :, None]
     keys = rng.integers(0, 2**62, size=40)
-    pg, vg = graphs.graphs[28].decode(tokens, keys)
+    pg, vg = graphs.graphs[28, 0].decode(tokens, keys)
     pe, ve = eager._decode_eager(tokens, keys)
     d = np.abs(pg.astype(np.int32) - pe.astype(np.int32))
     res["codec_graph_vs_eager"] = {"max_pcm_diff": int(d.max()), "valid_equal": bool((vg == ve).all())}

@@ -37,12 +37,14 @@ class DetokGraphs:
         progress: Callable[[str], None] | None = None,
         rows: int = 0,
         pool: tuple | None = None,
+        tail: int = 0,
     ) -> None:
         self.program = program
         self.sizes = codec_buckets(max_batch)
         self.max_batch = self.sizes[-1]
         p, dev = program, program.device
         self.rows = rows or p.detok_interval  # token rows per window
+        self.tail = tail  # > 0: tail windows (only the last `tail` rows' audio)
         self.row = self.rows * p.n_codebooks
         bmax = self.sizes[-1]
         # Arena: [tokens bmax*row | keys bmax] int64.
@@ -70,7 +72,11 @@ class DetokGraphs:
     @torch.inference_mode()
     def _capture(self, bs: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
         def step() -> tuple[torch.Tensor, torch.Tensor]:
-            audio, valid = self.program.detokenize(self.tokens[:bs], self.keys[:bs])
+            t, k = self.tokens[:bs], self.keys[:bs]
+            if self.tail:
+                audio, valid = self.program.detokenize(t, k, tail_rows=self.tail)
+            else:
+                audio, valid = self.program.detokenize(t, k)
             return pcm16(audio), valid
 
         graph, (pcm, valid) = capture(step, self.pool)

@@ -43,44 +43,65 @@ class Codec:
     """The program's detokenizer over batches of wire chunks (no sockets: testable alone). On a GPU
     it replays captured graphs per row count and batch bucket unless `graphs` is False."""
 
-    def __init__(self, program: LMProgram, max_batch: int = 64, graphs: bool = True, progress=None) -> None:
+    def __init__(
+        self, program: LMProgram, max_batch: int = 64, graphs: bool = True, progress=None, tails: bool = False
+    ) -> None:
         self.program = program
         self.device = program.device
-        # Largest batch decoded at once, per window row count.
-        self.limits = {program.detok_interval: max_batch, **dict.fromkeys(program.detok_lead, LEAD_MAX_BATCH)}
-        self.graphs: dict[int, DetokGraphs] = {}
+        # Largest batch decoded at once, per window kind (rows, tail rows): regular windows, lead
+        # windows, and with `tails` (--first-chunk progressive) the tail windows of 1-4 frames.
+        p, s = program, program.detok_interval - program.detok_overlap
+        kinds = {(p.detok_interval, 0): max_batch, **{(r, 0): LEAD_MAX_BATCH for r in p.detok_lead}}
+        if tails and p.detok_tail:
+            kinds.update({(r, s): LEAD_MAX_BATCH for r in range(s, p.detok_interval + 1, s)})
+        self.limits = kinds
+        self.graphs: dict[tuple[int, int], DetokGraphs] = {}
         if graphs and self.device.type == "cuda":
             from codec_worker.graphs import DetokGraphs
 
             pool = torch.cuda.graph_pool_handle()
-            for rows, limit in self.limits.items():
-                self.graphs[rows] = DetokGraphs(program, limit, progress, rows=rows, pool=pool)
+            for (rows, tail), limit in self.limits.items():
+                if tail == rows and (rows, 0) in self.graphs:
+                    self.graphs[rows, tail] = self.graphs[rows, 0]  # a one-frame tail is the lead
+                    continue
+                self.graphs[rows, tail] = DetokGraphs(
+                    program, limit, progress, rows=rows, tail=tail, pool=pool
+                )
         else:
-            self.limits = {rows: max_batch for rows in self.limits}  # eager: any batch
+            self.limits = {kind: max_batch for kind in self.limits}  # eager: any batch
 
     @torch.inference_mode()
-    def _decode_eager(self, tokens: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        audio, valid = self.program.detokenize(
-            torch.from_numpy(tokens).to(self.device), torch.from_numpy(keys).to(self.device)
-        )  # [Bd, S], [Bd]
-        return pcm16(audio).cpu().numpy(), valid.cpu().numpy()
+    def _decode_eager(
+        self, tokens: np.ndarray, keys: np.ndarray, tail: int = 0
+    ) -> tuple[np.ndarray, np.ndarray]:
+        t, k = torch.from_numpy(tokens).to(self.device), torch.from_numpy(keys).to(self.device)
+        audio, valid = (
+            self.program.detokenize(t, k, tail_rows=tail) if tail else self.program.detokenize(t, k)
+        )
+        return pcm16(audio).cpu().numpy(), valid.cpu().numpy()  # [Bd, S], [Bd]
 
     def decode(self, chunks: list[DetokChunk]) -> list[AudioChunk]:
-        """One AudioChunk per chunk, in the chunks' order; chunks of one row count decode together."""
+        """One AudioChunk per chunk, in the chunks' order; chunks of one kind (row count, tail rows)
+        decode together."""
         p = self.program
-        groups: dict[int, list[int]] = {}  # row count → positions in `chunks`
+        groups: dict[tuple[int, int], list[int]] = {}  # window kind → positions in `chunks`
         for i, c in enumerate(chunks):
-            rows = len(c.tokens) // (4 * p.n_codebooks)
-            if rows not in self.limits:
+            kind = (len(c.tokens) // (4 * p.n_codebooks), c.tail_rows)
+            if kind not in self.limits:
                 raise ValueError(
-                    f"chunk {c.index} of {c.rid} has {rows} rows; {p.name} windows have "
-                    f"{p.detok_interval} (lead windows: {list(p.detok_lead)})"
+                    f"chunk {c.index} of {c.rid} has {kind[0]} rows (tail {kind[1]}); {p.name} windows have "
+                    f"{p.detok_interval} (lead windows: {list(p.detok_lead)}; tail windows: "
+                    f"{sorted(t for t in self.limits if t[1])})"
                 )
-            groups.setdefault(rows, []).append(i)
+            groups.setdefault(kind, []).append(i)
         out: list[AudioChunk | None] = [None] * len(chunks)
-        for rows, where in groups.items():
-            run = self.graphs[rows].decode if rows in self.graphs else self._decode_eager
-            limit = self.limits[rows]
+        for (rows, tail), where in groups.items():
+            kind = (rows, tail)
+            if kind in self.graphs:
+                run = self.graphs[kind].decode
+            else:
+                run = lambda tokens, keys, tail=tail: self._decode_eager(tokens, keys, tail)  # noqa: E731
+            limit = self.limits[kind]
             for lo in range(0, len(where), limit):
                 part = where[lo : lo + limit]
                 tokens = np.stack([np.frombuffer(chunks[i].tokens, dtype="<i4") for i in part]).astype(
@@ -118,6 +139,7 @@ class CodecWorker:
             program,
             graphs=not cfg.disable_cuda_graph,
             progress=lambda msg: status.set(ProcState.LOADING, msg),
+            tails=cfg.first_chunk == "progressive",
         )
         self.status = status
         self.inbox: PullChannel[CodecInMsg] = PullChannel(cfg.addresses.codec_in, CodecInMsg, bind=True)

@@ -43,7 +43,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     max_context: int = 0  # 0 = the model's max_tokens
     page_size: int = 16
     num_pages: int = 0  # 0 = enough for max_batch_size full contexts
-    first_chunk: str = "adaptive"  # gpu_worker: reference | adaptive | fastest (see EngineLimits)
+    first_chunk: str = "adaptive"  # reference | adaptive | fastest | progressive (see EngineLimits)
     lm_head: str = "full"  # gpu_worker: full vocabulary, or "audio": logits for codec tokens + stop only
     quantization: str = "none"  # gpu_worker: none | fp8 (LM linear weights in float8, per-channel scales)
     constrained: bool | None = None  # None = the model's default
@@ -209,9 +209,10 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "first_chunk",
         "first audio: reference (first full codec window), adaptive (a short lead window when the "
-        "measured step rate keeps the stream fed) or fastest (always the shortest lead)",
-        ("serve", "gpu_worker"),
-        choices=("reference", "adaptive", "fastest"),
+        "measured step rate keeps the stream fed), fastest (always the shortest lead) or progressive "
+        "(each first frame as soon as it exists, until the stream is far enough ahead)",
+        ("serve", "gpu_worker", "codec_worker"),
+        choices=("reference", "adaptive", "fastest", "progressive"),
     ),
     Option(
         "lm_head",

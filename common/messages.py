@@ -84,6 +84,9 @@ class DetokChunk(msgspec.Struct, **_STRUCT):
     seed: int
     tokens: bytes  # int32 little-endian, [rows, n_codebooks]: detok_interval rows, or a lead size
     noise_id: int = 0
+    # > 0: a *tail* window (programs/base.py, "Progressive first chunks"): only the audio of its
+    # last tail_rows rows is wanted.
+    tail_rows: int = 0
     # A request's last window, padded past its end (the program's detok_flush): rows of real audio
     # it adds, fewer than the stride; the codec keeps that share of its samples. 0: a whole window.
     n_rows: int = 0

@@ -65,7 +65,8 @@ class EngineLimits:
     # First audio of a request: "reference" waits for the first full window (28 Orpheus tokens);
     # "adaptive" sends a short lead window (the program's `detok_lead`) as soon as the measured
     # step rate lets the next window arrive before the lead has played out; "fastest" always
-    # sends the smallest lead (deterministic: for tests).
+    # sends the smallest lead (deterministic: for tests); "progressive" sends each first frame as a
+    # tail window as soon as it exists, until the stream is far enough ahead (gpu_worker/windows.py).
     first_chunk: str = "adaptive"
 
 
@@ -87,7 +88,8 @@ class Request:
     audio: np.ndarray | None = None  # [budget, C] int32 audio rows
     n_audio: int = 0
     n_chunks: int = 0
-    first_window: int = 0  # regular windows below this are covered by the lead window sent
+    first_window: int = 0  # regular windows below this are covered by the lead or tail windows sent
+    n_tails: int = 0  # progressive mode: tail windows sent so far; -1 once switched to regular ones
     admitted_at: float = 0.0
 
 

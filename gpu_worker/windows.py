@@ -7,6 +7,12 @@ and goes out when its last row exists. Before it, a request may send one *lead w
 before the lead has played out; the regular windows whose audio the lead covers are then skipped.
 After its last row, a program with `detok_flush` sends the rows past the last window in one more
 window, padded past the end.
+
+Progressive mode (`--first-chunk progressive`, programs with `detok_tail`): each new frame goes out
+at once as a tail window (the frame decoded after up to detok_interval - s rows of context, nothing
+after it), until the audio already sent covers the wait for the next regular window at the
+measured step rate; from then on, regular windows only. So the first audio comes after one frame
+at any load, and only the frames sent before the switch differ from the reference.
 """
 
 from __future__ import annotations
@@ -17,25 +23,34 @@ from common.messages import LEAD_NOISE_BASE, DetokChunk
 from gpu_worker.pacing import StepClock, lead_fits
 from programs.base import LMProgram
 
-FIRST_CHUNK_MODES = ("reference", "adaptive", "fastest")
+FIRST_CHUNK_MODES = ("reference", "adaptive", "fastest", "progressive")
 
 
 class AudioWindows:
     def __init__(self, program: LMProgram, first_chunk: str, clock: StepClock) -> None:
         if first_chunk not in FIRST_CHUNK_MODES:
-            raise ValueError(f"first_chunk must be reference, adaptive or fastest, not {first_chunk!r}")
+            raise ValueError(
+                f"first_chunk must be one of {', '.join(FIRST_CHUNK_MODES)}, not {first_chunk!r}"
+            )
+        if first_chunk == "progressive" and not program.detok_tail:
+            raise ValueError(
+                f"{program.name} has no tail windows: --first-chunk progressive is not available"
+            )
         self.program = program
         self.stride = program.detok_interval - program.detok_overlap
         if self.stride <= 0:
             raise ValueError(f"{program.name}: detok_overlap must be smaller than detok_interval")
         self.fastest = first_chunk == "fastest"
-        self.leads = () if first_chunk == "reference" else tuple(program.detok_lead)
+        self.progressive = first_chunk == "progressive"
+        self.leads = () if first_chunk in ("reference", "progressive") else tuple(program.detok_lead)
         self.clock = clock
 
     def after_row(self, req) -> DetokChunk | None:
         """The window that `req`'s newest audio row (row n - 1 of req.audio) completes, if any.
         Advances req.n_chunks and, after a lead, req.first_window."""
         n, interval = req.n_audio, self.program.detok_interval
+        if self.progressive and req.n_tails >= 0:
+            return self._tail(req) if n % self.stride == 0 else None
         if n >= interval and (n - interval) % self.stride == 0:
             j = (n - interval) // self.stride
             if j < req.first_window:
@@ -47,6 +62,24 @@ class AudioWindows:
         else:
             return None
         req.n_chunks += 1
+        return chunk
+
+    def _tail(self, req) -> DetokChunk:
+        """The newest frame as a tail window; then switch to regular windows for good if the audio
+        sent so far outlasts the wait for the next regular one (req.n_tails = -1)."""
+        p, s, n = self.program, self.stride, req.n_audio
+        lo = max(0, n - p.detok_interval)
+        # Same noise as the window of these rows decoded any other way: a lead window from row 0,
+        # else the regular window of rows [lo, n).
+        noise = LEAD_NOISE_BASE + n if lo == 0 else lo // s
+        chunk = DetokChunk(req.rid, req.n_chunks, req.sp.seed, req.audio[lo:n].tobytes(), noise, tail_rows=s)
+        req.n_chunks += 1
+        req.n_tails += 1
+        j = self.first_window_after(n)  # the regular window that would carry the next frame
+        wait_rows = (n - s) + (j * s + p.detok_interval - n)  # from the first tail to window j
+        sent_s = req.n_tails * p.detok_samples / p.sample_rate
+        if lead_fits(wait_rows, sent_s, self.clock.row_period()):
+            req.first_window, req.n_tails = j, -1
         return chunk
 
     def flush(self, req) -> DetokChunk | None:

@@ -19,7 +19,7 @@ apart from N/B/Bd, state only in buffers, randomness only from the keys passed i
 | `decode_tokens(hidden, c0, sample)` | gpu_worker | yes | [B, H], [B] int64 → row [B, C] int64 (only when C > 1) |
 | `candidates(n_audio)` | gpu_worker | yes | [B] int64 → [B, K] int64 token ids (constrained sampling) |
 | `classify(tokens, n_audio)` | gpu_worker | yes | [B, C] int64, [B] int64 → kinds [B] int64 (TokenKind) |
-| `detokenize(tokens, keys)` | codec_worker | yes | [Bd, R, C] int64 (R = detok_interval, or one of `detok_lead`), keys [Bd] int64 → audio [Bd, S] float in [-1, 1] (S = detok_samples for a regular window, R / s * detok_samples for a lead window), valid [Bd] bool |
+| `detokenize(tokens, keys, tail_rows=0)` | codec_worker | yes | [Bd, R, C] int64 (R = detok_interval, or one of `detok_lead`), keys [Bd] int64 → audio [Bd, S] float in [-1, 1] (S = detok_samples for a regular window, R / s * detok_samples for a lead window, tail_rows / s * detok_samples for a tail window), valid [Bd] bool |
 | `preprocess(text, model_kwargs)` | tokenizer_worker | no | → prompt rows [R, C] int32; ValueError → HTTP 400 |
 
 Multi-codebook rows (C > 1): a row is one frame of C codebook ids (a program may also encode
@@ -54,6 +54,13 @@ chunk may have instead (() when the program has none). A lead window holds audio
 R a multiple of s, and `detokenize` returns all of their audio, R / s * detok_samples samples
 (one call sees one R for every entry; the codec_worker groups chunks by row count).
 `detok_samples` stays the regular window's count.
+
+Progressive first chunks (`detok_tail`, `--first-chunk progressive`): a request's first frames each
+go out as a *tail window*: rows [max(0, n - detok_interval), n) at every s-th audio row n, with
+`tail_rows` = s, for which `detokenize` returns only the audio of the last s rows (the newest
+frame, decoded with up to detok_interval - s rows before it and nothing after). Once the audio
+already sent covers the wait for the next regular window, the runtime switches to regular windows
+for good; the frames sent as tails are not sent again.
 
 The codec's precision is `codec_dtype` (the `codec_dtype` keyword: "auto" keeps the program's
 choice, else float32, bfloat16 or float16), read by `load_codec`.
@@ -117,6 +124,7 @@ class LMProgram:
     detok_samples: int = 0  # samples each window adds
     detok_offset: int = 0  # window j's audio covers audio rows from j*s + detok_offset (s: stride)
     detok_lead: tuple[int, ...] = ()  # row counts a lead window may have (see Lead windows)
+    detok_tail: bool = False  # detokenize takes tail windows (see Progressive first chunks)
     codec_dtype: torch.dtype = torch.float32  # the codec's weights and activations
     head_ids: torch.Tensor | None = None  # [V'] token id of each logits column (None: all of V)
     sample_rate: int = 24000
@@ -157,6 +165,7 @@ class LMProgram:
         # Default: a window's audio is its newest rows (a codec that keeps the end of its window).
         self.detok_offset = spec.get("detok_offset", spec["detok_overlap"])
         self.detok_lead = tuple(spec.get("detok_lead", ()))
+        self.detok_tail = bool(spec.get("detok_tail", False))
         self.sample_rate = spec["sample_rate"]
         self.n_codebooks = spec.get("n_codebooks", 1)
         self.detok_preseed = spec.get("detok_preseed", 0)

@@ -120,8 +120,11 @@ class CsmProgram(LMProgram):
         return torch.where(stop, int(TokenKind.STOP), int(TokenKind.AUDIO))
 
     # --- codec (graph) -------------------------------------------------------------------------
-    def detokenize(self, tokens: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[Bd, 12, 32] frames → audio [Bd, 4 * 1920] (Mimi has no noise: keys unused), valid [Bd]."""
+    def detokenize(
+        self, tokens: torch.Tensor, keys: torch.Tensor, tail_rows: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[Bd, 12, 32] frames → audio [Bd, 4 * 1920] (Mimi has no noise: keys unused), valid [Bd].
+        CSM has no tail windows (`detok_tail` False): tail_rows is always 0."""
         return self.codec.decode_window(tokens)
 
     def pad_rows(self, n: int) -> np.ndarray:

@@ -47,6 +47,7 @@ from programs.orpheus.spec import AUDIO_BASE, CODEBOOK, FRAME
 WINDOW_FRAMES = 4  # frames per decoded window
 WINDOW = WINDOW_FRAMES * FRAME  # 28 tokens
 KEEP = (2048, 4096)  # samples of the window's audio the reference keeps
+SAMPLES_PER_FRAME = 2048  # SNAC 24 kHz: one Orpheus frame decodes to 2048 samples
 LEAD_ROWS = (7, 14, 21)  # lead windows: the first 1-3 frames of a request, decoded whole
 
 
@@ -198,12 +199,17 @@ class SnacCodec:
 
     @torch.no_grad()
     def decode_orpheus_window(
-        self, tokens: torch.Tensor, keys: torch.Tensor, crop: bool | None = None
+        self, tokens: torch.Tensor, keys: torch.Tensor, crop: bool | None = None, tail_rows: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [Bd, R, 1] int64 (token ids), keys [Bd] int64 → audio [Bd, S] float32, valid [Bd]
         bool. R = 28: a window, S = 2048 (its samples [2048:4096]); R = 7, 14, 21: a lead window of
-        L = R / 7 frames decoded as one SNAC window, S = L * 2048 (all of it)."""
+        L = R / 7 frames decoded as one SNAC window, S = L * 2048 (all of it). `tail_rows` (a
+        multiple of 7): the window of R / 7 frames decoded whole, keeping only its last
+        tail_rows / 7 frames' samples."""
         levels, valid = self.window_levels(tokens)
         keep = KEEP if tokens.shape[1] == WINDOW else None
+        if tail_rows:
+            total = tokens.shape[1] // FRAME * SAMPLES_PER_FRAME
+            keep = (total - tail_rows // FRAME * SAMPLES_PER_FRAME, total)
         audio = self.decode_codes(levels, keys, keep, crop)  # [Bd, 1, S]
         return audio[:, 0].float(), valid

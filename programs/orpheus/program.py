@@ -129,11 +129,14 @@ class OrpheusProgram(LMProgram):
         return torch.where(tok == STOP_TOKEN, int(TokenKind.STOP), kinds)
 
     # --- codec (graph) -------------------------------------------------------------------------
-    def detokenize(self, tokens: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def detokenize(
+        self, tokens: torch.Tensor, keys: torch.Tensor, tail_rows: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """[Bd, R, 1] int64, keys [Bd] int64 → audio [Bd, S] float32, valid [Bd] bool: R = 28 gives
         S = 2048 (the reference's kept samples); a lead window (R = 7, 14, 21: `detok_lead`) of
-        L = R / 7 frames gives all L * 2048 samples of their SNAC decode."""
-        return self.codec.decode_orpheus_window(tokens, keys)
+        L = R / 7 frames gives all L * 2048 samples of their SNAC decode; a tail window (R = 7..28,
+        tail_rows = 7) gives the last frame's 2048 samples of the R / 7-frame decode."""
+        return self.codec.decode_orpheus_window(tokens, keys, tail_rows=tail_rows)
 
     # --- prompts (tokenizer_worker) ------------------------------------------------------------
     def preprocess(self, text: str, model_kwargs: dict[str, str]) -> np.ndarray:

@@ -21,6 +21,7 @@ _COMMON = {
     "detok_overlap": 21,  # a new window every 7 tokens (one frame)
     "detok_samples": 2048,  # the reference keeps samples [2048:4096] of each window
     "detok_lead": [7, 14, 21],  # a first chunk of 1-3 frames, decoded whole (L * 2048 samples)
+    "detok_tail": True,  # progressive first chunks: frame k from frames max(0, k-3)..k, last kept
     "detok_offset": 7,  # so window j is the audio of frame j + 1 (rows [7j + 7, 7j + 14))
     "stop_tokens": [STOP_TOKEN],
     "audio_tokens": [AUDIO_BASE, AUDIO_BASE + FRAME * CODEBOOK],
