@@ -345,7 +345,13 @@ class Engine:
                 continue
             idx = _to_device(torch.tensor(group), dev) if len(group) < n else slice(None)
             cand = self.program.candidates(self.slots.n_audio[slots[idx]]) if use_candidates else None
-            rows = self.slots.rows(slots[idx], n_gen[idx], length[idx], cand)
+            # What the host knows of the group spares kernels that would change nothing: the window
+            # mask when no row has a window, the penalty when every row's is 1 (x / 1 = x * 1 = x).
+            windowed = any(batch[i].sp.repetition_window > 0 for i in group)
+            penalize = any(
+                batch[i].sp.repetition_penalty != 1.0 and batch[i].sp.repetition_window != 0 for i in group
+            )
+            rows = self.slots.rows(slots[idx], n_gen[idx], length[idx], cand, windowed, penalize)
             scores = logits[idx, 0]
             if self.head is not None:
                 scores, rows = self.head.logits(scores), self.head.rows(rows)

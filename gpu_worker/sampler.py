@@ -116,7 +116,8 @@ class HeadColumns:
         return torch.cat([logits, logits.new_full((logits.shape[0], 1), float("-inf"))], dim=1)
 
     def rows(self, rows: SamplingRows) -> SamplingRows:
-        rows.history = self.column[rows.history]
+        if rows.history is not None:
+            rows.history = self.column[rows.history]
         if rows.candidates is not None:
             rows.candidates = self.column[rows.candidates]
         return rows

@@ -82,15 +82,20 @@ class SlotState:
         n_gen: torch.Tensor,  # [B] int64 tokens generated so far
         length: torch.Tensor,  # [B] int64 valid history entries
         candidates: torch.Tensor | None,
+        windowed: bool = True,
+        penalize: bool = True,
     ) -> SamplingRows:
-        hist = self.history[slots]  # [B, T]
-        window = self.window[slots]
-        # A windowed penalty sees only the last `window` tokens: older entries (and the padding
-        # past the length) are replaced by the newest token, which is always in the window.
-        pos = torch.arange(hist.shape[1], device=hist.device)[None, :]
-        outside = (window[:, None] > 0) & ((pos < (length - window)[:, None]) | (pos >= length[:, None]))
-        newest = hist.gather(1, (length - 1).clamp_min(0)[:, None])
-        hist = torch.where(outside, newest, hist)
+        """`windowed` False: no row has a repetition window, so the masking below would change
+        nothing; `penalize` False: no row's penalty differs from 1, so no history is needed."""
+        hist = self.history[slots] if penalize else None  # [B, T]
+        if windowed and hist is not None:
+            window = self.window[slots]
+            # A windowed penalty sees only the last `window` tokens: older entries (and the padding
+            # past the length) are replaced by the newest token, which is always in the window.
+            pos = torch.arange(hist.shape[1], device=hist.device)[None, :]
+            outside = (window[:, None] > 0) & ((pos < (length - window)[:, None]) | (pos >= length[:, None]))
+            newest = hist.gather(1, (length - 1).clamp_min(0)[:, None])
+            hist = torch.where(outside, newest, hist)
         return SamplingRows(
             temperature=self.temperature[slots],
             top_k=self.top_k[slots],

@@ -60,3 +60,10 @@ def test_unconstrained_requests_with_the_audio_head_only_sample_audio_or_stop(pr
     out = run(audio, [SamplingParams(max_tokens=80, temperature=1.0, seed=s) for s in range(3)])
     for tokens, _ in out.values():
         assert tokens and all(AUDIO_BASE <= t < AUDIO_BASE + 7 * 4096 for t in tokens)
+
+
+def test_requests_without_a_penalty_sample_the_same_with_either_head(programs):
+    full, audio = programs
+    params = [SamplingParams(max_tokens=60, constrained=True, temperature=0.9, repetition_penalty=1.0, seed=s)
+              for s in range(2)]  # fmt: skip
+    assert run(full, params) == run(audio, params)

@@ -53,6 +53,7 @@ class OrpheusProgram(LMProgram):
         self.lm: LlamaLM | None = None  # set by load_lm (gpu_worker)
         self.codec: SnacCodec | None = None  # set by load_codec (codec_worker)
         self._tokenizer: TextTokenizer | None = None  # loaded on first preprocess (tokenizer_worker)
+        self._candidate_table: torch.Tensor | None = None  # [7, 4096] candidates per frame slot
         # Shapes from the shipped config, so weight-free programs know them too; load_lm rereads
         # them from the checkpoint actually loaded.
         self._set_lm_constants(_read_config(spec["lm_config"]))
@@ -112,11 +113,15 @@ class OrpheusProgram(LMProgram):
 
     def candidates(self, n_audio: torch.Tensor) -> torch.Tensor:
         """[B] int64 → [B, 4096] int64: codes 1..4095 of the next frame slot, then the stop token."""
-        slot = n_audio % FRAME  # [B]
-        codes = torch.arange(1, CODEBOOK, dtype=torch.int64, device=n_audio.device)  # [4095]
-        ids = AUDIO_BASE + CODEBOOK * slot[:, None] + codes[None, :]  # [B, 4095]
-        stop = torch.full_like(ids[:, :1], STOP_TOKEN)  # [B, 1]
-        return torch.cat([ids, stop], dim=1)
+        table = self._candidate_table
+        if table is None or table.device != n_audio.device:
+            codes = torch.arange(1, CODEBOOK, dtype=torch.int64, device=n_audio.device)  # [4095]
+            ids = (
+                AUDIO_BASE + CODEBOOK * torch.arange(FRAME, device=n_audio.device)[:, None] + codes
+            )  # [7, 4095]
+            stop = torch.full_like(ids[:, :1], STOP_TOKEN)  # [7, 1]
+            table = self._candidate_table = torch.cat([ids, stop], dim=1)  # [7, 4096], one row per slot
+        return table[n_audio % FRAME]  # [B, 4096]
 
     # --- tokens → meaning (host) ---------------------------------------------------------------
     def classify(self, tokens: torch.Tensor, n_audio: torch.Tensor) -> torch.Tensor:
