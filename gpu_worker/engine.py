@@ -348,7 +348,7 @@ class Engine:
             # What the host knows of the group spares kernels that would change nothing: the window
             # mask when no row has a window, the penalty when every row's is 1 (x / 1 = x * 1 = x).
             windowed = any(batch[i].sp.repetition_window > 0 for i in group)
-            penalize = any(
+            penalize = self.program.uses_repetition_penalty and any(
                 batch[i].sp.repetition_penalty != 1.0 and batch[i].sp.repetition_window != 0 for i in group
             )
             rows = self.slots.rows(slots[idx], n_gen[idx], length[idx], cand, windowed, penalize)
