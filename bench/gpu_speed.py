@@ -233,6 +233,8 @@ def main() -> int:
     ap.add_argument(
         "--skip", default="", help="comma list of sections to skip: steps,prefill,ttfa,offline,baseline"
     )
+    ap.add_argument("--lm-head", default="full", choices=("full", "audio"))
+    ap.add_argument("--codec-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     args = ap.parse_args()
     skip = set(args.skip.split(","))
     torch.backends.cudnn.allow_tf32 = False
@@ -240,6 +242,8 @@ def main() -> int:
         "device": torch.cuda.get_device_name(),
         "model": "orpheus-3b dummy bf16",
         "date": time.strftime("%F"),
+        "lm_head": args.lm_head,
+        "codec_dtype": args.codec_dtype,
     }
 
     def save() -> None:
@@ -247,7 +251,10 @@ def main() -> int:
             json.dump(res, f, indent=1)
 
     spec = get_spec("orpheus")
-    program = load_program_class("orpheus")(spec, load_format="dummy", device="cuda", dtype=torch.bfloat16)
+    program = load_program_class("orpheus")(
+        spec, load_format="dummy", device="cuda", dtype=torch.bfloat16, lm_head=args.lm_head,
+        codec_dtype=args.codec_dtype,
+    )  # fmt: skip
     program.load_lm()
     program.load_codec()
     if "steps" not in skip:
