@@ -143,7 +143,7 @@ def _pool_receiver_case(
         assert proc.popen.poll() is None
     finally:
         proc.stop()
-        pool.close()
+        loop.run_until_complete(pool.aclose())
         loop.close()
         inbox.close()
         if codec_in is not None:

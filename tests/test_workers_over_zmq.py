@@ -211,5 +211,5 @@ def test_tokenizer_worker_builds_prompts_and_reports_bad_ones(addrs, gateway_inb
         assert err.rid == "bad" and err.status == 400 and "tara" in err.message
     finally:
         proc.kill()
-        to_pool.close()
+        loop.run_until_complete(to_pool.aclose())
         loop.close()
