@@ -68,9 +68,12 @@ class Prompt(msgspec.Struct, tag="prompt", **_STRUCT):
 
 class Abort(msgspec.Struct, tag="abort", **_STRUCT):
     """gateway → every gpu_worker: stop these requests and free their KV pages and slots (a worker
-    that does not hold a rid keeps a bounded tombstone for it)."""
+    that does not hold a rid keeps a bounded tombstone for it). `everything`: stop every request the
+    worker holds: a new gateway greets each gpu_worker with it, since whatever a worker still runs
+    then belongs to a gateway that is gone."""
 
     rids: list[str]
+    everything: bool = False
 
 
 class DetokChunk(msgspec.Struct, **_STRUCT):

@@ -56,7 +56,12 @@ class AsyncDispatchChannel(Generic[T]):
     returns once a worker has it; while every worker is busy (or none is connected) it waits, so a
     timeout around it means "no worker took it". Same shape as AsyncPushChannel."""
 
-    def __init__(self, addr: str, bind: bool = True, ctx: zmq.asyncio.Context | None = None) -> None:
+    def __init__(
+        self, addr: str, bind: bool = True, ctx: zmq.asyncio.Context | None = None, greeting: Any = None
+    ) -> None:
+        """`greeting`: a message sent to each worker the first time it announces itself, before
+        anything else it gets from this dispatcher (outside the pool protocol, like `broadcast`)."""
+        self._greeting = None if greeting is None else msgspec.msgpack.encode(greeting)
         self._sock = _socket(
             ctx or zmq.asyncio.Context.instance(), zmq.ROUTER, addr, bind, {zmq.ROUTER_MANDATORY: 1}
         )
@@ -176,6 +181,9 @@ class AsyncDispatchChannel(Generic[T]):
     def _handle(self, ident: bytes, msg: WorkerReady | WorkerLeaving) -> None:
         match msg:
             case WorkerReady(name=name, seq=seq, credits=credits):
+                if ident not in self._known and self._greeting is not None:
+                    self._send_now(ident, self._greeting)
+                    mirror(self._greeting, self._addr, peer=name)
                 self._known[ident] = name
                 # A seq behind what we sent it: that many messages crossed this announcement on the
                 # wire and use up its credit. A seq ahead (a restarted dispatcher): trust the worker.

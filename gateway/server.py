@@ -108,7 +108,11 @@ class Gateway:
         a = self.addresses
         self._send_to_tokenizers = AsyncDispatchChannel(a.requests, bind=True)
         self._send_to_tokenizers.start()  # read announcements now: a bad one is dropped, not left queued
-        self._send_to_gpu = AsyncDispatchChannel(a.gpu_in, bind=True)
+        # A gpu_worker this gateway meets for the first time holds nothing of ours: whatever it runs
+        # is a previous gateway's (restarted by the supervisor), so it is told to drop it.
+        self._send_to_gpu = AsyncDispatchChannel(
+            a.gpu_in, bind=True, greeting=Abort(rids=[], everything=True)
+        )
         self._send_to_gpu.start()  # gpu_workers register before the first prompt (aborts reach them)
         self._recv_from_workers = AsyncPullChannel(a.gateway_in, GatewayInMsg, bind=True)
         self._inbox_task = asyncio.create_task(self._inbox_loop(), name="gateway-inbox")

@@ -199,12 +199,19 @@ class Engine:
         while len(self._aborted) > _MAX_TOMBSTONES:
             self._aborted.pop(next(iter(self._aborted)))
 
+    def abort_all(self) -> None:
+        """Stop every request this engine holds (their gateway is gone)."""
+        self._end_all(FinishReason.ABORT)
+
     def fail_all(self, message: str) -> None:
         """After a failed step: end every request with an explicit error and reclaim all state."""
         self._inflight = None
+        self._end_all(FinishReason.ERROR, message, 500)
+
+    def _end_all(self, reason: FinishReason, message: str = "", status: int = 0) -> None:
         for req in [*self.running.values(), *self.waiting]:
-            self._finish(req, FinishReason.ERROR)
-            self._finished[-1].message, self._finished[-1].status = message, 500
+            self._finish(req, reason)
+            self._finished[-1].message, self._finished[-1].status = message, status
         self.waiting.clear()
 
     def run_until_idle(self) -> list[DetokBatch]:

@@ -87,7 +87,9 @@ class GpuWorker:
                     match msg:
                         case Prompt():
                             engine.add(msg)
-                        case Abort(rids=rids):
+                        case Abort(rids=rids, everything=everything):
+                            if everything:
+                                engine.abort_all()
                             for rid in rids:
                                 engine.abort(rid)
                         case _:

@@ -80,7 +80,11 @@ class FakeWorkers:
         return await asyncio.wait_for(self.recv_requests.recv(), 5)
 
     async def next_gpu_msg(self, timeout: float = 5) -> GpuInMsg:
-        return await asyncio.wait_for(self.recv_gpu_in.recv(), timeout)
+        """The next message for the gpu_worker, past the gateway's greeting (Abort everything)."""
+        while True:
+            msg = await asyncio.wait_for(self.recv_gpu_in.recv(), timeout)
+            if not (isinstance(msg, Abort) and msg.everything):
+                return msg
 
     async def send(self, msg: GatewayInMsg) -> None:
         await self.send_to_gateway.send(msg)
