@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -34,10 +34,10 @@ from common.messages import (
     Finished,
     FinishReason,
     Prompt,
-    SamplingParams,
 )
 from gpu_worker.kv_cache import PageAllocator, allocate_kv_cache, pages_for
 from gpu_worker.pacing import StepClock
+from gpu_worker.requests import EngineLimits, Request
 from gpu_worker.runner import StepBatch, make_runner
 from gpu_worker.sampler import HeadColumns, sample_rows
 from gpu_worker.slots import SlotState
@@ -48,49 +48,6 @@ log = logging.getLogger(__name__)
 
 _STOP, _AUDIO = int(TokenKind.STOP), int(TokenKind.AUDIO)
 _MAX_TOMBSTONES = 10_000
-
-
-@dataclass
-class EngineLimits:
-    max_batch_size: int = 16
-    max_context: int = 1200
-    page_size: int = 16
-    num_pages: int = 0  # 0 = room for max_batch_size full contexts
-    max_prefill_rows: int = 8192  # prompt rows per step, so one step never grows unbounded
-    cuda_graphs: bool = True  # GPU only: replay captured decode graphs
-    min_decode_batch: int = 1  # smallest decode graph: smaller batches are padded up to it
-    # FlashInfer: one KV split per request, so attention reduces in the same order at any batch
-    # size (measured on the H200: without it, greedy tokens change when the batch grows).
-    no_split_kv: bool = True
-    # First audio of a request: "reference" waits for the first full window (28 Orpheus tokens);
-    # "adaptive" sends a short lead window (the program's `detok_lead`) as soon as the measured
-    # step rate lets the next window arrive before the lead has played out; "fastest" always
-    # sends the smallest lead (deterministic: for tests); "progressive" sends each first frame as a
-    # tail window as soon as it exists, until the stream is far enough ahead (gpu_worker/windows.py).
-    first_chunk: str = "adaptive"
-
-
-@dataclass
-class Request:
-    rid: str
-    prompt: np.ndarray  # [R, C] int64
-    sp: SamplingParams
-    arrival: float
-    budget: int  # total tokens allowed, prompt included
-    pages: list[int] = field(default_factory=list)
-    slot: int = -1  # sampling-state slot while running
-    n_ctx: int = 0  # rows in the KV cache once the launched steps complete
-    n_launched: int = 0  # sampling steps launched
-    n_gen: int = 0  # sampled rows consumed
-    done: bool = False  # finished (its results from steps still in flight are dropped)
-    # rows consumed (stop excluded): the codebook-0 id when C = 1, else the whole row as a list
-    generated: list = field(default_factory=list)
-    audio: np.ndarray | None = None  # [budget, C] int32 audio rows
-    n_audio: int = 0
-    n_chunks: int = 0
-    first_window: int = 0  # regular windows below this are covered by the lead or tail windows sent
-    n_tails: int = 0  # progressive mode: tail windows sent so far; -1 once switched to regular ones
-    admitted_at: float = 0.0
 
 
 @dataclass
