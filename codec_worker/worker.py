@@ -50,7 +50,7 @@ class Codec:
         self.device = program.device
         # Largest batch decoded at once, per window kind (rows, tail rows): regular windows, lead
         # windows, and with `tails` (--first-chunk progressive) the tail windows of 1-4 frames.
-        p, s = program, program.detok_interval - program.detok_overlap
+        p, s = program, program.detok_stride
         kinds = {(p.detok_interval, 0): max_batch, **{(r, 0): LEAD_MAX_BATCH for r in p.detok_lead}}
         if tails and p.detok_tail:
             kinds.update({(r, s): LEAD_MAX_BATCH for r in range(s, p.detok_interval + 1, s)})
@@ -114,9 +114,7 @@ class Codec:
                 for i, samples, ok in zip(part, pcm.astype("<i2"), valid, strict=True):
                     c = chunks[i]
                     if c.n_rows:  # a request's padded last window: only its real rows' samples
-                        samples = samples[
-                            : c.n_rows * p.detok_samples // (p.detok_interval - p.detok_overlap)
-                        ]
+                        samples = samples[: c.n_rows * p.detok_samples // p.detok_stride]
                     out[i] = AudioChunk(c.rid, c.index, samples.tobytes() if ok else b"")
         return out  # type: ignore[return-value]
 

@@ -8,7 +8,7 @@ text holds one slot at a time), and streamed in order.
 The segment size rule (`segment_budget`, sizes in UTF-8 bytes, which bound the prompt's token count
 for byte-level tokenizers such as Llama 3's):
 
-    budget = floor((max_tokens - prompt_overhead) / (1 + audio_tokens_per_s / SLOW_SPEECH_BYTES_PER_S))
+    budget = floor((max_tokens - prompt_overhead) / (1 + rows_per_second / SLOW_SPEECH_BYTES_PER_S))
 
 i.e. each byte costs at most one prompt token plus the audio tokens of slow speech (10 bytes/s;
 people speak 12-16). Orpheus: 82.03 audio tokens/s, so 129 bytes per segment (~9 s of speech);
@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from common.config import ServeConfig
+from programs import rows_per_second
 
 # --max-text-chars may not exceed this: about an hour of speech in one HTTP response.
 MAX_TEXT_CHARS_LIMIT = 50_000
@@ -54,12 +55,6 @@ def text_limit(cfg: ServeConfig) -> int:
     return max(1, min(cfg.max_text_chars, MAX_TEXT_CHARS_LIMIT))
 
 
-def audio_tokens_per_s(spec: Mapping[str, Any]) -> float:
-    """Tokens the model generates per second of audio (Orpheus: 24000 / 2048 * 7 = 82.03)."""
-    stride = int(spec["detok_interval"]) - int(spec.get("detok_overlap", 0))
-    return float(spec["sample_rate"]) / float(spec["detok_samples"]) * stride
-
-
 def prompt_overhead(spec: Mapping[str, Any]) -> int:
     """Prompt tokens that are not the text: special ids, BOS and the template around the text
     (its characters counted as bytes, for the longest voice name)."""
@@ -71,7 +66,7 @@ def prompt_overhead(spec: Mapping[str, Any]) -> int:
 
 def segment_budget(spec: Mapping[str, Any], max_tokens: int) -> int:
     """The most UTF-8 bytes of text one generation of `max_tokens` can surely speak (see above)."""
-    per_byte = 1.0 + audio_tokens_per_s(spec) / SLOW_SPEECH_BYTES_PER_S
+    per_byte = 1.0 + rows_per_second(spec) / SLOW_SPEECH_BYTES_PER_S
     return max(1, math.floor((max_tokens - prompt_overhead(spec)) / per_byte))
 
 

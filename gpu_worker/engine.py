@@ -99,9 +99,7 @@ class Engine:
         self.last_batch_size = 0
         # rid → (generated rows as in Request.generated, stop excluded; reason) when kept (tests, benches).
         self.outputs: dict[str, tuple[list, FinishReason]] | None = None
-        s = max(1, program.detok_interval - program.detok_overlap)
-        # Rows per second of audio: a regular window adds `s` rows' worth of `detok_samples`.
-        self.clock = StepClock(program.sample_rate * s / program.detok_samples, limits.max_batch_size)
+        self.clock = StepClock(program.rows_per_second, limits.max_batch_size)
         self.windows = AudioWindows(program, limits.first_chunk, self.clock)
 
     # --- requests in and out -------------------------------------------------------------------

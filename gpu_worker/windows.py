@@ -37,9 +37,7 @@ class AudioWindows:
                 f"{program.name} has no tail windows: --first-chunk progressive is not available"
             )
         self.program = program
-        self.stride = program.detok_interval - program.detok_overlap
-        if self.stride <= 0:
-            raise ValueError(f"{program.name}: detok_overlap must be smaller than detok_interval")
+        self.stride = program.detok_stride
         self.fastest = first_chunk == "fastest"
         self.progressive = first_chunk == "progressive"
         self.leads = () if first_chunk in ("reference", "progressive") else tuple(program.detok_lead)

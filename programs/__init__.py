@@ -4,6 +4,7 @@ gateway can read a model's spec without importing torch."""
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from typing import Any
 
 # --model name → (package under programs/, spec name inside its spec.py SPECS)
@@ -35,6 +36,14 @@ def get_spec(name: str) -> dict[str, Any]:
     package, spec_name = _lookup(name)
     specs = importlib.import_module(f"programs.{package}.spec").SPECS
     return dict(specs[spec_name])
+
+
+def rows_per_second(spec: Mapping[str, Any]) -> float:
+    """Rows the model generates per second of audio: each regular codec window adds
+    detok_interval - detok_overlap rows' worth of detok_samples samples (Orpheus: 24000 / 2048 * 7
+    = 82.03). The real-time pace a stream needs."""
+    stride = int(spec["detok_interval"]) - int(spec.get("detok_overlap", 0))
+    return float(spec["sample_rate"]) / float(spec["detok_samples"]) * stride
 
 
 def load_program_class(name: str) -> type:

@@ -85,6 +85,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+import programs
+
 CODEC_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -122,6 +124,7 @@ class LMProgram:
     detok_interval: int = 0  # rows per codec window
     detok_overlap: int = 0  # rows consecutive windows share
     detok_samples: int = 0  # samples each window adds
+    detok_stride: int = 0  # s = detok_interval - detok_overlap: rows between consecutive windows
     detok_offset: int = 0  # window j's audio covers audio rows from j*s + detok_offset (s: stride)
     detok_lead: tuple[int, ...] = ()  # row counts a lead window may have (see Lead windows)
     detok_tail: bool = False  # detokenize takes tail windows (see Progressive first chunks)
@@ -172,8 +175,10 @@ class LMProgram:
         self.detok_flush = bool(spec.get("detok_flush", False))
         if (self.detok_preseed or self.detok_flush) and self.detok_lead:
             raise ValueError(f"{spec['name']}: detok_preseed/detok_flush and detok_lead are alternatives")
-        stride = self.detok_interval - self.detok_overlap
-        if self.detok_flush and self.detok_samples % stride:
+        self.detok_stride = self.detok_interval - self.detok_overlap
+        if self.detok_stride <= 0:
+            raise ValueError(f"{spec['name']}: detok_overlap must be smaller than detok_interval")
+        if self.detok_flush and self.detok_samples % self.detok_stride:
             raise ValueError(f"{spec['name']}: detok_flush needs detok_samples divisible by the stride")
         if codec_dtype != "auto":
             if codec_dtype not in CODEC_DTYPES:
@@ -181,6 +186,11 @@ class LMProgram:
                     f"codec_dtype must be auto or one of {', '.join(CODEC_DTYPES)}, not {codec_dtype!r}"
                 )
             self.codec_dtype = getattr(torch, codec_dtype)
+
+    @property
+    def rows_per_second(self) -> float:
+        """Rows generated per second of audio (`programs.rows_per_second` of the spec)."""
+        return programs.rows_per_second(self.spec)
 
     @property
     def input_vocab_size(self) -> int:

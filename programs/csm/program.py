@@ -83,7 +83,7 @@ class CsmProgram(LMProgram):
     def load_codec(self) -> None:
         from programs.csm.codec import MimiCodec
 
-        stride = self.detok_interval - self.detok_overlap
+        stride = self.detok_stride
         if self.load_format == "dummy" or self.codec_weights is None:
             path = os.path.join(CONFIG_DIR, self.spec["codec_config"])
             self.codec = MimiCodec.from_config(
