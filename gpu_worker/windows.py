@@ -73,11 +73,10 @@ class AudioWindows:
         chunk = DetokChunk(req.rid, req.n_chunks, req.sp.seed, req.audio[lo:n].tobytes(), noise, tail_rows=s)
         req.n_chunks += 1
         req.n_tails += 1
-        j = self.first_window_after(n)  # the regular window that would carry the next frame
-        wait_rows = (n - s) + (j * s + p.detok_interval - n)  # from the first tail to window j
-        sent_s = req.n_tails * p.detok_samples / p.sample_rate
-        if lead_fits(wait_rows, sent_s, self.clock.row_period()):
-            req.first_window, req.n_tails = j, -1
+        # Played since the first tail (at row s) by the time the next regular window arrives.
+        wait_rows = (n - s) + self._rows_to_next_window(n)
+        if lead_fits(wait_rows, self._audio_s(req.n_tails * s), self.clock.row_period()):
+            req.first_window, req.n_tails = self.first_window_after(n), -1
         return chunk
 
     def flush(self, req) -> DetokChunk | None:
@@ -105,7 +104,14 @@ class AudioWindows:
         before the lead's audio has played out, at the rate steps go now."""
         if self.fastest:
             return True
-        p, s = self.program, self.stride
-        gap = self.first_window_after(lead_rows) * s + p.detok_interval - lead_rows
-        lead_audio_s = lead_rows * p.detok_samples / s / p.sample_rate
-        return lead_fits(gap, lead_audio_s, self.clock.row_period())
+        return lead_fits(
+            self._rows_to_next_window(lead_rows), self._audio_s(lead_rows), self.clock.row_period()
+        )
+
+    def _rows_to_next_window(self, n: int) -> int:
+        """Rows from audio row n until the regular window carrying the audio after row n exists."""
+        return self.first_window_after(n) * self.stride + self.program.detok_interval - n
+
+    def _audio_s(self, rows: int) -> float:
+        """Seconds of audio that `rows` audio rows decode to."""
+        return rows * self.program.detok_samples / self.stride / self.program.sample_rate
