@@ -49,11 +49,12 @@ class Codec:
         self.program = program
         self.device = program.device
         # Largest batch decoded at once, per window kind (rows, tail rows): regular windows, lead
-        # windows, and with `tails` (--first-chunk progressive) the tail windows of 1-4 frames.
+        # windows, and with `tails` (--first-chunk progressive) the tail windows of 1-4 frames (a
+        # tail of all its rows is the whole window: kind (rows, 0), see `_kind`).
         p, s = program, program.detok_stride
         kinds = {(p.detok_interval, 0): max_batch, **{(r, 0): LEAD_MAX_BATCH for r in p.detok_lead}}
         if tails and p.detok_tail:
-            kinds.update({(r, s): LEAD_MAX_BATCH for r in range(s, p.detok_interval + 1, s)})
+            kinds.update({self._kind(r, s): LEAD_MAX_BATCH for r in range(s, p.detok_interval + 1, s)})
         self.limits = kinds
         self.graphs: dict[tuple[int, int], DetokGraphs] = {}
         if graphs and self.device.type == "cuda":
@@ -61,14 +62,16 @@ class Codec:
 
             pool = torch.cuda.graph_pool_handle()
             for (rows, tail), limit in self.limits.items():
-                if tail == rows and (rows, 0) in self.graphs:
-                    self.graphs[rows, tail] = self.graphs[rows, 0]  # a one-frame tail is the lead
-                    continue
                 self.graphs[rows, tail] = DetokGraphs(
                     program, limit, progress, rows=rows, tail=tail, pool=pool
                 )
         else:
             self.limits = {kind: max_batch for kind in self.limits}  # eager: any batch
+
+    @staticmethod
+    def _kind(rows: int, tail: int) -> tuple[int, int]:
+        """A window's decode kind: (rows, tail rows kept), 0 for all of them."""
+        return rows, (tail if tail < rows else 0)
 
     @torch.inference_mode()
     def _decode_eager(
@@ -86,7 +89,7 @@ class Codec:
         p = self.program
         groups: dict[tuple[int, int], list[int]] = {}  # window kind → positions in `chunks`
         for i, c in enumerate(chunks):
-            kind = (len(c.tokens) // (4 * p.n_codebooks), c.tail_rows)
+            kind = self._kind(len(c.tokens) // (4 * p.n_codebooks), c.tail_rows)
             if kind not in self.limits:
                 raise ValueError(
                     f"chunk {c.index} of {c.rid} has {kind[0]} rows (tail {kind[1]}); {p.name} windows have "
