@@ -23,6 +23,7 @@ import time
 import numpy as np
 import torch
 
+from bench.gpu_parity import codec_graphs_vs_eager
 from common.messages import Prompt, SamplingParams
 from gpu_worker.engine import Engine, EngineLimits
 from gpu_worker.kv_cache import allocate_kv_cache
@@ -154,18 +155,11 @@ def main() -> int:
     ok &= all(v is None for v in batched.values())
 
     # 4. Codec graphs vs eager.
-    from codec_worker.worker import Codec
-
     prog.load_codec()
-    graphs, eager = Codec(prog, max_batch=16), Codec(prog, max_batch=16, graphs=False)
     tokens = rng.integers(0, 2048, size=(16, prog.detok_interval, 32)).astype(np.int64)
     tokens[0, : prog.detok_preseed] = prog.preseed_rows()  # a stream's first window
-    keys = np.zeros(16, dtype=np.int64)
-    pg, vg = graphs.graphs[prog.detok_interval, 0].decode(tokens, keys)
-    pe, ve = eager._decode_eager(tokens, keys)
-    diff = np.abs(pg.astype(np.int32) - pe.astype(np.int32))
-    res["codec_graph_vs_eager"] = {"max_pcm_diff": int(diff.max()), "valid_equal": bool((vg == ve).all())}
-    ok &= int(diff.max()) <= 1
+    res["codec_graph_vs_eager"] = codec_graphs_vs_eager(prog, tokens, np.zeros(16, dtype=np.int64), 16)
+    ok &= res["codec_graph_vs_eager"]["max_pcm_diff"] <= 1
 
     # 5. Decode step time (graphs): backbone replay + depth graph, per batch size.
     step_ms = {}
