@@ -217,7 +217,6 @@ def main() -> int:
     print("graphs vs eager, alone", res["greedy_alone_graphs_vs_eager"], flush=True)
 
     # 4. Codec graphs vs eager.
-
     torch.backends.cudnn.allow_tf32 = False
     fast.load_codec()
     codes = rng.integers(1, 4096, size=(40, 28))
