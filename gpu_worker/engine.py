@@ -40,7 +40,7 @@ from gpu_worker.pacing import StepClock
 from gpu_worker.requests import EngineLimits, Request
 from gpu_worker.runner import StepBatch, make_runner
 from gpu_worker.sampler import HeadColumns, sample_rows
-from gpu_worker.slots import SlotState
+from gpu_worker.slots import SlotState, to_device
 from gpu_worker.windows import AudioWindows
 from programs.base import LMProgram, TokenKind
 
@@ -55,11 +55,6 @@ class _InFlight:
     batch: list[Request]
     host: torch.Tensor  # [B, C + 1] int64: sampled row, then its kind
     ready: torch.cuda.Event | None
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host → device without waiting for the stream (a plain `.to` from pageable memory does)."""
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 class Engine:
@@ -305,7 +300,7 @@ class Engine:
         for group, use_candidates in groups:
             if not group:
                 continue
-            idx = _to_device(torch.tensor(group), dev) if len(group) < n else slice(None)
+            idx = to_device(torch.tensor(group), dev) if len(group) < n else slice(None)
             cand = self.program.candidates(self.slots.n_audio[slots[idx]]) if use_candidates else None
             # What the host knows of the group spares kernels that would change nothing: the window
             # mask when no row has a window, the penalty when every row's is 1 (x / 1 = x * 1 = x).

@@ -11,6 +11,7 @@ here is row-wise.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -84,17 +85,7 @@ def depth_sampler(rows: SamplingRows):
     no_stop = torch.empty(0, dtype=torch.int64, device=rows.seed.device)
 
     def sample(logits: torch.Tensor, salt: int) -> torch.Tensor:
-        salted = SamplingRows(
-            temperature=rows.temperature,
-            top_k=rows.top_k,
-            top_p=rows.top_p,
-            min_p=rows.min_p,
-            rep_penalty=rows.rep_penalty,
-            seed=rng.mix_keys(rows.seed, salt),
-            counter=rows.counter,
-            history=None,
-            block_stop=rows.block_stop,
-        )
+        salted = dataclasses.replace(rows, seed=rng.mix_keys(rows.seed, salt), history=None, candidates=None)
         return sample_rows(logits.float(), salted, no_stop)
 
     return sample

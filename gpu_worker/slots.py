@@ -17,6 +17,11 @@ from gpu_worker.sampler import SamplingRows
 from programs.base import TokenKind
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host → device without waiting for the stream (a plain `.to` from pageable memory does)."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 class SlotState:
     def __init__(self, num_slots: int, max_context: int, n_codebooks: int, device: torch.device) -> None:
         f32 = dict(dtype=torch.float32, device=device)
@@ -55,9 +60,7 @@ class SlotState:
         self.n_audio[slot] = 0
         ids = torch.from_numpy(prompt_ids.astype(np.int64))
         self.history[slot].fill_(int(ids[0]))
-        if self.device.type == "cuda":  # pinned + non-blocking: no wait for the queued steps
-            ids = ids.pin_memory().to(self.device, non_blocking=True)
-        self.history[slot, : len(ids)] = ids
+        self.history[slot, : len(ids)] = to_device(ids, self.device)
         return slot
 
     def release(self, slot: int) -> None:
