@@ -1,7 +1,7 @@
 """GPU: greedy tokens of one request alone vs among 3, 17 and 40 others (graphs on, the serving
 defaults), the check of `bench/gpu_parity.py` section 3 on its own (a minute instead of several).
 
-    python -m bench.batch_invariance --out batch_invariance.json
+    python -m bench.batch_invariance --out batch_invariance.json [--kv-cache-dtypes auto,fp8]
 """
 
 from __future__ import annotations
@@ -21,14 +21,20 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="batch_invariance.json")
     ap.add_argument("--lm-head", default="full")
+    ap.add_argument("--kv-cache-dtypes", default="auto", help="comma list: each is checked")
     args = ap.parse_args()
     p = load_program_class("orpheus")(get_spec("orpheus"), load_format="dummy", device="cuda",
                                       dtype=torch.bfloat16, lm_head=args.lm_head)  # fmt: skip
     p.load_lm()
     prompt, engine = greedy_setup(p)
     res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%F"), "lm_head": args.lm_head}
-    res["greedy_alone_vs_batched"] = greedy_batches(engine, prompt, {})
-    res["ok"] = all(v["first_difference"] is None for v in res["greedy_alone_vs_batched"].values())
+    res["greedy_alone_vs_batched"] = {}
+    for kv in args.kv_cache_dtypes.split(","):
+        res["greedy_alone_vs_batched"][kv] = greedy_batches(engine, prompt, {"kv_cache_dtype": kv})
+        print(kv, res["greedy_alone_vs_batched"][kv], flush=True)
+    res["ok"] = all(
+        v["first_difference"] is None for per in res["greedy_alone_vs_batched"].values() for v in per.values()
+    )
     print(json.dumps(res), flush=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)

@@ -126,9 +126,9 @@ def prompt(program, rid: str, text: str, seed: int, n_tokens: int) -> Prompt:
     return Prompt(rid, rows.tobytes(), len(rows), sp)
 
 
-def offline(program, codec: Codec, n_requests: int, n_tokens: int, max_batch: int) -> dict:
+def offline(program, codec: Codec, n_requests: int, n_tokens: int, max_batch: int, kv: str = "auto") -> dict:
     """Every request at once; LM steps and codec batches alternate in one process (no overlap)."""
-    eng = Engine(program, EngineLimits(max_batch_size=max_batch, max_context=1200))
+    eng = Engine(program, EngineLimits(max_batch_size=max_batch, max_context=1200, kv_cache_dtype=kv))
     for i in range(n_requests):
         eng.add(prompt(program, f"r{i}", f"Sentence number {i} to speak.", i, n_tokens))
     torch.cuda.synchronize()
@@ -157,9 +157,9 @@ def offline(program, codec: Codec, n_requests: int, n_tokens: int, max_batch: in
     }
 
 
-def ttfa_in_process(program, codec: Codec, reps: int) -> dict:
+def ttfa_in_process(program, codec: Codec, reps: int, kv: str = "auto") -> dict:
     """Server-side TTFA: prompt handed to the engine → first PCM chunk decoded (single stream)."""
-    eng = Engine(program, EngineLimits(max_batch_size=8, max_context=1200))
+    eng = Engine(program, EngineLimits(max_batch_size=8, max_context=1200, kv_cache_dtype=kv))
     times = []
     for i in range(reps):
         eng.add(prompt(program, f"t{i}", "Hello, how are you today?", 7 + i, 60))
@@ -235,6 +235,7 @@ def main() -> int:
     )
     ap.add_argument("--lm-head", default="full", choices=("full", "audio"))
     ap.add_argument("--codec-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"), help="for ttfa and offline")
     args = ap.parse_args()
     skip = set(args.skip.split(","))
     torch.backends.cudnn.allow_tf32 = False
@@ -244,6 +245,7 @@ def main() -> int:
         "date": time.strftime("%F"),
         "lm_head": args.lm_head,
         "codec_dtype": args.codec_dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
     }
 
     def save() -> None:
@@ -268,13 +270,18 @@ def main() -> int:
         save()
     codec = Codec(program, max_batch=256)
     if "ttfa" not in skip:
-        res["ttfa_in_process"] = ttfa_in_process(program, codec, 10)
+        res["ttfa_in_process"] = ttfa_in_process(program, codec, 10, args.kv_cache_dtype)
         res["ttfa_p50_ms"] = res["ttfa_in_process"]["p50_ms"]
         print("ttfa", res["ttfa_in_process"], flush=True)
         save()
     if "offline" not in skip:
         res["offline"] = offline(
-            program, codec, args.offline_requests, args.offline_tokens, args.offline_requests
+            program,
+            codec,
+            args.offline_requests,
+            args.offline_tokens,
+            args.offline_requests,
+            args.kv_cache_dtype,
         )
         res["offline_x_realtime"] = res["offline"]["x_realtime"]
         print("offline", res["offline"], flush=True)

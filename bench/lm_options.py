@@ -1,9 +1,9 @@
 """GPU: what the LM options buy (H200, dummy Orpheus-3B): decode step time of the full engine step
-(graph replay + plan + sampler) per batch size, for bf16 vs the audio-only head vs fp8 weights,
-as ratios against plain bf16 measured in the same run; and the fp8 model's teacher-forced logits
-against bf16's on the same prompts.
+(graph replay + plan + sampler) per batch size, for bf16 vs the audio-only head vs fp8 weights vs
+an fp8 KV cache, as ratios against the first config measured in the same run; and each config's
+teacher-forced logits (prefill through its own KV cache) against the first config's.
 
-    python bench/lm_options.py --out lm_options.json [--sizes 1,64,256,384,512] [--ctx 512]
+    python bench/lm_options.py --out lm_options.json [--configs bf16,bf16+fp8kv] [--sizes 1,64,256,384,512] [--ctx 512]
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from common.messages import Prompt, SamplingParams
 from gpu_worker.engine import Engine, EngineLimits
 from gpu_worker.flashinfer_backend import FlashInferAttention
 from gpu_worker.kv_cache import allocate_kv_cache, pages_for
+from gpu_worker.kv_cache import kv_cache_dtype as kv_dtype
 from gpu_worker.runner import EagerRunner, StepBatch
 from programs import get_spec, load_program_class
 
@@ -29,6 +30,8 @@ CONFIGS = {
     "bf16+audio_head": {"lm_head": "audio"},
     "fp8": {"quantization": "fp8"},
     "fp8+audio_head": {"quantization": "fp8", "lm_head": "audio"},
+    "bf16+fp8kv": {"kv_cache_dtype": "fp8"},
+    "audio_head+fp8kv": {"lm_head": "audio", "kv_cache_dtype": "fp8"},
 }
 
 
@@ -39,11 +42,14 @@ def load(**kw):
     return p
 
 
-def engine_steps(program, sizes: list[int], ctx: int) -> dict:
+def engine_steps(program, sizes: list[int], ctx: int, kv_cache_dtype: str = "auto") -> dict:
     """Full engine steps (sampling included) with every request decoding at context ~ctx."""
     out = {}
     bmax = max(sizes)
-    eng = Engine(program, EngineLimits(max_batch_size=bmax, max_context=ctx + 300, first_chunk="reference"))
+    limits = EngineLimits(
+        max_batch_size=bmax, max_context=ctx + 300, first_chunk="reference", kv_cache_dtype=kv_cache_dtype
+    )
+    eng = Engine(program, limits)
     for bs in sizes:
         for i in range(bs):
             rows = np.full(ctx, 128300, dtype="<i4")
@@ -64,12 +70,12 @@ def engine_steps(program, sizes: list[int], ctx: int) -> dict:
     return out
 
 
-def last_row_logits(program, prompts: list[np.ndarray]) -> torch.Tensor:
+def last_row_logits(program, prompts: list[np.ndarray], kv_cache_dtype: str = "auto") -> torch.Tensor:
     page = 16
     per = pages_for(max(map(len, prompts)) + 1, page)
     kv = allocate_kv_cache(program.num_layers, 1 + len(prompts) * per, page, program.num_kv_heads,
-                           program.head_dim, torch.bfloat16, "cuda")  # fmt: skip
-    runner = EagerRunner(program, FlashInferAttention(kv, program.num_qo_heads))
+                           program.head_dim, kv_dtype(kv_cache_dtype, program.dtype), "cuda")  # fmt: skip
+    runner = EagerRunner(program, FlashInferAttention(kv, program.num_qo_heads, program.dtype))
     lens = [len(p) for p in prompts]
     b = StepBatch(
         ids=np.concatenate(prompts)[:, None].astype(np.int64),
@@ -91,42 +97,46 @@ def main() -> int:
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     res: dict = {"device": torch.cuda.get_device_name(), "model": "orpheus-3b dummy", "date": time.strftime("%F"),
-                 "ctx": args.ctx, "step_ms": {}, "ratio_vs_bf16": {}}  # fmt: skip
+                 "ctx": args.ctx, "step_ms": {}, "ratio_vs_base": {}}  # fmt: skip
     rng = np.random.default_rng(0)
     prompts = [rng.integers(128266, 128266 + 28672, size=n) for n in (40, 100, 180, 260, 333, 512)]
     ref_logits = None
-    for name in args.configs.split(","):
+    names = args.configs.split(",")
+    base_name = names[0]
+    res["baseline_config"] = base_name
+    for name in names:
         print(name, flush=True)
         t0 = time.perf_counter()
-        program = load(**CONFIGS[name])
+        kw = dict(CONFIGS[name])
+        kv = kw.pop("kv_cache_dtype", "auto")
+        program = load(**kw)
         res.setdefault("load_s", {})[name] = round(time.perf_counter() - t0, 1)
-        logits = last_row_logits(program, prompts)
+        logits = last_row_logits(program, prompts, kv)
         if program.head_ids is not None:
             logits = torch.full((len(prompts), program.vocab_size), float("nan"), device="cuda").index_copy_(
                 1, program.head_ids, logits
             )
-        if name == "bf16":
+        if name == base_name:
             ref_logits = logits
         elif ref_logits is not None:
             cols = program.head_ids if program.head_ids is not None else slice(None)
             a, b = logits[:, cols], ref_logits[:, cols]
-            res.setdefault("logits_vs_bf16", {})[name] = {
+            res.setdefault("logits_vs_base", {})[name] = {
                 "max_abs": round((a - b).abs().max().item(), 4),
                 "mean_abs": round((a - b).abs().mean().item(), 5),
                 "ref_abs_max": round(b.abs().max().item(), 3),
                 "argmax_agree": float((a.argmax(1) == b.argmax(1)).float().mean().item()),
             }
-            print("  logits vs bf16:", res["logits_vs_bf16"][name], flush=True)
-        res["step_ms"][name] = engine_steps(program, sizes, args.ctx)
-        if "bf16" in res["step_ms"]:
-            base = res["step_ms"]["bf16"]
-            res["ratio_vs_bf16"][name] = {b: round(res["step_ms"][name][b] / base[b], 3) for b in sizes}
+            print(f"  logits vs {base_name}:", res["logits_vs_base"][name], flush=True)
+        res["step_ms"][name] = engine_steps(program, sizes, args.ctx, kv)
+        base = res["step_ms"][base_name]
+        res["ratio_vs_base"][name] = {b: round(res["step_ms"][name][b] / base[b], 3) for b in sizes}
         del program
         gc.collect()
         torch.cuda.empty_cache()
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
-    print(json.dumps(res["ratio_vs_bf16"]))
+    print(json.dumps(res["ratio_vs_base"]))
     return 0
 
 

@@ -46,6 +46,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     first_chunk: str = "adaptive"  # reference | adaptive | fastest | progressive (see EngineLimits)
     lm_head: str = "full"  # gpu_worker: full vocabulary, or "audio": logits for codec tokens + stop only
     quantization: str = "none"  # gpu_worker: none | fp8 (LM linear weights in float8, per-channel scales)
+    kv_cache_dtype: str = "auto"  # gpu_worker: auto (the model's dtype) | fp8 (float8 e4m3 keys/values)
     constrained: bool | None = None  # None = the model's default
     max_text_chars: int = 2000
     max_queue: int = 1024  # requests waiting for a slot beyond this get 503
@@ -226,6 +227,13 @@ OPTIONS: tuple[Option, ...] = (
         "none, or fp8 (LM linear layers in float8 with per-channel scales; GPU with fp8 tensor cores)",
         ("serve", "gpu_worker"),
         choices=("none", "fp8"),
+    ),
+    Option(
+        "kv_cache_dtype",
+        "auto (keys and values in the model's dtype) or fp8 (float8 e4m3, unscaled: half the bytes "
+        "attention reads per step and twice the pages in the same memory)",
+        ("serve", "gpu_worker"),
+        choices=("auto", "fp8"),
     ),
     Option(
         "constrained",

@@ -58,6 +58,8 @@ class TorchPagedAttention:
             kv = cache[table]  # [pages, 2, page, Hkv, D]
             keys = kv[:, 0].reshape(-1, self.num_kv_heads, kv.shape[-1])[:n_kv]  # [T, Hkv, D]
             vals = kv[:, 1].reshape(-1, self.num_kv_heads, kv.shape[-1])[:n_kv]
+            if keys.element_size() == 1:  # an fp8 cache: attend in the queries' precision
+                keys, vals = keys.to(q.dtype), vals.to(q.dtype)
             keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, T, D]
             vals = vals.repeat_interleave(group, dim=1).transpose(0, 1)
             qb = q[lo:hi].transpose(0, 1)  # [Hq, n, D]

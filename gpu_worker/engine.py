@@ -35,7 +35,7 @@ from common.messages import (
     FinishReason,
     Prompt,
 )
-from gpu_worker.kv_cache import PageAllocator, allocate_kv_cache, pages_for
+from gpu_worker.kv_cache import PageAllocator, allocate_kv_cache, kv_cache_dtype, pages_for
 from gpu_worker.pacing import StepClock
 from gpu_worker.requests import EngineLimits, Request
 from gpu_worker.runner import StepBatch, make_runner
@@ -72,7 +72,7 @@ class Engine:
             limits.page_size,
             program.num_kv_heads,
             program.head_dim,
-            program.dtype,
+            kv_cache_dtype(limits.kv_cache_dtype, program.dtype),
             self.device,
         )
         self.runner = make_runner(program, self.kv_cache, limits, progress)

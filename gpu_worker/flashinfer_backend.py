@@ -39,10 +39,11 @@ def write_slots(layout: StepLayout, page_size: int) -> tuple[np.ndarray, np.ndar
 
 
 class FlashInferAttention:
-    def __init__(self, kv_cache: torch.Tensor, num_qo_heads: int) -> None:
+    def __init__(self, kv_cache: torch.Tensor, num_qo_heads: int, q_dtype: torch.dtype | None = None) -> None:
         import flashinfer
 
         self.kv_cache = kv_cache  # [L, P, 2, page, Hkv, D]
+        self.q_dtype = q_dtype or kv_cache.dtype  # queries (and outputs) may be wider than the cache
         self.page_size, self.num_kv_heads, self.head_dim = (
             kv_cache.shape[3],
             kv_cache.shape[4],
@@ -65,23 +66,23 @@ class FlashInferAttention:
         self._write_page = torch.from_numpy(page).to(dev, non_blocking=True)
         self._write_off = torch.from_numpy(off).to(dev, non_blocking=True)
         dims = (self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size)
-        dt = self.kv_cache.dtype
+        qt, kt = self.q_dtype, self.kv_cache.dtype
         if len(layout.qo_indptr) - 1 == len(layout.pos):  # one row per request: decode
             self.decode.plan(
                 torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last), *dims,
-                q_data_type=dt, kv_data_type=dt,
+                q_data_type=qt, kv_data_type=kt,
             )  # fmt: skip
             self._wrapper = self.decode
         else:
             qo = torch.from_numpy(np.asarray(layout.qo_indptr, dtype=np.int32))
             self.prefill.plan(
                 qo, torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last), *dims,
-                causal=True, q_data_type=dt, kv_data_type=dt,
+                causal=True, q_data_type=qt, kv_data_type=kt,
             )  # fmt: skip
             self._wrapper = self.prefill
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = self.kv_cache[layer]  # [P, 2, page, Hkv, D]
-        cache[self._write_page, 0, self._write_off] = k
-        cache[self._write_page, 1, self._write_off] = v
+        cache[self._write_page, 0, self._write_off] = k.to(cache.dtype)
+        cache[self._write_page, 1, self._write_off] = v.to(cache.dtype)
         return self._wrapper.run(q, cache)

@@ -64,6 +64,6 @@ class GraphAttention:
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = self.kv_cache[layer]  # [P, 2, page, Hkv, D]
-        cache[self.page, 0, self.off] = k
-        cache[self.page, 1, self.off] = v
+        cache[self.page, 0, self.off] = k.to(cache.dtype)
+        cache[self.page, 1, self.off] = v.to(cache.dtype)
         return self.wrapper.run(q, cache)

@@ -89,7 +89,7 @@ class GraphRunner:
         self.program = program
         self.kv_cache = kv_cache
         self.page_size = kv_cache.shape[3]
-        self.eager = EagerRunner(program, FlashInferAttention(kv_cache, program.num_qo_heads))
+        self.eager = EagerRunner(program, FlashInferAttention(kv_cache, program.num_qo_heads, program.dtype))
         self.sizes = decode_buckets(limits.max_batch_size, limits.min_decode_batch)
         self.no_split_kv = limits.no_split_kv
         bmax, c, dev = self.sizes[-1], program.n_codebooks, program.device
@@ -158,7 +158,7 @@ class GraphRunner:
         wrapper.plan(
             torch.from_numpy(indptr), indices, torch.from_numpy(last),
             p.num_qo_heads, p.num_kv_heads, p.head_dim, self.page_size,
-            q_data_type=self.kv_cache.dtype, kv_data_type=self.kv_cache.dtype, disable_split_kv=self.no_split_kv,
+            q_data_type=p.dtype, kv_data_type=self.kv_cache.dtype, disable_split_kv=self.no_split_kv,
         )  # fmt: skip
 
     @torch.inference_mode()

@@ -39,6 +39,16 @@ def pages_for(n_tokens: int, page_size: int) -> int:
     return -(-n_tokens // page_size)
 
 
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """What keys/values are stored as: the model's dtype, or float8 e4m3 (unscaled)."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {name!r}")
+    return torch.float8_e4m3fn if name == "fp8" else model_dtype
+
+
 def allocate_kv_cache(
     num_layers: int,
     num_pages: int,

@@ -200,7 +200,7 @@ class PrefillGraphs:
         wrapper.plan(
             torch.from_numpy(lay.qo_indptr), torch.from_numpy(lay.kv_indptr), kv_indices,
             torch.from_numpy(lay.kv_last), p.num_qo_heads, p.num_kv_heads, p.head_dim, self.page_size,
-            causal=True, q_data_type=dt, kv_data_type=dt, disable_split_kv=self.no_split_kv,
+            causal=True, q_data_type=p.dtype, kv_data_type=dt, disable_split_kv=self.no_split_kv,
         )  # fmt: skip
 
     def plan(self, lay: PrefillLayout) -> None:

@@ -101,7 +101,7 @@ def make_runner(program: LMProgram, kv_cache: torch.Tensor, limits, progress=Non
     from gpu_worker.flashinfer_backend import FlashInferAttention
 
     if not limits.cuda_graphs:
-        return EagerRunner(program, FlashInferAttention(kv_cache, program.num_qo_heads))
+        return EagerRunner(program, FlashInferAttention(kv_cache, program.num_qo_heads, program.dtype))
     from gpu_worker.graphs import GraphRunner
 
     return GraphRunner(program, kv_cache, limits, progress)

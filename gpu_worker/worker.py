@@ -56,6 +56,7 @@ class GpuWorker:
             num_pages=cfg.num_pages,
             cuda_graphs=not cfg.disable_cuda_graph,
             first_chunk=cfg.first_chunk,
+            kv_cache_dtype=cfg.kv_cache_dtype,
         )
         status.set(ProcState.LOADING, "allocating KV cache")
         self.engine = Engine(program, limits, progress=lambda msg: status.set(ProcState.LOADING, msg))
