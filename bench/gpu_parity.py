@@ -87,7 +87,12 @@ def greedy_setup(program):
         """One engine per setting, reused once idle: its graphs are captured once, not per run."""
         key = tuple(sorted(kw.items()))
         if key not in engines:
-            engines[key] = Engine(program, EngineLimits(max_batch_size=64, max_context=1200, **kw))
+            t0 = time.perf_counter()
+            engines[key] = Engine(
+                program,
+                EngineLimits(max_batch_size=64, max_context=1200, **kw),
+                progress=lambda msg: print(f"  [{time.perf_counter() - t0:6.1f} s] {msg}", flush=True),
+            )
         eng = engines[key]
         assert not eng.has_work()
         eng.outputs = {}

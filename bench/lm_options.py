@@ -43,27 +43,37 @@ def load(**kw):
 
 
 def engine_steps(program, sizes: list[int], ctx: int, kv_cache_dtype: str = "auto") -> dict:
-    """Full engine steps (sampling included) with every request decoding at context ~ctx."""
+    """Full engine steps (sampling included) with every request decoding at context ~ctx.
+
+    The engine admits one new request per step (graphs on), so request i of a batch of bs gets a
+    prompt bs - i rows shorter than ctx: when the last one is in, all stand near ctx."""
     out = {}
     bmax = max(sizes)
     limits = EngineLimits(
-        max_batch_size=bmax, max_context=ctx + 300, first_chunk="reference", kv_cache_dtype=kv_cache_dtype
+        max_batch_size=bmax,
+        max_context=ctx + bmax + 300,
+        first_chunk="reference",
+        kv_cache_dtype=kv_cache_dtype,
     )
     eng = Engine(program, limits)
     for bs in sizes:
         for i in range(bs):
-            rows = np.full(ctx, 128300, dtype="<i4")
+            n = max(8, ctx - (bs - i))
+            rows = np.full(n, 128300, dtype="<i4")
             rows[0] = 128259
             sp = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3, seed=i, constrained=True)
-            sp.max_tokens, sp.min_tokens = ctx + 280, 280
-            eng.add(Prompt(f"b{bs}r{i}", rows.tobytes(), ctx, sp))
+            sp.max_tokens, sp.min_tokens = limits.max_context, limits.max_context - n
+            eng.add(Prompt(f"b{bs}r{i}", rows.tobytes(), n, sp))
         while eng.waiting or any(r.n_ctx == 0 for r in eng.running.values()):
             eng.step()  # admit and prefill everyone
         for _ in range(3):
             eng.step()
         ms = cuda_ms(eng.step, 30)
+        running = list(eng.running.values())
+        assert len(running) == bs, f"batch {bs}: only {len(running)} running"
+        mean_ctx = sum(r.n_ctx for r in running) / bs
         out[bs] = round(ms, 3)
-        print(f"  batch {bs}: {ms:.2f} ms/step", flush=True)
+        print(f"  batch {bs}: {ms:.2f} ms/step (mean context {mean_ctx:.0f})", flush=True)
         for rid in list(eng.running):
             eng.abort(rid)
         eng.run_until_idle()
