@@ -132,24 +132,25 @@ def main() -> int:
             time.sleep(0.5)
         startup = time.monotonic() - t0
         res = asyncio.run(measure(base, args.reps, args.tokens))
+        ttfa = [r[0] * 1000 for r in res]
+        out = {
+            "model": f"{args.model} dummy",
+            "date": time.strftime("%F"),
+            "serve_args": args.serve_args,
+            "startup_s": round(startup, 1),
+            "ttfa_p50_ms": round(statistics.median(ttfa), 2),
+            "ttfa_ms": [round(t, 2) for t in ttfa],
+            "request_s": [round(r[1], 3) for r in res],
+            "audio_s": [round(r[2] / 2 / 24000, 3) for r in res],
+        }
+        with open(args.out, "w") as f:  # before the load curve, which may run out of time
+            json.dump(out, f, indent=1)
+        print(json.dumps(out), flush=True)
         if args.load:
             load_curve(base, args)
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(30)
-    ttfa = [r[0] * 1000 for r in res]
-    out = {
-        "model": f"{args.model} dummy",
-        "date": time.strftime("%F"),
-        "startup_s": round(startup, 1),
-        "ttfa_p50_ms": round(statistics.median(ttfa), 2),
-        "ttfa_ms": [round(t, 2) for t in ttfa],
-        "request_s": [round(r[1], 3) for r in res],
-        "audio_s": [round(r[2] / 2 / 24000, 3) for r in res],
-    }
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print(json.dumps(out))
     return 0
 
 
