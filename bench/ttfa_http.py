@@ -113,7 +113,10 @@ def main() -> int:
     ap.add_argument("serve_args", nargs="*", help="extra `voxpipe serve` flags (after --)")
     args = ap.parse_args()
     cmd = [sys.executable, "-m", "common.cli", "serve", "--model", args.model, "--port", str(args.port)]
-    cmd += ["--load-format", "dummy", "--constrained", *args.serve_args]
+    from programs import get_spec
+
+    constrained = ["--constrained"] if get_spec(args.model).get("constrainable") else []
+    cmd += ["--load-format", "dummy", *constrained, *args.serve_args]
     server = subprocess.Popen(cmd, cwd=ROOT)
     base = f"http://127.0.0.1:{args.port}"
     try:

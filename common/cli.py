@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common.config import ServeConfig, add_options, resolve
+from common.config import ServeConfig, add_options, check_model_settings, resolve
 from common.proc import setup_logging
 
 # `voxpipe <command>` → the role (= package) it runs
@@ -33,7 +33,7 @@ MAX_TEXT_CHARS = 50_000  # the gateway's own cap (gateway/segments.py MAX_TEXT_C
 def _validate(cfg: ServeConfig) -> None:
     from programs import get_spec
 
-    get_spec(cfg.model)  # raises with the list of models
+    check_model_settings(cfg, get_spec(cfg.model))  # get_spec raises with the list of models
     if cfg.tokenizer_workers < 1:
         raise ValueError("--tokenizer-workers must be at least 1")
     if cfg.gpu_workers < 1:

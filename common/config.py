@@ -99,6 +99,12 @@ def pair_devices(spec: str, n: int, cuda_available: Callable[[], bool] | None = 
     return [f"cuda:{i}" for i in range(n)]
 
 
+def check_model_settings(cfg: ServeConfig, spec: Mapping[str, Any]) -> None:
+    """Settings the served model cannot honour: raises ValueError naming the flag."""
+    if cfg.constrained and not spec.get("constrainable", False):
+        raise ValueError(f"--constrained: {spec['name']} has no constrained sampling mode")
+
+
 def program_kwargs(cfg: ServeConfig) -> dict:
     """The keyword arguments every process builds its program with."""
     return dict(

@@ -31,7 +31,7 @@ from typing import Any
 
 from aiohttp import web
 
-from common.config import ServeConfig
+from common.config import ServeConfig, check_model_settings
 from common.ipc import Addresses, AsyncDispatchChannel, AsyncPullChannel, publish_stage
 from common.messages import (
     Abort,
@@ -77,6 +77,7 @@ class Gateway:
         self.cfg = cfg
         self.addresses = addresses
         self.spec = get_spec(cfg.model)
+        check_model_settings(cfg, self.spec)  # as `voxpipe serve` does, for a gateway run alone
         self.sample_rate = int(self.spec["sample_rate"])
         self.idle_timeout_s = idle_timeout_s
         self.submit_timeout_s = submit_timeout_s

@@ -105,6 +105,9 @@ class Engine:
                 prompt.rid, f"prompt holds {len(prompt.tokens)} bytes, not {prompt.n_rows} rows of {c}"
             )
             return
+        if prompt.sampling.constrained and not self.program.can_constrain:
+            self.reject(prompt.rid, f"{self.program.name} has no constrained sampling mode")
+            return
         rows = np.frombuffer(prompt.tokens, dtype="<i4").astype(np.int64).reshape(prompt.n_rows, c)
         budget = min(prompt.sampling.max_tokens, self.limits.max_context)
         need = pages_for(budget + 1, self.limits.page_size)

@@ -219,6 +219,12 @@ class LMProgram:
         the full row [B, C] int64. Needed when n_codebooks > 1."""
         raise NotImplementedError(f"{self.name} has {self.n_codebooks} codebooks and no decode_tokens")
 
+    @property
+    def can_constrain(self) -> bool:
+        """Whether this program has a constrained sampling mode (it overrides `candidates`; its spec
+        says so with `"constrainable": True`, which the gateway checks `--constrained` against)."""
+        return type(self).candidates is not LMProgram.candidates
+
     def candidates(self, n_audio: torch.Tensor) -> torch.Tensor:
         """Token ids a constrained request may sample next, given its audio rows so far."""
         raise NotImplementedError(f"{self.name} has no constrained sampling mode")

@@ -51,6 +51,7 @@ SPECS = {
         "lm_config": "orpheus-3b.json",  # in programs/orpheus/configs/, for --load-format dummy
         "codec_config": "snac_24khz.json",
         "constrained": False,
+        "constrainable": True,
     },
     "orpheus-tiny": {
         **_COMMON,
@@ -62,6 +63,7 @@ SPECS = {
         # Random weights rarely sample a valid code for the frame position; constrained sampling
         # keeps the stream decodable so the tiny model returns audio of the expected length.
         "constrained": True,
+        "constrainable": True,
         "max_tokens": 400,
     },
 }
