@@ -54,7 +54,10 @@ def server_gauges(base: str) -> dict[str, float]:
     """gpu_worker gauges worth keeping next to a load level (summed over gpu_workers)."""
     import urllib.request
 
-    keep = ("stream_capacity", "row_period_ms", "decode_batch_size", "kv_pages_used")
+    keep = (
+        "stream_capacity", "row_period_ms", "decode_batch_size", "kv_pages_used", "step_host_ms",
+        "step_wait_ms", "active_streams", "queue_depth",
+    )  # fmt: skip
     out: dict[str, float] = {}
     with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
         for line in r.read().decode().splitlines():
@@ -64,16 +67,50 @@ def server_gauges(base: str) -> dict[str, float]:
     return out
 
 
+class GaugeSampler:
+    """Reads the server's gauges every `every` seconds while a load level runs (the gauges after a
+    level show a draining server); `summary()` gives each gauge's median over the busy samples."""
+
+    def __init__(self, base: str, every: float = 2.0) -> None:
+        import threading
+
+        self.base, self.every, self.samples = base, every, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            try:
+                self.samples.append(server_gauges(self.base))
+            except OSError:
+                pass
+
+    def summary(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join()
+        busy = [s for s in self.samples if s.get("decode_batch_size", 0) > 0]
+        keys = sorted({k for s in busy for k in s})
+        out = {k: round(statistics.median(s[k] for s in busy if k in s), 3) for k in keys}
+        if busy:
+            out["max_decode_batch_size"] = max(s.get("decode_batch_size", 0) for s in busy)
+        out["samples"] = len(busy)
+        return out
+
+
 def load_curve(base: str, args) -> None:
     from bench.load import meets_target, plot, run_level, summarize
 
     curve = []
     for i, level in enumerate(int(c) for c in args.load.split(",")):
+        sampler = GaugeSampler(base)
         results, wall = asyncio.run(
             run_level(base, concurrency=level, duration=args.load_duration, tokens=args.load_tokens,
                       prompt_allowance=100, seed=i, ramp=args.ramp)
         )  # fmt: skip
-        point = {"concurrency": level, **summarize(results, wall, 24000), "server": server_gauges(base)}
+        during = sampler.summary()
+        point = {"concurrency": level, **summarize(results, wall, 24000), "server_during": during}
+        point["server_after"] = server_gauges(base)
         curve.append(point)
         print(json.dumps(point), flush=True)
         out = {

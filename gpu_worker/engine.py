@@ -95,6 +95,11 @@ class Engine:
         # rid → (generated rows as in Request.generated, stop excluded; reason) when kept (tests, benches).
         self.outputs: dict[str, tuple[list, FinishReason]] | None = None
         self.clock = StepClock(program.rows_per_second, limits.max_batch_size)
+        # Where a step's wall time goes (exponential averages, seconds): the host's own work (admit,
+        # layout, launch, consume), and waiting for the GPU to finish the previous step. A host
+        # time near the step interval with little wait means the host, not the GPU, sets the pace.
+        self.host_s = self.wait_s = 0.0
+        self._waited = 0.0
         self.windows = AudioWindows(program, limits.first_chunk, self.clock)
 
     # --- requests in and out -------------------------------------------------------------------
@@ -197,6 +202,8 @@ class Engine:
                 self.clock.capacity() if self.device.type == "cuda" else self.limits.max_batch_size, 1
             ),
             "row_period_ms": round(1000 * self.clock.row_period(), 3),
+            "step_host_ms": round(1000 * self.host_s, 3),
+            "step_wait_ms": round(1000 * self.wait_s, 3),
         }
 
     def _finish(self, req: Request, reason: FinishReason, chunks: list[DetokChunk] | None = None) -> None:
@@ -247,6 +254,16 @@ class Engine:
 
     def step(self) -> DetokBatch | None:
         """Launch the next step, then collect the previous one; what it produced, or None."""
+        t0 = time.perf_counter()
+        self._waited = 0.0
+        out = self._step()
+        if self.last_batch_size:
+            host = time.perf_counter() - t0 - self._waited
+            self.host_s += 0.05 * (host - self.host_s)
+            self.wait_s += 0.05 * (self._waited - self.wait_s)
+        return out
+
+    def _step(self) -> DetokBatch | None:
         self._admit()
         # Requests whose budget is used up by launched steps wait for their last results.
         batch = [r for r in self.running.values() if len(r.prompt) + r.n_launched < r.budget]
@@ -336,7 +353,9 @@ class Engine:
     def _consume(self, step: _InFlight) -> list[DetokChunk]:
         """A completed step's sampled rows → request state, audio chunks and finished requests."""
         if step.ready is not None:
+            t0 = time.perf_counter()
             step.ready.synchronize()
+            self._waited = time.perf_counter() - t0
         self.step_count += 1
         res = step.host.numpy()
         c = self.program.n_codebooks
