@@ -22,9 +22,13 @@ log = logging.getLogger(__name__)
 
 
 def codec_buckets(max_batch: int) -> list[int]:
+    """Batch sizes with a graph: doubling to 32, then 1.5x steps between (48, 96, 192, …), so a
+    gathered batch pads by at most a third above 32."""
     sizes, b = [], 1
     while b < max_batch:
         sizes.append(b)
+        if b >= 32 and b * 3 // 2 < max_batch:
+            sizes.append(b * 3 // 2)
         b *= 2
     return sizes + [max_batch]
 

@@ -1,25 +1,29 @@
 """The codec_worker process: batches ready chunks across requests and turns them into PCM16.
 
-Everything drained in one pass is decoded together (in batches of at most `max_batch` windows of
-one row count: regular windows and each lead size apart), and each request's `Finished` is
-forwarded after its chunks, so the gateway sees a request's audio complete before its end.
+Windows arriving from several gpu_worker steps are gathered into one decode while every waiting
+window's listener still has audio to play (`--codec-gather-ms`, codec_worker/gather.py); first
+chunks go at once. A pass decodes everything gathered together (in batches of at most
+`max_batch` windows of one kind: regular windows, each lead size and each tail size apart), and
+each request's `Finished` is forwarded after its chunks, so the gateway sees a request's audio
+complete before its end.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from codec_worker.gather import Gather
 from common.config import ServeConfig, program_kwargs, resolve_device
 from common.ipc import PullChannel, PushChannel
 from common.messages import (
     AudioChunk,
     AudioChunks,
     CodecInMsg,
-    DetokBatch,
     DetokChunk,
     Finished,
     FinishReason,
@@ -138,6 +142,7 @@ class CodecWorker:
         program.load_codec()
         self.codec = Codec(
             program,
+            max_batch=cfg.codec_max_batch or (256 if device.startswith("cuda") else 64),
             graphs=not cfg.disable_cuda_graph,
             progress=lambda msg: status.set(ProcState.LOADING, msg),
             tails=cfg.first_chunk == "progressive",
@@ -145,24 +150,31 @@ class CodecWorker:
         self.status = status
         self.inbox: PullChannel[CodecInMsg] = PullChannel(cfg.addresses.codec_in, CodecInMsg, bind=True)
         self.to_gateway: PushChannel[GatewayInMsg] = PushChannel(cfg.addresses.gateway_in)
+        regular = (program.detok_interval, 0)
+        self.gather = Gather(cfg.codec_gather_ms / 1000, self.codec.limits[regular])
 
     def run(self) -> None:
+        gather = self.gather
         while True:
-            batches = self.inbox.drain(timeout_ms=100)
-            if not batches:
+            batches = self.inbox.drain(timeout_ms=gather.wait_ms(time.monotonic()))
+            now = time.monotonic()
+            for b in batches:
+                gather.add(b, now)
+            if not gather.due(time.monotonic()):
                 continue
-            chunks = [c for b in batches for c in b.chunks]
-            finished = [f for b in batches for f in b.finished]
+            chunks, finished = gather.take()
+            t0 = time.perf_counter()
             try:
                 audio = self.codec.decode(chunks)
             except Exception as e:
                 # A codec failure fails these requests, not the process.
                 log.exception("codec failed on %d chunks", len(chunks))
-                self._fail(batches, f"codec error: {type(e).__name__}: {e}")
+                self._fail(chunks, finished, f"codec error: {type(e).__name__}: {e}")
                 continue
+            gather.decoded(time.perf_counter() - t0)
             self.to_gateway.send(AudioChunks(chunks=audio, finished=finished))
 
-    def _fail(self, batches: list[DetokBatch], message: str) -> None:
-        rids = {c.rid for b in batches for c in b.chunks} | {f.rid for b in batches for f in b.finished}
+    def _fail(self, chunks: list[DetokChunk], finished: list[Finished], message: str) -> None:
+        rids = {c.rid for c in chunks} | {f.rid for f in finished}
         fails = [Finished(rid, FinishReason.ERROR, message=message, status=500) for rid in sorted(rids)]
         self.to_gateway.send(AudioChunks(chunks=[], finished=fails))

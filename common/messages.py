@@ -93,6 +93,10 @@ class DetokChunk(msgspec.Struct, **_STRUCT):
     # A request's last window, padded past its end (the program's detok_flush): rows of real audio
     # it adds, fewer than the stride; the codec keeps that share of its samples. 0: a whole window.
     n_rows: int = 0
+    # How long the listener can wait for this window when it leaves the gpu_worker: audio sent
+    # before it minus audio played since the first chunk (0: a first chunk, or a stream running
+    # late). The codec worker gathers windows for one batch within it (codec_worker/gather.py).
+    slack_ms: float = 0.0
 
 
 LEAD_NOISE_BASE = 1 << 40  # noise ids of lead windows start here, far above any regular window

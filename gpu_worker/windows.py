@@ -17,6 +17,9 @@ at any load, and only the frames sent before the switch differ from the referenc
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import numpy as np
 
 from common.messages import LEAD_NOISE_BASE, DetokChunk
@@ -27,7 +30,13 @@ FIRST_CHUNK_MODES = ("reference", "adaptive", "fastest", "progressive")
 
 
 class AudioWindows:
-    def __init__(self, program: LMProgram, first_chunk: str, clock: StepClock) -> None:
+    def __init__(
+        self,
+        program: LMProgram,
+        first_chunk: str,
+        clock: StepClock,
+        now: Callable[[], float] = time.monotonic,
+    ) -> None:
         if first_chunk not in FIRST_CHUNK_MODES:
             raise ValueError(
                 f"first_chunk must be one of {', '.join(FIRST_CHUNK_MODES)}, not {first_chunk!r}"
@@ -42,6 +51,7 @@ class AudioWindows:
         self.progressive = first_chunk == "progressive"
         self.leads = () if first_chunk in ("reference", "progressive") else tuple(program.detok_lead)
         self.clock = clock
+        self.now = now
 
     def after_row(self, req) -> DetokChunk | None:
         """The window that `req`'s newest audio row (row n - 1 of req.audio) completes, if any.
@@ -54,11 +64,23 @@ class AudioWindows:
             if j < req.first_window:
                 return None  # covered by the lead window
             chunk = DetokChunk(req.rid, req.n_chunks, req.sp.seed, req.audio[n - interval : n].tobytes(), j)
+            audio_rows = self.stride
         elif req.n_chunks == 0 and n in self.leads and self.lead_now(n):
             chunk = DetokChunk(req.rid, 0, req.sp.seed, req.audio[:n].tobytes(), LEAD_NOISE_BASE + n)
             req.first_window = self.first_window_after(n)
+            audio_rows = n
         else:
             return None
+        return self._sent(req, chunk, audio_rows)
+
+    def _sent(self, req, chunk: DetokChunk, audio_rows: int) -> DetokChunk:
+        """Count `chunk` (of `audio_rows` rows of audio) as sent, stamped with its listener's slack."""
+        now = self.now()
+        if req.n_chunks == 0:
+            req.t_first = now
+        else:
+            chunk.slack_ms = max(0.0, 1000 * (req.sent_s - (now - req.t_first)))
+        req.sent_s += self._audio_s(audio_rows)
         req.n_chunks += 1
         return chunk
 
@@ -71,7 +93,7 @@ class AudioWindows:
         # else the regular window of rows [lo, n).
         noise = LEAD_NOISE_BASE + n if lo == 0 else lo // s
         chunk = DetokChunk(req.rid, req.n_chunks, req.sp.seed, req.audio[lo:n].tobytes(), noise, tail_rows=s)
-        req.n_chunks += 1
+        self._sent(req, chunk, s)
         req.n_tails += 1
         # Played since the first tail (at row s) by the time the next regular window arrives.
         wait_rows = (n - s) + self._rows_to_next_window(n)
@@ -91,8 +113,7 @@ class AudioWindows:
         if left <= 0:
             return None
         window = np.concatenate([audio[start:], p.pad_rows(end - len(audio))]).astype("<i4")
-        req.n_chunks += 1
-        return DetokChunk(req.rid, j, req.sp.seed, window.tobytes(), j, n_rows=left)
+        return self._sent(req, DetokChunk(req.rid, j, req.sp.seed, window.tobytes(), j, n_rows=left), left)
 
     def first_window_after(self, lead_rows: int) -> int:
         """The first regular window whose audio starts at or after the lead's: window j covers

@@ -22,7 +22,8 @@ def test_decode_buckets_cover_every_batch_size_with_little_padding():
 
 
 def test_codec_buckets_double_up_to_the_maximum():
-    assert codec_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert codec_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert codec_buckets(256) == [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256]
     assert codec_buckets(100)[-1] == 100
 
 

@@ -1,0 +1,118 @@
+"""The codec worker gathers windows from several steps into one decode call, but never past what a
+window's listener has buffered: the gpu_worker stamps each window with that slack (0 for a first
+chunk), and the codec worker decodes when the earliest deadline, its longest wait, a full batch or
+a finished request comes."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from test_workers_over_zmq import addrs, gateway_inbox, ready, start, wait_for  # noqa: F401
+
+from codec_worker.gather import MARGIN_S, Gather
+from common.ipc import PushChannel
+from common.messages import (
+    AudioChunks,
+    DetokBatch,
+    DetokChunk,
+    Finished,
+    FinishReason,
+    Prompt,
+    SamplingParams,
+)
+from gpu_worker.engine import Engine, EngineLimits
+from programs import get_spec, load_program_class
+
+FRAME_S = 2048 / 24000  # one Orpheus window's audio
+
+
+def chunk(index: int, slack_ms: float, rid: str = "r") -> DetokChunk:
+    return DetokChunk(rid, index, 1, b"", index, slack_ms=slack_ms)
+
+
+def test_a_first_chunk_is_decoded_at_once():
+    g = Gather(max_wait_s=0.030, full_batch=64)
+    g.add(DetokBatch([chunk(0, 0.0)], []), now=10.0)
+    assert g.due(10.0) and g.wait_ms(10.0) == 0
+
+
+def test_windows_with_slack_wait_for_company_up_to_the_longest_wait():
+    g = Gather(max_wait_s=0.030, full_batch=64)
+    g.add(DetokBatch([chunk(3, 500.0, "a")], []), now=10.0)
+    assert not g.due(10.0) and 29 <= g.wait_ms(10.0) <= 31
+    g.add(DetokBatch([chunk(5, 400.0, "b")], []), now=10.010)
+    assert not g.due(10.029)
+    assert g.due(10.030)  # the oldest has waited max_wait
+    chunks, finished = g.take()
+    assert [c.rid for c in chunks] == ["a", "b"] and finished == []
+    assert not g.due(11.0) and g.wait_ms(11.0) == 100  # nothing waiting: idle polling
+
+
+def test_a_tight_listener_sets_the_deadline():
+    g = Gather(max_wait_s=0.030, full_batch=64)
+    g.decoded(0.004)  # a decode call takes 4 ms
+    g.add(DetokBatch([chunk(2, 500.0, "a")], []), now=10.0)
+    g.add(DetokBatch([chunk(1, 20.0, "b")], []), now=10.001)  # 20 ms of audio left
+    deadline = 10.001 + 0.020 - 0.004 - MARGIN_S
+    assert not g.due(deadline - 0.001) and g.due(deadline)
+
+
+def test_a_full_batch_or_a_finished_request_goes_at_once():
+    g = Gather(max_wait_s=0.030, full_batch=3)
+    g.add(DetokBatch([chunk(i, 500.0, f"r{i}") for i in range(2)], []), now=10.0)
+    assert not g.due(10.0)
+    g.add(DetokBatch([chunk(2, 500.0, "r2")], []), now=10.001)
+    assert g.due(10.001)
+    g.take()
+    g.add(DetokBatch([chunk(7, 500.0, "x")], [Finished("x", FinishReason.STOP, 50, 8)]), now=12.0)
+    assert g.due(12.0)
+    chunks, finished = g.take()
+    assert [c.index for c in chunks] == [7] and finished[0].rid == "x"
+
+
+def test_the_gpu_worker_stamps_each_window_with_its_listeners_slack():
+    program = load_program_class("orpheus-tiny")(get_spec("orpheus-tiny"), load_format="dummy")
+    program.load_lm()
+    eng = Engine(program, EngineLimits(max_batch_size=2, max_context=200, first_chunk="reference"))
+    clock = [100.0]
+    eng.windows.now = lambda: clock[0]
+    rows = np.array([128259, 300, 301, 302, 128009, 128260, 128261, 128257], dtype="<i4")
+    sp = SamplingParams(max_tokens=120, min_tokens=100, constrained=True, seed=3)
+    eng.add(Prompt("r", rows.tobytes(), len(rows), sp))
+    chunks = []
+    while eng.has_work():
+        clock[0] += 0.005  # 5 ms a step: 7 rows (one window, 85 ms of audio) every 35 ms
+        out = eng.step()
+        if out is not None:
+            chunks += out.chunks
+    assert len(chunks) >= 8
+    assert chunks[0].slack_ms == 0.0
+    # Window k leaves 35 ms after window k-1: k windows sent, k * 35 ms played.
+    for k, c in enumerate(chunks[1:-1], start=1):
+        assert abs(c.slack_ms - 1000 * k * (FRAME_S - 0.035)) < 1e-6, (k, c.slack_ms)
+
+
+def test_the_codec_worker_sends_a_first_chunk_at_once_and_gathers_the_rest(addrs, gateway_inbox):  # noqa: F811
+    proc = start("codec_worker", addrs, codec_gather_ms=400.0)
+    try:
+        wait_for(gateway_inbox, ready("codec_worker"))
+        rng = np.random.default_rng(0)
+        codes = rng.integers(1, 4096, size=(4, 28))
+        tokens = (codes + 128266 + 4096 * (np.arange(28) % 7)).astype("<i4")
+        to_codec: PushChannel = PushChannel(addrs.codec_in)
+        t0 = time.monotonic()
+        to_codec.send(DetokBatch([DetokChunk("a", 0, 9, tokens[0].tobytes(), 0)], []))
+        first = wait_for(gateway_inbox, lambda m: isinstance(m, AudioChunks))[-1]
+        assert [c.rid for c in first.chunks] == ["a"] and time.monotonic() - t0 < 0.4
+        # Three windows of streams with seconds of audio buffered, sent apart: one decode call.
+        for i in (1, 2, 3):
+            to_codec.send(
+                DetokBatch([DetokChunk(f"s{i}", 4, 9, tokens[i].tobytes(), 4, slack_ms=5000.0)], [])
+            )
+            time.sleep(0.05)
+        got = wait_for(gateway_inbox, lambda m: isinstance(m, AudioChunks))[-1]
+        assert [c.rid for c in got.chunks] == ["s1", "s2", "s3"]
+        assert all(len(c.pcm) == 2048 * 2 for c in got.chunks)
+    finally:
+        proc.kill()
