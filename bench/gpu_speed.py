@@ -126,23 +126,31 @@ def prompt(program, rid: str, text: str, seed: int, n_tokens: int) -> Prompt:
     return Prompt(rid, rows.tobytes(), len(rows), sp)
 
 
-def offline(program, codec: Codec, n_requests: int, n_tokens: int, max_batch: int, kv: str = "auto") -> dict:
-    """Every request at once; LM steps and codec batches alternate in one process (no overlap)."""
+def offline(
+    program, codec: Codec, n_requests: int, n_tokens: int, max_batch: int, kv: str = "auto", gather: int = 0
+) -> dict:
+    """Every request at once; LM steps and codec batches alternate in one process (no overlap).
+    `gather` > 0: windows wait until that many are pending (or the end), as the codec worker
+    gathers them, so a codec call is one full batch instead of each step's few dozen windows."""
     eng = Engine(program, EngineLimits(max_batch_size=max_batch, max_context=1200, kv_cache_dtype=kv))
     for i in range(n_requests):
         eng.add(prompt(program, f"r{i}", f"Sentence number {i} to speak.", i, n_tokens))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    samples = 0
+    samples = calls = 0
     lm_s = codec_s = 0.0
-    while eng.has_work():
+    pending: list = []
+    while eng.has_work() or pending:
         t1 = time.perf_counter()
-        out = eng.step()
+        out = eng.step() if eng.has_work() else None
         t2 = time.perf_counter()
         lm_s += t2 - t1
-        if out is not None and out.chunks:
-            samples += sum(len(c.pcm) // 2 for c in codec.decode(out.chunks))
+        if out is not None:
+            pending += out.chunks
+        if pending and (len(pending) >= gather or not eng.has_work()):
+            samples += sum(len(c.pcm) // 2 for c in codec.decode(pending))
             codec_s += time.perf_counter() - t2
+            pending, calls = [], calls + 1
     wall = time.perf_counter() - t0
     audio_s = samples / 24000
     return {
@@ -151,6 +159,8 @@ def offline(program, codec: Codec, n_requests: int, n_tokens: int, max_batch: in
         "wall_s": round(wall, 2),
         "lm_s": round(lm_s, 2),
         "codec_s": round(codec_s, 2),
+        "codec_calls": calls,
+        "codec_gather": gather,
         "audio_s": round(audio_s, 1),
         "x_realtime": round(audio_s / wall, 1),
         "tokens_per_s": round(n_requests * n_tokens / wall),
@@ -236,6 +246,10 @@ def main() -> int:
     ap.add_argument("--lm-head", default="full", choices=("full", "audio"))
     ap.add_argument("--codec-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"), help="for ttfa and offline")
+    ap.add_argument("--codec-max-batch", type=int, default=256)
+    ap.add_argument(
+        "--offline-gather", type=int, default=256, help="windows pending per codec call (0: every step)"
+    )
     args = ap.parse_args()
     skip = set(args.skip.split(","))
     torch.backends.cudnn.allow_tf32 = False
@@ -268,7 +282,7 @@ def main() -> int:
         res["prefill_step_ms"] = prefill_steps(program, counts, args.prefill_rows)
         torch.cuda.empty_cache()
         save()
-    codec = Codec(program, max_batch=256)
+    codec = Codec(program, max_batch=args.codec_max_batch)
     if "ttfa" not in skip:
         res["ttfa_in_process"] = ttfa_in_process(program, codec, 10, args.kv_cache_dtype)
         res["ttfa_p50_ms"] = res["ttfa_in_process"]["p50_ms"]
@@ -282,6 +296,7 @@ def main() -> int:
             args.offline_tokens,
             args.offline_requests,
             args.kv_cache_dtype,
+            args.offline_gather,
         )
         res["offline_x_realtime"] = res["offline"]["x_realtime"]
         print("offline", res["offline"], flush=True)
