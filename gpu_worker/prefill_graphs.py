@@ -42,23 +42,19 @@ log = logging.getLogger(__name__)
 # engine admits one new request per step when graphs are on (`max_prefills_per_step`).
 MAX_PREFILL_REQS = 1
 MIN_PREFILL_ROWS = 32
-# Longer prompts prefill eagerly (alone, like every new request). Capturing a 1536-row graph took
-# 193 s on the H200 (Orpheus-3B, bf16) while every smaller bucket took 0.1 s, and TTS prompts of
-# over a thousand rows are rare.
-MAX_PREFILL_GRAPH_ROWS = 1024
 REQS_PER_ROWS = 16  # a bucket of R rows takes up to R // 16 requests, so small buckets stay small
 
 
 def prefill_buckets(max_context: int, max_reqs: int = MAX_PREFILL_REQS) -> list[tuple[int, int]]:
-    """(rows, reqs) per graph: rows 32, 64, … doubling until one prompt of `max_context` rows fits
-    with its padding, or to MAX_PREFILL_GRAPH_ROWS."""
-    top = min(max_context + max_reqs + 1, MAX_PREFILL_GRAPH_ROWS)
+    """(rows, reqs) per graph: rows 32, 64, … doubling to 1024, then steps of 512, until one prompt
+    of `max_context` rows fits with its padding."""
+    top = max_context + max_reqs + 1
     out, rows = [], MIN_PREFILL_ROWS
     while True:
         out.append((rows, max(1, min(max_reqs, rows // REQS_PER_ROWS))))
         if rows >= top:
             return out
-        rows *= 2
+        rows = rows * 2 if rows < 1024 else rows + 512
 
 
 def pick_bucket(buckets: list[tuple[int, int]], n_reqs: int, n_rows: int) -> tuple[int, int] | None:

@@ -103,18 +103,16 @@ def test_padded_prefill_layout_gives_eager_logits_and_pages(program, lengths):
     torch.testing.assert_close(kv_graph[:, 1:], kv_eager[:, 1:], rtol=1e-5, atol=1e-5)
 
 
-def test_prefill_buckets_start_small_and_stop_at_1024_rows():
+def test_prefill_buckets_start_small_and_hold_a_whole_context():
     # The default: one request per graph (batch invariance); the layout supports more.
-    assert prefill_buckets(1200) == [(32, 1), (64, 1), (128, 1), (256, 1), (512, 1), (1024, 1)]
+    assert prefill_buckets(1200) == [(32, 1), (64, 1), (128, 1), (256, 1), (512, 1), (1024, 1), (1536, 1)]
     assert prefill_buckets(1200, max_reqs=16) == [
-        (32, 2), (64, 4), (128, 8), (256, 16), (512, 16), (1024, 16)
+        (32, 2), (64, 4), (128, 8), (256, 16), (512, 16), (1024, 16), (1536, 16)
     ]  # fmt: skip
-    assert prefill_buckets(100) == [(32, 1), (64, 1), (128, 1)]
-    for max_context in (100, 500, 1000):  # a whole context fits below the cap
+    for max_context in (100, 1200, 2048, 4096):
         buckets = prefill_buckets(max_context, max_reqs=16)
         assert buckets[-1][0] >= max_context + buckets[-1][1] + 1
         assert pick_bucket(buckets, 1, max_context) is not None
-    assert pick_bucket(prefill_buckets(2048), 1, 1500) is None  # longer prompts prefill eagerly
 
 
 def test_pick_bucket_takes_the_smallest_that_fits_with_padding():
@@ -126,7 +124,7 @@ def test_pick_bucket_takes_the_smallest_that_fits_with_padding():
     assert pick_bucket(b, 4, 160) == (256, 16)
     assert pick_bucket(b, 16, 640) == (1024, 16)
     assert pick_bucket(b, 17, 170) is None  # more requests than a graph takes: eager
-    assert pick_bucket(b, 2, 1100) is None  # more rows than the largest bucket: eager
+    assert pick_bucket(b, 2, 1600) is None  # more rows than the largest bucket: eager
     for n in range(1, 17):
         for r in range(n, 1400, 7):
             got = pick_bucket(b, n, r)
