@@ -3,6 +3,9 @@
 #   docker run --gpus all -p 8000:8000 -v voxpipe-cache:/cache voxpipe        # all on one host
 # No model weights inside: they download on first start into the /cache volume (Hugging Face
 # cache, plus FlashInfer's compiled kernels), so a rebuild or a new container does not fetch them again.
+# FlashInfer's build checks its kernels against the installed headers' times: after a rebuild of
+# the image (headers newer than the kernels in /cache) the first start compiles them again, about
+# 3-4 minutes for Orpheus on an H200 host; a new container of the same image reuses them.
 ARG CUDA_IMAGE=nvidia/cuda:13.0.0-runtime-ubuntu24.04
 FROM ${CUDA_IMAGE}
 
