@@ -39,7 +39,13 @@ def write_slots(layout: StepLayout, page_size: int) -> tuple[np.ndarray, np.ndar
 
 
 class FlashInferAttention:
-    def __init__(self, kv_cache: torch.Tensor, num_qo_heads: int, q_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        num_qo_heads: int,
+        q_dtype: torch.dtype | None = None,
+        tensor_cores: bool = True,
+    ) -> None:
         import flashinfer
 
         self.kv_cache = kv_cache  # [L, P, 2, page, Hkv, D]
@@ -54,7 +60,7 @@ class FlashInferAttention:
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
         # Tensor cores pay off for grouped-query attention (Llama-3.2-3B: 3 q heads per kv head).
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=True
+            self.workspace, "NHD", use_tensor_cores=tensor_cores
         )
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self._wrapper = self.decode

@@ -89,7 +89,10 @@ class GraphRunner:
         self.program = program
         self.kv_cache = kv_cache
         self.page_size = kv_cache.shape[3]
-        self.eager = EagerRunner(program, FlashInferAttention(kv_cache, program.num_qo_heads, program.dtype))
+        self.eager = EagerRunner(
+            program,
+            FlashInferAttention(kv_cache, program.num_qo_heads, program.dtype, limits.decode_tensor_cores),
+        )
         self.sizes = decode_buckets(limits.max_batch_size, limits.min_decode_batch)
         self.no_split_kv = limits.no_split_kv
         bmax, c, dev = self.sizes[-1], program.n_codebooks, program.device
@@ -128,7 +131,7 @@ class GraphRunner:
                 self.workspace,
                 "NHD",
                 use_cuda_graph=True,
-                use_tensor_cores=True,
+                use_tensor_cores=limits.decode_tensor_cores,
                 paged_kv_indptr_buffer=self.kv_indptr[: bs + 1],
                 paged_kv_indices_buffer=self.kv_indices,
                 paged_kv_last_page_len_buffer=self.kv_last[:bs],

@@ -101,7 +101,8 @@ def make_runner(program: LMProgram, kv_cache: torch.Tensor, limits, progress=Non
     from gpu_worker.flashinfer_backend import FlashInferAttention
 
     if not limits.cuda_graphs:
-        return EagerRunner(program, FlashInferAttention(kv_cache, program.num_qo_heads, program.dtype))
+        attn = FlashInferAttention(kv_cache, program.num_qo_heads, program.dtype, limits.decode_tensor_cores)
+        return EagerRunner(program, attn)
     from gpu_worker.graphs import GraphRunner
 
     return GraphRunner(program, kv_cache, limits, progress)

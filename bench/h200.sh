@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The H200 runs of bench/, for the device tool (which copies this tree and returns $OUT):
+#
+#   bash bench/h200.sh STAGE [STAGE ...]     (carry .whl and .devcache; see ../shared/device/README.md)
+#
+# Stages: parity, invariance, speed, offline, load, load-adaptive, csm, csm-load, attention.
+# Every stage writes its JSON and log to $OUT and has its own timeout (VOXPIPE_STAGE_S, default 300 s).
+# The FlashInfer kernel cache travels in .devcache/fi_cache.tgz.* (a split tar: the device returns
+# files of 16 MiB at most); this script restores it first and saves it to $OUT last. Copy the
+# returned fi_cache.tgz.* back into .devcache/ (replacing the old parts).
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+STAGE_S=${VOXPIPE_STAGE_S:-300}
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+# pip writes every file with the install time. FlashInfer's ninja build compares its cached objects
+# with the headers they include, so fresh headers would make it compile every kernel again (193 s
+# for the prefill kernels, seen on the H200). Date the installed packages before any cached object.
+find /tmp/site -exec touch -h -d 2001-01-01 {} + 2>/dev/null
+export PYTHONPATH=$PWD:/tmp/site FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16 PYTHONUNBUFFERED=1
+mkdir -p ~/.cache
+if ls .devcache/fi_cache.tgz.* >/dev/null 2>&1; then
+    cat .devcache/fi_cache.tgz.* | tar xz -C ~/.cache
+elif [ -f .devcache/fi_cache.tgz ]; then
+    tar xzf .devcache/fi_cache.tgz -C ~/.cache
+fi
+
+serve_flags="--max-batch-size 512 --lm-head audio --codec-dtype float16"
+run() {  # run NAME CMD...: timed, logged, never stops the other stages
+    local name=$1
+    shift
+    local t0=$SECONDS
+    timeout "$STAGE_S" "$@" >"$OUT/$name.log" 2>&1
+    echo "$name: rc $? in $((SECONDS - t0)) s"
+    tail -n 3 "$OUT/$name.log"
+}
+
+for stage in "$@"; do
+    case $stage in
+    parity) run parity python -m bench.gpu_parity --out "$OUT/parity.json" ;;
+    invariance) run invariance python -m bench.batch_invariance --out "$OUT/invariance.json" ;;
+    speed) run speed python -m bench.gpu_speed --lm-head audio --codec-dtype float16 --out "$OUT/speed.json" ;;
+    offline)
+        run offline python -m bench.gpu_speed --skip steps,prefill,ttfa,baseline --lm-head audio \
+            --codec-dtype float16 --offline-requests 512 --offline-gather 256 --out "$OUT/offline.json"
+        ;;
+    load | load-adaptive)
+        first=progressive
+        [ "$stage" = load-adaptive ] && first=adaptive
+        # shellcheck disable=SC2086
+        run "$stage" python -m bench.ttfa_http --reps 15 --tokens 200 --load "${VOXPIPE_LOAD:-128,192,256,320,384}" \
+            --load-duration 20 --ramp 8 --label "NVIDIA H200" --load-out "$OUT/$stage.json" \
+            --out "$OUT/$stage-ttfa.json" -- $serve_flags --first-chunk $first
+        ;;
+    csm) run csm python bench/csm_gpu_parity.py --out "$OUT/csm.json" ;;
+    csm-load)
+        run csm-load python -m bench.ttfa_http --model csm --reps 5 --tokens 40 --load "${VOXPIPE_LOAD:-64,128,256}" \
+            --load-duration 15 --load-tokens 150 --ramp 4 --label "NVIDIA H200" --load-out "$OUT/csm-load.json" \
+            --out "$OUT/csm-ttfa.json" -- --max-batch-size 256
+        ;;
+    attention) run attention python -m bench.attention_kv --out "$OUT/attention.json" ;;
+    *) echo "unknown stage $stage" ;;
+    esac
+done
+tar cz -C ~/.cache flashinfer | split -b 15M - "$OUT/fi_cache.tgz."
+ls -la "$OUT"/fi_cache.tgz.*
