@@ -91,7 +91,7 @@ def prefill_steps(program, counts: list[int], rows: int) -> dict:
         program.num_layers, 1 + n * per, page, program.num_kv_heads, program.head_dim, torch.bfloat16, "cuda"
     )
     graph = GraphRunner(program, kv, EngineLimits(max_batch_size=n, max_context=max_context))
-    eager = EagerRunner(program, FlashInferAttention(kv, program.num_qo_heads))
+    eager = EagerRunner(program, FlashInferAttention(kv, program.num_qo_heads, program.dtype))
     rng = np.random.default_rng(0)
     out: dict = {}
     for count in counts:

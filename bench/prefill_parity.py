@@ -131,8 +131,8 @@ def prefill_checks(program, page: int) -> tuple[dict, bool]:
 
     kv_g, kv_e, kv_p = kv(), kv(), kv()
     graph = GraphRunner(program, kv_g, EngineLimits(max_batch_size=32, max_context=MAX_CONTEXT))
-    eager = EagerRunner(program, FlashInferAttention(kv_e, program.num_qo_heads))
-    eager_pad = EagerRunner(program, FlashInferAttention(kv_p, program.num_qo_heads))
+    eager = EagerRunner(program, FlashInferAttention(kv_e, program.num_qo_heads, program.dtype))
+    eager_pad = EagerRunner(program, FlashInferAttention(kv_p, program.num_qo_heads, program.dtype))
     rng = np.random.default_rng(1)
     res: dict = {"buckets": graph.prefill.buckets, "tolerance": TOLERANCE, "cases": {}}
     ok = True

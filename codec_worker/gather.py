@@ -5,15 +5,16 @@ A codec call has a fixed cost (a SNAC graph replay is ~1 ms at batch 1 on the H2
 per-window cost, and its batch is padded up to a graph bucket. Decoding each LM step's few dozen
 windows on arrival pays both about a hundred times a second, on the GPU the LM needs. Each
 DetokChunk says how long its listener can wait (`slack_ms`, stamped by the gpu_worker: audio
-already sent minus audio already played; 0 for a first chunk). Windows wait here until
+already sent minus audio already played; 0 for a first chunk or a stream running late). Windows
+wait here until
 
 - the earliest deadline (arrival + slack - the time a decode takes - a margin) comes,
-- `max_wait_s` has passed since the oldest one arrived,
-- a full batch is waiting, or
-- a request finished (its end goes out after its last audio, without delay).
+- `max_wait_s` has passed since the first of them arrived, or
+- a full batch is waiting.
 
-First chunks and any late stream (slack 0) go at once, so this never adds to the time to first
-audio.
+Then the urgent requests (any window with no slack) are decoded and sent first, on their own, and
+the rest after them: a first chunk waits for no gathered window. A request's end (`Finished`)
+goes out at once when none of its windows is waiting here, else right after them.
 """
 
 from __future__ import annotations
@@ -28,37 +29,45 @@ class Gather:
         self.max_wait_s = max_wait_s
         self.full_batch = full_batch
         self.chunks: list[DetokChunk] = []
-        self.finished: list[Finished] = []
+        self.finished: list[Finished] = []  # ends of requests with windows waiting here
         self.deadline = float("inf")
-        self.decode_s = 0.0  # running average of one decode call, which the deadlines leave room for
+        # A slowly forgotten maximum of recent decode calls: the deadlines leave room for a large
+        # call even when small ones (a first chunk alone) came in between.
+        self.decode_s = 0.0
 
-    def add(self, batch: DetokBatch, now: float) -> None:
-        if not self.chunks and not self.finished:
-            self.deadline = now + self.max_wait_s
+    def add(self, batch: DetokBatch, arrived: float) -> list[Finished]:
+        """Take a step's windows and ends; `arrived`: when the message reached this worker at the
+        earliest. → the ends that may go at once (no window of theirs is waiting)."""
+        if batch.chunks and not self.chunks:
+            self.deadline = arrived + self.max_wait_s
         for c in batch.chunks:
-            self.deadline = min(self.deadline, now + c.slack_ms / 1000 - self.decode_s - MARGIN_S)
+            self.deadline = min(self.deadline, arrived + c.slack_ms / 1000 - self.decode_s - MARGIN_S)
         self.chunks.extend(batch.chunks)
-        if batch.finished:
-            self.finished.extend(batch.finished)
-            self.deadline = now
+        if not batch.finished:
+            return []
+        waiting = {c.rid for c in self.chunks}
+        self.finished.extend(f for f in batch.finished if f.rid in waiting)
+        return [f for f in batch.finished if f.rid not in waiting]
 
     def due(self, now: float) -> bool:
         """Decode now?"""
-        return bool(self.chunks or self.finished) and (
-            now >= self.deadline or len(self.chunks) >= self.full_batch
-        )
+        return bool(self.chunks) and (now >= self.deadline or len(self.chunks) >= self.full_batch)
 
     def wait_ms(self, now: float, idle_ms: int = 100) -> int:
         """How long the worker may block for more input before something is due."""
-        if not self.chunks and not self.finished:
+        if not self.chunks:
             return idle_ms
         return max(0, min(idle_ms, int((self.deadline - now) * 1000) + 1))
 
-    def take(self) -> tuple[list[DetokChunk], list[Finished]]:
-        out = self.chunks, self.finished
+    def take(self) -> tuple[list[DetokChunk], list[DetokChunk], list[Finished]]:
+        """(windows of urgent requests, the other windows, the held ends), each in arrival order."""
+        urgent = {c.rid for c in self.chunks if c.slack_ms <= 0}
+        first = [c for c in self.chunks if c.rid in urgent]
+        rest = [c for c in self.chunks if c.rid not in urgent]
+        out = first, rest, self.finished
         self.chunks, self.finished, self.deadline = [], [], float("inf")
         return out
 
     def decoded(self, seconds: float) -> None:
-        """A decode call took `seconds`: later deadlines leave room for one like it."""
-        self.decode_s = seconds if self.decode_s == 0.0 else self.decode_s + 0.2 * (seconds - self.decode_s)
+        """A decode call took `seconds`."""
+        self.decode_s = max(seconds, 0.95 * self.decode_s)

@@ -140,6 +140,8 @@ class CodecWorker:
         dtype = str(program.codec_dtype).removeprefix("torch.")
         status.set(ProcState.LOADING, f"loading {spec['name']} codec ({dtype}) on {device}")
         program.load_codec()
+        if cfg.codec_max_batch < 0 or not 0 <= cfg.codec_gather_ms <= 1000:
+            raise ValueError("--codec-max-batch must be >= 0 and --codec-gather-ms in 0..1000")
         self.codec = Codec(
             program,
             max_batch=cfg.codec_max_batch or (256 if device.startswith("cuda") else 64),
@@ -155,24 +157,35 @@ class CodecWorker:
 
     def run(self) -> None:
         gather = self.gather
+        drained = time.monotonic()
         while True:
             batches = self.inbox.drain(timeout_ms=gather.wait_ms(time.monotonic()))
-            now = time.monotonic()
+            # These were queued after the last drain emptied the socket: count from then (a
+            # message that waited out a decode pass has that much less slack left).
+            arrived, drained = drained, time.monotonic()
             for b in batches:
-                gather.add(b, now)
+                ends = gather.add(b, arrived)
+                if ends:
+                    self.to_gateway.send(AudioChunks(chunks=[], finished=ends))
             if not gather.due(time.monotonic()):
                 continue
-            chunks, finished = gather.take()
-            t0 = time.perf_counter()
-            try:
-                audio = self.codec.decode(chunks)
-            except Exception as e:
-                # A codec failure fails these requests, not the process.
-                log.exception("codec failed on %d chunks", len(chunks))
-                self._fail(chunks, finished, f"codec error: {type(e).__name__}: {e}")
-                continue
-            gather.decoded(time.perf_counter() - t0)
-            self.to_gateway.send(AudioChunks(chunks=audio, finished=finished))
+            urgent, rest, finished = gather.take()
+            if urgent:  # first chunks (and streams running late) do not wait for the gathered rest
+                self._decode_and_send(urgent, [] if rest else finished)
+            if rest:
+                self._decode_and_send(rest, finished)
+
+    def _decode_and_send(self, chunks: list[DetokChunk], finished: list[Finished]) -> None:
+        t0 = time.perf_counter()
+        try:
+            audio = self.codec.decode(chunks)
+        except Exception as e:
+            # A codec failure fails these requests, not the process.
+            log.exception("codec failed on %d chunks", len(chunks))
+            self._fail(chunks, finished, f"codec error: {type(e).__name__}: {e}")
+            return
+        self.gather.decoded(time.perf_counter() - t0)
+        self.to_gateway.send(AudioChunks(chunks=audio, finished=finished))
 
     def _fail(self, chunks: list[DetokChunk], finished: list[Finished], message: str) -> None:
         rids = {c.rid for c in chunks} | {f.rid for f in finished}

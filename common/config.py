@@ -103,7 +103,8 @@ def pair_devices(spec: str, n: int, cuda_available: Callable[[], bool] | None = 
 
 def check_model_settings(cfg: ServeConfig, spec: Mapping[str, Any]) -> None:
     """Settings the served model cannot honour: raises ValueError naming the flag."""
-    if cfg.constrained and not spec.get("constrainable", False):
+    wanted = spec.get("constrained", False) if cfg.constrained is None else cfg.constrained
+    if wanted and not spec.get("constrainable", False):
         raise ValueError(f"--constrained: {spec['name']} has no constrained sampling mode")
 
 
@@ -252,7 +253,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "kv_cache_dtype",
         "auto (keys and values in the model's dtype) or fp8 (float8 e4m3, unscaled: half the bytes "
-        "attention reads per step and twice the pages in the same memory)",
+        "attention reads per step and half the memory for the same pages)",
         ("serve", "gpu_worker"),
         choices=("auto", "fp8"),
     ),

@@ -43,13 +43,13 @@ class FlashInferAttention:
         self,
         kv_cache: torch.Tensor,
         num_qo_heads: int,
-        q_dtype: torch.dtype | None = None,
+        q_dtype: torch.dtype,
         tensor_cores: bool = True,
     ) -> None:
         import flashinfer
 
         self.kv_cache = kv_cache  # [L, P, 2, page, Hkv, D]
-        self.q_dtype = q_dtype or kv_cache.dtype  # queries (and outputs) may be wider than the cache
+        self.q_dtype = q_dtype  # queries and outputs: the model's dtype, whatever the cache holds
         self.page_size, self.num_kv_heads, self.head_dim = (
             kv_cache.shape[3],
             kv_cache.shape[4],

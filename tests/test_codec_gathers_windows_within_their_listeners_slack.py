@@ -1,7 +1,8 @@
 """The codec worker gathers windows from several steps into one decode call, but never past what a
 window's listener has buffered: the gpu_worker stamps each window with that slack (0 for a first
-chunk), and the codec worker decodes when the earliest deadline, its longest wait, a full batch or
-a finished request comes."""
+chunk), and the codec worker decodes when the earliest deadline, its longest wait or a full batch
+comes. Urgent requests' windows go out first, on their own; a request's end goes after its last
+window, at once when none is waiting."""
 
 from __future__ import annotations
 
@@ -33,42 +34,61 @@ def chunk(index: int, slack_ms: float, rid: str = "r") -> DetokChunk:
 
 def test_a_first_chunk_is_decoded_at_once():
     g = Gather(max_wait_s=0.030, full_batch=64)
-    g.add(DetokBatch([chunk(0, 0.0)], []), now=10.0)
+    g.add(DetokBatch([chunk(0, 0.0)], []), arrived=10.0)
     assert g.due(10.0) and g.wait_ms(10.0) == 0
 
 
 def test_windows_with_slack_wait_for_company_up_to_the_longest_wait():
     g = Gather(max_wait_s=0.030, full_batch=64)
-    g.add(DetokBatch([chunk(3, 500.0, "a")], []), now=10.0)
+    g.add(DetokBatch([chunk(3, 500.0, "a")], []), arrived=10.0)
     assert not g.due(10.0) and 29 <= g.wait_ms(10.0) <= 31
-    g.add(DetokBatch([chunk(5, 400.0, "b")], []), now=10.010)
+    g.add(DetokBatch([chunk(5, 400.0, "b")], []), arrived=10.010)
     assert not g.due(10.029)
     assert g.due(10.030)  # the oldest has waited max_wait
-    chunks, finished = g.take()
-    assert [c.rid for c in chunks] == ["a", "b"] and finished == []
+    urgent, rest, finished = g.take()
+    assert urgent == [] and [c.rid for c in rest] == ["a", "b"] and finished == []
     assert not g.due(11.0) and g.wait_ms(11.0) == 100  # nothing waiting: idle polling
 
 
 def test_a_tight_listener_sets_the_deadline():
     g = Gather(max_wait_s=0.030, full_batch=64)
     g.decoded(0.004)  # a decode call takes 4 ms
-    g.add(DetokBatch([chunk(2, 500.0, "a")], []), now=10.0)
-    g.add(DetokBatch([chunk(1, 20.0, "b")], []), now=10.001)  # 20 ms of audio left
-    deadline = 10.001 + 0.020 - 0.004 - MARGIN_S
+    g.decoded(0.001)  # a small call since does not make the next large one look cheap
+    assert g.decode_s >= 0.0038
+    g.add(DetokBatch([chunk(2, 500.0, "a")], []), arrived=10.0)
+    g.add(DetokBatch([chunk(1, 20.0, "b")], []), arrived=10.001)  # 20 ms of audio left
+    deadline = 10.001 + 0.020 - g.decode_s - MARGIN_S
     assert not g.due(deadline - 0.001) and g.due(deadline)
 
 
-def test_a_full_batch_or_a_finished_request_goes_at_once():
+def test_a_full_batch_goes_at_once():
     g = Gather(max_wait_s=0.030, full_batch=3)
-    g.add(DetokBatch([chunk(i, 500.0, f"r{i}") for i in range(2)], []), now=10.0)
+    g.add(DetokBatch([chunk(i, 500.0, f"r{i}") for i in range(2)], []), arrived=10.0)
     assert not g.due(10.0)
-    g.add(DetokBatch([chunk(2, 500.0, "r2")], []), now=10.001)
+    g.add(DetokBatch([chunk(2, 500.0, "r2")], []), arrived=10.001)
     assert g.due(10.001)
-    g.take()
-    g.add(DetokBatch([chunk(7, 500.0, "x")], [Finished("x", FinishReason.STOP, 50, 8)]), now=12.0)
-    assert g.due(12.0)
-    chunks, finished = g.take()
-    assert [c.index for c in chunks] == [7] and finished[0].rid == "x"
+
+
+def test_urgent_requests_come_first_with_their_earlier_windows():
+    g = Gather(max_wait_s=0.030, full_batch=64)
+    g.add(DetokBatch([chunk(4, 500.0, "a"), chunk(6, 300.0, "late")], []), arrived=10.0)
+    g.add(DetokBatch([chunk(0, 0.0, "new"), chunk(7, 0.0, "late")], []), arrived=10.005)
+    urgent, rest, _ = g.take()
+    assert [(c.rid, c.index) for c in urgent] == [("late", 6), ("new", 0), ("late", 7)]
+    assert [c.rid for c in rest] == ["a"]
+
+
+def test_an_end_waits_only_for_its_own_windows():
+    g = Gather(max_wait_s=0.030, full_batch=64)
+    g.add(DetokBatch([chunk(7, 500.0, "x")], []), arrived=12.0)
+    ends = g.add(
+        DetokBatch([], [Finished("x", FinishReason.STOP, 50, 8), Finished("y", FinishReason.ABORT)]), 12.001
+    )
+    assert [f.rid for f in ends] == ["y"]  # nothing of y's waits: its end goes at once
+    assert not g.due(12.002)  # and x's end does not hurry the gathered windows
+    assert g.due(12.030)
+    _, rest, finished = g.take()
+    assert [c.index for c in rest] == [7] and [f.rid for f in finished] == ["x"]
 
 
 def test_the_gpu_worker_stamps_each_window_with_its_listeners_slack():
