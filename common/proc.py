@@ -7,6 +7,7 @@ asks its loop to finish, and `run()` returns once it has handed back or finished
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -100,6 +101,15 @@ class StatusReporter:
         chan.close()
 
 
+def freeze_startup_objects() -> None:
+    """What startup built (models, graphs, tables, imported modules) lives as long as the process:
+    move it out of the cyclic collector's reach. A full collection over it took ~78 ms with the
+    orpheus-tiny engine loaded (173k objects, 2-core CPU), a pause in the serving loop; after
+    `gc.freeze()`, 0 ms."""
+    gc.collect()
+    gc.freeze()
+
+
 def run_worker(
     role: str,
     build: Callable[[ServeConfig, StatusReporter], Any],
@@ -123,6 +133,7 @@ def run_worker(
         if stop is not None:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda _signum, _frame: stop())
+        freeze_startup_objects()
         status.set(ProcState.READY)
         log.info("%s ready", name)
         worker.run()

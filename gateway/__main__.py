@@ -15,6 +15,7 @@ from aiohttp import web
 
 from common.config import RoleSettings, parse_role
 from common.ipc import install_tap, use_curve
+from common.proc import freeze_startup_objects
 
 log = logging.getLogger("gateway")
 
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None, settings: RoleSettings | None = None) ->
         from gateway.server import build_app  # after logging is set up: imports may log
 
         app = build_app(cfg)
+        freeze_startup_objects()
         log.info("listening on http://%s:%d", cfg.host, cfg.port)
         # handler_cancellation: a client that disconnects cancels its handler, which aborts the
         # request on the gpu_worker at once instead of after the next chunk.
