@@ -3,7 +3,7 @@
 #
 #   bash bench/h200.sh STAGE [STAGE ...]     (carry .whl and .devcache; see ../shared/device/README.md)
 #
-# Stages: parity, invariance, speed, offline, load, load-adaptive, csm, csm-load, attention.
+# Stages: parity, invariance, speed, offline, load, load-adaptive, csm, csm-load, attention, profile.
 # Every stage writes its JSON and log to $OUT and has its own timeout (VOXPIPE_STAGE_S, default 300 s).
 # The FlashInfer kernel cache travels in .devcache/fi_cache.tgz.* (a split tar: the device returns
 # files of 16 MiB at most); this script restores it first and saves it to $OUT last. Copy the
@@ -61,6 +61,7 @@ for stage in "$@"; do
             --out "$OUT/csm-ttfa.json" -- --max-batch-size 256
         ;;
     attention) run attention python -m bench.attention_kv --out "$OUT/attention.json" ;;
+    profile) run profile python -m bench.profile_step --batch 384 --lm-head audio ;;
     *) echo "unknown stage $stage" ;;
     esac
 done

@@ -50,11 +50,27 @@ def load(**kw):
 ENGINE_KEYS = ("kv_cache_dtype", "decode_tensor_cores")  # EngineLimits settings; the rest build the program
 
 
-def engine_steps(program, sizes: list[int], ctx: int, **engine_kw) -> dict:
-    """Full engine steps (sampling included) with every request decoding at context ~ctx.
+def fill_batch(eng: Engine, bs: int, ctx: int, tag: str = "") -> float:
+    """Start `bs` constrained sampled requests that all stand near context `ctx` once admitted, and
+    step until they are; → their mean context. The engine admits one new request per step (graphs
+    on), so request i gets a prompt bs - i rows shorter than ctx, and a budget that outlasts it."""
+    top = eng.limits.max_context
+    for i in range(bs):
+        n = max(8, ctx - (bs - i))
+        rows = np.full(n, 128300, dtype="<i4")
+        rows[0] = 128259
+        sp = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3, seed=i, constrained=True)
+        sp.max_tokens, sp.min_tokens = top, top - n
+        eng.add(Prompt(f"{tag}r{i}", rows.tobytes(), n, sp))
+    while eng.waiting or any(r.n_ctx == 0 for r in eng.running.values()):
+        eng.step()  # admit and prefill everyone
+    running = list(eng.running.values())
+    assert len(running) == bs, f"batch {bs}: only {len(running)} running"
+    return sum(r.n_ctx for r in running) / bs
 
-    The engine admits one new request per step (graphs on), so request i of a batch of bs gets a
-    prompt bs - i rows shorter than ctx: when the last one is in, all stand near ctx."""
+
+def engine_steps(program, sizes: list[int], ctx: int, **engine_kw) -> dict:
+    """Full engine steps (sampling included) with every request decoding at context ~ctx."""
     out = {}
     bmax = max(sizes)
     limits = EngineLimits(
@@ -65,21 +81,10 @@ def engine_steps(program, sizes: list[int], ctx: int, **engine_kw) -> dict:
     )
     eng = Engine(program, limits)
     for bs in sizes:
-        for i in range(bs):
-            n = max(8, ctx - (bs - i))
-            rows = np.full(n, 128300, dtype="<i4")
-            rows[0] = 128259
-            sp = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3, seed=i, constrained=True)
-            sp.max_tokens, sp.min_tokens = limits.max_context, limits.max_context - n
-            eng.add(Prompt(f"b{bs}r{i}", rows.tobytes(), n, sp))
-        while eng.waiting or any(r.n_ctx == 0 for r in eng.running.values()):
-            eng.step()  # admit and prefill everyone
+        mean_ctx = fill_batch(eng, bs, ctx, f"b{bs}")
         for _ in range(3):
             eng.step()
         ms = cuda_ms(eng.step, 30)
-        running = list(eng.running.values())
-        assert len(running) == bs, f"batch {bs}: only {len(running)} running"
-        mean_ctx = sum(r.n_ctx for r in running) / bs
         out[bs] = round(ms, 3)
         print(f"  batch {bs}: {ms:.2f} ms/step (mean context {mean_ctx:.0f})", flush=True)
         for rid in list(eng.running):

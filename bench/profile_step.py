@@ -9,11 +9,10 @@ from __future__ import annotations
 import argparse
 import time
 
-import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from common.messages import Prompt, SamplingParams
+from bench.lm_options import fill_batch
 from gpu_worker.engine import Engine, EngineLimits
 from programs import get_spec, load_program_class
 
@@ -32,15 +31,13 @@ def main() -> int:
                                       quantization=args.quantization)  # fmt: skip
     p.load_lm()
     eng = Engine(
-        p, EngineLimits(max_batch_size=args.batch, max_context=args.ctx + 300, first_chunk="reference")
+        p,
+        EngineLimits(
+            max_batch_size=args.batch, max_context=args.ctx + args.batch + 300, first_chunk="reference"
+        ),
     )
-    for i in range(args.batch):
-        rows = np.full(args.ctx, 128300, dtype="<i4")
-        sp = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3, seed=i, constrained=True)
-        sp.max_tokens, sp.min_tokens = args.ctx + 280, 280
-        eng.add(Prompt(f"r{i}", rows.tobytes(), args.ctx, sp))
-    while eng.waiting or any(r.n_ctx == 0 for r in eng.running.values()):
-        eng.step()
+    mean_ctx = fill_batch(eng, args.batch, args.ctx)
+    print(f"batch {args.batch} running at mean context {mean_ctx:.0f}", flush=True)
     for _ in range(5):
         eng.step()
     torch.cuda.synchronize()
