@@ -154,6 +154,8 @@ class CodecWorker:
         self.to_gateway: PushChannel[GatewayInMsg] = PushChannel(cfg.addresses.gateway_in)
         regular = (program.detok_interval, 0)
         self.gather = Gather(cfg.codec_gather_ms / 1000, self.codec.limits[regular])
+        # Heartbeat metrics: windows per call and the busy share show what gathering buys.
+        self.counters = {"codec_calls_total": 0, "codec_windows_total": 0, "codec_busy_seconds_total": 0.0}
 
     def run(self) -> None:
         gather = self.gather
@@ -184,8 +186,14 @@ class CodecWorker:
             log.exception("codec failed on %d chunks", len(chunks))
             self._fail(chunks, finished, f"codec error: {type(e).__name__}: {e}")
             return
-        self.gather.decoded(time.perf_counter() - t0)
+        took = time.perf_counter() - t0
+        self.gather.decoded(took)
         self.to_gateway.send(AudioChunks(chunks=audio, finished=finished))
+        c = self.counters
+        c["codec_calls_total"] += 1
+        c["codec_windows_total"] += len(chunks)
+        c["codec_busy_seconds_total"] += took
+        self.status.set_load(0, 0, dict(c))
 
     def _fail(self, chunks: list[DetokChunk], finished: list[Finished], message: str) -> None:
         rids = {c.rid for c in chunks} | {f.rid for f in finished}

@@ -35,6 +35,13 @@ WORKER_METRICS = {
     "decode_batch_size": "Requests in the worker's latest step.",
     "generated_tokens_total": "Tokens sampled by the worker, all requests.",
     "steps_total": "Engine steps the worker has run.",
+    "stream_capacity": "Concurrent streams the gpu_worker measured it keeps real time.",
+    "row_period_ms": "Recent time between engine steps: what each stream waits for its next row.",
+    "step_host_ms": "Host work per engine step (admit, layout, launch, consume), averaged.",
+    "step_wait_ms": "Time per engine step spent waiting for the GPU to finish the previous one, averaged.",
+    "codec_calls_total": "Codec decode calls (one or more graph replays each).",
+    "codec_windows_total": "Codec windows decoded.",
+    "codec_busy_seconds_total": "Seconds the codec worker spent decoding.",
 }
 
 # 85 ms is one 2048-sample chunk at 24 kHz: gaps above it mean slower than real time.
