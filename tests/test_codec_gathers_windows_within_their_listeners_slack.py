@@ -19,6 +19,7 @@ from common.messages import (
     DetokChunk,
     Finished,
     FinishReason,
+    ProcStatus,
     Prompt,
     SamplingParams,
 )
@@ -134,5 +135,12 @@ def test_the_codec_worker_sends_a_first_chunk_at_once_and_gathers_the_rest(addrs
         got = wait_for(gateway_inbox, lambda m: isinstance(m, AudioChunks))[-1]
         assert [c.rid for c in got.chunks] == ["s1", "s2", "s3"]
         assert all(len(c.pcm) == 2048 * 2 for c in got.chunks)
+        # Its heartbeat counts them: 4 windows in 2 calls.
+        beat = wait_for(
+            gateway_inbox,
+            lambda m: isinstance(m, ProcStatus) and m.metrics.get("codec_windows_total", 0) >= 4,
+            timeout=10,
+        )[-1]
+        assert beat.metrics["codec_calls_total"] == 2 and beat.metrics["codec_busy_seconds_total"] > 0
     finally:
         proc.kill()
