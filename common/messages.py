@@ -53,6 +53,10 @@ class GenerateRequest(msgspec.Struct, tag="gen", **_STRUCT):
     sampling: SamplingParams
     model_kwargs: dict[str, str] = {}
     arrival: float = 0.0  # gateway's time.time() when the request was accepted
+    # A later segment of a long text whose audio is already playing: it goes ahead of new requests
+    # in every queue (tokenizer pool, gpu dispatch, the gpu_worker's admission), so the stream does
+    # not wait behind arrivals that have nothing playing yet.
+    urgent: bool = False
 
 
 class Prompt(msgspec.Struct, tag="prompt", **_STRUCT):
@@ -64,6 +68,7 @@ class Prompt(msgspec.Struct, tag="prompt", **_STRUCT):
     n_rows: int
     sampling: SamplingParams
     arrival: float = 0.0
+    urgent: bool = False  # as GenerateRequest.urgent
 
 
 class Abort(msgspec.Struct, tag="abort", **_STRUCT):

@@ -73,6 +73,7 @@ class AsyncDispatchChannel(Generic[T]):
         self._sent: dict[bytes, int] = {}  # worker id → messages handed to it
         self._known: dict[bytes, str] = {}  # every worker that announced and has not left
         self._waiting: collections.deque[tuple[bytes, asyncio.Future[bytes]]] = collections.deque()
+        self._urgent: set[int] = set()  # id() of the urgent items in `_waiting` (all at its front)
         self._task: asyncio.Task[None] | None = None
         self.dispatched: collections.Counter[str] = collections.Counter()  # worker name → messages
 
@@ -85,6 +86,10 @@ class AsyncDispatchChannel(Generic[T]):
         return len(self._waiting)
 
     @property
+    def _n_urgent(self) -> int:
+        return len(self._urgent)
+
+    @property
     def workers(self) -> dict[bytes, str]:
         """Every connected worker that announced itself (id → name), free or not."""
         return dict(self._known)
@@ -94,11 +99,16 @@ class AsyncDispatchChannel(Generic[T]):
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._recv_loop(), name="dispatch-recv")
 
-    async def send(self, msg: T) -> bytes:
-        """Returns the id of the worker that took `msg`."""
+    async def send(self, msg: T, urgent: bool = False) -> bytes:
+        """Returns the id of the worker that took `msg`. An `urgent` message waits ahead of every
+        other one (behind earlier urgent ones)."""
         self.start()
         item = (self._enc.encode(msg), asyncio.get_running_loop().create_future())
-        self._waiting.append(item)
+        if urgent:
+            self._waiting.insert(self._n_urgent, item)
+            self._urgent.add(id(item))
+        else:
+            self._waiting.append(item)
         self._pump()
         try:
             return await item[1]
@@ -110,6 +120,7 @@ class AsyncDispatchChannel(Generic[T]):
                     self._waiting.remove(item)
                 except ValueError:
                     pass
+                self._urgent.discard(id(item))
             raise
 
     def _pump(self) -> None:
@@ -117,7 +128,7 @@ class AsyncDispatchChannel(Generic[T]):
         while self._waiting and self._free:
             data, fut = self._waiting[0]
             if fut.done():
-                self._waiting.popleft()
+                self._urgent.discard(id(self._waiting.popleft()))
                 continue
             # The most credit wins; among equals the longest free (the first in `_free`).
             ident = max(self._free, key=lambda i: self._credit.get(i, 1))
@@ -131,7 +142,7 @@ class AsyncDispatchChannel(Generic[T]):
                 self._free.pop(ident, None)
                 self._credit.pop(ident, None)
                 continue  # that worker is gone: try the next one
-            self._waiting.popleft()
+            self._urgent.discard(id(self._waiting.popleft()))
             self._sent[ident] = self._sent.get(ident, 0) + 1
             self.dispatched[name] += 1
             mirror(data, self._addr, peer=name, t=sent_at)

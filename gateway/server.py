@@ -209,7 +209,7 @@ class Gateway:
             self._put(prompt.rid, Failed(500, f"the prompt builder sent an inconsistent prompt ({bad})"))
             return
         assert self._send_to_gpu is not None
-        task = asyncio.create_task(self._send_to_gpu.send(prompt))
+        task = asyncio.create_task(self._send_to_gpu.send(prompt, urgent=prompt.urgent))
         self._routing[prompt.rid] = task
         task.add_done_callback(lambda t, rid=prompt.rid: self._routed(rid, t))
 
@@ -261,7 +261,8 @@ class Gateway:
         """Hand `req` to the tokenizer pool; a Failed(503) when no worker takes it in time."""
         assert self._send_to_tokenizers is not None
         try:
-            ident = await asyncio.wait_for(self._send_to_tokenizers.send(req), self.submit_timeout_s)
+            send = self._send_to_tokenizers.send(req, urgent=req.urgent)
+            ident = await asyncio.wait_for(send, self.submit_timeout_s)
             if req.rid in self._pending:
                 self._holder.setdefault(req.rid, self._send_to_tokenizers.workers.get(ident, ""))
         except asyncio.TimeoutError:

@@ -99,6 +99,7 @@ class Synthesis:
             sampling=msgspec.structs.replace(sampling, seed=(sampling.seed + k) % (SEED_MAX + 1)),
             model_kwargs={"voice": self.params.voice, **dict(self.params.options)},
             arrival=time.time(),
+            urgent=k > 0,  # the stream is already playing segment k - 1
         )
         return await self.gateway.submit(req)  # on failure close() aborts it, in case it got through
 

@@ -136,7 +136,11 @@ class Engine:
         if self._aborted.pop(prompt.rid, False):
             self._finished.append(Finished(prompt.rid, FinishReason.ABORT))
             return
-        self.waiting.append(Request(prompt.rid, rows, prompt.sampling, prompt.arrival, budget))
+        req = Request(prompt.rid, rows, prompt.sampling, prompt.arrival, budget, urgent=prompt.urgent)
+        if prompt.urgent:  # ahead of every request that has nothing playing yet
+            self.waiting.insert(sum(r.urgent for r in self.waiting), req)
+        else:
+            self.waiting.append(req)
 
     def reject(self, rid: str, message: str) -> None:
         """End a request that could not start with an explicit 400."""

@@ -137,6 +137,7 @@ async def test_long_text_is_generated_as_consecutive_segments_and_streamed_in_or
         req = await rig.workers.next_request()
         assert req.rid.endswith(f".{k}") and req.text == text
         assert (req.sampling.seed, req.model_kwargs) == (100 + k, {"voice": "leo"})
+        assert req.urgent == (k > 0), "a later segment's stream is already playing: it goes first"
         assert await _no_request(rig), "the next segment is submitted only when this one has finished"
         await rig.workers.audio(req.rid, *_segment(values[k], 2048 * (k + 1)))
         await rig.workers.audio(req.rid, finish=FinishReason.LENGTH, n_tokens=50)

@@ -49,7 +49,7 @@ class PromptBuilder:
                 f"the prompt is {len(rows)} tokens but max_tokens (which counts the prompt) allows "
                 f"{budget}: shorten the text or raise max_tokens",
             )
-        return Prompt(req.rid, rows.tobytes(), len(rows), req.sampling, req.arrival)
+        return Prompt(req.rid, rows.tobytes(), len(rows), req.sampling, req.arrival, urgent=req.urgent)
 
 
 def _test_delay() -> tuple[str, float] | None:
