@@ -51,6 +51,23 @@ class Result:
             prev_bytes = total
         return True
 
+    def lateness(self, sample_rate: int) -> tuple[float, float]:
+        """(the furthest any chunk came behind playback, seconds after the first chunk the first
+        late one came); (0.0, nan) when every chunk was on time. Tells a stream that starved at
+        its start from one that fell behind later."""
+        worst, first_late = 0.0, float("nan")
+        if not self.chunks:
+            return worst, first_late
+        t0, prev_bytes = self.chunks[0]
+        for t, total in self.chunks[1:]:
+            late = (t - t0) - prev_bytes / 2 / sample_rate
+            if late > 0:
+                worst = max(worst, late)
+                if first_late != first_late:  # nan: the first late chunk
+                    first_late = t - t0
+            prev_bytes = total
+        return worst, first_late
+
     def audio_s(self, sample_rate: int) -> float:
         return (self.chunks[-1][1] / 2 / sample_rate) if self.chunks else 0.0
 
@@ -88,6 +105,8 @@ def percentile(values: list[float], q: float) -> float:
 def summarize(results: list[Result], wall_s: float, sample_rate: int) -> dict:
     ok = [r for r in results if r.ok]
     ttfa = [r.ttfa * 1000 for r in ok if r.chunks]
+    late = [r.lateness(sample_rate) for r in ok if r.chunks]
+    late = [(w * 1000, first) for w, first in late if w > 0]
     return {
         "requests": len(results),
         "errors": len(results) - len(ok),
@@ -97,6 +116,12 @@ def summarize(results: list[Result], wall_s: float, sample_rate: int) -> dict:
         "ttfa_p99_ms": round(percentile(ttfa, 99), 2),
         "on_time_share": round(sum(r.on_time(sample_rate) for r in results) / max(1, len(results)), 4),
         "x_realtime": round(sum(r.audio_s(sample_rate) for r in ok) / wall_s, 2),
+        # Of the requests with a late chunk: how far behind playback (worst chunk) and how far into
+        # the stream the first late chunk came.
+        "late_requests": len(late),
+        "late_worst_ms_p50": round(percentile([w for w, _ in late], 50), 1) if late else 0.0,
+        "late_worst_ms_p99": round(percentile([w for w, _ in late], 99), 1) if late else 0.0,
+        "first_late_at_s_p50": round(percentile([f for _, f in late], 50), 2) if late else None,
         "wall_s": round(wall_s, 2),
     }
 

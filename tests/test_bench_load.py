@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -17,6 +18,18 @@ def test_on_time_means_the_player_never_runs_dry():
     stall = Result(ok=True, chunks=[(0.1, 200), (0.5, 400)])  # 400 ms gap after 100 ms of audio
     assert not stall.on_time(rate)
     assert not Result(ok=False).on_time(rate)
+
+
+def test_lateness_says_how_far_behind_and_when():
+    sr = 24000
+    chunk = 2 * 2400  # 0.1 s of PCM16 per chunk
+    on_time = Result(ok=True, chunks=[(0.2, chunk), (0.25, 2 * chunk), (0.35, 3 * chunk)])
+    worst, first = on_time.lateness(sr)
+    assert worst == 0.0 and math.isnan(first) and on_time.on_time(sr)
+    # Chunk 3 comes 0.5 s after the first with 0.2 s received: 0.3 s behind, first late at 0.5 s.
+    starved = Result(ok=True, chunks=[(0.2, chunk), (0.3, 2 * chunk), (0.7, 3 * chunk), (0.75, 4 * chunk)])
+    worst, first = starved.lateness(sr)
+    assert abs(worst - 0.3) < 1e-9 and abs(first - 0.5) < 1e-9 and not starved.on_time(sr)
 
 
 def test_load_levels_report_ttfa_viability_and_throughput(server, tmp_path):
