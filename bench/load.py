@@ -6,10 +6,12 @@ byte after the WAV header) and every chunk's arrival. A chunk is *on time* when 
 before it covers the playback time elapsed since the first chunk (a player that started at the
 first byte would not have run dry); a request is on time when all its chunks are.
 
-For each load level it reports TTFA p50/p90/p99, the share of requests fully on time, aggregate
-× real time (audio seconds delivered per wall second) and errors; it writes JSON (and a PNG when
-matplotlib is installed). `max_streams_meeting_target` is the largest level with ≥ 99 % of requests
-on time and p99 TTFA ≤ 250 ms.
+For each load level it reports TTFA p50/p90/p99, the share of requests fully on time (and how late
+the late ones were), aggregate × real time (audio seconds delivered per wall second) and errors,
+and the server's own gauges sampled during the level (`server_during`: batch size, measured
+capacity, step host/wait time, codec windows per call and busy share); it writes JSON (and a PNG
+when matplotlib is installed). `max_streams_meeting_target` is the largest level with ≥ 99 % of
+requests on time and p99 TTFA ≤ 250 ms. A server that requires a key gets VOXPIPE_API_KEY's.
 """
 
 from __future__ import annotations
@@ -17,13 +19,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import statistics
+import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 
 import aiohttp
 
 HEADER = 44
+
+
+def auth_headers() -> dict[str, str]:
+    """The Bearer key a server started with VOXPIPE_API_KEY requires (none when unset)."""
+    key = os.environ.get("VOXPIPE_API_KEY", "")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
     "Streaming speech should start quickly and never stall.",
@@ -102,6 +116,65 @@ def percentile(values: list[float], q: float) -> float:
     return values[k]
 
 
+def server_gauges(base: str) -> dict[str, float]:
+    """Worker gauges and counters worth keeping next to a load level (summed over workers), from
+    the gateway's /metrics (with the Bearer key of VOXPIPE_API_KEY when set)."""
+    keep = (
+        "stream_capacity", "row_period_ms", "decode_batch_size", "kv_pages_used", "step_host_ms",
+        "step_wait_ms", "active_streams", "queue_depth", "codec_calls_total", "codec_windows_total",
+        "codec_busy_seconds_total",
+    )  # fmt: skip
+    out: dict[str, float] = {}
+    req = urllib.request.Request(base + "/metrics", headers=auth_headers())
+    with urllib.request.urlopen(req, timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            for k in keep:
+                if line.startswith(f"voxpipe_{k}{{"):
+                    out[k] = out.get(k, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+class GaugeSampler:
+    """Reads the server's gauges every `every` seconds while a load level runs (the gauges after a
+    level show a draining server); `summary()` gives each gauge's median over the busy samples, and
+    each counter's rate over the level (with the codec's windows per call and busy share)."""
+
+    def __init__(self, base: str, every: float = 2.0) -> None:
+        self.base, self.every, self.samples = base, every, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            try:
+                self.samples.append((time.monotonic(), server_gauges(self.base)))
+            except OSError:
+                pass
+
+    def summary(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join()
+        busy = [s for _, s in self.samples if s.get("decode_batch_size", 0) > 0]
+        keys = sorted({k for s in busy for k in s if not k.endswith("_total")})
+        out = {k: round(statistics.median(s[k] for s in busy if k in s), 3) for k in keys}
+        if busy:
+            out["max_decode_batch_size"] = max(s.get("decode_batch_size", 0) for s in busy)
+        out["samples"] = len(busy)
+        if len(self.samples) >= 2:
+            (t0, first), (t1, last) = self.samples[0], self.samples[-1]
+            delta = {k: last[k] - first[k] for k in last if k.endswith("_total") and k in first}
+            for k, d in delta.items():
+                out[k.removesuffix("_total") + "_per_s"] = round(d / (t1 - t0), 3)
+            if delta.get("codec_calls_total"):
+                out["codec_windows_per_call"] = round(
+                    delta["codec_windows_total"] / delta["codec_calls_total"], 1
+                )
+            if "codec_busy_seconds_total" in delta:
+                out["codec_busy_share"] = round(delta["codec_busy_seconds_total"] / (t1 - t0), 3)
+        return out
+
+
 def summarize(results: list[Result], wall_s: float, sample_rate: int) -> dict:
     ok = [r for r in results if r.ok]
     ttfa = [r.ttfa * 1000 for r in ok if r.chunks]
@@ -152,7 +225,8 @@ async def run_level(
             "min_tokens": tokens,
         }
 
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as s:
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=auth_headers()) as s:
         t0 = time.perf_counter()
         deadline = t0 + duration
         if concurrency:
@@ -227,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     curve = []
     for i, level in enumerate(levels or rates):
         kw = {"concurrency": level} if levels else {"rate": level}
+        sampler = GaugeSampler(args.url)
         results, wall = asyncio.run(
             run_level(
                 args.url,
@@ -238,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                 **kw,
             )
         )
-        point = {key: level, **summarize(results, wall, args.sample_rate)}
+        point = {key: level, **summarize(results, wall, args.sample_rate), "server_during": sampler.summary()}
         curve.append(point)
         print(json.dumps(point), flush=True)
     passing = [p[key] for p in curve if meets_target(p)]

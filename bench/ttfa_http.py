@@ -50,69 +50,8 @@ async def measure(base: str, reps: int, tokens: int) -> list[tuple[float, float,
         return [await one(s, base + "/generate", {**body, "seed": i}) for i in range(reps)]
 
 
-def server_gauges(base: str) -> dict[str, float]:
-    """gpu_worker gauges worth keeping next to a load level (summed over gpu_workers)."""
-    import urllib.request
-
-    keep = (
-        "stream_capacity", "row_period_ms", "decode_batch_size", "kv_pages_used", "step_host_ms",
-        "step_wait_ms", "active_streams", "queue_depth", "codec_calls_total", "codec_windows_total",
-        "codec_busy_seconds_total",
-    )  # fmt: skip
-    out: dict[str, float] = {}
-    with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
-        for line in r.read().decode().splitlines():
-            for k in keep:
-                if line.startswith(f"voxpipe_{k}{{"):
-                    out[k] = out.get(k, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
-
-
-class GaugeSampler:
-    """Reads the server's gauges every `every` seconds while a load level runs (the gauges after a
-    level show a draining server); `summary()` gives each gauge's median over the busy samples, and
-    each counter's rate over the level (with the codec's windows per call and busy share)."""
-
-    def __init__(self, base: str, every: float = 2.0) -> None:
-        import threading
-
-        self.base, self.every, self.samples = base, every, []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.every):
-            try:
-                self.samples.append((time.monotonic(), server_gauges(self.base)))
-            except OSError:
-                pass
-
-    def summary(self) -> dict[str, float]:
-        self._stop.set()
-        self._thread.join()
-        busy = [s for _, s in self.samples if s.get("decode_batch_size", 0) > 0]
-        keys = sorted({k for s in busy for k in s if not k.endswith("_total")})
-        out = {k: round(statistics.median(s[k] for s in busy if k in s), 3) for k in keys}
-        if busy:
-            out["max_decode_batch_size"] = max(s.get("decode_batch_size", 0) for s in busy)
-        out["samples"] = len(busy)
-        if len(self.samples) >= 2:
-            (t0, first), (t1, last) = self.samples[0], self.samples[-1]
-            delta = {k: last[k] - first[k] for k in last if k.endswith("_total") and k in first}
-            for k, d in delta.items():
-                out[k.removesuffix("_total") + "_per_s"] = round(d / (t1 - t0), 3)
-            if delta.get("codec_calls_total"):
-                out["codec_windows_per_call"] = round(
-                    delta["codec_windows_total"] / delta["codec_calls_total"], 1
-                )
-            if "codec_busy_seconds_total" in delta:
-                out["codec_busy_share"] = round(delta["codec_busy_seconds_total"] / (t1 - t0), 3)
-        return out
-
-
 def load_curve(base: str, args) -> None:
-    from bench.load import meets_target, plot, run_level, summarize
+    from bench.load import GaugeSampler, meets_target, plot, run_level, server_gauges, summarize
 
     curve = []
     for i, level in enumerate(int(c) for c in args.load.split(",")):

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from bench.load import Result
+from bench.load import Result, auth_headers
 from common.cli import main
 
 
@@ -32,6 +32,13 @@ def test_lateness_says_how_far_behind_and_when():
     assert abs(worst - 0.3) < 1e-9 and abs(first - 0.5) < 1e-9 and not starved.on_time(sr)
 
 
+def test_the_bench_sends_the_servers_key_when_it_has_one(monkeypatch):
+    monkeypatch.delenv("VOXPIPE_API_KEY", raising=False)
+    assert auth_headers() == {}
+    monkeypatch.setenv("VOXPIPE_API_KEY", "s3cret")
+    assert auth_headers() == {"Authorization": "Bearer s3cret"}
+
+
 def test_load_levels_report_ttfa_viability_and_throughput(server, tmp_path):
     out = tmp_path / "load.json"
     argv = ["bench", "--url", server.base, "--concurrency", "1,3", "--duration", "3", "--tokens", "60"]
@@ -44,4 +51,12 @@ def test_load_levels_report_ttfa_viability_and_throughput(server, tmp_path):
         assert point["requests"] >= point["concurrency"] and point["errors"] == 0
         assert 0 < point["ttfa_p50_ms"] <= point["ttfa_p99_ms"]
         assert 0.0 <= point["on_time_share"] <= 1.0 and point["x_realtime"] > 0
+        assert point["late_requests"] <= point["requests"]
+    # The server's gauges, sampled every 2 s while the levels ran (3 s each, plus the drain).
+    during = [p["server_during"] for p in res["curve"]]
+    busy = [d for d in during if d["samples"] > 0]
+    assert busy, during
+    for d in busy:
+        assert d["max_decode_batch_size"] >= 1 and d["stream_capacity"] > 0 and "step_host_ms" in d
+    assert any(d.get("codec_windows_per_call", 0) >= 1 for d in during), during
     assert res["max_streams_meeting_target"] in (0, 1, 3)
