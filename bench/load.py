@@ -9,7 +9,7 @@ first byte would not have run dry); a request is on time when all its chunks are
 For each load level it reports TTFA p50/p90/p99, the share of requests fully on time (and how late
 the late ones were), aggregate × real time (audio seconds delivered per wall second) and errors,
 and the server's own gauges sampled during the level (`server_during`: batch size, measured
-capacity, step host/wait time, codec windows per call and busy share); it writes JSON (and a PNG
+capacity, step host/wait time, codec windows per call and busy seconds per second); it writes JSON (and a PNG
 when matplotlib is installed). `max_streams_meeting_target` is the largest level with ≥ 99 % of
 requests on time and p99 TTFA ≤ 250 ms. A server that requires a key gets VOXPIPE_API_KEY's.
 """
@@ -116,31 +116,42 @@ def percentile(values: list[float], q: float) -> float:
     return values[k]
 
 
+# Per-worker averages: the mean over workers (the rest, counts and counters, add up).
+_AVERAGED = ("row_period_ms", "step_host_ms", "step_wait_ms")
+
+
 def server_gauges(base: str) -> dict[str, float]:
-    """Worker gauges and counters worth keeping next to a load level (summed over workers), from
-    the gateway's /metrics (with the Bearer key of VOXPIPE_API_KEY when set)."""
+    """Worker gauges and counters worth keeping next to a load level, from the gateway's /metrics
+    (with the Bearer key of VOXPIPE_API_KEY when set): summed over workers, but the per-step
+    averages averaged."""
     keep = (
         "stream_capacity", "row_period_ms", "decode_batch_size", "kv_pages_used", "step_host_ms",
         "step_wait_ms", "active_streams", "queue_depth", "codec_calls_total", "codec_windows_total",
         "codec_busy_seconds_total",
     )  # fmt: skip
     out: dict[str, float] = {}
+    seen: dict[str, int] = {}
     req = urllib.request.Request(base + "/metrics", headers=auth_headers())
     with urllib.request.urlopen(req, timeout=5) as r:
         for line in r.read().decode().splitlines():
             for k in keep:
                 if line.startswith(f"voxpipe_{k}{{"):
                     out[k] = out.get(k, 0.0) + float(line.rsplit(" ", 1)[1])
+                    seen[k] = seen.get(k, 0) + 1
+    for k in _AVERAGED:
+        if k in out:
+            out[k] /= seen[k]
     return out
 
 
 class GaugeSampler:
     """Reads the server's gauges every `every` seconds while a load level runs (the gauges after a
     level show a draining server); `summary()` gives each gauge's median over the busy samples, and
-    each counter's rate over the level (with the codec's windows per call and busy share)."""
+    each counter's rate over the level (summed over workers), with the codec's windows per call."""
 
     def __init__(self, base: str, every: float = 2.0) -> None:
         self.base, self.every, self.samples = base, every, []
+        self.failures: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -149,29 +160,32 @@ class GaugeSampler:
         while not self._stop.wait(self.every):
             try:
                 self.samples.append((time.monotonic(), server_gauges(self.base)))
-            except OSError:
-                pass
+            except Exception as e:  # a 401, a server restarting, a torn read: say so in the summary
+                self.failures.append(f"{type(e).__name__}: {e}"[:200])
 
-    def summary(self) -> dict[str, float]:
+    def summary(self) -> dict:
         self._stop.set()
         self._thread.join()
         busy = [s for _, s in self.samples if s.get("decode_batch_size", 0) > 0]
         keys = sorted({k for s in busy for k in s if not k.endswith("_total")})
-        out = {k: round(statistics.median(s[k] for s in busy if k in s), 3) for k in keys}
+        out: dict = {k: round(statistics.median(s[k] for s in busy if k in s), 3) for k in keys}
         if busy:
             out["max_decode_batch_size"] = max(s.get("decode_batch_size", 0) for s in busy)
         out["samples"] = len(busy)
+        if self.failures:
+            out["sample_failures"] = len(self.failures)
+            out["sample_failure_example"] = self.failures[0]
         if len(self.samples) >= 2:
             (t0, first), (t1, last) = self.samples[0], self.samples[-1]
+            # A worker missing from a sample, or restarted (its counters from 0), gives no rate.
             delta = {k: last[k] - first[k] for k in last if k.endswith("_total") and k in first}
+            delta = {k: d for k, d in delta.items() if d >= 0}
             for k, d in delta.items():
                 out[k.removesuffix("_total") + "_per_s"] = round(d / (t1 - t0), 3)
-            if delta.get("codec_calls_total"):
+            if delta.get("codec_calls_total") and "codec_windows_total" in delta:
                 out["codec_windows_per_call"] = round(
                     delta["codec_windows_total"] / delta["codec_calls_total"], 1
                 )
-            if "codec_busy_seconds_total" in delta:
-                out["codec_busy_share"] = round(delta["codec_busy_seconds_total"] / (t1 - t0), 3)
         return out
 
 

@@ -39,7 +39,9 @@ async def one(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[flo
 
 
 async def measure(base: str, reps: int, tokens: int) -> list[tuple[float, float, int]]:
-    async with aiohttp.ClientSession() as s:
+    from bench.load import auth_headers
+
+    async with aiohttp.ClientSession(headers=auth_headers()) as s:
         body = {
             "text": "Hello, how are you today?",
             "seed": 1,

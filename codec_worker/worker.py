@@ -156,6 +156,7 @@ class CodecWorker:
         self.gather = Gather(cfg.codec_gather_ms / 1000, self.codec.limits[regular])
         # Heartbeat metrics: windows per call and the busy share show what gathering buys.
         self.counters = {"codec_calls_total": 0, "codec_windows_total": 0, "codec_busy_seconds_total": 0.0}
+        status.set_load(0, 0, dict(self.counters))
 
     def run(self) -> None:
         gather = self.gather

@@ -54,8 +54,9 @@ class GenerateRequest(msgspec.Struct, tag="gen", **_STRUCT):
     model_kwargs: dict[str, str] = {}
     arrival: float = 0.0  # gateway's time.time() when the request was accepted
     # A later segment of a long text whose audio is already playing: it goes ahead of new requests
-    # in every queue (tokenizer pool, gpu dispatch, the gpu_worker's admission), so the stream does
-    # not wait behind arrivals that have nothing playing yet.
+    # in the tokenizer pool, the gpu dispatch and the gpu_worker's admission, so the stream does not
+    # wait behind arrivals that have nothing playing yet. Each admitted stream has at most one
+    # segment in flight, so urgent work never exceeds the streams already admitted.
     urgent: bool = False
 
 

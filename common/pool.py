@@ -5,7 +5,7 @@ slow worker, and a worker that leaves takes its queue with it. Here the dispatch
 ROUTER, bound) holds the queue, and each worker (DEALER, connects) asks for one message at a time:
 
     worker ──WorkerReady(seq)──▶ dispatcher      "I am free" (repeated every second while idle)
-    worker ◀──── one message ─── dispatcher      the oldest waiting message, to the longest-free worker
+    worker ◀──── one message ─── dispatcher      the oldest waiting message (urgent ones first), to the longest-free worker
     worker ──WorkerLeaving─────▶ dispatcher      on SIGTERM: send nothing more
     worker ◀───── LeaveAck ───── dispatcher      after anything already sent to it
 
@@ -52,7 +52,8 @@ LEAVE_TIMEOUT_MS = 1000  # a leaving worker waits this long for LeaveAck (the ga
 
 
 class AsyncDispatchChannel(Generic[T]):
-    """Gateway side: `await send(msg)` hands `msg` to one free worker, in arrival order, and
+    """Gateway side: `await send(msg)` hands `msg` to one free worker, in arrival order (urgent
+    messages ahead of the others), and
     returns once a worker has it; while every worker is busy (or none is connected) it waits, so a
     timeout around it means "no worker took it". Same shape as AsyncPushChannel."""
 
@@ -124,7 +125,7 @@ class AsyncDispatchChannel(Generic[T]):
             raise
 
     def _pump(self) -> None:
-        """Hand waiting messages to free workers, oldest first on both sides."""
+        """Hand waiting messages to free workers, oldest first on both sides (the urgent ones lead)."""
         while self._waiting and self._free:
             data, fut = self._waiting[0]
             if fut.done():
@@ -234,6 +235,7 @@ class AsyncDispatchChannel(Generic[T]):
             if not fut.done():
                 fut.set_exception(ConnectionError("the dispatcher closed before a worker took the message"))
         self._waiting.clear()
+        self._urgent.clear()
         self._sock.close(linger=0)
 
 
