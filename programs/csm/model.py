@@ -33,16 +33,11 @@ from programs.orpheus.model import (
     RMSNorm,
     _param,
     _rotate_half,
+    decoder_stack,
     llama3_inv_freq,
+    rope_cos_sin,
 )
 from programs.weights import checkpoint_dir, copy_weights
-
-
-def _rope(cfg: dict[str, Any], head_dim: int, pos: torch.Tensor, dtype: torch.dtype):
-    inv = llama3_inv_freq(cfg, head_dim).to(pos.device)
-    freqs = pos.float()[:, None] * inv.float()[None, :]  # [N, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)  # [N, D] each
 
 
 class _Stack(nn.Module):
@@ -116,7 +111,8 @@ class CsmLM(nn.Module):
         self.register_buffer("audio_offsets", offsets, persistent=False)  # [C] int64
         # Depth RoPE for positions 0..C-1, fp32 angles cast to the weights' dtype as HF does.
         d = self.depth_decoder.model
-        cos, sin = _rope(self.depth_config, d.head_dim, torch.arange(self.num_codebooks, device=dev), dtype)
+        inv = llama3_inv_freq(self.depth_config, d.head_dim).to(dev)
+        cos, sin = rope_cos_sin(inv, torch.arange(self.num_codebooks, device=dev), dtype)
         self.register_buffer("depth_cos", cos, persistent=False)  # [C, Dd]
         self.register_buffer("depth_sin", sin, persistent=False)
         self.register_buffer(
@@ -133,13 +129,8 @@ class CsmLM(nn.Module):
         return torch.where(is_text[:, None], text, audio)
 
     def backbone(self, hidden: torch.Tensor, pos: torch.Tensor, attn: Attention) -> torch.Tensor:
-        freqs = pos.float()[:, None] * self.inv_freq.float()[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(hidden.dtype), emb.sin().to(hidden.dtype)
-        for i, layer in enumerate(self.backbone_model.layers):
-            hidden = hidden + layer.self_attn(layer.input_layernorm(hidden), cos, sin, i, attn)
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self.backbone_model.norm(hidden)
+        cos, sin = rope_cos_sin(self.inv_freq, pos, hidden.dtype)
+        return decoder_stack(self.backbone_model.layers, self.backbone_model.norm, hidden, cos, sin, attn)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [B, H] → [B, V] codebook 0

@@ -60,6 +60,23 @@ def llama3_inv_freq(config: dict[str, Any], head_dim: int) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def rope_cos_sin(
+    inv_freq: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [N, D] for positions pos [N]: angles in float32, cast to `dtype` (as transformers)."""
+    freqs = pos.float()[:, None] * inv_freq.float()[None, :]  # [N, D/2] float32
+    emb = torch.cat((freqs, freqs), dim=-1)  # [N, D]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def decoder_stack(layers, norm, hidden: torch.Tensor, cos, sin, attn: Attention) -> torch.Tensor:
+    """The unfused Llama decoder layers over `hidden` [N, H], then the final norm."""
+    for i, layer in enumerate(layers):
+        hidden = hidden + layer.self_attn(layer.input_layernorm(hidden), cos, sin, i, attn)
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    return norm(hidden)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -203,13 +220,8 @@ class LlamaLM(nn.Module):
         """hidden [N, H], pos [N] int64 → [N, H] after the final norm."""
         if self.fused:
             return self._backbone_fused(hidden, pos, attn)
-        freqs = pos.float()[:, None] * self.inv_freq.float()[None, :]  # [N, D/2] float32
-        emb = torch.cat((freqs, freqs), dim=-1)  # [N, D]
-        cos, sin = emb.cos().to(hidden.dtype), emb.sin().to(hidden.dtype)
-        for i, layer in enumerate(self.model.layers):
-            hidden = hidden + layer.self_attn(layer.input_layernorm(hidden), cos, sin, i, attn)
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self.model.norm(hidden)
+        cos, sin = rope_cos_sin(self.inv_freq, pos, hidden.dtype)
+        return decoder_stack(self.model.layers, self.model.norm, hidden, cos, sin, attn)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [B, H] → [B, V] float32
