@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from codec_worker.gather import Gather
-from common.config import ServeConfig, program_kwargs, resolve_device
+from common.config import ServeConfig, check_codec_settings, program_kwargs, resolve_device
 from common.ipc import PullChannel, PushChannel
 from common.messages import (
     AudioChunk,
@@ -129,6 +129,7 @@ class Codec:
 class CodecWorker:
     def __init__(self, cfg: ServeConfig, status: StatusReporter) -> None:
         assert cfg.addresses is not None
+        check_codec_settings(cfg)
         device = resolve_device(cfg.codec_device if cfg.codec_device != "auto" else cfg.device)
         if device.startswith("cuda"):
             # TF32 convolutions drift ~5e-4 from fp32 and vary with the batch size; keep fp32 exact
@@ -140,8 +141,6 @@ class CodecWorker:
         dtype = str(program.codec_dtype).removeprefix("torch.")
         status.set(ProcState.LOADING, f"loading {spec['name']} codec ({dtype}) on {device}")
         program.load_codec()
-        if cfg.codec_max_batch < 0 or not 0 <= cfg.codec_gather_ms <= 1000:
-            raise ValueError("--codec-max-batch must be >= 0 and --codec-gather-ms in 0..1000")
         self.codec = Codec(
             program,
             # 128: a full call's fixed cost is already spread thin (~1 ms over ~7 ms of windows on the

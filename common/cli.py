@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common.config import ServeConfig, add_options, check_model_settings, resolve
+from common.config import ServeConfig, add_options, check_codec_settings, check_model_settings, resolve
 from common.proc import setup_logging
 
 # `voxpipe <command>` → the role (= package) it runs
@@ -48,8 +48,7 @@ def _validate(cfg: ServeConfig) -> None:
         raise ValueError(f"--port must be in 1..65535, got {cfg.port}")
     if cfg.page_size < 1 or cfg.max_batch_size < 0 or cfg.max_context < 0 or cfg.num_pages < 0:
         raise ValueError("--page-size must be positive; --max-batch-size, --max-context, --num-pages >= 0")
-    if cfg.codec_max_batch < 0 or not 0 <= cfg.codec_gather_ms <= 1000:
-        raise ValueError("--codec-max-batch must be >= 0 and --codec-gather-ms in 0..1000")
+    check_codec_settings(cfg)
     if cfg.max_queue < 0 or cfg.max_streams < 0 or not 0 < cfg.queue_timeout < float("inf"):
         raise ValueError("--max-queue and --max-streams must be >= 0 and --queue-timeout a positive number")
     if cfg.zmq_curve_dir:

@@ -108,6 +108,12 @@ def check_model_settings(cfg: ServeConfig, spec: Mapping[str, Any]) -> None:
         raise ValueError(f"--constrained: {spec['name']} has no constrained sampling mode")
 
 
+def check_codec_settings(cfg: ServeConfig) -> None:
+    """The codec worker's batching settings (for `voxpipe serve` and a codec worker run alone)."""
+    if cfg.codec_max_batch < 0 or not 0 <= cfg.codec_gather_ms <= 1000:
+        raise ValueError("--codec-max-batch must be >= 0 and --codec-gather-ms in 0..1000")
+
+
 def program_kwargs(cfg: ServeConfig) -> dict:
     """The keyword arguments every process builds its program with."""
     return dict(
