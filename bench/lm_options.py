@@ -93,11 +93,9 @@ def engine_steps(program, sizes: list[int], ctx: int, **engine_kw) -> dict:
     return out
 
 
-def last_row_logits(
-    program, prompts: list[np.ndarray], kv_cache_dtype: str = "auto", decode_tensor_cores: bool = True
-) -> torch.Tensor:
+def last_row_logits(program, prompts: list[np.ndarray], kv_cache_dtype: str = "auto") -> torch.Tensor:
     """Prefill logits of each prompt's last row (the prefill kernel reads keys/values back from the
-    cache in its dtype; `decode_tensor_cores` is accepted for symmetry and unused by prefill)."""
+    cache in its dtype)."""
     page = 16
     per = pages_for(max(map(len, prompts)) + 1, page)
     kv = allocate_kv_cache(program.num_layers, 1 + len(prompts) * per, page, program.num_kv_heads,
@@ -138,7 +136,7 @@ def main() -> int:
         engine_kw = {k: kw.pop(k) for k in ENGINE_KEYS if k in kw}
         program = load(**kw)
         res.setdefault("load_s", {})[name] = round(time.perf_counter() - t0, 1)
-        logits = last_row_logits(program, prompts, **engine_kw)
+        logits = last_row_logits(program, prompts, engine_kw.get("kv_cache_dtype", "auto"))
         if program.head_ids is not None:
             logits = torch.full((len(prompts), program.vocab_size), float("nan"), device="cuda").index_copy_(
                 1, program.head_ids, logits

@@ -189,6 +189,14 @@ class GaugeSampler:
         return out
 
 
+def measure_level(base: str, sample_rate: int, **level) -> dict:
+    """One load level (`run_level`'s keywords) → its summary, with the server's gauges sampled
+    while it ran (`server_during`)."""
+    sampler = GaugeSampler(base)
+    results, wall = asyncio.run(run_level(base, **level))
+    return {**summarize(results, wall, sample_rate), "server_during": sampler.summary()}
+
+
 def summarize(results: list[Result], wall_s: float, sample_rate: int) -> dict:
     ok = [r for r in results if r.ok]
     ttfa = [r.ttfa * 1000 for r in ok if r.chunks]
@@ -315,19 +323,19 @@ def main(argv: list[str] | None = None) -> int:
     curve = []
     for i, level in enumerate(levels or rates):
         kw = {"concurrency": level} if levels else {"rate": level}
-        sampler = GaugeSampler(args.url)
-        results, wall = asyncio.run(
-            run_level(
+        point = {
+            key: level,
+            **measure_level(
                 args.url,
+                args.sample_rate,
                 duration=args.duration,
                 tokens=args.tokens,
                 prompt_allowance=args.prompt_allowance,
                 seed=args.seed + i,
                 ramp=args.ramp,
                 **kw,
-            )
-        )
-        point = {key: level, **summarize(results, wall, args.sample_rate), "server_during": sampler.summary()}
+            ),
+        }
         curve.append(point)
         print(json.dumps(point), flush=True)
     passing = [p[key] for p in curve if meets_target(p)]

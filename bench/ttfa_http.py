@@ -53,17 +53,13 @@ async def measure(base: str, reps: int, tokens: int) -> list[tuple[float, float,
 
 
 def load_curve(base: str, args) -> None:
-    from bench.load import GaugeSampler, meets_target, plot, run_level, server_gauges, summarize
+    from bench.load import measure_level, meets_target, plot, server_gauges
 
     curve = []
     for i, level in enumerate(int(c) for c in args.load.split(",")):
-        sampler = GaugeSampler(base)
-        results, wall = asyncio.run(
-            run_level(base, concurrency=level, duration=args.load_duration, tokens=args.load_tokens,
-                      prompt_allowance=100, seed=i, ramp=args.ramp)
-        )  # fmt: skip
-        during = sampler.summary()
-        point = {"concurrency": level, **summarize(results, wall, 24000), "server_during": during}
+        point = {"concurrency": level}
+        point |= measure_level(base, 24000, concurrency=level, duration=args.load_duration,
+                               tokens=args.load_tokens, prompt_allowance=100, seed=i, ramp=args.ramp)  # fmt: skip
         point["server_after"] = server_gauges(base)
         curve.append(point)
         print(json.dumps(point), flush=True)
