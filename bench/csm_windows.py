@@ -46,10 +46,14 @@ def main() -> int:
     last = -(-(total - interval) // stride)  # windows 0..last, the last one padded past the end
     pad = torch.from_numpy(p.pad_rows(last * stride + interval - total)).long().to(args.device)
     rows = torch.cat([rows, pad])
-    windows = torch.stack([rows[j * stride : j * stride + interval] for j in range(last + 1)])
+    # As the runtime sends them: window j is rows [window_start(j), j*s + interval), no preseed rows.
+    windows = [rows[p.window_start(j) : j * stride + interval][None] for j in range(last + 1)]
+    key = torch.zeros(1, dtype=torch.long, device=args.device)
     with torch.no_grad():
-        audio, valid = p.detokenize(windows, torch.zeros(len(windows), dtype=torch.long, device=args.device))
+        decoded = [p.detokenize(w, key) for w in windows]
         whole = p.codec.decode_all(frames)
+    audio = torch.cat([a for a, _ in decoded], dim=1)
+    valid = torch.cat([v for _, v in decoded])
     streamed = audio.reshape(-1)[: len(whole)]
     per_frame = (streamed - whole).abs().reshape(n, -1).amax(dim=1).cpu()  # [T]
     res = {
@@ -63,6 +67,7 @@ def main() -> int:
         "max_abs_diff_first_window": float(per_frame[:stride].max()),
         "whole_abs_max": float(whole.abs().max()),
         "frames_over_1e-4": int((per_frame > 1e-4).sum()),
+        "snr_db": round(float(10 * torch.log10((whole**2).sum() / ((streamed - whole) ** 2).sum())), 1),
     }
     print(json.dumps(res, indent=1))
     return 0

@@ -56,9 +56,9 @@ for stage in "$@"; do
         ;;
     csm) run csm python bench/csm_gpu_parity.py --out "$OUT/csm.json" ;;
     csm-load)
-        run csm-load python -m bench.ttfa_http --model csm --reps 5 --tokens 40 --load "${VOXPIPE_LOAD:-64,128,256}" \
+        run csm-load python -m bench.ttfa_http --model csm --reps 5 --tokens 40 --load "${VOXPIPE_LOAD:-16,32,64,96}" \
             --load-duration 15 --load-tokens 150 --ramp 4 --label "NVIDIA H200" --load-out "$OUT/csm-load.json" \
-            --out "$OUT/csm-ttfa.json" -- --max-batch-size 256
+            --out "$OUT/csm-ttfa.json" -- --max-batch-size 128 --codec-dtype float16
         ;;
     attention) run attention python -m bench.attention_kv --out "$OUT/attention.json" ;;
     profile) run profile python -m bench.profile_step --batch 384 --lm-head audio ;;

@@ -53,10 +53,12 @@ class Codec:
         self.program = program
         self.device = program.device
         # Largest batch decoded at once, per window kind (rows, tail rows): regular windows, lead
-        # windows, and with `tails` (--first-chunk progressive) the tail windows of 1-4 frames (a
+        # and start windows, and with `tails` (--first-chunk progressive) the tail windows of 1-4 frames (a
         # tail of all its rows is the whole window: kind (rows, 0), see `_kind`).
         p, s = program, program.detok_stride
-        kinds = {(p.detok_interval, 0): max_batch, **{(r, 0): LEAD_MAX_BATCH for r in p.detok_lead}}
+        kinds = {(p.detok_interval, 0): max_batch}
+        # Lead windows and a stream's start windows (its first windows, less the preseed rows).
+        kinds.update({(r, 0): LEAD_MAX_BATCH for r in (*p.detok_lead, *p.start_window_rows)})
         if tails and p.detok_tail:
             kinds.update({self._kind(r, s): LEAD_MAX_BATCH for r in range(s, p.detok_interval + 1, s)})
         self.limits = kinds
@@ -97,7 +99,8 @@ class Codec:
             if kind not in self.limits:
                 raise ValueError(
                     f"chunk {c.index} of {c.rid} has {kind[0]} rows (tail {kind[1]}); {p.name} windows have "
-                    f"{p.detok_interval} (lead windows: {list(p.detok_lead)}; tail windows: "
+                    f"{p.detok_interval} (lead or start windows: {list(p.detok_lead or p.start_window_rows)}; "
+                    f"tail windows: "
                     f"{sorted(t for t in self.limits if t[1])})"
                 )
             groups.setdefault(kind, []).append(i)

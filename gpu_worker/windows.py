@@ -1,8 +1,8 @@
 """Which codec windows a request's audio rows make, and when (programs/base.py: "Audio chunks",
 "Lead windows", "Stream edges").
 
-Regular window j holds audio rows [j*s, j*s + detok_interval) (s = detok_interval - detok_overlap)
-and goes out when its last row exists. Before it, a request may send one *lead window* of R rows
+Regular window j holds audio rows [j*s, j*s + detok_interval) (s = detok_interval - detok_overlap;
+less any preseed pad rows: programs/base.py, "Stream edges") and goes out when its last row exists. Before it, a request may send one *lead window* of R rows
 (a `detok_lead` size) when the engine's measured step rate says the next regular window will arrive
 before the lead has played out; the regular windows whose audio the lead covers are then skipped.
 After its last row, a program with `detok_flush` sends the rows past the last window in one more
@@ -63,7 +63,8 @@ class AudioWindows:
             j = (n - interval) // self.stride
             if j < req.first_window:
                 return None  # covered by the lead window
-            chunk = DetokChunk(req.rid, req.n_chunks, req.sp.seed, req.audio[n - interval : n].tobytes(), j)
+            lo = self.program.window_start(j)  # past the preseed pad rows: the codec never sees them
+            chunk = DetokChunk(req.rid, req.n_chunks, req.sp.seed, req.audio[lo:n].tobytes(), j)
             audio_rows = self.stride
         elif req.n_chunks == 0 and n in self.leads and self.lead_now(n):
             chunk = DetokChunk(req.rid, 0, req.sp.seed, req.audio[:n].tobytes(), LEAD_NOISE_BASE + n)
@@ -102,17 +103,17 @@ class AudioWindows:
         return chunk
 
     def flush(self, req) -> DetokChunk | None:
-        """detok_flush: window j = req.n_chunks holding rows [j*s, n) then pad rows, or None (flush
-        off, or nothing left over). Its audio is its last s rows, of which n_rows are real."""
+        """detok_flush: window j = req.n_chunks holding rows [window_start(j), n) then pad rows, or
+        None (flush off, or nothing left over). Its audio is its last s rows, of which n_rows are real."""
         p = self.program
         if not p.detok_flush:
             return None
         audio, j = req.audio[: req.n_audio], req.n_chunks
-        start, end = j * self.stride, j * self.stride + p.detok_interval
+        end = j * self.stride + p.detok_interval
         left = len(audio) - (end - self.stride)
         if left <= 0:
             return None
-        window = np.concatenate([audio[start:], p.pad_rows(end - len(audio))]).astype("<i4")
+        window = np.concatenate([audio[p.window_start(j) :], p.pad_rows(end - len(audio))]).astype("<i4")
         return self._sent(req, DetokChunk(req.rid, j, req.sp.seed, window.tobytes(), j, n_rows=left), left)
 
     def first_window_after(self, lead_rows: int) -> int:

@@ -43,7 +43,11 @@ a seed fixes the audio as well as the tokens.
 
 Stream edges (for codecs that must decode every row, like Mimi): with `detok_preseed` = P > 0,
 every request's audio starts with P `pad_rows` (so the first chunk comes after
-detok_interval - P real rows, and a window with overlap P covers the start of the stream). With
+detok_interval - P real rows, and a window with overlap P covers the start of the stream). The
+pad rows only place the windows: the runtime never sends them to the codec. A window that starts
+among them holds its real rows only, [P, j*s + detok_interval) (`window_start`), so `detokenize`
+also takes these *start windows* of detok_interval - P + k*s rows (k = 0, 1, …) and decodes them as
+the beginning of a stream, keeping their last detok_samples samples as usual. With
 `detok_flush`, a request that ends with r rows (0 < r < s) past its last window gets one more:
 rows [j*s, n) followed by pad rows, sent with `DetokChunk.n_rows` = r; the codec_worker keeps the
 first r * detok_samples / s samples of what it adds. That needs a causal codec (samples never
@@ -254,6 +258,16 @@ class LMProgram:
     def preseed_rows(self) -> np.ndarray:
         """[detok_preseed, C] int32 rows placed before a request's first audio row."""
         return self.pad_rows(self.detok_preseed)
+
+    def window_start(self, j: int) -> int:
+        """The first row regular window j sends to the codec: j*s, past the preseed pad rows."""
+        return max(j * self.detok_stride, self.detok_preseed)
+
+    @property
+    def start_window_rows(self) -> tuple[int, ...]:
+        """Row counts of the start windows (shorter than detok_interval: see Stream edges)."""
+        p, s = self.detok_preseed, self.detok_stride
+        return tuple(self.detok_interval - p + k * s for k in range(-(-p // s)))
 
     # --- prompts (tokenizer_worker) ------------------------------------------------------------
     def preprocess(self, text: str, model_kwargs: dict[str, str]) -> np.ndarray:

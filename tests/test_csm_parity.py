@@ -19,9 +19,9 @@ from common.messages import FinishReason, Prompt, SamplingParams
 from gpu_worker.engine import Engine, EngineLimits
 from programs import get_spec, load_program_class
 from programs.base import pcm16
-from programs.csm.codec import MimiCodec
+from programs.csm.codec import MimiCodec, random_codebooks
 from programs.csm.model import CsmLM
-from programs.csm.spec import TEXT_MARK
+from programs.csm.spec import PAD_CODE, TEXT_MARK
 
 SPEC = get_spec("csm-tiny")
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "programs", "csm", "configs")
@@ -46,7 +46,10 @@ def one_thread():
 def hf():
     torch.manual_seed(0)
     cfg = CsmConfig(**_config(SPEC["lm_config"]), codec_config=_config(SPEC["codec_config"]))
-    return CsmForConditionalGeneration(cfg).eval()
+    model = CsmForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        random_codebooks(model.codec_model)  # else every code decodes alike (zero codebooks)
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +59,7 @@ def program(hf):
     state = {k: v for k, v in hf.state_dict().items() if not k.startswith("codec_model.")}
     lm._check_complete(lm.load_weights(state.items()))
     p.lm = lm.eval()
-    p.codec = MimiCodec(hf.codec_model, p.detok_interval - p.detok_overlap, p.detok_preseed)
+    p.codec = MimiCodec(hf.codec_model, p.detok_interval - p.detok_overlap)
     return p
 
 
@@ -177,10 +180,16 @@ def test_streamed_windows_equal_the_whole_mimi_decode(hf, program):
     eng = run(program, [make_prompt("c", text_rows(TEXTS["c"]), new, temperature=0.0)])
     chunks = [c for b in eng.batches for c in b.chunks]
     assert [(c.index, c.n_rows) for c in chunks] == [(0, 0), (1, 0), (2, 0), (3, 2)]
-    windows = torch.from_numpy(np.stack([np.frombuffer(c.tokens, dtype="<i4") for c in chunks])).long()
-    audio, valid = program.detokenize(windows.reshape(4, 12, 32), torch.zeros(4, dtype=torch.long))
-    assert valid.all()
-    streamed = torch.cat([a[: (c.n_rows or 4) * 1920] for a, c in zip(audio, chunks, strict=True)])
+    # The 8 preseed pad frames never reach the codec: the first two windows are start windows of
+    # 4 and 8 frames; the last one (rows 12..14, then pad) is a full window.
+    windows = [
+        torch.from_numpy(np.frombuffer(c.tokens, dtype="<i4").copy()).long().view(1, -1, 32) for c in chunks
+    ]
+    assert [len(w[0]) for w in windows] == [4, 8, 12, 12]
+    assert not (windows[0] == PAD_CODE).any() and not (windows[1] == PAD_CODE).any()
+    decoded = [program.detokenize(w, torch.zeros(1, dtype=torch.long)) for w in windows]
+    assert all(v.all() for _, v in decoded)
+    streamed = torch.cat([a[0, : (c.n_rows or 4) * 1920] for (a, _), c in zip(decoded, chunks, strict=True)])
     reference = out.audio[0]  # transformers: MimiModel.decode of the whole stream
     assert streamed.shape == reference.shape == (new * 1920,)
     assert (streamed - reference).abs().max() < 1e-4

@@ -4,14 +4,16 @@ Loading: `kyutai/mimi`-shaped weights either from a MimiModel checkpoint (dir or
 MimiConfig) or from sesame/csm-1b, whose safetensors carry the codec under `codec_model.*`; or
 random weights from a shipped config (--load-format dummy, csm-tiny).
 
-Windows: the runtime hands `decode_window` [Bd, detok_interval, 32] frames; each is decoded alone
+Windows: the runtime hands `decode_window` [Bd, detok_interval, 32] frames (fewer for a stream's
+start windows); each is decoded alone
 (`MimiModel.decode`) and only the samples of its last `stride` frames are kept. Mimi's decoder is
 causal (causal convolutions, a causal transformer over a 250-step sliding window), so a kept sample
 depends only on earlier frames; what a window lacks is context older than its first frame, which
 the whole-sequence decode has. So a window's samples equal MimiModel.decode of that window exactly,
-and they equal the decode of the whole stream as far as `detok_overlap` frames of context carry:
-on random weights (csm-tiny's Mimi and the real kyutai/mimi shape), to 1e-6 with 8 frames;
-trained weights may reach further back (bench/csm_windows.py measures it for any weights).
+and they equal the decode of the whole stream as far as `detok_overlap` frames of context carry.
+With 8 frames, on random weights with random codebooks (`random_codebooks`): csm-tiny's Mimi to
+5e-6; the real kyutai/mimi shape to 7e-3 of a 29 peak, 74 dB SNR over 100 frames, from its
+transformer's longer reach. Trained weights may differ: bench/csm_windows.py measures any weights.
 """
 
 from __future__ import annotations
@@ -36,37 +38,41 @@ def keep_shape_buffers_on_host(model) -> None:
                 m._buffers[name] = buf.cpu()
 
 
+def random_codebooks(model) -> None:
+    """Random code vectors for a randomly initialised MimiModel. transformers starts every codebook
+    at zero (its vectors are buffers a checkpoint fills), so every code would decode to the same
+    audio and no test could tell one code from another. Draws from the global torch generator."""
+    for m in model.modules():
+        if type(m).__name__ == "MimiEuclideanCodebook":
+            m.embed_sum.copy_(torch.randn_like(m.embed_sum))
+            m.cluster_usage.fill_(1.0)
+            m._embed = None  # the cached embed = embed_sum / cluster_usage
+
+
 class MimiCodec:
-    def __init__(self, model, stride: int, preseed: int = 0, pad_code: int = 2050) -> None:
+    def __init__(self, model, stride: int, pad_code: int = 2050) -> None:
         keep_shape_buffers_on_host(model)
         self.model = model  # transformers MimiModel, eval, on its device
         self.stride = stride  # frames each window adds
         self.pad_code = pad_code
         self.codebook_size = model.config.codebook_size
         self.samples_per_frame = int(model.config.sampling_rate / model.config.frame_rate)
-        # Leading pad counts a window can have: window j of a stream holds max(0, preseed - j*stride).
-        self.pad_counts = sorted({min(k * stride, preseed) for k in range(-(-preseed // stride) + 1)})
 
     @torch.no_grad()
     def decode_window(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[Bd, T, 32] int64 → audio [Bd, stride * 1920] float32, valid [Bd] bool (every code is a
         Mimi code: the LM's extra ids 2048..2050 have no audio).
 
-        Leading pad frames (the runtime's preseed) stand for "no earlier audio": a window with p of
-        them is decoded from its first real frame on, as the whole-stream decode starts, so the
-        start of a stream matches it exactly. One decode per possible p keeps shapes static.
-        Trailing pad frames (a stream's last, flushed window) are decoded as code 0: Mimi is
-        causal, so they change no sample before them, and the runtime drops their own."""
-        is_pad = (tokens == self.pad_code).all(dim=2)  # [Bd, T]
-        n_pad = is_pad.long().cumprod(dim=1).sum(dim=1)  # [Bd] leading pads
+        A window is decoded as it stands, from its first frame on: the runtime strips a stream's
+        leading pad frames (its preseed), so a stream's first windows come shorter (start windows,
+        programs/base.py) and decode exactly as the whole-stream decode starts. Trailing pad frames
+        (a stream's last, flushed window) are decoded as code 0: Mimi is causal, so they change no
+        sample before them, and the runtime drops their own."""
+        is_pad = (tokens == self.pad_code).all(dim=2)  # [Bd, T] pad frames
         valid = ((tokens < self.codebook_size) | is_pad[:, :, None]).all(dim=2).all(dim=1)  # [Bd]
         codes = tokens.clamp(0, self.codebook_size - 1).transpose(1, 2)  # [Bd, 32, T]
         keep = self.stride * self.samples_per_frame
-        audio = None
-        for p in self.pad_counts:
-            a = self.model.decode(codes[:, :, p:]).audio_values[:, 0, -keep:]  # [Bd, keep]
-            audio = a if audio is None else torch.where((n_pad == p)[:, None], a, audio)
-        return audio.float(), valid
+        return self.model.decode(codes).audio_values[:, 0, -keep:].float(), valid
 
     @torch.no_grad()
     def decode_all(self, frames: torch.Tensor) -> torch.Tensor:
@@ -74,27 +80,24 @@ class MimiCodec:
         return self.model.decode(frames.T[None]).audio_values[0, 0]
 
     @classmethod
-    def from_config(
-        cls, path: str, stride: int, preseed: int, dtype: torch.dtype, device, seed: int = 0
-    ) -> MimiCodec:
+    def from_config(cls, path: str, stride: int, dtype: torch.dtype, device, seed: int = 0) -> MimiCodec:
         from transformers import MimiConfig, MimiModel
 
         with open(path) as f:
             cfg = MimiConfig(**json.load(f))
         torch.manual_seed(seed)  # transformers' own init; fixed seed so every process builds the same
-        model = MimiModel(cfg).to(device=device, dtype=dtype).eval()
-        return cls(model, stride, preseed)
+        model = MimiModel(cfg)
+        random_codebooks(model)
+        return cls(model.to(device=device, dtype=dtype).eval(), stride)
 
     @classmethod
-    def from_pretrained(
-        cls, id_or_dir: str, stride: int, preseed: int, dtype: torch.dtype, device
-    ) -> MimiCodec:
+    def from_pretrained(cls, id_or_dir: str, stride: int, dtype: torch.dtype, device) -> MimiCodec:
         """A MimiModel checkpoint, or a CSM checkpoint holding Mimi under `codec_model.*`."""
         from transformers import MimiConfig, MimiModel
 
         path, config = checkpoint_dir(id_or_dir)
         if config.get("model_type") != "csm":
-            return cls(MimiModel.from_pretrained(path, dtype=dtype).to(device).eval(), stride, preseed)
+            return cls(MimiModel.from_pretrained(path, dtype=dtype).to(device).eval(), stride)
         from safetensors import safe_open
 
         model = MimiModel(MimiConfig(**config["codec_config"]))
@@ -105,4 +108,4 @@ class MimiCodec:
                     if name.startswith("codec_model."):
                         state[name.removeprefix("codec_model.")] = f.get_tensor(name)
         model.load_state_dict(state, strict=True)
-        return cls(model.to(device=device, dtype=dtype).eval(), stride, preseed)
+        return cls(model.to(device=device, dtype=dtype).eval(), stride)

@@ -86,13 +86,9 @@ class CsmProgram(LMProgram):
         stride = self.detok_stride
         if self.load_format == "dummy" or self.codec_weights is None:
             path = os.path.join(CONFIG_DIR, self.spec["codec_config"])
-            self.codec = MimiCodec.from_config(
-                path, stride, self.detok_preseed, self.codec_dtype, self.device
-            )
+            self.codec = MimiCodec.from_config(path, stride, self.codec_dtype, self.device)
         else:
-            self.codec = MimiCodec.from_pretrained(
-                self.codec_weights, stride, self.detok_preseed, self.codec_dtype, self.device
-            )
+            self.codec = MimiCodec.from_pretrained(self.codec_weights, stride, self.codec_dtype, self.device)
 
     def load_prompts(self) -> None:
         from programs.orpheus.tokenizer import load_text_tokenizer
@@ -123,7 +119,8 @@ class CsmProgram(LMProgram):
     def detokenize(
         self, tokens: torch.Tensor, keys: torch.Tensor, tail_rows: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """[Bd, 12, 32] frames → audio [Bd, 4 * 1920] (Mimi has no noise: keys unused), valid [Bd].
+        """[Bd, R, 32] frames (R = 12, or 4 or 8 for a stream's start windows) → audio [Bd, 4 * 1920]
+        (Mimi has no noise: keys unused), valid [Bd].
         CSM has no tail windows (`detok_tail` False): tail_rows is always 0."""
         return self.codec.decode_window(tokens)
 
