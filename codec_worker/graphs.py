@@ -2,8 +2,15 @@
 one window row count (the regular `detok_interval`, or a lead size: one `DetokGraphs` each).
 
 Inputs live in one device arena (tokens, then noise keys) filled from a pinned host mirror with
-one copy; a replay writes PCM16 and the valid flags, read back with one copy. Padding entries hold
-token 0, an invalid window that the program clamps and decodes harmlessly; their output is dropped.
+one copy; a replay writes PCM16 and the valid flags, read back with one copy into pinned host
+buffers. Padding entries hold token 0, an invalid window that the program clamps and decodes
+harmlessly; their output is dropped.
+
+`launch` only queues that work and returns a `Pending`: the codec_worker queues every kind of
+window of a pass (and the urgent and the gathered windows) before it waits once. Each wait for
+the GPU gives the GPU back to the LM process, and without MPS each return of the codec costs the
+LM a time slice: measured on the H200 under load, ~3-4 ms of LM time per codec call whatever its
+size, when a pass waited once per window kind.
 """
 
 from __future__ import annotations
@@ -59,12 +66,16 @@ class DetokGraphs:
         # Graphs of several row counts may share one pool: they replay one at a time, and each
         # replay's outputs are copied out before the next.
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self.pending: Pending | None = None  # the last launch, until its results are read
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         t0 = time.monotonic()
         for i, bs in enumerate(reversed(self.sizes)):
             if progress:
                 progress(f"capturing codec graphs: {self.rows} rows, batch {bs} ({i + 1}/{len(self.sizes)})")
             self.graphs[bs] = self._capture(bs)
+        _, pcm, valid = self.graphs[bmax]
+        self.pcm_host = torch.empty((bmax, pcm.shape[1]), dtype=pcm.dtype).pin_memory()  # a launch's results
+        self.valid_host = torch.empty(bmax, dtype=valid.dtype).pin_memory()
         log.info(
             "captured %d codec graphs (%d rows, batch %s) in %.1f s",
             len(self.sizes),
@@ -86,8 +97,12 @@ class DetokGraphs:
         graph, (pcm, valid) = capture(step, self.pool)
         return graph, pcm, valid
 
-    def decode(self, tokens: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """tokens [n, rows, C] int64, keys [n] int64 → PCM16 [n, S], valid [n] (n ≤ max_batch)."""
+    def launch(self, tokens: np.ndarray, keys: np.ndarray) -> Pending:
+        """Queue the decode of tokens [n, rows, C] int64, keys [n] int64 (n ≤ max_batch); → its
+        Pending. The host arena and output buffers are this object's: a launch first reads out the
+        previous launch's results, if nobody has yet."""
+        if self.pending is not None:
+            self.pending.result()  # waits for the previous copies in and out
         n = len(tokens)
         bs = next(s for s in self.sizes if s >= n)
         bmax = self.sizes[-1]
@@ -97,4 +112,36 @@ class DetokGraphs:
         self.dev.copy_(self.host, non_blocking=True)
         graph, pcm, valid = self.graphs[bs]
         graph.replay()
-        return pcm[:n].cpu().numpy(), valid[:n].cpu().numpy()
+        # Out of the shared pool before any other graph replays (stream order), into pinned memory.
+        self.pcm_host[:n].copy_(pcm[:n], non_blocking=True)
+        self.valid_host[:n].copy_(valid[:n], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self.pending = Pending(self, n, done)
+        return self.pending
+
+    def decode(self, tokens: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """tokens [n, rows, C] int64, keys [n] int64 → PCM16 [n, S], valid [n] (n ≤ max_batch)."""
+        return self.launch(tokens, keys).result()
+
+
+class Pending:
+    """A launched decode: `result()` waits for it and reads it out (once; later calls return the
+    same arrays)."""
+
+    def __init__(self, graphs: DetokGraphs | None, n: int, done, out: tuple | None = None) -> None:
+        self.graphs, self.n, self.done, self.out = graphs, n, done, out
+
+    @classmethod
+    def ready(cls, pcm: np.ndarray, valid: np.ndarray) -> Pending:
+        """An already computed result (the eager path)."""
+        return cls(None, len(pcm), None, (pcm, valid))
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        if self.out is None:
+            g = self.graphs
+            self.done.synchronize()
+            self.out = g.pcm_host[: self.n].numpy().copy(), g.valid_host[: self.n].numpy().copy()
+            if g.pending is self:
+                g.pending = None
+        return self.out

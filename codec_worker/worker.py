@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from codec_worker.gather import Gather
+from codec_worker.graphs import DetokGraphs, Pending
 from common.config import ServeConfig, check_codec_settings, program_kwargs, resolve_device
 from common.ipc import PullChannel, PushChannel
 from common.messages import (
@@ -34,8 +34,8 @@ from common.proc import StatusReporter
 from programs import get_spec, load_program_class, rng
 from programs.base import LMProgram, pcm16
 
-if TYPE_CHECKING:
-    from codec_worker.graphs import DetokGraphs
+# A launched decode: the chunks, and per part (their positions in it) the pending result.
+Launched = tuple[list[DetokChunk], list[tuple[list[int], Pending]]]
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +64,6 @@ class Codec:
         self.limits = kinds
         self.graphs: dict[tuple[int, int], DetokGraphs] = {}
         if graphs and self.device.type == "cuda":
-            from codec_worker.graphs import DetokGraphs
-
             pool = torch.cuda.graph_pool_handle()
             for (rows, tail), limit in self.limits.items():
                 self.graphs[rows, tail] = DetokGraphs(
@@ -92,6 +90,10 @@ class Codec:
     def decode(self, chunks: list[DetokChunk]) -> list[AudioChunk]:
         """One AudioChunk per chunk, in the chunks' order; chunks of one kind (row count, tail rows)
         decode together."""
+        return self.collect(self.launch(chunks))
+
+    def launch(self, chunks: list[DetokChunk]) -> Launched:
+        """Queue the decode of `chunks` (graphs: nothing waits for the GPU; eager: computed now)."""
         p = self.program
         groups: dict[tuple[int, int], list[int]] = {}  # window kind → positions in `chunks`
         for i, c in enumerate(chunks):
@@ -104,13 +106,9 @@ class Codec:
                     f"{sorted(t for t in self.limits if t[1])})"
                 )
             groups.setdefault(kind, []).append(i)
-        out: list[AudioChunk | None] = [None] * len(chunks)
+        parts = []
         for (rows, tail), where in groups.items():
             kind = (rows, tail)
-            if kind in self.graphs:
-                run = self.graphs[kind].decode
-            else:
-                run = lambda tokens, keys, tail=tail: self._decode_eager(tokens, keys, tail)  # noqa: E731
             limit = self.limits[kind]
             for lo in range(0, len(where), limit):
                 part = where[lo : lo + limit]
@@ -120,12 +118,26 @@ class Codec:
                 seeds = torch.tensor([chunks[i].seed for i in part], dtype=torch.int64)
                 index = torch.tensor([chunks[i].noise_id for i in part], dtype=torch.int64)
                 keys = rng.mix_keys(seeds, index).numpy()  # [Bd] noise key per chunk
-                pcm, valid = run(tokens.reshape(len(part), rows, p.n_codebooks), keys)
-                for i, samples, ok in zip(part, pcm.astype("<i2"), valid, strict=True):
-                    c = chunks[i]
-                    if c.n_rows:  # a request's padded last window: only its real rows' samples
-                        samples = samples[: c.n_rows * p.detok_samples // p.detok_stride]
-                    out[i] = AudioChunk(c.rid, c.index, samples.tobytes() if ok else b"")
+                tokens = tokens.reshape(len(part), rows, p.n_codebooks)
+                if kind in self.graphs:
+                    pending = self.graphs[kind].launch(tokens, keys)
+                else:
+                    pending = Pending.ready(*self._decode_eager(tokens, keys, tail))
+                parts.append((part, pending))
+        return chunks, parts
+
+    def collect(self, launched: Launched) -> list[AudioChunk]:
+        """Wait for a launch and turn it into AudioChunks, in its chunks' order."""
+        p = self.program
+        chunks, parts = launched
+        out: list[AudioChunk | None] = [None] * len(chunks)
+        for part, pending in parts:
+            pcm, valid = pending.result()
+            for i, samples, ok in zip(part, pcm.astype("<i2"), valid, strict=True):
+                c = chunks[i]
+                if c.n_rows:  # a request's padded last window: only its real rows' samples
+                    samples = samples[: c.n_rows * p.detok_samples // p.detok_stride]
+                out[i] = AudioChunk(c.rid, c.index, samples.tobytes() if ok else b"")
         return out  # type: ignore[return-value]
 
 
@@ -177,26 +189,40 @@ class CodecWorker:
             if not gather.due(time.monotonic()):
                 continue
             urgent, rest, finished = gather.take()
-            if urgent:  # first chunks (and streams running late) do not wait for the gathered rest
-                self._decode_and_send(urgent, [] if rest else finished)
-            if rest:
-                self._decode_and_send(rest, finished)
+            self._decode_and_send([(urgent, [] if rest else finished), (rest, finished if rest else [])])
 
-    def _decode_and_send(self, chunks: list[DetokChunk], finished: list[Finished]) -> None:
+    def _decode_and_send(self, groups: list[tuple[list[DetokChunk], list[Finished]]]) -> None:
+        """One pass: queue every group's decode, then wait for each in turn and send it with its
+        ends. The urgent group (first chunks, streams running late) goes first and leaves as soon
+        as its own decode is done; the GPU runs the whole pass in one go (see codec_worker/graphs.py
+        on why the waits are what costs)."""
         t0 = time.perf_counter()
-        try:
-            audio = self.codec.decode(chunks)
-        except Exception as e:
-            # A codec failure fails these requests, not the process.
-            log.exception("codec failed on %d chunks", len(chunks))
-            self._fail(chunks, finished, f"codec error: {type(e).__name__}: {e}")
+        launched = []
+        for chunks, finished in groups:
+            if not chunks:
+                continue
+            try:
+                launched.append((self.codec.launch(chunks), chunks, finished))
+            except Exception as e:  # a codec failure fails these requests, not the process
+                log.exception("codec failed on %d chunks", len(chunks))
+                self._fail(chunks, finished, f"codec error: {type(e).__name__}: {e}")
+        n = 0
+        for pending, chunks, finished in launched:
+            try:
+                audio = self.codec.collect(pending)
+            except Exception as e:
+                log.exception("codec failed on %d chunks", len(chunks))
+                self._fail(chunks, finished, f"codec error: {type(e).__name__}: {e}")
+                continue
+            self.to_gateway.send(AudioChunks(chunks=audio, finished=finished))
+            n += len(chunks)
+        if not launched:
             return
         took = time.perf_counter() - t0
         self.gather.decoded(took)
-        self.to_gateway.send(AudioChunks(chunks=audio, finished=finished))
         c = self.counters
-        c["codec_calls_total"] += 1
-        c["codec_windows_total"] += len(chunks)
+        c["codec_calls_total"] += 1  # passes: each waits for the GPU once per group at most
+        c["codec_windows_total"] += n
         c["codec_busy_seconds_total"] += took
         self.status.set_load(0, 0, dict(c))
 

@@ -39,7 +39,7 @@ WORKER_METRICS = {
     "row_period_ms": "Recent time between engine steps: what each stream waits for its next row.",
     "step_host_ms": "Host work per engine step (admit, layout, launch, consume), averaged.",
     "step_wait_ms": "Time per engine step spent waiting for the GPU to finish the previous one, averaged.",
-    "codec_calls_total": "Codec decode calls (one or more graph replays each).",
+    "codec_calls_total": "Codec decode passes (one burst of graph replays each: urgent windows, then the gathered rest).",
     "codec_windows_total": "Codec windows decoded.",
     "codec_busy_seconds_total": "Seconds the codec worker spent decoding.",
 }

@@ -1,0 +1,100 @@
+"""GPU: a codec pass queues every window kind before it waits. Checks that the chained launches
+give the audio the eager codec gives chunk by chunk (regular, lead and tail windows mixed, more
+windows of one kind than a call holds, and two launches queued before either is read), and times
+a mixed pass chained against the same pass waited kind by kind.
+
+    python -m bench.codec_passes [--out codec_passes.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+from codec_worker.worker import Codec
+from common.messages import LEAD_NOISE_BASE, DetokChunk
+from programs import get_spec, load_program_class
+
+
+def chunks_of(gen: torch.Generator, plan: list[tuple[int, int]]) -> list[DetokChunk]:
+    """(rows, tail rows) per chunk → Orpheus windows of random codes."""
+    out = []
+    for i, (rows, tail) in enumerate(plan):
+        codes = torch.randint(0, 4096, (rows,), generator=gen)
+        tokens = (128266 + 4096 * (torch.arange(rows) % 7) + codes).int().numpy().astype("<i4")
+        noise = LEAD_NOISE_BASE + rows if rows < 28 or tail else i
+        out.append(DetokChunk(f"r{i}", 0, 7 + i, tokens.tobytes(), noise, tail_rows=tail))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="codec_passes.json")
+    ap.add_argument("--device", default="cuda", help="cpu: both sides eager (a check of this script)")
+    args = ap.parse_args()
+    torch.backends.cudnn.allow_tf32 = False
+    p = load_program_class("orpheus")(
+        get_spec("orpheus"),
+        load_format="dummy",
+        device=args.device,
+        codec_dtype="float16" if args.device == "cuda" else "float32",
+    )
+    p.load_codec()
+    graphs = Codec(p, max_batch=16, tails=True)
+    eager = Codec(p, max_batch=16, graphs=False, tails=True)
+    gen = torch.Generator().manual_seed(0)
+    plan = [(28, 0)] * 40 + [(7, 0), (14, 7), (21, 7), (28, 7), (14, 0), (21, 0)] * 3
+    order = torch.randperm(len(plan), generator=gen).tolist()
+    chunks = chunks_of(gen, [plan[i] for i in order])
+    want = [a.pcm for a in eager.decode(chunks)]
+    got = [a.pcm for a in graphs.decode(chunks)]
+
+    def diff(a: list[bytes], b: list[bytes]) -> int:
+        assert [len(x) for x in a] == [len(x) for x in b]
+        return max(
+            int(np.abs(np.frombuffer(x, "<i2").astype(np.int32) - np.frombuffer(y, "<i2")).max(initial=0))
+            for x, y in zip(a, b, strict=True)
+        )
+
+    res = {
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "date": time.strftime("%F"),
+        "windows": len(chunks),
+    }
+    res["chained_vs_eager_max_pcm_diff"] = diff(got, want)
+    # Two launches queued before either is read (the urgent group and the rest), sharing kinds.
+    half = len(chunks) // 2
+    first, second = graphs.launch(chunks[:half]), graphs.launch(chunks[half:])
+    both = [a.pcm for a in graphs.collect(first)] + [a.pcm for a in graphs.collect(second)]
+    res["two_queued_vs_eager_max_pcm_diff"] = diff(both, want)
+
+    def waited_kind_by_kind() -> None:
+        kinds: dict = {}
+        for c in chunks:
+            kinds.setdefault((len(c.tokens) // 4, c.tail_rows), []).append(c)
+        for group in kinds.values():
+            graphs.decode(group)
+
+    for name, fn in (("chained_ms", lambda: graphs.decode(chunks)), ("kind_by_kind_ms", waited_kind_by_kind)):
+        for _ in range(3):
+            fn()
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            fn()
+        res[name] = round((time.perf_counter() - t0) * 1000 / 20, 3)
+    ok = res["chained_vs_eager_max_pcm_diff"] <= 1 and res["two_queued_vs_eager_max_pcm_diff"] <= 1
+    res["ok"] = ok
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(json.dumps(res, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
