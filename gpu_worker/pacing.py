@@ -98,9 +98,12 @@ class StepClock:
         return float(min(self.max_batch, max(best, k1 + (budget - v1) / slope)))
 
 
-def lead_fits(gap_rows: int, lead_audio_s: float, row_period: float, margin: float = 1.15) -> bool:
+def lead_fits(
+    gap_rows: int, lead_audio_s: float, row_period: float, margin: float = 1.15, latency_s: float = 0.0
+) -> bool:
     """A lead window of `lead_audio_s` seconds keeps its listener fed if the next regular window,
-    `gap_rows` steps later, arrives before the lead has played out (with `margin` for jitter and the
-    codec). Measured on the H200, a single stream steps every ~3.4 ms: 21 rows take 71 ms against a
-    one-frame lead's 85 ms, which a margin of 1.3 refused (TTFA 57 ms instead of 29 ms)."""
-    return row_period > 0 and gap_rows * row_period * margin <= lead_audio_s
+    `gap_rows` steps later, arrives before the lead has played out (with `margin` for jitter in the
+    steps, and `latency_s` for the next chunk's trip beyond the lead's). Measured on the H200, a
+    single stream steps every ~3.4 ms: 21 rows take 71 ms against a one-frame lead's 85 ms, which a
+    margin of 1.3 refused (TTFA 57 ms instead of 29 ms)."""
+    return row_period > 0 and gap_rows * row_period * margin + latency_s <= lead_audio_s

@@ -8,11 +8,14 @@ before the lead has played out; the regular windows whose audio the lead covers 
 After its last row, a program with `detok_flush` sends the rows past the last window in one more
 window, padded past the end.
 
-Progressive mode (`--first-chunk progressive`, programs with `detok_tail`): each new frame goes out
-at once as a tail window (the frame decoded after up to detok_interval - s rows of context, nothing
-after it), until the audio already sent covers the wait for the next regular window at the
-measured step rate; from then on, regular windows only. So the first audio comes after one frame
-at any load, and only the frames sent before the switch differ from the reference.
+Progressive mode (`--first-chunk progressive`, programs with `detok_tail`): the first chunk goes
+out after one frame when, at the measured step rate, the next frame will reach the listener before
+that one has played out (`DELIVERY_S` allowed for the trip), else after as many frames as that
+takes (a lead window, up to the largest `detok_lead`). Each new frame then goes out at once as a
+tail window (the frame decoded after up to detok_interval - s rows of context, nothing after it),
+until the audio already sent covers the wait for the next regular window; from then on, regular
+windows only. So the first audio comes after one frame at light load, and only the frames sent
+before the switch differ from the reference.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ from gpu_worker.pacing import StepClock, lead_fits
 from programs.base import LMProgram
 
 FIRST_CHUNK_MODES = ("reference", "adaptive", "fastest", "progressive")
+# Progressive mode: what a chunk's trip takes besides the steps that make it (waiting for a codec
+# pass, the decode, the gateway, the network). Measured on the H200 at 128 streams with a frame's
+# worth of steps as the only allowance: the second frame came ~6 ms late for 1 stream in 5.
+DELIVERY_S = 0.025
 
 
 class AudioWindows:
@@ -58,7 +65,9 @@ class AudioWindows:
         Advances req.n_chunks and, after a lead, req.first_window."""
         n, interval = req.n_audio, self.program.detok_interval
         if self.progressive and req.n_tails >= 0:
-            return self._tail(req) if n % self.stride == 0 else None
+            if n % self.stride or (req.n_chunks == 0 and not self._first_now(n)):
+                return None
+            return self._tail(req)
         if n >= interval and (n - interval) % self.stride == 0:
             j = (n - interval) // self.stride
             if j < req.first_window:
@@ -85,20 +94,35 @@ class AudioWindows:
         req.n_chunks += 1
         return chunk
 
+    def _first_now(self, n: int) -> bool:
+        """Progressive mode: may the first chunk go out with the n rows there are? Yes when the
+        next frame, s rows later, will reach the listener before these have played out (else one
+        more frame first), and always at the largest lead size."""
+        leads = self.program.detok_lead
+        if not leads or n >= max(leads):
+            return True
+        return lead_fits(self.stride, self._audio_s(n), self.clock.row_period(), latency_s=DELIVERY_S)
+
     def _tail(self, req) -> DetokChunk:
-        """The newest frame as a tail window; then switch to regular windows for good if the audio
-        sent so far outlasts the wait for the next regular one (req.n_tails = -1)."""
+        """The newest frame as a tail window (a first chunk: every frame so far, decoded whole as a
+        lead window); then switch to regular windows for good if the audio sent so far outlasts the
+        wait for the next regular one (req.n_tails = -1)."""
         p, s, n = self.program, self.stride, req.n_audio
         lo = max(0, n - p.detok_interval)
         # Same noise as the window of these rows decoded any other way: a lead window from row 0,
         # else the regular window of rows [lo, n).
         noise = LEAD_NOISE_BASE + n if lo == 0 else lo // s
-        chunk = DetokChunk(req.rid, req.n_chunks, req.sp.seed, req.audio[lo:n].tobytes(), noise, tail_rows=s)
-        self._sent(req, chunk, s)
+        rows = n if req.n_chunks == 0 else s  # rows of audio this chunk carries
+        chunk = DetokChunk(
+            req.rid, req.n_chunks, req.sp.seed, req.audio[lo:n].tobytes(), noise, tail_rows=rows
+        )
+        if req.n_chunks == 0:
+            req.first_row = n
+        self._sent(req, chunk, rows)
         req.n_tails += 1
-        # Played since the first tail (at row s) by the time the next regular window arrives.
-        wait_rows = (n - s) + self._rows_to_next_window(n)
-        if lead_fits(wait_rows, self._audio_s(req.n_tails * s), self.clock.row_period()):
+        # Played since the first chunk by the time the next regular window arrives.
+        wait_rows = (n - req.first_row) + self._rows_to_next_window(n)
+        if lead_fits(wait_rows, req.sent_s, self.clock.row_period(), latency_s=DELIVERY_S):
             req.first_window, req.n_tails = self.first_window_after(n), -1
         return chunk
 

@@ -1,6 +1,8 @@
-"""`--first-chunk progressive`: a request's first frames go out one by one as tail windows (the
-newest frame, decoded after up to three frames of context), until the audio already sent covers
-the wait for the next regular window; after that, the reference's windows, unchanged."""
+"""`--first-chunk progressive`: a request's first chunk goes out after one frame when the next frame
+will arrive before it has played out (else after two or three, decoded whole), its next frames one
+by one as tail windows (the newest frame, decoded after up to three frames of context), until the
+audio already sent covers the wait for the next regular window; after that, the reference's
+windows, unchanged."""
 
 from __future__ import annotations
 
@@ -42,27 +44,38 @@ def chunks_of(program, first_chunk: str, step_s: float) -> list[DetokChunk]:
     return [c for batch in eng.run_until_idle() for c in batch.chunks]
 
 
-@pytest.mark.parametrize("step_ms, n_tails", [(3.0, 1), (8.0, 7)])
-def test_tails_until_the_stream_is_ahead_then_the_reference_windows(program, step_ms, n_tails):
+@pytest.mark.parametrize("step_ms, first_rows, n_early", [(3.0, 7, 2), (8.0, 14, 4)])
+def test_tails_until_the_stream_is_ahead_then_the_reference_windows(program, step_ms, first_rows, n_early):
     ref = chunks_of(program, "reference", step_ms / 1000)
     got = chunks_of(program, "progressive", step_ms / 1000)
-    tails = [c for c in got if c.tail_rows]
-    # Switch after tail k once (k + 1) frames outlast the wait to window k: (7k + 21) steps of
-    # 1.15 s. At 3 ms a step the first frame does; at 8 ms it takes seven (k >= 5.2).
-    assert len(tails) == n_tails and got[:n_tails] == tails
-    assert [len(c.tokens) // 4 for c in tails] == [min(28, 7 * (k + 1)) for k in range(n_tails)]
+    # The first chunk: one frame when the next one arrives before it has played out, 7 steps at
+    # 1.15 plus DELIVERY_S (3 ms: 49 ms; 8 ms: 89 ms > 85 ms, so two frames, decoded whole).
+    early = [c for c in got if c.tail_rows]
+    assert got[:n_early] == early and len(early) == n_early
+    assert (len(early[0].tokens) // 4, early[0].tail_rows) == (first_rows, first_rows)
+    windows = [np.frombuffer(c.tokens, "<i4") for c in ref]  # window j: rows [7j, 7j + 28)
+    full = np.concatenate([windows[0], *(w[-7:] for w in windows[1:])])  # the audio rows
+    assert np.frombuffer(early[0].tokens, "<i4").tolist() == full[:first_rows].tolist()
+    # Then one tail per frame (the newest frame after up to 3 of context) until the audio sent
+    # covers the wait for the next regular window (at 3 ms: 2 frames against 21 steps; at 8 ms:
+    # 5 frames against 42 steps).
+    n = first_rows
+    for c in early[1:]:
+        n += 7
+        assert (len(c.tokens) // 4, c.tail_rows) == (min(28, n), 7)
+        assert np.frombuffer(c.tokens, "<i4").tolist() == full[max(0, n - 28) : n].tolist()
     assert [c.index for c in got] == list(range(len(got)))
-    # Tail k is frame k; regular window j is frame j + 1: the rest are the reference's from frame
-    # n_tails on, same tokens and noise streams.
-    rest = [(c.tokens, c.noise_id) for c in got[n_tails:]]
-    assert rest == [(c.tokens, c.noise_id) for c in ref[n_tails - 1 :]]
-    full = np.concatenate([np.frombuffer(c.tokens, "<i4") for c in ref])  # windows overlap
-    assert np.frombuffer(tails[0].tokens, "<i4").tolist() == full[:7].tolist()
+    # Regular window j is frame j + 1: the rest are the reference's from the first frame not sent
+    # early on, same tokens and noise streams.
+    frames = n // 7
+    rest = [(c.tokens, c.noise_id) for c in got[n_early:]]
+    assert rest == [(c.tokens, c.noise_id) for c in ref[frames - 1 :]]
 
 
 def test_a_slow_engine_keeps_sending_tails(program):
     got = chunks_of(program, "progressive", 0.013)  # slower than real time: never far enough ahead
-    assert all(c.tail_rows == 7 for c in got)
+    assert got[0].tail_rows == len(got[0].tokens) // 4 == 14  # two frames first: 7 steps take 105 ms
+    assert all(c.tail_rows == 7 for c in got[1:])
 
 
 def test_a_tail_window_is_the_newest_frame_of_its_window_decoded_whole(program):
