@@ -3,7 +3,8 @@
 #
 #   bash bench/h200.sh STAGE [STAGE ...]     (carry .whl and .devcache; see ../shared/device/README.md)
 #
-# Stages: parity, invariance, speed, offline, load, load-adaptive, csm, csm-load, attention, profile.
+# Stages: parity, invariance, codec-passes, speed, offline, load, load-adaptive, csm, csm-load, attention,
+# profile.
 # Every stage writes its JSON and log to $OUT and has its own timeout (VOXPIPE_STAGE_S, default 300 s).
 # The FlashInfer kernel cache travels in .devcache/fi_cache.tgz.* (a split tar: the device returns
 # files of 16 MiB at most); this script restores it first and saves it to $OUT last. Copy the
@@ -41,6 +42,7 @@ for stage in "$@"; do
     case $stage in
     parity) run parity python -m bench.gpu_parity --out "$OUT/parity.json" ;;
     invariance) run invariance python -m bench.batch_invariance --out "$OUT/invariance.json" ;;
+    codec-passes) run codec-passes python -m bench.codec_passes --out "$OUT/codec-passes.json" ;;
     speed) run speed python -m bench.gpu_speed --lm-head audio --codec-dtype float16 --out "$OUT/speed.json" ;;
     offline)
         run offline python -m bench.gpu_speed --skip steps,prefill,ttfa,baseline --lm-head audio \

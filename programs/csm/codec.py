@@ -50,26 +50,28 @@ def random_codebooks(model) -> None:
 
 
 class MimiCodec:
-    def __init__(self, model, stride: int, pad_code: int = 2050) -> None:
+    def __init__(self, model, stride: int) -> None:
         keep_shape_buffers_on_host(model)
         self.model = model  # transformers MimiModel, eval, on its device
         self.stride = stride  # frames each window adds
-        self.pad_code = pad_code
         self.codebook_size = model.config.codebook_size
         self.samples_per_frame = int(model.config.sampling_rate / model.config.frame_rate)
 
     @torch.no_grad()
     def decode_window(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[Bd, T, 32] int64 → audio [Bd, stride * 1920] float32, valid [Bd] bool (every code is a
-        Mimi code: the LM's extra ids 2048..2050 have no audio).
+        """[Bd, T, 32] int64 → audio [Bd, stride * 1920] float32, valid [Bd] bool (all True).
 
         A window is decoded as it stands, from its first frame on: the runtime strips a stream's
         leading pad frames (its preseed), so a stream's first windows come shorter (start windows,
-        programs/base.py) and decode exactly as the whole-stream decode starts. Trailing pad frames
-        (a stream's last, flushed window) are decoded as code 0: Mimi is causal, so they change no
-        sample before them, and the runtime drops their own."""
-        is_pad = (tokens == self.pad_code).all(dim=2)  # [Bd, T] pad frames
-        valid = ((tokens < self.codebook_size) | is_pad[:, :, None]).all(dim=2).all(dim=1)  # [Bd]
+        programs/base.py) and decode exactly as the whole-stream decode starts. The LM's extra ids
+        (2048..2050) have no Mimi code and are decoded as the last code, 2047:
+        - trailing pad frames (a stream's last, flushed window): Mimi is causal, so they change no
+          sample before them, and the runtime drops their own;
+        - a sampled extra id, which trained weights do not produce (the reference's decode would
+          fail on it) and random weights do in ~3.5 % of csm-1b frames: the frame still sounds, so
+          the stream keeps its timeline. Dropping the window instead would cut 960 ms of audio,
+          since the frame sits in three overlapping windows."""
+        valid = torch.ones(tokens.shape[0], dtype=torch.bool, device=tokens.device)
         codes = tokens.clamp(0, self.codebook_size - 1).transpose(1, 2)  # [Bd, 32, T]
         keep = self.stride * self.samples_per_frame
         return self.model.decode(codes).audio_values[:, 0, -keep:].float(), valid
