@@ -52,6 +52,7 @@ class Result:
     error: str = ""
     ttfa: float = float("nan")  # seconds
     chunks: list[tuple[float, int]] = field(default_factory=list)  # (time since send, bytes so far)
+    sent_at: float = float("nan")  # seconds into its load level when it was sent
 
     def on_time(self, sample_rate: int, slack_s: float = 0.0) -> bool:
         if not self.ok or not self.chunks:
@@ -86,9 +87,11 @@ class Result:
         return (self.chunks[-1][1] / 2 / sample_rate) if self.chunks else 0.0
 
 
-async def one_request(session: aiohttp.ClientSession, url: str, body: dict) -> Result:
+async def one_request(session: aiohttp.ClientSession, url: str, body: dict, since: float = 0.0) -> Result:
+    """One streamed request; `since`: when its load level began (perf_counter), for `sent_at`."""
     res = Result()
     t0 = time.perf_counter()
+    res.sent_at = t0 - since
     got = 0
     try:
         async with session.post(url, json=body) as r:
@@ -194,12 +197,17 @@ def measure_level(base: str, sample_rate: int, **level) -> dict:
     while it ran (`server_during`)."""
     sampler = GaugeSampler(base)
     results, wall = asyncio.run(run_level(base, **level))
-    return {**summarize(results, wall, sample_rate), "server_during": sampler.summary()}
+    summary = summarize(results, wall, sample_rate, level.get("ramp", 0.0))
+    return {**summary, "server_during": sampler.summary()}
 
 
-def summarize(results: list[Result], wall_s: float, sample_rate: int) -> dict:
+def summarize(results: list[Result], wall_s: float, sample_rate: int, ramp_s: float = 0.0) -> dict:
     ok = [r for r in results if r.ok]
     ttfa = [r.ttfa * 1000 for r in ok if r.chunks]
+    # Requests sent after the ramp (the closed loop's steady state) apart, and when the slowest
+    # first audio was asked for: tells a start-up burst from a steady tail.
+    steady = [r.ttfa * 1000 for r in ok if r.chunks and r.sent_at >= ramp_s]
+    worst = max((r for r in ok if r.chunks), key=lambda r: r.ttfa, default=None)
     late = [r.lateness(sample_rate) for r in ok if r.chunks]
     late = [(w * 1000, first) for w, first in late if w > 0]
     return {
@@ -209,6 +217,8 @@ def summarize(results: list[Result], wall_s: float, sample_rate: int) -> dict:
         "ttfa_p50_ms": round(percentile(ttfa, 50), 2),
         "ttfa_p90_ms": round(percentile(ttfa, 90), 2),
         "ttfa_p99_ms": round(percentile(ttfa, 99), 2),
+        "ttfa_p99_ms_after_ramp": round(percentile(steady, 99), 2) if steady else None,
+        "ttfa_worst_sent_at_s": round(worst.sent_at, 2) if worst is not None else None,
         "on_time_share": round(sum(r.on_time(sample_rate) for r in results) / max(1, len(results)), 4),
         "x_realtime": round(sum(r.audio_s(sample_rate) for r in ok) / wall_s, 2),
         # Of the requests with a late chunk: how far behind playback (worst chunk) and how far into
@@ -256,13 +266,13 @@ async def run_level(
             async def client(i: int) -> None:
                 await asyncio.sleep(ramp * i / concurrency)
                 while time.perf_counter() < deadline:
-                    results.append(await one_request(s, url, body()))
+                    results.append(await one_request(s, url, body(), t0))
 
             await asyncio.gather(*(client(i) for i in range(concurrency)))
         else:
             tasks = []
             while time.perf_counter() < deadline:
-                tasks.append(asyncio.create_task(one_request(s, url, body())))
+                tasks.append(asyncio.create_task(one_request(s, url, body(), t0)))
                 await asyncio.sleep(rng.expovariate(rate))
             results.extend(await asyncio.gather(*tasks))
         return results, time.perf_counter() - t0
