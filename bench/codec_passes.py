@@ -56,7 +56,12 @@ def main() -> int:
     got = [a.pcm for a in graphs.decode(chunks)]
     # The same graphs, each launch waited for at once (as passes ran before): must be equal.
     launch = DetokGraphs.launch
-    DetokGraphs.launch = lambda self, t, k: Pending.ready(*launch(self, t, k).result())
+
+    def synced_launch(self, t, k):
+        out = launch(self, t, k).result()
+        return Pending.later(lambda: out)
+
+    DetokGraphs.launch = synced_launch
     synced = [a.pcm for a in graphs.decode(chunks)]
     half = len(chunks) // 2
     synced_halves = [a.pcm for a in graphs.decode(chunks[:half])] + [

@@ -127,21 +127,28 @@ class DetokGraphs:
 
 class Pending:
     """A launched decode: `result()` waits for it and reads it out (once; later calls return the
-    same arrays)."""
+    same arrays). Eager decodes are `later`: computed when first read, so an urgent group read
+    first is not kept waiting by the groups launched after it."""
 
-    def __init__(self, graphs: DetokGraphs | None, n: int, done, out: tuple | None = None) -> None:
-        self.graphs, self.n, self.done, self.out = graphs, n, done, out
+    def __init__(self, graphs: DetokGraphs | None, n: int, done, compute=None) -> None:
+        self.graphs, self.n, self.done, self.compute = graphs, n, done, compute
+        self.out: tuple[np.ndarray, np.ndarray] | None = None
 
     @classmethod
-    def ready(cls, pcm: np.ndarray, valid: np.ndarray) -> Pending:
-        """An already computed result (the eager path)."""
-        return cls(None, len(pcm), None, (pcm, valid))
+    def later(cls, compute: Callable[[], tuple[np.ndarray, np.ndarray]]) -> Pending:
+        """A decode run by `compute()` when the result is first asked for (the eager path)."""
+        return cls(None, 0, None, compute)
 
     def result(self) -> tuple[np.ndarray, np.ndarray]:
         if self.out is None:
+            if self.compute is not None:
+                self.out = self.compute()
+                return self.out
             g = self.graphs
-            self.done.synchronize()
-            self.out = g.pcm_host[: self.n].numpy().copy(), g.valid_host[: self.n].numpy().copy()
-            if g.pending is self:
-                g.pending = None
+            try:
+                self.done.synchronize()
+                self.out = g.pcm_host[: self.n].numpy().copy(), g.valid_host[: self.n].numpy().copy()
+            finally:  # read or failed: either way the next launch may use the buffers
+                if g.pending is self:
+                    g.pending = None
         return self.out

@@ -122,7 +122,7 @@ class Codec:
                 if kind in self.graphs:
                     pending = self.graphs[kind].launch(tokens, keys)
                 else:
-                    pending = Pending.ready(*self._decode_eager(tokens, keys, tail))
+                    pending = Pending.later(lambda t=tokens, k=keys, tl=tail: self._decode_eager(t, k, tl))
                 parts.append((part, pending))
         return chunks, parts
 
@@ -197,21 +197,23 @@ class CodecWorker:
         as its own decode is done; the GPU runs the whole pass in one go (see codec_worker/graphs.py
         on why the waits are what costs)."""
         t0 = time.perf_counter()
-        launched = []
+        launched = []  # (pending or the launch's error, chunks, ends), in the groups' order
         for chunks, finished in groups:
-            if not chunks:
-                continue
-            try:
-                launched.append((self.codec.launch(chunks), chunks, finished))
-            except Exception as e:  # a codec failure fails these requests, not the process
-                log.exception("codec failed on %d chunks", len(chunks))
-                self._fail(chunks, finished, f"codec error: {type(e).__name__}: {e}")
+            if chunks:
+                try:
+                    launched.append((self.codec.launch(chunks), chunks, finished))
+                except Exception as e:  # fails this group's requests (below, in order), not the process
+                    log.exception("codec failed on %d chunks", len(chunks))
+                    launched.append((e, chunks, finished))
         n = 0
         for pending, chunks, finished in launched:
             try:
+                if isinstance(pending, Exception):
+                    raise pending
                 audio = self.codec.collect(pending)
             except Exception as e:
-                log.exception("codec failed on %d chunks", len(chunks))
+                if pending is not e:
+                    log.exception("codec failed on %d chunks", len(chunks))
                 self._fail(chunks, finished, f"codec error: {type(e).__name__}: {e}")
                 continue
             self.to_gateway.send(AudioChunks(chunks=audio, finished=finished))
@@ -227,6 +229,10 @@ class CodecWorker:
         self.status.set_load(0, 0, dict(c))
 
     def _fail(self, chunks: list[DetokChunk], finished: list[Finished], message: str) -> None:
-        rids = {c.rid for c in chunks} | {f.rid for f in finished}
-        fails = [Finished(rid, FinishReason.ERROR, message=message, status=500) for rid in sorted(rids)]
-        self.to_gateway.send(AudioChunks(chunks=[], finished=fails))
+        """The requests with chunks in a failed decode end with an error; the other ends held
+        with it go on as they were."""
+        failed = {c.rid for c in chunks}
+        fails = [Finished(rid, FinishReason.ERROR, message=message, status=500) for rid in sorted(failed)]
+        self.to_gateway.send(
+            AudioChunks(chunks=[], finished=fails + [f for f in finished if f.rid not in failed])
+        )

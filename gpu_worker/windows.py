@@ -103,11 +103,12 @@ class AudioWindows:
             return True
         return lead_fits(self.stride, self._audio_s(n), self.clock.row_period(), latency_s=DELIVERY_S)
 
-    def _tail(self, req) -> DetokChunk:
+    def _tail(self, req, n: int = -1) -> DetokChunk:
         """The newest frame as a tail window (a first chunk: every frame so far, decoded whole as a
         lead window); then switch to regular windows for good if the audio sent so far outlasts the
         wait for the next regular one (req.n_tails = -1)."""
-        p, s, n = self.program, self.stride, req.n_audio
+        p, s = self.program, self.stride
+        n = req.n_audio if n < 0 else n  # audio rows up to the newest frame
         lo = max(0, n - p.detok_interval)
         # Same noise as the window of these rows decoded any other way: a lead window from row 0,
         # else the regular window of rows [lo, n).
@@ -127,9 +128,14 @@ class AudioWindows:
         return chunk
 
     def flush(self, req) -> DetokChunk | None:
-        """detok_flush: window j = req.n_chunks holding rows [window_start(j), n) then pad rows, or
-        None (flush off, or nothing left over). Its audio is its last s rows, of which n_rows are real."""
+        """At a request's natural end. detok_flush: window j = req.n_chunks holding rows
+        [window_start(j), n) then pad rows, or None (flush off, or nothing left over); its audio is
+        its last s rows, of which n_rows are real. Progressive mode: the first chunk, if it was
+        still waiting for more frames."""
         p = self.program
+        if self.progressive and req.n_chunks == 0 and req.n_audio >= self.stride:
+            # A stream that ended while its first chunk waited for a second frame: send what it has.
+            return self._tail(req, req.n_audio - req.n_audio % self.stride)
         if not p.detok_flush:
             return None
         audio, j = req.audio[: req.n_audio], req.n_chunks

@@ -110,3 +110,16 @@ def test_progressive_mode_serves_whole_wavs_through_every_process():
         assert rate == 24000 and len(audio) > 0 and len(audio) % 2048 == 0
     finally:
         srv.stop()
+
+
+def test_a_stream_that_ends_before_its_first_chunk_left_still_sends_it(program):
+    # At 13 ms a step the first chunk waits for a second frame; a stream of one frame ends first.
+    eng = Engine(program, EngineLimits(max_batch_size=4, max_context=200, first_chunk="progressive"))
+    for _ in range(10):
+        eng.clock.record(1, 0.013)
+    eng.clock.tick = lambda batch: None
+    rows = np.array(PROMPT, dtype="<i4")
+    sp = SamplingParams(max_tokens=len(rows) + 9, min_tokens=9, constrained=True, seed=3)  # 9 rows: 1 frame
+    eng.add(Prompt("r", rows.tobytes(), len(rows), sp))
+    got = [c for batch in eng.run_until_idle() for c in batch.chunks]
+    assert [(len(c.tokens) // 4, c.tail_rows, c.noise_id) for c in got] == [(7, 7, LEAD_NOISE_BASE + 7)]

@@ -1,0 +1,84 @@
+"""One codec pass: the urgent group (first chunks) is decoded and sent before the gathered rest is
+decoded, on the eager path too (its decodes run when read); a group that fails ends its own
+requests with an error, and the other ends held with it go on unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from codec_worker.gather import Gather
+from codec_worker.worker import Codec, CodecWorker
+from common.messages import AudioChunks, DetokChunk, Finished, FinishReason
+from programs import get_spec, load_program_class
+
+
+@pytest.fixture(scope="module")
+def program():
+    p = load_program_class("orpheus-tiny")(get_spec("orpheus-tiny"), load_format="dummy")
+    p.load_codec()
+    return p
+
+
+def window(rid: str, index: int, rows: int = 28) -> DetokChunk:
+    codes = torch.randint(0, 4096, (rows,), generator=torch.Generator().manual_seed(index))
+    tokens = (128266 + 4096 * (torch.arange(rows) % 7) + codes).int().numpy().astype("<i4")
+    return DetokChunk(rid, index, 5, tokens.tobytes(), index)
+
+
+class Recorder:
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def send(self, msg: AudioChunks) -> None:
+        self.log.append(("send", [c.rid for c in msg.chunks], [(f.rid, f.reason) for f in msg.finished]))
+
+
+class Status:
+    def set_load(self, *args) -> None:
+        pass
+
+
+def worker(program, log: list) -> CodecWorker:
+    w = CodecWorker.__new__(CodecWorker)  # no sockets: the pass logic alone
+    w.codec = Codec(program, max_batch=8, graphs=False)
+    decode = w.codec._decode_eager
+
+    def logged(tokens, keys, tail=0):
+        log.append(("decode", len(tokens)))
+        return decode(tokens, keys, tail)
+
+    w.codec._decode_eager = logged
+    w.gather, w.to_gateway, w.status = Gather(0.03, 8), Recorder(log), Status()
+    w.counters = {"codec_calls_total": 0, "codec_windows_total": 0, "codec_busy_seconds_total": 0.0}
+    return w
+
+
+def test_the_urgent_group_is_sent_before_the_rest_is_decoded(program):
+    log: list = []
+    w = worker(program, log)
+    urgent = [window("new", 0)]
+    rest = [window(f"s{i}", 3) for i in range(5)]
+    w._decode_and_send([(urgent, []), (rest, [Finished("s0", FinishReason.STOP)])])
+    assert log == [
+        ("decode", 1),
+        ("send", ["new"], []),
+        ("decode", 5),
+        ("send", [f"s{i}" for i in range(5)], [("s0", FinishReason.STOP)]),
+    ]
+    assert w.counters["codec_calls_total"] == 1 and w.counters["codec_windows_total"] == 6
+
+
+def test_a_failed_group_ends_only_its_own_requests(program):
+    log: list = []
+    w = worker(program, log)
+    urgent = [window("new", 0)]
+    bad = [window("s1", 3), window("odd", 4, rows=5)]  # 5 rows: no such window kind
+    held = [Finished("new", FinishReason.STOP), Finished("s1", FinishReason.STOP)]
+    w._decode_and_send([(urgent, []), (bad, held)])
+    sends = [entry for entry in log if entry[0] == "send"]
+    # The urgent audio first, then the failure, with the end held for "new" passed on after it.
+    assert sends == [
+        ("send", ["new"], []),
+        ("send", [], [("odd", FinishReason.ERROR), ("s1", FinishReason.ERROR), ("new", FinishReason.STOP)]),
+    ]
