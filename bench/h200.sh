@@ -7,8 +7,8 @@
 # profile.
 # Every stage writes its JSON and log to $OUT and has its own timeout (VOXPIPE_STAGE_S, default 300 s).
 # The FlashInfer kernel cache travels in .devcache/fi_cache.tgz.* (a split tar: the device returns
-# files of 16 MiB at most); this script restores it first and saves it to $OUT last. Copy the
-# returned fi_cache.tgz.* back into .devcache/ (replacing the old parts).
+# files of 16 MiB at most); this script restores it first and saves it to $OUT last when kernels were
+# compiled meanwhile. Copy returned fi_cache.tgz.* back into .devcache/ (replacing the old parts).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -28,6 +28,7 @@ elif [ -f .devcache/fi_cache.tgz ]; then
     tar xzf .devcache/fi_cache.tgz -C ~/.cache
 fi
 
+touch /tmp/fi_restored
 serve_flags="--max-batch-size 512 --lm-head audio --codec-dtype float16"
 run() {  # run NAME CMD...: timed, logged, never stops the other stages
     local name=$1
@@ -67,5 +68,10 @@ for stage in "$@"; do
     *) echo "unknown stage $stage" ;;
     esac
 done
-tar cz -C ~/.cache flashinfer | split -b 15M - "$OUT/fi_cache.tgz."
-ls -la "$OUT"/fi_cache.tgz.*
+# Only a cache that grew goes back: the device returns 8 files at most, and results come first.
+if [ -n "$(find ~/.cache/flashinfer -type f -newer /tmp/fi_restored 2>/dev/null | head -n 1)" ]; then
+    tar cz -C ~/.cache flashinfer | split -b 15M - "$OUT/fi_cache.tgz."
+    ls -la "$OUT"/fi_cache.tgz.*
+else
+    echo "FlashInfer cache unchanged: not returned"
+fi
