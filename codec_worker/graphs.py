@@ -87,11 +87,7 @@ class DetokGraphs:
     @torch.inference_mode()
     def _capture(self, bs: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
         def step() -> tuple[torch.Tensor, torch.Tensor]:
-            t, k = self.tokens[:bs], self.keys[:bs]
-            if self.tail:
-                audio, valid = self.program.detokenize(t, k, tail_rows=self.tail)
-            else:
-                audio, valid = self.program.detokenize(t, k)
+            audio, valid = self.program.detokenize(self.tokens[:bs], self.keys[:bs], tail_rows=self.tail)
             return pcm16(audio), valid
 
         graph, (pcm, valid) = capture(step, self.pool)

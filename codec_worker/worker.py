@@ -82,9 +82,7 @@ class Codec:
         self, tokens: np.ndarray, keys: np.ndarray, tail: int = 0
     ) -> tuple[np.ndarray, np.ndarray]:
         t, k = torch.from_numpy(tokens).to(self.device), torch.from_numpy(keys).to(self.device)
-        audio, valid = (
-            self.program.detokenize(t, k, tail_rows=tail) if tail else self.program.detokenize(t, k)
-        )
+        audio, valid = self.program.detokenize(t, k, tail_rows=tail)
         return pcm16(audio).cpu().numpy(), valid.cpu().numpy()  # [Bd, S], [Bd]
 
     def decode(self, chunks: list[DetokChunk]) -> list[AudioChunk]:

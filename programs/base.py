@@ -247,7 +247,9 @@ class LMProgram:
         return torch.where(stop, int(TokenKind.STOP), kinds)
 
     # --- codec (graph) -------------------------------------------------------------------------
-    def detokenize(self, tokens: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def detokenize(
+        self, tokens: torch.Tensor, keys: torch.Tensor, tail_rows: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
     def pad_rows(self, n: int) -> np.ndarray:
