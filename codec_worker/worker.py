@@ -105,8 +105,8 @@ class Codec:
                 )
             groups.setdefault(kind, []).append(i)
         parts = []
-        for (rows, tail), where in groups.items():
-            kind = (rows, tail)
+        for kind, where in groups.items():
+            rows, tail = kind
             limit = self.limits[kind]
             for lo in range(0, len(where), limit):
                 part = where[lo : lo + limit]
@@ -201,7 +201,6 @@ class CodecWorker:
                 try:
                     launched.append((self.codec.launch(chunks), chunks, finished))
                 except Exception as e:  # fails this group's requests (below, in order), not the process
-                    log.exception("codec failed on %d chunks", len(chunks))
                     launched.append((e, chunks, finished))
         n = 0
         for pending, chunks, finished in launched:
@@ -210,8 +209,7 @@ class CodecWorker:
                     raise pending
                 audio = self.codec.collect(pending)
             except Exception as e:
-                if pending is not e:
-                    log.exception("codec failed on %d chunks", len(chunks))
+                log.exception("codec failed on %d chunks", len(chunks))
                 self._fail(chunks, finished, f"codec error: {type(e).__name__}: {e}")
                 continue
             self.to_gateway.send(AudioChunks(chunks=audio, finished=finished))
