@@ -64,7 +64,7 @@ class AudioWindows:
         """The window that `req`'s newest audio row (row n - 1 of req.audio) completes, if any.
         Advances req.n_chunks and, after a lead, req.first_window."""
         n, interval = req.n_audio, self.program.detok_interval
-        if self.progressive and req.n_tails >= 0:
+        if self.progressive and not req.switched:
             if n % self.stride or (req.n_chunks == 0 and not self._first_now(n)):
                 return None
             return self._tail(req)
@@ -106,7 +106,7 @@ class AudioWindows:
     def _tail(self, req, n: int = -1) -> DetokChunk:
         """The newest frame as a tail window (a first chunk: every frame so far, decoded whole as a
         lead window); then switch to regular windows for good if the audio sent so far outlasts the
-        wait for the next regular one (req.n_tails = -1)."""
+        wait for the next regular one (req.switched)."""
         p, s = self.program, self.stride
         n = req.n_audio if n < 0 else n  # audio rows up to the newest frame
         lo = max(0, n - p.detok_interval)
@@ -120,11 +120,10 @@ class AudioWindows:
         if req.n_chunks == 0:
             req.first_row = n
         self._sent(req, chunk, rows)
-        req.n_tails += 1
         # Played since the first chunk by the time the next regular window arrives.
         wait_rows = (n - req.first_row) + self._rows_to_next_window(n)
         if lead_fits(wait_rows, req.sent_s, self.clock.row_period(), latency_s=DELIVERY_S):
-            req.first_window, req.n_tails = self.first_window_after(n), -1
+            req.first_window, req.switched = self.first_window_after(n), True
         return chunk
 
     def flush(self, req) -> DetokChunk | None:
