@@ -55,16 +55,9 @@ class Result:
     sent_at: float = float("nan")  # seconds into its load level when it was sent
 
     def on_time(self, sample_rate: int, slack_s: float = 0.0) -> bool:
-        if not self.ok or not self.chunks:
-            return False
-        t0, _ = self.chunks[0]
-        prev_bytes = self.chunks[0][1]
-        for t, total in self.chunks[1:]:
-            buffered_s = prev_bytes / 2 / sample_rate  # audio received before this chunk
-            if t - t0 > buffered_s + slack_s:
-                return False
-            prev_bytes = total
-        return True
+        """Every chunk came before the audio received ahead of it had played out (give or take
+        `slack_s` >= 0)."""
+        return self.ok and bool(self.chunks) and self.lateness(sample_rate)[0] <= slack_s
 
     def lateness(self, sample_rate: int) -> tuple[float, float]:
         """(the furthest any chunk came behind playback, seconds after the first chunk the first
