@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -16,6 +20,29 @@ from collections.abc import Iterator
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@contextlib.contextmanager
+def gpu_dispatch(*names: str, greeting=None) -> Iterator[tuple]:
+    """The gateway's dispatcher to gpu_workers and one worker-side credit channel per name, in a
+    fresh event loop over ipc sockets in a temporary directory: → (loop, pool, {name: channel});
+    all closed afterwards."""
+    from common.ipc import Addresses, AsyncDispatchChannel, CreditWorkChannel
+    from common.messages import Abort, GpuInMsg
+
+    d = tempfile.mkdtemp(prefix="vpdisp-")
+    addrs = Addresses.local(d)
+    loop = asyncio.new_event_loop()
+    pool: AsyncDispatchChannel[GpuInMsg] = AsyncDispatchChannel(addrs.gpu_in, greeting=greeting)
+    workers = {n: CreditWorkChannel(addrs.gpu_in, GpuInMsg, name=n, uncounted=(Abort,)) for n in names}
+    try:
+        yield loop, pool, workers
+    finally:
+        for chan in workers.values():
+            chan.close()
+        loop.run_until_complete(pool.aclose())
+        loop.close()
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def free_port() -> int:

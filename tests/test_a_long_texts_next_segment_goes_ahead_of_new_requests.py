@@ -5,59 +5,51 @@ makes newcomers wait, not the listener in the middle of a text."""
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
 import time
 
 import numpy as np
 from test_several_gpu_workers import _prompt
 
-from common.ipc import Addresses, AsyncDispatchChannel, CreditWorkChannel
-from common.messages import Abort, GenerateRequest, GpuInMsg, Prompt, SamplingParams
+from common.messages import GenerateRequest, Prompt, SamplingParams
 from gpu_worker.engine import Engine, EngineLimits
 from programs import get_spec, load_program_class
+from tests.conftest import gpu_dispatch
 from tokenizer_worker.worker import PromptBuilder
 
 
 def test_the_dispatcher_hands_out_urgent_messages_first_in_their_own_order():
-    d = tempfile.mkdtemp(prefix="vpurg-")
-    loop = asyncio.new_event_loop()
-    addrs = Addresses.local(d)
-    pool: AsyncDispatchChannel[GpuInMsg] = AsyncDispatchChannel(addrs.gpu_in)
-    worker = CreditWorkChannel(addrs.gpu_in, GpuInMsg, name="w", uncounted=(Abort,))
-    got: list = []
+    with gpu_dispatch("w") as (loop, pool, workers):
+        worker = workers["w"]
+        got: list = []
 
-    async def spin(seconds: float, offer: int = 0) -> None:
-        pool.start()
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            if offer:
-                worker.offer(offer)
-            got.extend(worker.drain())
-            await asyncio.sleep(0.01)
+        async def spin(seconds: float, offer: int = 0) -> None:
+            pool.start()
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                if offer:
+                    worker.offer(offer)
+                got.extend(worker.drain())
+                await asyncio.sleep(0.01)
 
-    async def scenario() -> None:
-        await spin(0.2)  # the worker is connected but offers nothing: everything waits
-        sends = [
-            asyncio.ensure_future(pool.send(_prompt(r), urgent=r.startswith("u"))) for r in ("a", "b", "u1")
-        ]
-        await asyncio.sleep(0.05)
-        cancelled = asyncio.ensure_future(pool.send(_prompt("u-gone"), urgent=True))
-        sends += [asyncio.ensure_future(pool.send(_prompt(r), urgent=r.startswith("u"))) for r in ("u2", "c")]
-        await asyncio.sleep(0.05)
-        cancelled.cancel()  # a client gone: its place in the urgent queue is freed
-        await spin(0.5, offer=5)
-        await asyncio.gather(*sends)
+        async def scenario() -> None:
+            await spin(0.2)  # the worker is connected but offers nothing: everything waits
+            sends = [
+                asyncio.ensure_future(pool.send(_prompt(r), urgent=r.startswith("u")))
+                for r in ("a", "b", "u1")
+            ]
+            await asyncio.sleep(0.05)
+            cancelled = asyncio.ensure_future(pool.send(_prompt("u-gone"), urgent=True))
+            sends += [
+                asyncio.ensure_future(pool.send(_prompt(r), urgent=r.startswith("u"))) for r in ("u2", "c")
+            ]
+            await asyncio.sleep(0.05)
+            cancelled.cancel()  # a client gone: its place in the urgent queue is freed
+            await spin(0.5, offer=5)
+            await asyncio.gather(*sends)
 
-    try:
         loop.run_until_complete(scenario())
         assert [m.rid for m in got if isinstance(m, Prompt)] == ["u1", "u2", "a", "b", "c"]
         assert pool.num_waiting == 0 and pool._n_urgent == 0
-    finally:
-        worker.close()
-        loop.run_until_complete(pool.aclose())
-        loop.close()
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def test_the_engine_admits_urgent_prompts_before_new_ones():

@@ -5,47 +5,34 @@ anything, and the engine drops every request it holds, pages and slots back."""
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
 import time
 
 import numpy as np
 
-from common.ipc import Addresses, AsyncDispatchChannel, CreditWorkChannel
-from common.messages import Abort, FinishReason, GpuInMsg, Prompt, SamplingParams
+from common.messages import Abort, FinishReason, Prompt, SamplingParams
 from gpu_worker.engine import Engine, EngineLimits
 from programs import get_spec, load_program_class
+from tests.conftest import gpu_dispatch
 
 
 def test_a_dispatcher_greets_each_worker_once_before_anything_else():
-    d = tempfile.mkdtemp(prefix="vpgreet-")
-    addrs = Addresses.local(d)
-    loop = asyncio.new_event_loop()
-    pool: AsyncDispatchChannel[GpuInMsg] = AsyncDispatchChannel(
-        addrs.gpu_in, greeting=Abort(rids=[], everything=True)
-    )
-    worker = CreditWorkChannel(addrs.gpu_in, GpuInMsg, name="w", uncounted=(Abort,))
-    got: list = []
+    with gpu_dispatch("w", greeting=Abort(rids=[], everything=True)) as (loop, pool, workers):
+        worker = workers["w"]
+        got: list = []
 
-    async def run() -> None:
-        pool.start()
-        send = asyncio.create_task(pool.send(Prompt("p", b"\x00\x00\x00\x00", 1, SamplingParams())))
-        end = time.monotonic() + 1.0
-        while time.monotonic() < end:
-            worker.offer(2)  # announces again and again: greeted once only
-            got.extend(worker.drain())
-            await asyncio.sleep(0.01)
-        await send
+        async def run() -> None:
+            pool.start()
+            send = asyncio.create_task(pool.send(Prompt("p", b"\x00\x00\x00\x00", 1, SamplingParams())))
+            end = time.monotonic() + 1.0
+            while time.monotonic() < end:
+                worker.offer(2)  # announces again and again: greeted once only
+                got.extend(worker.drain())
+                await asyncio.sleep(0.01)
+            await send
 
-    try:
         loop.run_until_complete(run())
         assert isinstance(got[0], Abort) and got[0].everything
         assert [type(m).__name__ for m in got] == ["Abort", "Prompt"]
-    finally:
-        worker.close()
-        loop.run_until_complete(pool.aclose())
-        loop.close()
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def test_abort_everything_ends_every_request_and_frees_the_cache():

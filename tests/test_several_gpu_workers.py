@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import shutil
-import tempfile
 import threading
 import time
 import urllib.request
@@ -19,9 +17,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.config import pair_devices
-from common.ipc import Addresses, AsyncDispatchChannel, CreditWorkChannel, numbered
-from common.messages import Abort, GpuInMsg, Prompt, SamplingParams
-from tests.conftest import Server
+from common.ipc import numbered
+from common.messages import Abort, Prompt, SamplingParams
+from tests.conftest import Server, gpu_dispatch
 
 # --- the dispatcher with credits, in one process ------------------------------------------------------
 
@@ -31,30 +29,25 @@ def _prompt(rid: str) -> Prompt:
 
 
 def test_prompts_go_to_the_worker_with_credit_and_wait_when_all_are_full():
-    d = tempfile.mkdtemp(prefix="vpcred-")
-    addrs = Addresses.local(d)
-    loop = asyncio.new_event_loop()
-    pool: AsyncDispatchChannel[GpuInMsg] = AsyncDispatchChannel(addrs.gpu_in)
-    a = CreditWorkChannel(addrs.gpu_in, GpuInMsg, name="a", uncounted=(Abort,))
-    b = CreditWorkChannel(addrs.gpu_in, GpuInMsg, name="b", uncounted=(Abort,))
-    got: dict[str, list] = {"a": [], "b": []}
+    with gpu_dispatch("a", "b") as (loop, pool, workers):
+        a, b = workers["a"], workers["b"]
+        got: dict[str, list] = {"a": [], "b": []}
 
-    def spin(seconds: float, offers: dict[str, int] | None = None) -> None:
-        """Run the dispatcher while the workers announce `offers` and collect what they get."""
+        def spin(seconds: float, offers: dict[str, int] | None = None) -> None:
+            """Run the dispatcher while the workers announce `offers` and collect what they get."""
 
-        async def go() -> None:
-            pool.start()
-            end = time.monotonic() + seconds
-            while time.monotonic() < end:
-                for name, chan in (("a", a), ("b", b)):
-                    if offers and name in offers:
-                        chan.offer(offers[name])
-                    got[name] += chan.drain()
-                await asyncio.sleep(0.01)
+            async def go() -> None:
+                pool.start()
+                end = time.monotonic() + seconds
+                while time.monotonic() < end:
+                    for name, chan in (("a", a), ("b", b)):
+                        if offers and name in offers:
+                            chan.offer(offers[name])
+                        got[name] += chan.drain()
+                    await asyncio.sleep(0.01)
 
-        loop.run_until_complete(go())
+            loop.run_until_complete(go())
 
-    try:
         spin(0.3, {"a": 2, "b": 1})
         sends = [loop.create_task(pool.send(_prompt(f"p{i}"))) for i in range(4)]
         spin(0.3)  # nobody announces anew: the credit already given is all they get
@@ -74,12 +67,6 @@ def test_prompts_go_to_the_worker_with_credit_and_wait_when_all_are_full():
         spin(0.3, {"b": 1})
         assert sends[3].done() and [m.rid for m in got["b"] if isinstance(m, Prompt)][-1] == "p3"
         assert pool.dispatched == {"a": 2, "b": 2}
-    finally:
-        for chan in (a, b):
-            chan.close()
-        loop.run_until_complete(pool.aclose())
-        loop.close()
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def test_each_pair_gets_a_device_and_a_codec_inbox():
