@@ -58,6 +58,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     zmq_curve_dir: str = ""  # every process: CURVE keys for tcp:// sockets (`voxpipe keys DIR`)
     log_level: str = "INFO"
     disable_cuda_graph: bool = False
+    mps: str = "off"  # serve: off | on | auto (CUDA MPS for the GPU processes, see common/mps.py)
     addresses: Addresses | None = None
     run_dir: str = ""
 
@@ -294,6 +295,14 @@ OPTIONS: tuple[Option, ...] = (
         _ALL,
     ),
     Option("log_level", "DEBUG, INFO, WARNING, ERROR", _ALL),
+    Option(
+        "mps",
+        "CUDA MPS for the gpu_worker and codec_worker: on (start a private MPS daemon; its kernels "
+        "and the LM's then run side by side instead of taking turns), auto (on when "
+        "nvidia-cuda-mps-control is installed) or off",
+        ("serve",),
+        choices=("off", "on", "auto"),
+    ),
     Option("run_dir", "directory for ipc:// sockets and taps (default: a private temp dir)", ("serve",)),
     Option(
         "requests",

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from common.config import ServeConfig
 from common.ipc import Addresses, numbered
+from common.mps import GPU_ROLES, mps_for
 from common.tap import remove_state, write_state
 
 log = logging.getLogger("voxpipe.serve")
@@ -56,6 +57,7 @@ class Supervisor:
         self.children += self._pairs(cfg)
         self._stopping = False
         self.state_file = ""
+        self.mps = mps_for(cfg.mps, self.run_dir)
 
     @staticmethod
     def _pairs(cfg: ServeConfig) -> list[Child]:
@@ -84,17 +86,25 @@ class Supervisor:
         host = "127.0.0.1" if self.cfg.host in ("0.0.0.0", "::", "") else self.cfg.host
         return f"http://{host}:{self.cfg.port}"
 
-    def _spawn(self, child: Child) -> None:
+    def child_env(self, child: Child) -> dict[str, str]:
         env = dict(os.environ)
         if child.role != "gateway":
             env.pop("VOXPIPE_API_KEY", None)  # only the gateway checks it: no other process holds it
         env["PYTHONPATH"] = _ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        if self.mps is not None and child.role in GPU_ROLES:
+            env.update(self.mps.env)
+        return env
+
+    def _spawn(self, child: Child) -> None:
+        env = self.child_env(child)
         argv = [sys.executable, "-m", child.role, "--config-json", self.cfg.to_json(), "--name", child.name]
         argv += ["--tap", self.tap_address(child), *child.args]
         child.popen = subprocess.Popen(argv, env=env)
         log.info("started %s (pid %d)", child.name, child.popen.pid)
 
     def start(self) -> None:
+        if self.mps is not None:
+            self.mps.start()
         for child in self.children:
             self._spawn(child)
         taps = {child.name: self.tap_address(child) for child in self.children}
@@ -173,6 +183,8 @@ class Supervisor:
                     child.popen.kill()
         if self.state_file:
             remove_state(self.state_file)
+        if self.mps is not None:
+            self.mps.stop()
         if not self.cfg.run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
@@ -186,8 +198,8 @@ def serve(cfg: ServeConfig) -> int:
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    sup.start()
     try:
+        sup.start()
         sup.wait_ready()
     except (RuntimeError, TimeoutError) as e:
         log.error("%s", e)
