@@ -3,8 +3,8 @@
 #
 #   bash bench/h200.sh STAGE [STAGE ...]     (carry .whl and .devcache; see ../shared/device/README.md)
 #
-# Stages: parity, invariance, codec-passes, speed, offline, load, load-adaptive, csm, csm-load, attention,
-# profile.
+# Stages: parity, invariance, codec-passes, speed, offline, lm-options, load, load-mps, load-adaptive, csm,
+# csm-load, attention, profile.
 # Every stage writes its JSON and log to $OUT and has its own timeout (VOXPIPE_STAGE_S, default 300 s).
 # The FlashInfer kernel cache travels in .devcache/fi_cache.tgz.* (a split tar: the device returns
 # files of 16 MiB at most); this script restores it first and saves it to $OUT last when kernels were
@@ -49,13 +49,18 @@ for stage in "$@"; do
         run offline python -m bench.gpu_speed --skip steps,prefill,ttfa,baseline --lm-head audio \
             --codec-dtype float16 --offline-requests 512 --offline-gather 256 --out "$OUT/offline.json"
         ;;
-    load | load-adaptive)
-        first=progressive
+    lm-options)
+        run lm-options python -m bench.lm_options --configs "${VOXPIPE_LM_CONFIGS:-bf16+audio_head}" \
+            --sizes "${VOXPIPE_LM_SIZES:-1,64,256,384,512}" --out "$OUT/lm-options.json"
+        ;;
+    load | load-mps | load-adaptive)
+        first=progressive extra=""
         [ "$stage" = load-adaptive ] && first=adaptive
+        [ "$stage" = load-mps ] && extra="--mps on"
         # shellcheck disable=SC2086
         run "$stage" python -m bench.ttfa_http --reps 15 --tokens 200 --load "${VOXPIPE_LOAD:-128,192,256,320,384}" \
             --load-duration 20 --ramp 8 --label "NVIDIA H200" --load-out "$OUT/$stage.json" \
-            --out "$OUT/$stage-ttfa.json" -- $serve_flags --first-chunk $first
+            --out "$OUT/$stage-ttfa.json" -- $serve_flags --first-chunk $first $extra
         ;;
     csm) run csm python bench/csm_gpu_parity.py --out "$OUT/csm.json" ;;
     csm-load)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from common.graphs import capture
-from gpu_worker.flashinfer_backend import WORKSPACE_BYTES, FlashInferAttention, page_arrays
+from gpu_worker.flashinfer_backend import WORKSPACE_BYTES, FlashInferAttention, import_flashinfer, page_arrays
 from gpu_worker.graph_io import GraphAttention, InputArena
 from gpu_worker.kv_cache import pages_for
 from gpu_worker.prefill_graphs import (
@@ -84,7 +84,7 @@ class GraphRunner:
         limits,
         progress: Callable[[str], None] | None = None,
     ) -> None:
-        import flashinfer
+        flashinfer = import_flashinfer()
 
         self.program = program
         self.kv_cache = kv_cache

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from common.graphs import capture
-from gpu_worker.flashinfer_backend import page_arrays
+from gpu_worker.flashinfer_backend import import_flashinfer, page_arrays
 from gpu_worker.graph_io import GraphAttention, InputArena
 from gpu_worker.kv_cache import pages_for
 from gpu_worker.runner import StepBatch
@@ -160,7 +160,7 @@ class PrefillGraphs:
 
     @torch.inference_mode()
     def _capture(self, rows: int, reqs: int, workspace: torch.Tensor, pool, max_pages: int):
-        import flashinfer
+        flashinfer = import_flashinfer()
 
         p, a, c, dev = self.program, self.arena, self.program.n_codebooks, self.kv_cache.device
         # Buffers of its own per wrapper: a step plans prefill and decode before replaying either.

@@ -1,4 +1,5 @@
-"""CPU checks of the pure pieces of the GPU path: graph buckets and FlashInfer page arrays."""
+"""CPU checks of the pure pieces of the GPU path: graph buckets, FlashInfer page arrays, and the `max`
+FlashInfer's plan is given."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 
 from codec_worker.graphs import codec_buckets
 from gpu_worker.attention import StepLayout
-from gpu_worker.flashinfer_backend import page_arrays, write_slots
+from gpu_worker.flashinfer_backend import _max, page_arrays, write_slots
 from gpu_worker.graphs import decode_buckets
 
 
@@ -43,3 +44,11 @@ def test_write_slots_put_each_row_in_its_page():
     page, off = write_slots(layout, 16)
     assert page.tolist() == [5, 5, 5, 8, 4]
     assert off.tolist() == [0, 1, 2, 1, 8]
+
+
+def test_flashinfers_max_gives_pythons_value_in_one_reduction():
+    lens = torch.tensor([5, 513, 17, 513, 2], dtype=torch.int32)
+    assert _max(lens).item() == max(lens).item() == 513 and _max(lens).dim() == 0
+    assert int(_max(lens[1:] - lens[:-1]).item()) == 508
+    assert _max([3, 9, 4]) == 9 and _max(3, 9) == 9 and _max([], default=-1) == -1
+    assert _max([torch.tensor(2), torch.tensor(7)]).item() == 7  # a list of tensors: Python's max

@@ -83,7 +83,12 @@ class OrpheusProgram(LMProgram):
             # Codec tokens of all 7 frame slots, then stop: 28,673 of 156,940 rows of the head.
             ids = [*range(AUDIO_BASE, AUDIO_BASE + FRAME * CODEBOOK), STOP_TOKEN]
             self.head_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-            self._head_weight = self.lm.lm_head.weight[self.head_ids].contiguous()  # [V', H]
+            # Rows padded with zeros to a multiple of 64: an output row of 28,673 bf16 values is not
+            # 16-byte aligned, and cuBLAS then takes a slow pre-Hopper kernel (0.77 ms at batch 384,
+            # 6 % of the step, in bench/results/h200-profile-step-b384-2026-11-29.txt).
+            weight = self.lm.lm_head.weight
+            self._head_weight = weight.new_zeros(-(-len(ids) // 64) * 64, weight.shape[1])  # [V'', H]
+            self._head_weight[: len(ids)] = weight[self.head_ids]
 
     def load_codec(self) -> None:
         from programs.orpheus.codec import SnacCodec
@@ -108,7 +113,8 @@ class OrpheusProgram(LMProgram):
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.head_ids is not None:  # [B, H] → [B, 1, V'] float32, columns = head_ids
-            return torch.nn.functional.linear(hidden, self._head_weight).float()[:, None, :]
+            logits = torch.nn.functional.linear(hidden, self._head_weight)[:, : len(self.head_ids)]
+            return logits.float()[:, None, :]
         return self.lm.logits(hidden)[:, None, :]  # [B, H] → [B, 1, V] float32
 
     def candidates(self, n_audio: torch.Tensor) -> torch.Tensor:
