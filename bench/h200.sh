@@ -60,7 +60,8 @@ for stage in "$@"; do
         # shellcheck disable=SC2086
         run "$stage" python -m bench.ttfa_http --reps 15 --tokens 200 --load "${VOXPIPE_LOAD:-128,192,256,320,384}" \
             --load-duration 20 --ramp 8 --label "NVIDIA H200" --load-out "$OUT/$stage.json" \
-            --out "$OUT/$stage-ttfa.json" -- $serve_flags --first-chunk $first $extra
+            --out "$OUT/$stage-ttfa.json" ${VOXPIPE_TAP_LEVEL:+--tap-level $VOXPIPE_TAP_LEVEL --tap-out $OUT/tap.jsonl.gz} \
+            -- $serve_flags --first-chunk $first $extra ${VOXPIPE_SERVE_EXTRA:-}
         ;;
     csm) run csm python bench/csm_gpu_parity.py --out "$OUT/csm.json" ;;
     csm-load)
@@ -68,7 +69,10 @@ for stage in "$@"; do
             --load-duration 15 --load-tokens 150 --ramp 4 --label "NVIDIA H200" --load-out "$OUT/csm-load.json" \
             --out "$OUT/csm-ttfa.json" -- --max-batch-size 128 --codec-dtype float16
         ;;
-    attention) run attention python -m bench.attention_kv --out "$OUT/attention.json" ;;
+    attention)
+        run attention python -m bench.attention_kv --variants "${VOXPIPE_ATTN_VARIANTS:-}" \
+            --sizes "${VOXPIPE_ATTN_SIZES:-64,256,384,512}" --out "$OUT/attention.json"
+        ;;
     profile) run profile python -m bench.profile_step --batch 384 --lm-head audio ;;
     *) echo "unknown stage $stage" ;;
     esac

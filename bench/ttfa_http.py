@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import json
 import os
 import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import aiohttp
@@ -58,9 +60,13 @@ def load_curve(base: str, args) -> None:
     curve = []
     for i, level in enumerate(int(c) for c in args.load.split(",")):
         point = {"concurrency": level}
+        tap = start_tap(args, delay_s=args.ramp + 2) if level == args.tap_level else None
         point |= measure_level(base, 24000, concurrency=level, duration=args.load_duration,
                                tokens=args.load_tokens, prompt_allowance=100, seed=i, ramp=args.ramp)  # fmt: skip
         point["server_after"] = server_gauges(base)
+        if tap is not None:
+            tap.join()
+            point["tap"] = tap_summary(args.tap_out)
         curve.append(point)
         print(json.dumps(point), flush=True)
         out = {
@@ -83,6 +89,28 @@ def load_curve(base: str, args) -> None:
         plot(curve, "concurrency", args.plot)
 
 
+def start_tap(args, delay_s: float) -> threading.Thread:
+    """`voxpipe tap --all-chunks` on this server for `--tap-seconds`, from `delay_s` into the level
+    (past the ramp), gzipped into `--tap-out`."""
+
+    def go() -> None:
+        time.sleep(delay_s)
+        cmd = [sys.executable, "-m", "common.cli", "tap", "--port", str(args.port), "--all-chunks",
+               "--seconds", str(args.tap_seconds)]  # fmt: skip
+        with gzip.open(args.tap_out, "wb") as f:
+            f.write(subprocess.run(cmd, cwd=ROOT, capture_output=True, check=False).stdout)
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    return t
+
+
+def tap_summary(path: str) -> dict:
+    from bench.tap_stats import read, stats
+
+    return stats(read(path))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="orpheus")
@@ -97,6 +125,9 @@ def main() -> int:
     ap.add_argument("--load-out", default="load.json")
     ap.add_argument("--plot", default="")
     ap.add_argument("--label", default="", help="device label for the load results")
+    ap.add_argument("--tap-level", type=int, default=0, help="record `voxpipe tap` during this load level")
+    ap.add_argument("--tap-seconds", type=float, default=8.0)
+    ap.add_argument("--tap-out", default="tap.jsonl.gz")
     ap.add_argument("serve_args", nargs="*", help="extra `voxpipe serve` flags (after --)")
     args = ap.parse_args()
     cmd = [sys.executable, "-m", "common.cli", "serve", "--model", args.model, "--port", str(args.port)]

@@ -7,8 +7,9 @@ exponential average of the interval per batch-size bucket (quarter octaves), whi
 
 - `capacity()`: the largest batch whose measured (or extrapolated) interval fits the row period
   with some headroom: the gateway admits that many streams to this worker;
-- `row_period()`: the recent interval at the current load, which decides whether a request's first
-  audio can come from a short lead window (see `lead_fits`).
+- `row_period()`: the recent interval at the current load, and `row_period_high()` a pessimistic
+  one (plus twice the recent spread), which decides whether a request's first audio can come from a
+  short lead window (see `lead_fits`).
 
 Intervals are wall-clock and include everything that shares the GPU and the host loop (the codec,
 prefill steps, message handling): what a stream actually experiences.
@@ -43,6 +44,7 @@ class StepClock:
         self._count: dict[int, int] = {}
         self._seen: dict[int, float] = {}  # bucket → perf_counter of its last measurement
         self._recent = 0.0  # EMA of the interval at whatever the batch was lately
+        self._spread = 0.0  # EMA of how far an interval lands from that average
         self._last: float | None = None
 
     def tick(self, batch: int) -> None:
@@ -64,11 +66,22 @@ class StepClock:
         # Average the first samples plainly, then track drift (graphs warming up, context growth).
         alpha = max(1.0 / (n + 1), 0.05)
         self._ema[key] = dt if n == 0 else self._ema[key] + alpha * (dt - self._ema[key])
-        self._recent = dt if self._recent == 0.0 else self._recent + 0.2 * (dt - self._recent)
+        if self._recent == 0.0:
+            self._recent = dt
+        else:
+            self._spread += 0.2 * (abs(dt - self._recent) - self._spread)
+            self._recent += 0.2 * (dt - self._recent)
 
     def row_period(self) -> float:
         """Seconds per row at the current load (0.0 before any step was measured)."""
         return self._recent
+
+    def row_period_high(self) -> float:
+        """A pessimistic seconds per row at the current load: the average plus twice the spread.
+        Steps under load are uneven (a prefill, a codec pass beside the step): a promise to a
+        listener (a lead window, the switch to regular windows) is made on slow steps, not average
+        ones."""
+        return self._recent + 2.0 * self._spread
 
     def capacity(self, now: float | None = None) -> float:
         """Concurrent streams this worker can keep real time (max_batch until measured)."""

@@ -101,7 +101,7 @@ class AudioWindows:
         leads = self.program.detok_lead
         if not leads or n >= max(leads):
             return True
-        return lead_fits(self.stride, self._audio_s(n), self.clock.row_period(), latency_s=DELIVERY_S)
+        return lead_fits(self.stride, self._audio_s(n), self.clock.row_period_high(), latency_s=DELIVERY_S)
 
     def _tail(self, req, n: int = -1) -> DetokChunk:
         """The newest frame as a tail window (a first chunk: every frame so far, decoded whole as a
@@ -120,9 +120,11 @@ class AudioWindows:
         if req.n_chunks == 0:
             req.first_row = n
         self._sent(req, chunk, rows)
-        # Played since the first chunk by the time the next regular window arrives.
-        wait_rows = (n - req.first_row) + self._rows_to_next_window(n)
-        if lead_fits(wait_rows, req.sent_s, self.clock.row_period(), latency_s=DELIVERY_S):
+        # The audio sent and not yet played (by the clock: the listener started no earlier than
+        # the first chunk left) must outlast the wait for the next regular window.
+        ahead_s = req.sent_s - (self.now() - req.t_first)
+        wait_rows = self._rows_to_next_window(n)
+        if lead_fits(wait_rows, ahead_s, self.clock.row_period_high(), latency_s=DELIVERY_S):
             req.first_window, req.switched = self.first_window_after(n), True
         return chunk
 
@@ -156,7 +158,7 @@ class AudioWindows:
         if self.fastest:
             return True
         return lead_fits(
-            self._rows_to_next_window(lead_rows), self._audio_s(lead_rows), self.clock.row_period()
+            self._rows_to_next_window(lead_rows), self._audio_s(lead_rows), self.clock.row_period_high()
         )
 
     def _rows_to_next_window(self, n: int) -> int:

@@ -91,3 +91,17 @@ def test_a_batch_measured_slow_long_ago_stops_capping_the_capacity():
             clock.record(b, ms / 1000, now=100.0 + STALE_S + 5)
     # The old slow bucket no longer counts: extrapolate from what is current, and probe again.
     assert clock.capacity(now=100.0 + STALE_S + 5) > 181
+
+
+def test_promises_to_a_listener_are_made_on_slow_steps_not_average_ones():
+    steady, uneven = StepClock(82.03, 512), StepClock(82.03, 512)
+    for i in range(40):
+        steady.record(128, 0.008)
+        uneven.record(128, 0.006 if i % 4 else 0.014)  # every fourth step shares the GPU with a codec pass
+    assert steady.row_period_high() == pytest.approx(steady.row_period())
+    assert uneven.row_period() < 0.0085 < 0.010 < uneven.row_period_high()
+    # One frame (85.3 ms) as a first chunk: its next frame, 7 steps away, comes in time at 7.4 ms
+    # a step (7 * 7.4 * 1.15 + 25 = 84.6 ms), not at the uneven clock's slow pace.
+    frame = 2048 / 24000
+    assert lead_fits(7, frame, 0.0074, latency_s=0.025)
+    assert not lead_fits(7, frame, uneven.row_period_high(), latency_s=0.025)

@@ -1,0 +1,84 @@
+"""Where a request's time goes under load, from `voxpipe tap --all-chunks` output (JSON lines).
+
+    voxpipe tap --all-chunks --seconds 10 > tap.jsonl      # while a load runs
+    python -m bench.tap_stats tap.jsonl [--out stats.json]
+
+For requests whose arrival the tap saw, the first audio split by stage (gateway → prompt built →
+admitted → first token → first chunk ready → decoded → first byte sent), as p50/p90/p99 ms; for
+every chunk, the codec's part (ready at the gpu_worker → decoded at the codec_worker); and the gaps
+between a request's consecutive chunks leaving the gpu_worker, against the audio each one carries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from collections import defaultdict
+
+FIRST = ("received", "prompt_built", "admitted", "first_token", "first_chunk_ready", "first_chunk_decoded",
+         "first_byte_sent")  # fmt: skip
+
+
+def _pct(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    v = sorted(values)
+
+    def at(q: float) -> float:
+        return round(v[min(len(v) - 1, int(q / 100 * len(v)))], 2)
+
+    return {"n": len(v), "p50": at(50), "p90": at(90), "p99": at(99), "max": round(v[-1], 2)}
+
+
+def read(path: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def stats(events: list[dict]) -> dict:
+    by_rid: dict[str, dict[str, float]] = defaultdict(dict)
+    ready: dict[tuple[str, int], float] = {}
+    decoded: dict[tuple[str, int], float] = {}
+    for e in events:
+        stage, rid, t = e["stage"], e.get("rid", ""), 1000 * e["time"]
+        by_rid[rid].setdefault(stage, t)
+        if stage in ("chunk_ready", "first_chunk_ready"):
+            ready[(rid, e.get("index", 0))] = t
+        elif stage in ("chunk_decoded", "first_chunk_decoded"):
+            decoded[(rid, e.get("index", 0))] = t
+    out: dict = {"requests_seen": len(by_rid)}
+    whole = [s for s in by_rid.values() if all(k in s for k in FIRST)]
+    out["first_audio_complete"] = len(whole)
+    out["first_audio_ms"] = {
+        f"{a}->{b}": _pct([s[b] - s[a] for s in whole]) for a, b in zip(FIRST, FIRST[1:], strict=False)
+    }
+    out["first_audio_ms"]["total"] = _pct([s[FIRST[-1]] - s[FIRST[0]] for s in whole])
+    out["codec_ms_per_chunk"] = _pct([decoded[k] - ready[k] for k in ready if k in decoded])
+    gaps: dict[int, list[float]] = defaultdict(list)  # chunk index -> ms since the previous chunk left
+    for (rid, i), t in ready.items():
+        if i and (rid, i - 1) in ready:
+            gaps[min(i, 10)].append(t - ready[(rid, i - 1)])
+    out["ready_gap_ms_by_chunk_index"] = {
+        ("10+" if i == 10 else str(i)): _pct(g) for i, g in sorted(gaps.items())
+    }
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("path", help="tap output (JSON lines, .gz too)")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    res = stats(read(args.path))
+    text = json.dumps(res, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
