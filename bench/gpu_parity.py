@@ -115,7 +115,8 @@ def greedy_setup(program):
 
 
 def greedy_batches(engine, prompt, kw: dict) -> dict:
-    """One greedy request alone, then among 3, 17 and 40 others joining at different steps."""
+    """One greedy request alone, then among 3, 17 and 40 others joining at different steps, and
+    last of 4 arriving at once (prefilled in the same step as 3 others, in the 4th prefill lane)."""
     eng = engine(**kw)
     eng.add(prompt("x", "The same words, again.", 1))
     eng.run_until_idle()
@@ -133,6 +134,14 @@ def greedy_batches(engine, prompt, kw: dict) -> dict:
         got = eng.outputs["x"][0]
         first_diff = next((i for i, (a, b) in enumerate(zip(got, alone, strict=True)) if a != b), None)
         out[n_others] = {"tokens": len(alone), "first_difference": first_diff}
+    eng = engine(**kw)
+    for p in [*(prompt(f"o{i}", "other text " * (1 + i), 100 + i, 200) for i in range(3)),
+              prompt("x", "The same words, again.", 1)]:  # fmt: skip
+        eng.add(p)
+    eng.run_until_idle()
+    got = eng.outputs["x"][0]
+    first_diff = next((i for i, (a, b) in enumerate(zip(got, alone, strict=True)) if a != b), None)
+    out["3_same_step"] = {"tokens": len(alone), "first_difference": first_diff}
     return out
 
 

@@ -6,8 +6,9 @@ slots, meta), filled from a pinned host mirror with a single host→device copy 
 FlashInfer wrappers whose page-table buffers are fixed at capture (`use_cuda_graph=True`); `plan`
 refreshes them before each replay. Decode padding entries (bucket larger than the batch) decode
 token 0 at position 0, write their key/value into the reserved page 0 and attend to it alone:
-harmless work whose logits are dropped. A step's prompt rows replay a prefill graph (padded the same
-way), or run eagerly when they fit no bucket; its decode rows then replay a decode graph.
+harmless work whose logits are dropped. A step's new requests each replay a prefill graph of their
+own lane (padded the same way), or run eagerly together when they fit no bucket; its decode rows then
+replay a decode graph.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from gpu_worker.prefill_graphs import (
     MAX_PREFILL_REQS,
     PrefillGraphs,
     fill_prefill,
+    lane_prefix,
     max_prefill_pages,
     prefill_buckets,
     prefill_spans,
@@ -35,6 +37,11 @@ from gpu_worker.runner import EagerRunner, StepBatch
 from programs.base import LMProgram
 
 log = logging.getLogger(__name__)
+
+# New requests one step may start, each in a prefill graph of its own (one lane of graphs each).
+# One at a time, a burst of arrivals queued a step apiece: measured on the H200 at 192 streams, a
+# prompt waited p50 36 / p99 158 ms to be admitted (bench/results/h200-tap-192-2026-11-29.json).
+PREFILL_LANES = 4
 
 
 def decode_buckets(max_batch: int, min_batch: int = 1) -> list[int]:
@@ -75,7 +82,7 @@ class GraphRunner:
     """Replays a prefill graph for a step's prompt rows (eager when none holds them) and a decode
     graph for its fed-back rows, from one input arena sent with one host→device copy."""
 
-    max_prefills_per_step = MAX_PREFILL_REQS  # the engine admits no more new requests per step
+    max_prefills_per_step = MAX_PREFILL_REQS * PREFILL_LANES  # the engine admits no more per step
 
     def __init__(
         self,
@@ -100,27 +107,35 @@ class GraphRunner:
         rows, reqs = buckets[-1]
         p_pages = max_prefill_pages(rows, reqs, limits.max_context, self.page_size)
         max_pages = bmax * pages_for(limits.max_context, self.page_size) + bmax
-        spans = {**decode_spans(bmax, c, max_pages), **prefill_spans(rows, reqs, c, p_pages)}
+        spans = decode_spans(bmax, c, max_pages)
+        for lane in range(PREFILL_LANES):
+            spans |= prefill_spans(rows, reqs, c, p_pages, lane)
         self.arena = InputArena(spans, dev)
         self.kv_indptr = torch.zeros(bmax + 1, dtype=torch.int32, device=dev)
         self.kv_indices = torch.zeros(max_pages, dtype=torch.int32, device=dev)
         self.kv_last = torch.zeros(bmax, dtype=torch.int32, device=dev)
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
-        # One memory pool for all graphs. Prefill graphs are captured first: a step replays its
-        # prefill graph, then its decode graph, and graphs sharing a pool must replay in capture
-        # order, so that no graph's scratch memory holds an output that is still to be read.
+        # One memory pool for all graphs. Prefill graphs are captured first, lane by lane: a step
+        # replays its prefill graphs in lane order, then its decode graph, and graphs sharing a pool
+        # must replay in capture order, so that no graph's scratch memory holds an output that is
+        # still to be read.
         self.pool = torch.cuda.graph_pool_handle()
-        self.prefill = PrefillGraphs(
-            program,
-            kv_cache,
-            self.arena,
-            self.workspace,
-            self.pool,
-            buckets,
-            p_pages,
-            self.no_split_kv,
-            progress,
-        )
+        self.prefills = [
+            PrefillGraphs(
+                program,
+                kv_cache,
+                self.arena,
+                self.workspace,
+                self.pool,
+                buckets,
+                p_pages,
+                self.no_split_kv,
+                progress,
+                lane,
+            )
+            for lane in range(PREFILL_LANES)
+        ]
+        self.prefill = self.prefills[0]
         # bucket → (graph, wrapper, (logits [bs, C', V], hidden [bs, H]))
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object, tuple[torch.Tensor, torch.Tensor]]] = {}
         t0 = time.monotonic()
@@ -189,7 +204,11 @@ class GraphRunner:
             return self.eager.forward(b)
         pre = b.part(0, n_pre) if n_pre else None
         dec = b.part(n_pre, b.batch_size) if n_dec else None
-        lay = self.prefill.layout(pre) if pre is not None else None
+        # Each new request in a graph of its own lane; all eagerly when one fits no graph.
+        pres = [b.part(i, i + 1) for i in range(n_pre)] if n_pre <= len(self.prefills) else []
+        lays = [lane.layout(p) for lane, p in zip(self.prefills, pres, strict=False)]
+        if pre is not None and (not lays or None in lays):
+            pres, lays = [], []
         # 1. One copy of the arena: decode rows, meta, and the prefill rows when a graph runs them.
         a = self.arena
         if dec is not None:
@@ -197,32 +216,36 @@ class GraphRunner:
             pad = bs - n_dec
             kv = page_arrays(dec.kv_lens + [1] * pad, dec.page_tables + [[0]] * pad, self.page_size)
         n_kv = len(kv[1]) if dec is not None else 0
-        upto = a.total if lay is not None else a.spans["d_kv"][0] + n_kv
+        if lays:  # through the last lane used (the lanes' spans follow the decode spans, in order)
+            upto = sum(a.spans[lane_prefix(len(lays) - 1) + "kv"])
+        else:
+            upto = a.spans["d_kv"][0] + n_kv
         a.begin(upto)
         if dec is not None:
             fill_decode(a, dec, self.page_size)
             a.host_view("d_kv", n_kv).copy_(torch.from_numpy(kv[1]))
         if b.meta is not None:
             a.host_view("meta", b.meta.size).copy_(torch.from_numpy(b.meta.reshape(-1)))
-        if lay is not None:
-            fill_prefill(a, pre, lay)
+        for lane, (p, lay) in enumerate(zip(pres, lays, strict=True)):
+            fill_prefill(a, p, lay, lane)
         a.send(upto)
         meta = None if b.meta is None else a.dev_view("meta", b.meta.size).view(3, -1)
         # 2. Plan both graphs' attention (their own buffers), then mark the copies done.
-        if lay is not None:
-            self.prefill.plan(lay)
+        for graphs, lay in zip(self.prefills, lays, strict=False):
+            graphs.plan(lay)
         if dec is not None:
             graph, wrapper, out = self.graphs[bs]
             self._plan(wrapper, kv[0], a.dev_view("d_kv", n_kv), kv[2])
         a.seal()
         # 3. Replay: prefill first (the capture order), then decode.
         parts, hiddens = [], []
-        if pre is not None:
-            if lay is not None:
-                logits, hidden = self.prefill.replay(lay)
-            else:
-                pre.meta = None  # already on the device, in the arena
-                logits, _, hidden = self.eager.forward(pre)
+        for graphs, lay in zip(self.prefills, lays, strict=False):
+            logits, hidden = graphs.replay(lay)
+            parts.append(logits)
+            hiddens.append(hidden)
+        if pre is not None and not lays:
+            pre.meta = None  # already on the device, in the arena
+            logits, _, hidden = self.eager.forward(pre)
             parts.append(logits)
             hiddens.append(hidden)
         if dec is not None:

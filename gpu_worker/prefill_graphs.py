@@ -38,8 +38,9 @@ log = logging.getLogger(__name__)
 # New requests one prefill graph takes. One: a request's prefill then depends on its own prompt only
 # (its bucket, GEMM row count and attention batch), so its tokens do not depend on which requests
 # arrived with it. Measured on the H200: prefilled together with another request in a (64, 4)
-# graph, a greedy request's tokens differed from alone from token 12 on (bf16 rounding). The
-# engine admits one new request per step when graphs are on (`max_prefills_per_step`).
+# graph, a greedy request's tokens differed from alone from token 12 on (bf16 rounding). Several
+# new requests in one step each take a graph of their own, from a *lane* of graphs with its own
+# arena spans and FlashInfer wrappers (`gpu_worker.graphs.PREFILL_LANES`).
 MAX_PREFILL_REQS = 1
 MIN_PREFILL_ROWS = 32
 REQS_PER_ROWS = 16  # a bucket of R rows takes up to R // 16 requests, so small buckets stay small
@@ -104,27 +105,35 @@ def prefill_layout(pre: StepBatch, rows: int, reqs: int, page_size: int) -> Pref
     return PrefillLayout(rows, reqs, qo, kv_indptr, kv_indices, kv_last, page, pos % page_size, last)
 
 
-def prefill_spans(rows: int, reqs: int, n_codebooks: int, max_pages: int) -> dict[str, int]:
-    """Arena spans the prefill graphs read (after the decode spans)."""
+def lane_prefix(lane: int) -> str:
+    """Arena span names of a lane of prefill graphs: p_ids, … for lane 0; p1_ids, … for lane 1."""
+    return "p_" if lane == 0 else f"p{lane}_"
+
+
+def prefill_spans(rows: int, reqs: int, n_codebooks: int, max_pages: int, lane: int = 0) -> dict[str, int]:
+    """Arena spans one lane of prefill graphs reads (after the decode spans)."""
+    p = lane_prefix(lane)
     return {
-        "p_last": reqs,
-        "p_ids": rows * n_codebooks,
-        "p_pos": rows,
-        "p_page": rows,
-        "p_off": rows,
-        "p_kv": max_pages,  # page indices: planned from the device, so `plan` never blocks
+        p + "last": reqs,
+        p + "ids": rows * n_codebooks,
+        p + "pos": rows,
+        p + "page": rows,
+        p + "off": rows,
+        p + "kv": max_pages,  # page indices: planned from the device, so `plan` never blocks
     }
 
 
-def fill_prefill(arena: InputArena, pre: StepBatch, lay: PrefillLayout) -> None:
+def fill_prefill(arena: InputArena, pre: StepBatch, lay: PrefillLayout, lane: int = 0) -> None:
     """Write the real rows into the (zeroed) host arena; padding rows stay zero."""
-    r = pre.qo_indptr[-1]
-    arena.host_view("p_ids", pre.ids.size).copy_(torch.from_numpy(np.ascontiguousarray(pre.ids).reshape(-1)))
-    arena.host_view("p_pos", r).copy_(torch.from_numpy(np.asarray(pre.pos, dtype=np.int64)))
-    arena.host_view("p_page", r).copy_(torch.from_numpy(lay.page))
-    arena.host_view("p_off", r).copy_(torch.from_numpy(lay.off))
-    arena.host_view("p_last", len(lay.last)).copy_(torch.from_numpy(lay.last))
-    arena.host_view("p_kv", len(lay.kv_indices)).copy_(torch.from_numpy(lay.kv_indices))
+    r, p = pre.qo_indptr[-1], lane_prefix(lane)
+    arena.host_view(p + "ids", pre.ids.size).copy_(
+        torch.from_numpy(np.ascontiguousarray(pre.ids).reshape(-1))
+    )
+    arena.host_view(p + "pos", r).copy_(torch.from_numpy(np.asarray(pre.pos, dtype=np.int64)))
+    arena.host_view(p + "page", r).copy_(torch.from_numpy(lay.page))
+    arena.host_view(p + "off", r).copy_(torch.from_numpy(lay.off))
+    arena.host_view(p + "last", len(lay.last)).copy_(torch.from_numpy(lay.last))
+    arena.host_view(p + "kv", len(lay.kv_indices)).copy_(torch.from_numpy(lay.kv_indices))
 
 
 def empty_prefill(n_codebooks: int) -> StepBatch:
@@ -145,18 +154,20 @@ class PrefillGraphs:
         max_pages: int,
         no_split_kv: bool,
         progress: Callable[[str], None] | None = None,
+        lane: int = 0,
     ) -> None:
-        self.program, self.kv_cache, self.arena = program, kv_cache, arena
+        self.program, self.kv_cache, self.arena, self.lane = program, kv_cache, arena, lane
+        self.prefix = lane_prefix(lane)
         self.page_size = kv_cache.shape[3]
         self.buckets, self.no_split_kv = buckets, no_split_kv
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object, torch.Tensor]] = {}
         t0 = time.monotonic()
         for i, (rows, reqs) in enumerate(sorted(buckets, reverse=True)):
             if progress:
-                progress(f"capturing prefill graphs: {rows} rows ({i + 1}/{len(buckets)})")
+                progress(f"capturing prefill graphs, lane {lane}: {rows} rows ({i + 1}/{len(buckets)})")
             self.graphs[rows] = self._capture(rows, reqs, workspace, pool, max_pages)
-        log.info("captured %d prefill graphs (rows, requests) %s in %.1f s", len(buckets), buckets,
-                 time.monotonic() - t0)  # fmt: skip
+        log.info("captured %d prefill graphs (rows, requests) %s for lane %d in %.1f s", len(buckets), buckets,
+                 lane, time.monotonic() - t0)  # fmt: skip
 
     @torch.inference_mode()
     def _capture(self, rows: int, reqs: int, workspace: torch.Tensor, pool, max_pages: int):
@@ -176,12 +187,15 @@ class PrefillGraphs:
         # The first plan fixes the wrapper's row total: every later plan has exactly `rows`.
         lay = prefill_layout(empty_prefill(c), rows, reqs, self.page_size)
         self._plan(wrapper, lay, torch.from_numpy(lay.kv_indices))
+        x = self.prefix
         ids, pos, last = (
-            a.dev_view("p_ids", rows * c).view(rows, c),
-            a.dev_view("p_pos", rows),
-            a.dev_view("p_last", reqs),
+            a.dev_view(x + "ids", rows * c).view(rows, c),
+            a.dev_view(x + "pos", rows),
+            a.dev_view(x + "last", reqs),
         )
-        attn = GraphAttention(self.kv_cache, wrapper, a.dev_view("p_page", rows), a.dev_view("p_off", rows))
+        attn = GraphAttention(
+            self.kv_cache, wrapper, a.dev_view(x + "page", rows), a.dev_view(x + "off", rows)
+        )
 
         def step() -> tuple[torch.Tensor, torch.Tensor]:
             hidden = p.backbone(p.embed(ids), pos, attn)[last]  # [reqs, H] each request's last row
@@ -206,7 +220,9 @@ class PrefillGraphs:
     def plan(self, lay: PrefillLayout) -> None:
         """After the arena's copy: the page indices come from the device arena (an on-device copy,
         where a host tensor would make FlashInfer's copy wait for the whole stream)."""
-        self._plan(self.graphs[lay.rows][1], lay, self.arena.dev_view("p_kv", len(lay.kv_indices)))
+        self._plan(
+            self.graphs[lay.rows][1], lay, self.arena.dev_view(self.prefix + "kv", len(lay.kv_indices))
+        )
 
     def replay(self, lay: PrefillLayout) -> tuple[torch.Tensor, torch.Tensor]:
         graph, _, out = self.graphs[lay.rows]
