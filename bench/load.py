@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from common.proc import use_uvloop
+
 HEADER = 44
 
 
@@ -189,6 +191,7 @@ def measure_level(base: str, sample_rate: int, **level) -> dict:
     """One load level (`run_level`'s keywords) → its summary, with the server's gauges sampled
     while it ran (`server_during`)."""
     sampler = GaugeSampler(base)
+    use_uvloop()  # the client's loop reads every stream's chunks: keep its own lag out of the timings
     results, wall = asyncio.run(run_level(base, **level))
     summary = summarize(results, wall, sample_rate, level.get("ramp", 0.0))
     return {**summary, "server_during": sampler.summary()}

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from common.config import RoleSettings, parse_role
 from common.ipc import install_tap, use_curve
-from common.proc import freeze_startup_objects
+from common.proc import freeze_startup_objects, use_uvloop
 
 log = logging.getLogger("gateway")
 
@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None, settings: RoleSettings | None = None) ->
             install_tap(settings.tap, settings.name)
         if cfg.zmq_curve_dir:
             use_curve(cfg.zmq_curve_dir)
+        log.info("event loop: %s", "uvloop" if use_uvloop() else "asyncio")
         from gateway.server import build_app  # after logging is set up: imports may log
 
         app = build_app(cfg)
