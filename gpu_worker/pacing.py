@@ -69,10 +69,7 @@ class StepClock:
         if self._recent == 0.0:
             self._recent = dt
         else:
-            # A step far off the average (one that started four new requests) counts as one off by
-            # the average at most: one such step must not turn every promise made after it into
-            # a three-frame wait.
-            self._spread += 0.2 * (min(abs(dt - self._recent), self._recent) - self._spread)
+            self._spread += 0.2 * (abs(dt - self._recent) - self._spread)
             self._recent += 0.2 * (dt - self._recent)
 
     def row_period(self) -> float:
