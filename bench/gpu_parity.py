@@ -207,7 +207,7 @@ def main() -> int:
     reference = run_forced(EagerRunner(ref, TorchPagedAttention(kv(ref), ref.num_qo_heads)), steps)
     res["graph_vs_eager_fused"] = compare(graph_logits, eager_fast)
     res["graph_vs_reference_bf16"] = compare(graph_logits, reference)
-    # Bitwise before prefill graphs; a padded prefill may reorder bf16 GEMM sums (see TOLERANCE).
+    # Bitwise before prefill graphs: a padded prefill rounds its bf16 GEMMs otherwise (TOLERANCE).
     ok &= res["graph_vs_eager_fused"]["max_abs"] < TOLERANCE
     ok &= res["graph_vs_reference_bf16"]["max_abs"] < 0.5
     if args.cpu:

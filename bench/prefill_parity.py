@@ -1,12 +1,13 @@
 """Prefill-graph checks for bench/gpu_parity.py (H200, dummy Orpheus-3B, bf16).
 
-For each prompt mix, one prefill step through `GraphRunner` (a captured prefill graph, or eager
-prefill when no bucket holds the mix) against the eager runner (FlashInfer prefill, not captured):
-logits, the KV pages written, and one decode step on top of them. A third runner runs the eager
-prefill with one extra request padding the rows to the graph's bucket: the graph does the same
-arithmetic on the same number of rows, so `graph_vs_eager_padded` isolates the graph mechanics
-(expected bitwise equal, apart from the output head seeing a different row count), while
-`eager_padded_vs_eager` shows what the row count alone does to bf16 GEMMs.
+For each prompt mix, one prefill step through `GraphRunner` (each new request in a prefill graph
+of its own lane, or all eagerly when there are more than the lanes) against the eager runner
+(FlashInfer prefill, not captured): logits, the KV pages written, and one decode step on top of
+them. For one request, a third runner runs the eager prefill with one extra request padding the
+rows to the graph's bucket: the graph does the same arithmetic on the same number of rows, so
+`graph_vs_eager_padded` isolates the graph mechanics (within SAME_ROWS_TOLERANCE: bitwise but for
+the output head seeing one row fewer), while `eager_padded_vs_eager` shows what the row count alone
+does to bf16 GEMMs.
 
 Then teacher-forced steps where requests join a batch that is decoding: every step mixes the
 prefill rows of the new requests with the decode rows of the others.
@@ -25,9 +26,13 @@ from gpu_worker.prefill_graphs import pick_bucket
 from gpu_worker.runner import EagerRunner, StepBatch
 
 MAX_CONTEXT = 1200
-# A few bf16 ulps of a logit of magnitude ~6 (ulp 1/32): reordered GEMM accumulation, not a bug;
-# unrelated arithmetic (fused vs unfused) differs by ~0.3.
-TOLERANCE = 0.1
+# The same arithmetic on the same rows (a graph against eager padded to its bucket): a bf16 ulp or
+# two of a logit of magnitude ~6 (ulp 1/32; the output head's row count differs by one).
+SAME_ROWS_TOLERANCE = 0.05
+# Against eager on another row count (a padded graph against the unpadded prompt): bf16 GEMMs of a
+# different M round differently and 28 layers carry it (measured on the H200: up to 0.24); the
+# bound is the one the serving path keeps against the unfused bf16 reference (gpu_parity.py).
+TOLERANCE = 0.5
 
 CASES = {
     "1x12": [12],
@@ -37,7 +42,7 @@ CASES = {
     "7+33": [7, 33],
     "4x40": [40] * 4,
     "16x40": [40] * 16,
-    "17x40 (eager: more requests than a graph takes)": [40] * 17,
+    "17x40": [40] * 17,
     "3+250+19": [3, 250, 19],
     "1x1000": [1000],
     "1x1180": [1180],
@@ -134,17 +139,21 @@ def prefill_checks(program, page: int) -> tuple[dict, bool]:
     eager = EagerRunner(program, FlashInferAttention(kv_e, program.num_qo_heads, program.dtype))
     eager_pad = EagerRunner(program, FlashInferAttention(kv_p, program.num_qo_heads, program.dtype))
     rng = np.random.default_rng(1)
-    res: dict = {"buckets": graph.prefill.buckets, "tolerance": TOLERANCE, "cases": {}}
+    lanes = len(graph.prefills)
+    res: dict = {"buckets": graph.prefill.buckets, "lanes": lanes, "tolerance": TOLERANCE,
+                 "same_rows_tolerance": SAME_ROWS_TOLERANCE, "cases": {}}  # fmt: skip
     ok = True
     for name, lengths in CASES.items():
         pre = prompt_step(lengths, tables, rng)
-        bucket = pick_bucket(graph.prefill.buckets, len(lengths), sum(lengths))
+        # Up to `lanes` new requests: each in a graph of its own lane; more: all eagerly.
+        buckets = [pick_bucket(graph.prefill.buckets, 1, n) for n in lengths] if len(lengths) <= lanes else []
         lg, le = graph.forward(pre)[0], eager.forward(pre)[0]
-        out = {"bucket": bucket, "graph_vs_eager": compare(lg, le)}
-        if bucket is not None:
-            lp = eager_pad.forward(padded_step(pre, bucket[0], tables[-1], rng))[0][: len(lengths)]
+        out = {"buckets": buckets or "eager", "graph_vs_eager": compare(lg, le)}
+        if len(buckets) == 1:
+            lp = eager_pad.forward(padded_step(pre, buckets[0][0], tables[-1], rng))[0][:1]
             out["graph_vs_eager_padded"] = compare(lg, lp)
             out["eager_padded_vs_eager"] = compare(lp, le)
+            ok &= out["graph_vs_eager_padded"]["max_abs"] < SAME_ROWS_TOLERANCE
         pages = [p for t, n in zip(tables, lengths, strict=False) for p in t[: pages_for(n, page)]]
         out["kv_pages_graph_vs_eager"] = compare(kv_g[:, pages], kv_e[:, pages])
         dec = decode_step(lengths, tables, rng)
@@ -155,7 +164,7 @@ def prefill_checks(program, page: int) -> tuple[dict, bool]:
         print(
             "prefill",
             name,
-            bucket,
+            buckets or "eager",
             {k: v["max_abs"] for k, v in out.items() if isinstance(v, dict)},
             flush=True,
         )
