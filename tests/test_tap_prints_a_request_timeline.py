@@ -19,6 +19,7 @@ import msgspec
 import pytest
 import zmq
 
+from bench.tap_stats import stats as tap_stats
 from common import ipc
 from common.messages import Prompt, SamplingParams, StageEvent, TapHeader, TapMsg
 from common.tap import Timeline, events_of, find_taps
@@ -119,6 +120,14 @@ def test_tap_with_a_rid_prints_that_requests_stages_in_order(served):
     assert [at[s] for s in CAUSAL] == sorted(at[s] for s in CAUSAL), stages
     assert at["finished"] <= at["codec_finished"] <= at["response_done"] == max(times)
     assert all(e["ms"] >= 0 for e in events) and {e["proc"] for e in events} >= {"gateway", "gpu_worker"}
+    # bench/tap_stats.py splits the first audio into its stages: they add up to the whole.
+    split = tap_stats(events)
+    assert split["requests_seen"] == split["first_audio_complete"] == 1
+    parts = {k: v["p50"] for k, v in split["first_audio_ms"].items()}
+    whole = parts.pop("total")
+    assert all(v >= 0 for v in parts.values()) and sum(parts.values()) == pytest.approx(whole, abs=0.05)
+    assert whole == pytest.approx(1000 * (at["first_byte_sent"] - at["received"]), abs=0.01)
+    assert split["codec_ms_per_chunk"]["n"] == 1  # the first chunk (no --all-chunks)
 
 
 def test_a_tap_mirrors_nothing_until_someone_subscribes_then_every_send(tmp_path):
