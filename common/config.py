@@ -71,7 +71,15 @@ class ServeConfig(msgspec.Struct, kw_only=True):
 
 
 def resolve_device(device: str) -> str:
-    """`auto` → cuda when torch sees a GPU, else cpu. Imports torch lazily (GPU-side callers only)."""
+    """`auto` → cuda when torch sees a GPU, else cpu; `cuda:N` also becomes this process's current
+    device, so the streams that CUDA graphs are captured on, and every allocation made without a
+    device, are on that GPU (capturing for cuda:1 from cuda:0's stream fails: seen on two H200s).
+    Imports torch lazily (GPU-side callers only)."""
+    if device.startswith("cuda:"):
+        import torch
+
+        torch.cuda.set_device(device)
+        return device
     if device != "auto":
         return device
     import torch
