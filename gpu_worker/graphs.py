@@ -40,7 +40,8 @@ log = logging.getLogger(__name__)
 
 # New requests one step may start, each in a prefill graph of its own (one lane of graphs each).
 # One at a time, a burst of arrivals queued a step apiece: measured on the H200 at 192 streams, a
-# prompt waited p50 36 / p99 158 ms to be admitted (bench/results/h200-tap-192-2026-11-29.json).
+# prompt waited p50 36 / p99 158 ms to be admitted, 15 / 39 ms with four lanes
+# (bench/results/h200-tap-2026-11-29-session5.json).
 PREFILL_LANES = 4
 
 
@@ -79,8 +80,9 @@ def fill_decode(arena: InputArena, dec: StepBatch, page_size: int) -> None:
 
 
 class GraphRunner:
-    """Replays a prefill graph for a step's prompt rows (eager when none holds them) and a decode
-    graph for its fed-back rows, from one input arena sent with one host→device copy."""
+    """Replays a prefill graph per new request of a step (each in its own lane; eager when they fit
+    no graph) and a decode graph for its fed-back rows, from one input arena sent with one
+    host→device copy."""
 
     max_prefills_per_step = MAX_PREFILL_REQS * PREFILL_LANES  # the engine admits no more per step
 
@@ -207,7 +209,7 @@ class GraphRunner:
         # Each new request in a graph of its own lane; all eagerly when one fits no graph.
         pres = [b.part(i, i + 1) for i in range(n_pre)] if n_pre <= len(self.prefills) else []
         lays = [lane.layout(p) for lane, p in zip(self.prefills, pres, strict=False)]
-        if pre is not None and (not lays or None in lays):
+        if pre is not None and (not lays or any(lay is None for lay in lays)):
             pres, lays = [], []
         # 1. One copy of the arena: decode rows, meta, and the prefill rows when a graph runs them.
         a = self.arena
@@ -230,7 +232,7 @@ class GraphRunner:
             fill_prefill(a, p, lay, lane)
         a.send(upto)
         meta = None if b.meta is None else a.dev_view("meta", b.meta.size).view(3, -1)
-        # 2. Plan both graphs' attention (their own buffers), then mark the copies done.
+        # 2. Plan every graph's attention (their own buffers), then mark the copies done.
         for graphs, lay in zip(self.prefills, lays, strict=False):
             graphs.plan(lay)
         if dec is not None:
