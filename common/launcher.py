@@ -104,7 +104,13 @@ class Supervisor:
 
     def start(self) -> None:
         if self.mps is not None:
-            self.mps.start()
+            try:
+                self.mps.start()
+            except RuntimeError as e:
+                if self.cfg.mps == "on":
+                    raise
+                log.warning("%s; serving without MPS (--mps auto)", e)
+                self.mps = None
         for child in self.children:
             self._spawn(child)
         taps = {child.name: self.tap_address(child) for child in self.children}

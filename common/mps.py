@@ -7,7 +7,7 @@ Under MPS both processes' kernels go through one server and run side by side.
 `--mps on` starts a private MPS control daemon (its pipe and log directories in the run directory),
 hands its pipe directory to the GPU processes, and stops it when the server stops. `--mps auto`
 does that when the control program (`nvidia-cuda-mps-control`, shipped with the NVIDIA driver) is on
-PATH, and serves without MPS otherwise. When `CUDA_MPS_PIPE_DIRECTORY` is already set, a daemon the
+PATH and the daemon starts, and serves without MPS otherwise. When `CUDA_MPS_PIPE_DIRECTORY` is already set, a daemon the
 user runs is behind it: it is used as it is and left running.
 """
 

@@ -96,3 +96,19 @@ def test_a_daemon_that_fails_to_start_stops_the_server_with_its_reason(
     with pytest.raises(RuntimeError, match="-d failed"):
         daemon.start()
     assert not daemon.started
+
+
+def test_auto_serves_without_mps_when_the_daemon_will_not_start(control_on_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("STAND_IN_EXIT", "1")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))  # start() writes its state file there
+    run_dir = str(tmp_path / "run")
+    os.makedirs(run_dir)
+    sup = Supervisor(ServeConfig(mps="auto", run_dir=run_dir))
+    sup.children = []  # the daemon's part of start(), not the processes'
+    sup.start()
+    assert sup.mps is None
+    sup.stop()
+    on = Supervisor(ServeConfig(mps="on", run_dir=run_dir))
+    on.children = []
+    with pytest.raises(RuntimeError, match="-d failed"):
+        on.start()
