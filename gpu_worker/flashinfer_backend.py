@@ -28,9 +28,9 @@ def _max(*args, **kw):
 
 def import_flashinfer() -> ModuleType:
     """flashinfer, with a faster `plan`. Its wrappers take `max(kv_lens)` with Python's max over a
-    host tensor, one 0-d tensor comparison per request: 1.2 ms of host time per step at batch 384
-    (bench/results/h200-profile-step-b384-2026-11-29.txt), on the step's critical path. Its decode
-    and prefill modules get a `max` that reduces such a tensor in one call."""
+    host tensor, one 0-d tensor comparison per request: ~2.5 ms of host time per step at batch 384
+    (the unbind/select/gt/item rows of bench/results/h200-profile-step-b384-2026-11-29.txt). Its
+    decode and prefill modules get a `max` that reduces such a tensor in one call."""
     import flashinfer
 
     for name in ("decode", "prefill"):  # submodules the package imports itself
