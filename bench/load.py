@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -25,6 +26,7 @@ import statistics
 import threading
 import time
 import urllib.request
+import uuid
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -55,6 +57,7 @@ class Result:
     ttfa: float = float("nan")  # seconds
     chunks: list[tuple[float, int]] = field(default_factory=list)  # (time since send, bytes so far)
     sent_at: float = float("nan")  # seconds into its load level when it was sent
+    rid: str = ""  # the X-Request-Id it was sent with (joins it to a `voxpipe tap` recording)
 
     def on_time(self, sample_rate: int, slack_s: float = 0.0) -> bool:
         """Every chunk came before the audio received ahead of it had played out (give or take
@@ -82,14 +85,18 @@ class Result:
         return (self.chunks[-1][1] / 2 / sample_rate) if self.chunks else 0.0
 
 
-async def one_request(session: aiohttp.ClientSession, url: str, body: dict, since: float = 0.0) -> Result:
-    """One streamed request; `since`: when its load level began (perf_counter), for `sent_at`."""
-    res = Result()
+async def one_request(
+    session: aiohttp.ClientSession, url: str, body: dict, since: float = 0.0, rid: str = ""
+) -> Result:
+    """One streamed request; `since`: when its load level began (perf_counter), for `sent_at`;
+    `rid`: sent as X-Request-Id when given."""
+    res = Result(rid=rid)
     t0 = time.perf_counter()
     res.sent_at = t0 - since
     got = 0
+    headers = {"X-Request-Id": rid} if rid else None
     try:
-        async with session.post(url, json=body) as r:
+        async with session.post(url, json=body, headers=headers) as r:
             if r.status != 200:
                 res.error = f"HTTP {r.status}: {(await r.text())[:200]}"
                 return res
@@ -187,12 +194,14 @@ class GaugeSampler:
         return out
 
 
-def measure_level(base: str, sample_rate: int, **level) -> dict:
+def measure_level(base: str, sample_rate: int, ttfa_by_rid: dict | None = None, **level) -> dict:
     """One load level (`run_level`'s keywords) → its summary, with the server's gauges sampled
-    while it ran (`server_during`)."""
+    while it ran (`server_during`); each request's TTFA in ms goes into `ttfa_by_rid` if given."""
     sampler = GaugeSampler(base)
     use_uvloop()  # the client's loop reads every stream's chunks: keep its own lag out of the timings
     results, wall = asyncio.run(run_level(base, **level))
+    if ttfa_by_rid is not None:
+        ttfa_by_rid.update({r.rid: 1000 * r.ttfa for r in results if r.ok and r.chunks})
     summary = summarize(results, wall, sample_rate, level.get("ramp", 0.0))
     return {**summary, "server_during": sampler.summary()}
 
@@ -253,6 +262,8 @@ async def run_level(
             "min_tokens": tokens,
         }
 
+    level_id = uuid.uuid4().hex[:8]
+    rids = (f"load-{level_id}-{n}" for n in itertools.count())
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=auth_headers()) as s:
         t0 = time.perf_counter()
@@ -262,13 +273,13 @@ async def run_level(
             async def client(i: int) -> None:
                 await asyncio.sleep(ramp * i / concurrency)
                 while time.perf_counter() < deadline:
-                    results.append(await one_request(s, url, body(), t0))
+                    results.append(await one_request(s, url, body(), t0, next(rids)))
 
             await asyncio.gather(*(client(i) for i in range(concurrency)))
         else:
             tasks = []
             while time.perf_counter() < deadline:
-                tasks.append(asyncio.create_task(one_request(s, url, body(), t0)))
+                tasks.append(asyncio.create_task(one_request(s, url, body(), t0, next(rids))))
                 await asyncio.sleep(rng.expovariate(rate))
             results.extend(await asyncio.gather(*tasks))
         return results, time.perf_counter() - t0

@@ -6,7 +6,8 @@
 For requests whose arrival the tap saw, the first audio split by stage (gateway → prompt built →
 admitted → first token → first chunk ready → decoded → first byte sent), as p50/p90/p99 ms; for
 every chunk, the codec's part (ready at the gpu_worker → decoded at the codec_worker); and the gaps
-between a request's consecutive chunks leaving the gpu_worker, against the audio each one carries.
+between a request's consecutive chunks leaving the gpu_worker; given the client's own TTFA per request
+id (bench/ttfa_http.py --tap-level), what the client saw beyond the server's part.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ def read(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def stats(events: list[dict]) -> dict:
+def stats(events: list[dict], client_ttfa: dict[str, float] | None = None) -> dict:
+    """The summary; with `client_ttfa` (ms by request id, as the HTTP client timed them), also what
+    the client saw beyond the server's arrival → first byte sent (`client_minus_server_ms`)."""
     by_rid: dict[str, dict[str, float]] = defaultdict(dict)
     ready: dict[tuple[str, int], float] = {}
     decoded: dict[tuple[str, int], float] = {}
@@ -55,6 +58,11 @@ def stats(events: list[dict]) -> dict:
         f"{a}->{b}": _pct([s[b] - s[a] for s in whole]) for a, b in zip(FIRST, FIRST[1:], strict=False)
     }
     out["first_audio_ms"]["total"] = _pct([s[FIRST[-1]] - s[FIRST[0]] for s in whole])
+    if client_ttfa:
+        joined = {rid: s for rid, s in by_rid.items() if rid in client_ttfa and all(k in s for k in FIRST)}
+        out["client_minus_server_ms"] = _pct(
+            [client_ttfa[rid] - (s[FIRST[-1]] - s[FIRST[0]]) for rid, s in joined.items()]
+        )
     out["codec_ms_per_chunk"] = _pct([decoded[k] - ready[k] for k in ready if k in decoded])
     gaps: dict[int, list[float]] = defaultdict(list)  # chunk index -> ms since the previous chunk left
     for (rid, i), t in ready.items():

@@ -61,12 +61,13 @@ def load_curve(base: str, args) -> None:
     for i, level in enumerate(int(c) for c in args.load.split(",")):
         point = {"concurrency": level}
         tap = start_tap(args, delay_s=args.ramp + 2) if level == args.tap_level else None
-        point |= measure_level(base, 24000, concurrency=level, duration=args.load_duration,
+        client_ttfa: dict[str, float] = {}
+        point |= measure_level(base, 24000, client_ttfa, concurrency=level, duration=args.load_duration,
                                tokens=args.load_tokens, prompt_allowance=100, seed=i, ramp=args.ramp)  # fmt: skip
         point["server_after"] = server_gauges(base)
         if tap is not None:
             tap.join()
-            point["tap"] = tap_summary(args.tap_out)
+            point["tap"] = tap_summary(args.tap_out, client_ttfa)
         curve.append(point)
         print(json.dumps(point), flush=True)
         out = {
@@ -105,10 +106,10 @@ def start_tap(args, delay_s: float) -> threading.Thread:
     return t
 
 
-def tap_summary(path: str) -> dict:
+def tap_summary(path: str, client_ttfa: dict[str, float]) -> dict:
     from bench.tap_stats import read, stats
 
-    return stats(read(path))
+    return stats(read(path), client_ttfa)
 
 
 def main() -> int:

@@ -128,6 +128,9 @@ def test_tap_with_a_rid_prints_that_requests_stages_in_order(served):
     assert all(v >= 0 for v in parts.values()) and sum(parts.values()) == pytest.approx(whole, abs=0.05)
     assert whole == pytest.approx(1000 * (at["first_byte_sent"] - at["received"]), abs=0.01)
     assert split["codec_ms_per_chunk"]["n"] == 1  # the first chunk (no --all-chunks)
+    # Joined to the client's own timing of the same request id: what the client saw beyond it.
+    joined = tap_stats(events, {rid: whole + 7.5, "another": 1.0})["client_minus_server_ms"]
+    assert joined["n"] == 1 and joined["p50"] == pytest.approx(7.5, abs=0.01)
 
 
 def test_a_tap_mirrors_nothing_until_someone_subscribes_then_every_send(tmp_path):
