@@ -28,7 +28,9 @@ elif [ -f .devcache/fi_cache.tgz ]; then
     tar xzf .devcache/fi_cache.tgz -C ~/.cache
 fi
 
-touch /tmp/fi_restored
+# The compiled kernels there now: only new ones make the cache worth returning (logs and lock files
+# change on every run, so a plain "anything newer" returned it every time).
+find ~/.cache/flashinfer -name '*.so' 2>/dev/null | sort >/tmp/fi_restored
 serve_flags="--max-batch-size 512 --lm-head audio --codec-dtype float16"
 run() {  # run NAME CMD...: timed, logged, never stops the other stages
     local name=$1
@@ -78,7 +80,7 @@ for stage in "$@"; do
     esac
 done
 # Only a cache that grew goes back: the device returns 8 files at most, and results come first.
-if [ -n "$(find ~/.cache/flashinfer -type f -newer /tmp/fi_restored 2>/dev/null | head -n 1)" ]; then
+if ! find ~/.cache/flashinfer -name '*.so' 2>/dev/null | sort | cmp -s - /tmp/fi_restored; then
     tar cz -C ~/.cache flashinfer | split -b 15M - "$OUT/fi_cache.tgz."
     ls -la "$OUT"/fi_cache.tgz.*
 else
