@@ -62,7 +62,7 @@ for stage in "$@"; do
         # shellcheck disable=SC2086
         run "$stage" python -m bench.ttfa_http --reps 15 --tokens 200 --load "${VOXPIPE_LOAD:-128,192,256,320,384}" \
             --load-duration 20 --ramp 8 --label "NVIDIA H200" --load-out "$OUT/$stage.json" \
-            --out "$OUT/$stage-ttfa.json" ${VOXPIPE_TAP_LEVEL:+--tap-level $VOXPIPE_TAP_LEVEL --tap-out $OUT/tap.jsonl.gz} \
+            --out "$OUT/$stage-ttfa.json" ${VOXPIPE_TAP_LEVEL:+--tap-level $VOXPIPE_TAP_LEVEL --tap-out $OUT/$stage-tap.jsonl.gz} \
             -- $serve_flags --first-chunk $first $extra ${VOXPIPE_SERVE_EXTRA:-}
         ;;
     csm) run csm python bench/csm_gpu_parity.py --out "$OUT/csm.json" ;;

@@ -32,6 +32,8 @@ log = logging.getLogger("voxpipe.serve")
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_RESTARTS = 5  # within RESTART_WINDOW_S, per child
+# Run under the MPS daemon before the GPU processes: a CUDA client that works there means they will.
+MPS_PROBE = [sys.executable, "-c", "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()"]
 RESTART_WINDOW_S = 60.0
 
 
@@ -58,6 +60,7 @@ class Supervisor:
         self._stopping = False
         self.state_file = ""
         self.mps = mps_for(cfg.mps, self.run_dir)
+        self.mps_probe = MPS_PROBE
 
     @staticmethod
     def _pairs(cfg: ServeConfig) -> list[Child]:
@@ -106,7 +109,9 @@ class Supervisor:
         if self.mps is not None:
             try:
                 self.mps.start()
+                self.mps.check(self.mps_probe)
             except RuntimeError as e:
+                self.mps.stop()
                 if self.cfg.mps == "on":
                     raise
                 log.warning("%s; serving without MPS (--mps auto)", e)
@@ -187,6 +192,7 @@ class Supervisor:
                     child.popen.wait(max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     child.popen.kill()
+                    child.popen.wait(5)
         if self.state_file:
             remove_state(self.state_file)
         if self.mps is not None:
@@ -204,17 +210,16 @@ def serve(cfg: ServeConfig) -> int:
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    try:
-        sup.start()
-        sup.wait_ready()
-    except (RuntimeError, TimeoutError) as e:
-        log.error("%s", e)
+    try:  # whatever happens, the children and the MPS daemon go with the server
+        try:
+            sup.start()
+            sup.wait_ready()
+        except (RuntimeError, TimeoutError) as e:
+            log.error("%s", e)
+            return 1
+        if sup._stopping:
+            return 0
+        log.info("voxpipe is ready: %s/generate (model %s)", sup.url, cfg.model)
+        return sup.supervise()
+    finally:
         sup.stop()
-        return 1
-    if sup._stopping:
-        sup.stop()
-        return 0
-    log.info("voxpipe is ready: %s/generate (model %s)", sup.url, cfg.model)
-    code = sup.supervise()
-    sup.stop()
-    return code

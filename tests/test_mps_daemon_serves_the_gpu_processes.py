@@ -16,7 +16,7 @@ import pytest
 
 from common.config import ServeConfig
 from common.launcher import Supervisor
-from common.mps import CONTROL, mps_for
+from common.mps import CONTROL, MpsDaemon, mps_for
 
 STAND_IN = f"""#!{sys.executable}
 import json, os, sys
@@ -86,6 +86,9 @@ def test_without_the_control_program_on_fails_clearly_and_auto_goes_without(tmp_
         mps_for("on", str(tmp_path)).start()
     with pytest.raises(ValueError, match="--mps"):
         mps_for("always", str(tmp_path))
+    # The daemon changes directory: a relative --run-dir still gives it absolute paths.
+    rel = MpsDaemon("run", {"PATH": str(tmp_path)})
+    assert os.path.isabs(rel.pipe_dir) and os.path.isabs(rel.env["CUDA_MPS_LOG_DIRECTORY"])
 
 
 def test_a_daemon_that_fails_to_start_stops_the_server_with_its_reason(
@@ -98,17 +101,45 @@ def test_a_daemon_that_fails_to_start_stops_the_server_with_its_reason(
     assert not daemon.started
 
 
+def _daemon_only(mode: str, run_dir: str, probe: str) -> Supervisor:
+    """A Supervisor whose start() runs the daemon's part only (no processes), with a CUDA probe
+    that runs `probe` as Python (the real one needs a GPU)."""
+    sup = Supervisor(ServeConfig(mps=mode, run_dir=run_dir))
+    sup.children = []
+    sup.mps_probe = [sys.executable, "-c", probe]
+    return sup
+
+
 def test_auto_serves_without_mps_when_the_daemon_will_not_start(control_on_path, tmp_path, monkeypatch):
     monkeypatch.setenv("STAND_IN_EXIT", "1")
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))  # start() writes its state file there
     run_dir = str(tmp_path / "run")
     os.makedirs(run_dir)
-    sup = Supervisor(ServeConfig(mps="auto", run_dir=run_dir))
-    sup.children = []  # the daemon's part of start(), not the processes'
+    sup = _daemon_only("auto", run_dir, "pass")
     sup.start()
     assert sup.mps is None
     sup.stop()
-    on = Supervisor(ServeConfig(mps="on", run_dir=run_dir))
-    on.children = []
     with pytest.raises(RuntimeError, match="-d failed"):
-        on.start()
+        _daemon_only("on", run_dir, "pass").start()
+
+
+def test_a_daemon_whose_clients_cannot_run_is_quit(control_on_path, tmp_path, monkeypatch):
+    # The daemon starts, but a CUDA client cannot work under it (compute mode, a container...):
+    # auto quits it and serves without MPS, on stops with the client's complaint.
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    run_dir = str(tmp_path / "run")
+    os.makedirs(run_dir)
+    pipe = os.path.join(run_dir, "mps-pipe")
+    sup = _daemon_only("auto", run_dir, "raise SystemExit('all CUDA-capable devices are busy')")
+    sup.start()
+    assert sup.mps is None
+    assert [c["args"] or c["stdin"] for c in _calls(pipe)] == [["-d"], "quit\n"]
+    sup.stop()
+    with pytest.raises(RuntimeError, match="devices are busy"):
+        _daemon_only("on", run_dir, "raise SystemExit('all CUDA-capable devices are busy')").start()
+    assert [c["args"] or c["stdin"] for c in _calls(pipe)][2:] == [["-d"], "quit\n"]
+    ok = _daemon_only("on", run_dir, "pass")
+    ok.start()
+    assert ok.mps is not None and ok.mps.started
+    ok.stop()
+    assert _calls(pipe)[-1]["stdin"] == "quit\n"
