@@ -147,6 +147,8 @@ def prefill_checks(program, page: int) -> tuple[dict, bool]:
         pre = prompt_step(lengths, tables, rng)
         # Up to `lanes` new requests: each in a graph of its own lane; more: all eagerly.
         buckets = [pick_bucket(graph.prefill.buckets, 1, n) for n in lengths] if len(lengths) <= lanes else []
+        if None in buckets:  # a prompt no graph holds: the runner takes them all eagerly
+            buckets = []
         lg, le = graph.forward(pre)[0], eager.forward(pre)[0]
         out = {"buckets": buckets or "eager", "graph_vs_eager": compare(lg, le)}
         if len(buckets) == 1:
