@@ -25,7 +25,6 @@ from gpu_worker.flashinfer_backend import WORKSPACE_BYTES, FlashInferAttention, 
 from gpu_worker.graph_io import GraphAttention, InputArena
 from gpu_worker.kv_cache import pages_for
 from gpu_worker.prefill_graphs import (
-    MAX_PREFILL_REQS,
     PrefillGraphs,
     fill_prefill,
     lane_prefix,
@@ -84,7 +83,7 @@ class GraphRunner:
     no graph) and a decode graph for its fed-back rows, from one input arena sent with one
     host→device copy."""
 
-    max_prefills_per_step = MAX_PREFILL_REQS * PREFILL_LANES  # the engine admits no more per step
+    max_prefills_per_step = PREFILL_LANES  # one new request per lane; the engine admits no more
 
     def __init__(
         self,
