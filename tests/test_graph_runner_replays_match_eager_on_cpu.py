@@ -121,7 +121,7 @@ def program():
 
 
 def test_graph_runner_matches_eager_for_prefill_decode_and_mixed_steps(program, graph_runner_cls):
-    n_seq, per = 11, pages_for(MAX_CONTEXT + 1, PAGE)
+    n_seq, per = 15, pages_for(MAX_CONTEXT + 1, PAGE)
     shape = (program.num_layers, 1 + n_seq * per, PAGE, program.num_kv_heads, program.head_dim)
     kv_g = allocate_kv_cache(*shape, torch.float32, "cpu")
     kv_e = allocate_kv_cache(*shape, torch.float32, "cpu")
@@ -133,12 +133,13 @@ def test_graph_runner_matches_eager_for_prefill_decode_and_mixed_steps(program, 
     tables = [list(range(1 + i * per, 1 + (i + 1) * per))[::-1] for i in range(n_seq)]
     # Sequence i: prompt length, step it joins at. Step 0 prefills 28 and 40 rows (two lanes:
     # buckets 32 and 64); step 2 mixes 2 prefills with 2 decodes; step 4 brings 300 and 250 rows
-    # (buckets 512 and 256); step 6 brings 5 requests, more than the lanes: all eagerly.
-    lens = [28, 40, 7, 33, 300, 250, 20, 12, 9, 15, 30]
-    joins = [0, 0, 2, 2, 4, 4, 6, 6, 6, 6, 6]
-    seqs = [rng.integers(0, 1000, size=n + 8) for n in lens]
+    # (buckets 512 and 256); step 6 brings 4, one in every lane; step 7 brings 5 requests, more
+    # than the lanes: all eagerly.
+    lens = [28, 40, 7, 33, 300, 250, 20, 12, 9, 15, 30, 11, 13, 17, 19]
+    joins = [0, 0, 2, 2, 4, 4, 6, 6, 6, 6, 7, 7, 7, 7, 7]
+    seqs = [rng.integers(0, 1000, size=n + 10) for n in lens]
     last_rows = torch.zeros(n_seq, 1, dtype=torch.int64)  # the device table of fed-back rows
-    for t in range(9):
+    for t in range(10):
         pre = [i for i in range(n_seq) if joins[i] == t]
         dec = [i for i in range(n_seq) if joins[i] < t]
         ids, pos, rows, kv_lens = [], [], [], []
