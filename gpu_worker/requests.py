@@ -58,6 +58,5 @@ class Request:
     first_window: int = 0  # regular windows below this are covered by the lead or tail windows sent
     switched: bool = False  # progressive mode: tail windows are over, regular ones from now on
     t_first: float = 0.0  # monotonic time its first chunk left (its listener's playback starts)
-    first_row: int = 0  # progressive mode: audio rows there were when the first chunk left
     sent_s: float = 0.0  # seconds of audio in the chunks sent so far
     admitted_at: float = 0.0

@@ -2,18 +2,19 @@
 "Lead windows", "Stream edges").
 
 Regular window j holds audio rows [j*s, j*s + detok_interval) (s = detok_interval - detok_overlap;
-less any preseed pad rows: programs/base.py, "Stream edges") and goes out when its last row exists. Before it, a request may send one *lead window* of R rows
-(a `detok_lead` size) when the engine's measured step rate says the next regular window will arrive
-before the lead has played out; the regular windows whose audio the lead covers are then skipped.
-After its last row, a program with `detok_flush` sends the rows past the last window in one more
-window, padded past the end.
+less any preseed pad rows: programs/base.py, "Stream edges") and goes out when its last row
+exists. Before it, a request may send one *lead window* of R rows (a `detok_lead` size) when the
+engine's step rate (its pessimistic estimate, `StepClock.row_period_high`) says the next regular
+window will arrive before the lead has played out; the regular windows whose audio the lead covers
+are then skipped. After its last row, a program with `detok_flush` sends the rows past the last
+window in one more window, padded past the end.
 
 Progressive mode (`--first-chunk progressive`, programs with `detok_tail`): the first chunk goes
-out after one frame when, at the measured step rate, the next frame will reach the listener before
-that one has played out (`DELIVERY_S` allowed for the trip), else after as many frames as that
-takes (a lead window, up to the largest `detok_lead`). Each new frame then goes out at once as a
-tail window (the frame decoded after up to detok_interval - s rows of context, nothing after it),
-until the audio already sent covers the wait for the next regular window; from then on, regular
+out after one frame when, at that step rate, the next frame will reach the listener before that
+one has played out (`DELIVERY_S` allowed for the trip), else after as many frames as that takes (a
+lead window, up to the largest `detok_lead`). Each new frame then goes out at once as a tail window
+(the frame decoded after up to detok_interval - s rows of context, nothing after it), until the
+audio sent and not yet played covers the wait for the next regular window; from then on, regular
 windows only. So the first audio comes after one frame at light load, and only the frames sent
 before the switch differ from the reference.
 """
@@ -117,8 +118,6 @@ class AudioWindows:
         chunk = DetokChunk(
             req.rid, req.n_chunks, req.sp.seed, req.audio[lo:n].tobytes(), noise, tail_rows=rows
         )
-        if req.n_chunks == 0:
-            req.first_row = n
         self._sent(req, chunk, rows)
         # The audio sent and not yet played (by the clock: the listener started no earlier than
         # the first chunk left) must outlast the wait for the next regular window.
