@@ -69,11 +69,13 @@ def undo(program, undo_plan_max: bool = False, unpad_head: bool = False) -> None
 
 def fill_batch(eng: Engine, bs: int, ctx: int, tag: str = "") -> float:
     """Start `bs` constrained sampled requests that all stand near context `ctx` once admitted, and
-    step until they are; → their mean context. The engine admits one new request per step (graphs
-    on), so request i gets a prompt bs - i rows shorter than ctx, and a budget that outlasts it."""
+    step until they are; → their mean context. The engine admits k new requests per step (the
+    runner's `max_prefills_per_step`, 4 with graphs), so request i, admitted at step i // k, gets a
+    prompt as many rows shorter than ctx as the steps left after it, and a budget that outlasts it."""
     top = eng.limits.max_context
+    k = eng.runner.max_prefills_per_step or bs  # 0: no limit, all in the first step
     for i in range(bs):
-        n = max(8, ctx - (bs - i))
+        n = max(8, ctx - ((bs - 1) // k - i // k))
         rows = np.full(n, 128300, dtype="<i4")
         rows[0] = 128259
         sp = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3, seed=i, constrained=True)
