@@ -56,6 +56,7 @@ async def measure(base: str, reps: int, tokens: int) -> list[tuple[float, float,
 
 def load_curve(base: str, args) -> None:
     from bench.load import measure_level, meets_target, plot, server_gauges
+    from bench.tap_stats import read, stats
 
     curve = []
     for i, level in enumerate(int(c) for c in args.load.split(",")):
@@ -67,7 +68,7 @@ def load_curve(base: str, args) -> None:
         point["server_after"] = server_gauges(base)
         if tap is not None:
             tap.join()
-            point["tap"] = tap_summary(args.tap_out, client_ttfa)
+            point["tap"] = stats(read(args.tap_out), client_ttfa)
         curve.append(point)
         print(json.dumps(point), flush=True)
         out = {
@@ -104,12 +105,6 @@ def start_tap(args, delay_s: float) -> threading.Thread:
     t = threading.Thread(target=go, daemon=True)
     t.start()
     return t
-
-
-def tap_summary(path: str, client_ttfa: dict[str, float]) -> dict:
-    from bench.tap_stats import read, stats
-
-    return stats(read(path), client_ttfa)
 
 
 def main() -> int:

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 from common.messages import DetokBatch, DetokChunk, Finished
 
-MARGIN_S = 0.020  # transport to the gateway and the client, and jitter (10 ms left chunks a few ms late under load on the H200)
+# Transport to the gateway and the client, and jitter (10 ms left chunks a few ms late under load
+# on the H200).
+MARGIN_S = 0.020
 
 
 class Gather:

@@ -99,9 +99,9 @@ class Codec:
             if kind not in self.limits:
                 raise ValueError(
                     f"chunk {c.index} of {c.rid} has {kind[0]} rows (tail {kind[1]}); {p.name} windows have "
-                    f"{p.detok_interval} (lead or start windows: {list(p.detok_lead or p.start_window_rows)}; "
-                    f"tail windows: "
-                    f"{sorted(t for t in self.limits if t[1])})"
+                    f"{p.detok_interval} (lead or start windows: "
+                    f"{list(p.detok_lead or p.start_window_rows)}; "
+                    f"tail windows: {sorted(t for t in self.limits if t[1])})"
                 )
             groups.setdefault(kind, []).append(i)
         parts = []

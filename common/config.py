@@ -307,7 +307,7 @@ OPTIONS: tuple[Option, ...] = (
         "mps",
         "CUDA MPS for the gpu_worker and codec_worker: on (start a private MPS daemon; its kernels "
         "and the LM's then run side by side instead of taking turns), auto (on when "
-        "nvidia-cuda-mps-control is installed) or off",
+        "nvidia-cuda-mps-control is installed and a CUDA client works under its daemon) or off",
         ("serve",),
         choices=("off", "on", "auto"),
     ),

@@ -32,9 +32,9 @@ log = logging.getLogger("voxpipe.serve")
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_RESTARTS = 5  # within RESTART_WINDOW_S, per child
+RESTART_WINDOW_S = 60.0
 # Run under the MPS daemon before the GPU processes: a CUDA client that works there means they will.
 MPS_PROBE = [sys.executable, "-c", "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()"]
-RESTART_WINDOW_S = 60.0
 
 
 @dataclass
