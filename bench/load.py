@@ -132,7 +132,7 @@ def server_gauges(base: str) -> dict[str, float]:
     keep = (
         "stream_capacity", "row_period_ms", "decode_batch_size", "kv_pages_used", "step_host_ms",
         "step_wait_ms", "active_streams", "queue_depth", "codec_calls_total", "codec_windows_total",
-        "codec_busy_seconds_total",
+        "codec_busy_seconds_total", "admission_queue_length",
     )  # fmt: skip
     out: dict[str, float] = {}
     seen: dict[str, int] = {}
@@ -140,7 +140,7 @@ def server_gauges(base: str) -> dict[str, float]:
     with urllib.request.urlopen(req, timeout=5) as r:
         for line in r.read().decode().splitlines():
             for k in keep:
-                if line.startswith(f"voxpipe_{k}{{"):
+                if line.startswith((f"voxpipe_{k}{{", f"voxpipe_{k} ")):
                     out[k] = out.get(k, 0.0) + float(line.rsplit(" ", 1)[1])
                     seen[k] = seen.get(k, 0) + 1
     for k in _AVERAGED:
@@ -154,7 +154,7 @@ class GaugeSampler:
     level show a draining server); `summary()` gives each gauge's median over the busy samples, and
     each counter's rate over the level (summed over workers), with the codec's windows per call."""
 
-    def __init__(self, base: str, every: float = 2.0) -> None:
+    def __init__(self, base: str, every: float = 1.0) -> None:
         self.base, self.every, self.samples = base, every, []
         self.failures: list[str] = []
         self._stop = threading.Event()
@@ -176,6 +176,10 @@ class GaugeSampler:
         out: dict = {k: round(statistics.median(s[k] for s in busy if k in s), 3) for k in keys}
         if busy:
             out["max_decode_batch_size"] = max(s.get("decode_batch_size", 0) for s in busy)
+            # Admission holds requests at the gateway while the measured capacity is below the
+            # streams active: how low it went, and how many waited.
+            out["min_stream_capacity"] = min(s.get("stream_capacity", 0) for s in busy)
+            out["max_admission_queue_length"] = max(s.get("admission_queue_length", 0) for s in busy)
         out["samples"] = len(busy)
         if self.failures:
             out["sample_failures"] = len(self.failures)

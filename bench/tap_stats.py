@@ -40,7 +40,8 @@ def read(path: str) -> list[dict]:
 
 def stats(events: list[dict], client_ttfa: dict[str, float] | None = None) -> dict:
     """The summary; with `client_ttfa` (ms by request id, as the HTTP client timed them), also what
-    the client saw beyond the server's arrival → first byte sent (`client_minus_server_ms`)."""
+    the client saw beyond the server's arrival (the HTTP request's, where the recording has it) → first
+    byte sent (`client_minus_server_ms`)."""
     by_rid: dict[str, dict[str, float]] = defaultdict(dict)
     ready: dict[tuple[str, int], float] = {}
     decoded: dict[tuple[str, int], float] = {}
@@ -58,11 +59,20 @@ def stats(events: list[dict], client_ttfa: dict[str, float] | None = None) -> di
         f"{a}->{b}": _pct([s[b] - s[a] for s in whole]) for a, b in zip(FIRST, FIRST[1:], strict=False)
     }
     out["first_audio_ms"]["total"] = _pct([s[FIRST[-1]] - s[FIRST[0]] for s in whole])
-    if client_ttfa:
-        joined = {rid: s for rid, s in by_rid.items() if rid in client_ttfa and all(k in s for k in FIRST)}
-        out["client_minus_server_ms"] = _pct(
-            [client_ttfa[rid] - (s[FIRST[-1]] - s[FIRST[0]]) for rid, s in joined.items()]
+    # Recordings that have it: the HTTP arrival, before reading the body and the admission wait.
+    http = [s for s in whole if "http_received" in s]
+    if http:
+        out["first_audio_ms"]["http_received->received"] = _pct(
+            [s["received"] - s["http_received"] for s in http]
         )
+        out["first_audio_ms"]["total_from_http"] = _pct([s[FIRST[-1]] - s["http_received"] for s in http])
+    if client_ttfa:
+        # A text spoken in several segments has its first one's stages under "<request id>.0".
+        server = {rid.removesuffix(".0"): s for rid, s in by_rid.items() if all(k in s for k in FIRST)}
+        out["client_minus_server_ms"] = _pct(
+            [client_ttfa[rid] - (s[FIRST[-1]] - s.get("http_received", s[FIRST[0]]))
+             for rid, s in server.items() if rid in client_ttfa]
+        )  # fmt: skip
     out["codec_ms_per_chunk"] = _pct([decoded[k] - ready[k] for k in ready if k in decoded])
     gaps: dict[int, list[float]] = defaultdict(list)  # chunk index -> ms since the previous chunk left
     for (rid, i), t in ready.items():

@@ -6,7 +6,7 @@ each message with the real structs (`TapMsg`) and turns it into timeline events,
 per line: `{"time", "ms", "rid", "stage", "proc", ...detail}`, `ms` counting from the request's
 arrival at the gateway. The stages of one request, in order:
 
-    received, dispatched (gateway) · prompt_built (tokenizer) · admitted, first_token (gpu_worker)
+    http_received (gateway, once admitted), received, dispatched (gateway) · prompt_built (tokenizer) · admitted, first_token (gpu_worker)
     · first_chunk_ready (gpu_worker) · first_chunk_decoded (codec) · first_byte_sent (gateway)
     · finished (gpu_worker) · codec_finished (codec) · response_done (gateway)
 
@@ -181,6 +181,9 @@ def _finished(ev: Any, f: Any, stage: str) -> Event:
     )
 
 
+_ARRIVALS = ("http_received", "received")
+
+
 class Timeline:
     """Filters events, adds `ms` since arrival, and prints them in time order after a short hold
     (events of one request come from several processes over several sockets)."""
@@ -207,8 +210,9 @@ class Timeline:
     def add(self, events: list[Event]) -> None:
         now = time.monotonic()
         for e in events:
-            arrival = e.pop("arrival", 0.0) or (e["time"] if e["stage"] == "received" else 0.0)
-            if arrival:
+            arrival = e.pop("arrival", 0.0) or (e["time"] if e["stage"] in _ARRIVALS else 0.0)
+            # The HTTP arrival when seen (before the admission wait), else the segment's submission.
+            if arrival and (e["stage"] == "http_received" or e["rid"] not in self._arrival):
                 self._arrival[e["rid"]] = arrival
                 while len(self._arrival) > 100_000:
                     self._arrival.popitem(last=False)

@@ -18,6 +18,7 @@ import base64
 import concurrent.futures
 import json
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -100,6 +101,13 @@ async def speak(
             gateway.metrics.rejected.labels(rejected.reason).inc()
             return error(rejected.status, rejected.message, {**headers, **rejected.headers})
         admitted = True
+        # On the tap: when the HTTP request came in (before reading its body and the admission wait;
+        # `received` is its first segment's submission), so a timeline covers all the first audio a
+        # client sees.
+        waited = time.monotonic() - started
+        publish_stage(  # under its first segment's id, the one its other stages carry
+            synth.rids[0], "http_received", time.time() - waited, admission_wait_ms=round(1000 * waited, 2)
+        )
         if len(synth.segments) > 1:
             log.info("[%s] %d chars in %d segments", rid, len(params.text), len(synth.segments))
         first = await synth.next()

@@ -43,6 +43,7 @@ class StepClock:
         self._ema: dict[int, float] = {}
         self._count: dict[int, int] = {}
         self._seen: dict[int, float] = {}  # bucket → perf_counter of its last measurement
+        self._top: dict[int, int] = {}  # bucket → the largest batch measured in it
         self._recent = 0.0  # EMA of the interval at whatever the batch was lately
         self._spread = 0.0  # EMA of how far an interval lands from that average
         self._last: float | None = None
@@ -62,6 +63,7 @@ class StepClock:
             self._count[key] = 0  # stale: start this bucket's average afresh
         self._seen[key] = now
         n = self._count.get(key, 0)
+        self._top[key] = batch if n == 0 else max(batch, self._top[key])
         self._count[key] = n + 1
         # Average the first samples plainly, then track drift (graphs warming up, context growth).
         alpha = max(1.0 / (n + 1), 0.05)
@@ -100,15 +102,19 @@ class StepClock:
             k, v = points[0]
             return max(1.0, k * budget / v)
         best = max(fitting)
+        # Never below a batch that was measured keeping time: a bucket's key is the middle of its
+        # range (181 holds batches up to 197), and with the estimate below the streams already
+        # running, admission would hold new requests back from a worker that serves them on time.
+        floor = self._top[best]
         i = next(i for i, (k, _) in enumerate(points) if k == best)
         if i + 1 < len(points):  # a larger measured batch is too slow: interpolate up to it
             (k1, v1), (k2, v2) = points[i], points[i + 1]
         elif len(points) == 1:
-            return float(self.max_batch) if points[0][1] <= 0.5 * budget else float(best)
+            return float(self.max_batch) if points[0][1] <= 0.5 * budget else float(floor)
         else:  # extrapolate from the two largest measured buckets (decode time grows ~linearly)
             (k1, v1), (k2, v2) = points[-2], points[-1]
         slope = max((v2 - v1) / (k2 - k1), 1e-9)
-        return float(min(self.max_batch, max(best, k1 + (budget - v1) / slope)))
+        return float(min(self.max_batch, max(floor, k1 + (budget - v1) / slope)))
 
 
 def lead_fits(

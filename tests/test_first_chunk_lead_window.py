@@ -78,6 +78,22 @@ def test_capacity_follows_the_measured_step_times():
     assert clock.row_period() == pytest.approx(0.0125, rel=0.3)
 
 
+def test_capacity_never_falls_below_a_batch_measured_on_time():
+    clock = StepClock(rows_per_second=82.03, max_batch=512)
+    for b in (186, 192, 189):  # all in the bucket keyed 181
+        for _ in range(10):
+            clock.record(b, 0.0094)
+    assert clock.capacity() == 192  # one bucket measured: what it held on time, not its key
+    for _ in range(10):
+        clock.record(230, 0.0118)  # past the budget (0.92 * 12.19 ms) at 230
+    assert 192 <= clock.capacity() < 230
+    slow = StepClock(rows_per_second=82.03, max_batch=512)
+    for b, ms in ((152, 9.6), (192, 11.1)):  # a steep slope puts the crossing at ~193
+        for _ in range(10):
+            slow.record(b, ms / 1000)
+    assert slow.capacity() >= 192
+
+
 def test_a_batch_measured_slow_long_ago_stops_capping_the_capacity():
     clock = StepClock(rows_per_second=82.03, max_batch=512)
     for b, ms in ((64, 4.3), (128, 5.6)):

@@ -26,6 +26,7 @@ from common.tap import Timeline, events_of, find_taps
 from tests.conftest import ROOT, free_port, wait_ready, worker_env
 
 CAUSAL = [  # each stage causes the next: their times must increase in this order
+    "http_received",
     "received",
     "dispatched",
     "prompt_built",
@@ -124,12 +125,14 @@ def test_tap_with_a_rid_prints_that_requests_stages_in_order(served):
     split = tap_stats(events)
     assert split["requests_seen"] == split["first_audio_complete"] == 1
     parts = {k: v["p50"] for k, v in split["first_audio_ms"].items()}
-    whole = parts.pop("total")
+    whole, from_http = parts.pop("total"), parts.pop("total_from_http")
+    before = parts.pop("http_received->received")  # reading the body, the admission wait
     assert all(v >= 0 for v in parts.values()) and sum(parts.values()) == pytest.approx(whole, abs=0.05)
     assert whole == pytest.approx(1000 * (at["first_byte_sent"] - at["received"]), abs=0.01)
+    assert from_http == pytest.approx(whole + before, abs=0.05)
     assert split["codec_ms_per_chunk"]["n"] == 1  # the first chunk (no --all-chunks)
     # Joined to the client's own timing of the same request id: what the client saw beyond it.
-    joined = tap_stats(events, {rid: whole + 7.5, "another": 1.0})["client_minus_server_ms"]
+    joined = tap_stats(events, {rid: from_http + 7.5, "another": 1.0})["client_minus_server_ms"]
     assert joined["n"] == 1 and joined["p50"] == pytest.approx(7.5, abs=0.01)
 
 
