@@ -41,6 +41,7 @@ class StepClock:
         self.max_batch = max_batch
         self.headroom = headroom
         self._ema: dict[int, float] = {}
+        self._size: dict[int, float] = {}  # bucket → average batch of its steps (the x of its point)
         self._count: dict[int, int] = {}
         self._seen: dict[int, float] = {}  # bucket → perf_counter of its last measurement
         self._top: dict[int, int] = {}  # bucket → the largest batch measured in it
@@ -68,6 +69,7 @@ class StepClock:
         # Average the first samples plainly, then track drift (graphs warming up, context growth).
         alpha = max(1.0 / (n + 1), 0.05)
         self._ema[key] = dt if n == 0 else self._ema[key] + alpha * (dt - self._ema[key])
+        self._size[key] = batch if n == 0 else self._size[key] + alpha * (batch - self._size[key])
         if self._recent == 0.0:
             self._recent = dt
         else:
@@ -89,32 +91,38 @@ class StepClock:
         """Concurrent streams this worker can keep real time (max_batch until measured)."""
         budget = self.headroom * self.period
         now = time.perf_counter() if now is None else now
+        # (average batch, step time, bucket) of each bucket measured enough and lately
         points = sorted(
-            (k, v)
+            (self._size[k], v, k)
             for k, v in self._ema.items()
             if self._count[k] >= _MIN_SAMPLES and now - self._seen[k] <= STALE_S
         )
         if not points:
             return float(self.max_batch)
-        fitting = [k for k, v in points if v <= budget]
+        fitting = [i for i, (_, v, _) in enumerate(points) if v <= budget]
         if not fitting:
             # Even the smallest measured batch is too slow: scale it down proportionally.
-            k, v = points[0]
-            return max(1.0, k * budget / v)
-        best = max(fitting)
-        # Never below a batch that was measured keeping time: a bucket's key is the middle of its
-        # range (181 holds batches up to 197), and with the estimate below the streams already
-        # running, admission would hold new requests back from a worker that serves them on time.
-        floor = self._top[best]
-        i = next(i for i, (k, _) in enumerate(points) if k == best)
+            b, v, _ = points[0]
+            return max(1.0, b * budget / v)
+        i = fitting[-1]
+        # Never below a batch that was measured keeping time (the largest in that bucket): with
+        # the estimate below the streams already running, admission would hold new requests back
+        # from a worker that serves them on time.
+        floor = float(self._top[points[i][2]])
         if i + 1 < len(points):  # a larger measured batch is too slow: interpolate up to it
-            (k1, v1), (k2, v2) = points[i], points[i + 1]
-        elif len(points) == 1:
-            return float(self.max_batch) if points[0][1] <= 0.5 * budget else float(floor)
-        else:  # extrapolate from the two largest measured buckets (decode time grows ~linearly)
-            (k1, v1), (k2, v2) = points[-2], points[-1]
-        slope = max((v2 - v1) / (k2 - k1), 1e-9)
-        return float(min(self.max_batch, max(floor, k1 + (budget - v1) / slope)))
+            (b1, v1, _), (b2, v2, _) = points[i], points[i + 1]
+            slope = max((v2 - v1) / max(b2 - b1, 1e-9), 1e-9)
+            return float(min(self.max_batch, max(floor, b1 + (budget - v1) / slope)))
+        # Nothing measured too slow: extrapolate, at least in proportion to the largest batch
+        # measured (a step has a fixed part, so its time grows slower than the batch). Under a
+        # steady load the batch sizes stay in one or two buckets: the slope between them is noise,
+        # and one alone has none.
+        ahead = floor * budget / points[i][1]
+        if len(points) == 1:
+            return float(self.max_batch) if points[0][1] <= 0.5 * budget else min(self.max_batch, ahead)
+        (b1, v1, _), (b2, v2, _) = points[-2], points[-1]  # decode time grows ~linearly
+        slope = max((v2 - v1) / max(b2 - b1, 1e-9), 1e-9)
+        return float(min(self.max_batch, max(floor, ahead, b1 + (budget - v1) / slope)))
 
 
 def lead_fits(
