@@ -49,6 +49,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     lm_head: str = "full"  # gpu_worker: full vocabulary, or "audio": logits for codec tokens + stop only
     quantization: str = "none"  # gpu_worker: none | fp8 (LM linear weights in float8, per-channel scales)
     kv_cache_dtype: str = "auto"  # gpu_worker: auto (the model's dtype) | fp8 (float8 e4m3 keys/values)
+    decode_attention: str = "auto"  # gpu_worker: auto | flashinfer | xqa (the decode steps' attention kernel)
     constrained: bool | None = None  # None = the model's default
     max_text_chars: int = 2000
     max_queue: int = 1024  # requests waiting for a slot beyond this get 503
@@ -271,6 +272,13 @@ OPTIONS: tuple[Option, ...] = (
         "attention reads per step and half the memory for the same pages)",
         ("serve", "gpu_worker"),
         choices=("auto", "fp8"),
+    ),
+    Option(
+        "decode_attention",
+        "the decode steps' attention kernel: flashinfer, xqa (TensorRT-LLM's, on SM 9.x/10.x/12.x; over "
+        "an fp8 cache it attends in fp8), or auto (xqa for an fp8 cache on Hopper, else flashinfer)",
+        ("serve", "gpu_worker"),
+        choices=("auto", "flashinfer", "xqa"),
     ),
     Option(
         "constrained",

@@ -69,6 +69,7 @@ class FlashInferAttention:
         num_qo_heads: int,
         q_dtype: torch.dtype,
         tensor_cores: bool = True,
+        decode_attention: str = "flashinfer",
     ) -> None:
         flashinfer = import_flashinfer()
         self.kv_cache = kv_cache  # [L, P, 2, page, Hkv, D]
@@ -87,6 +88,12 @@ class FlashInferAttention:
         )
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self._wrapper = self.decode
+        self.xqa = None  # decode steps on XQA instead (`decode_attention="xqa"`, resolved)
+        if decode_attention == "xqa":
+            from gpu_worker.xqa_backend import XqaDecode
+
+            self.xqa = XqaDecode(kv_cache, num_slots=1, max_pages=1, max_batch=1)
+        self._xqa_rows = 0  # > 0: this step decodes on XQA, this many rows
 
     def plan(self, layout: StepLayout) -> None:
         dev = self.kv_cache.device
@@ -96,7 +103,11 @@ class FlashInferAttention:
         self._write_off = torch.from_numpy(off).to(dev, non_blocking=True)
         dims = (self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size)
         qt, kt = self.q_dtype, self.kv_cache.dtype
-        if len(layout.qo_indptr) - 1 == len(layout.pos):  # one row per request: decode
+        self._xqa_rows = 0
+        if len(layout.qo_indptr) - 1 == len(layout.pos) and self.xqa is not None:
+            self.xqa.set_rows(layout.page_tables, layout.kv_lens)
+            self._xqa_rows = len(layout.kv_lens)
+        elif len(layout.qo_indptr) - 1 == len(layout.pos):  # one row per request: decode
             self.decode.plan(
                 torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last), *dims,
                 q_data_type=qt, kv_data_type=kt,
@@ -114,4 +125,6 @@ class FlashInferAttention:
         cache = self.kv_cache[layer]  # [P, 2, page, Hkv, D]
         cache[self._write_page, 0, self._write_off] = k.to(cache.dtype)
         cache[self._write_page, 1, self._write_off] = v.to(cache.dtype)
+        if self._xqa_rows:
+            return self.xqa.run(layer, q, self._xqa_rows)
         return self._wrapper.run(q, cache)

@@ -33,6 +33,7 @@ from gpu_worker.prefill_graphs import (
     prefill_spans,
 )
 from gpu_worker.runner import EagerRunner, StepBatch
+from gpu_worker.xqa_backend import XqaDecode, resolve_decode_attention
 from programs.base import LMProgram
 
 log = logging.getLogger(__name__)
@@ -58,12 +59,13 @@ def decode_buckets(max_batch: int, min_batch: int = 1) -> list[int]:
     return sorted({*(s for s in sizes if min_batch <= s < max_batch), max(min_batch, max_batch)})
 
 
-def decode_spans(bmax: int, n_codebooks: int, max_pages: int = 0) -> dict[str, int]:
+def decode_spans(bmax: int, n_codebooks: int, max_pages: int = 0, slots: bool = False) -> dict[str, int]:
     """Arena spans of the decode graphs; meta (slot, tokens sampled, prompt length) covers every
-    request of the step, prefill ones included; d_kv holds the decode batch's KV page indices
-    (last, so a decode-only step copies only the indices it uses)."""
+    request of the step, prefill ones included; d_kv holds the decode batch's KV page indices for
+    FlashInfer (last, so a decode-only step copies only the indices it uses), d_slot its rows'
+    slots for XQA (`slots`), which keeps their page tables on the device."""
     spans = {"ids": bmax * n_codebooks, "pos": bmax, "page": bmax, "off": bmax, "meta": 3 * bmax}
-    return {**spans, "d_kv": max_pages}
+    return {**spans, "d_slot": bmax if slots else 0, "d_kv": 0 if slots else max_pages}
 
 
 def fill_decode(arena: InputArena, dec: StepBatch, page_size: int) -> None:
@@ -97,9 +99,12 @@ class GraphRunner:
         self.program = program
         self.kv_cache = kv_cache
         self.page_size = kv_cache.shape[3]
+        decode = resolve_decode_attention(limits.decode_attention, program.device, kv_cache.dtype)
         self.eager = EagerRunner(
             program,
-            FlashInferAttention(kv_cache, program.num_qo_heads, program.dtype, limits.decode_tensor_cores),
+            FlashInferAttention(
+                kv_cache, program.num_qo_heads, program.dtype, limits.decode_tensor_cores, decode
+            ),
         )
         self.sizes = decode_buckets(limits.max_batch_size, limits.min_decode_batch)
         self.no_split_kv = limits.no_split_kv
@@ -108,7 +113,12 @@ class GraphRunner:
         rows, reqs = buckets[-1]
         p_pages = max_prefill_pages(rows, reqs, limits.max_context, self.page_size)
         max_pages = bmax * pages_for(limits.max_context, self.page_size) + bmax
-        spans = decode_spans(bmax, c, max_pages)
+        # XQA: each slot's pages (a request's whole budget, reserved at admission) as a table row
+        self.xqa = None
+        if decode == "xqa":
+            per_request = pages_for(limits.max_context + 1, self.page_size)
+            self.xqa = XqaDecode(kv_cache, limits.max_batch_size, per_request, bmax)
+        spans = decode_spans(bmax, c, max_pages, slots=self.xqa is not None)
         for lane in range(PREFILL_LANES):
             spans |= prefill_spans(rows, reqs, c, p_pages, lane)
         self.arena = InputArena(spans, dev)
@@ -143,6 +153,9 @@ class GraphRunner:
         for i, bs in enumerate(sorted(self.sizes, reverse=True)):
             if progress:
                 progress(f"capturing decode graphs: batch {bs} ({i + 1}/{len(self.sizes)})")
+            if self.xqa is not None:
+                self.graphs[bs] = self._capture(bs, None)
+                continue
             wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace,
                 "NHD",
@@ -155,9 +168,10 @@ class GraphRunner:
             self._plan(wrapper, *page_arrays([1] * bs, [[0]] * bs, self.page_size))
             self.graphs[bs] = self._capture(bs, wrapper)
         log.info(
-            "captured %d decode graphs (batch %s) in %.1f s",
+            "captured %d decode graphs (batch %s, attention on %s) in %.1f s",
             len(self.sizes),
             self.sizes,
+            decode,
             time.monotonic() - t0,
         )
         self.depth = None
@@ -186,9 +200,15 @@ class GraphRunner:
     ) -> tuple[torch.cuda.CUDAGraph, object, tuple[torch.Tensor, torch.Tensor]]:
         p, c, a = self.program, self.program.n_codebooks, self.arena
         ids, pos = a.dev_view("ids", bs * c).view(bs, c), a.dev_view("pos", bs)
-        attn = GraphAttention(self.kv_cache, wrapper, a.dev_view("page", bs), a.dev_view("off", bs))
+        page, off = a.dev_view("page", bs), a.dev_view("off", bs)
+        if wrapper is None:  # XQA
+            attn = self.xqa.attention(bs, page, off, pos)
+        else:
+            attn = GraphAttention(self.kv_cache, wrapper, page, off)
 
         def step() -> tuple[torch.Tensor, torch.Tensor]:
+            if wrapper is None:
+                attn.prepare()
             hidden = p.backbone(p.embed(ids), pos, attn)  # [bs, H]
             return p.head(hidden).float(), hidden  # [bs, C', V], [bs, H]
 
@@ -212,11 +232,14 @@ class GraphRunner:
             pres, lays = [], []
         # 1. One copy of the arena: decode rows, meta, and the prefill rows when a graph runs them.
         a = self.arena
+        xqa = self.xqa
+        n_kv = 0
         if dec is not None:
             bs = next(s for s in self.sizes if s >= n_dec)
             pad = bs - n_dec
-            kv = page_arrays(dec.kv_lens + [1] * pad, dec.page_tables + [[0]] * pad, self.page_size)
-        n_kv = len(kv[1]) if dec is not None else 0
+            if xqa is None:
+                kv = page_arrays(dec.kv_lens + [1] * pad, dec.page_tables + [[0]] * pad, self.page_size)
+                n_kv = len(kv[1])
         if lays:  # through the last lane used (the lanes' spans follow the decode spans, in order)
             upto = sum(a.spans[lane_prefix(len(lays) - 1) + "kv"])
         else:
@@ -224,7 +247,10 @@ class GraphRunner:
         a.begin(upto)
         if dec is not None:
             fill_decode(a, dec, self.page_size)
-            a.host_view("d_kv", n_kv).copy_(torch.from_numpy(kv[1]))
+            if xqa is None:
+                a.host_view("d_kv", n_kv).copy_(torch.from_numpy(kv[1]))
+            elif dec.meta is not None:
+                a.host_view("d_slot", n_dec).copy_(torch.from_numpy(np.ascontiguousarray(dec.meta[0])))
         if b.meta is not None:
             a.host_view("meta", b.meta.size).copy_(torch.from_numpy(b.meta.reshape(-1)))
         for lane, (p, lay) in enumerate(zip(pres, lays, strict=True)):
@@ -236,7 +262,12 @@ class GraphRunner:
             graphs.plan(lay)
         if dec is not None:
             graph, wrapper, out = self.graphs[bs]
-            self._plan(wrapper, kv[0], a.dev_view("d_kv", n_kv), kv[2])
+            if xqa is None:
+                self._plan(wrapper, kv[0], a.dev_view("d_kv", n_kv), kv[2])
+            elif b.meta is None:  # no slots (offline use): the decode rows' tables from the host
+                xqa.set_rows(dec.page_tables, dec.kv_lens, grow=False)
+        if xqa is not None and b.meta is not None and n_pre:
+            xqa.admit(b.meta[0, :n_pre], b.page_tables[:n_pre])  # new requests bring their pages
         a.seal()
         # 3. Replay: prefill first (the capture order), then decode.
         parts, hiddens = [], []
@@ -254,6 +285,8 @@ class GraphRunner:
                 a.dev_view("ids", n_dec * self.program.n_codebooks).view(n_dec, -1).copy_(
                     b.last_rows[meta[0, n_pre:]]
                 )
+            if xqa is not None and b.meta is not None:
+                xqa.gather(a.dev_view("d_slot", n_dec))
             graph.replay()
             parts.append(out[0][:n_dec])
             hiddens.append(out[1][:n_dec])

@@ -30,6 +30,9 @@ class EngineLimits:
     # Keys/values: "auto" stores them in the model's dtype; "fp8" in float8 e4m3 with scale 1
     # (attention reads half the bytes; queries and outputs stay in the model's dtype).
     kv_cache_dtype: str = "auto"
+    # The decode steps' attention: "flashinfer", "xqa" (gpu_worker.xqa_backend) or "auto" (xqa for
+    # an fp8 cache on Hopper). Prefill rows always run on FlashInfer.
+    decode_attention: str = "auto"
     # FlashInfer's decode kernel: on tensor cores (its FA2 prefill kernel; 0.85-0.89x the time of the
     # CUDA-core kernel for Orpheus-3B's bf16 cache on the H200), or the CUDA-core decode kernel
     # (bench/attention_kv.py compares them; with an fp8 cache it is not measured yet).

@@ -99,9 +99,13 @@ def make_runner(program: LMProgram, kv_cache: torch.Tensor, limits, progress=Non
 
         return EagerRunner(program, TorchPagedAttention(kv_cache, program.num_qo_heads))
     from gpu_worker.flashinfer_backend import FlashInferAttention
+    from gpu_worker.xqa_backend import resolve_decode_attention
 
     if not limits.cuda_graphs:
-        attn = FlashInferAttention(kv_cache, program.num_qo_heads, program.dtype, limits.decode_tensor_cores)
+        decode = resolve_decode_attention(limits.decode_attention, program.device, kv_cache.dtype)
+        attn = FlashInferAttention(
+            kv_cache, program.num_qo_heads, program.dtype, limits.decode_tensor_cores, decode
+        )
         return EagerRunner(program, attn)
     from gpu_worker.graphs import GraphRunner
 

@@ -57,6 +57,7 @@ class GpuWorker:
             cuda_graphs=not cfg.disable_cuda_graph,
             first_chunk=cfg.first_chunk,
             kv_cache_dtype=cfg.kv_cache_dtype,
+            decode_attention=cfg.decode_attention,
         )
         status.set(ProcState.LOADING, "allocating KV cache")
         self.engine = Engine(program, limits, progress=lambda msg: status.set(ProcState.LOADING, msg))

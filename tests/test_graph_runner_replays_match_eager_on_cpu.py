@@ -96,12 +96,33 @@ def _capture(step, pool):
     return _Graph(step, out), out
 
 
-@pytest.fixture(scope="module")
-def graph_runner_cls():
+def _xqa(q, k_cache, v_cache, page_table, seq_lens, output, scratch, semaphores, num_kv_heads, page_size,
+         sm_count=None, **kw) -> None:  # fmt: skip
+    """flashinfer.xqa.xqa as the runtime calls it: q [B, 1, Hq, D]; K and V [P, page, Hkv, D] (views of
+    the interleaved cache); a dense page table [B, pages] int32; lengths [B, 1] uint32."""
+    assert sm_count == 1, "never split a request over blocks: the same reduction at any batch"
+    assert page_table.dtype == torch.int32 and seq_lens.dtype == torch.uint32 and not kw
+    group = q.shape[2] // num_kv_heads
+    for b, n in enumerate(seq_lens.view(torch.int32)[:, 0].tolist()):
+        pages = page_table[b, : -(-n // page_size)].long()
+        keys = k_cache[pages].reshape(-1, num_kv_heads, q.shape[-1])[:n].repeat_interleave(group, 1)
+        vals = v_cache[pages].reshape(-1, num_kv_heads, q.shape[-1])[:n].repeat_interleave(group, 1)
+        o = F.scaled_dot_product_attention(q[b].transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1))
+        output[b] = o.transpose(0, 1)
+
+
+@pytest.fixture(scope="module", params=["flashinfer", "xqa"])
+def graph_runner_cls(request):
     fake = types.ModuleType("flashinfer")
     fake.BatchPrefillWithPagedKVCacheWrapper, fake.BatchDecodeWithPagedKVCacheWrapper = _Wrapper, _Decode
+    fake.xqa = types.ModuleType("flashinfer.xqa")
+    fake.xqa.xqa = _xqa
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(sys.modules, "flashinfer", fake)
+        mp.setitem(sys.modules, "flashinfer.xqa", fake.xqa)
+        # Decode steps on XQA (resolved on the GPU by its compute capability): tables on the device
+        # per slot, gathered per step, lengths from the positions inside the graph.
+        mp.setattr("gpu_worker.graphs.resolve_decode_attention", lambda *a: request.param)
         mp.setattr("gpu_worker.graphs.capture", _capture)
         mp.setattr("gpu_worker.prefill_graphs.capture", _capture)
         mp.setattr("gpu_worker.depth_graphs.capture", _capture)
@@ -110,7 +131,10 @@ def graph_runner_cls():
         mp.setattr("gpu_worker.flashinfer_backend.WORKSPACE_BYTES", 16)
         from gpu_worker.graphs import GraphRunner
 
-        yield GraphRunner
+        class Runner(GraphRunner):
+            decode = request.param  # which decode attention this one runs
+
+        yield Runner
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +150,7 @@ def test_graph_runner_matches_eager_for_prefill_decode_and_mixed_steps(program, 
     kv_g = allocate_kv_cache(*shape, torch.float32, "cpu")
     kv_e = allocate_kv_cache(*shape, torch.float32, "cpu")
     graphs = graph_runner_cls(program, kv_g, EngineLimits(max_batch_size=16, max_context=MAX_CONTEXT))
+    assert (graphs.xqa is not None) == (graph_runner_cls.decode == "xqa")
     assert [r for r, _ in graphs.prefill.buckets] == [32, 64, 128, 256, 512]
     assert len(graphs.prefills) == graphs.max_prefills_per_step == 4
     eager = EagerRunner(program, TorchPagedAttention(kv_e, program.num_qo_heads))

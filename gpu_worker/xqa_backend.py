@@ -1,0 +1,132 @@
+"""Decode attention on TensorRT-LLM's XQA kernels, as FlashInfer ships them (`flashinfer.xqa`).
+
+Over an fp8 cache on Hopper, XQA's fp8 kernel (queries and probabilities in fp8 on the tensor
+cores) reads half the bytes of a bf16 cache and keeps up with the memory: 28 layers at batch 384,
+context 512, take 0.52x the time of FlashInfer's bf16 decode (FlashInfer's own fp8 paths are
+slower than its bf16 one; bench/results/h200-attention-xqa-2026-11-29.json). Its price is those
+fp8 roundings: against FlashInfer over the same fp8 cache its outputs differ by up to ~0.3 on
+values of a few units.
+
+XQA reads a dense page table, [batch, pages per request], and the requests' lengths. The engine
+reserves a request's pages for its whole budget at admission, so each sampling slot's row of the
+table is written once, when its request brings its prompt (`admit`), and a step only gathers its
+decode rows' slots (`gather`, a device op) and derives their lengths from their positions inside
+the captured graph (`XqaAttention.prepare`): no per-step page list leaves the host.
+
+A request is never split over several thread blocks (XQA is told it has one SM, which is what its
+split rule reads): each request's attention reduces in the same order at any batch size.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from gpu_worker.slots import to_device
+
+DECODE_ATTENTION = ("auto", "flashinfer", "xqa")
+SCRATCH_BYTES = 16 << 20  # XQA's scratch for split requests (unused without splits)
+SEMAPHORE_BYTES = 8 << 20  # zero at the start; XQA leaves them zero
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def resolve_decode_attention(choice: str, device: torch.device, kv_dtype: torch.dtype) -> str:
+    """flashinfer or xqa. auto: XQA for an fp8 cache on Hopper (where it was measured faster),
+    FlashInfer otherwise; xqa: wherever XQA runs (SM 9.x, 10.x, 12.x)."""
+    if choice not in DECODE_ATTENTION:
+        raise ValueError(f"decode attention must be one of {', '.join(DECODE_ATTENTION)}, not {choice!r}")
+    if device.type != "cuda" or choice == "flashinfer":
+        return "flashinfer"
+    major = cuda_capability(device)[0]
+    if choice == "auto":
+        return "xqa" if major == 9 and kv_dtype == torch.float8_e4m3fn else "flashinfer"
+    if major not in (9, 10, 12):
+        raise ValueError(f"--decode-attention xqa needs an SM 9.x, 10.x or 12.x GPU, not SM {major}.x")
+    return "xqa"
+
+
+class XqaDecode:
+    """The dense page tables XQA reads: one row per sampling slot, and the step's decode rows."""
+
+    def __init__(self, kv_cache: torch.Tensor, num_slots: int, max_pages: int, max_batch: int) -> None:
+        from flashinfer.xqa import xqa
+
+        dev = kv_cache.device
+        self.kernel = xqa
+        self.kv_cache = kv_cache  # [L, P, 2, page, Hkv, D]
+        self.page_size, self.num_kv_heads = kv_cache.shape[3], kv_cache.shape[4]
+        i32 = dict(dtype=torch.int32, device=dev)
+        # Rows of never-used slots, and columns past a request's pages, hold page 0: a padding row
+        # (length 1) reads one key from whatever row it gets, always a valid page.
+        self.slot_pages = torch.zeros(num_slots, max_pages, **i32)  # [S, pages]
+        self.table = torch.zeros(max_batch, max_pages, **i32)  # [B, pages]: this step's decode rows
+        self.lens = torch.ones(max_batch, **i32)  # [B] keys each row attends to
+        self.scratch = torch.zeros(SCRATCH_BYTES, dtype=torch.uint8, device=dev)
+        self.semaphores = torch.zeros(SEMAPHORE_BYTES, dtype=torch.uint8, device=dev)
+
+    def admit(self, slots: np.ndarray, page_tables: list[list[int]]) -> None:
+        """New requests' page lists into their slots' rows (each request's pages never change)."""
+        for slot, pages in zip(slots.tolist(), page_tables, strict=True):
+            row = torch.tensor(pages, dtype=torch.int32)
+            self.slot_pages[slot, : len(pages)] = to_device(row, self.slot_pages.device)
+
+    def gather(self, slots: torch.Tensor) -> None:
+        """The step's decode rows' table from their slots [n] (on the device)."""
+        torch.index_select(self.slot_pages, 0, slots, out=self.table[: slots.shape[0]])
+
+    def set_rows(self, page_tables: list[list[int]], kv_lens: list[int], grow: bool = True) -> None:
+        """Without slots (eager steps, offline use): the rows and lengths straight from the host,
+        in tables grown to fit; `grow` False where captured graphs hold the tables."""
+        n, width = len(page_tables), max(map(len, page_tables))
+        if n > self.table.shape[0] or width > self.table.shape[1]:
+            if not grow:
+                raise ValueError(
+                    f"{n} rows of {width} pages do not fit XQA's table {tuple(self.table.shape)}"
+                )
+            rows, cols = max(n, self.table.shape[0]), max(width, self.table.shape[1])
+            self.table = torch.zeros(rows, cols, dtype=torch.int32, device=self.table.device)
+            self.lens = torch.ones(rows, dtype=torch.int32, device=self.lens.device)
+        host = np.zeros((n, self.table.shape[1]), dtype=np.int32)
+        for i, pages in enumerate(page_tables):
+            host[i, : len(pages)] = pages
+        self.table[:n] = to_device(torch.from_numpy(host), self.table.device)
+        self.lens[:n] = to_device(torch.tensor(kv_lens, dtype=torch.int32), self.lens.device)
+
+    def attention(self, batch: int, page: torch.Tensor, off: torch.Tensor, pos: torch.Tensor | None):
+        """The attention a decode graph of `batch` rows captures (`pos`: where `prepare` reads the
+        rows' positions; None: `set_rows` gives the lengths)."""
+        return XqaAttention(self, batch, page, off, pos)
+
+    def run(self, layer: int, q: torch.Tensor, batch: int) -> torch.Tensor:
+        """q [B, Hq, D] over layer `layer`'s cache → [B, Hq, D]."""
+        cache = self.kv_cache[layer]
+        k, v = cache.unbind(1)  # [P, page, Hkv, D] each: strided views of the interleaved pages
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        self.kernel(
+            q.unsqueeze(1), k, v, self.table[:batch], self.lens[:batch].view(torch.uint32).unsqueeze(1),
+            out.unsqueeze(1), self.scratch, self.semaphores, self.num_kv_heads, self.page_size, sm_count=1,
+        )  # fmt: skip
+        return out
+
+
+class XqaAttention:
+    """`attn.forward` for a decode graph: writes the rows' keys/values to their slots (as
+    `GraphAttention` does), then XQA over the gathered table."""
+
+    def __init__(self, xqa: XqaDecode, batch: int, page: torch.Tensor, off: torch.Tensor, pos) -> None:
+        self.xqa, self.batch, self.page, self.off, self.pos = xqa, batch, page, off, pos
+
+    def prepare(self) -> None:
+        """Once per step, before the layers: each row attends to its position + 1 keys."""
+        if self.pos is not None:
+            self.xqa.lens[: self.batch].copy_(self.pos + 1)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cache = self.xqa.kv_cache[layer]  # [P, 2, page, Hkv, D]
+        cache[self.page, 0, self.off] = k.to(cache.dtype)
+        cache[self.page, 1, self.off] = v.to(cache.dtype)
+        return self.xqa.run(layer, q, self.batch)
