@@ -4,7 +4,7 @@
 #   bash bench/h200.sh STAGE [STAGE ...]     (carry .whl and .devcache; see ../shared/device/README.md)
 #
 # Stages: parity, invariance, codec-passes, speed, offline, lm-options, load, load-mps, load-adaptive, csm,
-# csm-load, attention, profile.
+# csm-load, attention, xqa, profile.
 # Every stage writes its JSON and log to $OUT and has its own timeout (VOXPIPE_STAGE_S, default 300 s).
 # The FlashInfer kernel cache travels in .devcache/fi_cache.tgz.* (a split tar: the device returns
 # files of 16 MiB at most); this script restores it first and saves it to $OUT last when kernels were
@@ -70,6 +70,12 @@ for stage in "$@"; do
         run csm-load python -m bench.ttfa_http --model csm --reps 5 --tokens 40 --load "${VOXPIPE_LOAD:-16,32,64,96}" \
             --load-duration 15 --load-tokens 150 --ramp 4 --label "NVIDIA H200" --load-out "$OUT/csm-load.json" \
             --out "$OUT/csm-ttfa.json" -- --max-batch-size 128 --codec-dtype float16
+        ;;
+    xqa)  # decode attention on XQA: fidelity, then the engine step against bf16 FlashInfer
+        run xqa-parity python -m bench.xqa_parity --out "$OUT/xqa-parity.json"
+        run xqa-speed python -m bench.lm_options \
+            --configs bf16+audio_head,audio_head+fp8kv,audio_head+fp8kv+flashinfer,audio_head+xqa \
+            --sizes "${VOXPIPE_LM_SIZES:-1,64,128,256,384,512}" --out "$OUT/xqa-speed.json"
         ;;
     attention)
         run attention python -m bench.attention_kv --variants "${VOXPIPE_ATTN_VARIANTS:-}" \

@@ -35,10 +35,18 @@ CONFIGS = {
     "fp8+audio_head": {"quantization": "fp8", "lm_head": "audio"},
     "bf16+fp8kv": {"kv_cache_dtype": "fp8"},
     "audio_head+fp8kv": {"lm_head": "audio", "kv_cache_dtype": "fp8"},
+    # an fp8 cache decodes on XQA by default (decode_attention auto): FlashInfer's fp8 paths apart
+    "audio_head+fp8kv+flashinfer": {
+        "lm_head": "audio",
+        "kv_cache_dtype": "fp8",
+        "decode_attention": "flashinfer",
+    },
+    "audio_head+xqa": {"lm_head": "audio", "decode_attention": "xqa"},
     "audio_head+fp8kv+cuda_cores": {
         "lm_head": "audio",
         "kv_cache_dtype": "fp8",
         "decode_tensor_cores": False,
+        "decode_attention": "flashinfer",
     },
 }
 
@@ -50,7 +58,11 @@ def load(**kw):
     return p
 
 
-ENGINE_KEYS = ("kv_cache_dtype", "decode_tensor_cores")  # EngineLimits settings; the rest build the program
+ENGINE_KEYS = (
+    "kv_cache_dtype",
+    "decode_tensor_cores",
+    "decode_attention",
+)  # EngineLimits settings; the rest build the program
 UNDO_KEYS = ("undo_plan_max", "unpad_head")  # bench-only: measure the step as it was before a fix
 
 
