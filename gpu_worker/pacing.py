@@ -8,8 +8,10 @@ exponential average of the interval per batch-size bucket (quarter octaves), whi
 - `capacity()`: the largest batch whose measured (or extrapolated) interval fits the row period
   with some headroom: the gateway admits that many streams to this worker;
 - `row_period()`: the recent interval at the current load, and `row_period_high()` a pessimistic
-  one (plus twice the recent spread), which decides whether a request's first audio can come from a
-  short lead window (see `lead_fits`).
+  one (plus twice the recent spread);
+- `rows_time_high(n)`: how long the next n steps may take, from the last steps' own n-step spans
+  (a high percentile of them), which decides whether a request's first audio can come from a short
+  lead window and when it may switch to regular windows (see `lead_fits`).
 
 Intervals are wall-clock and include everything that shares the GPU and the host loop (the codec,
 prefill steps, message handling): what a stream actually experiences.
@@ -19,8 +21,19 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
+
+import numpy as np
 
 _MIN_SAMPLES = 8  # steps measured in a bucket before it counts
+# `rows_time_high`: the steps it looks back on (~1 s under load), the spans it needs among them
+# before it trusts them, and which of their span times it takes.
+RECENT_STEPS, MIN_SPANS, SPAN_QUANTILE = 96, 16, 0.95
+# The capacity is the batch whose step takes this share of a row's playback time. Measured on the
+# H200 (fp8 cache, XQA): every request on time at 256 streams, 1.34x real time; 47 % at 320, 1.2x
+# (bench/results/h200-load-2026-11-29-session6-xqa.json). A stream's lead, and its switch to
+# regular windows, build from that surplus; 0.92 let admission fill a worker to ~1.09x.
+HEADROOM = 0.8
 # A bucket not measured for this long stops counting. Admission keeps batches below the capacity,
 # so a large batch once measured slow (a burst of prefills, say) would otherwise cap the capacity
 # for good: measured on the H200, one such moment held a server to ~140 streams for minutes while
@@ -36,7 +49,7 @@ def _bucket(batch: int) -> int:
 
 
 class StepClock:
-    def __init__(self, rows_per_second: float, max_batch: int, headroom: float = 0.92) -> None:
+    def __init__(self, rows_per_second: float, max_batch: int, headroom: float = HEADROOM) -> None:
         self.period = 1.0 / rows_per_second  # seconds per row a real-time stream can afford
         self.max_batch = max_batch
         self.headroom = headroom
@@ -48,6 +61,8 @@ class StepClock:
         self._recent = 0.0  # EMA of the interval at whatever the batch was lately
         self._spread = 0.0  # EMA of how far an interval lands from that average
         self._last: float | None = None
+        self._dts: deque[float] = deque(maxlen=RECENT_STEPS)  # the latest intervals, any batch
+        self._span_high: dict[int, float] = {}  # rows → rows_time_high, until the next record
 
     def tick(self, batch: int) -> None:
         """Call once per launched step with its batch size (0 when the engine had nothing to run)."""
@@ -60,6 +75,8 @@ class StepClock:
         """One step of `batch` requests took `dt` seconds from the previous one."""
         key = _bucket(batch)
         now = time.perf_counter() if now is None else now
+        self._dts.append(dt)
+        self._span_high.clear()
         if now - self._seen.get(key, now) > STALE_S:
             self._count[key] = 0  # stale: start this bucket's average afresh
         self._seen[key] = now
@@ -86,6 +103,24 @@ class StepClock:
         listener (a lead window, the switch to regular windows) is made on slow steps, not average
         ones."""
         return self._recent + 2.0 * self._spread
+
+    def rows_time_high(self, rows: int) -> float:
+        """Seconds the next `rows` steps may take: the SPAN_QUANTILE of the times of every `rows`
+        consecutive steps among the last RECENT_STEPS, or the latest such span if slower (the load
+        just grew). A slow step (a prefill, a codec pass beside it) counts once in the spans it
+        falls in, as it will in the next one; `row_period_high` charges it to every row. Until
+        enough steps are measured: rows * row_period_high()."""
+        if rows <= 0:
+            return 0.0
+        if rows in self._span_high:
+            return self._span_high[rows]
+        if len(self._dts) < rows + MIN_SPANS:
+            return rows * self.row_period_high()
+        ends = np.cumsum(np.fromiter(self._dts, float, len(self._dts)))
+        spans = ends[rows - 1 :] - np.concatenate([[0.0], ends[:-rows]])
+        high = max(float(np.quantile(spans, SPAN_QUANTILE)), float(spans[-1]))  # the latest: a slowdown now
+        self._span_high[rows] = high
+        return high
 
     def capacity(self, now: float | None = None) -> float:
         """Concurrent streams this worker can keep real time (max_batch until measured)."""

@@ -4,7 +4,7 @@
 Regular window j holds audio rows [j*s, j*s + detok_interval) (s = detok_interval - detok_overlap;
 less any preseed pad rows: programs/base.py, "Stream edges") and goes out when its last row
 exists. Before it, a request may send one *lead window* of R rows (a `detok_lead` size) when the
-engine's step rate (its pessimistic estimate, `StepClock.row_period_high`) says the next regular
+engine's step rate (its pessimistic estimate, `StepClock.rows_time_high`) says the next regular
 window will arrive before the lead has played out; the regular windows whose audio the lead covers
 are then skipped. After its last row, a program with `detok_flush` sends the rows past the last
 window in one more window, padded past the end.
@@ -102,7 +102,7 @@ class AudioWindows:
         leads = self.program.detok_lead
         if not leads or n >= max(leads):
             return True
-        return lead_fits(self.stride, self._audio_s(n), self.clock.row_period_high(), latency_s=DELIVERY_S)
+        return lead_fits(self.stride, self._audio_s(n), self._period_high(self.stride), latency_s=DELIVERY_S)
 
     def _tail(self, req, n: int = -1) -> DetokChunk:
         """The newest frame as a tail window (a first chunk: every frame so far, decoded whole as a
@@ -123,7 +123,7 @@ class AudioWindows:
         # the first chunk left) must outlast the wait for the next regular window.
         ahead_s = req.sent_s - (self.now() - req.t_first)
         wait_rows = self._rows_to_next_window(n)
-        if lead_fits(wait_rows, ahead_s, self.clock.row_period_high(), latency_s=DELIVERY_S):
+        if lead_fits(wait_rows, ahead_s, self._period_high(wait_rows), latency_s=DELIVERY_S):
             req.first_window, req.switched = self.first_window_after(n), True
         return chunk
 
@@ -156,9 +156,12 @@ class AudioWindows:
         before the lead's audio has played out, at the rate steps go now."""
         if self.fastest:
             return True
-        return lead_fits(
-            self._rows_to_next_window(lead_rows), self._audio_s(lead_rows), self.clock.row_period_high()
-        )
+        gap = self._rows_to_next_window(lead_rows)
+        return lead_fits(gap, self._audio_s(lead_rows), self._period_high(gap))
+
+    def _period_high(self, rows: int) -> float:
+        """A pessimistic seconds per row over the next `rows` steps."""
+        return self.clock.rows_time_high(rows) / max(rows, 1)
 
     def _rows_to_next_window(self, n: int) -> int:
         """Rows from audio row n until the regular window carrying the audio after row n exists."""

@@ -64,7 +64,7 @@ def test_a_lead_is_sent_only_when_the_next_window_arrives_before_it_has_played()
 
 
 def test_capacity_follows_the_measured_step_times():
-    clock = StepClock(rows_per_second=82.03, max_batch=512)
+    clock = StepClock(rows_per_second=82.03, max_batch=512, headroom=0.92)
     assert clock.capacity() == 512  # nothing measured: the configured maximum
     for b, ms in ((64, 4.3), (128, 5.6), (256, 8.7)):
         for _ in range(10):
@@ -79,7 +79,7 @@ def test_capacity_follows_the_measured_step_times():
 
 
 def test_capacity_never_falls_below_a_batch_measured_on_time():
-    clock = StepClock(rows_per_second=82.03, max_batch=512)
+    clock = StepClock(rows_per_second=82.03, max_batch=512, headroom=0.92)
     for b in (186, 192, 189):  # all in the bucket keyed 181
         for _ in range(10):
             clock.record(b, 0.0094)
@@ -89,12 +89,12 @@ def test_capacity_never_falls_below_a_batch_measured_on_time():
     for _ in range(10):
         clock.record(235, 0.0118)  # past the budget (0.92 * 12.19 ms) at 235
     assert 192 <= clock.capacity() < 235
-    slow = StepClock(rows_per_second=82.03, max_batch=512)
+    slow = StepClock(rows_per_second=82.03, max_batch=512, headroom=0.92)
     for b, ms in ((152, 9.0), (192, 9.4)):  # a shallow slope: the crossing is far beyond (~373)
         for _ in range(10):
             slow.record(b, ms / 1000)
     assert slow.capacity() > 300
-    steep = StepClock(rows_per_second=82.03, max_batch=512)
+    steep = StepClock(rows_per_second=82.03, max_batch=512, headroom=0.92)
     for b, ms in ((152, 9.6), (192, 11.1)):  # a steep slope crosses the budget at ~193
         for _ in range(10):
             steep.record(b, ms / 1000)
@@ -102,7 +102,7 @@ def test_capacity_never_falls_below_a_batch_measured_on_time():
 
 
 def test_a_batch_measured_slow_long_ago_stops_capping_the_capacity():
-    clock = StepClock(rows_per_second=82.03, max_batch=512)
+    clock = StepClock(rows_per_second=82.03, max_batch=512, headroom=0.92)
     for b, ms in ((64, 4.3), (128, 5.6)):
         for _ in range(10):
             clock.record(b, ms / 1000, now=100.0)
@@ -128,3 +128,22 @@ def test_promises_to_a_listener_are_made_on_slow_steps_not_average_ones():
     frame = 2048 / 24000
     assert lead_fits(7, frame, 0.0074, latency_s=0.025)
     assert not lead_fits(7, frame, uneven.row_period_high(), latency_s=0.025)
+
+
+def test_the_next_frame_is_timed_by_the_spans_of_recent_steps():
+    frame = 2048 / 24000
+    clock = StepClock(82.03, 512)
+    for i in range(96):
+        clock.record(192, 0.030 if i % 12 == 0 else 0.009)  # a prefill step now and then
+    # Seven steps hold at most one slow step: 6 * 9 + 30 = 84 ms. Charging the slow step's spread
+    # to every row says more, and would hold first chunks for a third frame sooner.
+    assert clock.rows_time_high(7) == pytest.approx(0.084, abs=1e-6)
+    assert clock.rows_time_high(7) < 7 * clock.row_period_high()
+    assert lead_fits(7, 2 * frame, clock.rows_time_high(7) / 7, latency_s=0.025)
+    for _ in range(3):
+        clock.record(192, 0.030)  # the steps just got slower: the latest span says so at once
+    assert clock.rows_time_high(7) == pytest.approx(4 * 0.009 + 3 * 0.030, abs=1e-6)
+    fresh = StepClock(82.03, 512)
+    for _ in range(10):
+        fresh.record(64, 0.005)
+    assert fresh.rows_time_high(7) == pytest.approx(7 * fresh.row_period_high())  # too few yet
