@@ -60,7 +60,6 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     log_level: str = "INFO"
     disable_cuda_graph: bool = False
     mps: str = "off"  # serve: off | on | auto (CUDA MPS for the GPU processes, see common/mps.py)
-    mps_codec_share: int = 0  # serve, with MPS: percent of the SMs the codec_worker may use at once (0 = all)
     addresses: Addresses | None = None
     run_dir: str = ""
 
@@ -319,13 +318,6 @@ OPTIONS: tuple[Option, ...] = (
         "nvidia-cuda-mps-control is installed and a CUDA client works under its daemon) or off",
         ("serve",),
         choices=("off", "on", "auto"),
-    ),
-    Option(
-        "mps_codec_share",
-        "with MPS: the share of the GPU's SMs, in percent, that the codec_worker's kernels may take at "
-        "once (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), leaving the rest to the LM's steps; 0 = no limit",
-        ("serve",),
-        int,
     ),
     Option("run_dir", "directory for ipc:// sockets and taps (default: a private temp dir)", ("serve",)),
     Option(

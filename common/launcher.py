@@ -96,9 +96,6 @@ class Supervisor:
         env["PYTHONPATH"] = _ROOT + os.pathsep + env.get("PYTHONPATH", "")
         if self.mps is not None and child.role in GPU_ROLES:
             env.update(self.mps.env)
-            share = self.cfg.mps_codec_share
-            if child.role == "codec_worker" and 0 < share < 100:
-                env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(share)
         return env
 
     def _spawn(self, child: Child) -> None:
