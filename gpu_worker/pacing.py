@@ -69,7 +69,6 @@ class StepClock:
         self._dts: deque[float] = deque(maxlen=RECENT_STEPS)  # the latest intervals, any batch
         self._prefills: deque[bool] = deque(maxlen=2)  # whether the last two launched steps had prompts
         self._extra = 0.0  # average seconds a step spends on prompts beyond its decode time
-        self._prefill_share = 0.0  # average share of steps with prompts
         self._span_high: dict[int, float] = {}  # rows → rows_time_high, until the next record
 
     def tick(self, batch: int, prefill: bool = False) -> None:
@@ -101,9 +100,8 @@ class StepClock:
         measured = self._count.get(key, 0) >= _MIN_SAMPLES
         extra = max(0.0, dt - self._ema[key]) if prefill and measured else 0.0
         self._extra += PREFILL_ALPHA * (extra - self._extra)
-        self._prefill_share += PREFILL_ALPHA * (prefill - self._prefill_share)
-        if prefill and self._prefill_share < 0.875:
-            return  # (when nearly every step has prompts, decode times come from those steps)
+        if prefill:
+            return
         if now - self._seen.get(key, now) > STALE_S:
             self._count[key] = 0  # stale: start this bucket's average afresh
         self._seen[key] = now
