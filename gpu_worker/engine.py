@@ -273,7 +273,7 @@ class Engine:
         batch = [r for r in self.running.values() if len(r.prompt) + r.n_launched < r.budget]
         batch.sort(key=lambda r: r.n_ctx != 0)  # new requests first: runners split prefill/decode
         self.last_batch_size = len(batch)
-        self.clock.tick(len(batch), prefill=bool(batch) and batch[0].n_ctx == 0)
+        self.clock.tick(len(batch))
         previous, self._inflight = self._inflight, (self._launch(batch) if batch else None)
         chunks = self._consume(previous) if previous is not None else []
         if not chunks and not self._finished:

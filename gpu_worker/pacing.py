@@ -34,16 +34,11 @@ RECENT_STEPS, MIN_SPANS, SPAN_QUANTILE = 96, 16, 0.95
 # (bench/results/h200-load-2026-11-29-session6-xqa.json). A stream's lead, and its switch to
 # regular windows, build from that surplus; 0.92 let admission fill a worker to ~1.09x.
 HEADROOM = 0.8
-# How fast the average time prefill adds to a step follows the arrival rate (per step).
-PREFILL_ALPHA = 0.01
 # A bucket not measured for this long stops counting. Admission keeps batches below the capacity,
 # so a large batch once measured slow (a burst of prefills, say) would otherwise cap the capacity
 # for good: measured on the H200, one such moment held a server to ~140 streams for minutes while
 # its steady step times allowed ~350. Forgetting it lets admission probe that batch size again.
 STALE_S = 20.0
-# A bucket measured within the budget counts this long: under a steady load the batch stays in one
-# or two buckets, and the slope to extrapolate from needs a smaller batch measured earlier.
-FIT_STALE_S = 120.0
 
 
 def _bucket(batch: int) -> int:
@@ -67,41 +62,21 @@ class StepClock:
         self._spread = 0.0  # EMA of how far an interval lands from that average
         self._last: float | None = None
         self._dts: deque[float] = deque(maxlen=RECENT_STEPS)  # the latest intervals, any batch
-        self._prefills: deque[bool] = deque(maxlen=2)  # whether the last two launched steps had prompts
-        self._extra = 0.0  # average seconds a step spends on prompts beyond its decode time
         self._span_high: dict[int, float] = {}  # rows → rows_time_high, until the next record
 
-    def tick(self, batch: int, prefill: bool = False) -> None:
-        """Call once per launched step with its batch size (0 when the engine had nothing to run)
-        and whether it brings prompts. The interval since the last call is the time the previous
-        steps took (the engine runs one step ahead), so it counts as a prefill step when either of
-        the two launched before this one had prompts."""
+    def tick(self, batch: int) -> None:
+        """Call once per launched step with its batch size (0 when the engine had nothing to run)."""
         now = time.perf_counter()
         last, self._last = self._last, (now if batch else None)
-        affected = any(self._prefills)
-        self._prefills.append(prefill)
         if last is not None and batch:  # else the engine was idle in between: not a step
-            self.record(batch, now - last, prefill=affected)
+            self.record(batch, now - last)
 
-    def record(self, batch: int, dt: float, now: float | None = None, prefill: bool = False) -> None:
-        """One step of `batch` requests took `dt` seconds from the previous one. Steps with prompt
-        rows (`prefill`) count for the row period and the spans, but not in the per-batch decode
-        times: what they add goes into the average prefill time per step instead, which comes off
-        the capacity's budget (so a burst of arrivals, all prefill, never reads as slow decoding)."""
+    def record(self, batch: int, dt: float, now: float | None = None) -> None:
+        """One step of `batch` requests took `dt` seconds from the previous one."""
         key = _bucket(batch)
         now = time.perf_counter() if now is None else now
         self._dts.append(dt)
         self._span_high.clear()
-        if self._recent == 0.0:
-            self._recent = dt
-        else:
-            self._spread += 0.2 * (abs(dt - self._recent) - self._spread)
-            self._recent += 0.2 * (dt - self._recent)
-        measured = self._count.get(key, 0) >= _MIN_SAMPLES
-        extra = max(0.0, dt - self._ema[key]) if prefill and measured else 0.0
-        self._extra += PREFILL_ALPHA * (extra - self._extra)
-        if prefill:
-            return
         if now - self._seen.get(key, now) > STALE_S:
             self._count[key] = 0  # stale: start this bucket's average afresh
         self._seen[key] = now
@@ -112,6 +87,11 @@ class StepClock:
         alpha = max(1.0 / (n + 1), 0.05)
         self._ema[key] = dt if n == 0 else self._ema[key] + alpha * (dt - self._ema[key])
         self._size[key] = batch if n == 0 else self._size[key] + alpha * (batch - self._size[key])
+        if self._recent == 0.0:
+            self._recent = dt
+        else:
+            self._spread += 0.2 * (abs(dt - self._recent) - self._spread)
+            self._recent += 0.2 * (dt - self._recent)
 
     def row_period(self) -> float:
         """Seconds per row at the current load (0.0 before any step was measured)."""
@@ -144,14 +124,13 @@ class StepClock:
 
     def capacity(self, now: float | None = None) -> float:
         """Concurrent streams this worker can keep real time (max_batch until measured)."""
-        budget = self.headroom * self.period - self._extra  # decode time per step it leaves
+        budget = self.headroom * self.period
         now = time.perf_counter() if now is None else now
         # (average batch, step time, bucket) of each bucket measured enough and lately
         points = sorted(
             (self._size[k], v, k)
             for k, v in self._ema.items()
-            if self._count[k] >= _MIN_SAMPLES
-            and now - self._seen[k] <= (FIT_STALE_S if v <= budget else STALE_S)
+            if self._count[k] >= _MIN_SAMPLES and now - self._seen[k] <= STALE_S
         )
         if not points:
             return float(self.max_batch)
@@ -169,18 +148,16 @@ class StepClock:
             (b1, v1, _), (b2, v2, _) = points[i], points[i + 1]
             slope = max((v2 - v1) / max(b2 - b1, 1e-9), 1e-9)
             return float(min(self.max_batch, max(floor, b1 + (budget - v1) / slope)))
-        # Nothing measured too slow: extrapolate along the line from the smallest batch measured to
-        # the largest (decode time grows ~linearly; neighbouring buckets under a steady load differ
-        # by noise, which swung the slope between flat and steep), and at least in proportion to
-        # the largest (a step has a fixed part, so its time grows slower than the batch).
-        b1, v1, _ = points[i]
-        ahead = floor * budget / v1
+        # Nothing measured too slow: extrapolate, at least in proportion to the largest batch
+        # measured (a step has a fixed part, so its time grows slower than the batch). Under a
+        # steady load the batch sizes stay in one or two buckets: the slope between them is noise,
+        # and one alone has none.
+        ahead = floor * budget / points[i][1]
         if len(points) == 1:
-            return float(self.max_batch) if v1 <= 0.5 * budget else min(self.max_batch, ahead)
-        b0, v0, _ = points[0] if b1 - points[0][0] >= 0.25 * b1 else points[-2]
-        if v1 <= v0:
-            return float(min(self.max_batch, max(floor, ahead)))  # no slope to trust
-        return float(min(self.max_batch, max(floor, ahead, b1 + (budget - v1) * (b1 - b0) / (v1 - v0))))
+            return float(self.max_batch) if points[0][1] <= 0.5 * budget else min(self.max_batch, ahead)
+        (b1, v1, _), (b2, v2, _) = points[-2], points[-1]  # decode time grows ~linearly
+        slope = max((v2 - v1) / max(b2 - b1, 1e-9), 1e-9)
+        return float(min(self.max_batch, max(floor, ahead, b1 + (budget - v1) / slope)))
 
 
 def lead_fits(
