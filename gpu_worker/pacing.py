@@ -39,6 +39,9 @@ HEADROOM = 0.8
 # for good: measured on the H200, one such moment held a server to ~140 streams for minutes while
 # its steady step times allowed ~350. Forgetting it lets admission probe that batch size again.
 STALE_S = 20.0
+# A bucket measured within the budget counts this long: under a steady load the batch stays in one
+# or two buckets, and the slope to extrapolate from needs a smaller batch measured earlier.
+FIT_STALE_S = 120.0
 
 
 def _bucket(batch: int) -> int:
@@ -130,7 +133,8 @@ class StepClock:
         points = sorted(
             (self._size[k], v, k)
             for k, v in self._ema.items()
-            if self._count[k] >= _MIN_SAMPLES and now - self._seen[k] <= STALE_S
+            if self._count[k] >= _MIN_SAMPLES
+            and now - self._seen[k] <= (FIT_STALE_S if v <= budget else STALE_S)
         )
         if not points:
             return float(self.max_batch)
@@ -148,16 +152,18 @@ class StepClock:
             (b1, v1, _), (b2, v2, _) = points[i], points[i + 1]
             slope = max((v2 - v1) / max(b2 - b1, 1e-9), 1e-9)
             return float(min(self.max_batch, max(floor, b1 + (budget - v1) / slope)))
-        # Nothing measured too slow: extrapolate, at least in proportion to the largest batch
-        # measured (a step has a fixed part, so its time grows slower than the batch). Under a
-        # steady load the batch sizes stay in one or two buckets: the slope between them is noise,
-        # and one alone has none.
-        ahead = floor * budget / points[i][1]
+        # Nothing measured too slow: extrapolate along the line from the smallest batch measured to
+        # the largest (decode time grows ~linearly; neighbouring buckets under a steady load differ
+        # by noise, which swung the slope between flat and steep), and at least in proportion to
+        # the largest (a step has a fixed part, so its time grows slower than the batch).
+        b1, v1, _ = points[i]
+        ahead = floor * budget / v1
         if len(points) == 1:
-            return float(self.max_batch) if points[0][1] <= 0.5 * budget else min(self.max_batch, ahead)
-        (b1, v1, _), (b2, v2, _) = points[-2], points[-1]  # decode time grows ~linearly
-        slope = max((v2 - v1) / max(b2 - b1, 1e-9), 1e-9)
-        return float(min(self.max_batch, max(floor, ahead, b1 + (budget - v1) / slope)))
+            return float(self.max_batch) if v1 <= 0.5 * budget else min(self.max_batch, ahead)
+        b0, v0, _ = points[0] if b1 - points[0][0] >= 0.25 * b1 else points[-2]
+        if v1 <= v0:
+            return float(min(self.max_batch, max(floor, ahead)))  # no slope to trust
+        return float(min(self.max_batch, max(floor, ahead, b1 + (budget - v1) * (b1 - b0) / (v1 - v0))))
 
 
 def lead_fits(

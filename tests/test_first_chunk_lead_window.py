@@ -69,8 +69,9 @@ def test_capacity_follows_the_measured_step_times():
     for b, ms in ((64, 4.3), (128, 5.6), (256, 8.7)):
         for _ in range(10):
             clock.record(b, ms / 1000)
-    # Extrapolated: 256 + (0.92 * 12.19 - 8.7) / ((8.7 - 5.6) / 128) ≈ 348 streams.
-    assert 330 < clock.capacity() < 365
+    # Extrapolated along the line from the smallest batch: 256 + (0.92 * 12.19 - 8.7) * 192 / 4.4
+    # ≈ 366 streams.
+    assert 355 < clock.capacity() < 375
     for _ in range(10):
         clock.record(362, 12.5 / 1000)  # measured too slow there: interpolate below it
     cap = clock.capacity()
@@ -147,3 +148,12 @@ def test_the_next_frame_is_timed_by_the_spans_of_recent_steps():
     for _ in range(10):
         fresh.record(64, 0.005)
     assert fresh.rows_time_high(7) == pytest.approx(7 * fresh.row_period_high())  # too few yet
+
+
+def test_noise_between_neighbouring_batches_does_not_swing_the_capacity():
+    clock = StepClock(82.03, 512)  # the default headroom: 0.8 * 12.19 = 9.75 ms a step
+    for b, ms in ((64, 4.3), (185, 8.8), (200, 8.7)):  # 200 measured a little faster than 185
+        for _ in range(10):
+            clock.record(b, ms / 1000)
+    # The slope from 185 to 200 is negative: the line from 64 to 200 is what extrapolates.
+    assert clock.capacity() == pytest.approx(200 + (0.8 / 82.03 - 0.0087) * 136 / 0.0044, abs=1)
