@@ -162,17 +162,22 @@ def greedy_graphs_vs_eager(engine, prompt) -> dict:
     }
 
 
+def parity_header() -> dict:
+    """A parity run's results header; TF32 off, so bf16 GEMMs are compared as such."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return {
+        "device": torch.cuda.get_device_name(),
+        "model": "orpheus-3b dummy bf16",
+        "date": time.strftime("%F"),
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_parity.json")
     ap.add_argument("--cpu", action="store_true", help="also compare with the CPU fp32 torch backend")
     args = ap.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    res: dict = {
-        "device": torch.cuda.get_device_name(),
-        "model": "orpheus-3b dummy bf16",
-        "date": time.strftime("%F"),
-    }
+    res = parity_header()
     ok = True
     spec = get_spec("orpheus")
     cls = load_program_class("orpheus")

@@ -15,12 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 import numpy as np
 import torch
 
-from bench.gpu_parity import forced_batches, greedy_batches, greedy_setup, run_forced
+from bench.gpu_parity import forced_batches, greedy_batches, greedy_setup, parity_header, run_forced
 from bench.prefill_parity import compare
 from gpu_worker.engine import EngineLimits
 from gpu_worker.kv_cache import allocate_kv_cache
@@ -41,12 +40,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="xqa_parity.json")
     args = ap.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    res: dict = {
-        "device": torch.cuda.get_device_name(),
-        "model": "orpheus-3b dummy bf16",
-        "date": time.strftime("%F"),
-    }
+    res = parity_header()
     program = load_program_class("orpheus")(get_spec("orpheus"), load_format="dummy", device="cuda",
                                             dtype=torch.bfloat16, lm_head="audio")  # fmt: skip
     program.load_lm()

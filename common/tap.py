@@ -203,7 +203,8 @@ class Timeline:
             reorder_s,
             out,
         )
-        self._arrival: OrderedDict[str, float] = OrderedDict()  # rid → arrival (bounded)
+        # rid → (arrival, whether it is the HTTP arrival) (bounded)
+        self._arrival: OrderedDict[str, tuple[float, bool]] = OrderedDict()
         self._heap: list[tuple[float, int, Event]] = []
         self._n = 0
 
@@ -211,9 +212,12 @@ class Timeline:
         now = time.monotonic()
         for e in events:
             arrival = e.pop("arrival", 0.0) or (e["time"] if e["stage"] in _ARRIVALS else 0.0)
-            # The HTTP arrival when seen (before the admission wait), else the segment's submission.
-            if arrival and (e["stage"] == "http_received" or e["rid"] not in self._arrival):
-                self._arrival[e["rid"]] = arrival
+            # The HTTP arrival when seen (before the admission wait), else the segment's submission
+            # (a later `received` of an id whose arrival was a submission: the id came back).
+            if arrival and (e["stage"] in _ARRIVALS or e["rid"] not in self._arrival):
+                seen = self._arrival.get(e["rid"])
+                if e["stage"] != "received" or seen is None or not seen[1]:
+                    self._arrival[e["rid"]] = (arrival, e["stage"] == "http_received")
                 while len(self._arrival) > 100_000:
                     self._arrival.popitem(last=False)
             if self.rids and e["rid"] not in self.rids:
@@ -231,7 +235,7 @@ class Timeline:
             _, _, e = heapq.heappop(self._heap)
             del e["_held"]
             if e["rid"] in self._arrival:
-                e = {"time": e["time"], "ms": round(1000 * (e["time"] - self._arrival[e["rid"]]), 3), **e}
+                e = {"time": e["time"], "ms": round(1000 * (e["time"] - self._arrival[e["rid"]][0]), 3), **e}
             print(json.dumps(e), file=self.out, flush=True)
 
 

@@ -105,8 +105,11 @@ async def speak(
         # `received` is its first segment's submission), so a timeline covers all the first audio a
         # client sees.
         waited = time.monotonic() - started
-        publish_stage(  # under its first segment's id, the one its other stages carry
-            synth.rids[0], "http_received", time.time() - waited, admission_wait_ms=round(1000 * waited, 2)
+        publish_stage(  # under its first segment's id, as its first audio's other stages
+            synth.rids[0],
+            "http_received",
+            time.time() - waited,
+            body_and_admission_ms=round(1000 * waited, 2),
         )
         if len(synth.segments) > 1:
             log.info("[%s] %d chars in %d segments", rid, len(params.text), len(synth.segments))
@@ -157,7 +160,7 @@ async def _pump(
         if data:
             await resp.write(wrap(data))
             if first:
-                publish_stage(rid, "first_byte_sent", bytes=len(data))
+                publish_stage(synth.rids[0], "first_byte_sent", bytes=len(data))  # the tap's id for it
                 first = False
         event = await synth.next()
     return event
@@ -208,7 +211,7 @@ async def _whole(
     if not event.complete:
         return error(503, ABORTED_BEFORE_END, headers), "server_error"
     body = await coder.finish()
-    publish_stage(rid, "first_byte_sent", bytes=len(body))  # aiohttp sends it as we return
+    publish_stage(synth.rids[0], "first_byte_sent", bytes=len(body))  # aiohttp sends it as we return
     log.info("[%s] returning %.2f s of audio", rid, _seconds(synth))
     return web.Response(body=body, headers={**headers, "Content-Type": coder.encoder.content_type}), "ok"
 

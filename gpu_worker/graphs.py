@@ -99,7 +99,7 @@ class GraphRunner:
         self.program = program
         self.kv_cache = kv_cache
         self.page_size = kv_cache.shape[3]
-        decode = resolve_decode_attention(limits.decode_attention, program.device, kv_cache.dtype)
+        decode = resolve_decode_attention(limits.decode_attention, kv_cache)
         self.eager = EagerRunner(
             program,
             FlashInferAttention(
@@ -222,6 +222,8 @@ class GraphRunner:
         decode part from a graph."""
         n_pre, n_dec = b.num_prefill, b.batch_size - b.num_prefill
         if b.batch_size > self.sizes[-1]:
+            if self.xqa is not None and b.meta is not None and n_pre:
+                self.xqa.admit(b.meta[0, :n_pre], b.page_tables[:n_pre])  # for their graph steps later
             return self.eager.forward(b)
         pre = b.part(0, n_pre) if n_pre else None
         dec = b.part(n_pre, b.batch_size) if n_dec else None

@@ -42,6 +42,9 @@ STALE_S = 20.0
 # A bucket measured within the budget counts this long: under a steady load the batch stays in one
 # or two buckets, and the slope to extrapolate from needs a smaller batch measured earlier.
 FIT_STALE_S = 120.0
+# How far beyond the largest batch measured within budget the capacity may be extrapolated: a factor,
+# or a number of streams where that is more.
+PROBE, PROBE_MIN = 1.5, 64
 
 
 def _bucket(batch: int) -> int:
@@ -60,7 +63,6 @@ class StepClock:
         self._size: dict[int, float] = {}  # bucket → average batch of its steps (the x of its point)
         self._count: dict[int, int] = {}
         self._seen: dict[int, float] = {}  # bucket → perf_counter of its last measurement
-        self._top: dict[int, int] = {}  # bucket → the largest batch measured in it
         self._recent = 0.0  # EMA of the interval at whatever the batch was lately
         self._spread = 0.0  # EMA of how far an interval lands from that average
         self._last: float | None = None
@@ -71,6 +73,9 @@ class StepClock:
         """Call once per launched step with its batch size (0 when the engine had nothing to run)."""
         now = time.perf_counter()
         last, self._last = self._last, (now if batch else None)
+        if not batch:  # idle: the steps before say nothing of the next ones' pace
+            self._dts.clear()
+            self._span_high.clear()
         if last is not None and batch:  # else the engine was idle in between: not a step
             self.record(batch, now - last)
 
@@ -84,7 +89,6 @@ class StepClock:
             self._count[key] = 0  # stale: start this bucket's average afresh
         self._seen[key] = now
         n = self._count.get(key, 0)
-        self._top[key] = batch if n == 0 else max(batch, self._top[key])
         self._count[key] = n + 1
         # Average the first samples plainly, then track drift (graphs warming up, context growth).
         alpha = max(1.0 / (n + 1), 0.05)
@@ -144,26 +148,25 @@ class StepClock:
             b, v, _ = points[0]
             return max(1.0, b * budget / v)
         i = fitting[-1]
-        # Never below a batch that was measured keeping time (the largest in that bucket): with
-        # the estimate below the streams already running, admission would hold new requests back
-        # from a worker that serves them on time.
-        floor = float(self._top[points[i][2]])
+        b1, v1, _ = points[i]  # the largest batch measured keeping time (its bucket's average)
+        # Never below it: with the estimate below the streams already running, admission would hold
+        # new requests back from a worker that serves them on time.
         if i + 1 < len(points):  # a larger measured batch is too slow: interpolate up to it
-            (b1, v1, _), (b2, v2, _) = points[i], points[i + 1]
+            b2, v2, _ = points[i + 1]
             slope = max((v2 - v1) / max(b2 - b1, 1e-9), 1e-9)
-            return float(min(self.max_batch, max(floor, b1 + (budget - v1) / slope)))
-        # Nothing measured too slow: extrapolate along the line from the smallest batch measured to
-        # the largest (decode time grows ~linearly; neighbouring buckets under a steady load differ
-        # by noise, which swung the slope between flat and steep), and at least in proportion to
-        # the largest (a step has a fixed part, so its time grows slower than the batch).
-        b1, v1, _ = points[i]
-        ahead = floor * budget / v1
-        if len(points) == 1:
-            return float(self.max_batch) if v1 <= 0.5 * budget else min(self.max_batch, ahead)
-        b0, v0, _ = points[0] if b1 - points[0][0] >= 0.25 * b1 else points[-2]
-        if v1 <= v0:
-            return float(min(self.max_batch, max(floor, ahead)))  # no slope to trust
-        return float(min(self.max_batch, max(floor, ahead, b1 + (budget - v1) * (b1 - b0) / (v1 - v0))))
+            return float(min(self.max_batch, max(b1, b1 + (budget - v1) / slope)))
+        # Nothing measured too slow: at least in proportion to b1 (a step has a fixed part, so its
+        # time grows slower than the batch); along the line from a batch measured at least a
+        # quarter smaller, if any (decode time grows ~linearly; neighbouring buckets under a steady
+        # load differ by noise, which swung a slope between them from flat to steep); and no
+        # further than PROBE beyond b1, so admission finds a larger batch's time by measuring it.
+        ahead = b1 * budget / max(v1, 1e-9)
+        reach = max(PROBE * b1, b1 + PROBE_MIN)
+        if len(points) == 1:  # no slope: in proportion, or probe onwards from a lightly loaded GPU
+            return float(min(self.max_batch, max(ahead, reach) if v1 <= 0.5 * budget else ahead))
+        b0, v0, _ = points[0]
+        line = b1 + (budget - v1) * (b1 - b0) / (v1 - v0) if b1 - b0 >= 0.25 * b1 and v1 > v0 else 0.0
+        return float(min(self.max_batch, max(b1, ahead, min(line, reach))))
 
 
 def lead_fits(

@@ -102,7 +102,7 @@ def make_runner(program: LMProgram, kv_cache: torch.Tensor, limits, progress=Non
     from gpu_worker.xqa_backend import resolve_decode_attention
 
     if not limits.cuda_graphs:
-        decode = resolve_decode_attention(limits.decode_attention, program.device, kv_cache.dtype)
+        decode = resolve_decode_attention(limits.decode_attention, kv_cache)
         attn = FlashInferAttention(
             kv_cache, program.num_qo_heads, program.dtype, limits.decode_tensor_cores, decode
         )

@@ -33,18 +33,30 @@ def cuda_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def resolve_decode_attention(choice: str, device: torch.device, kv_dtype: torch.dtype) -> str:
-    """flashinfer or xqa. auto: XQA for an fp8 cache on Hopper (where it was measured faster),
-    FlashInfer otherwise; xqa: wherever XQA runs (SM 9.x, 10.x, 12.x)."""
+XQA_PAGE_SIZES = (16, 32, 64, 128)
+
+
+def resolve_decode_attention(choice: str, kv_cache: torch.Tensor) -> str:
+    """flashinfer or xqa for a cache [L, P, 2, page, Hkv, D]. auto: XQA for an fp8 cache on Hopper
+    (where it was measured faster) when XQA takes its page size and head size, FlashInfer
+    otherwise; xqa: wherever XQA runs (SM 9.x, 10.x, 12.x), or a clear error."""
     if choice not in DECODE_ATTENTION:
         raise ValueError(f"decode attention must be one of {', '.join(DECODE_ATTENTION)}, not {choice!r}")
-    if device.type != "cuda" or choice == "flashinfer":
+    if kv_cache.device.type != "cuda" or choice == "flashinfer":
         return "flashinfer"
-    major = cuda_capability(device)[0]
-    if choice == "auto":
-        return "xqa" if major == 9 and kv_dtype == torch.float8_e4m3fn else "flashinfer"
+    major = cuda_capability(kv_cache.device)[0]
+    page, head_dim = kv_cache.shape[3], kv_cache.shape[5]
+    why_not = ""
     if major not in (9, 10, 12):
-        raise ValueError(f"--decode-attention xqa needs an SM 9.x, 10.x or 12.x GPU, not SM {major}.x")
+        why_not = f"needs an SM 9.x, 10.x or 12.x GPU, not SM {major}.x"
+    elif page not in XQA_PAGE_SIZES:
+        why_not = f"takes pages of {', '.join(map(str, XQA_PAGE_SIZES))} tokens, not {page} (--page-size)"
+    elif head_dim % 16 or head_dim > 256:
+        why_not = f"takes head sizes that are multiples of 16 up to 256, not {head_dim}"
+    if choice == "auto":
+        return "xqa" if not why_not and major == 9 and kv_cache.dtype == torch.float8_e4m3fn else "flashinfer"
+    if why_not:
+        raise ValueError(f"--decode-attention xqa {why_not}")
     return "xqa"
 
 

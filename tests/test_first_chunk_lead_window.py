@@ -81,25 +81,37 @@ def test_capacity_follows_the_measured_step_times():
 
 def test_capacity_never_falls_below_a_batch_measured_on_time():
     clock = StepClock(rows_per_second=82.03, max_batch=512, headroom=0.92)
-    for b in (186, 192, 189):  # all in the bucket keyed 181
+    for b in (186, 192, 189):  # all in the bucket keyed 181: its batches average 189
         for _ in range(10):
             clock.record(b, 0.0094)
-    # One bucket measured: in proportion from the largest batch it held on time (not its key,
-    # 181): 192 * (0.92 * 12.19) / 9.4 ≈ 229.
-    assert clock.capacity() == pytest.approx(229, abs=1)
+    # One bucket measured: in proportion from its average batch (not its key, 181):
+    # 189 * (0.92 * 12.19) / 9.4 ≈ 225.5.
+    assert clock.capacity() == pytest.approx(225.5, abs=1)
     for _ in range(10):
         clock.record(235, 0.0118)  # past the budget (0.92 * 12.19 ms) at 235
-    assert 192 <= clock.capacity() < 235
-    slow = StepClock(rows_per_second=82.03, max_batch=512, headroom=0.92)
-    for b, ms in ((152, 9.0), (192, 9.4)):  # a shallow slope: the crossing is far beyond (~373)
-        for _ in range(10):
-            slow.record(b, ms / 1000)
-    assert slow.capacity() > 300
+    assert 189 <= clock.capacity() < 235
     steep = StepClock(rows_per_second=82.03, max_batch=512, headroom=0.92)
-    for b, ms in ((152, 9.6), (192, 11.1)):  # a steep slope crosses the budget at ~193
+    for b, ms in ((152, 9.6), (192, 11.1)):  # neighbours: no slope, in proportion from 192
         for _ in range(10):
             steep.record(b, ms / 1000)
     assert 192 < steep.capacity() < 200
+
+
+def test_capacity_extrapolates_a_bounded_step_beyond_what_was_measured():
+    shallow = StepClock(rows_per_second=82.03, max_batch=512, headroom=0.92)
+    for b, ms in ((128, 8.6), (192, 9.4)):  # the line from 128 crosses the budget at ~337
+        for _ in range(10):
+            shallow.record(b, ms / 1000)
+    assert shallow.capacity() == pytest.approx(1.5 * 192)  # no more than half again beyond 192
+    flat = StepClock(82.03, 512)  # the default headroom: 9.75 ms
+    for b, ms in ((185, 8.70), (200, 8.75)):  # neighbours a hair apart: no slope to trust
+        for _ in range(10):
+            flat.record(b, ms / 1000)
+    assert flat.capacity() == pytest.approx(200 * 0.8 / 82.03 / 0.00875, abs=1)
+    idle = StepClock(82.03, 512)
+    for _ in range(10):
+        idle.record(1, 0.0034)  # one stream on a GPU with room to spare: probe from there
+    assert idle.capacity() == pytest.approx(1 + 64)
 
 
 def test_a_batch_measured_slow_long_ago_stops_capping_the_capacity():
@@ -148,6 +160,8 @@ def test_the_next_frame_is_timed_by_the_spans_of_recent_steps():
     for _ in range(10):
         fresh.record(64, 0.005)
     assert fresh.rows_time_high(7) == pytest.approx(7 * fresh.row_period_high())  # too few yet
+    clock.tick(0)  # the engine went idle: the next requests start from a clean slate
+    assert clock.rows_time_high(7) == pytest.approx(7 * clock.row_period_high())
 
 
 def test_noise_between_neighbouring_batches_does_not_swing_the_capacity():
