@@ -126,5 +126,5 @@ class FlashInferAttention:
         cache[self._write_page, 0, self._write_off] = k.to(cache.dtype)
         cache[self._write_page, 1, self._write_off] = v.to(cache.dtype)
         if self._xqa_rows:
-            return self.xqa.run(layer, q, self._xqa_rows)
+            return self.xqa.run(q, cache, self._xqa_rows)
         return self._wrapper.run(q, cache)

@@ -59,13 +59,13 @@ def decode_buckets(max_batch: int, min_batch: int = 1) -> list[int]:
     return sorted({*(s for s in sizes if min_batch <= s < max_batch), max(min_batch, max_batch)})
 
 
-def decode_spans(bmax: int, n_codebooks: int, max_pages: int = 0, slots: bool = False) -> dict[str, int]:
+def decode_spans(bmax: int, n_codebooks: int, max_pages: int = 0) -> dict[str, int]:
     """Arena spans of the decode graphs; meta (slot, tokens sampled, prompt length) covers every
     request of the step, prefill ones included; d_kv holds the decode batch's KV page indices for
-    FlashInfer (last, so a decode-only step copies only the indices it uses), d_slot its rows'
-    slots for XQA (`slots`), which keeps their page tables on the device."""
+    FlashInfer (last, so a decode-only step copies only the indices it uses; XQA keeps each slot's
+    pages on the device and needs none)."""
     spans = {"ids": bmax * n_codebooks, "pos": bmax, "page": bmax, "off": bmax, "meta": 3 * bmax}
-    return {**spans, "d_slot": bmax if slots else 0, "d_kv": 0 if slots else max_pages}
+    return {**spans, "d_kv": max_pages}
 
 
 def fill_decode(arena: InputArena, dec: StepBatch, page_size: int) -> None:
@@ -118,7 +118,7 @@ class GraphRunner:
         if decode == "xqa":
             per_request = pages_for(limits.max_context + 1, self.page_size)
             self.xqa = XqaDecode(kv_cache, limits.max_batch_size, per_request, bmax)
-        spans = decode_spans(bmax, c, max_pages, slots=self.xqa is not None)
+        spans = decode_spans(bmax, c, 0 if self.xqa is not None else max_pages)
         for lane in range(PREFILL_LANES):
             spans |= prefill_spans(rows, reqs, c, p_pages, lane)
         self.arena = InputArena(spans, dev)
@@ -200,15 +200,12 @@ class GraphRunner:
     ) -> tuple[torch.cuda.CUDAGraph, object, tuple[torch.Tensor, torch.Tensor]]:
         p, c, a = self.program, self.program.n_codebooks, self.arena
         ids, pos = a.dev_view("ids", bs * c).view(bs, c), a.dev_view("pos", bs)
-        page, off = a.dev_view("page", bs), a.dev_view("off", bs)
-        if wrapper is None:  # XQA
-            attn = self.xqa.attention(bs, page, off, pos)
-        else:
-            attn = GraphAttention(self.kv_cache, wrapper, page, off)
+        xqa = self.xqa.wrapper(bs, pos) if wrapper is None else None
+        attn = GraphAttention(self.kv_cache, xqa or wrapper, a.dev_view("page", bs), a.dev_view("off", bs))
 
         def step() -> tuple[torch.Tensor, torch.Tensor]:
-            if wrapper is None:
-                attn.prepare()
+            if xqa is not None:
+                xqa.prepare()
             hidden = p.backbone(p.embed(ids), pos, attn)  # [bs, H]
             return p.head(hidden).float(), hidden  # [bs, C', V], [bs, H]
 
@@ -221,9 +218,9 @@ class GraphRunner:
         EagerRunner): the prefill part from a graph (or eagerly when no bucket holds it), the
         decode part from a graph."""
         n_pre, n_dec = b.num_prefill, b.batch_size - b.num_prefill
+        if self.xqa is not None and b.meta is not None and n_pre:
+            self.xqa.admit(b.meta[0, :n_pre], b.page_tables[:n_pre])  # new requests bring their pages
         if b.batch_size > self.sizes[-1]:
-            if self.xqa is not None and b.meta is not None and n_pre:
-                self.xqa.admit(b.meta[0, :n_pre], b.page_tables[:n_pre])  # for their graph steps later
             return self.eager.forward(b)
         pre = b.part(0, n_pre) if n_pre else None
         dec = b.part(n_pre, b.batch_size) if n_dec else None
@@ -251,8 +248,6 @@ class GraphRunner:
             fill_decode(a, dec, self.page_size)
             if xqa is None:
                 a.host_view("d_kv", n_kv).copy_(torch.from_numpy(kv[1]))
-            elif dec.meta is not None:
-                a.host_view("d_slot", n_dec).copy_(torch.from_numpy(np.ascontiguousarray(dec.meta[0])))
         if b.meta is not None:
             a.host_view("meta", b.meta.size).copy_(torch.from_numpy(b.meta.reshape(-1)))
         for lane, (p, lay) in enumerate(zip(pres, lays, strict=True)):
@@ -268,8 +263,6 @@ class GraphRunner:
                 self._plan(wrapper, kv[0], a.dev_view("d_kv", n_kv), kv[2])
             elif b.meta is None:  # no slots (offline use): the decode rows' tables from the host
                 xqa.set_rows(dec.page_tables, dec.kv_lens, grow=False)
-        if xqa is not None and b.meta is not None and n_pre:
-            xqa.admit(b.meta[0, :n_pre], b.page_tables[:n_pre])  # new requests bring their pages
         a.seal()
         # 3. Replay: prefill first (the capture order), then decode.
         parts, hiddens = [], []
@@ -287,8 +280,8 @@ class GraphRunner:
                 a.dev_view("ids", n_dec * self.program.n_codebooks).view(n_dec, -1).copy_(
                     b.last_rows[meta[0, n_pre:]]
                 )
-            if xqa is not None and b.meta is not None:
-                xqa.gather(a.dev_view("d_slot", n_dec))
+            if xqa is not None and meta is not None:
+                xqa.gather(meta[0, n_pre:])  # the decode rows' page tables, by slot
             graph.replay()
             parts.append(out[0][:n_dec])
             hiddens.append(out[1][:n_dec])

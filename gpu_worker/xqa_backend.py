@@ -11,7 +11,7 @@ XQA reads a dense page table, [batch, pages per request], and the requests' leng
 reserves a request's pages for its whole budget at admission, so each sampling slot's row of the
 table is written once, when its request brings its prompt (`admit`), and a step only gathers its
 decode rows' slots (`gather`, a device op) and derives their lengths from their positions inside
-the captured graph (`XqaAttention.prepare`): no per-step page list leaves the host.
+the captured graph (`XqaWrapper.prepare`): no per-step page list leaves the host.
 
 A request is never split over several thread blocks (XQA is told it has one SM, which is what its
 split rule reads): each request's attention reduces in the same order at any batch size.
@@ -68,7 +68,6 @@ class XqaDecode:
 
         dev = kv_cache.device
         self.kernel = xqa
-        self.kv_cache = kv_cache  # [L, P, 2, page, Hkv, D]
         self.page_size, self.num_kv_heads = kv_cache.shape[3], kv_cache.shape[4]
         i32 = dict(dtype=torch.int32, device=dev)
         # Rows of never-used slots, and columns past a request's pages, hold page 0: a padding row
@@ -107,14 +106,13 @@ class XqaDecode:
         self.table[:n] = to_device(torch.from_numpy(host), self.table.device)
         self.lens[:n] = to_device(torch.tensor(kv_lens, dtype=torch.int32), self.lens.device)
 
-    def attention(self, batch: int, page: torch.Tensor, off: torch.Tensor, pos: torch.Tensor | None):
-        """The attention a decode graph of `batch` rows captures (`pos`: where `prepare` reads the
-        rows' positions; None: `set_rows` gives the lengths)."""
-        return XqaAttention(self, batch, page, off, pos)
+    def wrapper(self, batch: int, pos: torch.Tensor) -> XqaWrapper:
+        """What a decode graph of `batch` rows captures in place of a FlashInfer wrapper; `pos`:
+        where it reads the rows' positions."""
+        return XqaWrapper(self, batch, pos)
 
-    def run(self, layer: int, q: torch.Tensor, batch: int) -> torch.Tensor:
-        """q [B, Hq, D] over layer `layer`'s cache → [B, Hq, D]."""
-        cache = self.kv_cache[layer]
+    def run(self, q: torch.Tensor, cache: torch.Tensor, batch: int) -> torch.Tensor:
+        """q [B, Hq, D] over one layer's cache [P, 2, page, Hkv, D] → [B, Hq, D]."""
         k, v = cache.unbind(1)  # [P, page, Hkv, D] each: strided views of the interleaved pages
         q = q.contiguous()
         out = torch.empty_like(q)
@@ -125,20 +123,16 @@ class XqaDecode:
         return out
 
 
-class XqaAttention:
-    """`attn.forward` for a decode graph: writes the rows' keys/values to their slots (as
-    `GraphAttention` does), then XQA over the gathered table."""
+class XqaWrapper:
+    """XQA in a decode graph, where `GraphAttention` takes a FlashInfer wrapper: it writes the rows'
+    keys/values, then `run`s attention over the gathered table."""
 
-    def __init__(self, xqa: XqaDecode, batch: int, page: torch.Tensor, off: torch.Tensor, pos) -> None:
-        self.xqa, self.batch, self.page, self.off, self.pos = xqa, batch, page, off, pos
+    def __init__(self, xqa: XqaDecode, batch: int, pos: torch.Tensor) -> None:
+        self.xqa, self.batch, self.pos = xqa, batch, pos
 
     def prepare(self) -> None:
         """Once per step, before the layers: each row attends to its position + 1 keys."""
-        if self.pos is not None:
-            self.xqa.lens[: self.batch].copy_(self.pos + 1)
+        self.xqa.lens[: self.batch].copy_(self.pos + 1)
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        cache = self.xqa.kv_cache[layer]  # [P, 2, page, Hkv, D]
-        cache[self.page, 0, self.off] = k.to(cache.dtype)
-        cache[self.page, 1, self.off] = v.to(cache.dtype)
-        return self.xqa.run(layer, q, self.batch)
+    def run(self, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        return self.xqa.run(q, cache, self.batch)
