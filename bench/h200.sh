@@ -4,7 +4,7 @@
 #   bash bench/h200.sh STAGE [STAGE ...]     (carry .whl and .devcache; see ../shared/device/README.md)
 #
 # Stages: parity, invariance, codec-passes, speed, offline, lm-options, load, load-mps, load-adaptive, csm,
-# csm-load, attention, xqa, profile.
+# csm-load, attention, xqa, codec-profile, profile.
 # Every stage writes its JSON and log to $OUT and has its own timeout (VOXPIPE_STAGE_S, default 300 s).
 # The FlashInfer kernel cache travels in .devcache/fi_cache.tgz.* (a split tar: the device returns
 # files of 16 MiB at most); this script restores it first and saves it to $OUT last when kernels were
@@ -80,6 +80,10 @@ for stage in "$@"; do
     attention)
         run attention python -m bench.attention_kv --variants "${VOXPIPE_ATTN_VARIANTS:-}" \
             --sizes "${VOXPIPE_ATTN_SIZES:-64,256,384,512}" --out "$OUT/attention.json"
+        ;;
+    codec-profile)
+        run codec-profile python -m bench.codec_profile --batch "${VOXPIPE_CODEC_BATCH:-128}" \
+            --compile-modes "${VOXPIPE_COMPILE_MODES:-}" --out "$OUT/codec-profile.json"
         ;;
     profile) run profile python -m bench.profile_step --batch 384 --lm-head audio ;;
     *) echo "unknown stage $stage" ;;

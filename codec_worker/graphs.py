@@ -49,8 +49,11 @@ class DetokGraphs:
         rows: int = 0,
         pool: tuple | None = None,
         tail: int = 0,
+        detokenize: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         self.program = program
+        # What the graphs capture: the program's detokenize, or a compiled one (regular windows).
+        self.detokenize = detokenize or (lambda t, k: program.detokenize(t, k, tail_rows=self.tail))
         self.sizes = codec_buckets(max_batch)
         self.max_batch = self.sizes[-1]
         p, dev = program, program.device
@@ -87,7 +90,7 @@ class DetokGraphs:
     @torch.inference_mode()
     def _capture(self, bs: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
         def step() -> tuple[torch.Tensor, torch.Tensor]:
-            audio, valid = self.program.detokenize(self.tokens[:bs], self.keys[:bs], tail_rows=self.tail)
+            audio, valid = self.detokenize(self.tokens[:bs], self.keys[:bs])
             return pcm16(audio), valid
 
         graph, (pcm, valid) = capture(step, self.pool)

@@ -48,10 +48,21 @@ class Codec:
     it replays captured graphs per row count and batch bucket unless `graphs` is False."""
 
     def __init__(
-        self, program: LMProgram, max_batch: int = 64, graphs: bool = True, progress=None, tails: bool = False
+        self,
+        program: LMProgram,
+        max_batch: int = 64,
+        graphs: bool = True,
+        progress=None,
+        tails: bool = False,
+        compile_backend: str | None = None,
     ) -> None:
         self.program = program
         self.device = program.device
+        # Regular windows through the program's compiled decode (`compile_backend`: torch.compile's
+        # backend; None: not compiled), graphed or eager like the others.
+        self.compiled = program.compiled_detokenize(compile_backend) if compile_backend else None
+        if compile_backend and self.compiled is None:
+            raise ValueError(f"--codec-compile on: {program.name} has no compiled codec")
         # Largest batch decoded at once, per window kind (rows, tail rows): regular windows, lead
         # and start windows, and with `tails` (--first-chunk progressive) the tail windows of 1-4 frames (a
         # tail of all its rows is the whole window: kind (rows, 0), see `_kind`).
@@ -66,8 +77,9 @@ class Codec:
         if graphs and self.device.type == "cuda":
             pool = torch.cuda.graph_pool_handle()
             for (rows, tail), limit in self.limits.items():
+                fn = self.compiled if (rows, tail) == (p.detok_interval, 0) else None
                 self.graphs[rows, tail] = DetokGraphs(
-                    program, limit, progress, rows=rows, tail=tail, pool=pool
+                    program, limit, progress, rows=rows, tail=tail, pool=pool, detokenize=fn
                 )
         else:
             self.limits = {kind: max_batch for kind in self.limits}  # eager: any batch
@@ -82,7 +94,10 @@ class Codec:
         self, tokens: np.ndarray, keys: np.ndarray, tail: int = 0
     ) -> tuple[np.ndarray, np.ndarray]:
         t, k = torch.from_numpy(tokens).to(self.device), torch.from_numpy(keys).to(self.device)
-        audio, valid = self.program.detokenize(t, k, tail_rows=tail)
+        if self.compiled is not None and not tail and t.shape[1] == self.program.detok_interval:
+            audio, valid = self.compiled(t, k)
+        else:
+            audio, valid = self.program.detokenize(t, k, tail_rows=tail)
         return pcm16(audio).cpu().numpy(), valid.cpu().numpy()  # [Bd, S], [Bd]
 
     def decode(self, chunks: list[DetokChunk]) -> list[AudioChunk]:
@@ -139,6 +154,23 @@ class Codec:
         return out  # type: ignore[return-value]
 
 
+def codec_compile_backend(choice: str, device: str, program: LMProgram, graphs: bool) -> str | None:
+    """--codec-compile → torch.compile's backend for the regular windows, or None: `on` compiles
+    (with Triton on a GPU), `off` never, `auto` when the windows run as CUDA graphs on a GPU with
+    Triton and the program has a compiled codec (a CPU compile needs a C++ toolchain and gains
+    little there)."""
+    if choice == "off":
+        return None
+    if choice == "on":
+        return "inductor"
+    from torch.utils._triton import has_triton
+
+    gpu = device.startswith("cuda") and graphs and has_triton()
+    return (
+        "inductor" if gpu and type(program).compiled_detokenize is not LMProgram.compiled_detokenize else None
+    )
+
+
 class CodecWorker:
     def __init__(self, cfg: ServeConfig, status: StatusReporter) -> None:
         assert cfg.addresses is not None
@@ -162,6 +194,9 @@ class CodecWorker:
             graphs=not cfg.disable_cuda_graph,
             progress=lambda msg: status.set(ProcState.LOADING, msg),
             tails=cfg.first_chunk == "progressive",
+            compile_backend=codec_compile_backend(
+                cfg.codec_compile, device, program, not cfg.disable_cuda_graph
+            ),
         )
         self.status = status
         self.inbox: PullChannel[CodecInMsg] = PullChannel(cfg.addresses.codec_in, CodecInMsg, bind=True)

@@ -20,6 +20,7 @@ apart from N/B/Bd, state only in buffers, randomness only from the keys passed i
 | `candidates(n_audio)` | gpu_worker | yes | [B] int64 → [B, K] int64 token ids (constrained sampling) |
 | `classify(tokens, n_audio)` | gpu_worker | yes | [B, C] int64, [B] int64 → kinds [B] int64 (TokenKind) |
 | `detokenize(tokens, keys, tail_rows=0)` | codec_worker | yes | [Bd, R, C] int64 (R = detok_interval, or one of `detok_lead`), keys [Bd] int64 → audio [Bd, S] float in [-1, 1] (S = detok_samples for a regular window, R / s * detok_samples for a lead window, tail_rows / s * detok_samples for a tail window), valid [Bd] bool |
+| `compiled_detokenize()` | codec_worker | — | optional: a function equal to `detokenize(tokens, keys)` for regular windows, compiled (`torch.compile`, any batch size), or None (the default): the codec_worker captures it in the regular windows' graphs (`--codec-compile`) |
 | `preprocess(text, model_kwargs)` | tokenizer_worker | no | → prompt rows [R, C] int32; ValueError → HTTP 400 |
 
 Multi-codebook rows (C > 1): a row is one frame of C codebook ids (a program may also encode
@@ -84,6 +85,7 @@ attention over its request's context. Padding rows write to page 0 and their out
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -251,6 +253,13 @@ class LMProgram:
         self, tokens: torch.Tensor, keys: torch.Tensor, tail_rows: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
+
+    def compiled_detokenize(
+        self, backend: str = "inductor"
+    ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+        """`detokenize(tokens, keys)` of regular windows under torch.compile (`backend`), or None
+        when this program has no compiled codec."""
+        return None
 
     def pad_rows(self, n: int) -> np.ndarray:
         """[n, C] int32 rows the codec reads as "no audio here": before a request's first audio row

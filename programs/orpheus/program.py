@@ -149,6 +149,10 @@ class OrpheusProgram(LMProgram):
         tail_rows = 7) gives the last frame's 2048 samples of the R / 7-frame decode."""
         return self.codec.decode_orpheus_window(tokens, keys, tail_rows=tail_rows)
 
+    def compiled_detokenize(self, backend: str = "inductor"):
+        """The cropped SNAC decode of regular windows under torch.compile (SnacCodec.compiled)."""
+        return self.codec.compiled(backend) if self.codec.crop else None
+
     # --- prompts (tokenizer_worker) ------------------------------------------------------------
     def preprocess(self, text: str, model_kwargs: dict[str, str]) -> np.ndarray:
         """`[128259] + encode(f"{voice}: {text}") + [128009, 128260, 128261, 128257]` → [R, 1] int32."""

@@ -92,12 +92,14 @@ class _Conv(_Op):
     """Stride-1 conv with zero padding P: out[n] = sum_k w[k] · x[n - P + k·d], x = 0 outside."""
 
     module: nn.Conv1d
+    taps: bool = False  # a depthwise conv as a sum of shifted slices (see CroppedDecoder)
 
     def __post_init__(self) -> None:
         m = self.module
         if m.stride[0] != 1 or not isinstance(m.padding[0], int):
             raise NotImplementedError("cropping needs stride-1 convs with numeric padding")
         self.pad, self.dil, self.k = m.padding[0], m.dilation[0], m.kernel_size[0]
+        self.taps = self.taps and m.groups == m.in_channels == m.out_channels
 
     def t_out(self, t_in):
         return t_in + 2 * self.pad - self.dil * (self.k - 1)
@@ -115,7 +117,14 @@ class _Conv(_Op):
         if have_lo > want_lo or want_hi > have_hi:  # at the signal's edge: the full decode's zero padding
             x = F.pad(x, (have_lo - want_lo, want_hi - have_hi))
         m = self.module
-        return F.conv1d(x, m.weight, m.bias, 1, 0, m.dilation, m.groups)
+        if not self.taps:
+            return F.conv1d(x, m.weight, m.bias, 1, 0, m.dilation, m.groups)
+        n = x.shape[-1] - self.dil * (self.k - 1)
+        w = m.weight[:, 0, :, None]  # [C, k, 1]
+        y = w[:, 0] * x[..., :n]
+        for k in range(1, self.k):
+            y = y + w[:, k] * x[..., k * self.dil : k * self.dil + n]
+        return y if m.bias is None else y + m.bias[:, None]
 
     def macs(self, t_in, inp, out):
         m = self.module
@@ -222,22 +231,22 @@ class _Residual(_Chain):
 
 
 def _flatten(
-    module: nn.Module, noise: Callable[[int, int, int], torch.Tensor], blocks: dict[int, int]
+    module: nn.Module, noise: Callable[[int, int, int], torch.Tensor], blocks: dict[int, int], taps: bool
 ) -> list[_Op]:
     from snac.layers import DecoderBlock, NoiseBlock, ResidualUnit, Snake1d
 
     if isinstance(module, nn.Sequential):
-        return [op for child in module for op in _flatten(child, noise, blocks)]
+        return [op for child in module for op in _flatten(child, noise, blocks, taps)]
     if isinstance(module, ResidualUnit):
-        return [_Residual(_flatten(module.block, noise, blocks))]
+        return [_Residual(_flatten(module.block, noise, blocks, taps))]
     if isinstance(module, DecoderBlock):
-        return _flatten(module.block, noise, blocks)
+        return _flatten(module.block, noise, blocks, taps)
     if isinstance(module, NoiseBlock):
         return [_Noise(module, noise, blocks[id(module)])]
     if isinstance(module, nn.ConvTranspose1d):
         return [_ConvTranspose(module)]
     if isinstance(module, nn.Conv1d):
-        return [_Pointwise(module) if module.kernel_size[0] == 1 else _Conv(module)]
+        return [_Pointwise(module) if module.kernel_size[0] == 1 else _Conv(module, taps)]
     if isinstance(module, (Snake1d, nn.Tanh, nn.Identity)):
         return [_Pointwise(module)]
     raise NotImplementedError(f"no cropped decode for {type(module).__name__}")
@@ -247,9 +256,16 @@ class CroppedDecoder:
     """`decoder(z)[..., keep]` computed from the activations that reach `keep` only.
 
     `noise(block, start, n)` returns the keyed noise [B, n] of NoiseBlock number `block` (in
-    `decoder.modules()` order) at full-decode positions [start, start + n)."""
+    `decoder.modules()` order) at full-decode positions [start, start + n).
 
-    def __init__(self, decoder: nn.Module, noise: Callable[[int, int, int], torch.Tensor]) -> None:
+    `taps=True` computes each depthwise convolution as the sum of its k shifted, weighted slices
+    instead of a convolution kernel: slower eagerly (2k elementwise passes), but under
+    `torch.compile` the taps fuse with the Snakes around them into one kernel, where the depthwise
+    convolution kernels were the largest remaining cost (measured on the H200; SnacCodec.compiled)."""
+
+    def __init__(
+        self, decoder: nn.Module, noise: Callable[[int, int, int], torch.Tensor], taps: bool = False
+    ) -> None:
         from snac.layers import DecoderBlock, NoiseBlock
 
         blocks = {id(m): i for i, m in enumerate(m for m in decoder.modules() if isinstance(m, NoiseBlock))}
@@ -259,7 +275,7 @@ class CroppedDecoder:
             if isinstance(layer, DecoderBlock):
                 block += 1
             stage = f"block {block}" if isinstance(layer, DecoderBlock) else "out" if block else "conv in"
-            for op in _flatten(layer, noise, blocks):
+            for op in _flatten(layer, noise, blocks, taps):
                 op.stage = stage
                 ops.append(op)
         self.chain = _Chain(ops)

@@ -1,0 +1,102 @@
+"""The compiled SNAC decode (`--codec-compile`): the cropped decode with its depthwise convolutions
+as shifted sums (what torch.compile fuses with the Snakes around them) equals the convolution one,
+and the compiled function equals the eager decode at every batch size while compiling at most
+twice (batch size 1, and one dynamic batch size for the rest). The codec_worker's `Codec` sends
+regular windows through it and everything else (lead windows) through the program's `detokenize`.
+
+On CPU the compile uses the `aot_eager` backend: the same tracing, dynamic batch dimension and
+guards as the GPU's inductor, without needing a C++ toolchain here."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from codec_worker.worker import Codec, codec_compile_backend
+from common.messages import LEAD_NOISE_BASE, DetokChunk
+from programs import get_spec, load_program_class
+from programs.orpheus.codec import SnacCodec
+
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "programs", "orpheus", "configs")
+
+
+def _windows(seed: int, n: int, rows: int = 28) -> tuple[torch.Tensor, torch.Tensor]:
+    codes = torch.randint(0, 4096, (n, rows), generator=torch.Generator().manual_seed(seed))
+    tokens = (128266 + 4096 * (torch.arange(rows) % 7) + codes)[:, :, None]
+    return tokens, torch.arange(100 * seed, 100 * seed + n, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("config", ["snac-tiny.json", "snac_24khz.json"])
+def test_depthwise_taps_equal_the_convolution(config) -> None:
+    with open(os.path.join(CONFIGS, config)) as f:
+        codec = SnacCodec.from_config(json.load(f), seed=0)
+    taps = [
+        op for op in codec.cropped_taps.chain.ops for op in getattr(op, "ops", [op]) if getattr(op, "taps", 0)
+    ]
+    assert len(taps) >= 4  # every residual unit's depthwise convolution (and conv in, when depthwise)
+    tokens, keys = _windows(1, 3)
+    conv, _ = codec.decode_orpheus_window(tokens, keys)
+    summed, _ = codec.decode_orpheus_window(tokens, keys, taps=True)
+    torch.testing.assert_close(summed, conv, atol=2e-6, rtol=0)
+    assert conv.abs().max() > 0.05  # not silence
+
+
+def test_compiled_decode_equals_eager_at_every_batch_size_compiling_at_most_twice() -> None:
+    with open(os.path.join(CONFIGS, "snac-tiny.json")) as f:
+        codec = SnacCodec.from_config(json.load(f), seed=0)
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    fn = codec.compiled(backend="aot_eager")
+    for seed, n in enumerate((5, 3, 1, 2, 7, 1)):
+        tokens, keys = _windows(seed, n)
+        tokens[0, 0, 0] = 5 if n == 3 else tokens[0, 0, 0]  # an invalid window stays flagged
+        got, valid = fn(tokens, keys)
+        want, want_valid = codec.decode_orpheus_window(tokens, keys)
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
+        assert torch.equal(valid, want_valid)
+    assert 1 <= counters["stats"]["unique_graphs"] - before <= 2
+    with pytest.raises(ValueError, match="28-row"):
+        fn(*_windows(0, 2, rows=14))
+
+
+def _chunk(seed: int, index: int, rows: int) -> DetokChunk:
+    tokens, _ = _windows(seed, 1, rows)
+    noise_id = LEAD_NOISE_BASE + rows if rows < 28 else index
+    return DetokChunk(
+        f"r{seed}", index, seed=seed, tokens=tokens.int().numpy().astype("<i4").tobytes(), noise_id=noise_id
+    )
+
+
+def test_codec_worker_decodes_regular_windows_compiled_and_lead_windows_eagerly() -> None:
+    program = load_program_class("orpheus-tiny")(get_spec("orpheus-tiny"), load_format="dummy")
+    program.load_codec()
+    plain = Codec(program, max_batch=4, graphs=False)
+    torch._dynamo.reset()
+    compiled = Codec(program, max_batch=4, graphs=False, compile_backend="aot_eager")
+    assert compiled.compiled is not None
+    chunks = [_chunk(s, i, rows) for s, (i, rows) in enumerate([(0, 28), (0, 7), (1, 28), (0, 14), (2, 28)])]
+    before = counters["stats"]["calls_captured"]
+    got, want = compiled.decode(chunks), plain.decode(chunks)
+    assert counters["stats"]["calls_captured"] > before  # the regular windows went through the compile
+    assert [(a.rid, a.index, len(a.pcm)) for a in got] == [(a.rid, a.index, len(a.pcm)) for a in want]
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(
+            np.frombuffer(a.pcm, "<i2").astype(int), np.frombuffer(b.pcm, "<i2").astype(int), atol=1
+        )
+
+
+def test_codec_compile_setting() -> None:
+    orpheus = load_program_class("orpheus-tiny")(get_spec("orpheus-tiny"), load_format="dummy")
+    csm = load_program_class("csm-tiny")(get_spec("csm-tiny"), load_format="dummy")
+    assert codec_compile_backend("off", "cuda", orpheus, True) is None
+    assert codec_compile_backend("on", "cpu", orpheus, False) == "inductor"
+    assert codec_compile_backend("auto", "cpu", orpheus, True) is None  # a CPU: not worth a compile
+    assert codec_compile_backend("auto", "cuda", orpheus, False) is None  # eager windows on a GPU
+    assert codec_compile_backend("auto", "cuda", csm, True) is None  # no compiled Mimi
+    with pytest.raises(ValueError, match="no compiled codec"):
+        Codec(csm, max_batch=2, graphs=False, compile_backend="inductor")
