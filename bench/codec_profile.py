@@ -8,6 +8,7 @@ At one batch size (default 128) of 4-frame windows, cropped decode (the codec_wo
   (one fused elementwise kernel instead of five), then graphed;
 - `compiled_taps`: `SnacCodec.compiled()`, what the codec_worker runs with `--codec-compile`: the
   cropped decode with depthwise convolutions as shifted sums, compiled once for every batch size;
+- `compiled_taps_inlined`: the same with inductor's default inlining (a Snake recomputed per tap);
 - `compiled_<mode>` (--compile-modes): `torch.compile` of the cropped decode without taps, graphed.
 Then graph against compiled_taps at other batch sizes (--other-batches).
 Each variant's kept samples are compared with the fp32 full-window decode (SNR, max |difference|).
@@ -31,10 +32,11 @@ from bench.codec_speed import CONFIG, compare, run_variant, windows
 from programs.orpheus.codec import SnacCodec
 
 KINDS = [  # (kind, pattern on the kernel name), first match wins
+    ("fused (inductor)", r"^triton"),
     ("convolution", r"conv|implicit|wgrad|dgrad|fprop|xmma|cudnn|sm90_xmma"),
     ("gemm", r"gemm|nvjet|cutlass|ampere|sm80|sm90"),
     ("copy/cat/index", r"copy|cat|index|gather|scatter|slice|pad|fill"),
-    ("elementwise", r"elementwise|vectorized|unrolled|reduce|sin|triton"),
+    ("elementwise", r"elementwise|vectorized|unrolled|reduce|sin"),
 ]
 
 
@@ -160,6 +162,9 @@ def main() -> None:
     variant("compiled_taps", codec, lambda: fused(tokens, keys)[0])
     result["profile_compiled_taps"] = profile(lambda: fused(tokens, keys)[0], args.batch)
     print(json.dumps(result["profile_compiled_taps"], indent=1), flush=True)
+    # Inductor's own inlining (SnacCodec.compiled realizes reused values: REALIZE_REUSED).
+    inlined = SnacCodec.from_config(CONFIG, dtype=dtype, device="cuda", seed=0).compiled(options={})
+    variant("compiled_taps_inlined", codec, lambda: inlined(tokens, keys)[0])
     for mode in filter(None, args.compile_modes.split(",")):
         c = SnacCodec.from_config(CONFIG, dtype=dtype, device="cuda", seed=0)
         fn = torch.compile(lambda t, k, c=c: c.decode_orpheus_window(t, k)[0], mode=mode, dynamic=False)

@@ -83,7 +83,7 @@ for stage in "$@"; do
         ;;
     codec-profile)
         run codec-profile python -m bench.codec_profile --batch "${VOXPIPE_CODEC_BATCH:-128}" \
-            --compile-modes "${VOXPIPE_COMPILE_MODES:-}" --out "$OUT/codec-profile.json"
+            --compile-modes "${VOXPIPE_COMPILE_MODES:-}" --other-batches "${VOXPIPE_CODEC_OTHER:-1,16,64,256}" --out "$OUT/codec-profile.json"
         ;;
     profile) run profile python -m bench.profile_step --batch 384 --lm-head audio ;;
     *) echo "unknown stage $stage" ;;

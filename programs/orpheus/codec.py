@@ -50,6 +50,11 @@ WINDOW_FRAMES = 4  # frames per decoded window
 WINDOW = WINDOW_FRAMES * FRAME  # 28 tokens
 KEEP = (2048, 4096)  # samples of the window's audio the reference keeps
 SAMPLES_PER_FRAME = 2048  # SNAC 24 kHz: one Orpheus frame decodes to 2048 samples
+# Inductor inlines a pointwise value into each of its readers unless it reads more than 4 inputs:
+# a Snake read by a depthwise convolution's 7 taps would be computed (its sine included) 7 times
+# per output. Realizing every value read more than once: 0.72x the compiled decode's time on the
+# H200 (bench/results/h200-codec-profile-2026-11-29.json).
+REALIZE_REUSED = {"realize_reads_threshold": 1}
 LEAD_ROWS = (7, 14, 21)  # lead windows: the first 1-3 frames of a request, decoded whole
 
 
@@ -229,18 +234,22 @@ class SnacCodec:
         return audio[:, 0].float(), valid
 
     def compiled(
-        self, backend: str = "inductor"
+        self, backend: str = "inductor", options: dict | None = None
     ) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
         """`decode_orpheus_window` of regular windows under `torch.compile`, its batch dimension
         dynamic (one compile serves every batch size; size 1 gets its own). The compiler fuses every
         Snake, noise draw, residual add and depthwise convolution (as shifted sums: `taps`) with its
         neighbours, leaving the dense convolutions to cuDNN. On the H200, a window in a batch of 128 in
-        fp16: 0.54x the graphed eager decode without the taps (bench/codec_profile.py). Compiling
-        happens at the first call (tens of seconds; torch caches the result on disk)."""
+        fp16: 0.40x the graphed eager decode (23.5 against 58.5 µs; bench/codec_profile.py). Compiling
+        happens at the first call (tens of seconds; torch caches the result on disk). `options`:
+        inductor settings."""
         if self.cropped_taps is None or not self.crop:
             raise ValueError("the compiled SNAC decode needs the cropped decoder")
         fn = torch.compile(
-            functools.partial(self.decode_orpheus_window, taps=True), backend=backend, dynamic=False
+            functools.partial(self.decode_orpheus_window, taps=True),
+            backend=backend,
+            dynamic=False,
+            options=(REALIZE_REUSED if options is None else options) if backend == "inductor" else None,
         )
 
         def decode(tokens: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
