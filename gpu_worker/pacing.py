@@ -42,6 +42,13 @@ STALE_S = 20.0
 # A bucket measured within the budget counts this long: under a steady load the batch stays in one
 # or two buckets, and the slope to extrapolate from needs a smaller batch measured earlier.
 FIT_STALE_S = 120.0
+# The weight of a new step in its bucket's average, once the bucket has that many: ~100 steps, about
+# a second under load. Capacity is what a worker sustains: a burst of arrivals (one prefill in each
+# of the next few dozen steps) slows those steps, not the next seconds'. With 0.05 (~20 steps) such
+# bursts pushed the bucket in use past the budget, and admission held requests back while the
+# streams running stayed on time: capacity median 301, minimum 221 at 256 streams on the H200
+# (bench/results/h200-load-2026-11-29-session7-lm-priority-reverted.json).
+BUCKET_ALPHA = 0.01
 # How far beyond the largest batch measured within budget the capacity may be extrapolated: a factor,
 # or a number of streams where that is more.
 PROBE, PROBE_MIN = 1.5, 64
@@ -91,7 +98,7 @@ class StepClock:
         n = self._count.get(key, 0)
         self._count[key] = n + 1
         # Average the first samples plainly, then track drift (graphs warming up, context growth).
-        alpha = max(1.0 / (n + 1), 0.05)
+        alpha = max(1.0 / (n + 1), BUCKET_ALPHA)
         self._ema[key] = dt if n == 0 else self._ema[key] + alpha * (dt - self._ema[key])
         self._size[key] = batch if n == 0 else self._size[key] + alpha * (batch - self._size[key])
         if self._recent == 0.0:

@@ -97,6 +97,23 @@ def test_capacity_never_falls_below_a_batch_measured_on_time():
     assert 192 < steep.capacity() < 200
 
 
+def test_a_burst_of_slow_steps_does_not_cut_the_capacity_below_the_streams_served():
+    clock = StepClock(82.03, 512)  # budget 0.8 * 12.19 = 9.75 ms
+    for b, ms in ((160, 6.6), (210, 7.4)):
+        for _ in range(200):
+            clock.record(b, ms / 1000)
+    for _ in range(400):  # ~3 s at 240 streams, on time
+        clock.record(240, 8.0 / 1000)
+    steady = clock.capacity()
+    assert steady > 240
+    for _ in range(25):  # a burst of arrivals: a prefill in each of the next 25 steps
+        clock.record(240, 13.0 / 1000)
+    assert clock.capacity() > 240  # still admits up to what runs on time
+    for _ in range(300):  # the steps stay slow: now it is the worker's pace
+        clock.record(240, 13.0 / 1000)
+    assert clock.capacity() < 240
+
+
 def test_capacity_extrapolates_a_bounded_step_beyond_what_was_measured():
     shallow = StepClock(rows_per_second=82.03, max_batch=512, headroom=0.92)
     for b, ms in ((128, 8.6), (192, 9.4)):  # the line from 128 crosses the budget at ~337
