@@ -4,7 +4,7 @@
 #   bash bench/h200.sh STAGE [STAGE ...]     (carry .whl and .devcache; see ../shared/device/README.md)
 #
 # Stages: parity, invariance, codec-passes, speed, offline, lm-options, load, load-mps, load-adaptive, csm,
-# csm-load, attention, xqa, codec-profile, profile.
+# csm-load, attention, xqa, codec-profile, fp8-gemm, profile.
 # Every stage writes its JSON and log to $OUT and has its own timeout (VOXPIPE_STAGE_S, default 300 s).
 # The FlashInfer kernel cache travels in .devcache/fi_cache.tgz.* (a split tar: the device returns
 # files of 16 MiB at most); this script restores it first and saves it to $OUT last when kernels were
@@ -85,6 +85,7 @@ for stage in "$@"; do
         run codec-profile python -m bench.codec_profile --batch "${VOXPIPE_CODEC_BATCH:-128}" \
             --compile-modes "${VOXPIPE_COMPILE_MODES:-}" --other-batches "${VOXPIPE_CODEC_OTHER:-1,16,64,256}" --out "$OUT/codec-profile.json"
         ;;
+    fp8-gemm) run fp8-gemm python -m bench.fp8_gemm --out "$OUT/fp8-gemm.json" ;;
     profile) run profile python -m bench.profile_step --batch 384 --lm-head audio ;;
     *) echo "unknown stage $stage" ;;
     esac
