@@ -71,7 +71,7 @@ def main() -> None:
     args = ap.parse_args()
     assert torch.cuda.is_available(), "bench/fp8_gemm.py needs a CUDA GPU"
     dev = torch.device("cuda")
-    compiled = fp8.compile_quantizer(dev)
+    compiled = fp8.compile_quantizer(dev, tuple(sorted({k for _, k in SHAPES.values()})))
     gen = torch.Generator(device=dev).manual_seed(0)
     weights = {
         k: torch.randn(n, kk, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02

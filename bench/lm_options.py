@@ -42,6 +42,7 @@ CONFIGS = {
         "decode_attention": "flashinfer",
     },
     "audio_head+xqa": {"lm_head": "audio", "decode_attention": "xqa"},
+    "fp8+audio_head+fp8kv": {"quantization": "fp8", "lm_head": "audio", "kv_cache_dtype": "fp8"},
     "audio_head+fp8kv+cuda_cores": {
         "lm_head": "audio",
         "kv_cache_dtype": "fp8",

@@ -44,18 +44,28 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 _quantizer = quantize_rows
 
 
-def compile_quantizer(device: torch.device) -> bool:
+def compile_quantizer(device: torch.device, widths: tuple[int, ...] = (256,)) -> bool:
     """Fuse `quantize_rows` into one kernel with torch.compile if this machine can (Triton);
-    keep the eager version otherwise. Returns whether the compiled one is in use."""
+    keep the eager version otherwise. Returns whether the compiled one is in use. `widths`: the
+    row lengths (K) it will see, compiled here (not later inside a CUDA graph capture). The row
+    count is dynamic, the width static: with both dynamic (as before) inductor looped over each
+    row in small blocks, 12 µs a call on the H200 at any batch, which cost an fp8 step more than
+    its GEMMs saved (bench/results/h200-fp8-gemm-2026-11-29.json)."""
     global _quantizer
     try:
-        fused = torch.compile(quantize_rows, dynamic=True, fullgraph=True)
-        for m in (1, 2, 24):  # compile here, not later inside a CUDA graph capture
-            x = torch.randn(m, 256, device=device, dtype=torch.bfloat16)
-            q, s = fused(x)
-            ref_q, ref_s = quantize_rows(x)
-            if not (torch.equal(q.float(), ref_q.float()) and torch.allclose(s, ref_s)):
-                raise RuntimeError("compiled fp8 quantizer differs from the eager one")
+        compiled = torch.compile(quantize_rows, dynamic=False, fullgraph=True)
+
+        def fused(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            torch._dynamo.maybe_mark_dynamic(x, 0)
+            return compiled(x)
+
+        for k in widths:
+            for m in (1, 2, 24):
+                x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+                q, s = fused(x)
+                ref_q, ref_s = quantize_rows(x)
+                if not (torch.equal(q.float(), ref_q.float()) and torch.allclose(s, ref_s)):
+                    raise RuntimeError("compiled fp8 quantizer differs from the eager one")
     except Exception as e:  # no Triton, no compiler: the eager quantizer is correct, only slower
         log.warning("fp8: torch.compile of the activation quantizer failed (%s); using eager", e)
         return False

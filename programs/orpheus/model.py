@@ -264,7 +264,12 @@ class LlamaLM(nn.Module):
             ):
                 setattr(owner, name, fp8.Fp8Weight(getattr(owner, name)))
         torch.cuda.empty_cache()
-        fp8.compile_quantizer(self.inv_freq.device)
+        widths = (
+            self.config["hidden_size"],
+            self.config["intermediate_size"],
+            self.num_qo_heads * self.head_dim,
+        )
+        fp8.compile_quantizer(self.inv_freq.device, tuple(sorted(set(widths))))
 
     def _backbone_fused(self, hidden: torch.Tensor, pos: torch.Tensor, attn: Attention) -> torch.Tensor:
         import flashinfer
