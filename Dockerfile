@@ -2,7 +2,7 @@
 #   docker build -t voxpipe .
 #   docker run --gpus all -p 8000:8000 -v voxpipe-cache:/cache voxpipe        # all on one host
 # No model weights inside: they download on first start into the /cache volume (Hugging Face
-# cache, plus FlashInfer's compiled kernels), so a rebuild or a new container does not fetch them again.
+# cache, plus FlashInfer's and torch.compile's compiled kernels), so a rebuild or a new container does not fetch them again.
 # FlashInfer's build checks its kernels against the installed headers' times: after a rebuild of
 # the image (headers newer than the kernels in /cache) the first start compiles them again, about
 # 3-4 minutes for Orpheus on an H200 host; a new container of the same image reuses them.
@@ -44,9 +44,12 @@ RUN pip install --extra-index-url ${TORCH_INDEX} ".[gpu]" "torch==${TORCH_VERSIO
 
 RUN useradd --create-home --uid 1000 voxpipe && mkdir -p /cache && chown voxpipe /cache
 USER voxpipe
+# torch.compile's kernels (the codec's, --codec-compile) are cached there too: a restart reuses them.
 ENV XDG_CACHE_HOME=/cache \
     HF_HOME=/cache/huggingface \
-    FLASHINFER_WORKSPACE_BASE=/cache
+    FLASHINFER_WORKSPACE_BASE=/cache \
+    TORCHINDUCTOR_CACHE_DIR=/cache/torchinductor \
+    TRITON_CACHE_DIR=/cache/triton
 VOLUME ["/cache"]
 
 # HTTP; then requests, gateway_in, gpu_in, codec_in; then every process's tap (VOXPIPE_TAP).
