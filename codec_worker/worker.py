@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -54,15 +55,23 @@ class Codec:
         graphs: bool = True,
         progress=None,
         tails: bool = False,
-        compile_backend: str | None = None,
+        compile_backend: str | Callable | None = None,
+        compile_fallback: bool = False,
     ) -> None:
         self.program = program
         self.device = program.device
         # Regular windows through the program's compiled decode (`compile_backend`: torch.compile's
-        # backend; None: not compiled), graphed or eager like the others.
-        self.compiled = program.compiled_detokenize(compile_backend) if compile_backend else None
-        if compile_backend and self.compiled is None:
-            raise ValueError(f"--codec-compile on: {program.name} has no compiled codec")
+        # backend; None: not compiled), graphed or eager like the others. `compile_fallback`: if
+        # compiling fails (no compiler on this host, say), decode them uncompiled, with a warning.
+        self.compile_fallback = compile_fallback
+        self.compiled = None
+        if compile_backend:
+            try:
+                self.compiled = program.compiled_detokenize(compile_backend)
+            except Exception as e:
+                self._compile_failed(e)
+            if self.compiled is None and not compile_fallback:
+                raise ValueError(f"--codec-compile on: {program.name} has no compiled codec")
         # Largest batch decoded at once, per window kind (rows, tail rows): regular windows, lead
         # and start windows, and with `tails` (--first-chunk progressive) the tail windows of 1-4 frames (a
         # tail of all its rows is the whole window: kind (rows, 0), see `_kind`).
@@ -78,11 +87,27 @@ class Codec:
             pool = torch.cuda.graph_pool_handle()
             for (rows, tail), limit in self.limits.items():
                 fn = self.compiled if (rows, tail) == (p.detok_interval, 0) else None
-                self.graphs[rows, tail] = DetokGraphs(
-                    program, limit, progress, rows=rows, tail=tail, pool=pool, detokenize=fn
-                )
+                try:  # a compile happens in the warm-up before the first capture
+                    graphs = DetokGraphs(
+                        program, limit, progress, rows=rows, tail=tail, pool=pool, detokenize=fn
+                    )
+                except Exception as e:
+                    if fn is None:
+                        raise
+                    self._compile_failed(e)
+                    graphs = DetokGraphs(program, limit, progress, rows=rows, tail=tail, pool=pool)
+                self.graphs[rows, tail] = graphs
         else:
             self.limits = {kind: max_batch for kind in self.limits}  # eager: any batch
+
+    def _compile_failed(self, error: Exception) -> None:
+        """Decode regular windows uncompiled from now on, or (`--codec-compile on`) fail."""
+        if not self.compile_fallback:
+            raise error
+        log.warning(
+            "codec: the compiled decode failed (%s: %s); decoding uncompiled", type(error).__name__, error
+        )
+        self.compiled = None
 
     @staticmethod
     def _kind(rows: int, tail: int) -> tuple[int, int]:
@@ -94,9 +119,13 @@ class Codec:
         self, tokens: np.ndarray, keys: np.ndarray, tail: int = 0
     ) -> tuple[np.ndarray, np.ndarray]:
         t, k = torch.from_numpy(tokens).to(self.device), torch.from_numpy(keys).to(self.device)
+        audio = None
         if self.compiled is not None and not tail and t.shape[1] == self.program.detok_interval:
-            audio, valid = self.compiled(t, k)
-        else:
+            try:
+                audio, valid = self.compiled(t, k)
+            except Exception as e:  # compiled at its first call
+                self._compile_failed(e)
+        if audio is None:
             audio, valid = self.program.detokenize(t, k, tail_rows=tail)
         return pcm16(audio).cpu().numpy(), valid.cpu().numpy()  # [Bd, S], [Bd]
 
@@ -194,6 +223,7 @@ class CodecWorker:
             graphs=not cfg.disable_cuda_graph,
             progress=lambda msg: status.set(ProcState.LOADING, msg),
             tails=cfg.first_chunk == "progressive",
+            compile_fallback=cfg.codec_compile == "auto",
             compile_backend=codec_compile_backend(
                 cfg.codec_compile, device, program, not cfg.disable_cuda_graph
             ),

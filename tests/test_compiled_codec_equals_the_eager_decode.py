@@ -100,3 +100,24 @@ def test_codec_compile_setting() -> None:
     assert codec_compile_backend("auto", "cuda", csm, True) is None  # no compiled Mimi
     with pytest.raises(ValueError, match="no compiled codec"):
         Codec(csm, max_batch=2, graphs=False, compile_backend="inductor")
+
+
+def _no_compiler(gm, example_inputs):
+    raise RuntimeError("no C compiler on this host")
+
+
+def test_a_compile_that_fails_falls_back_to_the_eager_decode_under_auto_only() -> None:
+    program = load_program_class("orpheus-tiny")(get_spec("orpheus-tiny"), load_format="dummy")
+    program.load_codec()
+    chunks = [_chunk(s, i, rows) for s, (i, rows) in enumerate([(0, 28), (0, 7), (1, 28)])]
+    want = Codec(program, max_batch=4, graphs=False).decode(chunks)
+    torch._dynamo.reset()
+    auto = Codec(program, max_batch=4, graphs=False, compile_backend=_no_compiler, compile_fallback=True)
+    assert auto.compiled is not None
+    got = auto.decode(chunks)  # the compile fails at the first regular window: decoded uncompiled
+    assert auto.compiled is None
+    assert [a.pcm for a in got] == [b.pcm for b in want]
+    torch._dynamo.reset()
+    on = Codec(program, max_batch=4, graphs=False, compile_backend=_no_compiler)
+    with pytest.raises(Exception, match="no C compiler"):
+        on.decode(chunks)
