@@ -87,6 +87,7 @@ class Codec:
             pool = torch.cuda.graph_pool_handle()
             for (rows, tail), limit in self.limits.items():
                 fn = self.compiled if (rows, tail) == (p.detok_interval, 0) else None
+                graphs = None
                 try:  # a compile happens in the warm-up before the first capture
                     graphs = DetokGraphs(
                         program, limit, progress, rows=rows, tail=tail, pool=pool, detokenize=fn
@@ -95,14 +96,23 @@ class Codec:
                     if fn is None:
                         raise
                     self._compile_failed(e)
+                if graphs is None:  # captured again uncompiled, the failed attempt released
                     graphs = DetokGraphs(program, limit, progress, rows=rows, tail=tail, pool=pool)
                 self.graphs[rows, tail] = graphs
         else:
             self.limits = {kind: max_batch for kind in self.limits}  # eager: any batch
+            if self.compiled is not None:  # compile now, not in the first request's decode
+                if progress:
+                    progress("compiling the codec")
+                for n in (2, 1, 16):  # the dynamic batch, batch 1, and (a CPU guard) 16 and more
+                    self._decode_eager(
+                        np.zeros((n, p.detok_interval, p.n_codebooks), np.int64), np.zeros(n, np.int64)
+                    )
 
     def _compile_failed(self, error: Exception) -> None:
-        """Decode regular windows uncompiled from now on, or (`--codec-compile on`) fail."""
-        if not self.compile_fallback:
+        """Decode regular windows uncompiled from now on, or (`--codec-compile on`) fail. Running
+        out of GPU memory is no compile failure: it goes on up."""
+        if not self.compile_fallback or isinstance(error, torch.cuda.OutOfMemoryError):
             raise error
         log.warning(
             "codec: the compiled decode failed (%s: %s); decoding uncompiled", type(error).__name__, error

@@ -32,7 +32,6 @@ GPU fp32 matched CPU within 1e-6 and a window decoded alone equalled it inside a
 
 from __future__ import annotations
 
-import functools
 import json
 import types
 from collections.abc import Callable
@@ -245,8 +244,17 @@ class SnacCodec:
         inductor settings."""
         if self.cropped_taps is None or not self.crop:
             raise ValueError("the compiled SNAC decode needs the cropped decoder")
+
+        def window_taps(tokens: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.decode_orpheus_window(tokens, keys, taps=True)
+
+        # Every compiled codec of a process shares `window_taps`'s code object, and dynamo keeps
+        # 8 compiles per code object by default, then runs the rest uncompiled: one codec needs 2-3
+        # (batch 1, the dynamic batch, on a CPU also batches of 16+), so a benchmark or a test
+        # building several would run out.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         fn = torch.compile(
-            functools.partial(self.decode_orpheus_window, taps=True),
+            window_taps,
             backend=backend,
             dynamic=False,
             options=(REALIZE_REUSED if options is None else options) if backend == "inductor" else None,
