@@ -21,29 +21,15 @@ import datetime
 import functools
 import json
 import os
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from bench.codec_speed import time_us
+from bench.codec_speed import graphed, time_us
 from programs import fp8
 
 LAYERS = 28
 SHAPES = {"qkv": (5120, 3072), "o": (3072, 3072), "gate_up": (16384, 3072), "down": (3072, 8192)}  # (N, K)
-
-
-def graphed(fn: Callable[[], object]) -> Callable[[], None]:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def run_bf16(xs: dict, weights: dict, out: dict) -> None:
@@ -105,7 +91,7 @@ def main() -> None:
         row: dict[str, float] = {}
         for name, fn in fns.items():
             try:
-                row[name] = round(time_us(graphed(fn)) * LAYERS / 1000, 3)
+                row[name] = round(time_us(graphed(fn)[0]) * LAYERS / 1000, 3)
             except Exception as e:
                 row[name] = f"{type(e).__name__}: {str(e)[:200]}"
         result["ms_per_step_28_layers"][str(m)] = row
