@@ -54,6 +54,9 @@ class DetokGraphs:
         self.program = program
         # What the graphs capture: the program's detokenize, or a compiled one (regular windows).
         self.detokenize = detokenize or (lambda t, k: program.detokenize(t, k, tail_rows=self.tail))
+        compiling = (
+            " (compiling first: torch.compile, cached on disk after the first start)" if detokenize else ""
+        )
         self.sizes = codec_buckets(max_batch)
         self.max_batch = self.sizes[-1]
         p, dev = program, program.device
@@ -74,7 +77,10 @@ class DetokGraphs:
         t0 = time.monotonic()
         for i, bs in enumerate(reversed(self.sizes)):
             if progress:
-                progress(f"capturing codec graphs: {self.rows} rows, batch {bs} ({i + 1}/{len(self.sizes)})")
+                progress(
+                    f"capturing codec graphs: {self.rows} rows, batch {bs} ({i + 1}/{len(self.sizes)})"
+                    + (compiling if i == 0 else "")
+                )
             self.graphs[bs] = self._capture(bs)
         _, pcm, valid = self.graphs[bmax]
         self.pcm_host = torch.empty((bmax, pcm.shape[1]), dtype=pcm.dtype).pin_memory()  # a launch's results
