@@ -65,7 +65,8 @@ def profile(decode, batch: int, reps: int = 5) -> dict:
         us = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
         if us <= 0:
             continue
-        kinds[kind_of(ev.key)] = kinds.get(kind_of(ev.key), 0.0) + us
+        kind = kind_of(ev.key)
+        kinds[kind] = kinds.get(kind, 0.0) + us
         kernels.append((ev.key[:90], us, ev.count))
     kernels.sort(key=lambda k: -k[1])
     per = reps * batch

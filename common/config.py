@@ -39,9 +39,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     codec_weights: str = ""  # codec checkpoint, likewise
     dtype: str = "auto"  # auto = bfloat16 on GPU, float32 on CPU
     codec_dtype: str = "auto"  # codec precision: auto = the model's choice (orpheus: float32)
-    codec_compile: str = (
-        "auto"  # codec_worker: auto | on | off (torch.compile of the regular windows' decode)
-    )
+    codec_compile: str = "auto"  # codec_worker: auto | on | off (torch.compile of regular windows)
     codec_max_batch: int = 0  # codec_worker: windows per decode call (0 = 128 on GPU, 64 on CPU)
     codec_gather_ms: float = 30.0  # codec_worker: longest a window waits to share a decode call
     max_batch_size: int = 0  # 0 = 256 on GPU, 16 on CPU
