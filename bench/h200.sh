@@ -20,7 +20,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 # with the headers they include, so fresh headers would make it compile every kernel again (193 s
 # for the prefill kernels, seen on the H200). Date the installed packages before any cached object.
 find /tmp/site -exec touch -h -d 2001-01-01 {} + 2>/dev/null
-export PYTHONPATH=$PWD:/tmp/site FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16 PYTHONUNBUFFERED=1
+export PATH=$PATH:/tmp/site/bin PYTHONPATH=$PWD:/tmp/site FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16 PYTHONUNBUFFERED=1
 mkdir -p ~/.cache
 if ls .devcache/fi_cache.tgz.* >/dev/null 2>&1; then
     cat .devcache/fi_cache.tgz.* | tar xz -C ~/.cache
@@ -63,6 +63,7 @@ for stage in "$@"; do
         run "$stage" python -m bench.ttfa_http --reps 15 --tokens 200 --load "${VOXPIPE_LOAD:-128,192,256,320,384}" \
             --load-duration 20 --ramp 8 --label "NVIDIA H200" --load-out "$OUT/$stage.json" \
             --out "$OUT/$stage-ttfa.json" ${VOXPIPE_TAP_LEVEL:+--tap-level $VOXPIPE_TAP_LEVEL --tap-out $OUT/$stage-tap.jsonl.gz} \
+            ${VOXPIPE_PROFILE_LEVEL:+--profile-level $VOXPIPE_PROFILE_LEVEL --profile-out $OUT/$stage-py-spy} \
             -- $serve_flags --first-chunk $first $extra ${VOXPIPE_SERVE_EXTRA:-}
         ;;
     csm) run csm python bench/csm_gpu_parity.py --out "$OUT/csm.json" ;;

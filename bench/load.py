@@ -122,7 +122,9 @@ def percentile(values: list[float], q: float) -> float:
 
 
 # Per-worker averages: the mean over workers (the rest, counts and counters, add up).
-_AVERAGED = ("row_period_ms", "step_host_ms", "step_wait_ms")
+_AVERAGED = (
+    "row_period_ms", "step_host_ms", "step_wait_ms", "step_gpu_forward_ms", "step_gpu_ms", "step_gpu_idle_ms"
+)  # fmt: skip
 
 
 def server_gauges(base: str) -> dict[str, float]:
@@ -132,7 +134,8 @@ def server_gauges(base: str) -> dict[str, float]:
     keep = (
         "stream_capacity", "row_period_ms", "decode_batch_size", "kv_pages_used", "step_host_ms",
         "step_wait_ms", "active_streams", "queue_depth", "codec_calls_total", "codec_windows_total",
-        "codec_busy_seconds_total", "admission_queue_length",
+        "codec_busy_seconds_total", "admission_queue_length", "step_gpu_forward_ms", "step_gpu_ms",
+        "step_gpu_idle_ms",
     )  # fmt: skip
     out: dict[str, float] = {}
     seen: dict[str, int] = {}

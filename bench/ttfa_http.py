@@ -62,6 +62,7 @@ def load_curve(base: str, args) -> None:
     for i, level in enumerate(int(c) for c in args.load.split(",")):
         point = {"concurrency": level}
         tap = start_tap(args, delay_s=args.ramp + 2) if level == args.tap_level else None
+        spies = start_py_spy(args, delay_s=args.ramp + 2) if level == args.profile_level else []
         client_ttfa: dict[str, float] = {}
         point |= measure_level(base, 24000, client_ttfa, concurrency=level, duration=args.load_duration,
                                tokens=args.load_tokens, prompt_allowance=100, seed=i, ramp=args.ramp)  # fmt: skip
@@ -69,6 +70,8 @@ def load_curve(base: str, args) -> None:
         if tap is not None:
             tap.join()
             point["tap"] = stats(read(args.tap_out), client_ttfa)
+        for spy in spies:
+            spy.join()
         curve.append(point)
         print(json.dumps(point), flush=True)
         out = {
@@ -107,6 +110,27 @@ def start_tap(args, delay_s: float) -> threading.Thread:
     return t
 
 
+def start_py_spy(args, delay_s: float) -> list[threading.Thread]:
+    """`py-spy record` (collapsed stacks, idle included) of each worker process named in
+    `--profile-roles`, for `--tap-seconds` from `delay_s` into the level: `<profile-out>-<role>.txt`."""
+
+    def go(role: str) -> None:
+        time.sleep(delay_s)
+        pids = subprocess.run(
+            ["pgrep", "-f", "--", f"-m {role} "], capture_output=True, text=True
+        ).stdout.split()
+        for pid in pids[:1]:
+            cmd = ["py-spy", "record", "-p", pid, "--duration", str(int(args.tap_seconds)), "--rate", "250",
+                   "--idle", "--format", "raw", "-o", f"{args.profile_out}-{role}.txt"]  # fmt: skip
+            res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            print(f"py-spy {role} (pid {pid}): rc {res.returncode} {res.stderr[-300:]}", flush=True)
+
+    threads = [threading.Thread(target=go, args=(r,), daemon=True) for r in args.profile_roles.split(",")]
+    for t in threads:
+        t.start()
+    return threads
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="orpheus")
@@ -124,6 +148,9 @@ def main() -> int:
     ap.add_argument("--tap-level", type=int, default=0, help="record `voxpipe tap` during this load level")
     ap.add_argument("--tap-seconds", type=float, default=8.0)
     ap.add_argument("--tap-out", default="tap.jsonl.gz")
+    ap.add_argument("--profile-level", type=int, default=0, help="py-spy the workers during this load level")
+    ap.add_argument("--profile-roles", default="gpu_worker,codec_worker")
+    ap.add_argument("--profile-out", default="py-spy")
     ap.add_argument("serve_args", nargs="*", help="extra `voxpipe serve` flags (after --)")
     args = ap.parse_args()
     cmd = [sys.executable, "-m", "common.cli", "serve", "--model", args.model, "--port", str(args.port)]

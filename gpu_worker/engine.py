@@ -55,6 +55,9 @@ class _InFlight:
     batch: list[Request]
     host: torch.Tensor  # [B, C + 1] int64: sampled row, then its kind
     ready: torch.cuda.Event | None
+    # GPU only, timing events: where the device reached the step's launch, and its forward pass's end
+    began: torch.cuda.Event | None = None
+    forwarded: torch.cuda.Event | None = None
 
 
 class Engine:
@@ -100,6 +103,12 @@ class Engine:
         # time near the step interval with little wait means the host, not the GPU, sets the pace.
         self.host_s = self.wait_s = 0.0
         self._waited = 0.0
+        # On the device (exponential averages, seconds, from CUDA events): a step's forward pass
+        # (prefill and decode graphs), all its work (with sampling), and how long the device sat
+        # idle before it, waiting for the host to launch it. Work from other processes sharing the
+        # GPU (the codec under MPS) slows these, as it slows the streams.
+        self.gpu_forward_s = self.gpu_step_s = self.gpu_idle_s = 0.0
+        self._last_ready: torch.cuda.Event | None = None
         self.windows = AudioWindows(program, limits.first_chunk, self.clock)
 
     # --- requests in and out -------------------------------------------------------------------
@@ -208,6 +217,9 @@ class Engine:
             "row_period_ms": round(1000 * self.clock.row_period(), 3),
             "step_host_ms": round(1000 * self.host_s, 3),
             "step_wait_ms": round(1000 * self.wait_s, 3),
+            "step_gpu_forward_ms": round(1000 * self.gpu_forward_s, 3),
+            "step_gpu_ms": round(1000 * self.gpu_step_s, 3),
+            "step_gpu_idle_ms": round(1000 * self.gpu_idle_s, 3),
         }
 
     def _finish(self, req: Request, reason: FinishReason, chunks: list[DetokChunk] | None = None) -> None:
@@ -274,6 +286,8 @@ class Engine:
         batch.sort(key=lambda r: r.n_ctx != 0)  # new requests first: runners split prefill/decode
         self.last_batch_size = len(batch)
         self.clock.tick(len(batch))
+        if not batch:
+            self._last_ready = None  # idle: the gap before the next step is not the host's lateness
         previous, self._inflight = self._inflight, (self._launch(batch) if batch else None)
         chunks = self._consume(previous) if previous is not None else []
         if not chunks and not self._finished:
@@ -308,7 +322,15 @@ class Engine:
     @torch.inference_mode()
     def _launch(self, batch: list[Request]) -> _InFlight:
         layout = self._layout(batch)
+        cuda = self.device.type == "cuda"
+        began = forwarded = None
+        if cuda:
+            began = torch.cuda.Event(enable_timing=True)
+            began.record()
         logits, meta, hidden = self.runner.forward(layout)  # [B, C', V], [3, B], [B, H] | None
+        if cuda:
+            forwarded = torch.cuda.Event(enable_timing=True)
+            forwarded.record()
         for r in batch:
             r.n_ctx += len(r.prompt) if r.n_ctx == 0 else 1
             r.n_launched += 1
@@ -346,13 +368,23 @@ class Engine:
         kinds = self.program.classify(tokens, self.slots.n_audio[slots])  # before the count moves
         self.slots.record(slots, length, tokens, kinds)
         result = torch.cat([tokens, kinds[:, None]], dim=1)  # [B, C + 1]
-        if dev.type == "cpu":
+        if not cuda:
             return _InFlight(batch, result, None)
         host = torch.empty(result.shape, dtype=torch.int64, pin_memory=True)
         host.copy_(result, non_blocking=True)
-        ready = torch.cuda.Event()
+        ready = torch.cuda.Event(enable_timing=True)
         ready.record()
-        return _InFlight(batch, host, ready)
+        return _InFlight(batch, host, ready, began, forwarded)
+
+    def _time_on_device(self, step: _InFlight) -> None:
+        """Fold a completed step's device times into the averages (its events are all done)."""
+        a = 0.05
+        self.gpu_forward_s += a * (step.began.elapsed_time(step.forwarded) / 1000 - self.gpu_forward_s)
+        self.gpu_step_s += a * (step.began.elapsed_time(step.ready) / 1000 - self.gpu_step_s)
+        if self._last_ready is not None:  # the previous step's end to this one's start
+            idle = self._last_ready.elapsed_time(step.began) / 1000
+            self.gpu_idle_s += a * (max(0.0, idle) - self.gpu_idle_s)
+        self._last_ready = step.ready
 
     def _consume(self, step: _InFlight) -> list[DetokChunk]:
         """A completed step's sampled rows → request state, audio chunks and finished requests."""
@@ -360,6 +392,7 @@ class Engine:
             t0 = time.perf_counter()
             step.ready.synchronize()
             self._waited = time.perf_counter() - t0
+            self._time_on_device(step)
         self.step_count += 1
         res = step.host.numpy()
         c = self.program.n_codebooks
