@@ -110,6 +110,14 @@ class Engine:
         self.gpu_forward_s = self.gpu_step_s = self.gpu_idle_s = 0.0
         self._last_ready: torch.cuda.Event | None = None
         self.windows = AudioWindows(program, limits.first_chunk, self.clock)
+        self.sample_graphs = None
+        if hasattr(self.runner, "decode_bucket") and program.n_codebooks == 1:
+            from gpu_worker.sample_graphs import SampleGraphs
+
+            modes = (False, True) if program.can_constrain else (False,)
+            self.sample_graphs = SampleGraphs(
+                self._sample_all, self.runner, modes, self.slots.scratch, progress
+            )
 
     # --- requests in and out -------------------------------------------------------------------
     def add(self, prompt: Prompt) -> None:
@@ -334,26 +342,52 @@ class Engine:
         for r in batch:
             r.n_ctx += len(r.prompt) if r.n_ctx == 0 else 1
             r.n_launched += 1
-        dev = self.device
-        n = len(batch)
-        slots, n_gen, plen = meta
-        length = n_gen + plen  # history entries: prompt + tokens sampled before this step
-        out = torch.empty(n, dtype=torch.int64, device=dev)
-        # Constrained and free rows are sampled apart; every op is row-wise, so a row's result
-        # does not depend on which group or batch it is in.
-        constrained = [i for i, r in enumerate(batch) if r.sp.constrained]
-        groups = [(constrained, True), ([i for i, r in enumerate(batch) if not r.sp.constrained], False)]
-        for group, use_candidates in groups:
+        result = self._sampled_in_graph(batch)
+        if result is None:
+            result = self._sample(batch, logits, meta, hidden)
+        if not cuda:  # a copy: a graph's output is rewritten by its next replay
+            return _InFlight(batch, result.clone(), None)
+        host = torch.empty(result.shape, dtype=torch.int64, pin_memory=True)
+        host.copy_(result, non_blocking=True)
+        ready = torch.cuda.Event(enable_timing=True)
+        ready.record()
+        return _InFlight(batch, host, ready, began, forwarded)
+
+    def _sample(
+        self, batch: list[Request], logits: torch.Tensor, meta: torch.Tensor, hidden: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Eagerly: each row's next token and its kind → [B, C + 1] int64 on the device, recorded
+        in the slots. Constrained and free rows are sampled apart; every op is row-wise, so a row's
+        result does not depend on which group or batch it is in."""
+        groups = []
+        for use_candidates in (True, False):
+            group = [i for i, r in enumerate(batch) if r.sp.constrained == use_candidates]
             if not group:
                 continue
-            idx = to_device(torch.tensor(group), dev) if len(group) < n else slice(None)
-            cand = self.program.candidates(self.slots.n_audio[slots[idx]]) if use_candidates else None
+            idx = to_device(torch.tensor(group), self.device) if len(group) < len(batch) else slice(None)
             # What the host knows of the group spares kernels that would change nothing: the window
             # mask when no row has a window, the penalty when every row's is 1 (x / 1 = x * 1 = x).
             windowed = any(batch[i].sp.repetition_window > 0 for i in group)
             penalize = self.program.uses_repetition_penalty and any(
                 batch[i].sp.repetition_penalty != 1.0 and batch[i].sp.repetition_window != 0 for i in group
             )
+            groups.append((idx, use_candidates, windowed, penalize))
+        return self.sample_rows(logits, meta, hidden, groups)
+
+    def sample_rows(
+        self,
+        logits: torch.Tensor,  # [B, C', V]
+        meta: torch.Tensor,  # [3, B]: slot, tokens sampled before, prompt length
+        hidden: torch.Tensor | None,  # [B, H] for the depth step of several codebooks
+        groups: list[tuple[torch.Tensor | slice, bool, bool, bool]],  # rows, constrained, windowed, penalize
+    ) -> torch.Tensor:
+        """Sample, classify and record every row (device work only, no host sync, so that it can be
+        captured in a graph) → [B, C + 1] int64: the row, then its kind."""
+        slots, n_gen, plen = meta
+        length = n_gen + plen  # history entries: prompt + tokens sampled before this step
+        out = torch.empty(slots.shape[0], dtype=torch.int64, device=self.device)
+        for idx, use_candidates, windowed, penalize in groups:
+            cand = self.program.candidates(self.slots.n_audio[slots[idx]]) if use_candidates else None
             rows = self.slots.rows(slots[idx], n_gen[idx], length[idx], cand, windowed, penalize)
             scores = logits[idx, 0]
             if self.head is not None:
@@ -367,14 +401,34 @@ class Engine:
             tokens = self.runner.decode_tokens(hidden, out, self.slots.rows(slots, n_gen, length, None))
         kinds = self.program.classify(tokens, self.slots.n_audio[slots])  # before the count moves
         self.slots.record(slots, length, tokens, kinds)
-        result = torch.cat([tokens, kinds[:, None]], dim=1)  # [B, C + 1]
-        if not cuda:
-            return _InFlight(batch, result, None)
-        host = torch.empty(result.shape, dtype=torch.int64, pin_memory=True)
-        host.copy_(result, non_blocking=True)
-        ready = torch.cuda.Event(enable_timing=True)
-        ready.record()
-        return _InFlight(batch, host, ready, began, forwarded)
+        return torch.cat([tokens, kinds[:, None]], dim=1)  # [B, C + 1]
+
+    def capture_sampling(self, progress=None) -> None:
+        """Sampling graphs for the runner's decode buckets (gpu_worker/sample_graphs.py), for a
+        single-codebook program."""
+        if self.program.n_codebooks != 1:
+            return
+        from gpu_worker.sample_graphs import SampleGraphs
+
+        modes = (False, True) if self.program.can_constrain else (False,)
+        self.sample_graphs = SampleGraphs(self._sample_all, self.runner, modes, self.slots.scratch, progress)
+
+    def _sample_all(self, logits: torch.Tensor, meta: torch.Tensor, constrained: bool) -> torch.Tensor:
+        """Every row in one mode, window and penalty applied (what a sampling graph captures)."""
+        penalize = self.program.uses_repetition_penalty
+        return self.sample_rows(logits, meta, None, [(slice(None), constrained, True, penalize)])
+
+    def _sampled_in_graph(self, batch: list[Request]) -> torch.Tensor | None:
+        """A decode-only step whose rows share one mode replays its bucket's sampling graph →
+        [B, C + 1], or None (no graphs, prompt rows in the step, constrained and free rows mixed)."""
+        graphs, bucket = self.sample_graphs, getattr(self.runner, "decode_bucket", 0)
+        if graphs is None or not bucket:
+            return None
+        constrained = batch[0].sp.constrained
+        if any(r.sp.constrained != constrained for r in batch):
+            return None
+        result = graphs.replay(bucket, constrained)
+        return None if result is None else result[: len(batch)]
 
     def _time_on_device(self, step: _InFlight) -> None:
         """Fold a completed step's device times into the averages (its events are all done)."""

@@ -107,6 +107,10 @@ class GraphRunner:
             ),
         )
         self.sizes = decode_buckets(limits.max_batch_size, limits.min_decode_batch)
+        # A decode-only step lays its meta out as [3, bucket], padding rows on the scratch slot
+        # (gpu_worker.slots.SlotState), so a captured sampling step can read it; its bucket, else 0.
+        self.scratch_slot = limits.max_batch_size
+        self.decode_bucket = 0
         self.no_split_kv = limits.no_split_kv
         bmax, c, dev = self.sizes[-1], program.n_codebooks, program.device
         buckets = prefill_buckets(limits.max_context)
@@ -220,6 +224,7 @@ class GraphRunner:
         n_pre, n_dec = b.num_prefill, b.batch_size - b.num_prefill
         if self.xqa is not None and b.meta is not None and n_pre:
             self.xqa.admit(b.meta[0, :n_pre], b.page_tables[:n_pre])  # new requests bring their pages
+        self.decode_bucket = 0
         if b.batch_size > self.sizes[-1]:
             return self.eager.forward(b)
         pre = b.part(0, n_pre) if n_pre else None
@@ -248,12 +253,19 @@ class GraphRunner:
             fill_decode(a, dec, self.page_size)
             if xqa is None:
                 a.host_view("d_kv", n_kv).copy_(torch.from_numpy(kv[1]))
-        if b.meta is not None:
+        meta = None
+        if b.meta is not None and n_pre == 0 and dec is not None:  # [3, bucket]: see decode_bucket
+            host = a.host_view("meta", 3 * bs).view(3, bs)
+            host[:, :n_dec].copy_(torch.from_numpy(b.meta))
+            host[0, n_dec:] = self.scratch_slot
+            meta = self.padded_meta(bs)[:, :n_dec]
+            self.decode_bucket = bs
+        elif b.meta is not None:
             a.host_view("meta", b.meta.size).copy_(torch.from_numpy(b.meta.reshape(-1)))
+            meta = a.dev_view("meta", b.meta.size).view(3, -1)
         for lane, (p, lay) in enumerate(zip(pres, lays, strict=True)):
             fill_prefill(a, p, lay, lane)
         a.send(upto)
-        meta = None if b.meta is None else a.dev_view("meta", b.meta.size).view(3, -1)
         # 2. Plan every graph's attention (their own buffers), then mark the copies done.
         for graphs, lay in zip(self.prefills, lays, strict=False):
             graphs.plan(lay)
@@ -289,6 +301,14 @@ class GraphRunner:
         if self.program.n_codebooks > 1:
             hidden = hiddens[0] if len(hiddens) == 1 else torch.cat(hiddens)
         return (parts[0] if len(parts) == 1 else torch.cat(parts)), meta, hidden
+
+    def padded_meta(self, bs: int) -> torch.Tensor:
+        """[3, bs] device view of a decode-only step's meta in bucket bs (see decode_bucket)."""
+        return self.arena.dev_view("meta", 3 * bs).view(3, bs)
+
+    def decode_logits(self, bs: int) -> torch.Tensor:
+        """[bs, C', V] the logits of bucket bs's decode graph, rewritten by each replay."""
+        return self.graphs[bs][2][0]
 
     def decode_tokens(self, hidden: torch.Tensor, c0: torch.Tensor, rows) -> torch.Tensor:
         """The program's depth step from a captured graph (eager past the largest bucket)."""

@@ -23,7 +23,12 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class SlotState:
+    """`num_slots` slots for requests, and one more, `scratch` (never handed out): the padding rows
+    of a captured step (gpu_worker/sample_graphs.py) sample and record there, harmlessly."""
+
     def __init__(self, num_slots: int, max_context: int, n_codebooks: int, device: torch.device) -> None:
+        self.scratch = num_slots
+        num_slots += 1
         f32 = dict(dtype=torch.float32, device=device)
         i64 = dict(dtype=torch.int64, device=device)
         self.device = device
@@ -40,7 +45,7 @@ class SlotState:
         self.history = torch.zeros(num_slots, max_context, **i64)  # [S, T]
         self.last = torch.zeros(num_slots, n_codebooks, **i64)  # [S, C] the row fed back next step
         self.n_audio = torch.zeros(num_slots, **i64)  # [S] rows classified AUDIO so far
-        self._free = list(range(num_slots - 1, -1, -1))
+        self._free = list(range(self.scratch - 1, -1, -1))
 
     def admit(self, sp: SamplingParams, prompt_ids: np.ndarray, penalty: bool = True) -> int:
         """Claim a slot for a request whose codebook-0 prompt ids are `prompt_ids` [R]. With

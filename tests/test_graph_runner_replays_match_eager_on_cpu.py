@@ -126,6 +126,7 @@ def graph_runner_cls(request):
         mp.setattr("gpu_worker.graphs.capture", _capture)
         mp.setattr("gpu_worker.prefill_graphs.capture", _capture)
         mp.setattr("gpu_worker.depth_graphs.capture", _capture)
+        mp.setattr("gpu_worker.sample_graphs.capture", _capture)
         mp.setattr("torch.cuda.graph_pool_handle", lambda: None)
         mp.setattr("gpu_worker.graphs.WORKSPACE_BYTES", 16)
         mp.setattr("gpu_worker.flashinfer_backend.WORKSPACE_BYTES", 16)
