@@ -310,9 +310,16 @@ class Engine:
         n_dec = len(batch) - n_pre
         c = self.program.n_codebooks
         ids = np.concatenate([*prompts, np.zeros((n_dec, c), dtype=np.int64)])  # decode rows fed on device
-        meta = np.empty((4, len(batch)), dtype=np.int64)  # slot, sampled before, prompt length, n_ctx
-        for i, r in enumerate(batch):
-            meta[0, i], meta[1, i], meta[2, i], meta[3, i] = r.slot, r.n_launched, len(r.prompt), r.n_ctx
+        # slot, sampled before, prompt length, n_ctx
+        meta = np.array(
+            [
+                [r.slot for r in batch],
+                [r.n_launched for r in batch],
+                [len(r.prompt) for r in batch],
+                [r.n_ctx for r in batch],
+            ],
+            dtype=np.int64,
+        )
         dec_pos = meta[3, n_pre:]
         pos = np.concatenate([*(np.arange(len(p)) for p in prompts), dec_pos])
         rows = [len(p) for p in prompts] + [1] * n_dec
@@ -451,21 +458,28 @@ class Engine:
         res = step.host.numpy()
         c = self.program.n_codebooks
         chunks: list[DetokChunk] = []
-        for req, row, kind in zip(step.batch, res[:, :c], res[:, c].tolist(), strict=True):
+        windows, stride, due = self.windows, self.windows.stride, self.windows.due
+        # Python ints and lists: a numpy scalar per row costs more than the row's whole bookkeeping.
+        rows = res[:, 0].tolist() if c == 1 else res[:, :c].tolist()
+        skipped = 0
+        for req, row, kind in zip(step.batch, rows, res[:, c].tolist(), strict=True):
             if req.done:
+                skipped += 1
                 continue  # stopped or aborted while this step was in flight
             req.n_gen += 1
-            self.tokens_total += 1
             if kind == _STOP:
                 self._finish(req, FinishReason.STOP, chunks)
                 continue
-            req.generated.append(int(row[0]) if c == 1 else row.tolist())
+            req.generated.append(row)
             if kind == _AUDIO:
                 req.audio[req.n_audio] = row
                 req.n_audio += 1
-                chunk = self.windows.after_row(req)
-                if chunk is not None:
-                    chunks.append(chunk)
-            if len(req.prompt) + req.n_gen >= req.budget:
+                # after_row makes a window only at these rows (AudioWindows.due)
+                if req.n_audio % stride in due:
+                    chunk = windows.after_row(req)
+                    if chunk is not None:
+                        chunks.append(chunk)
+            if req.n_gen >= req.gen_budget:
                 self._finish(req, FinishReason.LENGTH, chunks)
+        self.tokens_total += len(rows) - skipped
         return chunks

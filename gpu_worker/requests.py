@@ -63,3 +63,7 @@ class Request:
     t_first: float = 0.0  # monotonic time its first chunk left (its listener's playback starts)
     sent_s: float = 0.0  # seconds of audio in the chunks sent so far
     admitted_at: float = 0.0
+    gen_budget: int = 0  # rows it may generate: budget less the prompt
+
+    def __post_init__(self) -> None:
+        self.gen_budget = self.budget - len(self.prompt)

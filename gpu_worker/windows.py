@@ -60,6 +60,13 @@ class AudioWindows:
         self.leads = () if first_chunk in ("reference", "progressive") else tuple(program.detok_lead)
         self.clock = clock
         self.now = now
+        # The rows n (mod stride) at which after_row may make a window (it returns None at any other):
+        # the end of a regular window, of a lead, of a frame in progressive mode. The engine calls
+        # it at those rows only.
+        s = self.stride
+        self.due = frozenset(
+            {program.detok_interval % s, *(n % s for n in self.leads)} | ({0} if self.progressive else set())
+        )
 
     def after_row(self, req) -> DetokChunk | None:
         """The window that `req`'s newest audio row (row n - 1 of req.audio) completes, if any.

@@ -8,6 +8,7 @@ arrive on the same socket, broadcast to every gpu_worker."""
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -22,6 +23,7 @@ from programs import get_spec, load_program_class
 
 log = logging.getLogger(__name__)
 
+METRICS_S = 0.05
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -77,6 +79,7 @@ class GpuWorker:
         self._pages_per_request = pages_for(limits.max_context + 1, limits.page_size)
         self.to_codec: PushChannel[CodecInMsg] = PushChannel(cfg.addresses.codec_in)
         self.stages = StageReporter()  # tap-only events: admitted, first token
+        self._metrics_at = 0.0
 
     def run(self) -> None:
         engine = self.engine
@@ -118,7 +121,13 @@ class GpuWorker:
             self.stages.publish(engine)
             if out is not None:
                 self.to_codec.send(out)
-            self.status.set_load(engine.num_active, engine.limits.max_batch_size, engine.metrics())
+            # The gauges (the capacity estimate among them) at most every METRICS_S: heartbeats
+            # carry the latest, a few per second, so computing them every step is wasted work.
+            now = time.monotonic()
+            metrics = None
+            if now - self._metrics_at >= METRICS_S:
+                metrics, self._metrics_at = engine.metrics(), now
+            self.status.set_load(engine.num_active, engine.limits.max_batch_size, metrics)
 
     def credits(self) -> int:
         """Prompts this worker can start at once: free slots, and no more than the free KV pages
