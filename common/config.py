@@ -61,6 +61,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     log_level: str = "INFO"
     disable_cuda_graph: bool = False
     mps: str = "off"  # serve: off | on | auto (CUDA MPS for the GPU processes, see common/mps.py)
+    codec_gpu_share: int = 0  # serve with MPS: percent of the GPU's SMs the codec_worker may use (0 = all)
     addresses: Addresses | None = None
     run_dir: str = ""
 
@@ -123,6 +124,10 @@ def check_codec_settings(cfg: ServeConfig) -> None:
     """The codec worker's batching settings (for `voxpipe serve` and a codec worker run alone)."""
     if cfg.codec_max_batch < 0 or not 0 <= cfg.codec_gather_ms <= 1000:
         raise ValueError("--codec-max-batch must be >= 0 and --codec-gather-ms in 0..1000")
+    if not 0 <= cfg.codec_gpu_share <= 100:
+        raise ValueError(
+            f"--codec-gpu-share must be a percent in 0..100 (0 = all), got {cfg.codec_gpu_share}"
+        )
 
 
 def program_kwargs(cfg: ServeConfig) -> dict:
@@ -327,6 +332,13 @@ OPTIONS: tuple[Option, ...] = (
         "nvidia-cuda-mps-control is installed and a CUDA client works under its daemon) or off",
         ("serve",),
         choices=("off", "on", "auto"),
+    ),
+    Option(
+        "codec_gpu_share",
+        "with MPS: the percent of the GPU's SMs the codec_worker's kernels may occupy "
+        "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), so that its passes leave the rest to the LM's steps; 0 = all",
+        ("serve",),
+        int,
     ),
     Option("run_dir", "directory for ipc:// sockets and taps (default: a private temp dir)", ("serve",)),
     Option(

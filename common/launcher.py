@@ -96,6 +96,8 @@ class Supervisor:
         env["PYTHONPATH"] = _ROOT + os.pathsep + env.get("PYTHONPATH", "")
         if self.mps is not None and child.role in GPU_ROLES:
             env.update(self.mps.env)
+            if child.role == "codec_worker" and self.cfg.codec_gpu_share:
+                env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(self.cfg.codec_gpu_share)
         return env
 
     def _spawn(self, child: Child) -> None:

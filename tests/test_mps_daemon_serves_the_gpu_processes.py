@@ -49,7 +49,7 @@ def _calls(pipe_dir: str) -> list[dict]:
 def test_serve_starts_a_private_daemon_for_the_gpu_processes_and_quits_it(control_on_path, tmp_path):
     run_dir = str(tmp_path / "run")
     os.makedirs(run_dir)
-    sup = Supervisor(ServeConfig(mps="on", run_dir=run_dir))
+    sup = Supervisor(ServeConfig(mps="on", run_dir=run_dir, codec_gpu_share=30))
     assert sup.mps is not None
     sup.mps.start()
     pipe = os.path.join(run_dir, "mps-pipe")
@@ -60,6 +60,9 @@ def test_serve_starts_a_private_daemon_for_the_gpu_processes_and_quits_it(contro
             assert env["CUDA_MPS_PIPE_DIRECTORY"] == pipe, child.name
         else:
             assert "CUDA_MPS_PIPE_DIRECTORY" not in env, child.name
+        # --codec-gpu-share caps the codec's SMs alone
+        share = env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+        assert share == ("30" if child.role == "codec_worker" else None), child.name
     sup.stop()
     assert _calls(pipe)[1:] == [{"args": [], "stdin": "quit\n", "log": os.path.join(run_dir, "mps-log")}]
     sup.stop()  # a second stop does not quit it again
