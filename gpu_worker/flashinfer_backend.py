@@ -52,6 +52,19 @@ def page_arrays(kv_lens: list[int], page_tables: list[list[int]], page_size: int
     return indptr, indices, last
 
 
+def plan_arrays(indptr: np.ndarray, last: np.ndarray, page_size: int, device: torch.device) -> dict:
+    """A graph plan's host arrays as `plan` takes them (kv indptr, last page length, and the
+    sequence lengths, from which it would otherwise build a tensor of its own), pinned on the GPU.
+    `plan` copies them into the graph's buffers with non-blocking copies, and from pageable memory
+    such a copy first waits for everything queued on the stream: the host would lose its lead."""
+    seq_lens = np.maximum(np.diff(indptr) - 1, 0) * page_size + last
+    out = {"indptr": indptr, "last": last, "seq_lens": seq_lens.astype(np.int32)}
+    out = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in out.items()}
+    if torch.device(device).type == "cuda":
+        out = {k: v.pin_memory() for k, v in out.items()}
+    return out
+
+
 def write_slots(layout: StepLayout, page_size: int) -> tuple[np.ndarray, np.ndarray]:
     """(page, offset) int64 [N] where each row's key/value goes."""
     pos = layout.pos.cpu().numpy()

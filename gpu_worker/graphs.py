@@ -21,7 +21,13 @@ import numpy as np
 import torch
 
 from common.graphs import capture
-from gpu_worker.flashinfer_backend import WORKSPACE_BYTES, FlashInferAttention, import_flashinfer, page_arrays
+from gpu_worker.flashinfer_backend import (
+    WORKSPACE_BYTES,
+    FlashInferAttention,
+    import_flashinfer,
+    page_arrays,
+    plan_arrays,
+)
 from gpu_worker.graph_io import GraphAttention, InputArena
 from gpu_worker.kv_cache import pages_for
 from gpu_worker.prefill_graphs import (
@@ -192,10 +198,11 @@ class GraphRunner:
         p = self.program
         if isinstance(indices, np.ndarray):
             indices = torch.from_numpy(indices)
+        host = plan_arrays(indptr, last, self.page_size, p.device)
         wrapper.plan(
-            torch.from_numpy(indptr), indices, torch.from_numpy(last),
-            p.num_qo_heads, p.num_kv_heads, p.head_dim, self.page_size,
+            host["indptr"], indices, host["last"], p.num_qo_heads, p.num_kv_heads, p.head_dim, self.page_size,
             q_data_type=p.dtype, kv_data_type=self.kv_cache.dtype, disable_split_kv=self.no_split_kv,
+            seq_lens=host["seq_lens"],
         )  # fmt: skip
 
     @torch.inference_mode()

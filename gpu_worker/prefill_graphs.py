@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from common.graphs import capture
-from gpu_worker.flashinfer_backend import import_flashinfer, page_arrays
+from gpu_worker.flashinfer_backend import import_flashinfer, page_arrays, plan_arrays
 from gpu_worker.graph_io import GraphAttention, InputArena
 from gpu_worker.kv_cache import pages_for
 from gpu_worker.runner import StepBatch
@@ -211,10 +211,14 @@ class PrefillGraphs:
 
     def _plan(self, wrapper, lay: PrefillLayout, kv_indices: torch.Tensor) -> None:
         p, dt = self.program, self.kv_cache.dtype
+        host = plan_arrays(lay.kv_indptr, lay.kv_last, self.page_size, p.device)
+        qo_indptr = torch.from_numpy(lay.qo_indptr)
+        if p.device.type == "cuda":
+            qo_indptr = qo_indptr.pin_memory()  # see plan_arrays
         wrapper.plan(
-            torch.from_numpy(lay.qo_indptr), torch.from_numpy(lay.kv_indptr), kv_indices,
-            torch.from_numpy(lay.kv_last), p.num_qo_heads, p.num_kv_heads, p.head_dim, self.page_size,
-            causal=True, q_data_type=p.dtype, kv_data_type=dt, disable_split_kv=self.no_split_kv,
+            qo_indptr, host["indptr"], kv_indices, host["last"], p.num_qo_heads, p.num_kv_heads, p.head_dim,
+            self.page_size, causal=True, q_data_type=p.dtype, kv_data_type=dt, disable_split_kv=self.no_split_kv,
+            seq_lens=host["seq_lens"],
         )  # fmt: skip
 
     def plan(self, lay: PrefillLayout) -> None:

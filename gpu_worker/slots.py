@@ -32,14 +32,14 @@ class SlotState:
         f32 = dict(dtype=torch.float32, device=device)
         i64 = dict(dtype=torch.int64, device=device)
         self.device = device
-        self.temperature = torch.zeros(num_slots, **f32)
-        self.top_p = torch.ones(num_slots, **f32)
-        self.min_p = torch.zeros(num_slots, **f32)
-        self.penalty = torch.ones(num_slots, **f32)
-        self.top_k = torch.zeros(num_slots, **i64)
-        self.window = torch.full((num_slots,), -1, **i64)
-        self.seed = torch.zeros(num_slots, **i64)
-        self.min_tokens = torch.zeros(num_slots, **i64)
+        # A request's settings, written at admission with one copy per dtype (columns below).
+        self.floats = torch.zeros(num_slots, 4, **f32)
+        self.ints = torch.zeros(num_slots, 4, **i64)
+        self.temperature, self.top_p, self.min_p, self.penalty = self.floats.unbind(1)
+        self.top_k, self.window, self.seed, self.min_tokens = self.ints.unbind(1)
+        self.top_p.fill_(1.0)
+        self.penalty.fill_(1.0)
+        self.window.fill_(-1)
         # Positions past a request's length hold its first prompt token: gathering or scattering
         # a token that is already in the row changes nothing, so no mask is needed without a window.
         self.history = torch.zeros(num_slots, max_context, **i64)  # [S, T]
@@ -54,18 +54,17 @@ class SlotState:
         slot = self._free.pop()
         if not penalty:
             sp, prompt_ids = msgspec.structs.replace(sp, repetition_penalty=1.0), np.zeros(1, np.int64)
-        self.temperature[slot] = sp.temperature
-        self.top_p[slot] = sp.top_p
-        self.min_p[slot] = sp.min_p
-        self.penalty[slot] = sp.repetition_penalty if sp.repetition_window != 0 else 1.0
-        self.top_k[slot] = sp.top_k
-        self.window[slot] = sp.repetition_window
-        self.seed[slot] = sp.seed
-        self.min_tokens[slot] = sp.min_tokens
-        self.n_audio[slot] = 0
-        ids = torch.from_numpy(prompt_ids.astype(np.int64))
-        self.history[slot].fill_(int(ids[0]))
-        self.history[slot, : len(ids)] = to_device(ids, self.device)
+        # From pinned memory, without waiting: a write from pageable memory (a Python number into a
+        # device tensor, say) waits for every step queued on the stream, stalling the host's lead.
+        penalty = sp.repetition_penalty if sp.repetition_window != 0 else 1.0
+        floats = torch.tensor([sp.temperature, sp.top_p, sp.min_p, penalty], dtype=torch.float32)
+        ints = torch.tensor([sp.top_k, sp.repetition_window, sp.seed, sp.min_tokens], dtype=torch.int64)
+        self.floats[slot] = to_device(floats, self.device)
+        self.ints[slot] = to_device(ints, self.device)
+        self.n_audio[slot : slot + 1].zero_()
+        history = np.full(self.history.shape[1], prompt_ids[0], dtype=np.int64)
+        history[: len(prompt_ids)] = prompt_ids
+        self.history[slot] = to_device(torch.from_numpy(history), self.device)
         return slot
 
     def release(self, slot: int) -> None:

@@ -8,7 +8,7 @@ import torch
 
 from codec_worker.graphs import codec_buckets
 from gpu_worker.attention import StepLayout
-from gpu_worker.flashinfer_backend import _max, page_arrays, write_slots
+from gpu_worker.flashinfer_backend import _max, page_arrays, plan_arrays, write_slots
 from gpu_worker.graphs import decode_buckets
 
 
@@ -36,6 +36,10 @@ def test_page_arrays_match_flashinfer_conventions():
     assert indices.tolist() == [5, 7, 9, 10, 2, 3, 4]
     assert last.tolist() == [1, 16, 1, 8]
     assert indptr.dtype == indices.dtype == last.dtype == np.int32
+    # What a graph's plan is handed (pinned on the GPU): the lengths it would derive itself.
+    host = plan_arrays(indptr, last, 16, torch.device("cpu"))
+    assert host["seq_lens"].tolist() == [1, 16, 17, 40] and host["seq_lens"].dtype == torch.int32
+    assert host["indptr"].tolist() == indptr.tolist() and host["last"].tolist() == last.tolist()
 
 
 def test_write_slots_put_each_row_in_its_page():
