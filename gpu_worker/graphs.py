@@ -28,7 +28,7 @@ from gpu_worker.flashinfer_backend import (
     page_arrays,
     plan_arrays,
 )
-from gpu_worker.graph_io import GraphAttention, InputArena
+from gpu_worker.graph_io import GraphAttention, InputArena, MixedAttention
 from gpu_worker.kv_cache import pages_for
 from gpu_worker.prefill_graphs import (
     PrefillGraphs,
@@ -49,6 +49,12 @@ log = logging.getLogger(__name__)
 # prompt waited p50 36 / p99 158 ms to be admitted, 15 / 39 ms with four lanes
 # (bench/results/h200-tap-2026-11-29-session5.json).
 PREFILL_LANES = 4
+# A step's first new request, when its prompt fits a prefill bucket of at most this many rows, runs
+# in one graph with the step's decode rows (`lm_mixed`, one per decode bucket and such prefill
+# bucket) instead of a prefill graph of its own: on the H200 a 3B forward pass costs ~3 ms at
+# a few rows whatever they are (kernel launches and weight reads), and ~12 us per row more beyond,
+# so a prompt riding along a decode step costs it a few hundred microseconds, not a whole pass.
+MIXED_PREFILL_ROWS = 128
 
 
 def decode_buckets(max_batch: int, min_batch: int = 1) -> list[int]:
@@ -184,6 +190,17 @@ class GraphRunner:
             decode,
             time.monotonic() - t0,
         )
+        # (decode bucket, prefill rows) → (graph, (logits [1 + bs, C', V], hidden [1 + bs, H]))
+        self.mixed: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
+        mixed_rows = sorted((r for r in self.prefill.graphs if r <= MIXED_PREFILL_ROWS), reverse=True)
+        t0 = time.monotonic()
+        for i, bs in enumerate(sorted(self.sizes, reverse=True)):
+            if progress:
+                progress(f"capturing mixed prefill+decode graphs: batch {bs} ({i + 1}/{len(self.sizes)})")
+            for rows in mixed_rows:
+                self.mixed[bs, rows] = self._capture_mixed(bs, rows)
+        log.info("captured %d mixed graphs (prefill rows %s) in %.1f s", len(self.mixed), mixed_rows,
+                 time.monotonic() - t0)  # fmt: skip
         self.depth = None
         if program.n_codebooks > 1:
             from gpu_worker.depth_graphs import DepthGraphs
@@ -222,6 +239,34 @@ class GraphRunner:
 
         graph, out = capture(step, self.pool)
         return graph, wrapper, out
+
+    @torch.inference_mode()
+    def _capture_mixed(
+        self, bs: int, rows: int
+    ) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]:
+        """One forward pass over lane 0's prefill rows (bucket `rows`, one request) and `bs` decode
+        rows, reading both parts' arena spans and planned wrappers: → logits and hidden states of
+        the request's last row, then of the decode rows."""
+        p, c, a = self.program, self.program.n_codebooks, self.arena
+        lane = self.prefill
+        x = lane.prefix
+        ids = (a.dev_view(x + "ids", rows * c).view(rows, c), a.dev_view("ids", bs * c).view(bs, c))
+        pos = (a.dev_view(x + "pos", rows), a.dev_view("pos", bs))
+        page = (a.dev_view(x + "page", rows), a.dev_view("page", bs))
+        off = (a.dev_view(x + "off", rows), a.dev_view("off", bs))
+        last = a.dev_view(x + "last", 1)
+        decode = self.xqa.wrapper(bs, pos[1]) if self.xqa is not None else self.graphs[bs][1]
+        attn = MixedAttention(self.kv_cache, lane.graphs[rows][1], decode, rows, page, off)
+
+        def step() -> tuple[torch.Tensor, torch.Tensor]:
+            if self.xqa is not None:
+                decode.prepare()
+            attn.prepare()
+            hidden = p.backbone(p.embed(torch.cat(ids)), torch.cat(pos), attn)  # [rows + bs, H]
+            hidden = torch.cat([hidden[last], hidden[rows:]])  # [1 + bs, H]
+            return p.head(hidden).float(), hidden
+
+        return capture(step, self.pool)
 
     @torch.inference_mode()
     def forward(self, b: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -283,9 +328,13 @@ class GraphRunner:
             elif b.meta is None:  # no slots (offline use): the decode rows' tables from the host
                 xqa.set_rows(dec.page_tables, dec.kv_lens, grow=False)
         a.seal()
-        # 3. Replay: prefill first (the capture order), then decode.
+        # 3. Replay: prefill first (the capture order), then decode; the first new request with the
+        # decode rows in a mixed graph when one holds them (captured last, so replayed last).
+        mixed = self.mixed.get((bs, lays[0].rows)) if lays and dec is not None else None
         parts, hiddens = [], []
         for graphs, lay in zip(self.prefills, lays, strict=False):
+            if mixed is not None and graphs is self.prefill:
+                continue
             logits, hidden = graphs.replay(lay)
             parts.append(logits)
             hiddens.append(hidden)
@@ -301,9 +350,17 @@ class GraphRunner:
                 )
             if xqa is not None and meta is not None:
                 xqa.gather(meta[0, n_pre:])  # the decode rows' page tables, by slot
-            graph.replay()
-            parts.append(out[0][:n_dec])
-            hiddens.append(out[1][:n_dec])
+            if mixed is not None:
+                graph, out = mixed
+                graph.replay()
+                parts.insert(0, out[0][:1])
+                hiddens.insert(0, out[1][:1])
+                parts.append(out[0][1 : 1 + n_dec])
+                hiddens.append(out[1][1 : 1 + n_dec])
+            else:
+                graph.replay()
+                parts.append(out[0][:n_dec])
+                hiddens.append(out[1][:n_dec])
         hidden = None
         if self.program.n_codebooks > 1:
             hidden = hiddens[0] if len(hiddens) == 1 else torch.cat(hiddens)
