@@ -103,7 +103,7 @@ def greedy_setup(program):
             t0 = time.perf_counter()
             engines[key] = Engine(
                 program,
-                EngineLimits(max_batch_size=64, max_context=1200, **kw),
+                EngineLimits(max_batch_size=256, max_context=1200, **kw),
                 progress=lambda msg: print(f"  [{time.perf_counter() - t0:6.1f} s] {msg}", flush=True),
             )
         eng = engines[key]
@@ -115,14 +115,14 @@ def greedy_setup(program):
 
 
 def greedy_batches(engine, prompt, kw: dict) -> dict:
-    """One greedy request alone, then among 3, 17 and 40 others joining at different steps, and
+    """One greedy request alone, then among 3, 17, 40 and 160 others joining at different steps, and
     last of 4 arriving at once (prefilled in the same step as 3 others, in the 4th prefill lane)."""
     eng = engine(**kw)
     eng.add(prompt("x", "The same words, again.", 1))
     eng.run_until_idle()
     alone = eng.outputs["x"][0]
     out = {}
-    for n_others in (3, 17, 40):
+    for n_others in (3, 17, 40, 160):
         eng = engine(**kw)
         others = [prompt(f"o{i}", "other text " * (1 + i % 5), 100 + i, 200 + 3 * i) for i in range(n_others)]
         order = [*others[: n_others // 2], prompt("x", "The same words, again.", 1), *others[n_others // 2 :]]
