@@ -40,6 +40,7 @@ from gpu_worker.prefill_graphs import (
 )
 from gpu_worker.runner import EagerRunner, StepBatch
 from gpu_worker.xqa_backend import XqaDecode, resolve_decode_attention
+from programs import fp8
 from programs.base import LMProgram
 
 log = logging.getLogger(__name__)
@@ -190,9 +191,12 @@ class GraphRunner:
             decode,
             time.monotonic() - t0,
         )
-        # (decode bucket, prefill rows) → (graph, (logits [1 + bs, C', V], hidden [1 + bs, H]))
-        self.mixed: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
+        # (decode bucket, prefill rows) → (graph, the prompt's logits [1, C', V] and hidden [1, H],
+        # then the decode rows' [bs, C', V] and [bs, H])
+        self.mixed: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         mixed_rows = sorted((r for r in self.prefill.graphs if r <= MIXED_PREFILL_ROWS), reverse=True)
+        if not program.mixed_prefill:
+            mixed_rows = []
         t0 = time.monotonic()
         for i, bs in enumerate(sorted(self.sizes, reverse=True)):
             if progress:
@@ -241,12 +245,12 @@ class GraphRunner:
         return graph, wrapper, out
 
     @torch.inference_mode()
-    def _capture_mixed(
-        self, bs: int, rows: int
-    ) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]:
+    def _capture_mixed(self, bs: int, rows: int) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
         """One forward pass over lane 0's prefill rows (bucket `rows`, one request) and `bs` decode
         rows, reading both parts' arena spans and planned wrappers: → logits and hidden states of
-        the request's last row, then of the decode rows."""
+        the request's last row, then of the decode rows. Every GEMM keeps the two parts apart
+        (`fp8.rows_apart`, and a head per part), so each row rounds as in the prefill graph and
+        the decode graph it replaces: a request's tokens do not depend on who arrived with it."""
         p, c, a = self.program, self.program.n_codebooks, self.arena
         lane = self.prefill
         x = lane.prefix
@@ -262,9 +266,10 @@ class GraphRunner:
             if self.xqa is not None:
                 decode.prepare()
             attn.prepare()
-            hidden = p.backbone(p.embed(torch.cat(ids)), torch.cat(pos), attn)  # [rows + bs, H]
-            hidden = torch.cat([hidden[last], hidden[rows:]])  # [1 + bs, H]
-            return p.head(hidden).float(), hidden
+            with fp8.rows_apart(rows):
+                hidden = p.backbone(p.embed(torch.cat(ids)), torch.cat(pos), attn)  # [rows + bs, H]
+            pre, dec = hidden[last], hidden[rows:]  # [1, H], [bs, H]
+            return p.head(pre).float(), pre, p.head(dec).float(), dec
 
         return capture(step, self.pool)
 
@@ -353,10 +358,10 @@ class GraphRunner:
             if mixed is not None:
                 graph, out = mixed
                 graph.replay()
-                parts.insert(0, out[0][:1])
-                hiddens.insert(0, out[1][:1])
-                parts.append(out[0][1 : 1 + n_dec])
-                hiddens.append(out[1][1 : 1 + n_dec])
+                parts.insert(0, out[0])
+                hiddens.insert(0, out[1])
+                parts.append(out[2][:n_dec])
+                hiddens.append(out[3][:n_dec])
             else:
                 graph.replay()
                 parts.append(out[0][:n_dec])

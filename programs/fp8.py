@@ -9,6 +9,7 @@ when torch.compile works on the machine.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -73,9 +74,38 @@ def compile_quantizer(device: torch.device, widths: tuple[int, ...] = (256,)) ->
     return True
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> torch.Tensor:
-    """x [M, K] @ weight.T → [M, N] in x's dtype; weight a plain tensor or an `Fp8Weight`."""
+_rows_apart = 0
+
+
+@contextlib.contextmanager
+def rows_apart(rows: int):
+    """Within: every `linear` runs its first `rows` rows and the rest as two GEMMs. A GEMM's
+    result for a row can depend on how many rows it holds (the library picks its kernel by shape:
+    measured on the H200, a prompt prefilled beside decode rows in one GEMM changed a greedy
+    request's tokens), so a step that runs a prompt with decode rows (gpu_worker.graphs, mixed
+    graphs) keeps each part in a GEMM of the size it has in a step of its own."""
+    global _rows_apart
+    before, _rows_apart = _rows_apart, rows
+    try:
+        yield
+    finally:
+        _rows_apart = before
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K] @ weight.T (+ bias) → [M, N] in x's dtype; weight a plain tensor or an `Fp8Weight`."""
+    if 0 < _rows_apart < x.shape[0]:
+        s = _rows_apart
+        return torch.cat([_linear(x[:s], weight, bias), _linear(x[s:], weight, bias)])
+    return _linear(x, weight, bias)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     if not isinstance(weight, Fp8Weight):
-        return F.linear(x, weight)
+        return F.linear(x, weight, bias)
+    if bias is not None:
+        raise ValueError("fp8 linear layers have no bias")
     q, scale = _quantizer(x)
     return torch._scaled_mm(q, weight.q.t(), scale_a=scale, scale_b=weight.scale, out_dtype=x.dtype)

@@ -155,6 +155,10 @@ def test_graph_runner_matches_eager_for_prefill_decode_and_mixed_steps(program, 
     assert [r for r, _ in graphs.prefill.buckets] == [32, 64, 128, 256, 512]
     assert len(graphs.prefills) == graphs.max_prefills_per_step == 4
     eager = EagerRunner(program, TorchPagedAttention(kv_e, program.num_qo_heads))
+    # The same graphs without mixed ones: a step's first prompt in lane 0's prefill graph.
+    kv_l = allocate_kv_cache(*shape, torch.float32, "cpu")
+    lanes = graph_runner_cls(program, kv_l, EngineLimits(max_batch_size=16, max_context=MAX_CONTEXT))
+    lanes.mixed = {}
     rng = np.random.default_rng(0)
     tables = [list(range(1 + i * per, 1 + (i + 1) * per))[::-1] for i in range(n_seq)]
     # Sequence i: prompt length, step it joins at. Step 0 prefills 28 and 40 rows (two lanes:
@@ -200,6 +204,9 @@ def test_graph_runner_matches_eager_for_prefill_decode_and_mixed_steps(program, 
         )
         got, got_meta, _ = graphs.forward(b)
         want, want_meta, _ = eager.forward(b)
+        # Bitwise: a mixed graph keeps its prompt's and decode rows' GEMMs apart (fp8.rows_apart).
+        assert torch.equal(got, lanes.forward(b)[0]), f"step {t}"
+        assert torch.equal(kv_g[:, 1:], kv_l[:, 1:]), f"step {t}"  # page 0: padding rows' scratch
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"step {t}")
         assert got_meta.tolist() == want_meta.tolist() == meta.tolist()
         torch.testing.assert_close(kv_g[:, 1:], kv_e[:, 1:], rtol=1e-4, atol=1e-4, msg=f"step {t}")

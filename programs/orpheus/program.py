@@ -47,6 +47,7 @@ class OrpheusProgram(LMProgram):
     # SNAC is small (20 M parameters) and tanh-saturating; fp32 keeps it faithful to the reference
     # (--codec-dtype bfloat16/float16 trade that for speed; tests/test_codec_precision.py: SNR).
     codec_dtype: torch.dtype = torch.float32
+    mixed_prefill = True  # LlamaLM's GEMMs all go through fp8.linear, fused or not
 
     def __init__(self, spec: dict[str, Any], **kwargs: Any) -> None:
         super().__init__(spec, **kwargs)  # keyword arguments: see LMProgram
