@@ -1,5 +1,6 @@
-"""GPU: greedy tokens of one request alone vs among 3, 17 and 40 others (graphs on, the serving
-defaults), the check of `bench/gpu_parity.py` section 3 on its own (a minute instead of several).
+"""GPU: greedy tokens of one request alone vs among 3, 17, 40 and 160 others (graphs on, the
+serving defaults; then without mixed prefill+decode graphs), the check of `bench/gpu_parity.py`
+section 3 on its own (a minute instead of several).
 
     python -m bench.batch_invariance --out batch_invariance.json [--kv-cache-dtypes auto,fp8]
 """
@@ -30,8 +31,11 @@ def main() -> int:
     res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%F"), "lm_head": args.lm_head}
     res["greedy_alone_vs_batched"] = {}
     for kv in args.kv_cache_dtypes.split(","):
-        res["greedy_alone_vs_batched"][kv] = greedy_batches(engine, prompt, {"kv_cache_dtype": kv})
-        print(kv, res["greedy_alone_vs_batched"][kv], flush=True)
+        for mixed in (True, False):  # a new prompt in one graph with the decode rows, or apart
+            name = kv if mixed else f"{kv}, no mixed graphs"
+            kw = {"kv_cache_dtype": kv, "mixed_prefill": mixed}
+            res["greedy_alone_vs_batched"][name] = greedy_batches(engine, prompt, kw)
+            print(name, res["greedy_alone_vs_batched"][name], flush=True)
     res["ok"] = all(
         v["first_difference"] is None for per in res["greedy_alone_vs_batched"].values() for v in per.values()
     )

@@ -195,7 +195,7 @@ class GraphRunner:
         # then the decode rows' [bs, C', V] and [bs, H])
         self.mixed: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         mixed_rows = sorted((r for r in self.prefill.graphs if r <= MIXED_PREFILL_ROWS), reverse=True)
-        if not program.mixed_prefill:
+        if not (program.mixed_prefill and limits.mixed_prefill):
             mixed_rows = []
         t0 = time.monotonic()
         for i, bs in enumerate(sorted(self.sizes, reverse=True)):

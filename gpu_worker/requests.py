@@ -37,6 +37,9 @@ class EngineLimits:
     # CUDA-core kernel for Orpheus-3B's bf16 cache on the H200), or the CUDA-core decode kernel
     # (bench/attention_kv.py compares them; with an fp8 cache it is not measured yet).
     decode_tensor_cores: bool = True
+    # A step's first new prompt runs in one graph with its decode rows (gpu_worker.graphs, mixed
+    # graphs) when the program allows it; False: in a prefill graph of its own.
+    mixed_prefill: bool = True
 
 
 @dataclass
