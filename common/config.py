@@ -47,6 +47,9 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     page_size: int = 16
     num_pages: int = 0  # 0 = enough for max_batch_size full contexts
     first_chunk: str = "adaptive"  # reference | adaptive | fastest | progressive (see EngineLimits)
+    realtime_headroom: float = (
+        0.8  # gpu_worker: admit streams while a step takes <= this share of a row's audio
+    )
     lm_head: str = "full"  # gpu_worker: full vocabulary, or "audio": logits for codec tokens + stop only
     quantization: str = "none"  # gpu_worker: none | fp8 (LM linear weights in float8, per-channel scales)
     kv_cache_dtype: str = "auto"  # gpu_worker: auto (the model's dtype) | fp8 (float8 e4m3 keys/values)
@@ -266,6 +269,14 @@ OPTIONS: tuple[Option, ...] = (
         "(each first frame as soon as it exists, until the stream is far enough ahead)",
         ("serve", "gpu_worker", "codec_worker"),
         choices=("reference", "adaptive", "fastest", "progressive"),
+    ),
+    Option(
+        "realtime_headroom",
+        "admission: the share of a row's playback time (12.2 ms for Orpheus) that an engine step may "
+        "take at the load the gpu_worker admits; lower keeps more margin against uneven steps, higher "
+        "admits more streams per GPU (0.5..1.0)",
+        ("serve", "gpu_worker"),
+        float,
     ),
     Option(
         "lm_head",

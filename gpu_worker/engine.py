@@ -97,7 +97,9 @@ class Engine:
         self.last_batch_size = 0
         # rid → (generated rows as in Request.generated, stop excluded; reason) when kept (tests, benches).
         self.outputs: dict[str, tuple[list, FinishReason]] | None = None
-        self.clock = StepClock(program.rows_per_second, limits.max_batch_size)
+        if not 0.5 <= limits.realtime_headroom <= 1.0:
+            raise ValueError(f"--realtime-headroom must be in 0.5..1.0, got {limits.realtime_headroom}")
+        self.clock = StepClock(program.rows_per_second, limits.max_batch_size, limits.realtime_headroom)
         # Where a step's wall time goes (exponential averages, seconds): the host's own work (admit,
         # layout, launch, consume), and waiting for the GPU to finish the previous step. A host
         # time near the step interval with little wait means the host, not the GPU, sets the pace.

@@ -58,6 +58,7 @@ class GpuWorker:
             num_pages=cfg.num_pages,
             cuda_graphs=not cfg.disable_cuda_graph,
             first_chunk=cfg.first_chunk,
+            realtime_headroom=cfg.realtime_headroom,
             kv_cache_dtype=cfg.kv_cache_dtype,
             decode_attention=cfg.decode_attention,
         )

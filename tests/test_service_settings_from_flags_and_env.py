@@ -68,3 +68,18 @@ def test_replicas_of_the_tokenizer_get_distinct_default_names():
     a = parse_role("tokenizer_worker", [], {})
     assert a.name.startswith("tokenizer_worker.") and a.name != "tokenizer_worker"
     assert parse_role("gateway", [], {}).name == "gateway"
+
+
+def test_realtime_headroom_reaches_the_engine_clock_and_out_of_range_is_refused():
+    from common.cli import _validate
+    from gpu_worker.engine import Engine, EngineLimits
+    from programs import get_spec, load_program_class
+
+    s = parse_role("gpu_worker", ["--model", "orpheus-tiny", "--realtime-headroom", "0.9"], {})
+    assert s.cfg.realtime_headroom == 0.9
+    p = load_program_class("orpheus-tiny")(get_spec("orpheus-tiny"), load_format="dummy")
+    p.load_lm()
+    eng = Engine(p, EngineLimits(max_batch_size=2, max_context=64, realtime_headroom=s.cfg.realtime_headroom))
+    assert eng.clock.headroom == 0.9
+    with pytest.raises(ValueError, match="--realtime-headroom"):
+        _validate(ServeConfig(model="orpheus-tiny", realtime_headroom=1.5))
