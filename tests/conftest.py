@@ -45,6 +45,23 @@ def gpu_dispatch(*names: str, greeting=None) -> Iterator[tuple]:
         shutil.rmtree(d, ignore_errors=True)
 
 
+def tiny_lm_on_one_thread(model: str) -> Iterator:
+    """A module fixture's body: `model`'s program with its dummy LM loaded, yielded while torch runs
+    on one thread (tiny matrices: faster on a loaded machine than a thread pool)."""
+    import torch
+
+    from programs import get_spec, load_program_class
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        p = load_program_class(model)(get_spec(model), load_format="dummy")
+        p.load_lm()
+        yield p
+    finally:
+        torch.set_num_threads(before)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from common.messages import Prompt, SamplingParams
 from gpu_worker.engine import Engine, EngineLimits
-from programs import get_spec, load_program_class
+from tests.conftest import tiny_lm_on_one_thread
 from tests.test_graph_runner_replays_match_eager_on_cpu import graph_runner_cls  # noqa: F401 (fixture)
 
 LIMITS = dict(max_batch_size=4, max_context=200)
@@ -19,12 +18,7 @@ LIMITS = dict(max_batch_size=4, max_context=200)
 
 @pytest.fixture(scope="module")
 def program():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: one thread is faster on a loaded machine
-    p = load_program_class("csm-tiny")(get_spec("csm-tiny"), load_format="dummy")
-    p.load_lm()
-    yield p
-    torch.set_num_threads(before)
+    yield from tiny_lm_on_one_thread("csm-tiny")
 
 
 def prompts(program) -> list[Prompt]:
