@@ -49,6 +49,8 @@ def _validate(cfg: ServeConfig) -> None:
     if cfg.page_size < 1 or cfg.max_batch_size < 0 or cfg.max_context < 0 or cfg.num_pages < 0:
         raise ValueError("--page-size must be positive; --max-batch-size, --max-context, --num-pages >= 0")
     check_codec_settings(cfg)
+    if cfg.codec_gpu_share and cfg.mps == "off":
+        raise ValueError("--codec-gpu-share caps the codec's SMs under MPS: it needs --mps on or auto")
     if not 0.5 <= cfg.realtime_headroom <= 1.0:
         raise ValueError(f"--realtime-headroom must be in 0.5..1.0, got {cfg.realtime_headroom}")
     if cfg.max_queue < 0 or cfg.max_streams < 0 or not 0 < cfg.queue_timeout < float("inf"):

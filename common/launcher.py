@@ -116,7 +116,8 @@ class Supervisor:
                 self.mps.stop()
                 if self.cfg.mps == "on":
                     raise
-                log.warning("%s; serving without MPS (--mps auto)", e)
+                log.warning("%s; serving without MPS (--mps auto)%s", e,
+                            ", so without --codec-gpu-share" if self.cfg.codec_gpu_share else "")  # fmt: skip
                 self.mps = None
         for child in self.children:
             self._spawn(child)

@@ -113,13 +113,8 @@ class Engine:
         self._last_ready: torch.cuda.Event | None = None
         self.windows = AudioWindows(program, limits.first_chunk, self.clock)
         self.sample_graphs = None
-        if hasattr(self.runner, "decode_bucket") and program.n_codebooks == 1:
-            from gpu_worker.sample_graphs import SampleGraphs
-
-            modes = (False, True) if program.can_constrain else (False,)
-            self.sample_graphs = SampleGraphs(
-                self._sample_all, self.runner, modes, self.slots.scratch, progress
-            )
+        if hasattr(self.runner, "decode_bucket"):  # a GraphRunner
+            self.capture_sampling(progress)
 
     # --- requests in and out -------------------------------------------------------------------
     def add(self, prompt: Prompt) -> None:
@@ -419,6 +414,7 @@ class Engine:
             return
         from gpu_worker.sample_graphs import SampleGraphs
 
+        self.runner.scratch_slot = self.slots.scratch  # where its padded decode rows sample
         modes = (False, True) if self.program.can_constrain else (False,)
         self.sample_graphs = SampleGraphs(self._sample_all, self.runner, modes, self.slots.scratch, progress)
 

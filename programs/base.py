@@ -172,6 +172,7 @@ class LMProgram:
         if quantization not in ("none", "fp8"):
             raise ValueError(f"quantization must be none or fp8, not {quantization!r}")
         self.lm_head, self.quantization = lm_head, quantization
+        self._stop_ids: dict[torch.device, torch.Tensor] = {}  # classify's stop ids per device
         self.detok_interval = spec["detok_interval"]
         self.detok_overlap = spec["detok_overlap"]
         self.detok_samples = spec["detok_samples"]
@@ -249,8 +250,12 @@ class LMProgram:
         t0 = tokens[:, 0]
         lo, hi = self.spec["audio_tokens"]
         kinds = torch.where((t0 >= lo) & (t0 < hi), int(TokenKind.AUDIO), int(TokenKind.OTHER))
-        stop = torch.isin(t0, torch.tensor(self.stop_tokens(), device=t0.device))
-        return torch.where(stop, int(TokenKind.STOP), kinds)
+        # The ids on the device once: a copy from the host each call would wait for the stream, and
+        # cannot be captured in a sampling graph (gpu_worker/sample_graphs.py).
+        ids = self._stop_ids.get(t0.device)
+        if ids is None:
+            ids = self._stop_ids[t0.device] = torch.tensor(self.stop_tokens(), device=t0.device)
+        return torch.where(torch.isin(t0, ids), int(TokenKind.STOP), kinds)
 
     # --- codec (graph) -------------------------------------------------------------------------
     def detokenize(

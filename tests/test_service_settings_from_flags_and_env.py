@@ -83,3 +83,5 @@ def test_realtime_headroom_reaches_the_engine_clock_and_out_of_range_is_refused(
     assert eng.clock.headroom == 0.9
     with pytest.raises(ValueError, match="--realtime-headroom"):
         _validate(ServeConfig(model="orpheus-tiny", realtime_headroom=1.5))
+    with pytest.raises(ValueError, match="--codec-gpu-share"):  # a cap under MPS, and MPS is off
+        _validate(ServeConfig(model="orpheus-tiny", codec_gpu_share=50))
