@@ -183,6 +183,12 @@ class GaugeSampler:
             # streams active: how low it went, and how many waited.
             out["min_stream_capacity"] = min(s.get("stream_capacity", 0) for s in busy)
             out["max_admission_queue_length"] = max(s.get("admission_queue_length", 0) for s in busy)
+            # How often and how low: a median capacity above the load still queues requests when it
+            # dips below it now and then.
+            out["stream_capacity_p10"] = percentile([s.get("stream_capacity", 0) for s in busy], 10)
+            out["admission_queued_share"] = round(
+                sum(s.get("admission_queue_length", 0) > 0 for s in busy) / len(busy), 3
+            )
         out["samples"] = len(busy)
         if self.failures:
             out["sample_failures"] = len(self.failures)
