@@ -69,31 +69,13 @@ class GraphAttention:
         return self.wrapper.run(q, cache)
 
 
-class MixedAttention:
-    """A mixed step's attention as captured: its first `rows` rows are a prefill (a planned prefill
-    wrapper), the rest decode rows (a decode wrapper); each part's keys/values go to its own write
-    slots (`page`, `off`: prefill's, decode's)."""
+class SplitRows:
+    """Two attention wrappers as one, for a mixed step (`GraphAttention` takes it as its wrapper):
+    its first `rows` rows are a prefill (a planned prefill wrapper), the rest decode rows."""
 
-    def __init__(
-        self,
-        kv_cache: torch.Tensor,
-        prefill,
-        decode,
-        rows: int,
-        page: tuple[torch.Tensor, torch.Tensor],
-        off: tuple[torch.Tensor, torch.Tensor],
-    ) -> None:
-        self.kv_cache, self.prefill, self.decode, self.rows = kv_cache, prefill, decode, rows
-        self.parts = (page, off)
-        self.page = self.off = None
+    def __init__(self, prefill, decode, rows: int) -> None:
+        self.prefill, self.decode, self.rows = prefill, decode, rows
 
-    def prepare(self) -> None:
-        """Once per step, inside the graph: both parts' write slots in row order."""
-        self.page, self.off = (torch.cat(part) for part in self.parts)
-
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        cache = self.kv_cache[layer]  # [P, 2, page, Hkv, D]
-        cache[self.page, 0, self.off] = k.to(cache.dtype)
-        cache[self.page, 1, self.off] = v.to(cache.dtype)
+    def run(self, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
         r = self.rows
         return torch.cat([self.prefill.run(q[:r], cache), self.decode.run(q[r:], cache)])

@@ -28,7 +28,7 @@ from gpu_worker.flashinfer_backend import (
     page_arrays,
     plan_arrays,
 )
-from gpu_worker.graph_io import GraphAttention, InputArena, MixedAttention
+from gpu_worker.graph_io import GraphAttention, InputArena, SplitRows
 from gpu_worker.kv_cache import pages_for
 from gpu_worker.prefill_graphs import (
     PrefillGraphs,
@@ -260,12 +260,12 @@ class GraphRunner:
         off = (a.dev_view(x + "off", rows), a.dev_view("off", bs))
         last = a.dev_view(x + "last", 1)
         decode = self.xqa.wrapper(bs, pos[1]) if self.xqa is not None else self.graphs[bs][1]
-        attn = MixedAttention(self.kv_cache, lane.graphs[rows][1], decode, rows, page, off)
+        attn = GraphAttention(self.kv_cache, SplitRows(lane.graphs[rows][1], decode, rows), None, None)
 
         def step() -> tuple[torch.Tensor, torch.Tensor]:
             if self.xqa is not None:
                 decode.prepare()
-            attn.prepare()
+            attn.page, attn.off = torch.cat(page), torch.cat(off)  # both parts' write slots, in the graph
             with fp8.rows_apart(rows):
                 hidden = p.backbone(p.embed(torch.cat(ids)), torch.cat(pos), attn)  # [rows + bs, H]
             pre, dec = hidden[last], hidden[rows:]  # [1, H], [bs, H]
