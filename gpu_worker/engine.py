@@ -432,8 +432,7 @@ class Engine:
         constrained = batch[0].sp.constrained
         if any(r.sp.constrained != constrained for r in batch):
             return None
-        result = graphs.replay(bucket, constrained)
-        return None if result is None else result[: len(batch)]
+        return graphs.replay(bucket, constrained)[: len(batch)]
 
     def _time_on_device(self, step: _InFlight) -> None:
         """Fold a completed step's device times into the averages (its events are all done)."""
