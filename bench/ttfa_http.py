@@ -99,15 +99,12 @@ def start_tap(args, delay_s: float) -> threading.Thread:
     (past the ramp), gzipped into `--tap-out`."""
 
     def go() -> None:
-        time.sleep(delay_s)
         cmd = [sys.executable, "-m", "common.cli", "tap", "--port", str(args.port), "--all-chunks",
                "--seconds", str(args.tap_seconds)]  # fmt: skip
         with gzip.open(args.tap_out, "wb") as f:
             f.write(subprocess.run(cmd, cwd=ROOT, capture_output=True, check=False).stdout)
 
-    t = threading.Thread(target=go, daemon=True)
-    t.start()
-    return t
+    return later(delay_s, go)
 
 
 def start_py_spy(args, delay_s: float) -> list[threading.Thread]:
@@ -115,7 +112,6 @@ def start_py_spy(args, delay_s: float) -> list[threading.Thread]:
     `--profile-roles`, for `--tap-seconds` from `delay_s` into the level: `<profile-out>-<role>.txt`."""
 
     def go(role: str) -> None:
-        time.sleep(delay_s)
         pids = subprocess.run(
             ["pgrep", "-f", "--", f"-m {role} "], capture_output=True, text=True
         ).stdout.split()
@@ -125,10 +121,19 @@ def start_py_spy(args, delay_s: float) -> list[threading.Thread]:
             res = subprocess.run(cmd, capture_output=True, text=True, check=False)
             print(f"py-spy {role} (pid {pid}): rc {res.returncode} {res.stderr[-300:]}", flush=True)
 
-    threads = [threading.Thread(target=go, args=(r,), daemon=True) for r in args.profile_roles.split(",")]
-    for t in threads:
-        t.start()
-    return threads
+    return [later(delay_s, go, role) for role in args.profile_roles.split(",")]
+
+
+def later(delay_s: float, fn, *args) -> threading.Thread:
+    """`fn(*args)` after `delay_s`, in a daemon thread (started; join it for the result)."""
+
+    def run() -> None:
+        time.sleep(delay_s)
+        fn(*args)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
 
 
 def main() -> int:
