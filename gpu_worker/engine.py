@@ -416,7 +416,7 @@ class Engine:
 
         self.runner.scratch_slot = self.slots.scratch  # where its padded decode rows sample
         modes = (False, True) if self.program.can_constrain else (False,)
-        self.sample_graphs = SampleGraphs(self._sample_all, self.runner, modes, self.slots.scratch, progress)
+        self.sample_graphs = SampleGraphs(self._sample_all, self.runner, modes, progress)
 
     def _sample_all(self, logits: torch.Tensor, meta: torch.Tensor, constrained: bool) -> torch.Tensor:
         """Every row in one mode, window and penalty applied (what a sampling graph captures)."""

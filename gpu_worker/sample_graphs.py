@@ -34,12 +34,11 @@ class SampleGraphs:
         sample: Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor],
         runner,
         modes: tuple[bool, ...],
-        scratch_slot: int,
         progress: Callable[[str], None] | None = None,
     ) -> None:
         """`sample(logits [bs, C', V], meta [3, bs], constrained)` → [bs, C + 1]: the engine's
-        sampling of every row in one mode; `runner` a GraphRunner (its decode buckets, logits and
-        padded meta); `modes` the constrained settings to capture."""
+        sampling of every row in one mode; `runner` a GraphRunner (its decode buckets, logits,
+        padded meta and scratch slot); `modes` the constrained settings to capture."""
         self.graphs: dict[tuple[int, bool], tuple[object, torch.Tensor]] = {}
         # A pool of its own: the backbone's graphs replay in their capture order within theirs.
         pool = torch.cuda.graph_pool_handle()
@@ -52,7 +51,7 @@ class SampleGraphs:
             for constrained in modes:
                 # The warm-up runs for real: its rows sample and record on the scratch slot.
                 meta.zero_()
-                meta[0].fill_(scratch_slot)
+                meta[0].fill_(runner.scratch_slot)
                 step = lambda lg=logits, m=meta, c=constrained: sample(lg, m, c)  # noqa: E731
                 self.graphs[bs, constrained] = capture(step, pool)
         log.info("captured %d sampling graphs in %.1f s", len(self.graphs), time.monotonic() - t0)
