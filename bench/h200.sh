@@ -87,7 +87,7 @@ for stage in "$@"; do
             --compile-modes "${VOXPIPE_COMPILE_MODES:-}" --other-batches "${VOXPIPE_CODEC_OTHER:-1,16,64,256}" --out "$OUT/codec-profile.json"
         ;;
     fp8-gemm) run fp8-gemm python -m bench.fp8_gemm --out "$OUT/fp8-gemm.json" ;;
-    profile) run profile python -m bench.profile_step --batch 384 --lm-head audio ;;
+    profile) run profile python -m bench.profile_step --batch "${VOXPIPE_PROFILE_BATCH:-384}" --lm-head audio ${VOXPIPE_PROFILE_FLAGS:-} ;;
     *) echo "unknown stage $stage" ;;
     esac
 done

@@ -2,6 +2,7 @@
 CUDA kernels and CPU ops over a few steady decode steps, and the GPU's idle share.
 
     python bench/profile_step.py --batch 384 [--ctx 512] [--lm-head audio] [--quantization fp8]
+        [--kv-cache-dtype fp8]
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def main() -> int:
     ap.add_argument("--lm-head", default="full")
     ap.add_argument("--quantization", default="none")
     ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--kv-cache-dtype", default="auto")
     args = ap.parse_args()
     p = load_program_class("orpheus")(get_spec("orpheus"), load_format="dummy", device="cuda",
                                       dtype=torch.bfloat16, lm_head=args.lm_head,
@@ -33,7 +35,10 @@ def main() -> int:
     eng = Engine(
         p,
         EngineLimits(
-            max_batch_size=args.batch, max_context=args.ctx + args.batch + 300, first_chunk="reference"
+            max_batch_size=args.batch,
+            max_context=args.ctx + args.batch + 300,
+            first_chunk="reference",
+            kv_cache_dtype=args.kv_cache_dtype,
         ),
     )
     mean_ctx = fill_batch(eng, args.batch, args.ctx)
