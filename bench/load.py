@@ -152,6 +152,10 @@ def server_gauges(base: str) -> dict[str, float]:
     return out
 
 
+# The gauges a level's `timeline` follows (bench results: admission waits against capacity dips).
+TIMELINE_GAUGES = ("active_streams", "stream_capacity", "admission_queue_length", "row_period_ms")
+
+
 class GaugeSampler:
     """Reads the server's gauges every `every` seconds while a load level runs (the gauges after a
     level show a draining server); `summary()` gives each gauge's median over the busy samples, and
@@ -190,6 +194,11 @@ class GaugeSampler:
                 sum(s.get("admission_queue_length", 0) > 0 for s in busy) / len(busy), 3
             )
         out["samples"] = len(busy)
+        if self.samples:  # what admission saw, second by second: when the capacity dipped, and why
+            t0 = self.samples[0][0]
+            out["timeline"] = {"t_s": [round(t - t0, 1) for t, _ in self.samples]} | {
+                key: [round(s.get(key, 0), 1) for _, s in self.samples] for key in TIMELINE_GAUGES
+            }
         if self.failures:
             out["sample_failures"] = len(self.failures)
             out["sample_failure_example"] = self.failures[0]
