@@ -6,7 +6,8 @@ the program's row period (1 / rows per audio second: 12.19 ms for Orpheus). `Ste
 exponential average of the interval per batch-size bucket (quarter octaves), which gives
 
 - `capacity()`: the largest batch whose measured (or extrapolated) interval fits the row period
-  with some headroom: the gateway admits that many streams to this worker;
+  with some headroom, and at least the recent load scaled by the budget over its recent interval
+  (`paced_capacity`): the gateway admits that many streams to this worker;
 - `row_period()`: the recent interval at the current load, and `row_period_high()` a pessimistic
   one (plus twice the recent spread);
 - `rows_time_high(n)`: how long the next n steps may take, from the last steps' own n-step spans
@@ -29,11 +30,13 @@ _MIN_SAMPLES = 8  # steps measured in a bucket before it counts
 # `rows_time_high`: the steps it looks back on (~1 s under load), the spans it needs among them
 # before it trusts them, and which of their span times it takes.
 RECENT_STEPS, MIN_SPANS, SPAN_QUANTILE = 96, 16, 0.95
-# The capacity is the batch whose step takes this share of a row's playback time. Measured on the
-# H200 (fp8 cache, XQA): every request on time at 256 streams, 1.34x real time; 47 % at 320, 1.2x
-# (bench/results/h200-load-2026-11-29-session6-xqa.json). A stream's lead, and its switch to
-# regular windows, build from that surplus; 0.92 let admission fill a worker to ~1.09x.
-HEADROOM = 0.8
+# The capacity is the batch whose step takes this share of a row's playback time. A stream's lead,
+# and its switch to regular windows, build from the surplus. Measured on the H200 (fp8 weights and
+# cache, closed-loop load of 1024-token streams): at 0.88, 99.3-100 % of requests on time at every
+# level from 320 to 384 streams, over four runs (bench/results/h200-load-2026-11-29-session8-
+# headroom088.json, -session9-lm-share-reverted.json, -session9-paced.json); at 0.92, 98.7 % at 384
+# (-session9-headroom092.json). 0.8, the earlier default, held admission ~10 % lower.
+HEADROOM = 0.88
 # A bucket not measured for this long stops counting. Admission keeps batches below the capacity,
 # so a large batch once measured slow (a burst of prefills, say) would otherwise cap the capacity
 # for good: measured on the H200, one such moment held a server to ~140 streams for minutes while
@@ -52,6 +55,9 @@ BUCKET_ALPHA = 0.01
 # How far beyond the largest batch measured within budget the capacity may be extrapolated: a factor,
 # or a number of streams where that is more.
 PROBE, PROBE_MIN = 1.5, 64
+# The pace at the load being served, averaged over ~PACE_STEPS steps (about a second under load), any
+# bucket: `capacity` never says less than that pace allows in proportion (see `paced_capacity`).
+PACE_STEPS = 100
 
 
 def _bucket(batch: int) -> int:
@@ -75,6 +81,8 @@ class StepClock:
         self._last: float | None = None
         self._dts: deque[float] = deque(maxlen=RECENT_STEPS)  # the latest intervals, any batch
         self._span_high: dict[int, float] = {}  # rows → rows_time_high, until the next record
+        # Averages over the last ~PACE_STEPS steps since the engine was last idle: batch, interval.
+        self._pace_n, self._pace_batch, self._pace_dt = 0, 0.0, 0.0
 
     def tick(self, batch: int) -> None:
         """Call once per launched step with its batch size (0 when the engine had nothing to run)."""
@@ -83,6 +91,7 @@ class StepClock:
         if not batch:  # idle: the steps before say nothing of the next ones' pace
             self._dts.clear()
             self._span_high.clear()
+            self._pace_n = 0
         if last is not None and batch:  # else the engine was idle in between: not a step
             self.record(batch, now - last)
 
@@ -101,6 +110,10 @@ class StepClock:
         alpha = max(1.0 / (n + 1), BUCKET_ALPHA)
         self._ema[key] = dt if n == 0 else self._ema[key] + alpha * (dt - self._ema[key])
         self._size[key] = batch if n == 0 else self._size[key] + alpha * (batch - self._size[key])
+        self._pace_n += 1
+        a = max(1.0 / self._pace_n, 1.0 / PACE_STEPS)
+        self._pace_batch += a * (batch - self._pace_batch)
+        self._pace_dt += a * (dt - self._pace_dt)
         if self._recent == 0.0:
             self._recent = dt
         else:
@@ -136,8 +149,27 @@ class StepClock:
         self._span_high[rows] = high
         return high
 
+    def paced_capacity(self) -> float:
+        """The streams served lately scaled by the budget over their average interval (0 until
+        PACE_STEPS steps since the engine was last idle). A step's time has a fixed part, so it
+        grows slower than the batch: below the budget this proportion understates the batch that
+        would reach it, and admitting up to it can only bring the pace towards the budget. Every
+        step counts, prompts and codec passes beside it included, at the rate they come now."""
+        if self._pace_n < PACE_STEPS or self._pace_dt <= 0.0:
+            return 0.0
+        return min(float(self.max_batch), self._pace_batch * self.headroom * self.period / self._pace_dt)
+
     def capacity(self, now: float | None = None) -> float:
-        """Concurrent streams this worker can keep real time (max_batch until measured)."""
+        """Concurrent streams this worker can keep real time (max_batch until measured): the
+        per-bucket model below, and never less than `paced_capacity`. The model alone dipped
+        below the load while every stream kept time: a bucket above the load is reached in bursts
+        of admissions, so its steps carry their prompts, it is measured slow, and the capacity is
+        interpolated below it until the bucket goes stale (STALE_S). Measured on the H200 at 352
+        streams: capacity median 362 but p10 235, and 11 % of the samples had requests waiting
+        (bench/results/h200-load-2026-11-29-session9-lm-share-reverted.json, first run)."""
+        return max(self._model_capacity(now), self.paced_capacity())
+
+    def _model_capacity(self, now: float | None) -> float:
         budget = self.headroom * self.period
         now = time.perf_counter() if now is None else now
         # (average batch, step time, bucket) of each bucket measured enough and lately

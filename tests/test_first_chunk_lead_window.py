@@ -98,7 +98,7 @@ def test_capacity_never_falls_below_a_batch_measured_on_time():
 
 
 def test_a_burst_of_slow_steps_does_not_cut_the_capacity_below_the_streams_served():
-    clock = StepClock(82.03, 512)  # budget 0.8 * 12.19 = 9.75 ms
+    clock = StepClock(82.03, 512, headroom=0.8)  # budget 0.8 * 12.19 = 9.75 ms
     for b, ms in ((160, 6.6), (210, 7.4)):
         for _ in range(200):
             clock.record(b, ms / 1000)
@@ -120,7 +120,7 @@ def test_capacity_extrapolates_a_bounded_step_beyond_what_was_measured():
         for _ in range(10):
             shallow.record(b, ms / 1000)
     assert shallow.capacity() == pytest.approx(1.5 * 192)  # no more than half again beyond 192
-    flat = StepClock(82.03, 512)  # the default headroom: 9.75 ms
+    flat = StepClock(82.03, 512, headroom=0.8)  # budget 9.75 ms
     for b, ms in ((185, 8.70), (200, 8.75)):  # neighbours a hair apart: no slope to trust
         for _ in range(10):
             flat.record(b, ms / 1000)
@@ -182,9 +182,36 @@ def test_the_next_frame_is_timed_by_the_spans_of_recent_steps():
 
 
 def test_noise_between_neighbouring_batches_does_not_swing_the_capacity():
-    clock = StepClock(82.03, 512)  # the default headroom: 0.8 * 12.19 = 9.75 ms a step
+    clock = StepClock(82.03, 512, headroom=0.8)  # budget 0.8 * 12.19 = 9.75 ms a step
     for b, ms in ((64, 4.3), (185, 8.8), (200, 8.7)):  # 200 measured a little faster than 185
         for _ in range(10):
             clock.record(b, ms / 1000)
     # The slope from 185 to 200 is negative: the line from 64 to 200 is what extrapolates.
     assert clock.capacity() == pytest.approx(200 + (0.8 / 82.03 - 0.0087) * 136 / 0.0044, abs=1)
+
+
+def test_a_bucket_measured_slow_in_a_burst_does_not_hold_the_capacity_at_the_load():
+    clock = StepClock(82.03, 512, headroom=0.88)  # budget 0.88 * 12.19 = 10.73 ms
+    for b, ms, n in ((256, 8.0, 300), (314, 8.8, 300), (340, 14.0, 20), (314, 8.8, 50)):
+        for _ in range(n):  # 340: a burst of admissions, a prompt in every step
+            clock.record(b, ms / 1000)
+    # The buckets alone: interpolated between 314 (on time) and 340 (slow), just above the load.
+    assert 314 <= clock._model_capacity(None) < 330
+    # The pace of the last ~100 steps, burst included, allows more in proportion.
+    assert clock.capacity() == pytest.approx(clock.paced_capacity())
+    assert clock.capacity() > 350
+
+
+def test_admitting_up_to_the_paced_capacity_converges_on_the_budget_from_below():
+    budget = 0.8 / 82.03  # 9.75 ms
+    for fixed_ms, per_stream_ms in ((3.0, 0.02), (6.0, 0.01), (1.0, 0.03)):
+        clock = StepClock(82.03, 512, headroom=0.8)
+        limit = (budget * 1000 - fixed_ms) / per_stream_ms  # the batch whose step takes the budget
+        batch, worst = 8, 0.0
+        for i in range(3000):  # 500 streams offered: the batch follows the capacity, a stream a step
+            batch = max(1, min(500, batch + 1, int(clock.paced_capacity() or batch + 1)))
+            clock.record(batch, (fixed_ms + per_stream_ms * batch) / 1000)
+            if i > 500:
+                worst = max(worst, batch)
+        assert worst <= limit + 1
+        assert clock.paced_capacity() == pytest.approx(limit, rel=0.03)
