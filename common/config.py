@@ -47,7 +47,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     page_size: int = 16
     num_pages: int = 0  # 0 = enough for max_batch_size full contexts
     first_chunk: str = "adaptive"  # reference | adaptive | fastest | progressive (see EngineLimits)
-    realtime_headroom: float = 0.8  # gpu_worker: admit while a step takes <= this share of a row
+    realtime_headroom: float = 0.88  # gpu_worker: admit while a step takes <= this share of a row
     lm_head: str = "full"  # gpu_worker: full vocabulary, or "audio": logits for codec tokens + stop only
     quantization: str = "none"  # gpu_worker: none | fp8 (LM linear weights in float8, per-channel scales)
     kv_cache_dtype: str = "auto"  # gpu_worker: auto (the model's dtype) | fp8 (float8 e4m3 keys/values)

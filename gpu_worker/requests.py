@@ -29,7 +29,7 @@ class EngineLimits:
     first_chunk: str = "adaptive"
     # Admission (gpu_worker.pacing.StepClock.capacity): the largest load whose step takes at most
     # this share of a row's playback time.
-    realtime_headroom: float = 0.8
+    realtime_headroom: float = 0.88
     # Keys/values: "auto" stores them in the model's dtype; "fp8" in float8 e4m3 with scale 1
     # (attention reads half the bytes; queries and outputs stay in the model's dtype).
     kv_cache_dtype: str = "auto"
