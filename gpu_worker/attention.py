@@ -24,6 +24,26 @@ class StepLayout:
     pos: torch.Tensor  # [N] int64 position of each row
 
 
+def write_kv(
+    cache: torch.Tensor, page: torch.Tensor, off: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """Rows' keys and values k, v [N, Hkv, D] into one layer's cache [P, 2, page, Hkv, D] at
+    (page[i], off[i]), converted to the cache's dtype. When v directly follows k in one buffer (the
+    fused QKV projection's output, split), both go in one conversion and one scatter; else apart."""
+    n, h, d = k.shape
+    adjacent = (
+        k.stride() == v.stride()
+        and k.stride()[1:] == (d, 1)
+        and v.data_ptr() - k.data_ptr() == h * d * k.element_size()
+    )
+    if adjacent:
+        kv = k.as_strided((n, 2, h, d), (k.stride(0), h * d, d, 1))  # [N, 2, Hkv, D]
+        cache[page, :, off] = kv.to(cache.dtype)
+    else:
+        cache[page, 0, off] = k.to(cache.dtype)
+        cache[page, 1, off] = v.to(cache.dtype)
+
+
 class TorchPagedAttention:
     def __init__(self, kv_cache: torch.Tensor, num_qo_heads: int) -> None:
         self.kv_cache = kv_cache  # [L, P, 2, page, Hkv, D]
@@ -48,8 +68,7 @@ class TorchPagedAttention:
         lay = self._layout
         assert lay is not None, "plan() before forward()"
         cache = self.kv_cache[layer]  # [P, 2, page, Hkv, D]
-        cache[self._write_page, 0, self._write_off] = k.to(cache.dtype)
-        cache[self._write_page, 1, self._write_off] = v.to(cache.dtype)
+        write_kv(cache, self._write_page, self._write_off, k, v)
         out = torch.empty_like(q)
         group = self.num_qo_heads // self.num_kv_heads
         for b, table in enumerate(self._tables):

@@ -14,7 +14,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from gpu_worker.attention import StepLayout
+from gpu_worker.attention import StepLayout, write_kv
 
 WORKSPACE_BYTES = 256 << 20
 
@@ -136,8 +136,7 @@ class FlashInferAttention:
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = self.kv_cache[layer]  # [P, 2, page, Hkv, D]
-        cache[self._write_page, 0, self._write_off] = k.to(cache.dtype)
-        cache[self._write_page, 1, self._write_off] = v.to(cache.dtype)
+        write_kv(cache, self._write_page, self._write_off, k, v)
         if self._xqa_rows:
             return self.xqa.run(q, cache, self._xqa_rows)
         return self._wrapper.run(q, cache)

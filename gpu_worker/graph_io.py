@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from gpu_worker.attention import write_kv
+
 
 class InputArena:
     def __init__(self, sizes: dict[str, int], device: torch.device | str) -> None:
@@ -64,8 +66,7 @@ class GraphAttention:
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = self.kv_cache[layer]  # [P, 2, page, Hkv, D]
-        cache[self.page, 0, self.off] = k.to(cache.dtype)
-        cache[self.page, 1, self.off] = v.to(cache.dtype)
+        write_kv(cache, self.page, self.off, k, v)
         return self.wrapper.run(q, cache)
 
 

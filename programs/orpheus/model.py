@@ -283,10 +283,13 @@ class LlamaLM(nn.Module):
         for i, layer in enumerate(layers):
             a, m = layer.self_attn, layer.mlp
             qkv = fp8.linear(x, a.qkv_weight)  # [N, (Hq+2Hkv)D]
-            q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
-            q, k = q.contiguous(), k.contiguous()
+            q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)  # views into qkv's rows
+            # In place in qkv (the kernel takes row strides); keys and values stay side by side,
+            # so the attention writes both with one scatter (gpu_worker.attention.write_kv).
             flashinfer.apply_rope_with_cos_sin_cache_inplace(pos, q, k, d, self.cos_sin, is_neox=True)
-            o = attn.forward(i, q.view(n, -1, d), k.view(n, -1, d), v.reshape(n, -1, d))  # [N, Hq, D]
+            o = attn.forward(
+                i, q.contiguous().view(n, -1, d), k.view(n, -1, d), v.view(n, -1, d)
+            )  # [N, Hq, D]
             h = fp8.linear(o.reshape(n, q_dim), a.o_weight)
             flashinfer.fused_add_rmsnorm(h, residual, layer.post_attention_layernorm.weight, eps)
             h = fp8.linear(flashinfer.silu_and_mul(fp8.linear(h, m.gate_up_weight)), m.down_weight)
