@@ -32,8 +32,11 @@ def write_kv(
     fused QKV projection's output, split), both go in one conversion and one scatter; else apart."""
     n, h, d = k.shape
     adjacent = (
-        k.stride() == v.stride()
+        k.shape == v.shape
+        and k.dtype == v.dtype
+        and k.stride() == v.stride()
         and k.stride()[1:] == (d, 1)
+        and k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
         and v.data_ptr() - k.data_ptr() == h * d * k.element_size()
     )
     if adjacent:
