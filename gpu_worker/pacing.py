@@ -58,6 +58,10 @@ PROBE, PROBE_MIN = 1.5, 64
 # The pace at the load being served, averaged over ~PACE_STEPS steps (about a second under load), any
 # bucket: `capacity` never says less than that pace allows in proportion (see `paced_capacity`).
 PACE_STEPS = 100
+# ... and no further than this share beyond the load served: the proportion is exact for a step time
+# linear in the batch, and only near it for the steps that are not (a graph bucket's padding, costs
+# that grow with context), so admission reaches a larger batch by measuring its way there.
+PACE_REACH = 0.25
 
 
 def _bucket(batch: int) -> int:
@@ -150,14 +154,17 @@ class StepClock:
         return high
 
     def paced_capacity(self) -> float:
-        """The streams served lately scaled by the budget over their average interval (0 until
-        PACE_STEPS steps since the engine was last idle). A step's time has a fixed part, so it
-        grows slower than the batch: below the budget this proportion understates the batch that
-        would reach it, and admitting up to it can only bring the pace towards the budget. Every
-        step counts, prompts and codec passes beside it included, at the rate they come now."""
+        """The streams served lately scaled by the budget over their average interval, at most
+        PACE_REACH beyond them (0 until PACE_STEPS steps since the engine was last idle). Where a
+        step's time is a fixed part plus a part per stream, this proportion understates the batch
+        that reaches the budget, and admitting up to it brings the pace to the budget from below;
+        where it is not linear (a graph bucket's padding, costs that grow with context) it can
+        overshoot the budget by a few percent until the next steps say so. Every step counts,
+        prompts and codec passes beside it included, at the rate they come now."""
         if self._pace_n < PACE_STEPS or self._pace_dt <= 0.0:
             return 0.0
-        return min(float(self.max_batch), self._pace_batch * self.headroom * self.period / self._pace_dt)
+        paced = self._pace_batch * self.headroom * self.period / self._pace_dt
+        return min(float(self.max_batch), paced, self._pace_batch * (1.0 + PACE_REACH))
 
     def capacity(self, now: float | None = None) -> float:
         """Concurrent streams this worker can keep real time (max_batch until measured): the

@@ -3,12 +3,14 @@ reference's, unchanged, and the engine measures its step rate to decide when a l
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
 from common.messages import LEAD_NOISE_BASE, Prompt, SamplingParams
 from gpu_worker.engine import Engine, EngineLimits
-from gpu_worker.pacing import STALE_S, StepClock, lead_fits
+from gpu_worker.pacing import PACE_REACH, PACE_STEPS, STALE_S, StepClock, lead_fits
 from programs import get_spec, load_program_class
 
 PROMPT = [128259, 300, 301, 302, 128009, 128260, 128261, 128257]
@@ -215,3 +217,32 @@ def test_admitting_up_to_the_paced_capacity_converges_on_the_budget_from_below()
                 worst = max(worst, batch)
         assert worst <= limit + 1
         assert clock.paced_capacity() == pytest.approx(limit, rel=0.03)
+
+
+def test_graph_padding_lets_admission_overshoot_the_budget_only_slightly():
+    budget = 0.8 / 82.03
+    for fixed_ms, per_stream_ms in ((3.0, 0.02), (1.0, 0.03)):
+        clock = StepClock(82.03, 512, headroom=0.8)
+        batch, steps, now = 8, [], 0.0
+        for i in range(4000):  # every step pads its batch to a multiple of 32, as the decode graphs do
+            now += 0.01
+            batch = max(1, min(500, batch + 4, int(clock.capacity(now=now))))
+            step = (fixed_ms + per_stream_ms * math.ceil(batch / 32) * 32) / 1000
+            clock.record(batch, step, now=now)
+            if i > 1000:
+                steps.append(step)
+        steps.sort()
+        assert sum(steps) / len(steps) <= 1.01 * budget
+        assert steps[int(0.99 * len(steps))] <= 1.1 * budget
+
+
+def test_the_pace_counts_only_after_enough_steps_since_idle_and_reaches_a_bounded_step():
+    clock = StepClock(82.03, 512, headroom=0.8)
+    for _ in range(PACE_STEPS - 1):
+        clock.record(100, 0.004)
+    assert clock.paced_capacity() == 0.0  # too few steps to trust
+    clock.record(100, 0.004)
+    # 100 * 9.75 / 4 = 244 in proportion, but no more than PACE_REACH beyond the 100 served
+    assert clock.paced_capacity() == pytest.approx(100 * (1 + PACE_REACH))
+    clock.tick(0)  # idle: the pace starts again
+    assert clock.paced_capacity() == 0.0
