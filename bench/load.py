@@ -194,10 +194,11 @@ class GaugeSampler:
                 sum(s.get("admission_queue_length", 0) > 0 for s in busy) / len(busy), 3
             )
         out["samples"] = len(busy)
-        if self.samples:  # what admission saw, second by second: when the capacity dipped, and why
+        if self.samples:  # what admission saw, second by second (from the first sample; None: no gauge)
             t0 = self.samples[0][0]
             out["timeline"] = {"t_s": [round(t - t0, 1) for t, _ in self.samples]} | {
-                key: [round(s.get(key, 0), 1) for _, s in self.samples] for key in TIMELINE_GAUGES
+                key: [None if s.get(key) is None else round(s[key], 1) for _, s in self.samples]
+                for key in TIMELINE_GAUGES
             }
         if self.failures:
             out["sample_failures"] = len(self.failures)
