@@ -3,7 +3,7 @@
 #
 #   bash bench/h200.sh STAGE [STAGE ...]     (carry .whl and .devcache; see ../shared/device/README.md)
 #
-# Stages: parity, invariance, codec-passes, speed, offline, lm-options, load, load-mps, load-adaptive, csm,
+# Stages: parity, invariance, op-invariance, codec-passes, speed, offline, lm-options, load, load-mps, load-adaptive, csm,
 # csm-load, attention, xqa, codec-profile, fp8-gemm, profile.
 # Every stage writes its JSON and log to $OUT and has its own timeout (VOXPIPE_STAGE_S, default 300 s).
 # The FlashInfer kernel cache travels in .devcache/fi_cache.tgz.* (a split tar: the device returns
@@ -45,6 +45,7 @@ for stage in "$@"; do
     case $stage in
     parity) run parity python -m bench.gpu_parity --out "$OUT/parity.json" ;;
     invariance) run invariance python -m bench.batch_invariance --kv-cache-dtypes auto,fp8 --out "$OUT/invariance.json" ;;
+    op-invariance) run op-invariance python -m bench.op_invariance --out "$OUT/op-invariance.json" ;;
     codec-passes) run codec-passes python -m bench.codec_passes --out "$OUT/codec-passes.json" ;;
     speed) run speed python -m bench.gpu_speed --lm-head audio --codec-dtype float16 --out "$OUT/speed.json" ;;
     offline)

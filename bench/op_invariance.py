@@ -1,0 +1,132 @@
+"""Which operation of a decode step makes a row's result depend on the batch it is in.
+
+`bench/batch_invariance.py` finds that a greedy request's tokens change among 160 others (decode
+bucket 192) and not among 40 (bucket 48); this bench looks for the operation. For each one it
+computes the same first row alone and inside batches of the decode buckets' sizes, with different
+other rows, and reports the first batch size at which that row's output is no longer bit-identical
+to its output alone (None: identical at every size):
+
+- the GEMMs of an Orpheus-3B layer and the audio head, bf16 (`F.linear`) and fp8 (`programs.fp8`,
+  per-row activation scales, `torch._scaled_mm`);
+- decode attention over a paged cache: FlashInfer without split-KV (bf16 cache), XQA told one SM so
+  that it never splits a request's keys (fp8 cache), as the engine runs them.
+
+    python -m bench.op_invariance --out op_invariance.json [--sizes 1,2,...,512]
+
+On a CPU (no FlashInfer) it checks the GEMMs only; `tests/test_op_invariance_bench.py` runs its
+detector there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.graphs import decode_buckets
+from programs import fp8
+
+HIDDEN, INTER, HQ, HKV, D, AUDIO_HEAD = 3072, 8192, 24, 8, 128, 4112
+# (name, output features, input features): Orpheus-3B's fused projections and its audio-only head
+GEMMS = (
+    ("qkv", (HQ + 2 * HKV) * D, HIDDEN),
+    ("o", HIDDEN, HQ * D),
+    ("gate_up", 2 * INTER, HIDDEN),
+    ("down", HIDDEN, INTER),
+    ("audio_head", AUDIO_HEAD, HIDDEN),
+)
+PAGE, CTX = 16, 512
+
+
+def first_variant_size(
+    op: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor, sizes: list[int]
+) -> int | None:
+    """`op` maps [M, ...] inputs to [M, ...] outputs row by row (in exact arithmetic). → the first
+    size in `sizes` at which row 0 of op(rows[:size]) differs, bit for bit, from op(rows[:1])[0],
+    or None when it never does."""
+    alone = op(rows[:1])[0]
+    for m in sizes:
+        if m > rows.shape[0]:
+            break
+        if not torch.equal(op(rows[:m])[0].view(torch.uint8), alone.view(torch.uint8)):
+            return m
+    return None
+
+
+def gemm_checks(device: str, sizes: list[int], shapes=GEMMS) -> dict:
+    """Each GEMM's first batch-variant size, bf16, and fp8 on a GPU."""
+    g = torch.Generator(device=device).manual_seed(0)
+    out: dict = {}
+    for name, n, k in shapes:
+        w = (torch.randn(n, k, generator=g, device=device) * k**-0.5).to(torch.bfloat16)
+        x = torch.randn(max(sizes), k, generator=g, device=device).to(torch.bfloat16)
+        res = {"bf16": first_variant_size(lambda a, w=w: F.linear(a, w), x, sizes)}
+        if device == "cuda":
+            q = fp8.Fp8Weight(w)
+            res["fp8"] = first_variant_size(lambda a, q=q: fp8.linear(a, q), x, sizes)
+        out[name] = res
+        print(name, res, flush=True)
+    return out
+
+
+def attention_checks(sizes: list[int]) -> dict:
+    from bench.attention_kv import flashinfer_layer, xqa_layer
+    from gpu_worker.flashinfer_backend import WORKSPACE_BYTES, import_flashinfer
+
+    flashinfer = import_flashinfer()
+    per = -(-(CTX + 1) // PAGE)
+    pages = 1 + max(sizes) * per
+    ws = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+    sems = torch.zeros(8 << 20, dtype=torch.uint8, device="cuda")
+    torch.manual_seed(0)
+    q = torch.randn(max(sizes), HQ, D, dtype=torch.bfloat16, device="cuda")
+    base = torch.randn(pages, 2, PAGE, HKV, D, device="cuda") * 2
+    tables_all = [list(range(1 + i * per, 1 + (i + 1) * per)) for i in range(max(sizes))]
+    out = {}
+    for name, dtype in (
+        ("flashinfer, bf16 cache, no split-KV", torch.bfloat16),
+        ("xqa, fp8 cache, 1 SM", fp8.FP8),
+    ):
+        cache = base.to(dtype)
+
+        def op(rows: torch.Tensor, cache=cache, name=name) -> torch.Tensor:
+            tables = tables_all[: rows.shape[0]]
+            if name.startswith("xqa"):
+                return xqa_layer(ws, sems, rows, cache, tables, CTX, 1)().clone()
+            return flashinfer_layer(flashinfer, ws, rows, cache, tables, CTX, torch.bfloat16, True)().clone()
+
+        out[name] = first_variant_size(op, q, sizes)
+        print(name, out[name], flush=True)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="op_invariance.json")
+    ap.add_argument("--sizes", default="", help="comma list (default: the decode buckets to 512)")
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else decode_buckets(512)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    res: dict = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "date": time.strftime("%F"),
+        "what": "the first batch size at which row 0's output differs bit for bit from row 0 alone (null: never)",
+        "sizes": sizes,
+    }
+    if device == "cuda":
+        fp8.compile_quantizer(torch.device("cuda"), tuple(sorted({k for _, _, k in GEMMS})))
+    res["gemm"] = gemm_checks(device, sizes)
+    if device == "cuda":
+        res["attention"] = attention_checks(sizes)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(json.dumps(res), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,39 @@
+"""bench/op_invariance.py's detector: the first batch size at which a row's result changes."""
+
+import torch
+
+from bench.op_invariance import first_variant_size, gemm_checks
+
+SIZES = [1, 2, 4, 8, 16]
+
+
+def test_a_row_wise_op_is_invariant_at_every_size():
+    rows = torch.randn(16, 5)
+    assert first_variant_size(lambda a: a * 2 + 1, rows, SIZES) is None
+
+
+def test_an_op_that_reads_the_batch_is_caught_at_the_first_size_where_it_does():
+    rows = torch.randn(16, 5)
+    assert first_variant_size(lambda a: a + a.shape[0] * 1e-3, rows, SIZES) == 2
+    # like a library choosing another kernel past a size: only from 8 rows on
+    assert first_variant_size(lambda a: a + (a.shape[0] >= 8) * 1e-3, rows, SIZES) == 8
+    # a change in the last bit counts: bit-identical or not
+    assert first_variant_size(lambda a: a if a.shape[0] < 4 else torch.nextafter(a, a + 1), rows, SIZES) == 4
+
+
+def test_sizes_past_the_rows_given_are_not_run():
+    calls = []
+
+    def op(a):
+        calls.append(a.shape[0])
+        return a
+
+    assert first_variant_size(op, torch.randn(4, 3), SIZES) is None
+    assert max(calls) == 4
+
+
+def test_the_gemm_checks_report_each_shape_on_cpu():
+    res = gemm_checks("cpu", [1, 2, 4], shapes=(("small", 32, 16), ("wide", 64, 32)))
+    assert set(res) == {"small", "wide"}
+    for v in res.values():
+        assert set(v) == {"bf16"} and (v["bf16"] is None or v["bf16"] in (2, 4))
