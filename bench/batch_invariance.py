@@ -1,8 +1,10 @@
 """GPU: greedy tokens of one request alone vs among 3, 17, 40 and 160 others (graphs on, the
 serving defaults; then without mixed prefill+decode graphs), the check of `bench/gpu_parity.py`
-section 3 on its own (a minute instead of several).
+section 3 on its own (a minute instead of several); with `--temperatures`, the same for requests
+that sample (each with its own seed: a draw must not depend on the batch either).
 
     python -m bench.batch_invariance --out batch_invariance.json [--kv-cache-dtypes auto,fp8]
+        [--temperatures 0,0.6]
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ def main() -> int:
     ap.add_argument("--out", default="batch_invariance.json")
     ap.add_argument("--lm-head", default="full")
     ap.add_argument("--kv-cache-dtypes", default="auto", help="comma list: each is checked")
+    ap.add_argument(
+        "--temperatures", default="0", help="comma list: 0 is greedy; others sample (mixed graphs on)"
+    )
     args = ap.parse_args()
     p = load_program_class("orpheus")(get_spec("orpheus"), load_format="dummy", device="cuda",
                                       dtype=torch.bfloat16, lm_head=args.lm_head)  # fmt: skip
@@ -35,6 +40,11 @@ def main() -> int:
             name = kv if mixed else f"{kv}, no mixed graphs"
             kw = {"kv_cache_dtype": kv, "mixed_prefill": mixed}
             res["greedy_alone_vs_batched"][name] = greedy_batches(engine, prompt, kw)
+            print(name, res["greedy_alone_vs_batched"][name], flush=True)
+        for t in (float(x) for x in args.temperatures.split(",") if float(x) > 0):
+            name = f"{kv}, sampled at temperature {t:g}"
+            kw = {"kv_cache_dtype": kv, "mixed_prefill": True}
+            res["greedy_alone_vs_batched"][name] = greedy_batches(engine, prompt, kw, t)
             print(name, res["greedy_alone_vs_batched"][name], flush=True)
     res["ok"] = all(
         v["first_difference"] is None for per in res["greedy_alone_vs_batched"].values() for v in per.values()

@@ -86,11 +86,14 @@ def codec_graphs_vs_eager(program, tokens: np.ndarray, keys: np.ndarray, max_bat
 
 def greedy_setup(program):
     """(prompt factory, engine factory) for the greedy checks: constrained greedy requests of
-    `max_tokens` tokens each, engines that keep every request's output."""
+    `max_tokens` tokens each (or sampled, at a temperature with top-p 0.8), engines that keep every
+    request's output."""
 
-    def prompt(rid, text, seed, max_tokens=300):
+    def prompt(rid, text, seed, max_tokens=300, temperature=0.0):
         rows = program.preprocess(text, {}).astype("<i4")
-        sp = SamplingParams(temperature=0.0, repetition_penalty=1.3, seed=seed, max_tokens=max_tokens)
+        sp = SamplingParams(
+            temperature=temperature, top_p=0.8, repetition_penalty=1.3, seed=seed, max_tokens=max_tokens
+        )
         sp.constrained, sp.min_tokens = True, max_tokens
         return Prompt(rid, rows.tobytes(), len(rows), sp)
 
@@ -114,18 +117,23 @@ def greedy_setup(program):
     return prompt, engine
 
 
-def greedy_batches(engine, prompt, kw: dict) -> dict:
+def greedy_batches(engine, prompt, kw: dict, temperature: float = 0.0) -> dict:
     """One greedy request alone, then among 3, 17, 40 and 160 others joining at different steps, and
-    last of 4 arriving at once (prefilled in the same step as 3 others, in the 4th prefill lane)."""
+    last of 4 arriving at once (prefilled in the same step as 3 others, in the 4th prefill lane).
+    With a temperature, every request samples (its own seed): the same comparison for draws."""
     eng = engine(**kw)
-    eng.add(prompt("x", "The same words, again.", 1))
+    eng.add(prompt("x", "The same words, again.", 1, temperature=temperature))
     eng.run_until_idle()
     alone = eng.outputs["x"][0]
     out = {}
     for n_others in (3, 17, 40, 160):
         eng = engine(**kw)
-        others = [prompt(f"o{i}", "other text " * (1 + i % 5), 100 + i, 200 + 3 * i) for i in range(n_others)]
-        order = [*others[: n_others // 2], prompt("x", "The same words, again.", 1), *others[n_others // 2 :]]
+        others = [
+            prompt(f"o{i}", "other text " * (1 + i % 5), 100 + i, 200 + 3 * i, temperature)
+            for i in range(n_others)
+        ]
+        x = prompt("x", "The same words, again.", 1, temperature=temperature)
+        order = [*others[: n_others // 2], x, *others[n_others // 2 :]]
         for i, p in enumerate(order):
             eng.add(p)
             for _ in range(i % 3):
@@ -135,8 +143,8 @@ def greedy_batches(engine, prompt, kw: dict) -> dict:
         first_diff = next((i for i, (a, b) in enumerate(zip(got, alone, strict=True)) if a != b), None)
         out[n_others] = {"tokens": len(alone), "first_difference": first_diff}
     eng = engine(**kw)
-    for p in [*(prompt(f"o{i}", "other text " * (1 + i), 100 + i, 200) for i in range(3)),
-              prompt("x", "The same words, again.", 1)]:  # fmt: skip
+    for p in [*(prompt(f"o{i}", "other text " * (1 + i), 100 + i, 200, temperature) for i in range(3)),
+              prompt("x", "The same words, again.", 1, temperature=temperature)]:  # fmt: skip
         eng.add(p)
     eng.run_until_idle()
     got = eng.outputs["x"][0]

@@ -44,7 +44,7 @@ run() {  # run NAME CMD...: timed, logged, never stops the other stages
 for stage in "$@"; do
     case $stage in
     parity) run parity python -m bench.gpu_parity --out "$OUT/parity.json" ;;
-    invariance) run invariance python -m bench.batch_invariance --kv-cache-dtypes auto,fp8 --out "$OUT/invariance.json" ;;
+    invariance) run invariance python -m bench.batch_invariance --kv-cache-dtypes auto,fp8 --temperatures 0,0.6 --out "$OUT/invariance.json" ;;
     op-invariance) run op-invariance python -m bench.op_invariance --out "$OUT/op-invariance.json" ;;
     codec-passes) run codec-passes python -m bench.codec_passes --out "$OUT/codec-passes.json" ;;
     speed) run speed python -m bench.gpu_speed --lm-head audio --codec-dtype float16 --out "$OUT/speed.json" ;;
