@@ -15,7 +15,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common.config import ServeConfig, add_options, check_codec_settings, check_model_settings, resolve
+from common.config import (
+    ServeConfig,
+    add_options,
+    check_codec_settings,
+    check_headroom,
+    check_model_settings,
+    resolve,
+)
 from common.proc import setup_logging
 
 # `voxpipe <command>` → the role (= package) it runs
@@ -51,8 +58,7 @@ def _validate(cfg: ServeConfig) -> None:
     check_codec_settings(cfg)
     if cfg.codec_gpu_share and cfg.mps == "off":
         raise ValueError("--codec-gpu-share caps the codec's SMs under MPS: it needs --mps on or auto")
-    if not 0.5 <= cfg.realtime_headroom <= 1.0:
-        raise ValueError(f"--realtime-headroom must be in 0.5..1.0, got {cfg.realtime_headroom}")
+    check_headroom(cfg.realtime_headroom)
     if cfg.max_queue < 0 or cfg.max_streams < 0 or not 0 < cfg.queue_timeout < float("inf"):
         raise ValueError("--max-queue and --max-streams must be >= 0 and --queue-timeout a positive number")
     if cfg.zmq_curve_dir:

@@ -121,6 +121,12 @@ def check_model_settings(cfg: ServeConfig, spec: Mapping[str, Any]) -> None:
         raise ValueError(f"--constrained: {spec['name']} has no constrained sampling mode")
 
 
+def check_headroom(headroom: float) -> None:
+    """`--realtime-headroom` (for `voxpipe serve`, and the engine of a gpu_worker run alone)."""
+    if not 0.5 <= headroom <= 1.0:
+        raise ValueError(f"--realtime-headroom must be in 0.5..1.0, got {headroom}")
+
+
 def check_codec_settings(cfg: ServeConfig) -> None:
     """The codec worker's batching settings (for `voxpipe serve` and a codec worker run alone)."""
     if cfg.codec_max_batch < 0 or not 0 <= cfg.codec_gather_ms <= 1000:

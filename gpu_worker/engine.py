@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from common.config import check_headroom
 from common.messages import (
     DetokBatch,
     DetokChunk,
@@ -97,8 +98,7 @@ class Engine:
         self.last_batch_size = 0
         # rid → (generated rows as in Request.generated, stop excluded; reason) when kept (tests, benches).
         self.outputs: dict[str, tuple[list, FinishReason]] | None = None
-        if not 0.5 <= limits.realtime_headroom <= 1.0:
-            raise ValueError(f"--realtime-headroom must be in 0.5..1.0, got {limits.realtime_headroom}")
+        check_headroom(limits.realtime_headroom)
         self.clock = StepClock(program.rows_per_second, limits.max_batch_size, limits.realtime_headroom)
         # Where a step's wall time goes (exponential averages, seconds): the host's own work (admit,
         # layout, launch, consume), and waiting for the GPU to finish the previous step. A host
