@@ -132,10 +132,8 @@ def server_gauges(base: str) -> dict[str, float]:
     (with the Bearer key of VOXPIPE_API_KEY when set): summed over workers, but the per-step
     averages averaged."""
     keep = (
-        "stream_capacity", "row_period_ms", "decode_batch_size", "kv_pages_used", "step_host_ms",
-        "step_wait_ms", "active_streams", "queue_depth", "codec_calls_total", "codec_windows_total",
-        "codec_busy_seconds_total", "admission_queue_length", "step_gpu_forward_ms", "step_gpu_ms",
-        "step_gpu_idle_ms",
+        *_AVERAGED, "stream_capacity", "decode_batch_size", "kv_pages_used", "active_streams", "queue_depth",
+        "codec_calls_total", "codec_windows_total", "codec_busy_seconds_total", "admission_queue_length",
     )  # fmt: skip
     out: dict[str, float] = {}
     seen: dict[str, int] = {}
