@@ -44,6 +44,18 @@ def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor, penalt
     logits.scatter_(1, history, torch.where(seen > 0, seen / p, seen * p))
 
 
+def row_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """Cumulative sums along each row of x [B, V], the same for a row whatever B is. PyTorch's CUDA
+    cumsum scans a tensor with a single row by another algorithm (one device-wide scan) than rows
+    of a batch (a tiled scan per row), which rounds differently: on the H200 a sampling request
+    alone drew other tokens from token 78 on than in any batch
+    (bench/results/h200-batch-invariance-2026-11-30-session10-start.json). A lone row is scanned as
+    a batch of two instead."""
+    if x.shape[0] == 1:
+        return torch.cat([x, x]).cumsum(dim=-1)[:1]
+    return x.cumsum(dim=-1)
+
+
 def sample_rows(logits: torch.Tensor, rows: SamplingRows, stop_ids: torch.Tensor) -> torch.Tensor:
     """logits [B, V] float32 (modified in place) → token ids [B] int64."""
     if rows.history is not None:
@@ -64,11 +76,11 @@ def sample_rows(logits: torch.Tensor, rows: SamplingRows, stop_ids: torch.Tensor
     probs = sorted_logits.softmax(dim=-1)
     # top-p: drop a token when the tokens ranked above it already hold top_p of the mass
     # (so the first token always stays).
-    mass_before = probs.cumsum(dim=-1) - probs
+    mass_before = row_cumsum(probs) - probs
     drop = mass_before > rows.top_p[:, None]
     drop |= probs < rows.min_p[:, None] * probs[:, :1]
     probs = probs.masked_fill(drop, 0.0)
-    cdf = probs.cumsum(dim=-1)  # [B, V']
+    cdf = row_cumsum(probs)  # [B, V']
     u = rng.uniform(rows.seed, rows.counter)[:, None] * cdf[:, -1:]
     pick = torch.searchsorted(cdf, u).clamp_max(cdf.shape[-1] - 1)  # [B, 1]
     sampled = order.gather(1, pick)[:, 0]
