@@ -4,7 +4,11 @@ section 3 on its own (a minute instead of several); with `--temperatures`, the s
 that sample (each with its own seed: a draw must not depend on the batch either).
 
     python -m bench.batch_invariance --out batch_invariance.json [--kv-cache-dtypes auto,fp8]
-        [--temperatures 0,0.6]
+        [--temperatures 0,0.6] [--quantization fp8 --lm-head audio]
+
+`--quantization fp8 --lm-head audio --kv-cache-dtypes fp8` is the configuration the load benchmark
+serves: its GEMMs give one row the same bits at any batch (bench/op_invariance.py), the bf16 ones
+do not beyond a few dozen rows.
 """
 
 from __future__ import annotations
@@ -24,16 +28,19 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="batch_invariance.json")
     ap.add_argument("--lm-head", default="full")
+    ap.add_argument("--quantization", default="none", choices=("none", "fp8"))
     ap.add_argument("--kv-cache-dtypes", default="auto", help="comma list: each is checked")
     ap.add_argument(
         "--temperatures", default="0", help="comma list: 0 is greedy; others sample (mixed graphs on)"
     )
     args = ap.parse_args()
     p = load_program_class("orpheus")(get_spec("orpheus"), load_format="dummy", device="cuda",
-                                      dtype=torch.bfloat16, lm_head=args.lm_head)  # fmt: skip
+                                      dtype=torch.bfloat16, lm_head=args.lm_head,
+                                      quantization=args.quantization)  # fmt: skip
     p.load_lm()
     prompt, engine = greedy_setup(p)
-    res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%F"), "lm_head": args.lm_head}
+    res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%F"), "lm_head": args.lm_head,
+           "quantization": args.quantization}  # fmt: skip
     res["greedy_alone_vs_batched"] = {}
     for kv in args.kv_cache_dtypes.split(","):
         for mixed in (True, False):  # a new prompt in one graph with the decode rows, or apart

@@ -44,7 +44,11 @@ run() {  # run NAME CMD...: timed, logged, never stops the other stages
 for stage in "$@"; do
     case $stage in
     parity) run parity python -m bench.gpu_parity --out "$OUT/parity.json" ;;
-    invariance) run invariance python -m bench.batch_invariance --kv-cache-dtypes auto,fp8 --temperatures 0,0.6 --out "$OUT/invariance.json" ;;
+    invariance)  # bf16 weights (both caches), then what the load stages serve: fp8 weights and cache
+        run invariance python -m bench.batch_invariance --kv-cache-dtypes auto,fp8 --temperatures 0,0.6 --out "$OUT/invariance.json"
+        run invariance-fp8 python -m bench.batch_invariance --quantization fp8 --lm-head audio --kv-cache-dtypes fp8 \
+            --temperatures 0,0.6 --out "$OUT/invariance-fp8.json"
+        ;;
     op-invariance) run op-invariance python -m bench.op_invariance --out "$OUT/op-invariance.json" ;;
     codec-passes) run codec-passes python -m bench.codec_passes --out "$OUT/codec-passes.json" ;;
     speed) run speed python -m bench.gpu_speed --lm-head audio --codec-dtype float16 --out "$OUT/speed.json" ;;
