@@ -134,6 +134,7 @@ def server_gauges(base: str) -> dict[str, float]:
     keep = (
         *_AVERAGED, "stream_capacity", "decode_batch_size", "kv_pages_used", "active_streams", "queue_depth",
         "codec_calls_total", "codec_windows_total", "codec_busy_seconds_total", "admission_queue_length",
+        "streams_sitting_out",
     )  # fmt: skip
     out: dict[str, float] = {}
     seen: dict[str, int] = {}
@@ -151,7 +152,9 @@ def server_gauges(base: str) -> dict[str, float]:
 
 
 # The gauges a level's `timeline` follows (bench results: admission waits against capacity dips).
-TIMELINE_GAUGES = ("active_streams", "stream_capacity", "admission_queue_length", "row_period_ms")
+TIMELINE_GAUGES = (
+    "active_streams", "stream_capacity", "admission_queue_length", "row_period_ms", "streams_sitting_out"
+)  # fmt: skip
 
 
 class GaugeSampler:

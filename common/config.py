@@ -48,6 +48,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     num_pages: int = 0  # 0 = enough for max_batch_size full contexts
     first_chunk: str = "adaptive"  # reference | adaptive | fastest | progressive (see EngineLimits)
     realtime_headroom: float = 0.88  # gpu_worker: admit while a step takes <= this share of a row
+    sit_out: float = 0.5  # gpu_worker: seconds of audio in hand past which a stream may sit out slow steps (0 = off)
     lm_head: str = "full"  # gpu_worker: full vocabulary, or "audio": logits for codec tokens + stop only
     quantization: str = "none"  # gpu_worker: none | fp8 (LM linear weights in float8, per-channel scales)
     kv_cache_dtype: str = "auto"  # gpu_worker: auto (the model's dtype) | fp8 (float8 e4m3 keys/values)
@@ -279,6 +280,14 @@ OPTIONS: tuple[Option, ...] = (
         "admission: the share of a row's playback time (12.2 ms for Orpheus) that an engine step may "
         "take at the load the gpu_worker admits; lower keeps more margin against uneven steps, higher "
         "admits more streams per GPU (0.5..1.0)",
+        ("serve", "gpu_worker"),
+        float,
+    ),
+    Option(
+        "sit_out",
+        "seconds of audio in hand (sent, not yet played) past which a stream may sit out steps "
+        "while steps take longer than the headroom allows, so that the others' steps are shorter "
+        "and new requests keep being admitted; 0 = every running stream is in every step",
         ("serve", "gpu_worker"),
         float,
     ),

@@ -33,6 +33,7 @@ WORKER_METRICS = {
     "kv_pages_used": "KV cache pages held by running requests (reserved for their whole budget).",
     "kv_pages_total": "KV cache pages the worker can hand out.",
     "decode_batch_size": "Requests in the worker's latest step.",
+    "streams_sitting_out": "Streams far ahead of their listeners left out of a step (over the budget), averaged.",
     "generated_tokens_total": "Tokens sampled by the worker, all requests.",
     "steps_total": "Engine steps the worker has run.",
     "stream_capacity": "Concurrent streams the gpu_worker measured it keeps real time.",

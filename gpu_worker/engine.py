@@ -37,7 +37,7 @@ from common.messages import (
     Prompt,
 )
 from gpu_worker.kv_cache import PageAllocator, allocate_kv_cache, kv_cache_dtype, pages_for
-from gpu_worker.pacing import StepClock
+from gpu_worker.pacing import SitOut, StepClock
 from gpu_worker.requests import EngineLimits, Request
 from gpu_worker.runner import StepBatch, make_runner
 from gpu_worker.sampler import HeadColumns, sample_rows
@@ -112,6 +112,10 @@ class Engine:
         self.gpu_forward_s = self.gpu_step_s = self.gpu_idle_s = 0.0
         self._last_ready: torch.cuda.Event | None = None
         self.windows = AudioWindows(program, limits.first_chunk, self.clock)
+        self.sit_out = None
+        if limits.sit_out_lead_s > 0:
+            self.sit_out = SitOut(self.clock, getattr(self.runner, "sizes", None), limits.sit_out_lead_s)
+        self.sitting_out = 0.0  # streams left out of a step (gpu_worker.pacing.SitOut), averaged
         self.sample_graphs = None
         if hasattr(self.runner, "decode_bucket"):  # a GraphRunner
             self.capture_sampling(progress)
@@ -211,6 +215,7 @@ class Engine:
             "kv_pages_used": self.allocator.num_used,
             "kv_pages_total": self.allocator.num_pages - 1,
             "decode_batch_size": self.last_batch_size,
+            "streams_sitting_out": round(self.sitting_out, 1),
             "queue_depth": len(self.waiting),
             "active_streams": len(self.running),
             "generated_tokens_total": self.tokens_total,
@@ -288,9 +293,11 @@ class Engine:
         self._admit()
         # Requests whose budget is used up by launched steps wait for their last results.
         batch = [r for r in self.running.values() if len(r.prompt) + r.n_launched < r.budget]
+        served = len(batch)
+        batch = self._leave_out_streams_ahead(batch)
         batch.sort(key=lambda r: r.n_ctx != 0)  # new requests first: runners split prefill/decode
         self.last_batch_size = len(batch)
-        self.clock.tick(len(batch))
+        self.clock.tick(len(batch), served)
         if not batch:
             self._last_ready = None  # idle: the gap before the next step is not the host's lateness
         previous, self._inflight = self._inflight, (self._launch(batch) if batch else None)
@@ -300,6 +307,24 @@ class Engine:
         out = DetokBatch(chunks=chunks, finished=self._finished, step=self.step_count)
         self._finished = []
         return out
+
+    def _leave_out_streams_ahead(self, batch: list[Request]) -> list[Request]:
+        """The batch less the streams sitting this step out (gpu_worker.pacing.SitOut): only
+        streams already playing, whose regular windows have begun, by their listener's audio in
+        hand (sent, less played by the clock since the first chunk left)."""
+        if self.sit_out is None or not batch:
+            return batch
+        now, progressive = self.windows.now(), self.windows.progressive
+        leads = [
+            r.sent_s - (now - r.t_first) if r.n_chunks and (r.switched or not progressive) else -np.inf
+            for r in batch
+        ]
+        out = self.sit_out.choose(leads)
+        self.sitting_out += 0.05 * (len(out) - self.sitting_out)
+        if not out:
+            return batch
+        skip = set(out)
+        return [r for i, r in enumerate(batch) if i not in skip]
 
     def _layout(self, batch: list[Request]) -> StepBatch:
         n_pre = sum(r.n_ctx == 0 for r in batch)

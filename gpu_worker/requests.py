@@ -30,6 +30,9 @@ class EngineLimits:
     # Admission (gpu_worker.pacing.StepClock.capacity): the largest load whose step takes at most
     # this share of a row's playback time.
     realtime_headroom: float = 0.88
+    # Streams with this much audio in hand (seconds) may sit out steps that run over the budget
+    # (gpu_worker.pacing.SitOut), which shortens the steps of those with less; 0 = never.
+    sit_out_lead_s: float = 0.5
     # Keys/values: "auto" stores them in the model's dtype; "fp8" in float8 e4m3 with scale 1
     # (attention reads half the bytes; queries and outputs stay in the model's dtype).
     kv_cache_dtype: str = "auto"

@@ -59,6 +59,7 @@ class GpuWorker:
             cuda_graphs=not cfg.disable_cuda_graph,
             first_chunk=cfg.first_chunk,
             realtime_headroom=cfg.realtime_headroom,
+            sit_out_lead_s=cfg.sit_out,
             kv_cache_dtype=cfg.kv_cache_dtype,
             decode_attention=cfg.decode_attention,
         )
