@@ -9,7 +9,11 @@ to its output alone (None: identical at every size):
 - the GEMMs of an Orpheus-3B layer and the audio head, bf16 (`F.linear`) and fp8 (`programs.fp8`,
   per-row activation scales, `torch._scaled_mm`);
 - decode attention over a paged cache: FlashInfer without split-KV (bf16 cache), XQA told one SM so
-  that it never splits a request's keys (fp8 cache), as the engine runs them.
+  that it never splits a request's keys (fp8 cache), as the engine runs them;
+- the sampler's row-wise reductions over a row of probabilities (audio head, full vocabulary):
+  softmax, torch's cumsum (on CUDA a single row takes another scan than rows of a batch: measured on
+  the H200, bench/results/h200-batch-invariance-2026-11-30-session10-start.json), and the
+  sampler's `row_cumsum`, which scans a lone row as a batch of two.
 
     python -m bench.op_invariance --out op_invariance.json [--sizes 1,2,...,512]
 
@@ -28,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.graphs import decode_buckets
+from gpu_worker.sampler import row_cumsum
 from programs import fp8
 
 HIDDEN, INTER, HQ, HKV, D, AUDIO_HEAD = 3072, 8192, 24, 8, 128, 4112
@@ -40,6 +45,7 @@ GEMMS = (
     ("audio_head", AUDIO_HEAD, HIDDEN),
 )
 PAGE, CTX = 16, 512
+VOCABS = (("audio_head", AUDIO_HEAD + 1), ("full", 156940 + 1))  # + the sampler's sink column
 
 
 def first_variant_size(
@@ -70,6 +76,23 @@ def gemm_checks(device: str, sizes: list[int], shapes=GEMMS) -> dict:
             res["fp8"] = first_variant_size(lambda a, q=q: fp8.linear(a, q), x, sizes)
         out[name] = res
         print(name, res, flush=True)
+    return out
+
+
+def sampling_checks(device: str, sizes: list[int], vocabs=VOCABS) -> dict:
+    """The sampler's reductions along a row of probabilities (float32): each one's first
+    batch-variant size, per vocabulary width."""
+    g = torch.Generator(device=device).manual_seed(0)
+    ops = {
+        "softmax": lambda p: p.softmax(dim=-1),
+        "cumsum": lambda p: p.cumsum(dim=-1),
+        "row_cumsum": row_cumsum,
+    }
+    out: dict = {}
+    for name, v in vocabs:
+        probs = torch.randn(max(sizes), v, generator=g, device=device).softmax(dim=-1)
+        out[name] = {op: first_variant_size(f, probs, sizes) for op, f in ops.items()}
+        print("sampling", name, out[name], flush=True)
     return out
 
 
@@ -120,6 +143,7 @@ def main() -> int:
     if device == "cuda":
         fp8.compile_quantizer(torch.device("cuda"), tuple(sorted({k for _, _, k in GEMMS})))
     res["gemm"] = gemm_checks(device, sizes)
+    res["sampling"] = sampling_checks(device, sizes)
     if device == "cuda":
         res["attention"] = attention_checks(sizes)
     with open(args.out, "w") as f:

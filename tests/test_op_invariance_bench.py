@@ -2,7 +2,7 @@
 
 import torch
 
-from bench.op_invariance import first_variant_size, gemm_checks
+from bench.op_invariance import first_variant_size, gemm_checks, sampling_checks
 
 SIZES = [1, 2, 4, 8, 16]
 
@@ -37,3 +37,11 @@ def test_the_gemm_checks_report_each_shape_on_cpu():
     assert set(res) == {"small", "wide"}
     for v in res.values():
         assert set(v) == {"bf16"} and (v["bf16"] is None or v["bf16"] in (2, 4))
+
+
+def test_the_sampling_checks_report_each_reduction_and_the_samplers_scan_is_invariant_on_cpu():
+    res = sampling_checks("cpu", [1, 2, 4, 8], vocabs=(("narrow", 33), ("wide", 4097)))
+    assert set(res) == {"narrow", "wide"}
+    for v in res.values():
+        assert set(v) == {"softmax", "cumsum", "row_cumsum"}
+        assert v["row_cumsum"] is None
