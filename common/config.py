@@ -48,7 +48,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     num_pages: int = 0  # 0 = enough for max_batch_size full contexts
     first_chunk: str = "adaptive"  # reference | adaptive | fastest | progressive (see EngineLimits)
     realtime_headroom: float = 0.88  # gpu_worker: admit while a step takes <= this share of a row
-    sit_out: float = 0.5  # gpu_worker: seconds of audio in hand past which a stream may sit out slow steps (0 = off)
+    sit_out: float = 0.5  # gpu_worker: audio in hand (s) past which a stream may sit out slow steps; 0 = off
     lm_head: str = "full"  # gpu_worker: full vocabulary, or "audio": logits for codec tokens + stop only
     quantization: str = "none"  # gpu_worker: none | fp8 (LM linear weights in float8, per-channel scales)
     kv_cache_dtype: str = "auto"  # gpu_worker: auto (the model's dtype) | fp8 (float8 e4m3 keys/values)
