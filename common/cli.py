@@ -21,6 +21,7 @@ from common.config import (
     check_codec_settings,
     check_headroom,
     check_model_settings,
+    check_sit_out,
     resolve,
 )
 from common.proc import setup_logging
@@ -59,8 +60,7 @@ def _validate(cfg: ServeConfig) -> None:
     if cfg.codec_gpu_share and cfg.mps == "off":
         raise ValueError("--codec-gpu-share caps the codec's SMs under MPS: it needs --mps on or auto")
     check_headroom(cfg.realtime_headroom)
-    if not 0 <= cfg.sit_out < float("inf"):
-        raise ValueError(f"--sit-out is seconds of audio in hand (0 = off), got {cfg.sit_out}")
+    check_sit_out(cfg.sit_out)
     if cfg.max_queue < 0 or cfg.max_streams < 0 or not 0 < cfg.queue_timeout < float("inf"):
         raise ValueError("--max-queue and --max-streams must be >= 0 and --queue-timeout a positive number")
     if cfg.zmq_curve_dir:

@@ -122,6 +122,19 @@ def check_model_settings(cfg: ServeConfig, spec: Mapping[str, Any]) -> None:
         raise ValueError(f"--constrained: {spec['name']} has no constrained sampling mode")
 
 
+# `--sit-out`: a stream sitting out keeps at least this much audio in hand, more than its next chunk
+# can take to arrive (a window's steps, a codec pass, the delivery: ~0.15 s under load).
+MIN_SIT_OUT_S = 0.25
+
+
+def check_sit_out(spare_s: float) -> None:
+    """`--sit-out` (for `voxpipe serve`, and the engine of a gpu_worker run alone)."""
+    if not (spare_s == 0 or MIN_SIT_OUT_S <= spare_s < float("inf")):
+        raise ValueError(
+            f"--sit-out must be 0 (off) or seconds of audio in hand >= {MIN_SIT_OUT_S}, got {spare_s}"
+        )
+
+
 def check_headroom(headroom: float) -> None:
     """`--realtime-headroom` (for `voxpipe serve`, and the engine of a gpu_worker run alone)."""
     if not 0.5 <= headroom <= 1.0:

@@ -4,7 +4,9 @@ Each `step()`:
   1. admits waiting prompts while slots and KV pages last;
   2. launches the next step on the device: one forward pass over every running request's rows
      (whole prompts for new ones; for the others the token sampled last step, fed back on the
-     device), sampling, token classification, and one device→host copy of the results;
+     device), sampling, token classification, and one device→host copy of the results; while
+     steps run over the budget, streams well ahead of their listeners sit some out
+     (gpu_worker.pacing.SitOut) and resume where they were;
   3. only then waits for the *previous* step's results and turns them into audio chunks and
      finished requests (one `DetokBatch`).
 So the host's bookkeeping for step n overlaps the GPU's work on step n+1. The price is one step of
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from common.config import check_headroom
+from common.config import check_headroom, check_sit_out
 from common.messages import (
     DetokBatch,
     DetokChunk,
@@ -113,6 +115,7 @@ class Engine:
         self._last_ready: torch.cuda.Event | None = None
         self.windows = AudioWindows(program, limits.first_chunk, self.clock)
         self.sit_out = None
+        check_sit_out(limits.sit_out_lead_s)
         if limits.sit_out_lead_s > 0:
             self.sit_out = SitOut(self.clock, getattr(self.runner, "sizes", None), limits.sit_out_lead_s)
         self.sitting_out = 0.0  # streams left out of a step (gpu_worker.pacing.SitOut), averaged
@@ -310,16 +313,18 @@ class Engine:
 
     def _leave_out_streams_ahead(self, batch: list[Request]) -> list[Request]:
         """The batch less the streams sitting this step out (gpu_worker.pacing.SitOut): only
-        streams already playing, whose regular windows have begun, by their listener's audio in
-        hand (sent, less played by the clock since the first chunk left)."""
+        streams on their regular windows (past the tail windows of progressive mode, or a lead
+        window and one more chunk), by their listener's audio in hand (sent, less played by the
+        clock since the first chunk left)."""
         if self.sit_out is None or not batch:
+            self.sitting_out = 0.0
             return batch
         now, progressive = self.windows.now(), self.windows.progressive
         leads = [
-            r.sent_s - (now - r.t_first) if r.n_chunks and (r.switched or not progressive) else -np.inf
+            r.sent_s - (now - r.t_first) if (r.switched if progressive else r.n_chunks > 1) else -np.inf
             for r in batch
         ]
-        out = self.sit_out.choose(leads)
+        out = self.sit_out.choose(leads, sum(r.n_ctx == 0 for r in batch))
         self.sitting_out += 0.05 * (len(out) - self.sitting_out)
         if not out:
             return batch

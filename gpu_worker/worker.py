@@ -35,6 +35,23 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def engine_limits(cfg: ServeConfig, spec: dict, device: str) -> EngineLimits:
+    """The engine's limits from the worker's settings and its model's spec."""
+    is_cpu = device == "cpu"
+    return EngineLimits(
+        max_batch_size=cfg.max_batch_size or (16 if is_cpu else 256),
+        max_context=min(cfg.max_context or spec["max_tokens"], spec["max_tokens"]),
+        page_size=cfg.page_size,
+        num_pages=cfg.num_pages,
+        cuda_graphs=not cfg.disable_cuda_graph,
+        first_chunk=cfg.first_chunk,
+        realtime_headroom=cfg.realtime_headroom,
+        sit_out_lead_s=cfg.sit_out,
+        kv_cache_dtype=cfg.kv_cache_dtype,
+        decode_attention=cfg.decode_attention,
+    )
+
+
 class GpuWorker:
     def __init__(self, cfg: ServeConfig, status: StatusReporter) -> None:
         assert cfg.addresses is not None
@@ -50,19 +67,7 @@ class GpuWorker:
         )
         status.set(ProcState.LOADING, f"loading {spec['name']} LM on {device}")
         program.load_lm()
-        is_cpu = device == "cpu"
-        limits = EngineLimits(
-            max_batch_size=cfg.max_batch_size or (16 if is_cpu else 256),
-            max_context=min(cfg.max_context or spec["max_tokens"], spec["max_tokens"]),
-            page_size=cfg.page_size,
-            num_pages=cfg.num_pages,
-            cuda_graphs=not cfg.disable_cuda_graph,
-            first_chunk=cfg.first_chunk,
-            realtime_headroom=cfg.realtime_headroom,
-            sit_out_lead_s=cfg.sit_out,
-            kv_cache_dtype=cfg.kv_cache_dtype,
-            decode_attention=cfg.decode_attention,
-        )
+        limits = engine_limits(cfg, spec, device)
         status.set(ProcState.LOADING, "allocating KV cache")
         self.engine = Engine(program, limits, progress=lambda msg: status.set(ProcState.LOADING, msg))
         log.info(

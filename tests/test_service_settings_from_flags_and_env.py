@@ -85,12 +85,19 @@ def test_realtime_headroom_reaches_the_engine_clock_and_out_of_range_is_refused(
         _validate(ServeConfig(model="orpheus-tiny", realtime_headroom=1.5))
     with pytest.raises(ValueError, match="--sit-out"):
         _validate(ServeConfig(model="orpheus-tiny", sit_out=-1.0))
-    s = parse_role("gpu_worker", ["--model", "orpheus-tiny", "--sit-out", "0"], {})
-    assert s.cfg.sit_out == 0.0
-    assert (
-        Engine(p, EngineLimits(max_batch_size=2, max_context=64, sit_out_lead_s=s.cfg.sit_out)).sit_out
-        is None
-    )
+    with pytest.raises(ValueError, match="--sit-out"):
+        _validate(ServeConfig(model="orpheus-tiny", sit_out=0.1))  # less than a chunk's trip
+    from gpu_worker.worker import engine_limits
+
+    spec = get_spec("orpheus-tiny")
+    for argv, env, spare in ((["--sit-out", "0"], {}, 0.0), ([], {"VOXPIPE_SIT_OUT": "0.75"}, 0.75)):
+        s = parse_role("gpu_worker", ["--model", "orpheus-tiny", *argv], env)
+        limits = engine_limits(s.cfg, spec, "cpu")
+        assert limits.sit_out_lead_s == spare
+        sit = Engine(p, limits).sit_out
+        assert (sit is None) if spare == 0 else sit.spare_s == spare
     assert eng.sit_out is not None and eng.sit_out.spare_s == 0.5  # the default
+    with pytest.raises(ValueError, match="--sit-out"):  # a gpu_worker run alone checks it too
+        Engine(p, EngineLimits(max_batch_size=2, max_context=64, sit_out_lead_s=-1.0))
     with pytest.raises(ValueError, match="--codec-gpu-share"):  # a cap under MPS, and MPS is off
         _validate(ServeConfig(model="orpheus-tiny", codec_gpu_share=50))
