@@ -84,6 +84,27 @@ class Result:
     def audio_s(self, sample_rate: int) -> float:
         return (self.chunks[-1][1] / 2 / sample_rate) if self.chunks else 0.0
 
+    def late_detail(self, sample_rate: int) -> dict:
+        """A late request, for a person to read: when it was sent, its first audio and how much
+        audio that first chunk held, and which chunk came late first, how far into the stream and
+        how far behind playback; `rid` joins it to a `voxpipe tap` recording."""
+        worst, first_late = self.lateness(sample_rate)
+        t0, prev = self.chunks[0]
+        late_at = (
+            (i, (t - t0) - self.chunks[i - 1][1] / 2 / sample_rate) for i, (t, _) in enumerate(self.chunks)
+        )
+        index = next((i for i, late in late_at if i and late > 0), None)
+        return {
+            "rid": self.rid,
+            "sent_at_s": round(self.sent_at, 2),
+            "ttfa_ms": round(1000 * self.ttfa, 1),
+            "first_chunk_audio_ms": round(1000 * prev / 2 / sample_rate, 1),
+            "first_late_chunk": index,
+            "first_late_at_s": round(first_late, 3),
+            "worst_late_ms": round(1000 * worst, 1),
+            "chunks": len(self.chunks),
+        }
+
 
 async def one_request(
     session: aiohttp.ClientSession, url: str, body: dict, since: float = 0.0, rid: str = ""
@@ -256,7 +277,28 @@ def summarize(results: list[Result], wall_s: float, sample_rate: int, ramp_s: fl
         "late_worst_ms_p50": round(percentile([w for w, _ in late], 50), 1) if late else 0.0,
         "late_worst_ms_p99": round(percentile([w for w, _ in late], 99), 1) if late else 0.0,
         "first_late_at_s_p50": round(percentile([f for _, f in late], 50), 2) if late else None,
+        "late_examples": [r.late_detail(sample_rate) for r in ok if r.chunks and not r.on_time(sample_rate)][
+            :5
+        ],
+        "ttfa_by_sent_second": ttfa_by_sent_second(ok),
         "wall_s": round(wall_s, 2),
+    }
+
+
+def ttfa_by_sent_second(results: list[Result]) -> dict[str, list]:
+    """First audio by the second of the level its request was sent in (lists over seconds with a
+    request): how many, p50, p99 and the slowest, in ms. Tells the ramp's end from the rest."""
+    by: dict[int, list[float]] = {}
+    for r in results:
+        if r.chunks:
+            by.setdefault(int(r.sent_at), []).append(1000 * r.ttfa)
+    secs = sorted(by)
+    return {
+        "t_s": secs,
+        "n": [len(by[s]) for s in secs],
+        "p50_ms": [round(percentile(by[s], 50), 1) for s in secs],
+        "p99_ms": [round(percentile(by[s], 99), 1) for s in secs],
+        "max_ms": [round(max(by[s]), 1) for s in secs],
     }
 
 

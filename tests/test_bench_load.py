@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from bench.load import Result, auth_headers
+from bench.load import Result, auth_headers, summarize
 from common.cli import main
 
 
@@ -30,6 +30,25 @@ def test_lateness_says_how_far_behind_and_when():
     starved = Result(ok=True, chunks=[(0.2, chunk), (0.3, 2 * chunk), (0.7, 3 * chunk), (0.75, 4 * chunk)])
     worst, first = starved.lateness(sr)
     assert abs(worst - 0.3) < 1e-9 and abs(first - 0.5) < 1e-9 and not starved.on_time(sr)
+
+
+def test_a_level_says_which_requests_came_late_and_first_audio_by_the_second_sent():
+    sr = 24000
+    chunk = 2 * 2400  # 0.1 s of PCM16 per chunk
+    starved = Result(ok=True, ttfa=0.2, sent_at=7.4, rid="late-one",
+                     chunks=[(0.2, chunk), (0.3, 2 * chunk), (0.7, 3 * chunk), (0.75, 4 * chunk)])  # fmt: skip
+    fine = [Result(ok=True, ttfa=0.1 + 0.01 * i, sent_at=0.5 * i, chunks=[(0.1, chunk), (0.15, 2 * chunk)])
+            for i in range(4)]  # fmt: skip
+    failed = Result(ok=False, error="HTTP 503: busy", sent_at=1.0)
+    out = summarize([starved, *fine, failed], wall_s=10.0, sample_rate=sr)
+    assert out["late_requests"] == 1 and out["errors"] == 1
+    assert out["late_examples"] == [
+        {"rid": "late-one", "sent_at_s": 7.4, "ttfa_ms": 200.0, "first_chunk_audio_ms": 100.0,
+         "first_late_chunk": 2, "first_late_at_s": 0.5, "worst_late_ms": 300.0, "chunks": 4}
+    ]  # fmt: skip
+    by = out["ttfa_by_sent_second"]  # sent at 0, 0.5, 1.0, 1.5 and 7.4 s
+    assert by["t_s"] == [0, 1, 7] and by["n"] == [2, 2, 1]
+    assert by["max_ms"] == [110.0, 130.0, 200.0]
 
 
 def test_the_bench_sends_the_servers_key_when_it_has_one(monkeypatch):
