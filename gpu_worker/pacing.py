@@ -251,7 +251,9 @@ class SitOut:
     just started, whose listeners have little audio yet, and those waiting for admission, which the
     paced capacity (counting the streams sitting out as served) keeps admitting. The share sitting
     out is integral control on the interval's excess over the target, so it settles where the
-    interval meets it, and falls to none once steps keep it without help. A stream sits out only
+    interval meets it, and falls to none once steps keep it without help. (Where fewer rows do not
+    make shorter steps, a host-bound loop say, it climbs to what the streams ahead allow and spends
+    their lead for nothing: not guarded against yet.) A stream sits out only
     while it has `spare_s` in hand, so its listener never waits: the headroom each stream gains
     in the steps it is in is spent, not its timeliness. With decode graphs (batch buckets), the
     rows left are rounded to a bucket's size, since a step costs its bucket's padding anyway.
