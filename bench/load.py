@@ -69,17 +69,20 @@ class Result:
         late one came); (0.0, nan) when every chunk was on time. Tells a stream that starved at
         its start from one that fell behind later."""
         worst, first_late = 0.0, float("nan")
-        if not self.chunks:
-            return worst, first_late
-        t0, prev_bytes = self.chunks[0]
-        for t, total in self.chunks[1:]:
-            late = (t - t0) - prev_bytes / 2 / sample_rate
+        for _, since, late in self._behind(sample_rate):
             if late > 0:
                 worst = max(worst, late)
                 if first_late != first_late:  # nan: the first late chunk
-                    first_late = t - t0
-            prev_bytes = total
+                    first_late = since
         return worst, first_late
+
+    def _behind(self, sample_rate: int):
+        """(index, seconds since the first chunk, seconds behind playback) of every chunk after
+        the first: behind is the time since the first chunk less the audio received before it."""
+        t0 = self.chunks[0][0] if self.chunks else 0.0
+        for i in range(1, len(self.chunks)):
+            since = self.chunks[i][0] - t0
+            yield i, since, since - self.chunks[i - 1][1] / 2 / sample_rate
 
     def audio_s(self, sample_rate: int) -> float:
         return (self.chunks[-1][1] / 2 / sample_rate) if self.chunks else 0.0
@@ -89,16 +92,13 @@ class Result:
         audio that first chunk held, and which chunk came late first, how far into the stream and
         how far behind playback; `rid` joins it to a `voxpipe tap` recording."""
         worst, first_late = self.lateness(sample_rate)
-        t0, prev = self.chunks[0]
-        late_at = (
-            (i, (t - t0) - self.chunks[i - 1][1] / 2 / sample_rate) for i, (t, _) in enumerate(self.chunks)
-        )
-        index = next((i for i, late in late_at if i and late > 0), None)
+        first_bytes = self.chunks[0][1]
+        index = next((i for i, _, late in self._behind(sample_rate) if late > 0), None)
         return {
             "rid": self.rid,
             "sent_at_s": round(self.sent_at, 2),
             "ttfa_ms": round(1000 * self.ttfa, 1),
-            "first_chunk_audio_ms": round(1000 * prev / 2 / sample_rate, 1),
+            "first_chunk_audio_ms": round(1000 * first_bytes / 2 / sample_rate, 1),
             "first_late_chunk": index,
             "first_late_at_s": round(first_late, 3),
             "worst_late_ms": round(1000 * worst, 1),
@@ -258,8 +258,8 @@ def summarize(results: list[Result], wall_s: float, sample_rate: int, ramp_s: fl
     # first audio was asked for: tells a start-up burst from a steady tail.
     steady = [r.ttfa * 1000 for r in ok if r.chunks and r.sent_at >= ramp_s]
     worst = max((r for r in ok if r.chunks), key=lambda r: r.ttfa, default=None)
-    late = [r.lateness(sample_rate) for r in ok if r.chunks]
-    late = [(w * 1000, first) for w, first in late if w > 0]
+    lateness = [(r, *r.lateness(sample_rate)) for r in ok if r.chunks]
+    late = [(w * 1000, first) for _, w, first in lateness if w > 0]
     return {
         "requests": len(results),
         "errors": len(results) - len(ok),
@@ -277,9 +277,7 @@ def summarize(results: list[Result], wall_s: float, sample_rate: int, ramp_s: fl
         "late_worst_ms_p50": round(percentile([w for w, _ in late], 50), 1) if late else 0.0,
         "late_worst_ms_p99": round(percentile([w for w, _ in late], 99), 1) if late else 0.0,
         "first_late_at_s_p50": round(percentile([f for _, f in late], 50), 2) if late else None,
-        "late_examples": [r.late_detail(sample_rate) for r in ok if r.chunks and not r.on_time(sample_rate)][
-            :5
-        ],
+        "late_examples": [r.late_detail(sample_rate) for r, w, _ in lateness if w > 0][:5],
         "ttfa_by_sent_second": ttfa_by_sent_second(ok),
         "wall_s": round(wall_s, 2),
     }
