@@ -2,8 +2,9 @@
 
 A step produces one row for every running request (but those sitting it out, `SitOut`), so the
 time between consecutive steps is the time each stream waits for its next row. A stream stays real
-time while that interval is below the program's row period (1 / rows per audio second: 12.19 ms for Orpheus). `StepClock` keeps an
-exponential average of the interval per batch-size bucket (quarter octaves), which gives
+time while that interval is below the program's row period (1 / rows per audio second: 12.19 ms
+for Orpheus). `StepClock` keeps an exponential average of the interval per batch-size bucket
+(quarter octaves), which gives
 
 - `capacity()`: the largest batch whose measured (or extrapolated) interval fits the row period
   with some headroom, and at least the recent load scaled by the budget over its recent interval
@@ -253,10 +254,10 @@ class SitOut:
     out is integral control on the interval's excess over the target, so it settles where the
     interval meets it, and falls to none once steps keep it without help. (Where fewer rows do not
     make shorter steps, a host-bound loop say, it climbs to what the streams ahead allow and spends
-    their lead for nothing: not guarded against yet.) A stream sits out only
-    while it has `spare_s` in hand, so its listener never waits: the headroom each stream gains
-    in the steps it is in is spent, not its timeliness. With decode graphs (batch buckets), the
-    rows left are rounded to a bucket's size, since a step costs its bucket's padding anyway.
+    their lead for nothing: not guarded against yet.) A stream sits out only while it has
+    `spare_s` in hand, so its listener never waits: the headroom each stream gains in the steps it
+    is in is spent, not its timeliness. With decode graphs (batch buckets), the rows left are
+    rounded to a bucket's size, since a step costs its bucket's padding anyway.
 
     Measured on the H200 (fp8 weights and cache, MPS, closed-loop 1024-token streams, one run with
     it off then on, spare 1 s: bench/results/h200-load-2026-11-30-session10-sit-out.json): at 416
