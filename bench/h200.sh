@@ -66,7 +66,7 @@ for stage in "$@"; do
         [ "$stage" = load-mps ] && extra="--mps on"
         # shellcheck disable=SC2086
         run "$stage" python -m bench.ttfa_http --reps 15 --tokens 200 --load "${VOXPIPE_LOAD:-128,192,256,320,384}" \
-            --load-duration 20 --ramp 8 --label "NVIDIA H200" --load-out "$OUT/$stage.json" \
+            --load-duration "${VOXPIPE_LOAD_S:-20}" --ramp 8 --label "NVIDIA H200" --load-out "$OUT/$stage.json" \
             --out "$OUT/$stage-ttfa.json" ${VOXPIPE_TAP_LEVEL:+--tap-level $VOXPIPE_TAP_LEVEL --tap-out $OUT/$stage-tap.jsonl.gz} \
             ${VOXPIPE_PROFILE_LEVEL:+--profile-level $VOXPIPE_PROFILE_LEVEL --profile-out $OUT/$stage-py-spy} \
             -- $serve_flags --first-chunk $first $extra ${VOXPIPE_SERVE_EXTRA:-}

@@ -119,6 +119,9 @@ class Engine:
         if limits.sit_out_lead_s > 0:
             self.sit_out = SitOut(self.clock, getattr(self.runner, "sizes", None), limits.sit_out_lead_s)
         self.sitting_out = 0.0  # streams left out of a step (gpu_worker.pacing.SitOut), averaged
+        # Rows a request generates before it ends (stop or budget), averaged over those that ended:
+        # what a running request's context grows to (StepClock.capacity's life_context).
+        self.gen_rows, self.n_ended = 0.0, 0
         self.sample_graphs = None
         if hasattr(self.runner, "decode_bucket"):  # a GraphRunner
             self.capture_sampling(progress)
@@ -225,8 +228,13 @@ class Engine:
             "steps_total": self.step_count,
             # On CPU (tests, demos) nothing is real time: admit by batch size, not by pace.
             "stream_capacity": round(
-                self.clock.capacity() if self.device.type == "cuda" else self.limits.max_batch_size, 1
+                self.clock.capacity(life_context=self.life_context())
+                if self.device.type == "cuda"
+                else self.limits.max_batch_size,
+                1,
             ),
+            "life_context": round(self.life_context() or 0.0, 1),
+            **self._step_cost(),
             "row_period_ms": round(1000 * self.clock.row_period(), 3),
             "step_host_ms": round(1000 * self.host_s, 3),
             "step_wait_ms": round(1000 * self.wait_s, 3),
@@ -235,9 +243,34 @@ class Engine:
             "step_gpu_idle_ms": round(1000 * self.gpu_idle_s, 3),
         }
 
+    def life_context(self) -> float | None:
+        """Tokens of context the running requests attend over, each averaged over its life: its
+        prompt and half of what it will generate (the average that requests ended so far generated,
+        within its budget; its budget before any ended). None while none runs."""
+        if not self.running:
+            return None
+        total = 0.0
+        for r in self.running.values():
+            total += len(r.prompt) + 0.5 * (
+                min(r.gen_budget, self.gen_rows) if self.gen_rows else r.gen_budget
+            )
+        return total / len(self.running)
+
+    def _step_cost(self) -> dict[str, float]:
+        """The step's cost model as fitted (gpu_worker.pacing.StepCost), for /metrics."""
+        fit = self.clock.cost.coefficients()
+        if fit is None:
+            return {}
+        a, b, c = fit
+        return {"step_cost_fixed_ms": round(1e3 * a, 3), "step_cost_token_us": round(1e6 * b, 3),
+                "step_cost_kcontext_us": round(1e6 * c, 3)}  # fmt: skip
+
     def _finish(self, req: Request, reason: FinishReason, chunks: list[DetokChunk] | None = None) -> None:
         """End a request; `chunks` (a natural end) also takes its flushed last window, if any."""
         if chunks is not None:
+            # what requests generate, averaged over the last ~100 that ended of themselves
+            self.gen_rows += max(0.01, 1.0 / (self.n_ended + 1)) * (req.n_gen - self.gen_rows)
+            self.n_ended += 1
             last = self.windows.flush(req)
             if last is not None:
                 chunks.append(last)
@@ -300,7 +333,10 @@ class Engine:
         batch = self._leave_out_streams_ahead(batch)
         batch.sort(key=lambda r: r.n_ctx != 0)  # new requests first: runners split prefill/decode
         self.last_batch_size = len(batch)
-        self.clock.tick(len(batch), served)
+        n_pre = sum(r.n_ctx == 0 for r in batch)
+        prompt_tokens = sum(len(r.prompt) for r in batch[:n_pre])
+        cost = (len(batch) - n_pre + prompt_tokens, sum(r.n_ctx for r in batch[n_pre:]), prompt_tokens)
+        self.clock.tick(len(batch), served, cost)
         if not batch:
             self._last_ready = None  # idle: the gap before the next step is not the host's lateness
         previous, self._inflight = self._inflight, (self._launch(batch) if batch else None)

@@ -66,6 +66,82 @@ PACE_STEPS = 100
 PACE_REACH = 0.25
 
 
+# `StepCost`: the steps it averages over (~20 s under load: long enough to span loads of several
+# sizes and contexts, as the GPU's costs are constants), and those it needs before it counts.
+COST_STEPS, COST_MIN_STEPS = 2000, 200
+# The capacity over the streams' whole lives (`StepCost.capacity`): a step of all of them, at their
+# contexts averaged over their lives, takes at most this share of a row period.
+LIFE_HEADROOM = 0.95
+
+
+class StepCost:
+    """A step's time as a + b x tokens + c x context: a fixed part, a part per token it computes (a
+    decode row, a prompt token: the weights' GEMMs) and a part per thousand tokens of context that its
+    decode rows attend over. Fitted by least squares with nonnegative terms over the last
+    ~COST_STEPS steps as they were served, prompts and the codec beside them included.
+
+    What it is for: a stream's steps cost more as its context grows (at ~550 tokens attention is
+    ~45 % of an H200 step at 384 rows), so a load measured while its streams are young takes longer
+    steps later in their lives. Admission from the pace alone admitted young streams that the same
+    GPU could not keep real time once they were old (bench/admission_sim.py)."""
+
+    TERMS = ((0, 1, 2), (0, 1), (0, 2), (1, 2), (0,), (1,), (2,))
+
+    def __init__(self) -> None:
+        self.n = 0
+        self._xx = np.zeros((3, 3))  # average of x x^T, x = (1, tokens, context / 1000)
+        self._xy = np.zeros(3)  # average of x dt
+        self._yy = 0.0  # average of dt^2
+        self.prompt_tokens = 0.0  # per step, averaged alike
+        self._fit: tuple[float, float, float] | None = None
+
+    def add(self, tokens: int, context: int, prompt_tokens: int, dt: float) -> None:
+        x = np.array([1.0, float(tokens), context / 1000.0])
+        self.n += 1
+        a = max(1.0 / self.n, 1.0 / COST_STEPS)
+        self._xx += a * (np.outer(x, x) - self._xx)
+        self._xy += a * (x * dt - self._xy)
+        self._yy += a * (dt * dt - self._yy)
+        self.prompt_tokens += a * (prompt_tokens - self.prompt_tokens)
+        self._fit = None
+
+    def coefficients(self) -> tuple[float, float, float] | None:
+        """(a s, b s per token, c s per thousand tokens of context), or None before COST_MIN_STEPS
+        steps: of the fits on every subset of the terms whose coefficients are all nonnegative, the
+        one with the least squared error."""
+        if self.n < COST_MIN_STEPS:
+            return None
+        if self._fit is None:
+            best, least = (0.0, 0.0, 0.0), math.inf
+            for terms in self.TERMS:
+                ix = np.array(terms)
+                xx, xy = self._xx[np.ix_(ix, ix)], self._xy[ix]
+                try:
+                    beta = np.linalg.solve(xx, xy)
+                except np.linalg.LinAlgError:
+                    continue
+                err = self._yy - 2.0 * beta @ xy + beta @ xx @ beta
+                if (beta >= 0).all() and err < least - 1e-18:
+                    full = np.zeros(3)
+                    full[ix] = beta
+                    best, least = (float(full[0]), float(full[1]), float(full[2])), err
+            self._fit = best
+        return self._fit
+
+    def capacity(self, budget: float, life_context: float) -> float | None:
+        """Streams whose step, all of them in it at `life_context` tokens of context each (their
+        average over their lives) and prompts arriving as lately, takes `budget` seconds; None
+        before the fit counts."""
+        fit = self.coefficients()
+        if fit is None:
+            return None
+        a, b, c = fit
+        per_stream = b + c * life_context / 1000.0
+        if per_stream <= 0.0:
+            return None
+        return max(0.0, (budget - a - b * self.prompt_tokens) / per_stream)
+
+
 def _bucket(batch: int) -> int:
     """Quarter-octave bucket of a batch size: 1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 13, 16, 19, 23, …"""
     if batch <= 8:
@@ -91,22 +167,44 @@ class StepClock:
         # (rows, and streams sitting a step out), interval.
         self._pace_n, self._pace_batch, self._pace_dt = 0, 0.0, 0.0
         self._pace_rows = 0.0  # rows per step over the same steps (streams sitting out excluded)
+        self.cost = StepCost()
+        self._launched: deque[tuple[int, int, int] | None] = deque(maxlen=3)  # `tick`'s cost, latest last
 
-    def tick(self, batch: int, streams: int = 0) -> None:
+    def tick(self, batch: int, streams: int = 0, cost: tuple[int, int, int] | None = None) -> None:
         """Call once per launched step with its batch size (0 when the engine had nothing to run)
-        and the streams it served (its rows and those sitting it out, see `SitOut`; default batch)."""
+        and the streams it served (its rows and those sitting it out, see `SitOut`; default batch);
+        `cost`, for `StepCost`: the tokens it computes (decode rows and prompt tokens), the context
+        its decode rows attend over, and its prompt tokens.
+
+        The engine launches a step, then waits for the one before: the interval up to the next
+        call is the time of the step launched two calls before, which is what `StepCost` pairs it
+        with (the step sizes and their intervals vary together only over many steps, so the other
+        averages take it as it comes)."""
         now = time.perf_counter()
         last, self._last = self._last, (now if batch else None)
         if not batch:  # idle: the steps before say nothing of the next ones' pace
             self._dts.clear()
             self._span_high.clear()
             self._pace_n = 0
-        if last is not None and batch:  # else the engine was idle in between: not a step
-            self.record(batch, now - last, streams=streams)
+            self._launched.clear()
+            return
+        self._launched.append(cost)
+        if last is not None:  # else the engine was idle in between: not a step
+            lagged = self._launched[0] if len(self._launched) == self._launched.maxlen else None
+            self.record(batch, now - last, streams=streams, cost=lagged)
 
-    def record(self, batch: int, dt: float, now: float | None = None, streams: int = 0) -> None:
+    def record(
+        self,
+        batch: int,
+        dt: float,
+        now: float | None = None,
+        streams: int = 0,
+        cost: tuple[int, int, int] | None = None,
+    ) -> None:
         """One step of `batch` requests took `dt` seconds from the previous one, serving `streams`
-        (default batch: more when some sat the step out)."""
+        (default batch: more when some sat the step out); `cost`: that step's, as for `tick`."""
+        if cost is not None:
+            self.cost.add(*cost, dt)
         key = _bucket(batch)
         now = time.perf_counter() if now is None else now
         self._dts.append(dt)
@@ -179,14 +277,21 @@ class StepClock:
         real_time = self._pace_rows * self.period / self._pace_dt
         return min(float(self.max_batch), paced, real_time, self._pace_batch * (1.0 + PACE_REACH))
 
-    def capacity(self, now: float | None = None) -> float:
-        """Concurrent streams this worker can keep real time (max_batch until measured): the
-        per-bucket model below, and never less than `paced_capacity`. The model alone dipped
+    def capacity(self, now: float | None = None, life_context: float | None = None) -> float:
+        """Concurrent streams this worker can keep real time (max_batch until measured). Given
+        `life_context` (the tokens of context the streams served attend over, averaged over their
+        lives) and once `StepCost` has its fit: the streams whose step at that context takes
+        LIFE_HEADROOM of a row period. Else the per-bucket model below, and never less than
+        `paced_capacity`. The model alone dipped
         below the load while every stream kept time: a bucket above the load is reached in bursts
         of admissions, so its steps carry their prompts, it is measured slow, and the capacity is
         interpolated below it until the bucket goes stale (STALE_S). Measured on the H200 at 352
         streams: capacity median 362 but p10 235, and 11 % of the samples had requests waiting
         (bench/results/h200-load-2026-11-29-session9-lm-share-reverted.json, first run)."""
+        if life_context is not None:
+            life = self.cost.capacity(LIFE_HEADROOM * self.period, life_context)
+            if life is not None:
+                return min(float(self.max_batch), life)
         return max(self._model_capacity(now), self.paced_capacity())
 
     def _model_capacity(self, now: float | None) -> float:

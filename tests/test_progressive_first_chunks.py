@@ -39,7 +39,7 @@ def chunks_of(program, first_chunk: str, step_s: float) -> list[DetokChunk]:
         eng.clock.record(1, step_s)  # the pace the engine believes it steps at
     # Keep it there, and let the listener's clock run at that pace (the CPU's real pace would vary).
     now = [0.0]
-    eng.clock.tick = lambda batch, streams=0: now.__setitem__(0, now[0] + step_s)
+    eng.clock.tick = lambda batch, streams=0, cost=None: now.__setitem__(0, now[0] + step_s)
     eng.windows.now = lambda: now[0]
     rows = np.array(PROMPT, dtype="<i4")
     sp = SamplingParams(max_tokens=150, min_tokens=130, constrained=True, seed=3)
@@ -120,7 +120,7 @@ def test_a_stream_that_ends_before_its_first_chunk_left_still_sends_it(program):
     eng = Engine(program, EngineLimits(max_batch_size=4, max_context=200, first_chunk="progressive"))
     for _ in range(10):
         eng.clock.record(1, 0.013)
-    eng.clock.tick = lambda batch, streams=0: None
+    eng.clock.tick = lambda batch, streams=0, cost=None: None
     rows = np.array(PROMPT, dtype="<i4")
     sp = SamplingParams(max_tokens=len(rows) + 9, min_tokens=9, constrained=True, seed=3)  # 9 rows: 1 frame
     eng.add(Prompt("r", rows.tobytes(), len(rows), sp))

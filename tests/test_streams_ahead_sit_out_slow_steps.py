@@ -151,7 +151,7 @@ def run(program, sit_out: float) -> tuple[dict, list[float], bool]:
     now = [1000.0]
     beyond = [False]
 
-    def tick(batch: int, streams: int = 0) -> None:
+    def tick(batch: int, streams: int = 0, cost=None) -> None:
         now[0] += STEP_S
         beyond[0] |= streams > batch
         if batch:

@@ -1,0 +1,172 @@
+"""A closed-loop load on a simulated GPU, scheduled by the engine's own pacing: to weigh admission and
+sit-out policies before spending GPU time on them.
+
+The parts that decide are the real ones: `gpu_worker.pacing.StepClock` measures the steps and gives
+the capacity, `SitOut` leaves streams ahead out of slow steps, progressive first chunks wait for
+`lead_fits` on the clock's `rows_time_high`, and the gateway admits up to the capacity the engine
+last reported. What is simulated is the GPU: a step takes a fixed part, a part per row growing with
+its context, a part per prompt, and some noise. The load is bench/load's: `clients` closed-loop
+clients started over `ramp_s`, each sending its next request when the last one has finished
+generating, until `duration_s`.
+
+    python -m bench.admission_sim --clients 400,480 --out /tmp/sim.json
+
+It reports, per policy and load, what bench/load reports (TTFA p50/p99, the share of requests on
+time) and the streams admitted. The step model's constants are fitted to the H200 runs (fp8 weights
+and cache, the codec beside the LM under MPS): ~4 ms a step at 40 streams, ~10 ms at 340 rows of
+~550 tokens, and 416 streams held on time with about a sixth of them sitting out
+(bench/results/h200-load-2026-11-30-session10.json). It is a model: it ranks policies, the GPU
+decides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpu_worker.graphs import decode_buckets
+from gpu_worker.pacing import SPARE_LEAD_S, SitOut, StepClock, lead_fits
+
+ROWS_PER_S = 82.03  # Orpheus: a row is 1/82.03 s of audio; a frame is 7 rows
+FRAME, LEADS = 7, (7, 14, 21)
+DELIVERY_S = 0.025  # gpu_worker.windows.DELIVERY_S
+CODEC_S = 0.010  # a chunk's codec pass and trip to the client
+METRICS_S = 0.05  # how often the gateway hears the capacity
+
+
+@dataclass
+class GPU:
+    fixed_ms: float = 3.0  # a step's fixed part (weights, launches, the codec beside it)
+    row_us: float = 11.0  # per decode row
+    row_us_per_1k_ctx: float = 18.0  # per row, per thousand tokens of its context (attention)
+    prompt_ms: float = 0.3  # per prompt prefilled in the step
+    noise: float = 0.06  # relative spread of a step's time
+
+    def step_s(self, ctx: np.ndarray, prompts: int, rng: np.random.Generator) -> float:
+        ms = self.fixed_ms + self.prompt_ms * prompts
+        ms += (self.row_us * len(ctx) + self.row_us_per_1k_ctx * ctx.sum() / 1000) / 1000
+        return ms * max(0.5, 1 + self.noise * rng.standard_normal()) / 1000
+
+
+def simulate(
+    clients: int,
+    *,
+    life: bool = True,
+    sit_out: bool = True,
+    gpu: GPU | None = None,
+    tokens: int = 1024,
+    prompt_len: int = 40,
+    ramp_s: float = 8.0,
+    duration_s: float = 20.0,
+    seed: int = 0,
+) -> dict:
+    gpu = gpu or GPU()
+    rng = np.random.default_rng(seed)
+    period = 1 / ROWS_PER_S
+    clock = StepClock(ROWS_PER_S, 512)
+    sit = SitOut(clock, decode_buckets(512), SPARE_LEAD_S) if sit_out else None
+    t, cap, cap_at = 0.0, float(512), -1.0
+    next_send = [i * ramp_s / clients for i in range(clients)]
+    queue: list[tuple[int, float]] = []  # (client, sent at) waiting at the gateway
+    waiting: list[tuple[int, float]] = []  # admitted, not yet prefilled
+    run: dict[int, dict] = {}  # client → its running request
+    done: list[dict] = []
+    admitted_max, served = 0, []
+    while t < duration_s or queue or waiting or run:
+        for c in range(clients):
+            if next_send[c] <= t and next_send[c] < duration_s:
+                queue.append((c, next_send[c]))
+                next_send[c] = math.inf
+        if t - cap_at >= METRICS_S:
+            cap = clock.capacity(now=t, life_context=prompt_len + tokens / 2 if life else None)
+            cap_at = t
+        while queue and len(run) + len(waiting) < cap:
+            waiting.append(queue.pop(0))
+        new, waiting = waiting[:4], waiting[4:]  # gpu_worker.graphs.PREFILL_LANES
+        for c, sent in new:
+            run[c] = dict(sent=sent, gen=0, first=None, late=0.0, admitted=t, prompt=True, cap=cap)
+        admitted_max = max(admitted_max, len(run) + len(waiting))
+        if not run:
+            t = min(s for s in next_send if s < duration_s) if any(s < duration_s for s in next_send) else t
+            clock.tick(0)
+            continue
+        ids = list(run)
+        leads = [
+            (r["sent_audio"] - (t - r["first"]))
+            if r["first"] is not None and r["gen"] >= LEADS[-1]
+            else -math.inf
+            for r in (run[c] for c in ids)
+        ]
+        prompts = sum(run[c]["prompt"] for c in ids)
+        out = set(sit.choose(leads, prompts)) if sit is not None else set()
+        rows = [c for i, c in enumerate(ids) if i not in out]
+        ctx = np.array([prompt_len + run[c]["gen"] for c in rows if not run[c]["prompt"]], dtype=float)
+        dt = gpu.step_s(ctx, prompts, rng)
+        t += dt
+        cost = (len(rows) - prompts + prompts * prompt_len, int(ctx.sum()), prompts * prompt_len)
+        clock.record(len(rows), dt, now=t, streams=len(ids), cost=cost)
+        served.append(len(ids))
+        for c in rows:
+            r = run[c]
+            r["prompt"] = False
+            r["gen"] += 1
+            n = r["gen"]
+            if r["first"] is None and n % FRAME == 0:
+                fits = lead_fits(FRAME, n * period, clock.rows_time_high(FRAME) / FRAME, latency_s=DELIVERY_S)
+                if fits or n >= LEADS[-1] or n >= tokens:
+                    r["first"], r["sent_audio"] = t + CODEC_S, n * period
+            elif r["first"] is not None and n % FRAME == 0:
+                r["sent_audio"] = n * period  # a frame's chunk: reaches the listener CODEC_S later
+        for c in ids:
+            r = run[c]
+            if r["first"] is not None:
+                # audio in hand when the newest chunk arrives (it left CODEC_S ago at the latest)
+                r["late"] = max(r["late"], (t + CODEC_S - r["first"]) - r["sent_audio"] - CODEC_S)
+            if r["gen"] >= tokens:
+                r["end"] = t
+                done.append(run.pop(c))
+                next_send[c] = t + 0.005
+    ttfa = np.array([r["first"] - r["sent"] for r in done])
+    wait = np.array([r["admitted"] - r["sent"] for r in done])
+    late = np.array([r["late"] for r in done])
+    return {
+        "clients": clients,
+        "requests": len(done),
+        "ttfa_p50_ms": round(1000 * float(np.percentile(ttfa, 50)), 1),
+        "ttfa_p99_ms": round(1000 * float(np.percentile(ttfa, 99)), 1),
+        "ttfa_max_ms": round(1000 * float(ttfa.max()), 1),
+        "wait_p99_ms": round(1000 * float(np.percentile(wait, 99)), 1),
+        "on_time_share": round(float((late <= 0.0).mean()), 4),
+        "worst_late_ms": round(1000 * float(late.max()), 1),
+        "admitted_max": admitted_max,
+        "served_mean": round(float(np.mean(served[len(served) // 3 : 2 * len(served) // 3])), 1),
+        "capacity_min": round(min(r["cap"] for r in done), 1),
+        "cost_fit": [round(x * 1e6, 2) for x in clock.cost.coefficients() or ()],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--clients", default="384,400,416,480")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rows = []
+    for name, kw in (("pace", dict(life=False)), ("life", dict(life=True))):
+        for n in (int(x) for x in args.clients.split(",")):
+            runs = [simulate(n, seed=s, **kw) for s in range(args.seeds)]
+            row = {"policy": name, **{k: max(r[k] for r in runs) for k in runs[0] if k != "on_time_share"}}
+            row["on_time_share"] = min(r["on_time_share"] for r in runs)
+            rows.append(row)
+            print(json.dumps(row))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"what": "worst of the seeds per policy and load", "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
