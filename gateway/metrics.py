@@ -41,6 +41,7 @@ WORKER_METRICS = {
     "step_cost_fixed_ms": "A step's fixed time in the worker's fitted cost model (admission: stream_capacity).",
     "step_cost_token_us": "A step's time per token it computes (decode row or prompt token), fitted.",
     "step_cost_kcontext_us": "A step's time per thousand tokens of context its decode rows attend over, fitted.",
+    "step_cost_prompt_ms": "A step's time per prompt it prefills, beyond the prompt's tokens, fitted.",
     "row_period_ms": "Recent time between engine steps: what a stream in every step waits for its next row.",
     "step_host_ms": "Host work per engine step (admit, layout, launch, consume), averaged.",
     "step_wait_ms": "Time per engine step spent waiting for the GPU to finish the previous one, averaged.",

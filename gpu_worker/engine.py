@@ -261,9 +261,9 @@ class Engine:
         fit = self.clock.cost.coefficients()
         if fit is None:
             return {}
-        a, b, c = fit
+        a, b, c, d = fit
         return {"step_cost_fixed_ms": round(1e3 * a, 3), "step_cost_token_us": round(1e6 * b, 3),
-                "step_cost_kcontext_us": round(1e6 * c, 3)}  # fmt: skip
+                "step_cost_kcontext_us": round(1e6 * c, 3), "step_cost_prompt_ms": round(1e3 * d, 3)}  # fmt: skip
 
     def _finish(self, req: Request, reason: FinishReason, chunks: list[DetokChunk] | None = None) -> None:
         """End a request; `chunks` (a natural end) also takes its flushed last window, if any."""
@@ -335,7 +335,7 @@ class Engine:
         self.last_batch_size = len(batch)
         n_pre = sum(r.n_ctx == 0 for r in batch)
         prompt_tokens = sum(len(r.prompt) for r in batch[:n_pre])
-        cost = (len(batch) - n_pre + prompt_tokens, sum(r.n_ctx for r in batch[n_pre:]), prompt_tokens)
+        cost = (len(batch) - n_pre + prompt_tokens, sum(r.n_ctx for r in batch[n_pre:]), prompt_tokens, n_pre)
         self.clock.tick(len(batch), served, cost)
         if not batch:
             self._last_ready = None  # idle: the gap before the next step is not the host's lateness

@@ -6,10 +6,12 @@ time while that interval is below the program's row period (1 / rows per audio s
 for Orpheus). `StepClock` keeps an exponential average of the interval per batch-size bucket
 (quarter octaves), which gives
 
-- `capacity()`: the largest batch whose measured (or extrapolated) interval fits the row period
-  with some headroom, and at least the recent load scaled by the budget over its recent interval
-  (`paced_capacity`, bounded by the streams its rows keep at real time): the gateway admits that
-  many streams to this worker;
+- `capacity(life_context=)`: the streams this worker keeps real time, which the gateway admits to
+  it. Once `StepCost` has fitted a step's time (fixed, per token, per token of context, per
+  prompt): the load whose step, at the context its streams attend over averaged over their lives,
+  takes LIFE_HEADROOM of the row period. Before that: the largest batch whose measured (or
+  extrapolated) interval fits the row period with some headroom, and at least the recent load
+  scaled by the budget over its recent interval (`paced_capacity`);
 - `row_period()`: the recent interval at the current load, and `row_period_high()` a pessimistic
   one (plus twice the recent spread);
 - `rows_time_high(n)`: how long the next n steps may take, from the last steps' own n-step spans
@@ -70,33 +72,43 @@ PACE_REACH = 0.25
 # sizes and contexts, as the GPU's costs are constants), and those it needs before it counts.
 COST_STEPS, COST_MIN_STEPS = 2000, 200
 # The capacity over the streams' whole lives (`StepCost.capacity`): a step of all of them, at their
-# contexts averaged over their lives, takes at most this share of a row period.
+# contexts averaged over their lives, takes at most this share of a row period. The rest, and the
+# streams' leads (`SitOut`), carry the steps of streams that age together (a ramp's): in the
+# simulation of an H200 (bench/admission_sim.py), 480 closed-loop clients for 60 s, every stream
+# stayed real time at 0.95, 2.6 % were late at 0.97 and 20 % at 1.0.
 LIFE_HEADROOM = 0.95
 
 
 class StepCost:
-    """A step's time as a + b x tokens + c x context: a fixed part, a part per token it computes (a
-    decode row, a prompt token: the weights' GEMMs) and a part per thousand tokens of context that its
-    decode rows attend over. Fitted by least squares with nonnegative terms over the last
-    ~COST_STEPS steps as they were served, prompts and the codec beside them included.
+    """A step's time as a + b x tokens + c x context + d x prompts: a fixed part, a part per token it
+    computes (a decode row, a prompt token: the weights' GEMMs), a part per thousand tokens of
+    context that its decode rows attend over, and a part per prompt (its own graph, its planning).
+    Fitted by least squares with nonnegative terms over the last ~COST_STEPS steps as they were
+    served, the codec beside them included.
 
     What it is for: a stream's steps cost more as its context grows (at ~550 tokens attention is
     ~45 % of an H200 step at 384 rows), so a load measured while its streams are young takes longer
     steps later in their lives. Admission from the pace alone admitted young streams that the same
-    GPU could not keep real time once they were old (bench/admission_sim.py)."""
+    GPU could not keep real time once they were old (bench/admission_sim.py). The prompt term keeps
+    the context's part apart from the prompts': the young streams of a ramp come with prompts, and
+    without it the fit charged their cost to the tokens and took the context's part for none (in
+    the simulation, 5.8 instead of 18 us per thousand tokens at 2.5 ms a prompt)."""
 
-    TERMS = ((0, 1, 2), (0, 1), (0, 2), (1, 2), (0,), (1,), (2,))
+    TERMS = 4
+    # every subset of the terms, each fitted alone (nonnegative least squares by enumeration)
+    SUBSETS = [tuple(i for i in range(4) if m >> i & 1) for m in range(1, 1 << 4)]
 
     def __init__(self) -> None:
         self.n = 0
-        self._xx = np.zeros((3, 3))  # average of x x^T, x = (1, tokens, context / 1000)
-        self._xy = np.zeros(3)  # average of x dt
+        k = self.TERMS
+        self._xx = np.zeros((k, k))  # average of x x^T, x = (1, tokens, context / 1000, prompts)
+        self._xy = np.zeros(k)  # average of x dt
         self._yy = 0.0  # average of dt^2
         self.prompt_tokens = 0.0  # per step, averaged alike
-        self._fit: tuple[float, float, float] | None = None
+        self._fit: tuple[float, ...] | None = None
 
-    def add(self, tokens: int, context: int, prompt_tokens: int, dt: float) -> None:
-        x = np.array([1.0, float(tokens), context / 1000.0])
+    def add(self, tokens: int, context: int, prompt_tokens: int, prompts: int, dt: float) -> None:
+        x = np.array([1.0, float(tokens), context / 1000.0, float(prompts)])
         self.n += 1
         a = max(1.0 / self.n, 1.0 / COST_STEPS)
         self._xx += a * (np.outer(x, x) - self._xx)
@@ -105,15 +117,15 @@ class StepCost:
         self.prompt_tokens += a * (prompt_tokens - self.prompt_tokens)
         self._fit = None
 
-    def coefficients(self) -> tuple[float, float, float] | None:
-        """(a s, b s per token, c s per thousand tokens of context), or None before COST_MIN_STEPS
-        steps: of the fits on every subset of the terms whose coefficients are all nonnegative, the
-        one with the least squared error."""
+    def coefficients(self) -> tuple[float, ...] | None:
+        """(a s, b s per token, c s per thousand tokens of context, d s per prompt), or None before
+        COST_MIN_STEPS steps: of the fits on every subset of the terms whose coefficients are all
+        nonnegative, the one with the least squared error."""
         if self.n < COST_MIN_STEPS:
             return None
         if self._fit is None:
-            best, least = (0.0, 0.0, 0.0), math.inf
-            for terms in self.TERMS:
+            best, least = (0.0,) * self.TERMS, math.inf
+            for terms in self.SUBSETS:
                 ix = np.array(terms)
                 xx, xy = self._xx[np.ix_(ix, ix)], self._xy[ix]
                 try:
@@ -122,9 +134,9 @@ class StepCost:
                     continue
                 err = self._yy - 2.0 * beta @ xy + beta @ xx @ beta
                 if (beta >= 0).all() and err < least - 1e-18:
-                    full = np.zeros(3)
+                    full = np.zeros(self.TERMS)
                     full[ix] = beta
-                    best, least = (float(full[0]), float(full[1]), float(full[2])), err
+                    best, least = tuple(float(v) for v in full), err
             self._fit = best
         return self._fit
 
@@ -135,11 +147,12 @@ class StepCost:
         fit = self.coefficients()
         if fit is None:
             return None
-        a, b, c = fit
+        a, b, c, d = fit
         per_stream = b + c * life_context / 1000.0
         if per_stream <= 0.0:
             return None
-        return max(0.0, (budget - a - b * self.prompt_tokens) / per_stream)
+        prompts = self._xx[0, 3]  # per step, as lately
+        return max(0.0, (budget - a - b * self.prompt_tokens - d * prompts) / per_stream)
 
 
 def _bucket(batch: int) -> int:
@@ -168,13 +181,14 @@ class StepClock:
         self._pace_n, self._pace_batch, self._pace_dt = 0, 0.0, 0.0
         self._pace_rows = 0.0  # rows per step over the same steps (streams sitting out excluded)
         self.cost = StepCost()
-        self._launched: deque[tuple[int, int, int] | None] = deque(maxlen=3)  # `tick`'s cost, latest last
+        # `tick`'s costs of the last steps launched, the latest last
+        self._launched: deque[tuple[int, int, int, int] | None] = deque(maxlen=3)
 
-    def tick(self, batch: int, streams: int = 0, cost: tuple[int, int, int] | None = None) -> None:
+    def tick(self, batch: int, streams: int = 0, cost: tuple[int, int, int, int] | None = None) -> None:
         """Call once per launched step with its batch size (0 when the engine had nothing to run)
         and the streams it served (its rows and those sitting it out, see `SitOut`; default batch);
         `cost`, for `StepCost`: the tokens it computes (decode rows and prompt tokens), the context
-        its decode rows attend over, and its prompt tokens.
+        its decode rows attend over, its prompt tokens and its prompts.
 
         The engine launches a step, then waits for the one before: the interval up to the next
         call is the time of the step launched two calls before, which is what `StepCost` pairs it
@@ -199,7 +213,7 @@ class StepClock:
         dt: float,
         now: float | None = None,
         streams: int = 0,
-        cost: tuple[int, int, int] | None = None,
+        cost: tuple[int, int, int, int] | None = None,
     ) -> None:
         """One step of `batch` requests took `dt` seconds from the previous one, serving `streams`
         (default batch: more when some sat the step out); `cost`: that step's, as for `tick`."""
