@@ -68,7 +68,9 @@ class StatusReporter:
         """Called from the worker's loop; the heartbeat thread sends the latest values."""
         self._load, self._capacity = load, capacity
         if metrics is not None:
-            self._metrics = metrics
+            # Python floats: msgspec encodes no numpy scalar, and a status that does not encode
+            # would leave the gateway without this worker's heartbeat.
+            self._metrics = {k: float(v) for k, v in metrics.items()}
 
     def close(self) -> None:
         self._stop.set()
@@ -81,19 +83,23 @@ class StatusReporter:
         chan: PushChannel[ProcStatus] = PushChannel(self._addr, tap=False)
         while True:
             stopping = self._stop.is_set()  # read first: the last state set before close() goes out
-            chan.send(
-                ProcStatus(
-                    name=self._name,
-                    role=self._role,
-                    pid=os.getpid(),
-                    state=self._state,
-                    detail=self._detail,
-                    time=time.time(),
-                    load=self._load,
-                    capacity=self._capacity,
-                    metrics=dict(self._metrics),
-                )
+            status = ProcStatus(
+                name=self._name,
+                role=self._role,
+                pid=os.getpid(),
+                state=self._state,
+                detail=self._detail,
+                time=time.time(),
+                load=self._load,
+                capacity=self._capacity,
+                metrics=dict(self._metrics),
             )
+            try:
+                chan.send(status)
+            except TypeError:  # a metric msgspec cannot encode: the heartbeat goes on without them
+                log.exception("could not encode the status's metrics; sending it without them")
+                status.metrics = {}
+                chan.send(status)
             if stopping:
                 break
             self._wake.wait(HEARTBEAT_S)

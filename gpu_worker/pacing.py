@@ -152,7 +152,7 @@ class StepCost:
         if per_stream <= 0.0:
             return None
         prompts = self._xx[0, 3]  # per step, as lately
-        return max(0.0, (budget - a - b * self.prompt_tokens - d * prompts) / per_stream)
+        return max(0.0, float((budget - a - b * self.prompt_tokens - d * prompts) / per_stream))
 
 
 def _bucket(batch: int) -> int:

@@ -147,3 +147,31 @@ def test_the_engine_reports_its_streams_life_context_from_what_ended_requests_ge
     eng.step()
     assert eng.life_context() == pytest.approx(len(rows) + budget / 2)  # what requests generate
     assert eng.metrics()["life_context"] == pytest.approx(len(rows) + budget / 2, abs=0.1)
+
+
+def test_numpy_gauges_reach_the_gateway_as_numbers(tmp_path):
+    """The capacity comes out of numpy: msgspec encodes no numpy scalar, and a heartbeat that does
+    not encode left the gateway thinking the gpu_worker dead (seen on the H200)."""
+    from common.ipc import Addresses, PullChannel
+    from common.messages import ProcStatus
+    from common.proc import StatusReporter
+
+    addrs = Addresses.local(str(tmp_path / "run"))
+    inbox: PullChannel = PullChannel(addrs.gateway_in, ProcStatus, bind=True)
+    reporter = StatusReporter(addrs.gateway_in, "gpu_worker", "gpu_worker")
+    try:
+        reporter.set_load(3, 8, {"stream_capacity": np.float64(412.5), "steps_total": np.int64(7)})
+        got = None
+        for _ in range(50):
+            msg = inbox.recv(timeout_ms=200)
+            if msg is not None and msg.metrics:
+                got = msg.metrics
+                break
+        assert got == {"stream_capacity": 412.5, "steps_total": 7.0}
+        assert (
+            StepClock(82.03, 512).capacity() == 512
+            and type(fitted_clock(500.0).capacity(life_context=552.0)) is float
+        )
+    finally:
+        reporter.close()
+        inbox.close()
