@@ -60,6 +60,7 @@ def _validate(cfg: ServeConfig) -> None:
     if cfg.codec_gpu_share and cfg.mps == "off":
         raise ValueError("--codec-gpu-share caps the codec's SMs under MPS: it needs --mps on or auto")
     check_headroom(cfg.realtime_headroom)
+    check_headroom(cfg.capacity_headroom, "--capacity-headroom")
     check_sit_out(cfg.sit_out)
     if cfg.max_queue < 0 or cfg.max_streams < 0 or not 0 < cfg.queue_timeout < float("inf"):
         raise ValueError("--max-queue and --max-streams must be >= 0 and --queue-timeout a positive number")

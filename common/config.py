@@ -47,7 +47,10 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     page_size: int = 16
     num_pages: int = 0  # 0 = enough for max_batch_size full contexts
     first_chunk: str = "adaptive"  # reference | adaptive | fastest | progressive (see EngineLimits)
-    realtime_headroom: float = 0.88  # gpu_worker: admit while a step takes <= this share of a row
+    realtime_headroom: float = (
+        0.88  # gpu_worker: the step budget before the step cost is fitted, and sit-out's
+    )
+    capacity_headroom: float = 0.90  # gpu_worker: admit while a step of all at life context takes <= this
     sit_out: float = 0.5  # gpu_worker: audio in hand (s) past which a stream may sit out slow steps; 0 = off
     lm_head: str = "full"  # gpu_worker: full vocabulary, or "audio": logits for codec tokens + stop only
     quantization: str = "none"  # gpu_worker: none | fp8 (LM linear weights in float8, per-channel scales)
@@ -135,10 +138,11 @@ def check_sit_out(spare_s: float) -> None:
         )
 
 
-def check_headroom(headroom: float) -> None:
-    """`--realtime-headroom` (for `voxpipe serve`, and the engine of a gpu_worker run alone)."""
+def check_headroom(headroom: float, flag: str = "--realtime-headroom") -> None:
+    """`--realtime-headroom` or `--capacity-headroom` (for `voxpipe serve`, and the engine of a
+    gpu_worker run alone)."""
     if not 0.5 <= headroom <= 1.0:
-        raise ValueError(f"--realtime-headroom must be in 0.5..1.0, got {headroom}")
+        raise ValueError(f"{flag} must be in 0.5..1.0, got {headroom}")
 
 
 def check_codec_settings(cfg: ServeConfig) -> None:
@@ -289,10 +293,19 @@ OPTIONS: tuple[Option, ...] = (
         choices=("reference", "adaptive", "fastest", "progressive"),
     ),
     Option(
+        "capacity_headroom",
+        "admission: the share of a row's playback time (12.2 ms for Orpheus) that an engine step of "
+        "every admitted stream, at the context each attends over on average in its life, may take "
+        "by the gpu_worker's fitted step cost; lower keeps more margin against streams aging "
+        "together and uneven steps, higher admits more streams per GPU (0.5..1.0)",
+        ("serve", "gpu_worker"),
+        float,
+    ),
+    Option(
         "realtime_headroom",
-        "admission: the share of a row's playback time (12.2 ms for Orpheus) that an engine step may "
-        "take at the load the gpu_worker admits; lower keeps more margin against uneven steps, higher "
-        "admits more streams per GPU (0.5..1.0)",
+        "the share of a row's playback time that an engine step may take: admission's budget until "
+        "the step cost is fitted (the first ~200 steps), and the budget that streams sitting out "
+        "keep steps under (0.5..1.0)",
         ("serve", "gpu_worker"),
         float,
     ),

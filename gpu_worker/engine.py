@@ -101,7 +101,10 @@ class Engine:
         # rid → (generated rows as in Request.generated, stop excluded; reason) when kept (tests, benches).
         self.outputs: dict[str, tuple[list, FinishReason]] | None = None
         check_headroom(limits.realtime_headroom)
-        self.clock = StepClock(program.rows_per_second, limits.max_batch_size, limits.realtime_headroom)
+        check_headroom(limits.capacity_headroom, "--capacity-headroom")
+        self.clock = StepClock(
+            program.rows_per_second, limits.max_batch_size, limits.realtime_headroom, limits.capacity_headroom
+        )
         # Where a step's wall time goes (exponential averages, seconds): the host's own work (admit,
         # layout, launch, consume), and waiting for the GPU to finish the previous step. A host
         # time near the step interval with little wait means the host, not the GPU, sets the pace.

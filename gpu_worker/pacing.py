@@ -9,7 +9,8 @@ for Orpheus). `StepClock` keeps an exponential average of the interval per batch
 - `capacity(life_context=)`: the streams this worker keeps real time, which the gateway admits to
   it. Once `StepCost` has fitted a step's time (fixed, per token, per token of context, per
   prompt): the load whose step, at the context its streams attend over averaged over their lives,
-  takes LIFE_HEADROOM of the row period. Before that: the largest batch whose measured (or
+  takes `capacity_headroom` (`--capacity-headroom`, default CAPACITY_HEADROOM) of the row
+  period. Before that: the largest batch whose measured (or
   extrapolated) interval fits the row period with some headroom, and at least the recent load
   scaled by the budget over its recent interval (`paced_capacity`);
 - `row_period()`: the recent interval at the current load, and `row_period_high()` a pessimistic
@@ -78,8 +79,9 @@ COST_STEPS, COST_MIN_STEPS = 2000, 200
 # capacity was ~445 and 480 closed-loop clients filled 435 streams, whose steps took 13-14 ms once
 # old: 53 % of requests were late at their end (bench/results/h200-load-2026-11-30-session11-
 # life095.json); 416 streams were 98.7 % on time. The simulation (bench/admission_sim.py), whose
-# GPU is linear, kept every stream on time at 0.95.
-LIFE_HEADROOM = 0.90
+# GPU is linear, kept every stream on time at 0.95. At 0.90 the H200 held that overload at ~400
+# streams, every one on time, and 400 closed-loop streams met the target (-session11.json).
+CAPACITY_HEADROOM = 0.90  # the default of --capacity-headroom
 
 
 class StepCost:
@@ -166,10 +168,17 @@ def _bucket(batch: int) -> int:
 
 
 class StepClock:
-    def __init__(self, rows_per_second: float, max_batch: int, headroom: float = HEADROOM) -> None:
+    def __init__(
+        self,
+        rows_per_second: float,
+        max_batch: int,
+        headroom: float = HEADROOM,
+        capacity_headroom: float = CAPACITY_HEADROOM,
+    ) -> None:
         self.period = 1.0 / rows_per_second  # seconds per row a real-time stream can afford
         self.max_batch = max_batch
         self.headroom = headroom
+        self.capacity_headroom = capacity_headroom
         self._ema: dict[int, float] = {}
         self._size: dict[int, float] = {}  # bucket → average batch of its steps (the x of its point)
         self._count: dict[int, int] = {}
@@ -298,15 +307,14 @@ class StepClock:
         """Concurrent streams this worker can keep real time (max_batch until measured). Given
         `life_context` (the tokens of context the streams served attend over, averaged over their
         lives) and once `StepCost` has its fit: the streams whose step at that context takes
-        LIFE_HEADROOM of a row period. Else the per-bucket model below, and never less than
-        `paced_capacity`. The model alone dipped
-        below the load while every stream kept time: a bucket above the load is reached in bursts
+        `capacity_headroom` of a row period. Else the per-bucket model below, and never less than
+        `paced_capacity`. The model alone dipped below the load while every stream kept time: a bucket above the load is reached in bursts
         of admissions, so its steps carry their prompts, it is measured slow, and the capacity is
         interpolated below it until the bucket goes stale (STALE_S). Measured on the H200 at 352
         streams: capacity median 362 but p10 235, and 11 % of the samples had requests waiting
         (bench/results/h200-load-2026-11-29-session9-lm-share-reverted.json, first run)."""
         if life_context is not None:
-            life = self.cost.capacity(LIFE_HEADROOM * self.period, life_context)
+            life = self.cost.capacity(self.capacity_headroom * self.period, life_context)
             if life is not None:
                 return min(float(self.max_batch), life)
         return max(self._model_capacity(now), self.paced_capacity())

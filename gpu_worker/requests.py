@@ -27,8 +27,12 @@ class EngineLimits:
     # sends the smallest lead (deterministic: for tests); "progressive" sends each first frame as a
     # tail window as soon as it exists, until the stream is far enough ahead (gpu_worker/windows.py).
     first_chunk: str = "adaptive"
-    # Admission (gpu_worker.pacing.StepClock.capacity): the largest load whose step takes at most
-    # this share of a row's playback time.
+    # Admission (gpu_worker.pacing.StepClock.capacity): the load whose step, every stream in it at
+    # its life-average context, takes at most this share of a row's playback time by the fitted
+    # step cost (gpu_worker.pacing.StepCost)...
+    capacity_headroom: float = 0.90
+    # ... and until that is fitted, the largest load whose step takes at most this share; also the
+    # step budget that streams sitting out keep steps under (gpu_worker.pacing.SitOut).
     realtime_headroom: float = 0.88
     # Streams with this much audio in hand (seconds) may sit out steps that run over the budget
     # (gpu_worker.pacing.SitOut), which shortens the steps of those with less; 0 = never.

@@ -46,6 +46,7 @@ def engine_limits(cfg: ServeConfig, spec: dict, device: str) -> EngineLimits:
         cuda_graphs=not cfg.disable_cuda_graph,
         first_chunk=cfg.first_chunk,
         realtime_headroom=cfg.realtime_headroom,
+        capacity_headroom=cfg.capacity_headroom,
         sit_out_lead_s=cfg.sit_out,
         kv_cache_dtype=cfg.kv_cache_dtype,
         decode_attention=cfg.decode_attention,

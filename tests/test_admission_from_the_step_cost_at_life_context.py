@@ -11,7 +11,7 @@ import pytest
 
 import gpu_worker.pacing as pacing
 from bench.admission_sim import GPU, simulate
-from gpu_worker.pacing import LIFE_HEADROOM, StepClock, StepCost
+from gpu_worker.pacing import CAPACITY_HEADROOM, StepClock, StepCost
 
 A, B, C, D = 3e-3, 9e-6, 18e-6, 2e-3  # s, per token, per thousand tokens of context, per prompt
 PERIOD = 1 / 82.03
@@ -80,7 +80,7 @@ def fitted_clock(age: float) -> StepClock:
 
 def test_the_capacity_is_the_load_whose_step_at_the_life_context_fits_the_budget():
     life = 552.0
-    expected = (LIFE_HEADROOM * PERIOD - A) / (B + C * life / 1000)
+    expected = (CAPACITY_HEADROOM * PERIOD - A) / (B + C * life / 1000)
     for age in (150.0, 500.0, 900.0):  # young streams, or old: the same capacity
         assert fitted_clock(age).capacity(life_context=life) == pytest.approx(expected, rel=0.03)
     # streams that live longer attend over more: fewer of them fit

@@ -83,6 +83,11 @@ def test_realtime_headroom_reaches_the_engine_clock_and_out_of_range_is_refused(
     assert eng.clock.headroom == 0.9
     with pytest.raises(ValueError, match="--realtime-headroom"):
         _validate(ServeConfig(model="orpheus-tiny", realtime_headroom=1.5))
+    with pytest.raises(ValueError, match="--capacity-headroom"):
+        _validate(ServeConfig(model="orpheus-tiny", capacity_headroom=0.2))
+    with pytest.raises(ValueError, match="--capacity-headroom"):  # a gpu_worker run alone checks it too
+        Engine(p, EngineLimits(max_batch_size=2, max_context=64, capacity_headroom=1.2))
+    assert eng.clock.capacity_headroom == 0.90  # the default
     with pytest.raises(ValueError, match="--sit-out"):
         _validate(ServeConfig(model="orpheus-tiny", sit_out=-1.0))
     with pytest.raises(ValueError, match="--sit-out"):
@@ -96,6 +101,9 @@ def test_realtime_headroom_reaches_the_engine_clock_and_out_of_range_is_refused(
         assert limits.sit_out_lead_s == spare
         sit = Engine(p, limits).sit_out
         assert (sit is None) if spare == 0 else sit.spare_s == spare
+    for argv, env in ((["--capacity-headroom", "0.85"], {}), ([], {"VOXPIPE_CAPACITY_HEADROOM": "0.85"})):
+        s = parse_role("gpu_worker", ["--model", "orpheus-tiny", *argv], env)
+        assert Engine(p, engine_limits(s.cfg, spec, "cpu")).clock.capacity_headroom == 0.85
     assert eng.sit_out is not None and eng.sit_out.spare_s == 0.5  # the default
     with pytest.raises(ValueError, match="--sit-out"):  # a gpu_worker run alone checks it too
         Engine(p, EngineLimits(max_batch_size=2, max_context=64, sit_out_lead_s=-1.0))
