@@ -4,7 +4,10 @@ sit-out policies before spending GPU time on them.
 The parts that decide are the real ones: `gpu_worker.pacing.StepClock` measures the steps and gives
 the capacity, `SitOut` leaves streams ahead out of slow steps, progressive first chunks wait for
 `lead_fits` on the clock's `rows_time_high`, and the gateway admits up to the capacity the engine
-last reported. What is simulated is the GPU: a step takes a fixed part, a part per row growing with
+last reported. Simplified: each step's time is recorded with its own step (the engine's pipeline
+pairs an interval with the step launched two before, `StepClock.tick`), the requests' lives are
+known (`Lives` from the fixed prompt and length, where the engine averages what ended), and a
+chunk's audio counts when its frame is made. What is simulated is the GPU: a step takes a fixed part, a part per row growing with
 its context, a part per prompt, and some noise. The load is bench/load's: `clients` closed-loop
 clients started over `ramp_s`, each sending its next request when the last one has finished
 generating, until `duration_s`.
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpu_worker.graphs import decode_buckets
-from gpu_worker.pacing import SPARE_LEAD_S, SitOut, StepClock, lead_fits
+from gpu_worker.pacing import SPARE_LEAD_S, Lives, SitOut, StepClock, lead_fits
 
 ROWS_PER_S = 82.03  # Orpheus: a row is 1/82.03 s of audio; a frame is 7 rows
 FRAME, LEADS = 7, (7, 14, 21)
@@ -82,7 +85,9 @@ def simulate(
                 queue.append((c, next_send[c]))
                 next_send[c] = math.inf
         if t - cap_at >= METRICS_S:
-            cap = clock.capacity(now=t, life_context=prompt_len + tokens / 2 if life else None)
+            cap = clock.capacity(
+                now=t, lives=Lives(prompt_len + tokens / 2, prompt_len, tokens) if life else None
+            )
             cap_at = t
         while queue and len(run) + len(waiting) < cap:
             waiting.append(queue.pop(0))

@@ -50,7 +50,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     realtime_headroom: float = (
         0.88  # gpu_worker: the step budget before the step cost is fitted, and sit-out's
     )
-    capacity_headroom: float = 0.90  # gpu_worker: admit while a step of all at life context takes <= this
+    capacity_headroom: float = 0.92  # gpu_worker: admit while a step of all at life context takes <= this
     sit_out: float = 0.5  # gpu_worker: audio in hand (s) past which a stream may sit out slow steps; 0 = off
     lm_head: str = "full"  # gpu_worker: full vocabulary, or "audio": logits for codec tokens + stop only
     quantization: str = "none"  # gpu_worker: none | fp8 (LM linear weights in float8, per-channel scales)

@@ -51,6 +51,7 @@ class StatusReporter:
         self._load = 0
         self._capacity = 0
         self._metrics: dict[str, float] = {}
+        self._unfit: set[str] = set()  # metrics that were no number, said once
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
@@ -69,8 +70,17 @@ class StatusReporter:
         self._load, self._capacity = load, capacity
         if metrics is not None:
             # Python floats: msgspec encodes no numpy scalar, and a status that does not encode
-            # would leave the gateway without this worker's heartbeat.
-            self._metrics = {k: float(v) for k, v in metrics.items()}
+            # would leave the gateway without this worker's heartbeat. A value that is no number
+            # is left out (and said once), never an error in the worker's loop.
+            clean: dict[str, float] = {}
+            for k, v in metrics.items():
+                try:
+                    clean[k] = float(v)
+                except (TypeError, ValueError):
+                    if k not in self._unfit:
+                        self._unfit.add(k)
+                        log.error("metric %s is not a number (%r): left out of the heartbeat", k, v)
+            self._metrics = clean
 
     def close(self) -> None:
         self._stop.set()
@@ -96,10 +106,13 @@ class StatusReporter:
             )
             try:
                 chan.send(status)
-            except TypeError:  # a metric msgspec cannot encode: the heartbeat goes on without them
-                log.exception("could not encode the status's metrics; sending it without them")
+            except Exception:  # a status that does not encode: the heartbeat goes on without metrics
+                log.exception("could not send the status with its metrics; sending it without them")
                 status.metrics = {}
-                chan.send(status)
+                try:
+                    chan.send(status)
+                except Exception:
+                    log.exception("could not send the status")
             if stopping:
                 break
             self._wake.wait(HEARTBEAT_S)

@@ -36,7 +36,7 @@ WORKER_METRICS = {
     "streams_sitting_out": "Streams far ahead of their listeners left out of a step (over the budget), averaged.",
     "generated_tokens_total": "Tokens sampled by the worker, all requests.",
     "steps_total": "Engine steps the worker has run.",
-    "stream_capacity": "Concurrent streams the gpu_worker measured it keeps real time (with the headroom).",
+    "stream_capacity": "Concurrent streams the gpu_worker keeps real time by its fitted step cost (--capacity-headroom).",
     "life_context": "Tokens of context the running streams attend over, each averaged over its whole life.",
     "step_cost_fixed_ms": "A step's fixed time in the worker's fitted cost model (admission: stream_capacity).",
     "step_cost_token_us": "A step's time per token it computes (decode row or prompt token), fitted.",

@@ -23,6 +23,7 @@ safe: later writes by a new owner are queued on the same stream, after that step
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from common.messages import (
     Prompt,
 )
 from gpu_worker.kv_cache import PageAllocator, allocate_kv_cache, kv_cache_dtype, pages_for
-from gpu_worker.pacing import SitOut, StepClock
+from gpu_worker.pacing import Lives, SitOut, StepClock
 from gpu_worker.requests import EngineLimits, Request
 from gpu_worker.runner import StepBatch, make_runner
 from gpu_worker.sampler import HeadColumns, sample_rows
@@ -122,9 +123,10 @@ class Engine:
         if limits.sit_out_lead_s > 0:
             self.sit_out = SitOut(self.clock, getattr(self.runner, "sizes", None), limits.sit_out_lead_s)
         self.sitting_out = 0.0  # streams left out of a step (gpu_worker.pacing.SitOut), averaged
-        # Rows a request generates before it ends (stop or budget), averaged over those that ended:
-        # what a running request's context grows to (StepClock.capacity's life_context).
-        self.gen_rows, self.n_ended = 0.0, 0
+        # Rows a request generates before it ends (stop or budget), and their square, averaged over
+        # the last ~100 that ended of themselves: what running requests grow to (`lives`).
+        self.gen_rows, self.gen_rows2, self.n_ended = 0.0, 0.0, 0
+        self._lives: Lives | None = None
         self.sample_graphs = None
         if hasattr(self.runner, "decode_bucket"):  # a GraphRunner
             self.capture_sampling(progress)
@@ -220,6 +222,7 @@ class Engine:
         return len(self.running) + len(self.waiting)
 
     def metrics(self) -> dict[str, float]:
+        lives = self.lives()
         return {
             "kv_pages_used": self.allocator.num_used,
             "kv_pages_total": self.allocator.num_pages - 1,
@@ -231,12 +234,12 @@ class Engine:
             "steps_total": self.step_count,
             # On CPU (tests, demos) nothing is real time: admit by batch size, not by pace.
             "stream_capacity": round(
-                self.clock.capacity(life_context=self.life_context())
+                self.clock.capacity(lives=lives)
                 if self.device.type == "cuda"
                 else self.limits.max_batch_size,
                 1,
             ),
-            "life_context": round(self.life_context() or 0.0, 1),
+            "life_context": round(lives.context if lives else 0.0, 1),
             **self._step_cost(),
             "row_period_ms": round(1000 * self.clock.row_period(), 3),
             "step_host_ms": round(1000 * self.host_s, 3),
@@ -246,18 +249,28 @@ class Engine:
             "step_gpu_idle_ms": round(1000 * self.gpu_idle_s, 3),
         }
 
-    def life_context(self) -> float | None:
-        """Tokens of context the running requests attend over, each averaged over its life: its
-        prompt and half of what it will generate (the average that requests ended so far generated,
-        within its budget; its budget before any ended). None while none runs."""
+    def lives(self) -> Lives | None:
+        """The requests this worker serves, over their lives (for `StepClock.capacity`): the
+        context a running one attends over averaged over its time in a slot, its prompt and the rows
+        it generates. As requests that ended of themselves generated n rows, a slot's context is on
+        average its prompt and E[n^2] / (2 E[n]) (a longer request holds its slot longer), and a slot
+        takes a new prompt every E[n] steps; within each running request's budget, and its budget
+        before any ended. While none runs: the last prompts, and what requests generated (None
+        before any ran), so that an idle worker admits as it did."""
         if not self.running:
-            return None
-        total = 0.0
+            if self._lives is None or not self.gen_rows:
+                return self._lives
+            held = self.gen_rows2 / self.gen_rows
+            return Lives(self._lives.prompt_tokens + 0.5 * held, self._lives.prompt_tokens, self.gen_rows)
+        held = self.gen_rows2 / self.gen_rows if self.gen_rows > 0 else math.inf
+        prompt = context = rows = 0.0
         for r in self.running.values():
-            total += len(r.prompt) + 0.5 * (
-                min(r.gen_budget, self.gen_rows) if self.gen_rows else r.gen_budget
-            )
-        return total / len(self.running)
+            prompt += len(r.prompt)
+            context += len(r.prompt) + 0.5 * min(r.gen_budget, held)
+            rows += min(r.gen_budget, self.gen_rows or math.inf)
+        n = len(self.running)
+        self._lives = Lives(context=context / n, prompt_tokens=prompt / n, rows=rows / n)
+        return self._lives
 
     def _step_cost(self) -> dict[str, float]:
         """The step's cost model as fitted (gpu_worker.pacing.StepCost), for /metrics."""
@@ -272,7 +285,9 @@ class Engine:
         """End a request; `chunks` (a natural end) also takes its flushed last window, if any."""
         if chunks is not None:
             # what requests generate, averaged over the last ~100 that ended of themselves
-            self.gen_rows += max(0.01, 1.0 / (self.n_ended + 1)) * (req.n_gen - self.gen_rows)
+            a = max(0.01, 1.0 / (self.n_ended + 1))
+            self.gen_rows += a * (req.n_gen - self.gen_rows)
+            self.gen_rows2 += a * (req.n_gen**2 - self.gen_rows2)
             self.n_ended += 1
             last = self.windows.flush(req)
             if last is not None:

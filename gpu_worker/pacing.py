@@ -6,11 +6,11 @@ time while that interval is below the program's row period (1 / rows per audio s
 for Orpheus). `StepClock` keeps an exponential average of the interval per batch-size bucket
 (quarter octaves), which gives
 
-- `capacity(life_context=)`: the streams this worker keeps real time, which the gateway admits to
-  it. Once `StepCost` has fitted a step's time (fixed, per token, per token of context, per
-  prompt): the load whose step, at the context its streams attend over averaged over their lives,
-  takes `capacity_headroom` (`--capacity-headroom`, default CAPACITY_HEADROOM) of the row
-  period. Before that: the largest batch whose measured (or
+- `capacity(lives=)`: the streams this worker keeps real time, which the gateway admits to it.
+  Once `StepCost` has fitted a step's time (fixed, per token, per token of context, per prompt):
+  the load whose step, at the context its streams attend over averaged over their lives and their
+  prompts at the rate they come, takes `capacity_headroom` (`--capacity-headroom`, default
+  CAPACITY_HEADROOM) of the row period. Before that: the largest batch whose measured (or
   extrapolated) interval fits the row period with some headroom, and at least the recent load
   scaled by the budget over its recent interval (`paced_capacity`);
 - `row_period()`: the recent interval at the current load, and `row_period_high()` a pessimistic
@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -69,9 +70,13 @@ PACE_STEPS = 100
 PACE_REACH = 0.25
 
 
-# `StepCost`: the steps it averages over (~20 s under load: long enough to span loads of several
-# sizes and contexts, as the GPU's costs are constants), and those it needs before it counts.
+# `StepCost`: the steps it averages over (~20 s under load: a ramp's loads of several sizes and
+# contexts, or a steady load's, which the ridge below keeps from undoing what a ramp told), and
+# those it needs before it counts.
 COST_STEPS, COST_MIN_STEPS = 2000, 200
+# ... how often it fits again (~0.5 s under load), and how firmly a fit holds to the one before where
+# the steps do not tell its parts apart (a share of each term's own scale; see `StepCost`).
+REFIT_STEPS, RIDGE = 50, 1e-3
 # The capacity over the streams' whole lives (`StepCost.capacity`): a step of all of them, at their
 # contexts averaged over their lives, takes at most this share of a row period. The rest, and the
 # streams' leads (`SitOut`), carry the steps of streams that age together (a ramp's), and what the
@@ -81,7 +86,16 @@ COST_STEPS, COST_MIN_STEPS = 2000, 200
 # life095.json); 416 streams were 98.7 % on time. The simulation (bench/admission_sim.py), whose
 # GPU is linear, kept every stream on time at 0.95. At 0.90 the H200 held that overload at ~400
 # streams, every one on time, and 400 closed-loop streams met the target (-session11.json).
-CAPACITY_HEADROOM = 0.90  # the default of --capacity-headroom
+CAPACITY_HEADROOM = 0.92  # the default of --capacity-headroom
+
+
+@dataclass(frozen=True)
+class Lives:
+    """What the requests a worker serves are like over their lives (`Engine.lives`)."""
+
+    context: float  # tokens of context a running stream attends over, averaged over its time in a slot
+    prompt_tokens: float  # a request's prompt
+    rows: float  # rows a request generates: a slot takes a new prompt every `rows` steps
 
 
 class StepCost:
@@ -97,7 +111,13 @@ class StepCost:
     GPU could not keep real time once they were old (bench/admission_sim.py). The prompt term keeps
     the context's part apart from the prompts': the young streams of a ramp come with prompts, and
     without it the fit charged their cost to the tokens and took the context's part for none (in
-    the simulation, 5.8 instead of 18 us per thousand tokens at 2.5 ms a prompt)."""
+    the simulation, 5.8 instead of 18 us per thousand tokens at 2.5 ms a prompt; on the H200, none).
+
+    A steady load does not tell the parts apart (the same tokens every step: a fixed part or a
+    part per token fit it equally): each fit is held towards the one before by a small ridge
+    (RIDGE of each term's own scale), so what the steps do not say, the earlier steps' fit keeps.
+    Without it, 400 s of a steady load on the simulated GPU moved the fixed part from 3.0 to 5.6 ms
+    and the part per token from 10 to 0.4 us, and the capacity between 378 and 512."""
 
     TERMS = 4
     # every subset of the terms, each fitted alone (nonnegative least squares by enumeration)
@@ -109,55 +129,55 @@ class StepCost:
         self._xx = np.zeros((k, k))  # average of x x^T, x = (1, tokens, context / 1000, prompts)
         self._xy = np.zeros(k)  # average of x dt
         self._yy = 0.0  # average of dt^2
-        self.prompt_tokens = 0.0  # per step, averaged alike
         self._fit: tuple[float, ...] | None = None
+        self._fit_at = 0  # self.n when last fitted
 
     def add(self, tokens: int, context: int, prompt_tokens: int, prompts: int, dt: float) -> None:
+        """One step's time `dt` and what it computed (`prompt_tokens` are among `tokens`)."""
         x = np.array([1.0, float(tokens), context / 1000.0, float(prompts)])
         self.n += 1
         a = max(1.0 / self.n, 1.0 / COST_STEPS)
         self._xx += a * (np.outer(x, x) - self._xx)
         self._xy += a * (x * dt - self._xy)
         self._yy += a * (dt * dt - self._yy)
-        self.prompt_tokens += a * (prompt_tokens - self.prompt_tokens)
-        self._fit = None
 
     def coefficients(self) -> tuple[float, ...] | None:
         """(a s, b s per token, c s per thousand tokens of context, d s per prompt), or None before
         COST_MIN_STEPS steps: of the fits on every subset of the terms whose coefficients are all
-        nonnegative, the one with the least squared error."""
+        nonnegative, the one with the least squared error. Fitted again every REFIT_STEPS steps."""
         if self.n < COST_MIN_STEPS:
             return None
-        if self._fit is None:
+        if self._fit is None or self.n - self._fit_at >= REFIT_STEPS:
+            prior = np.array(self._fit or (0.0,) * self.TERMS)
             best, least = (0.0,) * self.TERMS, math.inf
             for terms in self.SUBSETS:
                 ix = np.array(terms)
                 xx, xy = self._xx[np.ix_(ix, ix)], self._xy[ix]
+                ridge = RIDGE * np.diag(np.diag(xx))
                 try:
-                    beta = np.linalg.solve(xx, xy)
+                    beta = np.linalg.solve(xx + ridge, xy + ridge @ prior[ix])
                 except np.linalg.LinAlgError:
                     continue
                 err = self._yy - 2.0 * beta @ xy + beta @ xx @ beta
-                if (beta >= 0).all() and err < least - 1e-18:
+                if (beta >= 0).all() and err < least:
                     full = np.zeros(self.TERMS)
                     full[ix] = beta
                     best, least = tuple(float(v) for v in full), err
-            self._fit = best
+            self._fit, self._fit_at = best, self.n
         return self._fit
 
-    def capacity(self, budget: float, life_context: float) -> float | None:
-        """Streams whose step, all of them in it at `life_context` tokens of context each (their
-        average over their lives) and prompts arriving as lately, takes `budget` seconds; None
-        before the fit counts."""
+    def capacity(self, budget: float, lives: Lives) -> float | None:
+        """Streams whose step, all of them in it at `lives.context` tokens of context each and a
+        new prompt every `lives.rows` steps in each slot, takes `budget` seconds (at least 1); None
+        before the fit counts or where it says a stream costs nothing."""
         fit = self.coefficients()
         if fit is None:
             return None
         a, b, c, d = fit
-        per_stream = b + c * life_context / 1000.0
+        per_stream = b + c * lives.context / 1000.0 + (d + b * lives.prompt_tokens) / max(lives.rows, 1.0)
         if per_stream <= 0.0:
             return None
-        prompts = self._xx[0, 3]  # per step, as lately
-        return max(0.0, float((budget - a - b * self.prompt_tokens - d * prompts) / per_stream))
+        return max(1.0, (budget - a) / per_stream)
 
 
 def _bucket(batch: int) -> int:
@@ -202,10 +222,11 @@ class StepClock:
         `cost`, for `StepCost`: the tokens it computes (decode rows and prompt tokens), the context
         its decode rows attend over, its prompt tokens and its prompts.
 
-        The engine launches a step, then waits for the one before: the interval up to the next
-        call is the time of the step launched two calls before, which is what `StepCost` pairs it
-        with (the step sizes and their intervals vary together only over many steps, so the other
-        averages take it as it comes)."""
+        The engine launches a step, then waits for the one before: the interval between one call
+        and the next is the time of the step launched at the call before the first, two calls
+        before the one that measures it, which is what `StepCost` pairs it with (the step sizes
+        and their intervals vary together only over many steps, so the other averages take it as
+        it comes)."""
         now = time.perf_counter()
         last, self._last = self._last, (now if batch else None)
         if not batch:  # idle: the steps before say nothing of the next ones' pace
@@ -303,20 +324,24 @@ class StepClock:
         real_time = self._pace_rows * self.period / self._pace_dt
         return min(float(self.max_batch), paced, real_time, self._pace_batch * (1.0 + PACE_REACH))
 
-    def capacity(self, now: float | None = None, life_context: float | None = None) -> float:
+    def capacity(self, now: float | None = None, lives: Lives | None = None) -> float:
         """Concurrent streams this worker can keep real time (max_batch until measured). Given
-        `life_context` (the tokens of context the streams served attend over, averaged over their
-        lives) and once `StepCost` has its fit: the streams whose step at that context takes
-        `capacity_headroom` of a row period. Else the per-bucket model below, and never less than
-        `paced_capacity`. The model alone dipped below the load while every stream kept time: a bucket above the load is reached in bursts
-        of admissions, so its steps carry their prompts, it is measured slow, and the capacity is
+        `lives` (the requests it serves, over their lives) and once `StepCost` has its fit: the
+        streams whose step takes `capacity_headroom` of a row period at their life-average context
+        and prompt rate, within PROBE of the load served lately. Else the per-bucket model below,
+        and never less than `paced_capacity`. The model alone dipped below the load while every
+        stream kept time: a bucket above the load is reached in bursts of admissions, so its steps carry their prompts, it is measured slow, and the capacity is
         interpolated below it until the bucket goes stale (STALE_S). Measured on the H200 at 352
         streams: capacity median 362 but p10 235, and 11 % of the samples had requests waiting
         (bench/results/h200-load-2026-11-29-session9-lm-share-reverted.json, first run)."""
-        if life_context is not None:
-            life = self.cost.capacity(self.capacity_headroom * self.period, life_context)
+        if lives is not None:
+            life = self.cost.capacity(self.capacity_headroom * self.period, lives)
             if life is not None:
-                return min(float(self.max_batch), life)
+                # No further than PROBE beyond the load served lately: a fit made at a light load
+                # says little of a much larger one (a step's time is flat at small batches), and
+                # admission reaches it by measuring its way there.
+                reach = max(PROBE * self._pace_batch, self._pace_batch + PROBE_MIN)
+                return float(min(self.max_batch, life, reach))
         return max(self._model_capacity(now), self.paced_capacity())
 
     def _model_capacity(self, now: float | None) -> float:

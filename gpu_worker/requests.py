@@ -30,7 +30,7 @@ class EngineLimits:
     # Admission (gpu_worker.pacing.StepClock.capacity): the load whose step, every stream in it at
     # its life-average context, takes at most this share of a row's playback time by the fitted
     # step cost (gpu_worker.pacing.StepCost)...
-    capacity_headroom: float = 0.90
+    capacity_headroom: float = 0.92
     # ... and until that is fitted, the largest load whose step takes at most this share; also the
     # step budget that streams sitting out keep steps under (gpu_worker.pacing.SitOut).
     realtime_headroom: float = 0.88

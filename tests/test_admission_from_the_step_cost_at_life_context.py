@@ -11,7 +11,7 @@ import pytest
 
 import gpu_worker.pacing as pacing
 from bench.admission_sim import GPU, simulate
-from gpu_worker.pacing import CAPACITY_HEADROOM, StepClock, StepCost
+from gpu_worker.pacing import CAPACITY_HEADROOM, Lives, StepClock, StepCost
 
 A, B, C, D = 3e-3, 9e-6, 18e-6, 2e-3  # s, per token, per thousand tokens of context, per prompt
 PERIOD = 1 / 82.03
@@ -59,43 +59,85 @@ def test_a_part_the_steps_do_not_show_is_zero_never_negative():
 
 
 def test_no_fit_before_enough_steps():
-    cost = StepCost()
+    clock = StepClock(82.03, 512)
+    lives = Lives(500.0, 40.0, 1000.0)
     for _ in range(pacing.COST_MIN_STEPS - 1):
-        cost.add(300, 150_000, 0, 0, 0.01)
-    assert cost.coefficients() is None
-    assert StepClock(82.03, 512).capacity(life_context=500.0) == 512  # max_batch until measured
+        clock.record(300, 0.01, streams=300, cost=(300, 150_000, 0, 0))
+    assert clock.cost.coefficients() is None
+    assert clock.capacity(lives=lives) == clock.capacity()  # the per-size model and the pace
+    clock.record(300, 0.01, streams=300, cost=(300, 150_000, 0, 0))
+    assert clock.cost.coefficients() is not None
 
 
-def fitted_clock(age: float) -> StepClock:
-    """A clock whose steps served 300 streams of `age` tokens of context each, no prompts."""
+def fitted_clock(age: float, served: int = 300) -> StepClock:
+    """A clock whose steps served about `served` streams of `age` tokens of context each, a prompt of
+    40 tokens in every third step or so."""
     clock = StepClock(82.03, 512)
     rng = np.random.default_rng(2)
     for _ in range(1000):
-        rows = int(rng.integers(260, 340))
-        ctx = int(rows * age * rng.uniform(0.8, 1.2))
-        x = (rows, ctx, 0, 0)
-        clock.record(rows, time_of(*x), streams=300, cost=x)
+        rows = int(rng.integers(served - 40, served + 40))
+        prompts = int(rng.random() < 0.3)
+        x = (rows + 40 * prompts, int(rows * age * rng.uniform(0.5, 1.5)), 40 * prompts, prompts)
+        clock.record(rows + prompts, time_of(*x), streams=served, cost=x)
     return clock
 
 
 def test_the_capacity_is_the_load_whose_step_at_the_life_context_fits_the_budget():
-    life = 552.0
-    expected = (CAPACITY_HEADROOM * PERIOD - A) / (B + C * life / 1000)
+    lives = Lives(context=552.0, prompt_tokens=40.0, rows=1024.0)
+    # each stream: its rows at its life-average context, and a prompt every 1024 of its rows
+    per_stream = B + C * lives.context / 1000 + (D + B * lives.prompt_tokens) / lives.rows
+    expected = (CAPACITY_HEADROOM * PERIOD - A) / per_stream
     for age in (150.0, 500.0, 900.0):  # young streams, or old: the same capacity
-        assert fitted_clock(age).capacity(life_context=life) == pytest.approx(expected, rel=0.03)
+        assert fitted_clock(age).capacity(lives=lives) == pytest.approx(expected, rel=0.03)
     # streams that live longer attend over more: fewer of them fit
-    assert fitted_clock(500.0).capacity(life_context=900.0) < 0.8 * expected
+    assert fitted_clock(500.0).capacity(lives=Lives(900.0, 40.0, 1700.0)) < 0.8 * expected
+    # shorter requests bring more prompts: fewer fit
+    assert fitted_clock(500.0).capacity(lives=Lives(552.0, 40.0, 100.0)) < 0.9 * expected
+
+
+def test_a_fit_at_a_light_load_admits_no_further_than_a_probe_beyond_it():
+    light, lives = fitted_clock(300.0, served=60), Lives(552.0, 40.0, 1024.0)
+    assert light.cost.capacity(CAPACITY_HEADROOM * PERIOD, lives) > 300  # what the fit alone says
+    assert light.capacity(lives=lives) < 150  # 64 beyond the ~70 streams a step lately
+
+
+def test_a_steady_load_keeps_the_fit_the_ramp_made():
+    """A steady load does not tell a fixed part from a part per token: without a hold on the earlier
+    fit, the fit drifted between them and the capacity with it."""
+    rng = np.random.default_rng(3)
+    cost = StepCost()
+    for x in ramp_steps(2000, rng):
+        cost.add(*x, time_of(*x) * (1 + 0.02 * rng.standard_normal()))
+    lives = Lives(552.0, 40.0, 1024.0)
+    budget = CAPACITY_HEADROOM * PERIOD
+    truth = (budget - A) / (B + C * lives.context / 1000 + (D + B * lives.prompt_tokens) / lives.rows)
+    seen = []
+    for _ in range(30_000):  # five minutes of 400 streams, ~300 tokens of context each
+        x = (400 + int(rng.integers(-2, 3)), 120_000 + int(rng.integers(-2000, 2000)), 0, 0)
+        cost.add(*x, time_of(*x) * (1 + 0.02 * rng.standard_normal()))
+        if cost.n % 1000 == 0:
+            seen.append(cost.capacity(budget, lives))
+    assert min(seen) > 0.97 * truth and max(seen) < 1.03 * truth
+    a, b, c, _ = cost.coefficients()
+    assert a == pytest.approx(A, rel=0.15) and b == pytest.approx(B, rel=0.15)
 
 
 def test_an_interval_is_paired_with_the_step_launched_two_before(monkeypatch):
     """The engine launches step k, then waits for step k-1: the interval up to the next tick is
-    step k-1's time. Rows that alternate step to step tell the pairing apart."""
+    step k-1's time. Rows that alternate step to step tell the pairing apart; after the engine was
+    idle the first two intervals pair with nothing from before it."""
     now = [100.0]
     monkeypatch.setattr(pacing.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(pacing, "RIDGE", 0.0)  # exact least squares: one interval paired wrong shows
     clock = StepClock(82.03, 512)
-    steps = [(300 if k % 3 else 100, 150_000 if k % 2 else 30_000, 0, 0) for k in range(600)]
+    steps = [(300 if k % 3 else 100, 150_000 if k % 2 else 30_000, 0, 0) for k in range(900)]
     for k, x in enumerate(steps):
-        if k >= 2:
+        if k == 450:  # idle: then a step is launched with none in flight
+            clock.tick(0)
+            now[0] += 5.0
+        elif k == 451:
+            now[0] += 0.0002  # only the host's work: nothing was running to wait for
+        elif k >= 2:
             now[0] += time_of(*steps[k - 2])  # the time of the step launched two ticks before
         clock.tick(x[0], x[0], x)
     a, b, c, _ = clock.cost.coefficients()
@@ -121,7 +163,7 @@ def test_a_load_within_capacity_never_waits():
     assert r["on_time_share"] == 1.0 and r["wait_p99_ms"] < 20.0
 
 
-def test_the_engine_reports_its_streams_life_context_from_what_ended_requests_generated():
+def test_the_engine_reports_its_streams_lives_from_what_ended_requests_generated():
     from common.messages import Prompt, SamplingParams
     from gpu_worker.engine import Engine, EngineLimits
     from programs import get_spec, load_program_class
@@ -135,18 +177,33 @@ def test_the_engine_reports_its_streams_life_context_from_what_ended_requests_ge
         sp = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, constrained=True, seed=1)
         eng.add(Prompt(rid, rows.tobytes(), len(rows), sp))
 
-    assert eng.life_context() is None and "life_context" in eng.metrics()
+    assert eng.lives() is None and "life_context" in eng.metrics()
     for i in range(3):
         add(f"a{i}", 60)
+    add("aborted", 300)
     eng.step()
-    budget = next(iter(eng.running.values())).gen_budget
-    assert eng.life_context() == pytest.approx(len(rows) + budget / 2)  # nothing ended yet: budgets
+    short = eng.running["a0"].gen_budget
+    long = eng.running["aborted"].gen_budget
+    lives = eng.lives()  # nothing ended yet: the budgets
+    assert lives.context == pytest.approx(len(rows) + (3 * short + long) / 8)
+    assert lives.rows == pytest.approx((3 * short + long) / 4) and lives.prompt_tokens == len(rows)
+    for _ in range(5):
+        eng.step()
+    eng.abort("aborted")  # an abort says nothing of what requests generate
     eng.run_until_idle()
-    assert eng.gen_rows == pytest.approx(budget)  # each generated its whole budget
+    assert (
+        eng.n_ended == 3 and eng.gen_rows == pytest.approx(short) and eng.gen_rows2 == pytest.approx(short**2)
+    )
+    idle = eng.lives()  # idle: the last prompts and what requests generated
+    assert idle == pytest.approx(Lives(len(rows) + short / 2, len(rows), short))
     add("b", 300)
     eng.step()
-    assert eng.life_context() == pytest.approx(len(rows) + budget / 2)  # what requests generate
-    assert eng.metrics()["life_context"] == pytest.approx(len(rows) + budget / 2, abs=0.1)
+    lives = eng.lives()  # what requests generate, within each one's budget
+    assert lives.context == pytest.approx(len(rows) + short / 2) and lives.rows == pytest.approx(short)
+    assert eng.metrics()["life_context"] == pytest.approx(len(rows) + short / 2, abs=0.1)
+    # a long request holds its slot longer: a slot's context averages E[n^2] / (2 E[n]) past the prompt
+    eng.gen_rows, eng.gen_rows2 = 100.0, 100.0**2 + 60.0**2  # lengths 100 +- 60
+    assert eng.lives().context == pytest.approx(len(rows) + (100.0**2 + 60.0**2) / 200.0)
 
 
 def test_numpy_gauges_reach_the_gateway_as_numbers(tmp_path):
@@ -160,7 +217,7 @@ def test_numpy_gauges_reach_the_gateway_as_numbers(tmp_path):
     inbox: PullChannel = PullChannel(addrs.gateway_in, ProcStatus, bind=True)
     reporter = StatusReporter(addrs.gateway_in, "gpu_worker", "gpu_worker")
     try:
-        reporter.set_load(3, 8, {"stream_capacity": np.float64(412.5), "steps_total": np.int64(7)})
+        reporter.set_load(3, 8, {"stream_capacity": np.float64(412.5), "steps_total": np.int64(7), "x": "no"})
         got = None
         for _ in range(50):
             msg = inbox.recv(timeout_ms=200)
@@ -170,7 +227,7 @@ def test_numpy_gauges_reach_the_gateway_as_numbers(tmp_path):
         assert got == {"stream_capacity": 412.5, "steps_total": 7.0}
         assert (
             StepClock(82.03, 512).capacity() == 512
-            and type(fitted_clock(500.0).capacity(life_context=552.0)) is float
+            and type(fitted_clock(500.0).capacity(lives=Lives(552.0, 40.0, 1024.0))) is float
         )
     finally:
         reporter.close()
