@@ -84,8 +84,11 @@ REFIT_STEPS, RIDGE = 50, 1e-3
 # capacity was ~445 and 480 closed-loop clients filled 435 streams, whose steps took 13-14 ms once
 # old: 53 % of requests were late at their end (bench/results/h200-load-2026-11-30-session11-
 # life095.json); 416 streams were 98.7 % on time. The simulation (bench/admission_sim.py), whose
-# GPU is linear, kept every stream on time at 0.95. At 0.90 the H200 held that overload at ~400
-# streams, every one on time, and 400 closed-loop streams met the target (-session11.json).
+# GPU is linear, kept every stream on time at 0.95. At 0.90, with prompts charged at their recent
+# rate (which a ramp raises and a drain lowers), the H200 held that overload at ~400 streams, every
+# one on time (-session11.json). Charging them at the rate a slot takes them at capacity, as now,
+# 0.92 gives the same steady capacity: ~395-402 in a 60 s level of 400 streams, 99.95 % on time,
+# though some requests waited (-session11-final-400x60s.json). Between 0.92 and 0.95 is unmeasured.
 CAPACITY_HEADROOM = 0.92  # the default of --capacity-headroom
 
 
