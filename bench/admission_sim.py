@@ -112,7 +112,7 @@ def simulate(
         ctx = np.array([prompt_len + run[c]["gen"] for c in rows if not run[c]["prompt"]], dtype=float)
         dt = gpu.step_s(ctx, prompts, rng)
         t += dt
-        cost = (len(rows) - prompts + prompts * prompt_len, int(ctx.sum()), prompts * prompt_len, prompts)
+        cost = (len(rows) - prompts + prompts * prompt_len, int(ctx.sum()), prompts)
         clock.record(len(rows), dt, now=t, streams=len(ids), cost=cost)
         served.append(len(ids))
         for c in rows:

@@ -348,12 +348,12 @@ class Engine:
         # Requests whose budget is used up by launched steps wait for their last results.
         batch = [r for r in self.running.values() if len(r.prompt) + r.n_launched < r.budget]
         served = len(batch)
-        batch = self._leave_out_streams_ahead(batch)
+        n_pre = sum(r.n_ctx == 0 for r in batch)  # prompts, which never sit out
+        batch = self._leave_out_streams_ahead(batch, n_pre)
         batch.sort(key=lambda r: r.n_ctx != 0)  # new requests first: runners split prefill/decode
         self.last_batch_size = len(batch)
-        n_pre = sum(r.n_ctx == 0 for r in batch)
         prompt_tokens = sum(len(r.prompt) for r in batch[:n_pre])
-        cost = (len(batch) - n_pre + prompt_tokens, sum(r.n_ctx for r in batch[n_pre:]), prompt_tokens, n_pre)
+        cost = (len(batch) - n_pre + prompt_tokens, sum(r.n_ctx for r in batch[n_pre:]), n_pre)
         self.clock.tick(len(batch), served, cost)
         if not batch:
             self._last_ready = None  # idle: the gap before the next step is not the host's lateness
@@ -365,8 +365,9 @@ class Engine:
         self._finished = []
         return out
 
-    def _leave_out_streams_ahead(self, batch: list[Request]) -> list[Request]:
-        """The batch less the streams sitting this step out (gpu_worker.pacing.SitOut): only
+    def _leave_out_streams_ahead(self, batch: list[Request], prompts: int) -> list[Request]:
+        """The batch (`prompts` of its requests new) less the streams sitting this step out
+        (gpu_worker.pacing.SitOut): only
         streams on their regular windows (past the tail windows of progressive mode, or a lead
         window and one more chunk), by their listener's audio in hand (sent, less played by the
         clock since the first chunk left)."""
@@ -378,7 +379,7 @@ class Engine:
             r.sent_s - (now - r.t_first) if (r.switched if progressive else r.n_chunks > 1) else -np.inf
             for r in batch
         ]
-        out = self.sit_out.choose(leads, sum(r.n_ctx == 0 for r in batch))
+        out = self.sit_out.choose(leads, prompts)
         self.sitting_out += 0.05 * (len(out) - self.sitting_out)
         if not out:
             return batch

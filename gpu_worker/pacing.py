@@ -135,8 +135,8 @@ class StepCost:
         self._fit: tuple[float, ...] | None = None
         self._fit_at = 0  # self.n when last fitted
 
-    def add(self, tokens: int, context: int, prompt_tokens: int, prompts: int, dt: float) -> None:
-        """One step's time `dt` and what it computed (`prompt_tokens` are among `tokens`)."""
+    def add(self, tokens: int, context: int, prompts: int, dt: float) -> None:
+        """One step's time `dt` and what it computed (prompt tokens among the `tokens`)."""
         x = np.array([1.0, float(tokens), context / 1000.0, float(prompts)])
         self.n += 1
         a = max(1.0 / self.n, 1.0 / COST_STEPS)
@@ -217,13 +217,13 @@ class StepClock:
         self._pace_rows = 0.0  # rows per step over the same steps (streams sitting out excluded)
         self.cost = StepCost()
         # `tick`'s costs of the last steps launched, the latest last
-        self._launched: deque[tuple[int, int, int, int] | None] = deque(maxlen=3)
+        self._launched: deque[tuple[int, int, int] | None] = deque(maxlen=3)
 
-    def tick(self, batch: int, streams: int = 0, cost: tuple[int, int, int, int] | None = None) -> None:
+    def tick(self, batch: int, streams: int = 0, cost: tuple[int, int, int] | None = None) -> None:
         """Call once per launched step with its batch size (0 when the engine had nothing to run)
         and the streams it served (its rows and those sitting it out, see `SitOut`; default batch);
         `cost`, for `StepCost`: the tokens it computes (decode rows and prompt tokens), the context
-        its decode rows attend over, its prompt tokens and its prompts.
+        its decode rows attend over, and its prompts.
 
         The engine launches a step, then waits for the one before: the interval between one call
         and the next is the time of the step launched at the call before the first, two calls
@@ -249,7 +249,7 @@ class StepClock:
         dt: float,
         now: float | None = None,
         streams: int = 0,
-        cost: tuple[int, int, int, int] | None = None,
+        cost: tuple[int, int, int] | None = None,
     ) -> None:
         """One step of `batch` requests took `dt` seconds from the previous one, serving `streams`
         (default batch: more when some sat the step out); `cost`: that step's, as for `tick`."""

@@ -19,7 +19,7 @@ PERIOD = 1 / 82.03
 
 def ramp_steps(n: int, rng: np.random.Generator):
     """A ramp then a steady load: rows grow, each prompt comes with a young stream, contexts age;
-    sit-out varies the rows step to step. → rows of (tokens, context, prompt tokens, prompts)."""
+    sit-out varies the rows step to step. → rows of (tokens, context, prompts)."""
     out = []
     for i in range(n):
         streams = min(400, 1 + i // 4)
@@ -27,11 +27,11 @@ def ramp_steps(n: int, rng: np.random.Generator):
         rows = streams - int(rng.integers(0, 40)) if streams > 100 else streams
         age = min(1024.0, 40 + 0.25 * i / 2)  # contexts grow as the streams age
         context = int(rows * (40 + age * rng.uniform(0.4, 0.6)))
-        out.append((rows + 40 * prompts, context, 40 * prompts, prompts))
+        out.append((rows + 40 * prompts, context, prompts))
     return out
 
 
-def time_of(tokens: int, context: int, prompt_tokens: int, prompts: int) -> float:
+def time_of(tokens: int, context: int, prompts: int) -> float:
     return A + B * tokens + C * context / 1000 + D * prompts
 
 
@@ -62,10 +62,10 @@ def test_no_fit_before_enough_steps():
     clock = StepClock(82.03, 512)
     lives = Lives(500.0, 40.0, 1000.0)
     for _ in range(pacing.COST_MIN_STEPS - 1):
-        clock.record(300, 0.01, streams=300, cost=(300, 150_000, 0, 0))
+        clock.record(300, 0.01, streams=300, cost=(300, 150_000, 0))
     assert clock.cost.coefficients() is None
     assert clock.capacity(lives=lives) == clock.capacity()  # the per-size model and the pace
-    clock.record(300, 0.01, streams=300, cost=(300, 150_000, 0, 0))
+    clock.record(300, 0.01, streams=300, cost=(300, 150_000, 0))
     assert clock.cost.coefficients() is not None
 
 
@@ -77,7 +77,7 @@ def fitted_clock(age: float, served: int = 300) -> StepClock:
     for _ in range(1000):
         rows = int(rng.integers(served - 40, served + 40))
         prompts = int(rng.random() < 0.3)
-        x = (rows + 40 * prompts, int(rows * age * rng.uniform(0.5, 1.5)), 40 * prompts, prompts)
+        x = (rows + 40 * prompts, int(rows * age * rng.uniform(0.5, 1.5)), prompts)
         clock.record(rows + prompts, time_of(*x), streams=served, cost=x)
     return clock
 
@@ -113,7 +113,7 @@ def test_a_steady_load_keeps_the_fit_the_ramp_made():
     truth = (budget - A) / (B + C * lives.context / 1000 + (D + B * lives.prompt_tokens) / lives.rows)
     seen = []
     for _ in range(30_000):  # five minutes of 400 streams, ~300 tokens of context each
-        x = (400 + int(rng.integers(-2, 3)), 120_000 + int(rng.integers(-2000, 2000)), 0, 0)
+        x = (400 + int(rng.integers(-2, 3)), 120_000 + int(rng.integers(-2000, 2000)), 0)
         cost.add(*x, time_of(*x) * (1 + 0.02 * rng.standard_normal()))
         if cost.n % 1000 == 0:
             seen.append(cost.capacity(budget, lives))
@@ -130,7 +130,7 @@ def test_an_interval_is_paired_with_the_step_launched_two_before(monkeypatch):
     monkeypatch.setattr(pacing.time, "perf_counter", lambda: now[0])
     monkeypatch.setattr(pacing, "RIDGE", 0.0)  # exact least squares: one interval paired wrong shows
     clock = StepClock(82.03, 512)
-    steps = [(300 if k % 3 else 100, 150_000 if k % 2 else 30_000, 0, 0) for k in range(900)]
+    steps = [(300 if k % 3 else 100, 150_000 if k % 2 else 30_000, 0) for k in range(900)]
     for k, x in enumerate(steps):
         if k == 450:  # idle: then a step is launched with none in flight
             clock.tick(0)

@@ -162,8 +162,8 @@ def run(program, sit_out: float) -> tuple[dict, list[float], bool]:
     left_out: list[float] = []
     choose = eng._leave_out_streams_ahead
 
-    def checked(batch):
-        kept = choose(batch)
+    def checked(batch, prompts):
+        kept = choose(batch, prompts)
         ids = {id(r) for r in kept}
         # What its listener has in hand: audio sent, less what has played since its first chunk.
         left_out.extend(r.sent_s - (now[0] - r.t_first) for r in batch if id(r) not in ids)
