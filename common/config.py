@@ -47,9 +47,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     page_size: int = 16
     num_pages: int = 0  # 0 = enough for max_batch_size full contexts
     first_chunk: str = "adaptive"  # reference | adaptive | fastest | progressive (see EngineLimits)
-    realtime_headroom: float = (
-        0.88  # gpu_worker: the step budget before the step cost is fitted, and sit-out's
-    )
+    realtime_headroom: float = 0.88  # gpu_worker: step budget before the step cost is fitted, and sit-out's
     capacity_headroom: float = 0.92  # gpu_worker: admit while a step of all at life context takes <= this
     sit_out: float = 0.5  # gpu_worker: audio in hand (s) past which a stream may sit out slow steps; 0 = off
     lm_head: str = "full"  # gpu_worker: full vocabulary, or "audio": logits for codec tokens + stop only

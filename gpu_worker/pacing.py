@@ -333,8 +333,9 @@ class StepClock:
         streams whose step takes `capacity_headroom` of a row period at their life-average context
         and prompt rate, within PROBE of the load served lately. Else the per-bucket model below,
         and never less than `paced_capacity`. The model alone dipped below the load while every
-        stream kept time: a bucket above the load is reached in bursts of admissions, so its steps carry their prompts, it is measured slow, and the capacity is
-        interpolated below it until the bucket goes stale (STALE_S). Measured on the H200 at 352
+        stream kept time: a bucket above the load is reached in bursts of admissions, so its steps
+        carry their prompts, it is measured slow, and the capacity is interpolated below it until
+        the bucket goes stale (STALE_S). Measured on the H200 at 352
         streams: capacity median 362 but p10 235, and 11 % of the samples had requests waiting
         (bench/results/h200-load-2026-11-29-session9-lm-share-reverted.json, first run)."""
         if lives is not None:
