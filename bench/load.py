@@ -176,7 +176,8 @@ def server_gauges(base: str) -> dict[str, float]:
 
 # The gauges a level's `timeline` follows (bench results: admission waits against capacity dips).
 TIMELINE_GAUGES = (
-    "active_streams", "stream_capacity", "admission_queue_length", "row_period_ms", "streams_sitting_out"
+    "active_streams", "stream_capacity", "admission_queue_length", "row_period_ms", "streams_sitting_out",
+    "life_context", "step_cost_fixed_ms", "step_cost_token_us", "step_cost_kcontext_us", "step_cost_prompt_ms",
 )  # fmt: skip
 
 
@@ -221,7 +222,7 @@ class GaugeSampler:
         if self.samples:  # what admission saw, second by second (from the first sample; None: no gauge)
             t0 = self.samples[0][0]
             out["timeline"] = {"t_s": [round(t - t0, 1) for t, _ in self.samples]} | {
-                key: [None if s.get(key) is None else round(s[key], 1) for _, s in self.samples]
+                key: [None if s.get(key) is None else round(s[key], 2) for _, s in self.samples]
                 for key in TIMELINE_GAUGES
             }
         if self.failures:

@@ -2,12 +2,13 @@
 CUDA kernels and CPU ops over a few steady decode steps, and the GPU's idle share.
 
     python bench/profile_step.py --batch 384 [--ctx 512] [--lm-head audio] [--quantization fp8]
-        [--kv-cache-dtype fp8] [--prompt-tokens 40]
+        [--kv-cache-dtype fp8] [--prompt-tokens 40 [--prompts-per-step 1,2]]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import numpy as np
@@ -34,6 +35,18 @@ def profiled(eng: Engine, steps: int, before=None) -> tuple[float, object]:
     return (time.perf_counter() - t0) * 1000 / steps, prof.key_averages()
 
 
+def timed(eng: Engine, steps: int, before=None) -> float:
+    """Wall ms a step over `steps` engine steps (`before(i)` ahead of step i), not profiled."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(steps):
+        if before is not None:
+            before(i)
+        eng.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1000 / steps
+
+
 def report(label: str, wall: float, events, steps: int, rows: int) -> None:
     gpu_us = sum(e.device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     print(f"{label}: {wall:.2f} ms/step wall (profiled); kernels {gpu_us / 1000 / steps:.2f} ms/step")
@@ -54,15 +67,17 @@ def main() -> int:
         "--prompt-tokens",
         type=int,
         default=0,
-        help="then the same steps with a new request of this many prompt tokens in each, and what a "
-        "prompt adds to a step (the load's fitted step cost reads 3.2-3.5 ms on the H200); 0 = off",
+        help="then steps with new requests of this many prompt tokens in them, and what a prompt adds "
+        "to a step (the load's fitted step cost reads 3.2-3.5 ms on the H200); 0 = off",
     )
+    ap.add_argument("--prompts-per-step", default="1,2", help="new requests in each such step, per run")
     args = ap.parse_args()
+    per_step = [int(k) for k in args.prompts_per_step.split(",")] if args.prompt_tokens else []
     p = load_program_class("orpheus")(get_spec("orpheus"), load_format="dummy", device="cuda",
                                       dtype=torch.bfloat16, lm_head=args.lm_head,
                                       quantization=args.quantization)  # fmt: skip
     p.load_lm()
-    extra = args.steps if args.prompt_tokens else 0  # the prompts' requests join the batch
+    extra = max(per_step, default=0)  # the prompts' requests join as old ones leave
     eng = Engine(
         p,
         EngineLimits(
@@ -76,20 +91,35 @@ def main() -> int:
     print(f"batch {args.batch} running at mean context {mean_ctx:.0f}", flush=True)
     for _ in range(5):
         eng.step()
+    base = timed(eng, 3 * args.steps)
+    print(f"batch {args.batch}, decode only: {base:.3f} ms/step (wall, not profiled)", flush=True)
     wall, events = profiled(eng, args.steps)
     report(f"batch {args.batch}", wall, events, args.steps, args.rows)
-    if args.prompt_tokens:
+    fill = iter(list(eng.running))  # the batch's requests, the oldest first, to make room
+    made = itertools.count()
 
-        def add_prompt(i: int) -> None:
-            rows = np.full(args.prompt_tokens, 128300, dtype="<i4")
-            rows[0] = 128259
-            sp = SamplingParams(temperature=0.6, top_p=0.8, seed=10_000 + i, constrained=True)
-            eng.add(Prompt(f"prompt{i}", rows.tobytes(), len(rows), sp))
+    def new_prompts(k: int):
+        def before(_: int) -> None:
+            for _ in range(k):
+                eng.abort(next(fill))  # the batch keeps its size: one leaves as one comes
+                i = next(made)
+                rows = np.full(args.prompt_tokens, 128300, dtype="<i4")
+                rows[0] = 128259
+                sp = SamplingParams(temperature=0.6, top_p=0.8, seed=10_000 + i, constrained=True)
+                eng.add(Prompt(f"prompt{i}", rows.tobytes(), len(rows), sp))
 
-        with_prompts, events = profiled(eng, args.steps, add_prompt)
-        report(f"batch {args.batch}, a {args.prompt_tokens}-token prompt in every step", with_prompts,
-               events, args.steps, args.rows)  # fmt: skip
-        print(f"a prompt adds {with_prompts - wall:.2f} ms to a step of {args.batch} (wall, profiled)")
+        return before
+
+    for k in per_step:
+        with_prompts = timed(eng, 3 * args.steps, new_prompts(k))
+        base = timed(eng, 3 * args.steps)  # again, at the context the batch has now
+        print(f"{k} prompt(s) of {args.prompt_tokens} tokens in every step: {with_prompts:.3f} ms/step against "
+              f"{base:.3f} decode only: {(with_prompts - base) / k:.3f} ms a prompt (wall, not profiled)", flush=True)  # fmt: skip
+    if per_step:
+        k = per_step[0]
+        wall, events = profiled(eng, args.steps, new_prompts(k))
+        report(f"batch {args.batch}, {k} {args.prompt_tokens}-token prompt(s) in every step", wall, events,
+               args.steps, args.rows)  # fmt: skip
     return 0
 
 
