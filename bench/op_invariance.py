@@ -7,7 +7,9 @@ other rows, and reports the first batch size at which that row's output is no lo
 to its output alone (None: identical at every size):
 
 - the GEMMs of an Orpheus-3B layer and the audio head, bf16 (`F.linear`) and fp8 (`programs.fp8`,
-  per-row activation scales, `torch._scaled_mm`);
+  per-row activation scales, `torch._scaled_mm`); and the same GEMMs over a mixed step's rows (a
+  prompt bucket's, then a decode bucket's) as one GEMM against one per part (`mixed_gemm`: the
+  first such pair of sizes whose rows differ);
 - decode attention over a paged cache: FlashInfer without split-KV (bf16 cache), XQA told one SM so
   that it never splits a request's keys (fp8 cache), as the engine runs them;
 - the sampler's row-wise reductions over a row of probabilities (audio head, full vocabulary):
@@ -79,6 +81,37 @@ def gemm_checks(device: str, sizes: list[int], shapes=GEMMS) -> dict:
     return out
 
 
+def mixed_checks(device: str, sizes: list[int], prompt_rows=(32, 64, 128), shapes=GEMMS) -> dict:
+    """A mixed step's GEMM (gpu_worker.graphs: a prompt bucket's rows, then a decode bucket's):
+    for each GEMM and weight kind, the first (prompt rows, decode rows) at which one GEMM over
+    both parts differs, bit for bit, from a GEMM per part (null: never), which `fp8.rows_apart`
+    runs for the weights that need it."""
+    g = torch.Generator(device=device).manual_seed(1)
+    out: dict = {}
+    kinds = ("bf16", "fp8") if device == "cuda" else ("bf16",)
+    for name, n, k in shapes:
+        w = (torch.randn(n, k, generator=g, device=device) * k**-0.5).to(torch.bfloat16)
+        x = torch.randn(max(prompt_rows) + max(sizes), k, generator=g, device=device).to(torch.bfloat16)
+        weights = {"bf16": w, "fp8": fp8.Fp8Weight(w) if device == "cuda" else None}
+        res = {}
+        for kind in kinds:
+            lin = weights[kind]
+            first = None
+            for r in prompt_rows:
+                for bs in sizes:
+                    whole = fp8.linear(x[: r + bs], lin)
+                    parts = torch.cat([fp8.linear(x[:r], lin), fp8.linear(x[r : r + bs], lin)])
+                    if not torch.equal(whole.view(torch.uint8), parts.view(torch.uint8)):
+                        first = [r, bs]
+                        break
+                if first is not None:
+                    break
+            res[kind] = first
+        out[name] = res
+        print("mixed", name, res, flush=True)
+    return out
+
+
 def sampling_checks(device: str, sizes: list[int], vocabs=VOCABS) -> dict:
     """The sampler's reductions along a row of probabilities (float32): each one's first
     batch-variant size, per vocabulary width."""
@@ -143,6 +176,7 @@ def main() -> int:
     if device == "cuda":
         fp8.compile_quantizer(torch.device("cuda"), tuple(sorted({k for _, _, k in GEMMS})))
     res["gemm"] = gemm_checks(device, sizes)
+    res["mixed_gemm"] = mixed_checks(device, sizes)
     res["sampling"] = sampling_checks(device, sizes)
     if device == "cuda":
         res["attention"] = attention_checks(sizes)

@@ -248,9 +248,10 @@ class GraphRunner:
     def _capture_mixed(self, bs: int, rows: int) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
         """One forward pass over lane 0's prefill rows (bucket `rows`, one request) and `bs` decode
         rows, reading both parts' arena spans and planned wrappers: → logits and hidden states of
-        the request's last row, then of the decode rows. Every GEMM keeps the two parts apart
-        (`fp8.rows_apart`, and a head per part), so each row rounds as in the prefill graph and
-        the decode graph it replaces: a request's tokens do not depend on who arrived with it."""
+        the request's last row, then of the decode rows. Each row rounds as in the prefill graph and
+        the decode graph it replaces, so a request's tokens do not depend on who arrived with it:
+        bf16 GEMMs keep the two parts apart (`fp8.rows_apart`), float8 ones give a row the same bits
+        at any row count, and each part has a head of its own."""
         p, c, a = self.program, self.program.n_codebooks, self.arena
         lane = self.prefill
         x = lane.prefix

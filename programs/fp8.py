@@ -79,11 +79,15 @@ _rows_apart = 0
 
 @contextlib.contextmanager
 def rows_apart(rows: int):
-    """Within: every `linear` runs its first `rows` rows and the rest as two GEMMs. A GEMM's
-    result for a row can depend on how many rows it holds (the library picks its kernel by shape:
-    measured on the H200, a prompt prefilled beside decode rows in one GEMM changed a greedy
-    request's tokens), so a step that runs a prompt with decode rows (gpu_worker.graphs, mixed
-    graphs) keeps each part in a GEMM of the size it has in a step of its own."""
+    """Within: every `linear` of a plain (bf16) weight runs its first `rows` rows and the rest as
+    two GEMMs. A bf16 GEMM's result for a row can depend on how many rows it holds (the library
+    picks its kernel by shape: measured on the H200, a prompt prefilled beside decode rows in one
+    GEMM changed a greedy request's tokens), so a step that runs a prompt with decode rows
+    (gpu_worker.graphs, mixed graphs) keeps each part in a GEMM of the size it has in a step of its
+    own. The float8 GEMMs give a row the same bits at any row count (bench/op_invariance.py, every
+    Orpheus-3B shape from 1 to 640 rows on the H200): they run the step's rows as one, which spares
+    reading every weight a second time for the prompt (~1.8 ms of the 3.3 ms a prompt added to a
+    step of 384 streams, bench/profile_step.py)."""
     global _rows_apart
     before, _rows_apart = _rows_apart, rows
     try:
@@ -96,7 +100,7 @@ def linear(
     x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [M, K] @ weight.T (+ bias) → [M, N] in x's dtype; weight a plain tensor or an `Fp8Weight`."""
-    if 0 < _rows_apart < x.shape[0]:
+    if 0 < _rows_apart < x.shape[0] and not isinstance(weight, Fp8Weight):
         s = _rows_apart
         return torch.cat([_linear(x[:s], weight, bias), _linear(x[s:], weight, bias)])
     return _linear(x, weight, bias)

@@ -2,7 +2,8 @@
 
 import torch
 
-from bench.op_invariance import first_variant_size, gemm_checks, sampling_checks
+from bench import op_invariance
+from bench.op_invariance import first_variant_size, gemm_checks, mixed_checks, sampling_checks
 
 SIZES = [1, 2, 4, 8, 16]
 
@@ -45,3 +46,14 @@ def test_the_sampling_checks_report_each_reduction_and_the_samplers_scan_is_inva
     for v in res.values():
         assert set(v) == {"softmax", "cumsum", "row_cumsum"}
         assert v["row_cumsum"] is None
+
+
+def test_the_mixed_gemm_check_finds_the_first_pair_of_part_sizes_that_rounds_apart(monkeypatch):
+    shapes = (("small", 32, 16),)
+    res = mixed_checks("cpu", [1, 2, 4], prompt_rows=(2, 4), shapes=shapes)
+    assert set(res["small"]) == {"bf16"}  # float8 on a GPU only
+    # a GEMM that picks another kernel from 7 rows on: 4 prompt rows and 4 decode rows are the first
+    monkeypatch.setattr(op_invariance.fp8, "linear", lambda a, w: a[:, :1] * 2 + (a.shape[0] >= 7) * 0.5)
+    assert mixed_checks("cpu", [1, 2, 4], prompt_rows=(2, 4), shapes=shapes)["small"]["bf16"] == [4, 4]
+    monkeypatch.setattr(op_invariance.fp8, "linear", lambda a, w: a[:, :1] * 2)  # row-wise: never
+    assert mixed_checks("cpu", [1, 2, 4], prompt_rows=(2, 4), shapes=shapes)["small"]["bf16"] is None
