@@ -130,6 +130,7 @@ class Engine:
         self.sample_graphs = None
         if hasattr(self.runner, "decode_bucket"):  # a GraphRunner
             self.capture_sampling(progress)
+            self._calibrate(num_pages, progress)
 
     # --- requests in and out -------------------------------------------------------------------
     def add(self, prompt: Prompt) -> None:
@@ -491,6 +492,23 @@ class Engine:
         kinds = self.program.classify(tokens, self.slots.n_audio[slots])  # before the count moves
         self.slots.record(slots, length, tokens, kinds)
         return torch.cat([tokens, kinds[:, None]], dim=1)  # [B, C + 1]
+
+    def _calibrate(self, num_pages: int, progress=None) -> None:
+        """Steps that differ in one part, timed before any request (gpu_worker/calibrate.py), for
+        the fit behind admission. A failure leaves the fit to the steps served, as before."""
+        from gpu_worker.calibrate import step_differences
+
+        try:
+            diffs = step_differences(
+                self.runner, num_pages, self.limits.page_size, self.limits.max_context,
+                self.program.n_codebooks, progress,
+            )  # fmt: skip
+        except Exception:
+            log.exception(
+                "measuring the step's parts at startup failed; admission fits them from the steps served"
+            )
+            return
+        self.clock.cost.calibrate(diffs)
 
     def capture_sampling(self, progress=None) -> None:
         """Sampling graphs for the runner's decode buckets (gpu_worker/sample_graphs.py), for a

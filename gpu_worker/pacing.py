@@ -77,6 +77,9 @@ COST_STEPS, COST_MIN_STEPS = 2000, 200
 # ... how often it fits again (~0.5 s under load), and how firmly a fit holds to the one before where
 # the steps do not tell its parts apart (a share of each term's own scale; see `StepCost`).
 REFIT_STEPS, RIDGE = 50, 1e-3
+# The weight of the differences measured at startup (`StepCost.calibrate`) beside the steps served,
+# as a share of those steps' averages: enough to tell the parts apart where the steps do not.
+CALIBRATION_WEIGHT = 0.1
 # The capacity over the streams' whole lives (`StepCost.capacity`): a step of all of them, at their
 # contexts averaged over their lives, takes at most this share of a row period. The rest, and the
 # streams' leads (`SitOut`), carry the steps of streams that age together (a ramp's), and what the
@@ -120,7 +123,19 @@ class StepCost:
     part per token fit it equally): each fit is held towards the one before by a small ridge
     (RIDGE of each term's own scale), so what the steps do not say, the earlier steps' fit keeps.
     Without it, 400 s of a steady load on the simulated GPU moved the fixed part from 3.0 to 5.6 ms
-    and the part per token from 10 to 0.4 us, and the capacity between 378 and 512."""
+    and the part per token from 10 to 0.4 us, and the capacity between 378 and 512.
+
+    Nor does a ramp tell them apart, though its steps grow in rows and in context at once: a step's
+    time is not linear in its rows (the GEMMs read the weights whatever the rows, and only past a
+    hundred or so rows do the rows cost compute), and a fit over a ramp's steps charges that curve
+    to the context, which grows like the square of the rows. On the H200, a fresh server's first
+    ramp to 400 streams fitted 30 us per thousand tokens of context and 2.2 us a token (steady: 11
+    and 10), and the capacity fell below the 400 streams running for a few seconds. `calibrate`
+    adds what the engine measured at startup, steps that differ in one thing only: the same rows at
+    two contexts, two batches at one context, a step with and without a prompt. A difference has no
+    fixed part and holds every other part equal, so the codec beside the steps served, which the
+    startup steps lack, moves the fixed part only; held at CALIBRATION_WEIGHT of the steps'
+    averages, the differences keep the parts apart for good."""
 
     TERMS = 4
     # every subset of the terms, each fitted alone (nonnegative least squares by enumeration)
@@ -134,6 +149,20 @@ class StepCost:
         self._yy = 0.0  # average of dt^2
         self._fit: tuple[float, ...] | None = None
         self._fit_at = 0  # self.n when last fitted
+        # `calibrate`'s differences, their moments weighted and held apart from the decaying ones
+        self._cal_xx, self._cal_xy, self._cal_yy = np.zeros((k, k)), np.zeros(k), 0.0
+
+    def calibrate(self, diffs: list[tuple[tuple[float, float, float], float]]) -> None:
+        """Differences between pairs of steps measured at startup, each ((more tokens, more
+        thousands of tokens of context, more prompts), more seconds); they count beside the steps
+        served at CALIBRATION_WEIGHT of those steps' averages, for good."""
+        if not diffs:
+            return
+        x = np.array([[0.0, *map(float, dx)] for dx, _ in diffs])
+        y = np.array([float(dy) for _, dy in diffs])
+        w = CALIBRATION_WEIGHT / len(diffs)
+        self._cal_xx, self._cal_xy, self._cal_yy = w * x.T @ x, w * x.T @ y, w * float(y @ y)
+        self._fit = None  # fit again with them
 
     def add(self, tokens: int, context: int, prompts: int, dt: float) -> None:
         """One step's time `dt` and what it computed (prompt tokens among the `tokens`)."""
@@ -153,15 +182,17 @@ class StepCost:
         if self._fit is None or self.n - self._fit_at >= REFIT_STEPS:
             prior = np.array(self._fit or (0.0,) * self.TERMS)
             best, least = (0.0,) * self.TERMS, math.inf
+            all_xx, all_xy = self._xx + self._cal_xx, self._xy + self._cal_xy
+            all_yy = self._yy + self._cal_yy
             for terms in self.SUBSETS:
                 ix = np.array(terms)
-                xx, xy = self._xx[np.ix_(ix, ix)], self._xy[ix]
+                xx, xy = all_xx[np.ix_(ix, ix)], all_xy[ix]
                 ridge = RIDGE * np.diag(np.diag(xx))
                 try:
                     beta = np.linalg.solve(xx + ridge, xy + ridge @ prior[ix])
                 except np.linalg.LinAlgError:
                     continue
-                err = self._yy - 2.0 * beta @ xy + beta @ xx @ beta
+                err = all_yy - 2.0 * beta @ xy + beta @ xx @ beta
                 if (beta >= 0).all() and err < least:
                     full = np.zeros(self.TERMS)
                     full[ix] = beta

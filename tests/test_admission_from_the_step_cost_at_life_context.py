@@ -58,6 +58,55 @@ def test_a_part_the_steps_do_not_show_is_zero_never_negative():
     assert b == pytest.approx(B, rel=0.05)
 
 
+def curved_gpu_s(tokens: int, context: int, prompts: int) -> float:
+    """A step whose rows cost compute only past 128 of them (the GEMMs read the weights anyway), as
+    on the H200: not linear in its rows."""
+    return (
+        3.0 + 2e-3 * tokens + 12e-3 * max(0, tokens - 128) + 12e-3 * context / 1000 + 1.6 * prompts
+    ) / 1000
+
+
+def first_ramp(cost: StepCost, rng: np.random.Generator) -> None:
+    """bench/ttfa_http's single-stream requests, then 400 streams started over 800 steps, each at
+    its prompt's 40 tokens of context plus its age."""
+    for _ in range(3000):
+        cost.add(1, 100, 0, curved_gpu_s(1, 100, 0) * (1 + 0.03 * rng.standard_normal()))
+    ages: list[int] = []
+    for step in range(800):
+        new = (step + 1) // 2 - len(ages)
+        ages += [0] * new
+        x = (len(ages) - new + 40 * new, sum(40 + a for a in ages), new)
+        cost.add(*x, curved_gpu_s(*x) * (1 + 0.03 * rng.standard_normal()))
+        ages = [a + 1 for a in ages]
+
+
+def test_startup_differences_keep_a_first_ramps_curve_out_of_the_context_part():
+    """At a fresh server's first ramp the fit alone charges the rows' curve to the context (as on
+    the H200: 30 us per thousand tokens instead of ~11) and the capacity falls short of what the
+    GPU holds; the differences the engine measures at startup keep the parts apart."""
+    lives = Lives(context=577.0, prompt_tokens=40.0, rows=1050.0)
+    budget = CAPACITY_HEADROOM * PERIOD
+    per_stream = 2e-6 + 12e-6 + 12e-6 * lives.context / 1000 + (1.6e-3 + 14e-6 * 40) / lives.rows
+    truth = (budget - 3e-3 + 128 * 12e-6) / per_stream  # the load whose step takes the budget
+    b1, b2, short, long, prompt = 512, 256, 128, 1024, 48
+    diffs = [
+        ((0, b * (long - short) / 1000, 0), curved_gpu_s(b, b * long, 0) - curved_gpu_s(b, b * short, 0))
+        for b in (b1, b2)
+    ] + [
+        ((b1 - b2, (b1 - b2) * ctx / 1000, 0), curved_gpu_s(b1, b1 * ctx, 0) - curved_gpu_s(b2, b2 * ctx, 0))
+        for ctx in (short, long)
+    ]
+    diffs.append(((prompt, 0, 1), curved_gpu_s(b2 + prompt, b2 * 512, 1) - curved_gpu_s(b2, b2 * 512, 0)))
+    alone, calibrated = StepCost(), StepCost()
+    calibrated.calibrate(diffs)
+    first_ramp(alone, np.random.default_rng(0))
+    first_ramp(calibrated, np.random.default_rng(0))
+    assert alone.coefficients()[2] > 2 * 12e-6  # the curve taken for context
+    assert alone.capacity(budget, lives) < 0.9 * truth
+    assert calibrated.coefficients()[2] == pytest.approx(12e-6, rel=0.25)
+    assert calibrated.capacity(budget, lives) == pytest.approx(truth, rel=0.05)
+
+
 def test_no_fit_before_enough_steps():
     clock = StepClock(82.03, 512)
     lives = Lives(500.0, 40.0, 1000.0)

@@ -1,0 +1,105 @@
+"""What the parts of a step cost, measured once at startup for `gpu_worker.pacing.StepCost`.
+
+The steps served tell a step's fixed part from its parts per token, per token of context and per
+prompt only where they vary apart, and a ramp's do not: its rows and its streams' contexts grow
+together, and a step's time is not linear in its rows. So before serving, the engine times steps
+that differ in one thing (GPU only, through the runner's graphs, sampling left out):
+
+- the largest decode bucket and one near half of it, each at a short and a long context: two
+  differences in context at equal rows, two in rows at equal contexts;
+- the smaller batch at a middle context with and without a prompt riding along (a mixed step).
+
+Each difference goes to `StepCost.calibrate` as (more tokens, more thousands of tokens of context,
+more prompts) and the seconds they added. The steps read and write KV pages of a cache that holds
+no request yet; what they write is overwritten by the requests that later own those pages.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from gpu_worker.kv_cache import pages_for
+from gpu_worker.runner import StepBatch
+
+log = logging.getLogger(__name__)
+
+SHORT, LONG, PROMPT = 128, 1024, 48  # contexts of the decode rows, and a prompt's tokens
+WARMUP, TIMED = 2, 6  # steps run at each point before timing, and timed (the median counts)
+
+
+def _batch(n: int, ctx: int, prompt: int, c: int, pages: int, page_size: int) -> StepBatch:
+    """`n` decode rows at context `ctx` (after a prompt of `prompt` rows when > 0), each on pages of
+    its own (wrapping around a cache too small to give every row its own)."""
+    per = pages_for(ctx, page_size)
+    tables = [[1 + (i * per + j) % (pages - 1) for j in range(per)] for i in range(n)]
+    rows, pos, kv = [1] * n, [ctx - 1] * n, [ctx] * n
+    if prompt:
+        tables.insert(0, [1 + (n * per + j) % (pages - 1) for j in range(pages_for(prompt, page_size))])
+        rows.insert(0, prompt)
+        kv.insert(0, prompt)
+    return StepBatch(
+        ids=np.zeros((sum(rows), c), dtype=np.int64),
+        pos=np.concatenate([np.arange(prompt), pos]).astype(np.int64),
+        qo_indptr=np.concatenate([[0], np.cumsum(rows)]).tolist(),
+        kv_lens=kv,
+        page_tables=tables,
+        num_prefill=1 if prompt else 0,
+    )
+
+
+def _seconds(runner, b: StepBatch) -> float:
+    """The device time of one forward pass of `b`, the median of TIMED after WARMUP."""
+    spans = []
+    for i in range(WARMUP + TIMED):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        runner.forward(b)
+        end.record()
+        if i >= WARMUP:
+            spans.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in spans) / 1000
+
+
+def step_differences(
+    runner, num_pages: int, page_size: int, max_context: int, n_codebooks: int, progress=None, timer=_seconds
+) -> list[tuple[tuple[float, float, float], float]]:
+    """Time the startup steps on `runner` (a GraphRunner; `timer(runner, batch)` → seconds) →
+    `StepCost.calibrate`'s differences."""
+    if progress:
+        progress("measuring what a step's parts cost")
+    t0 = time.monotonic()
+    sizes = runner.sizes
+    big = sizes[-1]
+    small = min(sizes, key=lambda s: abs(s - big / 2))
+    short, long = min(SHORT, max_context // 4), min(LONG, max_context - 1)
+    prompt = min(PROMPT, max_context // 2)
+
+    def t(n: int, ctx: int, p: int = 0) -> float:
+        return timer(runner, _batch(n, ctx, p, n_codebooks, num_pages, page_size))
+
+    diffs = []
+    at = {(n, ctx): t(n, ctx) for n in {big, small} for ctx in {short, long}}
+    if long > short:
+        for n in {big, small}:
+            diffs.append(((0.0, n * (long - short) / 1000, 0.0), at[n, long] - at[n, short]))
+    if big > small:
+        for ctx in {short, long}:
+            # each row's context before the step, as the engine counts it: ctx - 1
+            diffs.append(
+                ((big - small, (big - small) * (ctx - 1) / 1000, 0.0), at[big, ctx] - at[small, ctx])
+            )
+    mid = (short + long) // 2
+    if prompt > 0:
+        diffs.append(((float(prompt), 0.0, 1.0), t(small, mid, prompt) - t(small, mid)))
+    log.info(
+        "step costs at startup (%.1f s): %s",
+        time.monotonic() - t0,
+        ", ".join(f"{n} rows at {ctx}: {1000 * s:.2f} ms" for (n, ctx), s in sorted(at.items())),
+    )
+    return diffs

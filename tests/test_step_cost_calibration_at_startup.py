@@ -1,0 +1,62 @@
+"""gpu_worker/calibrate.py: the steps the engine times at startup differ in one part each, are
+well-formed batches on pages of the cache, and their differences give `StepCost` each part."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpu_worker.calibrate import step_differences
+from gpu_worker.pacing import StepCost
+
+A, B, C, D = 3e-3, 10e-6, 12e-6, 1.5e-3
+
+
+class Runner:
+    sizes = [1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256]
+
+
+def check_and_time(pages: int, page_size: int):
+    seen = []
+
+    def timer(runner, b) -> float:
+        n_pre = b.num_prefill
+        rows = np.diff(b.qo_indptr)
+        assert len(rows) == b.batch_size == len(b.page_tables) == len(b.kv_lens)
+        assert b.ids.shape[0] == b.pos.shape[0] == b.qo_indptr[-1]
+        assert all(rows[n_pre:] == 1) and b.batch_size - n_pre in runner.sizes  # a decode bucket, unpadded
+        for table, kv in zip(b.page_tables, b.kv_lens, strict=True):
+            assert len(table) == -(-kv // page_size) and all(0 < p < pages for p in table)
+        decode = b.page_tables[n_pre:]
+        if len(decode) * len(decode[0]) < pages:  # a cache large enough: every row its own pages
+            assert len({p for t in decode for p in t}) == sum(map(len, decode))
+        seen.append(b)
+        tokens = b.qo_indptr[-1]
+        context = sum(b.kv_lens[n_pre:]) - (b.batch_size - n_pre)  # before the step, as the engine counts
+        return A + B * tokens + C * context / 1000 + D * n_pre
+
+    return timer, seen
+
+
+@pytest.mark.parametrize("pages", [1 + 256 * 65, 5000])  # room for every row's pages, or not
+def test_each_startup_difference_is_one_part_and_the_fit_recovers_it(pages):
+    timer, seen = check_and_time(pages, 16)
+    diffs = step_differences(Runner(), pages, 16, 1200, 1, timer=timer)
+    assert len(diffs) == 5 and len(seen) == 6
+    for (tokens, kcontext, prompts), dt in diffs:
+        assert dt == pytest.approx(B * tokens + C * kcontext + D * prompts, rel=1e-6)
+    cost = StepCost()
+    cost.calibrate(diffs)
+    rng = np.random.default_rng(0)
+    for _ in range(300):  # a steady load: the same step every time, which tells no part apart
+        cost.add(300, 300 * 577, 0, A + B * 300 + C * 300 * 0.577 + 1e-5 * rng.standard_normal())
+    a, b, c, d = cost.coefficients()
+    assert (b, c, d) == pytest.approx((B, C, D), rel=0.02)
+    assert a == pytest.approx(A, rel=0.05)
+
+
+def test_a_short_context_limit_keeps_the_contexts_apart_and_within_it():
+    timer, seen = check_and_time(1 + 256 * 8, 16)
+    diffs = step_differences(Runner(), 1 + 256 * 8, 16, 100, 1, timer=timer)
+    assert max(max(b.kv_lens) for b in seen) <= 100
+    assert len(diffs) == 5
