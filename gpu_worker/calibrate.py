@@ -77,8 +77,11 @@ def step_differences(
     sizes = runner.sizes
     big = sizes[-1]
     small = min(sizes, key=lambda s: abs(s - big / 2))
-    short, long = min(SHORT, max_context // 4), min(LONG, max_context - 1)
     prompt = min(PROMPT, max_context // 2)
+    # every row of the largest batch on pages of its own at the long context (shared pages would
+    # read from the GPU's caches and understate what context costs)
+    own = (num_pages - 1 - pages_for(prompt, page_size)) // big * page_size
+    short, long = min(SHORT, max_context // 4), min(LONG, max_context - 1, own)
 
     def t(n: int, ctx: int, p: int = 0) -> float:
         return timer(runner, _batch(n, ctx, p, n_codebooks, num_pages, page_size))
@@ -98,8 +101,9 @@ def step_differences(
     if prompt > 0:
         diffs.append(((float(prompt), 0.0, 1.0), t(small, mid, prompt) - t(small, mid)))
     log.info(
-        "step costs at startup (%.1f s): %s",
+        "step costs at startup (%.1f s): %s; differences (tokens, thousand tokens of context, prompts: ms) %s",
         time.monotonic() - t0,
         ", ".join(f"{n} rows at {ctx}: {1000 * s:.2f} ms" for (n, ctx), s in sorted(at.items())),
+        ", ".join(f"({dx[0]:g}, {dx[1]:g}, {dx[2]:g}: {1000 * dy:.2f})" for dx, dy in diffs),
     )
     return diffs

@@ -91,7 +91,10 @@ CALIBRATION_WEIGHT = 0.1
 # rate (which a ramp raises and a drain lowers), the H200 held that overload at ~400 streams, every
 # one on time (-session11.json). Charging them at the rate a slot takes them at capacity, as now,
 # 0.92 gives the same steady capacity: ~395-402 in a 60 s level of 400 streams, 99.95 % on time,
-# though some requests waited (-session11-final-400x60s.json). Between 0.92 and 0.95 is unmeasured.
+# though some requests waited (-session11-final-400x60s.json). At 0.94 the same code let 480 clients
+# fill ~395-411 streams, and 43 % of requests went late (-session12-start-094.json). Once a prompt
+# rode a decode step for 1.6 ms instead of 3.3 (programs/fp8.py), 0.92 gave ~421-427, and the same
+# overload filled 419-424 streams, every one on time (-session12-onegemm.json, -session12.json).
 CAPACITY_HEADROOM = 0.92  # the default of --capacity-headroom
 
 
@@ -133,9 +136,11 @@ class StepCost:
     and 10), and the capacity fell below the 400 streams running for a few seconds. `calibrate`
     adds what the engine measured at startup, steps that differ in one thing only: the same rows at
     two contexts, two batches at one context, a step with and without a prompt. A difference has no
-    fixed part and holds every other part equal, so the codec beside the steps served, which the
-    startup steps lack, moves the fixed part only; held at CALIBRATION_WEIGHT of the steps'
-    averages, the differences keep the parts apart for good."""
+    fixed part and holds every other part equal. The startup steps lack what the steps served carry
+    besides the forward pass (sampling, the host's work, the codec beside them under MPS, which
+    slows every part a little), so their differences understate each part somewhat; held at
+    CALIBRATION_WEIGHT of the steps' averages, they keep the parts apart where the steps served do
+    not tell them apart, and the steps served set the rest."""
 
     TERMS = 4
     # every subset of the terms, each fitted alone (nonnegative least squares by enumeration)
@@ -156,6 +161,9 @@ class StepCost:
         """Differences between pairs of steps measured at startup, each ((more tokens, more
         thousands of tokens of context, more prompts), more seconds); they count beside the steps
         served at CALIBRATION_WEIGHT of those steps' averages, for good."""
+        # More of a part never takes less time: a difference that says so (noise, something else
+        # on the GPU then) or none (a failed timing) would hold the fit to it for good.
+        diffs = [(dx, dy) for dx, dy in diffs if math.isfinite(dy) and dy > 0 and all(map(math.isfinite, dx))]
         if not diffs:
             return
         x = np.array([[0.0, *map(float, dx)] for dx, _ in diffs])

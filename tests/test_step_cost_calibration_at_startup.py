@@ -10,6 +10,7 @@ from gpu_worker.calibrate import step_differences
 from gpu_worker.pacing import StepCost
 
 A, B, C, D = 3e-3, 10e-6, 12e-6, 1.5e-3
+CODEBOOKS = 3
 
 
 class Runner:
@@ -25,11 +26,13 @@ def check_and_time(pages: int, page_size: int):
         assert len(rows) == b.batch_size == len(b.page_tables) == len(b.kv_lens)
         assert b.ids.shape[0] == b.pos.shape[0] == b.qo_indptr[-1]
         assert all(rows[n_pre:] == 1) and b.batch_size - n_pre in runner.sizes  # a decode bucket, unpadded
+        assert b.ids.shape[1] == CODEBOOKS and b.ids.dtype == np.int64
+        # each row at the position after its context; a prompt's rows at 0..n-1
+        assert b.pos.tolist() == [*range(b.kv_lens[0])] * n_pre + [k - 1 for k in b.kv_lens[n_pre:]]
         for table, kv in zip(b.page_tables, b.kv_lens, strict=True):
             assert len(table) == -(-kv // page_size) and all(0 < p < pages for p in table)
         decode = b.page_tables[n_pre:]
-        if len(decode) * len(decode[0]) < pages:  # a cache large enough: every row its own pages
-            assert len({p for t in decode for p in t}) == sum(map(len, decode))
+        assert len({p for t in decode for p in t}) == sum(map(len, decode))  # every row its own pages
         seen.append(b)
         tokens = b.qo_indptr[-1]
         context = sum(b.kv_lens[n_pre:]) - (b.batch_size - n_pre)  # before the step, as the engine counts
@@ -38,10 +41,10 @@ def check_and_time(pages: int, page_size: int):
     return timer, seen
 
 
-@pytest.mark.parametrize("pages", [1 + 256 * 65, 5000])  # room for every row's pages, or not
-def test_each_startup_difference_is_one_part_and_the_fit_recovers_it(pages):
+def test_each_startup_difference_is_one_part_and_the_fit_recovers_it():
+    pages = 1 + 256 * 64 + 3  # just room for 256 rows of 1024 tokens and a prompt of 48
     timer, seen = check_and_time(pages, 16)
-    diffs = step_differences(Runner(), pages, 16, 1200, 1, timer=timer)
+    diffs = step_differences(Runner(), pages, 16, 1200, CODEBOOKS, timer=timer)
     assert len(diffs) == 5 and len(seen) == 6
     for (tokens, kcontext, prompts), dt in diffs:
         assert dt == pytest.approx(B * tokens + C * kcontext + D * prompts, rel=1e-6)
@@ -57,6 +60,29 @@ def test_each_startup_difference_is_one_part_and_the_fit_recovers_it(pages):
 
 def test_a_short_context_limit_keeps_the_contexts_apart_and_within_it():
     timer, seen = check_and_time(1 + 256 * 8, 16)
-    diffs = step_differences(Runner(), 1 + 256 * 8, 16, 100, 1, timer=timer)
+    diffs = step_differences(Runner(), 1 + 256 * 8, 16, 100, CODEBOOKS, timer=timer)
     assert max(max(b.kv_lens) for b in seen) <= 100
     assert len(diffs) == 5
+
+
+def test_a_small_cache_shortens_the_long_context_so_every_row_keeps_pages_of_its_own():
+    timer, seen = check_and_time(1 + 256 * 20, 16)  # 20 pages a row: 320 tokens, not 1024
+    diffs = step_differences(Runner(), 1 + 256 * 20, 16, 1200, CODEBOOKS, timer=timer)
+    assert max(max(b.kv_lens) for b in seen) <= 19 * 16 and len(diffs) == 5
+
+
+def test_a_difference_that_is_not_a_positive_time_is_left_out():
+    good = [
+        ((0.0, 100.0, 0.0), 100 * C),
+        ((256.0, 32.0, 0.0), 256 * B + 32 * C),
+        ((48.0, 0.0, 1.0), 48 * B + D),
+    ]
+    for bad in (float("nan"), float("inf"), -4e-3, 0.0):
+        cost, clean = StepCost(), StepCost()
+        cost.calibrate([*good, ((48.0, 0.0, 1.0), bad)])
+        clean.calibrate(good)
+        for c in (cost, clean):
+            for _ in range(300):
+                c.add(300, 300 * 577, 0, A + B * 300 + C * 300 * 0.577)
+        assert cost.coefficients() == pytest.approx(clean.coefficients(), rel=1e-9)
+        assert cost.coefficients()[3] == pytest.approx(D, rel=0.02)
