@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import gpu_worker.pacing as pacing
-from bench.admission_sim import GPU, simulate
+from bench.admission_sim import GPU, H200, simulate, startup_differences
 from gpu_worker.pacing import CAPACITY_HEADROOM, Lives, StepClock, StepCost
 
 A, B, C, D = 3e-3, 9e-6, 18e-6, 2e-3  # s, per token, per thousand tokens of context, per prompt
@@ -105,6 +105,18 @@ def test_startup_differences_keep_a_first_ramps_curve_out_of_the_context_part():
     assert alone.capacity(budget, lives) < 0.9 * truth
     assert calibrated.coefficients()[2] == pytest.approx(12e-6, rel=0.25)
     assert calibrated.capacity(budget, lives) == pytest.approx(truth, rel=0.05)
+
+
+def test_the_simulation_measures_its_gpus_parts_at_startup_as_the_engine_does():
+    diffs = startup_differences(H200)
+    context = [(x, dt) for x, dt in diffs if x[0] == 0 and x[2] == 0]
+    prompt = [(x, dt) for x, dt in diffs if x[2] == 1]
+    assert len(context) == 2 and len(prompt) == 1
+    for (_, kcontext, _), dt in context:
+        assert dt == pytest.approx(H200.row_us_per_1k_ctx * kcontext / 1e6)
+    assert prompt[0][1] == pytest.approx(H200.prompt_ms / 1000)  # its prompts cost no rows
+    with_them = simulate(400, gpu=H200, calibrate=True, duration_s=6.0)
+    assert with_them["cost_fit"][2] == pytest.approx(H200.row_us_per_1k_ctx, rel=0.2)
 
 
 def test_no_fit_before_enough_steps():
