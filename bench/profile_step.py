@@ -24,15 +24,9 @@ from programs import get_spec, load_program_class
 def profiled(eng: Engine, steps: int, before=None) -> tuple[float, object]:
     """`steps` engine steps under torch.profiler (`before(i)` ahead of step i) → (wall ms a step,
     the profiler's key averages)."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for i in range(steps):
-            if before is not None:
-                before(i)
-            eng.step()
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1000 / steps, prof.key_averages()
+        wall = timed(eng, steps, before)
+    return wall, prof.key_averages()
 
 
 def timed(eng: Engine, steps: int, before=None) -> float:

@@ -130,7 +130,7 @@ class Engine:
         self.sample_graphs = None
         if hasattr(self.runner, "decode_bucket"):  # a GraphRunner
             self.capture_sampling(progress)
-            self._calibrate(num_pages, progress)
+            self._calibrate(progress)
 
     # --- requests in and out -------------------------------------------------------------------
     def add(self, prompt: Prompt) -> None:
@@ -493,14 +493,14 @@ class Engine:
         self.slots.record(slots, length, tokens, kinds)
         return torch.cat([tokens, kinds[:, None]], dim=1)  # [B, C + 1]
 
-    def _calibrate(self, num_pages: int, progress=None) -> None:
+    def _calibrate(self, progress=None) -> None:
         """Steps that differ in one part, timed before any request (gpu_worker/calibrate.py), for
         the fit behind admission. A failure leaves the fit to the steps served, as before."""
         from gpu_worker.calibrate import step_differences
 
         try:
             diffs = step_differences(
-                self.runner, num_pages, self.limits.page_size, self.limits.max_context,
+                self.runner, self.allocator.num_pages, self.limits.page_size, self.limits.max_context,
                 self.program.n_codebooks, progress,
             )  # fmt: skip
         except Exception:

@@ -85,7 +85,8 @@ def rows_apart(rows: int):
     GEMM changed a greedy request's tokens), so a step that runs a prompt with decode rows
     (gpu_worker.graphs, mixed graphs) keeps each part in a GEMM of the size it has in a step of its
     own. The float8 GEMMs give a row the same bits at any row count (bench/op_invariance.py, every
-    Orpheus-3B shape from 1 to 640 rows on the H200): they run the step's rows as one, which spares
+    Orpheus-3B shape on the H200: 1-512 rows, and one GEMM over a prompt bucket's 32-128 rows with a
+    decode bucket's 1-512 against a GEMM per part): they run the step's rows as one, which spares
     reading every weight a second time for the prompt (~1.8 ms of the 3.3 ms a prompt added to a
     step of 384 streams, bench/profile_step.py)."""
     global _rows_apart
