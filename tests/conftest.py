@@ -88,7 +88,7 @@ def wait_ready(base: str, proc: subprocess.Popen, timeout: float = 180.0) -> dic
                 return body
         except OSError:
             pass
-        time.sleep(0.25)
+        time.sleep(0.05)
     raise TimeoutError(f"server not ready after {timeout} s: {body}")
 
 
