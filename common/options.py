@@ -65,27 +65,21 @@ class Option:
         return (self.path or self.field).split()
 
     def default(self, cfg: ServeConfig) -> Any:
-        value = _get(cfg, self.paths[0])
+        value = getattr(*_holder(cfg, self.paths[0]))
         return (not value) if self.invert else value
 
     def apply(self, cfg: ServeConfig, value: Any) -> None:
         for path in self.paths:
-            _set(cfg, path, (not value) if self.invert else value)
+            setattr(*_holder(cfg, path), (not value) if self.invert else value)
 
 
-def _get(cfg: ServeConfig, path: str) -> Any:
-    obj: Any = cfg
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _set(cfg: ServeConfig, path: str, value: Any) -> None:
+def _holder(cfg: ServeConfig, path: str) -> tuple[Any, str]:
+    """The struct that holds `path` ("gpu.page_size": cfg.gpu) and the field's name in it."""
     *groups, name = path.split(".")
     obj: Any = cfg
-    for part in groups:
-        obj = getattr(obj, part)
-    setattr(obj, name, value)
+    for group in groups:
+        obj = getattr(obj, group)
+    return obj, name
 
 
 def _address_roles(field: str) -> tuple[str, ...]:
