@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import zmq
 
-from common.config import CodecSettings, GatewaySettings, ServeConfig, TokenizerSettings
+from common.config import GatewaySettings, ServeConfig, TokenizerSettings
 from common.ipc import Addresses, PullChannel, PushChannel
 from common.messages import (
     AudioChunks,
@@ -57,9 +57,8 @@ class Proc:
     """A worker process with its log in a file (to check that it said what it dropped)."""
 
     def __init__(self, role: str, addrs: Addresses, log: Path, **settings: object) -> None:
-        cfg = ServeConfig(
-            model="orpheus-tiny", addresses=addrs, device="cpu", codec=CodecSettings(device="cpu"), **settings
-        )
+        cfg = ServeConfig(model="orpheus-tiny", addresses=addrs, device="cpu", **settings)
+        cfg.codec.device = "cpu"
         argv = [sys.executable, "-m", role, "--config-json", cfg.to_json(), "--name", role]
         self.log = log
         self._out = open(log, "wb")  # noqa: SIM115 (closed in stop)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from codec_worker.worker import Codec
-from common.config import CodecSettings, GpuWorkerSettings, ServeConfig
+from common.config import GpuWorkerSettings, ServeConfig
 from common.ipc import Addresses, PullChannel, PushChannel
 from common.messages import (
     Abort,
@@ -43,9 +43,8 @@ def addrs(tmp_path) -> Addresses:
 
 
 def start(role: str, addrs: Addresses, **settings) -> subprocess.Popen:
-    cfg = ServeConfig(
-        model="orpheus-tiny", addresses=addrs, device="cpu", codec=CodecSettings(device="cpu"), **settings
-    )
+    cfg = ServeConfig(model="orpheus-tiny", addresses=addrs, device="cpu", **settings)
+    cfg.codec.device = "cpu"
     argv = [sys.executable, "-m", role, "--config-json", cfg.to_json(), "--name", role]
     return subprocess.Popen(argv, env=worker_env(), cwd=ROOT)
 
