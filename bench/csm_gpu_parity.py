@@ -26,9 +26,10 @@ import torch
 from bench.gpu_parity import codec_graphs_vs_eager
 from common.messages import Prompt, SamplingParams
 from gpu_worker.engine import Engine, EngineLimits
-from gpu_worker.kv_cache import allocate_kv_cache
-from gpu_worker.runner import StepBatch, make_runner
-from gpu_worker.sampler import SamplingRows
+from gpu_worker.runner.batch import StepBatch
+from gpu_worker.runner.kv_cache import allocate_kv_cache
+from gpu_worker.runner.model_runner import make_runner
+from gpu_worker.runner.sampler import SamplingRows
 from programs import get_spec, load_program_class
 
 PAGE = 16
@@ -91,7 +92,7 @@ def main() -> int:
 
     # One engine (its GraphRunner captures prefill, decode and depth graphs once) serves every check.
     eng = Engine(prog, limits)
-    graph_runner = eng.runner
+    graph_runner = eng.runner.forward_runner
     eager_runner = make_runner(prog, kv(), EngineLimits(cuda_graphs=False))
 
     # 1. Depth graphs vs eager.

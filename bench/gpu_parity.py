@@ -24,10 +24,12 @@ import torch
 
 from bench.prefill_parity import TOLERANCE, compare, prefill_checks
 from common.messages import Prompt, SamplingParams
-from gpu_worker.attention import TorchPagedAttention
+from gpu_worker.attention.torch_paged import TorchPagedAttention
 from gpu_worker.engine import Engine, EngineLimits
-from gpu_worker.kv_cache import allocate_kv_cache
-from gpu_worker.runner import EagerRunner, StepBatch, make_runner
+from gpu_worker.runner.batch import StepBatch
+from gpu_worker.runner.eager import EagerRunner
+from gpu_worker.runner.kv_cache import allocate_kv_cache
+from gpu_worker.runner.model_runner import make_runner
 from programs import get_spec, load_program_class
 from programs.orpheus.model import LlamaLM
 

@@ -22,9 +22,9 @@ import torch
 from bench.gpu_parity import forced_batches, greedy_batches, greedy_setup, parity_header, run_forced
 from bench.prefill_parity import compare
 from gpu_worker.engine import EngineLimits
-from gpu_worker.kv_cache import allocate_kv_cache
-from gpu_worker.kv_cache import kv_cache_dtype as kv_dtype
-from gpu_worker.runner import make_runner
+from gpu_worker.runner.kv_cache import allocate_kv_cache
+from gpu_worker.runner.kv_cache import kv_cache_dtype as kv_dtype
+from gpu_worker.runner.model_runner import make_runner
 from programs import get_spec, load_program_class
 
 PAGE = 16

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import numpy as np
 
 from common.messages import LEAD_NOISE_BASE, DetokChunk
-from gpu_worker.pacing import StepClock, lead_fits
+from gpu_worker.scheduler.pacing import StepClock, lead_fits
 from programs.base import LMProgram
 
 FIRST_CHUNK_MODES = ("reference", "adaptive", "fastest", "progressive")

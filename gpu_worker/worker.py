@@ -1,8 +1,8 @@
 """The gpu_worker process: owns the LM program and the engine, and runs the step loop.
 
 It takes prompts from the gateway's dispatcher on `gpu_in` (several gpu_workers can share one
-gateway): after each step it announces its free capacity (`credits`: free slots, bounded by the KV
-pages a full-budget request needs), so it is only ever sent prompts it can start at once. Aborts
+gateway): after each step it announces its free capacity (`credits`, from the engine's scheduler:
+free slots, bounded by the KV pages a full-budget request needs), so it is only ever sent prompts it can start at once. Aborts
 arrive on the same socket, broadcast to every gpu_worker."""
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from common.ipc import CreditWorkChannel, PushChannel
 from common.messages import Abort, CodecInMsg, GpuInMsg, ProcState, Prompt
 from common.proc import StatusReporter
 from gpu_worker.engine import Engine, EngineLimits
-from gpu_worker.kv_cache import pages_for
 from gpu_worker.stages import StageReporter
 from programs import get_spec, load_program_class
 
@@ -84,7 +83,6 @@ class GpuWorker:
         self.inbox: CreditWorkChannel[GpuInMsg] = CreditWorkChannel(
             cfg.addresses.gpu_in, GpuInMsg, name=status.name, uncounted=(Abort,)
         )
-        self._pages_per_request = pages_for(limits.max_context + 1, limits.page_size)
         self.to_codec: PushChannel[CodecInMsg] = PushChannel(cfg.addresses.codec_in)
         self.stages = StageReporter()  # tap-only events: admitted, first token
         self._metrics_at = 0.0
@@ -138,12 +136,5 @@ class GpuWorker:
             self.status.set_load(engine.num_active, engine.limits.max_batch_size, metrics)
 
     def credits(self) -> int:
-        """Prompts this worker can start at once: free slots, and no more than the free KV pages
-        cover at a full budget each (an idle worker always takes one)."""
-        engine = self.engine
-        slots = engine.limits.max_batch_size - engine.num_active
-        pages = engine.allocator.num_free // self._pages_per_request - len(engine.waiting)
-        credits = min(slots, pages)
-        if engine.num_active == 0:
-            credits = max(credits, 1)
-        return max(0, credits)
+        """Prompts this worker can start at once, as its scheduler says (`Scheduler.credits`)."""
+        return self.engine.credits()

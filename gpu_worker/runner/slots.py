@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from common.messages import SamplingParams
-from gpu_worker.sampler import SamplingRows
+from gpu_worker.runner.sampler import SamplingRows
 from programs.base import TokenKind
 
 
@@ -24,7 +24,7 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 class SlotState:
     """`num_slots` slots for requests, and one more, `scratch` (never handed out): the padding rows
-    of a captured step (gpu_worker/sample_graphs.py) sample and record there, harmlessly."""
+    of a captured step (gpu_worker/runner/sample_graphs.py) sample and record there, harmlessly."""
 
     def __init__(self, num_slots: int, max_context: int, n_codebooks: int, device: torch.device) -> None:
         self.scratch = num_slots

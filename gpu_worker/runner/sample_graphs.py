@@ -11,7 +11,7 @@ constrained rows, sample eagerly: the same function, so the same kernels and the
 The graph always applies the window mask and the penalty, which the eager path skips when no row
 needs them; they change nothing then (a window of -1 masks nothing, x / 1 = x * 1 = x), so a row
 samples the same token either way. Single-codebook programs only: a depth step has graphs of its
-own (gpu_worker.depth_graphs).
+own (gpu_worker.runner.depth_graphs).
 """
 
 from __future__ import annotations
