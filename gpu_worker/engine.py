@@ -17,13 +17,19 @@ whose token is dropped.
 from __future__ import annotations
 
 import time
+from collections import deque
+
+import torch
 
 from common.messages import DetokBatch, DetokChunk, FinishReason, Prompt
 from gpu_worker.limits import EngineLimits
+from gpu_worker.runner.kv_cache import PageAllocator
 from gpu_worker.runner.model_runner import InFlight, ModelRunner
-from gpu_worker.scheduler.pacing import Lives
+from gpu_worker.runner.slots import SlotState
+from gpu_worker.scheduler.pacing import Lives, StepClock
 from gpu_worker.scheduler.request import Request
 from gpu_worker.scheduler.scheduler import Scheduler, step_clock
+from gpu_worker.scheduler.sit_out import SitOut
 from gpu_worker.windows import AudioWindows
 from programs.base import LMProgram, TokenKind
 
@@ -58,23 +64,23 @@ class Engine:
 
     # --- the parts' state, as the worker, tests and benches read it ----------------------------
     @property
-    def kv_cache(self):
+    def kv_cache(self) -> torch.Tensor:
         return self.runner.kv_cache
 
     @property
-    def slots(self):
+    def slots(self) -> SlotState:
         return self.runner.slots
 
     @property
-    def allocator(self):
+    def allocator(self) -> PageAllocator:
         return self.scheduler.allocator
 
     @property
-    def clock(self):
+    def clock(self) -> StepClock:
         return self.scheduler.clock
 
     @property
-    def sit_out(self):
+    def sit_out(self) -> SitOut | None:
         return self.scheduler.sit_out
 
     @property
@@ -82,7 +88,7 @@ class Engine:
         return self.scheduler.running
 
     @property
-    def waiting(self):
+    def waiting(self) -> deque[Request]:
         return self.scheduler.waiting
 
     @property

@@ -13,6 +13,9 @@ import torch
 
 
 class InputArena:
+    """Named spans of one int64 device buffer and its host mirror (`sizes`: span name → entries,
+    laid out in that order)."""
+
     def __init__(self, sizes: dict[str, int], device: torch.device | str) -> None:
         self.spans: dict[str, tuple[int, int]] = {}
         lo = 0
@@ -49,7 +52,7 @@ class InputArena:
         self.dev[:upto].copy_(self.host[:upto], non_blocking=True)
 
     def seal(self) -> None:
-        """Mark the end of this step's host→device copies (the arena's and FlashInfer's plans,
+        """Mark the end of this step's host→device copies (the arena's and the attention plans',
         which stage through pinned buffers of their own): the next `begin` waits for them."""
         if self._copied is not None:
             self._copied.record()

@@ -1,19 +1,19 @@
 """CUDA graphs for the prefill part of a step (`lm_prefill`): one captured graph per row bucket.
 
-A bucket is (rows, reqs): the graph runs `rows` prompt rows as `reqs + 1` FlashInfer requests,
+A bucket is (rows, reqs): the graph runs `rows` prompt rows as `reqs + 1` attention requests,
 because a CUDA-graph prefill wrapper fixes its batch size (the length of its qo/kv indptr buffers)
-and, at its first `plan`, its total row count (`plan` raises if a later one has more rows; the work
-schedule, sized for that total, keeps the same shape, so the captured kernels stay valid). The step's
-n new requests come first; entries n..reqs-1 are one padding row each and the last entry takes the
-rest of the rows (at least one), so every entry has rows and the row total is always `rows`.
+and, at its first plan, its total row count (a later plan with more rows fails; the work schedule,
+sized for that total, keeps the same shape, so the captured kernels stay valid). The step's n new
+requests come first; entries n..reqs-1 are one padding row each and the last entry takes the rest
+of the rows (at least one), so every entry has rows and the row total is always `rows`.
 Padding rows are arena zeros: token 0 at position 0, key/value written to the reserved page 0,
 attending causally to a context made of page 0 alone. Harmless work; their logits are not computed
 (the head runs on each request's last row only, as in the eager runner).
 
-Keys/values are written into their pages first, then `BatchPrefillWithPagedKVCacheWrapper` attends
-causally (bottom-right aligned, like the eager path, which runs the same wrapper un-captured).
-Small buckets serve a single Orpheus prompt (20-60 rows) without padding it to hundreds of rows;
-steps that fit no bucket (more new requests or rows than the largest) run their prefill eagerly.
+Keys/values are written into their pages first, then the backend's prefill wrapper attends causally
+(bottom-right aligned, like the eager path, which runs the same kernel un-captured). Small buckets
+serve a single short prompt (20-60 rows) without padding it to hundreds of rows; steps that fit no
+bucket (more new requests or rows than the largest) run their prefill eagerly.
 """
 
 from __future__ import annotations
