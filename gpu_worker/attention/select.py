@@ -36,10 +36,12 @@ def graph_attention(
     eager = _flashinfer(program, kv_cache, limits, decode)
     args = (program, kv_cache, max_batch, max_pages, limits.decode_tensor_cores, limits.no_split_kv)
     if decode == "xqa":
-        from gpu_worker.attention.xqa import XqaGraphs
+        from gpu_worker.attention.xqa import XqaDecode, XqaGraphs
 
+        # each slot's pages (a request's whole budget) as a row of XQA's table
         per_request = pages_for(limits.max_context + 1, kv_cache.shape[3])
-        return eager, XqaGraphs(*args, num_slots=limits.max_batch_size, pages_per_request=per_request)
+        xqa = XqaDecode(kv_cache, limits.max_batch_size, per_request, max_batch)
+        return eager, XqaGraphs(xqa, FlashInferGraphs(*args))
     return eager, FlashInferGraphs(*args)
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gpu_worker.attention.flashinfer import FlashInferGraphs
 from gpu_worker.runner.slots import to_device
 
 DECODE_ATTENTION = ("auto", "flashinfer", "xqa")
@@ -141,19 +140,22 @@ class XqaWrapper:
         return self.xqa.run(q, cache, self.batch)
 
 
-class XqaGraphs(FlashInferGraphs):
-    """Attention of captured graphs with decode on XQA (prefill graphs stay on FlashInfer): each
-    slot's pages (a request's whole budget, reserved at admission) as a row of a device table,
-    written when the request is admitted, gathered per step by the decode rows' slots."""
+class XqaGraphs:
+    """Attention of captured graphs with decode on XQA and prefill on FlashInfer (`prefill`, a
+    gpu_worker.attention.flashinfer.FlashInferGraphs): each slot's pages (a request's whole budget,
+    reserved at admission) as a row of a device table, written when the request is admitted,
+    gathered per step by the decode rows' slots."""
 
     name = "xqa"
 
-    def __init__(
-        self, program, kv_cache: torch.Tensor, max_batch: int, max_pages: int, tensor_cores: bool,
-        no_split_kv: bool, num_slots: int, pages_per_request: int,
-    ) -> None:  # fmt: skip
-        self.xqa = XqaDecode(kv_cache, num_slots, pages_per_request, max_batch)
-        super().__init__(program, kv_cache, max_batch, max_pages, tensor_cores, no_split_kv)
+    def __init__(self, xqa: XqaDecode, prefill) -> None:
+        self.xqa, self.prefill = xqa, prefill
+
+    def prepare_capture_prefill(self, rows: int, reqs: int, max_pages: int, layout):
+        return self.prefill.prepare_capture_prefill(rows, reqs, max_pages, layout)
+
+    def prepare_replay_prefill(self, wrapper, layout, kv_indices: torch.Tensor) -> None:
+        self.prefill.prepare_replay_prefill(wrapper, layout, kv_indices)
 
     def decode_index_span(self, max_pages: int) -> int:
         return 0  # each slot's pages live on the device

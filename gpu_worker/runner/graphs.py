@@ -181,7 +181,9 @@ class GraphRunner:
         for i, bs in enumerate(sorted(self.sizes, reverse=True)):
             if progress:
                 progress(f"capturing decode graphs: batch {bs} ({i + 1}/{len(self.sizes)})")
-            self.graphs[bs] = self._capture(bs)
+            # built (and planned once) outside inference mode, where the graph's own tensors are not
+            wrapper = self.attn.prepare_capture_decode(bs, self.arena.dev_view("pos", bs))
+            self.graphs[bs] = self._capture(bs, wrapper)
         log.info(
             "captured %d decode graphs (batch %s, attention on %s) in %.1f s",
             len(self.sizes),
@@ -191,10 +193,11 @@ class GraphRunner:
         )
 
     @torch.inference_mode()
-    def _capture(self, bs: int) -> tuple[torch.cuda.CUDAGraph, object, tuple[torch.Tensor, torch.Tensor]]:
+    def _capture(
+        self, bs: int, wrapper
+    ) -> tuple[torch.cuda.CUDAGraph, object, tuple[torch.Tensor, torch.Tensor]]:
         p, c, a = self.program, self.program.n_codebooks, self.arena
         ids, pos = a.dev_view("ids", bs * c).view(bs, c), a.dev_view("pos", bs)
-        wrapper = self.attn.prepare_capture_decode(bs, pos)
         attn = GraphAttention(self.kv_cache, wrapper, a.dev_view("page", bs), a.dev_view("off", bs))
 
         def step() -> tuple[torch.Tensor, torch.Tensor]:
@@ -349,12 +352,13 @@ class GraphRunner:
             hiddens.append(hidden)
         if parts.dec is not None:
             a = self.arena
-            if b.last_rows is not None and meta is not None:  # fed-back ids, gathered on the device
-                a.dev_view("ids", n_dec * self.program.n_codebooks).view(n_dec, -1).copy_(
-                    b.last_rows[meta[0, n_pre:]]
-                )
             if meta is not None:
-                self.attn.select_rows(meta[0, n_pre:])
+                slots = meta[0, n_pre:]  # the decode rows'
+                if b.last_rows is not None:  # fed-back ids, gathered on the device
+                    a.dev_view("ids", n_dec * self.program.n_codebooks).view(n_dec, -1).copy_(
+                        b.last_rows[slots]
+                    )
+                self.attn.select_rows(slots)
             if mixed is not None:
                 graph, out = mixed
                 graph.replay()

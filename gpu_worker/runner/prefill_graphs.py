@@ -37,8 +37,8 @@ log = logging.getLogger(__name__)
 
 # New requests one prefill graph takes. One: a request's prefill then depends on its own prompt only
 # (its bucket, GEMM row count and attention batch), so its tokens do not depend on which requests
-# arrived with it. Measured on the H200: prefilled together with another request in a (64, 4)
-# graph, a greedy request's tokens differed from alone from token 12 on (bf16 rounding). Several
+# arrived with it. On the H200, prefilled together with another request in a (64, 4) graph, a
+# greedy request's tokens differ from its tokens alone from token 12 on (bf16 rounding). Several
 # new requests in one step each take a graph of their own, from a *lane* of graphs with its own
 # arena spans and attention wrappers (`gpu_worker.runner.graphs.PREFILL_LANES`).
 MAX_PREFILL_REQS = 1

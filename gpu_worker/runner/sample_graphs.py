@@ -1,8 +1,8 @@
 """CUDA graphs for a decode step's sampling: one per decode bucket and mode (free or constrained).
 
 Sampling a step eagerly is some sixty small kernels (penalty, stop mask, sort, top-k/p, min-p, the
-counter-based draw, classification, the slot records), each launched from Python: measured on the
-H200 at ~300 streams, launching them took a third of the engine loop's host time. A decode-only
+counter-based draw, classification, the slot records), each launched from Python: on the H200 at
+~300 streams, launching them takes a third of the engine loop's host time. A decode-only
 step whose rows share one mode replays instead the graph of its bucket, which reads the decode
 graph's logits and the arena's meta (laid out [3, bucket]; padding rows sample and record on the
 scratch slot) and writes [bucket, C + 1] rows and kinds. Steps with prompt rows, or mixing free and

@@ -1,4 +1,5 @@
-"""How fast the engine steps, measured while it serves: real-time capacity and the first-chunk choice.
+"""How fast the engine steps, measured while it serves: real-time capacity and the first-chunk choice,
+from the step clock (`StepClock`) and the step cost (`StepCost`).
 
 A step produces one row for every running request (but those sitting it out, `SitOut`), so the
 time between consecutive steps is the time each stream waits for its next row. A stream stays real
@@ -10,9 +11,9 @@ for Orpheus). `StepClock` keeps an exponential average of the interval per batch
   Once `StepCost` has fitted a step's time (fixed, per token, per token of context, per prompt):
   the load whose step, at the context its streams attend over averaged over their lives and their
   prompts at the rate they come, takes `capacity_headroom` (`--capacity-headroom`) of the row
-  period. Before that: the largest batch whose measured (or
-  extrapolated) interval fits the row period with some headroom, and at least the recent load
-  scaled by the budget over its recent interval (`paced_capacity`);
+  period. Before that: the largest batch whose measured (or extrapolated) interval fits the row
+  period with some headroom, and at least the recent load scaled by the budget over its recent
+  interval (`paced_capacity`);
 - `row_period()`: the recent interval at the current load, and `row_period_high()` a pessimistic
   one (plus twice the recent spread);
 - `rows_time_high(n)`: how long the next n steps may take, from the last steps' own n-step spans
