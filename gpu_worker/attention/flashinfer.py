@@ -151,11 +151,21 @@ class FlashInferGraphs:
         self.program, self.kv_cache = program, kv_cache
         self.page_size = kv_cache.shape[3]
         self.tensor_cores, self.no_split_kv = tensor_cores, no_split_kv
-        dev = program.device
-        self.kv_indptr = torch.zeros(max_batch + 1, dtype=torch.int32, device=dev)
-        self.kv_indices = torch.zeros(max_pages, dtype=torch.int32, device=dev)
-        self.kv_last = torch.zeros(max_batch, dtype=torch.int32, device=dev)
-        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+        self.max_batch, self.max_pages = max_batch, max_pages
+        self.workspace: torch.Tensor | None = None  # with the decode buffers, at the first capture
+
+    def _allocate(self) -> None:
+        """The decode wrappers' page-table buffers and the workspace, allocated at the first capture
+        (after the runner's input arena) as normal tensors, even under inference mode: the decode
+        wrappers are planned outside it."""
+        if self.workspace is not None:
+            return
+        dev = self.program.device
+        with torch.inference_mode(False):
+            self.kv_indptr = torch.zeros(self.max_batch + 1, dtype=torch.int32, device=dev)
+            self.kv_indices = torch.zeros(self.max_pages, dtype=torch.int32, device=dev)
+            self.kv_last = torch.zeros(self.max_batch, dtype=torch.int32, device=dev)
+            self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
 
     def decode_index_span(self, max_pages: int) -> int:
         return max_pages
@@ -165,6 +175,7 @@ class FlashInferGraphs:
 
     # --- prefill graphs ------------------------------------------------------------------------
     def prepare_capture_prefill(self, rows: int, reqs: int, max_pages: int, layout):
+        self._allocate()
         dev = self.kv_cache.device
         # Buffers of its own per wrapper: a step plans prefill and decode before replaying either.
         wrapper = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
@@ -194,6 +205,7 @@ class FlashInferGraphs:
 
     # --- decode graphs -------------------------------------------------------------------------
     def prepare_capture_decode(self, batch: int, pos: torch.Tensor):
+        self._allocate()
         wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace,
             "NHD",
