@@ -18,7 +18,7 @@ class EngineLimits:
     # FlashInfer: one KV split per request, so attention reduces in the same order at any batch
     # size (measured on the H200: without it, greedy tokens change when the batch grows).
     no_split_kv: bool = True
-    # First audio of a request: "reference" waits for the first full window (28 Orpheus tokens);
+    # First audio of a request: "reference" waits for the first full window (`detok_interval` rows);
     # "adaptive" sends a short lead window (the program's `detok_lead`) as soon as the measured
     # step rate lets the next window arrive before the lead has played out; "fastest" always
     # sends the smallest lead (deterministic: for tests); "progressive" sends each first frame as a
@@ -51,7 +51,7 @@ class EngineLimits:
     # an fp8 cache on Hopper). Prefill rows always run on FlashInfer.
     decode_attention: str = "auto"
     # FlashInfer's decode kernel: on tensor cores (its FA2 prefill kernel; 0.85-0.89x the time of the
-    # CUDA-core kernel for Orpheus-3B's bf16 cache on the H200), or the CUDA-core decode kernel
+    # CUDA-core kernel for a 3B model's bf16 cache on the H200), or the CUDA-core decode kernel
     # (bench/attention_kv.py compares them; with an fp8 cache it is not measured yet).
     decode_tensor_cores: bool = True
     # A step's first new prompt runs in one graph with its decode rows (gpu_worker.runner.graphs, mixed

@@ -50,7 +50,7 @@ class SlotState:
     def admit(self, sp: SamplingParams, prompt_ids: np.ndarray, penalty: bool = True) -> int:
         """Claim a slot for a request whose codebook-0 prompt ids are `prompt_ids` [R]. With
         `penalty` False (a program without one) the penalty is off and the prompt stays out of the
-        history: its ids need not be sampleable (CSM's text rows)."""
+        history: its ids need not be sampleable (a program's text rows)."""
         slot = self._free.pop()
         if not penalty:
             sp, prompt_ids = msgspec.structs.replace(sp, repetition_penalty=1.0), np.zeros(1, np.int64)

@@ -4,7 +4,7 @@ from the step clock (`StepClock`) and the step cost (`StepCost`).
 A step produces one row for every running request (but those sitting it out, `SitOut`), so the
 time between consecutive steps is the time each stream waits for its next row. A stream stays real
 time while that interval is below the program's row period (1 / rows per audio second: 12.19 ms
-for Orpheus). `StepClock` keeps an exponential average of the interval per batch-size bucket
+at 82.03 rows a second). `StepClock` keeps an exponential average of the interval per batch-size bucket
 (quarter octaves), which gives
 
 - `capacity(lives=)`: the streams this worker keeps real time, which the gateway admits to it.
