@@ -170,7 +170,7 @@ CodecInMsg = DetokBatch
 GatewayInMsg = AudioChunks | RequestError | ProcStatus | Prompt
 
 
-# --- Pool control and taps (added after the unions above; fields carry defaults) -----------------
+# --- Pool control and taps --------------------------------------------------------------------
 
 
 class WorkerReady(msgspec.Struct, tag="wready", **_STRUCT):

@@ -52,7 +52,7 @@ _LEVELS = [_SENTENCE_END, _CLAUSE_END, _SPACE]  # then between characters
 
 def text_limit(cfg: ServeConfig) -> int:
     """The longest accepted input in characters: --max-text-chars, capped at MAX_TEXT_CHARS_LIMIT."""
-    return max(1, min(cfg.max_text_chars, MAX_TEXT_CHARS_LIMIT))
+    return max(1, min(cfg.gateway.max_text_chars, MAX_TEXT_CHARS_LIMIT))
 
 
 def prompt_overhead(spec: Mapping[str, Any]) -> int:

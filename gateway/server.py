@@ -32,7 +32,7 @@ from typing import Any
 from aiohttp import web
 
 from common.config import ServeConfig, check_model_settings
-from common.ipc import Addresses, AsyncDispatchChannel, AsyncPullChannel, publish_stage
+from common.ipc import Addresses, AsyncPullChannel, publish_stage
 from common.messages import (
     Abort,
     AudioChunks,
@@ -43,6 +43,7 @@ from common.messages import (
     Prompt,
     RequestError,
 )
+from common.pool import AsyncDispatchChannel
 from gateway import auth, openai, openapi
 from gateway.admission import Admission
 from gateway.body import MAX_BODY_BYTES, BodyError, read_fields
@@ -81,8 +82,8 @@ class Gateway:
         self.sample_rate = int(self.spec["sample_rate"])
         self.idle_timeout_s = idle_timeout_s
         self.submit_timeout_s = submit_timeout_s
-        self.procs = ProcessTable(cfg.tokenizer_workers, gpu_workers=cfg.gpu_workers)
-        self.admission = Admission(self._stream_capacity, cfg.max_queue, cfg.queue_timeout)
+        self.procs = ProcessTable(cfg.tokenizer.workers, gpu_workers=cfg.gpu_workers)
+        self.admission = Admission(self._stream_capacity, cfg.gateway.max_queue, cfg.gateway.queue_timeout)
         self.metrics = GatewayMetrics(self.procs, self.admission)
         self.created = int(time.time())
         self.closing = False  # set on shutdown: no new segments are submitted
@@ -96,10 +97,10 @@ class Gateway:
         self._routing: dict[str, asyncio.Task[Any]] = {}  # rid → prompt waiting for a gpu_worker
         self._holder: dict[str, str] = {}  # rid → the process holding it (tokenizer, then gpu_worker)
         self._recv_from_workers: AsyncPullChannel[GatewayInMsg] | None = None
-        if cfg.max_text_chars > MAX_TEXT_CHARS_LIMIT:
+        if cfg.gateway.max_text_chars > MAX_TEXT_CHARS_LIMIT:
             log.warning(
                 "--max-text-chars %d is above the gateway's limit; texts are capped at %d characters",
-                cfg.max_text_chars,
+                cfg.gateway.max_text_chars,
                 MAX_TEXT_CHARS_LIMIT,
             )
 
@@ -131,8 +132,8 @@ class Gateway:
             self.abort(rids)
 
     def _stream_capacity(self) -> float | None:
-        if self.cfg.max_streams > 0:
-            return float(self.cfg.max_streams)
+        if self.cfg.gateway.max_streams > 0:
+            return float(self.cfg.gateway.max_streams)
         return self.procs.stream_capacity()
 
     async def _watch_processes(self) -> None:
