@@ -36,20 +36,21 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
 
 
 def engine_limits(cfg: ServeConfig, spec: dict, device: str) -> EngineLimits:
-    """The engine's limits from the worker's settings and its model's spec."""
-    is_cpu = device == "cpu"
+    """The engine's limits from the worker's settings and its model's spec (the batch size and
+    context that default to the device's and the model's, from `GpuWorkerSettings.resolved`)."""
+    gpu = cfg.gpu.resolved(device, spec["max_tokens"])
     return EngineLimits(
-        max_batch_size=cfg.gpu.max_batch_size or (16 if is_cpu else 256),
-        max_context=min(cfg.gpu.max_context or spec["max_tokens"], spec["max_tokens"]),
-        page_size=cfg.gpu.page_size,
-        num_pages=cfg.gpu.num_pages,
-        cuda_graphs=cfg.gpu.cuda_graphs,
-        first_chunk=cfg.gpu.first_chunk,
-        realtime_headroom=cfg.gpu.realtime_headroom,
-        capacity_headroom=cfg.gpu.capacity_headroom,
-        sit_out_lead_s=cfg.gpu.sit_out_lead_s,
-        kv_cache_dtype=cfg.gpu.kv_cache_dtype,
-        decode_attention=cfg.gpu.decode_attention,
+        max_batch_size=gpu.max_batch_size,
+        max_context=gpu.max_context,
+        page_size=gpu.page_size,
+        num_pages=gpu.num_pages,
+        cuda_graphs=gpu.cuda_graphs,
+        first_chunk=gpu.first_chunk,
+        realtime_headroom=gpu.realtime_headroom,
+        capacity_headroom=gpu.capacity_headroom,
+        sit_out_lead_s=gpu.sit_out_lead_s,
+        kv_cache_dtype=gpu.kv_cache_dtype,
+        decode_attention=gpu.decode_attention,
     )
 
 
