@@ -1,4 +1,4 @@
-"""GPU: what decoding on XQA (gpu_worker/xqa_backend.py) changes, with dummy Orpheus-3B weights.
+"""GPU: what decoding on XQA (gpu_worker/attention/xqa.py) changes, with dummy Orpheus-3B weights.
 
 1. Teacher-forced logits of the decode steps (graphs on, two prompts, 48 forced tokens each) for
    each (cache dtype, decode attention) against FlashInfer over a bf16 cache, the serving default:
