@@ -12,7 +12,7 @@ its context, a part per prompt, and some noise. The load is bench/load's: `clien
 clients started over `ramp_s`, each sending its next request when the last one has finished
 generating, until `duration_s`.
 
-    python -m bench.admission_sim --clients 400,480 [--h200 [--calibrate]] --out /tmp/sim.json
+    voxpipe bench sim --clients 400,480 [--h200 [--calibrate]] --out /tmp/sim.json
 
 It reports, per policy and load, what bench/load reports (TTFA p50/p99, the share of requests on
 time) and the streams admitted. The step model's constants are fitted to the H200 runs (fp8 weights
@@ -190,14 +190,14 @@ def simulate(
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--clients", default="384,400,416,480")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--out", default=None)
     ap.add_argument("--h200", action="store_true", help="the curved GPU of the session-12 H200 runs (H200)")
     ap.add_argument("--calibrate", action="store_true", help="the fit starts from the startup differences")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rows = []
     common = dict(gpu=H200 if args.h200 else None, calibrate=args.calibrate)
     for name, kw in (("pace", dict(life=False, **common)), ("life", dict(life=True, **common))):

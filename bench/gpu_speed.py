@@ -232,7 +232,7 @@ def hf_baseline(n_tokens: int) -> dict:
     }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_speed.json")
     ap.add_argument("--sizes", default="1,8,64,128,256,384,512")
@@ -251,7 +251,7 @@ def main() -> int:
     ap.add_argument(
         "--offline-gather", type=int, default=256, help="windows pending per codec call (0: every step)"
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     skip = set(args.skip.split(","))
     torch.backends.cudnn.allow_tf32 = False
     res: dict = {

@@ -1,5 +1,5 @@
 """`--decode-attention`: which kernel the decode steps get, by GPU, cache dtype and shape (the
-kernels themselves run on the GPU: bench/xqa_parity.py)."""
+kernels themselves run on the GPU: tests/gpu/test_gpu_xqa_parity.py)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ fixed buffers and a fixed batch size, `plan` only refills those buffers (and ref
 its first plan), `run` reads nothing but the buffers; a "graph" replays its captured function into
 the output tensor it returned at capture, reading the arena's device views. So the arena layout,
 the padding, the order plan → copy → replay and the prefill/decode split are checked here; the
-FlashInfer kernels themselves only on the GPU (bench/gpu_parity.py).
+FlashInfer kernels themselves only on the GPU (tests/gpu/test_gpu_parity.py).
 """
 
 from __future__ import annotations

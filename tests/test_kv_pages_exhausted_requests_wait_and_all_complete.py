@@ -83,11 +83,11 @@ async def burst(base: str, n: int) -> list[tuple[int, int]]:
 
 async def scrape(base: str) -> dict[str, float]:
     async with aiohttp.ClientSession() as s:
-        for _ in range(20):  # the heartbeat after the last step carries the freed pages
+        for _ in range(100):  # the heartbeat after the last step carries the freed pages
             async with s.get(base + "/metrics") as r:
                 text = await r.text()
             lines = dict(x.rsplit(" ", 1) for x in text.splitlines() if x.startswith("voxpipe_kv_pages"))
             if lines.get('voxpipe_kv_pages_used{process="gpu_worker",role="gpu_worker"}') == "0.0":
                 break
-            await asyncio.sleep(0.25)
+            await asyncio.sleep(0.05)
     return {k: float(v) for k, v in lines.items()}

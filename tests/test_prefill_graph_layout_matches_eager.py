@@ -1,7 +1,7 @@
 """The prefill-graph layout (row buckets, padding entries, arena contents) computes, on CPU with the
 torch attention backend, the same logits and KV pages as the eager runner for the unpadded step.
 
-The CUDA graph itself needs a GPU (bench/gpu_parity.py checks it there); this checks everything the
+The CUDA graph itself needs a GPU (tests/gpu/test_gpu_parity.py checks it there); this checks everything the
 graph reads: the padded qo/kv page arrays FlashInfer is planned with, the write slots and the
 last-row indices in the arena, and that padding rows (token 0, position 0, page 0) leave the real
 requests' rows and pages untouched.

@@ -1,4 +1,4 @@
-"""Prefill-graph checks for bench/gpu_parity.py (H200, dummy Orpheus-3B, bf16).
+"""Prefill-graph checks for test_gpu_parity.py (dummy Orpheus-3B, bf16).
 
 For each prompt mix, one prefill step through `GraphRunner` (each new request in a prefill graph
 of its own lane, or all eagerly when there are more than the lanes) against the eager runner
@@ -32,7 +32,7 @@ MAX_CONTEXT = 1200
 SAME_ROWS_TOLERANCE = 0.05
 # Against eager on another row count (a padded graph against the unpadded prompt): bf16 GEMMs of a
 # different M round differently and 28 layers carry it (measured on the H200: up to 0.24); the
-# bound is the one the serving path keeps against the unfused bf16 reference (gpu_parity.py).
+# bound is the one the serving path keeps against the unfused bf16 reference (test_gpu_parity.py).
 TOLERANCE = 0.5
 
 CASES = {
