@@ -19,7 +19,7 @@ import time
 import torch
 
 from bench.gpu_speed import cuda_ms
-from gpu_worker.flashinfer_backend import WORKSPACE_BYTES, import_flashinfer, page_arrays
+from gpu_worker.attention.flashinfer import WORKSPACE_BYTES, import_flashinfer, page_arrays
 
 LAYERS, HQ, HKV, D, PAGE = 28, 24, 8, 128, 16
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn

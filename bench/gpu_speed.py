@@ -19,11 +19,12 @@ import torch
 
 from codec_worker.worker import Codec
 from common.messages import Prompt, SamplingParams
+from gpu_worker.attention.flashinfer import FlashInferAttention
 from gpu_worker.engine import Engine, EngineLimits
-from gpu_worker.flashinfer_backend import FlashInferAttention
-from gpu_worker.graphs import GraphRunner
-from gpu_worker.kv_cache import allocate_kv_cache, pages_for
-from gpu_worker.runner import EagerRunner, StepBatch
+from gpu_worker.runner.batch import StepBatch
+from gpu_worker.runner.eager import EagerRunner
+from gpu_worker.runner.graphs import GraphRunner
+from gpu_worker.runner.kv_cache import allocate_kv_cache, pages_for
 from programs import get_spec, load_program_class
 
 TOKENS_PER_SECOND = 82.03  # Orpheus tokens per second of audio

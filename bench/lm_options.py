@@ -18,11 +18,12 @@ import torch
 
 from bench.gpu_speed import cuda_ms
 from common.messages import Prompt, SamplingParams
+from gpu_worker.attention.flashinfer import FlashInferAttention
 from gpu_worker.engine import Engine, EngineLimits
-from gpu_worker.flashinfer_backend import FlashInferAttention
-from gpu_worker.kv_cache import allocate_kv_cache, pages_for
-from gpu_worker.kv_cache import kv_cache_dtype as kv_dtype
-from gpu_worker.runner import EagerRunner, StepBatch
+from gpu_worker.runner.batch import StepBatch
+from gpu_worker.runner.eager import EagerRunner
+from gpu_worker.runner.kv_cache import allocate_kv_cache, pages_for
+from gpu_worker.runner.kv_cache import kv_cache_dtype as kv_dtype
 from programs import get_spec, load_program_class
 
 CONFIGS = {

@@ -33,8 +33,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.graphs import decode_buckets
-from gpu_worker.sampler import row_cumsum
+from gpu_worker.runner.graphs import decode_buckets
+from gpu_worker.runner.sampler import row_cumsum
 from programs import fp8
 
 HIDDEN, INTER, HQ, HKV, D, AUDIO_HEAD = 3072, 8192, 24, 8, 128, 4112
@@ -82,7 +82,7 @@ def gemm_checks(device: str, sizes: list[int], shapes=GEMMS) -> dict:
 
 
 def mixed_checks(device: str, sizes: list[int], prompt_rows=(32, 64, 128), shapes=GEMMS) -> dict:
-    """A mixed step's GEMM (gpu_worker.graphs: a prompt bucket's rows, then a decode bucket's):
+    """A mixed step's GEMM (gpu_worker.runner.graphs: a prompt bucket's rows, then a decode bucket's):
     for each GEMM and weight kind, the first (prompt rows, decode rows) at which one GEMM over
     both parts differs, bit for bit, from a GEMM per part (null: never), which `fp8.rows_apart`
     runs for the weights that need it."""
@@ -131,7 +131,7 @@ def sampling_checks(device: str, sizes: list[int], vocabs=VOCABS) -> dict:
 
 def attention_checks(sizes: list[int]) -> dict:
     from bench.attention_kv import flashinfer_layer, xqa_layer
-    from gpu_worker.flashinfer_backend import WORKSPACE_BYTES, import_flashinfer
+    from gpu_worker.attention.flashinfer import WORKSPACE_BYTES, import_flashinfer
 
     flashinfer = import_flashinfer()
     per = -(-(CTX + 1) // PAGE)

@@ -11,7 +11,7 @@ import pytest
 
 from common.messages import FinishReason, Prompt, SamplingParams
 from gpu_worker.engine import Engine, EngineLimits
-from gpu_worker.kv_cache import pages_for
+from gpu_worker.runner.kv_cache import pages_for
 from programs import get_spec, load_program_class
 from tests.conftest import Server, get_json
 

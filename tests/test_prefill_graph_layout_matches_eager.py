@@ -13,11 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker.attention import StepLayout, TorchPagedAttention
-from gpu_worker.graph_io import InputArena
-from gpu_worker.graphs import decode_spans, fill_decode
-from gpu_worker.kv_cache import allocate_kv_cache
-from gpu_worker.prefill_graphs import (
+from gpu_worker.attention.interface import StepLayout
+from gpu_worker.attention.torch_paged import TorchPagedAttention
+from gpu_worker.runner.arena import InputArena
+from gpu_worker.runner.batch import StepBatch
+from gpu_worker.runner.eager import EagerRunner
+from gpu_worker.runner.graphs import decode_spans, fill_decode
+from gpu_worker.runner.kv_cache import allocate_kv_cache
+from gpu_worker.runner.prefill_graphs import (
     fill_prefill,
     max_prefill_pages,
     pick_bucket,
@@ -25,7 +28,6 @@ from gpu_worker.prefill_graphs import (
     prefill_layout,
     prefill_spans,
 )
-from gpu_worker.runner import EagerRunner, StepBatch
 from programs import get_spec, load_program_class
 
 PAGE = 16

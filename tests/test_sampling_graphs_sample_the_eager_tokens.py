@@ -1,4 +1,4 @@
-"""Sampling graphs (gpu_worker/sample_graphs.py): a decode-only step whose rows share a mode replays
+"""Sampling graphs (gpu_worker/runner/sample_graphs.py): a decode-only step whose rows share a mode replays
 its bucket's captured sampling, padding rows on the scratch slot; every request still samples the
 tokens of the eager engine, whatever its settings (penalty over the whole history or a window, or
 none; greedy; top-k, top-p, min-p; min_tokens), with requests joining mid-stream and steps mixing
@@ -70,18 +70,20 @@ def test_sampling_graphs_give_the_eager_tokens(request, graph_runner_cls, constr
 
     def engine() -> Engine:
         eng = Engine(program, EngineLimits(**LIMITS))
-        eng.runner = graph_runner_cls(program, eng.kv_cache, EngineLimits(**LIMITS))
+        eng.runner.forward_runner = graph_runner_cls(program, eng.kv_cache, EngineLimits(**LIMITS))
         return eng
 
     # Against the same runner sampling eagerly: the stand-in attention rounds differently from
     # the eager runner's, and over the whole vocabulary that changes a draw now and then.
     eager = run(engine(), prompts(constrained))
     eng = engine()
-    eng.capture_sampling()
-    assert set(eng.sample_graphs.graphs) == {(bs, c) for bs in eng.runner.sizes for c in (False, True)}
+    eng.runner.capture_sampling()
+    assert set(eng.runner.sample_graphs.graphs) == {
+        (bs, c) for bs in eng.runner.forward_runner.sizes for c in (False, True)
+    }
     replays = []
-    replay = eng.sample_graphs.replay
-    eng.sample_graphs.replay = lambda bs, c: replays.append((bs, c)) or replay(bs, c)
+    replay = eng.runner.sample_graphs.replay
+    eng.runner.sample_graphs.replay = lambda bs, c: replays.append((bs, c)) or replay(bs, c)
     got = run(eng, prompts(constrained))
     assert got == eager
     assert all(len(rows) >= 40 for rows, _ in got.values())

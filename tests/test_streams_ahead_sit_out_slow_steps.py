@@ -1,5 +1,5 @@
 """Streams far ahead of their listeners sit out steps that run over the budget
-(gpu_worker.pacing.SitOut): only those, only while steps are slow, never down to a gap, the rows
+(gpu_worker.scheduler.sit_out.SitOut): only those, only while steps are slow, never down to a gap, the rows
 left a graph bucket's size; and a request's tokens are the same whether it sat steps out or not."""
 
 from __future__ import annotations
@@ -11,11 +11,14 @@ import pytest
 
 from common.messages import Prompt, SamplingParams
 from gpu_worker.engine import Engine, EngineLimits
-from gpu_worker.graphs import decode_buckets
-from gpu_worker.pacing import SPARE_LEAD_S, SitOut, StepClock
+from gpu_worker.limits import DEFAULTS
+from gpu_worker.runner.graphs import decode_buckets
+from gpu_worker.scheduler.pacing import StepClock
+from gpu_worker.scheduler.sit_out import SitOut
 
 PERIOD = 1 / 82.03  # an Orpheus row's playback time
 BUDGET = 0.88 * PERIOD
+SPARE_LEAD_S = DEFAULTS.sit_out_lead_s
 
 
 def clock_at(interval: float, batch: int = 300) -> StepClock:
@@ -162,7 +165,7 @@ def run(program, sit_out: float) -> tuple[dict, list[float], bool]:
     eng.clock.tick = tick
     eng.windows.now = lambda: now[0]
     left_out: list[float] = []
-    choose = eng._leave_out_streams_ahead
+    choose = eng.scheduler.leave_out_streams_ahead
 
     def checked(batch, prompts):
         kept = choose(batch, prompts)
@@ -171,7 +174,7 @@ def run(program, sit_out: float) -> tuple[dict, list[float], bool]:
         left_out.extend(r.sent_s - (now[0] - r.t_first) for r in batch if id(r) not in ids)
         return kept
 
-    eng._leave_out_streams_ahead = checked
+    eng.scheduler.leave_out_streams_ahead = checked
     rows = np.array([128259, 300, 301, 128009, 128260, 128261, 128257], dtype="<i4")
     for step in range(3000):
         if step % 25 == 0 and step // 25 < 6:

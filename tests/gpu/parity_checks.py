@@ -14,7 +14,7 @@ import torch
 
 from common.messages import Prompt, SamplingParams
 from gpu_worker.engine import Engine, EngineLimits
-from gpu_worker.runner import StepBatch
+from gpu_worker.runner.batch import StepBatch
 
 PAGE = 16
 

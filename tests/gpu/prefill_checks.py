@@ -18,12 +18,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from gpu_worker.attention.flashinfer import FlashInferAttention
 from gpu_worker.engine import EngineLimits
-from gpu_worker.flashinfer_backend import FlashInferAttention
-from gpu_worker.graphs import GraphRunner
-from gpu_worker.kv_cache import allocate_kv_cache, pages_for
-from gpu_worker.prefill_graphs import pick_bucket
-from gpu_worker.runner import EagerRunner, StepBatch
+from gpu_worker.runner.batch import StepBatch
+from gpu_worker.runner.eager import EagerRunner
+from gpu_worker.runner.graphs import GraphRunner
+from gpu_worker.runner.kv_cache import allocate_kv_cache, pages_for
+from gpu_worker.runner.prefill_graphs import pick_bucket
 
 MAX_CONTEXT = 1200
 # The same arithmetic on the same rows (a graph against eager padded to its bucket): a bf16 ulp or

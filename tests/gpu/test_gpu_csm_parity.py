@@ -21,9 +21,10 @@ from parity_checks import codec_graphs_vs_eager
 
 from common.messages import Prompt, SamplingParams
 from gpu_worker.engine import Engine, EngineLimits
-from gpu_worker.kv_cache import allocate_kv_cache
-from gpu_worker.runner import StepBatch, make_runner
-from gpu_worker.sampler import SamplingRows
+from gpu_worker.runner.batch import StepBatch
+from gpu_worker.runner.kv_cache import allocate_kv_cache
+from gpu_worker.runner.model_runner import make_runner
+from gpu_worker.runner.sampler import SamplingRows
 from programs import get_spec, load_program_class
 
 PAGE = 16
@@ -87,7 +88,7 @@ def test_depth_graphs_give_the_eager_frames(csm, gpu_report):
         c0 = torch.randint(0, 2048, (bs,), generator=gen, device="cuda")
         for temp in (0.0, 0.9):
             rows = rows_for(bs, temp, 100 * bs)
-            g = eng.runner.decode_tokens(hidden, c0, rows).clone()
+            g = eng.runner.forward_runner.decode_tokens(hidden, c0, rows).clone()
             e = eager.decode_tokens(hidden, c0, rows)
             depth[f"batch {bs} temperature {temp}"] = int((g != e).sum())
     gpu_report("csm-parity")["depth_graph_vs_eager_frames_differing_codes"] = depth
@@ -102,7 +103,9 @@ def test_backbone_graph_logits_match_eager(csm, gpu_report):
         for t in ("Hello there.", "A longer sentence to speak, with commas.")
     ]
     steps = forced_steps(prompts, rng.integers(0, 2048, size=(32, 32)))
-    lg = torch.stack([eng.runner.forward(s)[0][:, 0].float().cpu() for s in steps])  # [T, B, V]
+    lg = torch.stack(
+        [eng.runner.forward_runner.forward(s)[0][:, 0].float().cpu() for s in steps]
+    )  # [T, B, V]
     le = torch.stack([eager.forward(s)[0][:, 0].float().cpu() for s in steps])
     d = (lg - le).abs()
     res = {
@@ -168,8 +171,8 @@ def test_one_streams_decode_step_fits_in_a_frame(csm, gpu_report):
         rows = rows_for(bs, 0.9, 0)
 
         def one_step(b=b, rows=rows) -> None:
-            logits, _, hidden = eng.runner.forward(b)
-            eng.runner.decode_tokens(hidden, logits[:, 0].argmax(-1), rows)
+            logits, _, hidden = eng.runner.forward_runner.forward(b)
+            eng.runner.forward_runner.decode_tokens(hidden, logits[:, 0].argmax(-1), rows)
 
         for _ in range(3):
             one_step()

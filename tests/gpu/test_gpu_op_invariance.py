@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from bench.op_invariance import GEMMS, attention_checks, gemm_checks, mixed_checks, sampling_checks
-from gpu_worker.graphs import decode_buckets
+from gpu_worker.runner.graphs import decode_buckets
 from programs import fp8
 
 

@@ -28,10 +28,11 @@ from parity_checks import (
 )
 from prefill_checks import TOLERANCE, compare, prefill_checks
 
-from gpu_worker.attention import TorchPagedAttention
+from gpu_worker.attention.torch_paged import TorchPagedAttention
 from gpu_worker.engine import EngineLimits
-from gpu_worker.kv_cache import allocate_kv_cache
-from gpu_worker.runner import EagerRunner, make_runner
+from gpu_worker.runner.eager import EagerRunner
+from gpu_worker.runner.kv_cache import allocate_kv_cache
+from gpu_worker.runner.model_runner import make_runner
 from programs import get_spec, load_program_class
 from programs.orpheus.model import LlamaLM
 

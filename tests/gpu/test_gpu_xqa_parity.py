@@ -17,9 +17,9 @@ from parity_checks import forced_batches, greedy_batches, greedy_setup, run_forc
 from prefill_checks import compare
 
 from gpu_worker.engine import EngineLimits
-from gpu_worker.kv_cache import allocate_kv_cache
-from gpu_worker.kv_cache import kv_cache_dtype as kv_dtype
-from gpu_worker.runner import make_runner
+from gpu_worker.runner.kv_cache import allocate_kv_cache
+from gpu_worker.runner.kv_cache import kv_cache_dtype as kv_dtype
+from gpu_worker.runner.model_runner import make_runner
 from programs import get_spec, load_program_class
 
 PAGE = 16
