@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpu_worker.limits import DEFAULTS
+from common.config import GpuWorkerSettings
 from gpu_worker.runner.graphs import decode_buckets
 from gpu_worker.scheduler.calibrate import step_differences
 from gpu_worker.scheduler.pacing import Lives, StepClock, lead_fits
@@ -107,7 +107,7 @@ def simulate(
     clock = StepClock(ROWS_PER_S, 512)
     if calibrate:
         clock.cost.calibrate(startup_differences(gpu))
-    sit = SitOut(clock, decode_buckets(512), DEFAULTS.sit_out_lead_s) if sit_out else None
+    sit = SitOut(clock, decode_buckets(512), GpuWorkerSettings().sit_out_lead_s) if sit_out else None
     t, cap, cap_at = 0.0, float(512), -1.0
     next_send = [i * ramp_s / clients for i in range(clients)]
     queue: list[tuple[int, float]] = []  # (client, sent at) waiting at the gateway

@@ -18,9 +18,10 @@ import numpy as np
 import torch
 
 from codec_worker.worker import Codec
+from common.config import GpuWorkerSettings
 from common.messages import Prompt, SamplingParams
 from gpu_worker.attention.flashinfer import FlashInferAttention
-from gpu_worker.engine import Engine, EngineLimits
+from gpu_worker.engine import Engine
 from gpu_worker.runner.batch import StepBatch
 from gpu_worker.runner.eager import EagerRunner
 from gpu_worker.runner.graphs import GraphRunner
@@ -56,7 +57,7 @@ def decode_steps(program, sizes: list[int], contexts: list[int]) -> dict:
         torch.bfloat16,
         "cuda",
     )
-    runner = GraphRunner(program, kv, EngineLimits(max_batch_size=bmax, max_context=max(contexts) + 1))
+    runner = GraphRunner(program, kv, GpuWorkerSettings(max_batch_size=bmax, max_context=max(contexts) + 1))
     out: dict = {}
     for ctx in contexts:
         out[ctx] = {}
@@ -91,7 +92,7 @@ def prefill_steps(program, counts: list[int], rows: int) -> dict:
     kv = allocate_kv_cache(
         program.num_layers, 1 + n * per, page, program.num_kv_heads, program.head_dim, torch.bfloat16, "cuda"
     )
-    graph = GraphRunner(program, kv, EngineLimits(max_batch_size=n, max_context=max_context))
+    graph = GraphRunner(program, kv, GpuWorkerSettings(max_batch_size=n, max_context=max_context))
     eager = EagerRunner(program, FlashInferAttention(kv, program.num_qo_heads, program.dtype))
     rng = np.random.default_rng(0)
     out: dict = {}
@@ -133,7 +134,7 @@ def offline(
     """Every request at once; LM steps and codec batches alternate in one process (no overlap).
     `gather` > 0: windows wait until that many are pending (or the end), as the codec worker
     gathers them, so a codec call is one full batch instead of each step's few dozen windows."""
-    eng = Engine(program, EngineLimits(max_batch_size=max_batch, max_context=1200, kv_cache_dtype=kv))
+    eng = Engine(program, GpuWorkerSettings(max_batch_size=max_batch, max_context=1200, kv_cache_dtype=kv))
     for i in range(n_requests):
         eng.add(prompt(program, f"r{i}", f"Sentence number {i} to speak.", i, n_tokens))
     torch.cuda.synchronize()
@@ -170,7 +171,7 @@ def offline(
 
 def ttfa_in_process(program, codec: Codec, reps: int, kv: str = "auto") -> dict:
     """Server-side TTFA: prompt handed to the engine → first PCM chunk decoded (single stream)."""
-    eng = Engine(program, EngineLimits(max_batch_size=8, max_context=1200, kv_cache_dtype=kv))
+    eng = Engine(program, GpuWorkerSettings(max_batch_size=8, max_context=1200, kv_cache_dtype=kv))
     times = []
     for i in range(reps):
         eng.add(prompt(program, f"t{i}", "Hello, how are you today?", 7 + i, 60))

@@ -17,9 +17,10 @@ import numpy as np
 import torch
 
 from bench.gpu_speed import cuda_ms
+from common.config import GpuWorkerSettings
 from common.messages import Prompt, SamplingParams
 from gpu_worker.attention.flashinfer import FlashInferAttention
-from gpu_worker.engine import Engine, EngineLimits
+from gpu_worker.engine import Engine
 from gpu_worker.runner.batch import StepBatch
 from gpu_worker.runner.eager import EagerRunner
 from gpu_worker.runner.kv_cache import allocate_kv_cache, pages_for
@@ -64,7 +65,7 @@ ENGINE_KEYS = (
     "kv_cache_dtype",
     "decode_tensor_cores",
     "decode_attention",
-)  # EngineLimits settings; the rest build the program
+)  # GpuWorkerSettings settings; the rest build the program
 UNDO_KEYS = ("undo_plan_max", "unpad_head")  # bench-only: measure the step as it was before a fix
 
 
@@ -106,7 +107,7 @@ def engine_steps(program, sizes: list[int], ctx: int, undo_kw: dict | None = Non
     """Full engine steps (sampling included) with every request decoding at context ~ctx."""
     out = {}
     bmax = max(sizes)
-    limits = EngineLimits(
+    limits = GpuWorkerSettings(
         max_batch_size=bmax,
         max_context=ctx + bmax + 300,
         first_chunk="reference",

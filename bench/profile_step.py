@@ -16,8 +16,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.lm_options import fill_batch
+from common.config import GpuWorkerSettings
 from common.messages import Prompt, SamplingParams
-from gpu_worker.engine import Engine, EngineLimits
+from gpu_worker.engine import Engine
 from programs import get_spec, load_program_class
 
 
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     extra = max(per_step, default=0)  # the prompts' requests join as old ones leave
     eng = Engine(
         p,
-        EngineLimits(
+        GpuWorkerSettings(
             max_batch_size=args.batch + extra,
             max_context=args.ctx + args.batch + 300,
             first_chunk="reference",

@@ -85,37 +85,47 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     cuda_graphs: bool = True  # GPU only: replay captured graphs (--disable-cuda-graph: eager steps)
     min_decode_batch: int = 1  # smallest decode graph: smaller batches are padded up to it
     # FlashInfer: one KV split per request, so attention reduces in the same order at any batch
-    # size (without it, greedy tokens change with the batch size on the H200).
+    # size (measured on the H200: without it, greedy tokens change when the batch grows).
     no_split_kv: bool = True
-    # First audio of a request: "reference" waits for the first full window (28 Orpheus tokens);
+    # First audio of a request: "reference" waits for the first full window (`detok_interval` rows);
     # "adaptive" sends a short lead window (the program's `detok_lead`) as soon as the measured
     # step rate lets the next window arrive before the lead has played out; "fastest" always
     # sends the smallest lead (deterministic: for tests); "progressive" sends each first frame as a
     # tail window as soon as it exists, until the stream is far enough ahead (gpu_worker/windows.py).
     first_chunk: str = "adaptive"
-    # Admission (gpu_worker.pacing.StepClock.capacity): the load whose step, every stream in it at
-    # its life-average context, takes at most this share of a row's playback time by the fitted
-    # step cost (gpu_worker.pacing.StepCost)...
+    # Admission (gpu_worker.scheduler.pacing.StepClock.capacity): the load whose step, every stream
+    # in it at its life-average context, takes at most this share of a row's playback time by the
+    # fitted step cost (StepCost.capacity). The rest, and the streams' leads (SitOut), carry the
+    # steps of streams that age together (a ramp's) and what the linear fit misses near a full GPU.
+    # On the H200 (fp8, MPS, closed-loop 1024-token streams, 480 clients) 0.92 fills ~419-427
+    # streams, every one on time; 0.94 fills ~395-411 with 43 % of requests late at their end, and
+    # 0.95 fills 435 with 53 % late. (The simulation, bench/admission_sim.py, whose GPU is linear,
+    # keeps every stream on time at 0.95.)
     capacity_headroom: float = 0.92
     # ... and until that is fitted, the largest load whose step takes at most this share; also the
-    # step budget that streams sitting out keep steps under (gpu_worker.pacing.SitOut).
+    # step budget that streams sitting out keep steps under (gpu_worker.scheduler.sit_out.SitOut).
+    # A stream's lead, and its switch to regular windows, build from the surplus. On the H200 (fp8
+    # weights and cache, closed-loop 1024-token streams) 0.88 keeps 99.3-100 % of requests on time
+    # at every level from 320 to 384 streams; 0.92, 98.7 % at 384; 0.8 admits ~10 % fewer.
     realtime_headroom: float = 0.88
     # Streams with this much audio in hand (seconds) may sit out steps that run over the budget
-    # (gpu_worker.pacing.SitOut), which shortens the steps of those with less; 0 = never (--sit-out).
+    # (gpu_worker.scheduler.sit_out.SitOut), which shortens the steps of those with less; 0 = never.
+    # Far beyond what a chunk's trip takes (a codec pass and the delivery: tens of milliseconds), so
+    # a stream sitting out never comes near a gap; half a second lasts ~40 steps.
     sit_out_lead_s: float = 0.5
     lm_head: str = "full"  # full vocabulary, or "audio": logits for codec tokens + stop only
     quantization: str = "none"  # none | fp8 (LM linear weights in float8, per-channel scales)
     # Keys/values: "auto" stores them in the model's dtype; "fp8" in float8 e4m3 with scale 1
     # (attention reads half the bytes; queries and outputs stay in the model's dtype).
     kv_cache_dtype: str = "auto"
-    # The decode steps' attention: "flashinfer", "xqa" (gpu_worker.xqa_backend) or "auto" (xqa for
+    # The decode steps' attention: "flashinfer", "xqa" (gpu_worker.attention.xqa) or "auto" (xqa for
     # an fp8 cache on Hopper). Prefill rows always run on FlashInfer.
     decode_attention: str = "auto"
     # FlashInfer's decode kernel: on tensor cores (its FA2 prefill kernel; 0.85-0.89x the time of the
-    # CUDA-core kernel for Orpheus-3B's bf16 cache on the H200), or the CUDA-core decode kernel
-    # (bench/attention_kv.py compares them; with an fp8 cache it is not measured).
+    # CUDA-core kernel for a 3B model's bf16 cache on the H200), or the CUDA-core decode kernel
+    # (bench/attention_kv.py compares them; with an fp8 cache it is not measured yet).
     decode_tensor_cores: bool = True
-    # A step's first new prompt runs in one graph with its decode rows (gpu_worker.graphs, mixed
+    # A step's first new prompt runs in one graph with its decode rows (gpu_worker.runner.graphs, mixed
     # graphs) when the program allows it; False: in a prefill graph of its own.
     mixed_prefill: bool = True
 
@@ -132,13 +142,20 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
         """The longest context a request may reach: `max_context`, within the model's `max_tokens`."""
         return min(self.max_context or max_tokens, max_tokens)
 
-    def resolved(self, device: str, max_tokens: int) -> GpuWorkerSettings:
-        """A copy with the defaults that depend on the device and the model filled in."""
-        cpu = device == "cpu"
+    def filled(self, device: str, max_tokens: int) -> GpuWorkerSettings:
+        """A copy whose batch size and context left at 0 take the device's and the model's default."""
+        if self.max_batch_size and self.max_context:
+            return self
         return msgspec.structs.replace(
             self,
-            max_batch_size=self.max_batch_size or (16 if cpu else 256),
-            max_context=self.context_limit(max_tokens),
+            max_batch_size=self.max_batch_size or (16 if device == "cpu" else 256),
+            max_context=self.max_context or max_tokens,
+        )
+
+    def resolved(self, device: str, max_tokens: int) -> GpuWorkerSettings:
+        """What a gpu_worker serves with: `filled`, the context within the model's `max_tokens`."""
+        return msgspec.structs.replace(
+            self.filled(device, max_tokens), max_context=self.context_limit(max_tokens)
         )
 
 

@@ -21,8 +21,8 @@ from collections import deque
 
 import torch
 
+from common.config import GpuWorkerSettings
 from common.messages import DetokBatch, DetokChunk, FinishReason, Prompt
-from gpu_worker.limits import EngineLimits
 from gpu_worker.runner.kv_cache import PageAllocator
 from gpu_worker.runner.model_runner import InFlight, ModelRunner
 from gpu_worker.runner.slots import SlotState
@@ -33,13 +33,14 @@ from gpu_worker.scheduler.sit_out import SitOut
 from gpu_worker.windows import AudioWindows
 from programs.base import LMProgram, TokenKind
 
-__all__ = ["Engine", "EngineLimits"]
+__all__ = ["Engine", "GpuWorkerSettings"]
 
 _STOP, _AUDIO = int(TokenKind.STOP), int(TokenKind.AUDIO)
 
 
 class Engine:
-    def __init__(self, program: LMProgram, limits: EngineLimits, progress=None) -> None:
+    def __init__(self, program: LMProgram, limits: GpuWorkerSettings, progress=None) -> None:
+        limits = limits.filled(program.device.type, program.spec["max_tokens"])
         self.program = program
         self.limits = limits
         self.device = program.device

@@ -12,12 +12,12 @@ import time
 
 import torch
 
-from common.config import ServeConfig, program_kwargs, resolve_device
+from common.config import GpuWorkerSettings, ServeConfig, program_kwargs, resolve_device
 from common.ipc import PushChannel
 from common.messages import Abort, CodecInMsg, GpuInMsg, ProcState, Prompt
 from common.pool import CreditWorkChannel
 from common.proc import StatusReporter
-from gpu_worker.engine import Engine, EngineLimits
+from gpu_worker.engine import Engine
 from gpu_worker.stages import StageReporter
 from programs import get_spec, load_program_class
 
@@ -35,23 +35,10 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def engine_limits(cfg: ServeConfig, spec: dict, device: str) -> EngineLimits:
-    """The engine's limits from the worker's settings and its model's spec (the batch size and
-    context that default to the device's and the model's, from `GpuWorkerSettings.resolved`)."""
-    gpu = cfg.gpu.resolved(device, spec["max_tokens"])
-    return EngineLimits(
-        max_batch_size=gpu.max_batch_size,
-        max_context=gpu.max_context,
-        page_size=gpu.page_size,
-        num_pages=gpu.num_pages,
-        cuda_graphs=gpu.cuda_graphs,
-        first_chunk=gpu.first_chunk,
-        realtime_headroom=gpu.realtime_headroom,
-        capacity_headroom=gpu.capacity_headroom,
-        sit_out_lead_s=gpu.sit_out_lead_s,
-        kv_cache_dtype=gpu.kv_cache_dtype,
-        decode_attention=gpu.decode_attention,
-    )
+def engine_limits(cfg: ServeConfig, spec: dict, device: str) -> GpuWorkerSettings:
+    """The engine's settings: the worker's, with the batch size and context that default to the
+    device's and the model's (`GpuWorkerSettings.resolved`)."""
+    return cfg.gpu.resolved(device, spec["max_tokens"])
 
 
 class GpuWorker:

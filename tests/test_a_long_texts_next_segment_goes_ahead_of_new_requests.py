@@ -10,8 +10,9 @@ import time
 import numpy as np
 from test_several_gpu_workers import _prompt
 
+from common.config import GpuWorkerSettings
 from common.messages import GenerateRequest, Prompt, SamplingParams
-from gpu_worker.engine import Engine, EngineLimits
+from gpu_worker.engine import Engine
 from programs import get_spec, load_program_class
 from tests.conftest import gpu_dispatch
 from tokenizer_worker.worker import PromptBuilder
@@ -55,7 +56,7 @@ def test_the_dispatcher_hands_out_urgent_messages_first_in_their_own_order():
 def test_the_engine_admits_urgent_prompts_before_new_ones():
     program = load_program_class("orpheus-tiny")(get_spec("orpheus-tiny"), load_format="dummy")
     program.load_lm()
-    eng = Engine(program, EngineLimits(max_batch_size=1, max_context=100))
+    eng = Engine(program, GpuWorkerSettings(max_batch_size=1, max_context=100))
     rows = np.array([128259, 300, 301, 128009, 128260, 128261, 128257], dtype="<i4")
 
     def prompt(rid: str, urgent: bool = False) -> Prompt:

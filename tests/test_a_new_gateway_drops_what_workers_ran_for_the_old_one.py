@@ -9,8 +9,9 @@ import time
 
 import numpy as np
 
+from common.config import GpuWorkerSettings
 from common.messages import Abort, FinishReason, Prompt, SamplingParams
-from gpu_worker.engine import Engine, EngineLimits
+from gpu_worker.engine import Engine
 from programs import get_spec, load_program_class
 from tests.conftest import gpu_dispatch
 
@@ -38,7 +39,7 @@ def test_a_dispatcher_greets_each_worker_once_before_anything_else():
 def test_abort_everything_ends_every_request_and_frees_the_cache():
     p = load_program_class("orpheus-tiny")(get_spec("orpheus-tiny"), load_format="dummy")
     p.load_lm()
-    eng = Engine(p, EngineLimits(max_batch_size=2, max_context=200))
+    eng = Engine(p, GpuWorkerSettings(max_batch_size=2, max_context=200))
     rows = np.array([128259, 300, 128009, 128260, 128261, 128257], dtype="<i4")
     for i in range(3):  # two running, one waiting
         eng.add(Prompt(f"r{i}", rows.tobytes(), len(rows), SamplingParams(max_tokens=150, constrained=True)))

@@ -11,12 +11,12 @@ import pytest
 
 import gpu_worker.scheduler.pacing as pacing
 from bench.admission_sim import GPU, H200, simulate, startup_differences
-from gpu_worker.limits import DEFAULTS
+from common.config import GpuWorkerSettings
 from gpu_worker.scheduler.pacing import Lives, StepClock, StepCost
 
 A, B, C, D = 3e-3, 9e-6, 18e-6, 2e-3  # s, per token, per thousand tokens of context, per prompt
 PERIOD = 1 / 82.03
-CAPACITY_HEADROOM = DEFAULTS.capacity_headroom
+CAPACITY_HEADROOM = GpuWorkerSettings().capacity_headroom
 
 
 def ramp_steps(n: int, rng: np.random.Generator):
@@ -227,13 +227,14 @@ def test_a_load_within_capacity_never_waits():
 
 
 def test_the_engine_reports_its_streams_lives_from_what_ended_requests_generated():
+    from common.config import GpuWorkerSettings
     from common.messages import Prompt, SamplingParams
-    from gpu_worker.engine import Engine, EngineLimits
+    from gpu_worker.engine import Engine
     from programs import get_spec, load_program_class
 
     program = load_program_class("orpheus-tiny")(get_spec("orpheus-tiny"), load_format="dummy")
     program.load_lm()
-    eng = Engine(program, EngineLimits(max_batch_size=8, max_context=400))
+    eng = Engine(program, GpuWorkerSettings(max_batch_size=8, max_context=400))
     rows = np.array([128259, 128000, 40, 41, 128009, 128260, 128261, 128257], dtype="<i4")
 
     def add(rid: str, max_tokens: int) -> None:

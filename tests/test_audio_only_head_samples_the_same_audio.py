@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
+from common.config import GpuWorkerSettings
 from common.messages import Prompt, SamplingParams
-from gpu_worker.engine import Engine, EngineLimits
+from gpu_worker.engine import Engine
 from programs import get_spec, load_program_class
 from programs.orpheus.spec import AUDIO_BASE, STOP_TOKEN
 
@@ -22,7 +23,7 @@ def program(lm_head: str):
 
 
 def run(p, params: list[SamplingParams]) -> dict:
-    eng = Engine(p, EngineLimits(max_batch_size=4, max_context=200, first_chunk="reference"))
+    eng = Engine(p, GpuWorkerSettings(max_batch_size=4, max_context=200, first_chunk="reference"))
     eng.outputs = {}
     rows = np.array(PROMPT, dtype="<i4")
     for i, sp in enumerate(params):

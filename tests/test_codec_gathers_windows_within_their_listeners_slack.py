@@ -12,7 +12,7 @@ import numpy as np
 from test_workers_over_zmq import addrs, gateway_inbox, ready, start, wait_for  # noqa: F401
 
 from codec_worker.gather import MARGIN_S, Gather
-from common.config import CodecSettings
+from common.config import CodecSettings, GpuWorkerSettings
 from common.ipc import PushChannel
 from common.messages import (
     AudioChunks,
@@ -24,7 +24,7 @@ from common.messages import (
     Prompt,
     SamplingParams,
 )
-from gpu_worker.engine import Engine, EngineLimits
+from gpu_worker.engine import Engine
 from programs import get_spec, load_program_class
 
 FRAME_S = 2048 / 24000  # one Orpheus window's audio
@@ -96,7 +96,7 @@ def test_an_end_waits_only_for_its_own_windows():
 def test_the_gpu_worker_stamps_each_window_with_its_listeners_slack():
     program = load_program_class("orpheus-tiny")(get_spec("orpheus-tiny"), load_format="dummy")
     program.load_lm()
-    eng = Engine(program, EngineLimits(max_batch_size=2, max_context=200, first_chunk="reference"))
+    eng = Engine(program, GpuWorkerSettings(max_batch_size=2, max_context=200, first_chunk="reference"))
     clock = [100.0]
     eng.windows.now = lambda: clock[0]
     rows = np.array([128259, 300, 301, 302, 128009, 128260, 128261, 128257], dtype="<i4")

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from common.cli import main as cli_main
-from common.config import GatewaySettings, ServeConfig, check_model_settings
+from common.config import GatewaySettings, GpuWorkerSettings, ServeConfig, check_model_settings
 from common.messages import FinishReason, Prompt, SamplingParams
 from gateway.server import Gateway
-from gpu_worker.engine import Engine, EngineLimits
+from gpu_worker.engine import Engine
 from programs import get_spec, load_program_class
 
 
@@ -47,7 +47,7 @@ def test_a_constrained_csm_prompt_gets_a_400_and_its_batch_runs_on():
         sp = SamplingParams(max_tokens=len(rows) + 4, temperature=0.9, seed=1, constrained=constrained)
         return Prompt(rid, rows.tobytes(), len(rows), sp)
 
-    eng = Engine(program, EngineLimits(max_batch_size=4, max_context=256))
+    eng = Engine(program, GpuWorkerSettings(max_batch_size=4, max_context=256))
     eng.add(prompt("ok", False))
     eng.add(prompt("bad", True))
     done = {f.rid: f for batch in eng.run_until_idle() for f in batch.finished}

@@ -8,8 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from common.config import GpuWorkerSettings
 from common.messages import Prompt, SamplingParams
-from gpu_worker.engine import Engine, EngineLimits
+from gpu_worker.engine import Engine
 from tests.conftest import tiny_lm_on_one_thread
 from tests.test_graph_runner_replays_match_eager_on_cpu import graph_runner_cls  # noqa: F401 (fixture)
 
@@ -46,9 +47,9 @@ def run(eng: Engine, batch: list[Prompt]) -> dict:
 
 
 def test_graph_runner_frames_equal_the_eager_runner(program, graph_runner_cls):  # noqa: F811
-    eager = run(Engine(program, EngineLimits(**LIMITS)), prompts(program))
-    eng = Engine(program, EngineLimits(**LIMITS))
-    eng.runner.forward_runner = graph_runner_cls(program, eng.kv_cache, EngineLimits(**LIMITS))
+    eager = run(Engine(program, GpuWorkerSettings(**LIMITS)), prompts(program))
+    eng = Engine(program, GpuWorkerSettings(**LIMITS))
+    eng.runner.forward_runner = graph_runner_cls(program, eng.kv_cache, GpuWorkerSettings(**LIMITS))
     assert eng.runner.forward_runner.depth is not None and eng.runner.forward_runner.depth.sizes == [1, 2, 4]
     graphs = run(eng, prompts(program))
     assert graphs == eager

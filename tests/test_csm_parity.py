@@ -15,8 +15,9 @@ import torch
 from transformers import CsmConfig, CsmForConditionalGeneration
 
 from codec_worker.worker import Codec
+from common.config import GpuWorkerSettings
 from common.messages import DetokChunk, FinishReason, Prompt, SamplingParams
-from gpu_worker.engine import Engine, EngineLimits
+from gpu_worker.engine import Engine
 from programs import get_spec, load_program_class
 from programs.base import pcm16
 from programs.csm.codec import MimiCodec, random_codebooks
@@ -73,7 +74,7 @@ def make_prompt(rid: str, rows: list[list[int]], new: int, **sp) -> Prompt:
 
 
 def run(program, prompts: list[Prompt], stagger: bool = False) -> Engine:
-    eng = Engine(program, EngineLimits(max_batch_size=4, max_context=200))
+    eng = Engine(program, GpuWorkerSettings(max_batch_size=4, max_context=200))
     eng.outputs = {}
     for i, p in enumerate(prompts):
         eng.add(p)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from common.config import GpuWorkerSettings
 from common.messages import FinishReason, Prompt, SamplingParams
-from gpu_worker.engine import Engine, EngineLimits
+from gpu_worker.engine import Engine
 from programs import get_spec, load_program_class
 
 
@@ -28,7 +29,7 @@ def finished(engine: Engine) -> dict:
 
 
 def test_out_of_vocabulary_prompt_ids_fail_that_request_only(program):
-    eng = Engine(program, EngineLimits(max_batch_size=4, max_context=200))
+    eng = Engine(program, GpuWorkerSettings(max_batch_size=4, max_context=200))
     eng.add(prompt("bad", [128000, 10**7]))
     eng.add(prompt("neg", [128000, -5]))
     eng.add(prompt("ok", [128259, 128000, 40, 128009, 128260, 128261, 128257]))
@@ -40,7 +41,7 @@ def test_out_of_vocabulary_prompt_ids_fail_that_request_only(program):
 
 
 def test_an_abort_that_overtakes_its_prompt_drops_the_prompt(program):
-    eng = Engine(program, EngineLimits(max_batch_size=4, max_context=200))
+    eng = Engine(program, GpuWorkerSettings(max_batch_size=4, max_context=200))
     eng.abort("early")
     eng.add(prompt("early", [128000, 40, 41]))
     done = finished(eng)
@@ -48,7 +49,7 @@ def test_an_abort_that_overtakes_its_prompt_drops_the_prompt(program):
 
 
 def test_abort_mid_stream_frees_pages_and_slot(program):
-    eng = Engine(program, EngineLimits(max_batch_size=2, max_context=200))
+    eng = Engine(program, GpuWorkerSettings(max_batch_size=2, max_context=200))
     eng.add(prompt("a", [128000, 40, 41], max_tokens=200))
     for _ in range(5):
         eng.step()
@@ -60,7 +61,7 @@ def test_abort_mid_stream_frees_pages_and_slot(program):
 
 
 def test_a_failed_step_ends_every_request_with_an_error(program):
-    eng = Engine(program, EngineLimits(max_batch_size=4, max_context=200))
+    eng = Engine(program, GpuWorkerSettings(max_batch_size=4, max_context=200))
     for i in range(3):
         eng.add(prompt(f"r{i}", [128000, 40 + i, 41], max_tokens=150))
     eng.step()
@@ -75,7 +76,7 @@ def test_a_failed_step_ends_every_request_with_an_error(program):
 
 
 def test_a_prompt_whose_bytes_do_not_match_its_rows_is_refused(program):
-    eng = Engine(program, EngineLimits(max_batch_size=4, max_context=200))
+    eng = Engine(program, GpuWorkerSettings(max_batch_size=4, max_context=200))
     bad = Prompt("bad", np.array([1, 2, 3], dtype="<i4").tobytes(), 5, SamplingParams(max_tokens=60))
     eng.add(bad)
     eng.add(prompt("ok", [128259, 300, 128009], max_tokens=40))
@@ -85,7 +86,7 @@ def test_a_prompt_whose_bytes_do_not_match_its_rows_is_refused(program):
 
 
 def test_a_budget_larger_than_the_whole_kv_cache_is_refused_not_left_waiting(program):
-    eng = Engine(program, EngineLimits(max_batch_size=4, max_context=200, num_pages=5))
+    eng = Engine(program, GpuWorkerSettings(max_batch_size=4, max_context=200, num_pages=5))
     eng.add(prompt("big", [128259, 300, 128009], max_tokens=200))
     eng.add(prompt("small", [128259, 300, 128009], max_tokens=40))
     done = finished(eng)

@@ -8,8 +8,9 @@ import math
 import numpy as np
 import pytest
 
+from common.config import GpuWorkerSettings
 from common.messages import LEAD_NOISE_BASE, Prompt, SamplingParams
-from gpu_worker.engine import Engine, EngineLimits
+from gpu_worker.engine import Engine
 from gpu_worker.scheduler.pacing import PACE_REACH, PACE_STEPS, STALE_S, StepClock, lead_fits
 from programs import get_spec, load_program_class
 
@@ -25,7 +26,7 @@ def program():
 
 
 def chunks_of(program, first_chunk: str, seed: int = 5, max_tokens: int = 120) -> list:
-    eng = Engine(program, EngineLimits(max_batch_size=4, max_context=200, first_chunk=first_chunk))
+    eng = Engine(program, GpuWorkerSettings(max_batch_size=4, max_context=200, first_chunk=first_chunk))
     rows = np.array(PROMPT, dtype="<i4")
     sp = SamplingParams(max_tokens=max_tokens, min_tokens=100, constrained=True, seed=seed)
     eng.add(Prompt("r", rows.tobytes(), len(rows), sp))
@@ -51,7 +52,7 @@ def test_reference_mode_sends_no_lead(program):
 
 
 def test_a_longer_lead_replaces_the_regular_windows_it_covers(program):
-    eng = Engine(program, EngineLimits(max_batch_size=4, max_context=200, first_chunk="fastest"))
+    eng = Engine(program, GpuWorkerSettings(max_batch_size=4, max_context=200, first_chunk="fastest"))
     # Window j's audio starts at row 7j + 7: a 14-row lead covers window 0, a 21-row lead 0 and 1.
     assert [eng.windows.first_window_after(r) for r in (7, 14, 21)] == [0, 1, 2]
 

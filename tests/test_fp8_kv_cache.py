@@ -10,8 +10,9 @@ from test_lm_parity import PROMPTS, generated, hf_generate, hf_model, make_promp
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from common.config import GpuWorkerSettings
 from common.options import parse_role
-from gpu_worker.engine import Engine, EngineLimits
+from gpu_worker.engine import Engine
 from gpu_worker.runner.kv_cache import kv_cache_dtype
 
 FP8 = torch.float8_e4m3fn
@@ -34,7 +35,7 @@ def hf_fp8(hf_model):  # noqa: F811
 
 
 def fp8_engine(program) -> Engine:  # noqa: F811
-    eng = Engine(program, EngineLimits(max_batch_size=4, max_context=400, kv_cache_dtype="fp8"))
+    eng = Engine(program, GpuWorkerSettings(max_batch_size=4, max_context=400, kv_cache_dtype="fp8"))
     eng.outputs = {}
     return eng
 

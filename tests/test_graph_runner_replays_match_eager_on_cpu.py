@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from common.config import GpuWorkerSettings
 from gpu_worker.attention.torch_paged import TorchPagedAttention
-from gpu_worker.engine import EngineLimits
 from gpu_worker.runner.batch import StepBatch
 from gpu_worker.runner.eager import EagerRunner
 from gpu_worker.runner.kv_cache import allocate_kv_cache, pages_for
@@ -150,14 +150,14 @@ def test_graph_runner_matches_eager_for_prefill_decode_and_mixed_steps(program, 
     shape = (program.num_layers, 1 + n_seq * per, PAGE, program.num_kv_heads, program.head_dim)
     kv_g = allocate_kv_cache(*shape, torch.float32, "cpu")
     kv_e = allocate_kv_cache(*shape, torch.float32, "cpu")
-    graphs = graph_runner_cls(program, kv_g, EngineLimits(max_batch_size=16, max_context=MAX_CONTEXT))
+    graphs = graph_runner_cls(program, kv_g, GpuWorkerSettings(max_batch_size=16, max_context=MAX_CONTEXT))
     assert graphs.attn.name == graph_runner_cls.decode
     assert [r for r, _ in graphs.prefill.buckets] == [32, 64, 128, 256, 512]
     assert len(graphs.prefills) == graphs.max_prefills_per_step == 4
     eager = EagerRunner(program, TorchPagedAttention(kv_e, program.num_qo_heads))
     # The same graphs without mixed ones: a step's first prompt in lane 0's prefill graph.
     kv_l = allocate_kv_cache(*shape, torch.float32, "cpu")
-    lanes = graph_runner_cls(program, kv_l, EngineLimits(max_batch_size=16, max_context=MAX_CONTEXT))
+    lanes = graph_runner_cls(program, kv_l, GpuWorkerSettings(max_batch_size=16, max_context=MAX_CONTEXT))
     lanes.mixed = {}
     rng = np.random.default_rng(0)
     tables = [list(range(1 + i * per, 1 + (i + 1) * per))[::-1] for i in range(n_seq)]

@@ -9,8 +9,9 @@ import aiohttp
 import numpy as np
 import pytest
 
+from common.config import GpuWorkerSettings
 from common.messages import FinishReason, Prompt, SamplingParams
-from gpu_worker.engine import Engine, EngineLimits
+from gpu_worker.engine import Engine
 from gpu_worker.runner.kv_cache import pages_for
 from programs import get_spec, load_program_class
 from tests.conftest import Server, get_json
@@ -31,7 +32,7 @@ def prompt(rid: str, max_tokens: int) -> Prompt:
 
 def test_requests_beyond_the_kv_pages_wait_in_the_engine_and_all_finish(program) -> None:
     per_request = pages_for(36 + 1, 16)
-    limits = EngineLimits(max_batch_size=8, max_context=200, page_size=16, num_pages=1 + 2 * per_request)
+    limits = GpuWorkerSettings(max_batch_size=8, max_context=200, page_size=16, num_pages=1 + 2 * per_request)
     eng = Engine(program, limits)
     for i in range(4):
         eng.add(prompt(f"r{i}", 36))

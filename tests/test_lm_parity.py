@@ -12,8 +12,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from common.config import GpuWorkerSettings
 from common.messages import FinishReason, Prompt, SamplingParams
-from gpu_worker.engine import Engine, EngineLimits
+from gpu_worker.engine import Engine
 from programs import get_spec, load_program_class
 
 SPEC = get_spec("orpheus-tiny")
@@ -39,7 +40,7 @@ def hf_model(program):
 
 
 def recording_engine(program, **limits) -> Engine:
-    eng = Engine(program, EngineLimits(**limits))
+    eng = Engine(program, GpuWorkerSettings(**limits))
     eng.outputs = {}
     return eng
 

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from common.config import GpuWorkerSettings
 from common.messages import Prompt, SamplingParams
-from gpu_worker.engine import Engine, EngineLimits
+from gpu_worker.engine import Engine
 from programs import get_spec, load_program_class
 
 
 def test_new_requests_are_admitted_one_per_step_when_the_runner_says_so():
     p = load_program_class("orpheus-tiny")(get_spec("orpheus-tiny"), load_format="dummy")
     p.load_lm()
-    eng = Engine(p, EngineLimits(max_batch_size=8, max_context=120, first_chunk="reference"))
+    eng = Engine(p, GpuWorkerSettings(max_batch_size=8, max_context=120, first_chunk="reference"))
     eng.runner.forward_runner.max_prefills_per_step = 1
     eng.outputs = {}
     rows = np.array([128259, 300, 301, 128009, 128260, 128261, 128257], dtype="<i4")

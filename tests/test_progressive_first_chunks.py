@@ -16,8 +16,9 @@ import soundfile as sf
 import torch
 
 from codec_worker.worker import Codec
+from common.config import GpuWorkerSettings
 from common.messages import LEAD_NOISE_BASE, DetokChunk, Prompt, SamplingParams
-from gpu_worker.engine import Engine, EngineLimits
+from gpu_worker.engine import Engine
 from programs import get_spec, load_program_class, rng
 from tests.conftest import Server
 
@@ -34,7 +35,7 @@ def program():
 
 
 def chunks_of(program, first_chunk: str, step_s: float) -> list[DetokChunk]:
-    eng = Engine(program, EngineLimits(max_batch_size=4, max_context=200, first_chunk=first_chunk))
+    eng = Engine(program, GpuWorkerSettings(max_batch_size=4, max_context=200, first_chunk=first_chunk))
     for _ in range(10):
         eng.clock.record(1, step_s)  # the pace the engine believes it steps at
     # Keep it there, and let the listener's clock run at that pace (the CPU's real pace would vary).
@@ -117,7 +118,7 @@ def test_progressive_mode_serves_whole_wavs_through_every_process():
 
 def test_a_stream_that_ends_before_its_first_chunk_left_still_sends_it(program):
     # At 13 ms a step the first chunk waits for a second frame; a stream of one frame ends first.
-    eng = Engine(program, EngineLimits(max_batch_size=4, max_context=200, first_chunk="progressive"))
+    eng = Engine(program, GpuWorkerSettings(max_batch_size=4, max_context=200, first_chunk="progressive"))
     for _ in range(10):
         eng.clock.record(1, 0.013)
     eng.clock.tick = lambda batch, streams=0, cost=None: None

@@ -12,8 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from common.config import GpuWorkerSettings
 from common.messages import Prompt, SamplingParams
-from gpu_worker.engine import Engine, EngineLimits
+from gpu_worker.engine import Engine
 from tests.conftest import tiny_lm_on_one_thread
 from tests.test_graph_runner_replays_match_eager_on_cpu import graph_runner_cls  # noqa: F401 (fixture)
 
@@ -69,8 +70,8 @@ def test_sampling_graphs_give_the_eager_tokens(request, graph_runner_cls, constr
     assert (program.head_ids is None) == (head == "full")
 
     def engine() -> Engine:
-        eng = Engine(program, EngineLimits(**LIMITS))
-        eng.runner.forward_runner = graph_runner_cls(program, eng.kv_cache, EngineLimits(**LIMITS))
+        eng = Engine(program, GpuWorkerSettings(**LIMITS))
+        eng.runner.forward_runner = graph_runner_cls(program, eng.kv_cache, GpuWorkerSettings(**LIMITS))
         return eng
 
     # Against the same runner sampling eagerly: the stand-in attention rounds differently from

@@ -73,7 +73,7 @@ def test_replicas_of_the_tokenizer_get_distinct_default_names():
 
 def test_realtime_headroom_reaches_the_engine_clock_and_out_of_range_is_refused():
     from common.cli import _validate
-    from gpu_worker.engine import Engine, EngineLimits
+    from gpu_worker.engine import Engine
     from programs import get_spec, load_program_class
 
     s = parse_role("gpu_worker", ["--model", "orpheus-tiny", "--realtime-headroom", "0.9"], {})
@@ -81,7 +81,7 @@ def test_realtime_headroom_reaches_the_engine_clock_and_out_of_range_is_refused(
     p = load_program_class("orpheus-tiny")(get_spec("orpheus-tiny"), load_format="dummy")
     p.load_lm()
     eng = Engine(
-        p, EngineLimits(max_batch_size=2, max_context=64, realtime_headroom=s.cfg.gpu.realtime_headroom)
+        p, GpuWorkerSettings(max_batch_size=2, max_context=64, realtime_headroom=s.cfg.gpu.realtime_headroom)
     )
     assert eng.clock.headroom == 0.9
     with pytest.raises(ValueError, match="--realtime-headroom"):
@@ -89,8 +89,8 @@ def test_realtime_headroom_reaches_the_engine_clock_and_out_of_range_is_refused(
     with pytest.raises(ValueError, match="--capacity-headroom"):
         _validate(ServeConfig(model="orpheus-tiny", gpu=GpuWorkerSettings(capacity_headroom=0.2)))
     with pytest.raises(ValueError, match="--capacity-headroom"):  # a gpu_worker run alone checks it too
-        Engine(p, EngineLimits(max_batch_size=2, max_context=64, capacity_headroom=1.2))
-    CAPACITY_HEADROOM = EngineLimits().capacity_headroom
+        Engine(p, GpuWorkerSettings(max_batch_size=2, max_context=64, capacity_headroom=1.2))
+    CAPACITY_HEADROOM = GpuWorkerSettings().capacity_headroom
 
     # the default, the same for `voxpipe serve`, a gpu_worker run alone and the clock
     assert eng.clock.capacity_headroom == ServeConfig().gpu.capacity_headroom == CAPACITY_HEADROOM
@@ -114,7 +114,7 @@ def test_realtime_headroom_reaches_the_engine_clock_and_out_of_range_is_refused(
         assert Engine(p, engine_limits(s.cfg, spec, "cpu")).clock.capacity_headroom == 0.85
     assert eng.sit_out is not None and eng.sit_out.spare_s == 0.5  # the default
     with pytest.raises(ValueError, match="--sit-out"):  # a gpu_worker run alone checks it too
-        Engine(p, EngineLimits(max_batch_size=2, max_context=64, sit_out_lead_s=-1.0))
+        Engine(p, GpuWorkerSettings(max_batch_size=2, max_context=64, sit_out_lead_s=-1.0))
     with pytest.raises(ValueError, match="--codec-gpu-share"):  # a cap under MPS, and MPS is off
         _validate(ServeConfig(model="orpheus-tiny", codec=CodecSettings(gpu_share=50)))
 

@@ -9,16 +9,16 @@ import math
 import numpy as np
 import pytest
 
+from common.config import GpuWorkerSettings
 from common.messages import Prompt, SamplingParams
-from gpu_worker.engine import Engine, EngineLimits
-from gpu_worker.limits import DEFAULTS
+from gpu_worker.engine import Engine
 from gpu_worker.runner.graphs import decode_buckets
 from gpu_worker.scheduler.pacing import StepClock
 from gpu_worker.scheduler.sit_out import SitOut
 
 PERIOD = 1 / 82.03  # an Orpheus row's playback time
 BUDGET = 0.88 * PERIOD
-SPARE_LEAD_S = DEFAULTS.sit_out_lead_s
+SPARE_LEAD_S = GpuWorkerSettings().sit_out_lead_s
 
 
 def clock_at(interval: float, batch: int = 300) -> StepClock:
@@ -149,7 +149,9 @@ def run(program, sit_out: float) -> tuple[dict, list[float], bool]:
     budget made smaller than that, and the listeners' clocks run with it. → (outputs, the audio in
     hand of every stream left out of a step at that step, whether the clock was told of streams
     served beyond the rows)."""
-    limits = EngineLimits(max_batch_size=8, max_context=400, first_chunk="fastest", sit_out_lead_s=sit_out)
+    limits = GpuWorkerSettings(
+        max_batch_size=8, max_context=400, first_chunk="fastest", sit_out_lead_s=sit_out
+    )
     eng = Engine(program, limits)
     eng.outputs = {}
     eng.clock.headroom = 0.25  # a budget of 3 ms a step: every step of STEP_S runs over it

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from common.config import GpuWorkerSettings
 from gpu_worker.attention.select import eager_attention
-from gpu_worker.limits import EngineLimits
 from gpu_worker.runner.batch import StepBatch
 from gpu_worker.runner.eager import EagerRunner
 from gpu_worker.runner.kv_cache import allocate_kv_cache, kv_cache_dtype, pages_for
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 def make_runner(program: LMProgram, kv_cache: torch.Tensor, limits, progress=None) -> EagerRunner:
     """The forward runner: eager on CPU, or on GPU without graphs; else prefill and decode graphs."""
+    limits = limits.filled(program.device.type, program.spec["max_tokens"])
     if program.device.type == "cpu" or not limits.cuda_graphs:
         return EagerRunner(program, eager_attention(program, kv_cache, limits))
     from gpu_worker.runner.graphs import GraphRunner
@@ -58,7 +59,7 @@ class InFlight:
 
 
 class ModelRunner:
-    def __init__(self, program: LMProgram, limits: EngineLimits, progress=None) -> None:
+    def __init__(self, program: LMProgram, limits: GpuWorkerSettings, progress=None) -> None:
         self.program = program
         self.device = program.device
         # +1 token per request: a launched step may run once past a stop it has not seen yet.

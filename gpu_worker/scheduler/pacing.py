@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpu_worker.limits import DEFAULTS
+from common.config import GpuWorkerSettings
 
 _MIN_SAMPLES = 8  # steps measured in a bucket before it counts
 # `rows_time_high`: the steps it looks back on (~1 s under load), the spans it needs among them
@@ -215,8 +215,8 @@ class StepClock:
         self,
         rows_per_second: float,
         max_batch: int,
-        headroom: float = DEFAULTS.realtime_headroom,
-        capacity_headroom: float = DEFAULTS.capacity_headroom,
+        headroom: float = GpuWorkerSettings().realtime_headroom,
+        capacity_headroom: float = GpuWorkerSettings().capacity_headroom,
     ) -> None:
         self.period = 1.0 / rows_per_second  # seconds per row a real-time stream can afford
         self.max_batch = max_batch

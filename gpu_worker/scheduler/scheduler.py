@@ -22,9 +22,8 @@ from collections import deque
 
 import numpy as np
 
-from common.config import check_headroom, check_sit_out
+from common.config import GpuWorkerSettings, check_headroom, check_sit_out
 from common.messages import Finished, FinishReason, Prompt
-from gpu_worker.limits import EngineLimits
 from gpu_worker.runner.kv_cache import PageAllocator, pages_for
 from gpu_worker.runner.slots import SlotState
 from gpu_worker.scheduler.pacing import Lives, StepClock
@@ -38,7 +37,7 @@ log = logging.getLogger(__name__)
 _MAX_TOMBSTONES = 10_000
 
 
-def step_clock(program: LMProgram, limits: EngineLimits) -> StepClock:
+def step_clock(program: LMProgram, limits: GpuWorkerSettings) -> StepClock:
     """The clock that paces admission, from the limits' headrooms (checked)."""
     check_headroom(limits.realtime_headroom)
     check_headroom(limits.capacity_headroom, "--capacity-headroom")
@@ -51,7 +50,7 @@ class Scheduler:
     def __init__(
         self,
         program: LMProgram,
-        limits: EngineLimits,
+        limits: GpuWorkerSettings,
         num_pages: int,
         slots: SlotState,
         clock: StepClock,

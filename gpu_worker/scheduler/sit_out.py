@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from gpu_worker.limits import DEFAULTS
+from common.config import GpuWorkerSettings
 from gpu_worker.scheduler.pacing import StepClock
 
 # The interval the share sitting out aims at, as a share of the budget: a little below it, so that
@@ -39,7 +39,10 @@ class SitOut:
     p99 1017 to 664 ms, with 100 % and 99.9 % (99.6 % without) of requests on time."""
 
     def __init__(
-        self, clock: StepClock, sizes: list[int] | None = None, spare_s: float = DEFAULTS.sit_out_lead_s
+        self,
+        clock: StepClock,
+        sizes: list[int] | None = None,
+        spare_s: float = GpuWorkerSettings().sit_out_lead_s,
     ) -> None:
         if not spare_s > 0:
             raise ValueError(f"a stream sits out steps only with audio in hand: spare_s > 0, got {spare_s}")

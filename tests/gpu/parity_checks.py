@@ -12,8 +12,9 @@ import time
 import numpy as np
 import torch
 
+from common.config import GpuWorkerSettings
 from common.messages import Prompt, SamplingParams
-from gpu_worker.engine import Engine, EngineLimits
+from gpu_worker.engine import Engine
 from gpu_worker.runner.batch import StepBatch
 
 PAGE = 16
@@ -91,7 +92,7 @@ def greedy_setup(program):
             t0 = time.perf_counter()
             engines[key] = Engine(
                 program,
-                EngineLimits(max_batch_size=256, max_context=1200, **kw),
+                GpuWorkerSettings(max_batch_size=256, max_context=1200, **kw),
                 progress=lambda msg: print(f"  [{time.perf_counter() - t0:6.1f} s] {msg}", flush=True),
             )
         eng = engines[key]

@@ -18,8 +18,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from common.config import GpuWorkerSettings
 from gpu_worker.attention.flashinfer import FlashInferAttention
-from gpu_worker.engine import EngineLimits
 from gpu_worker.runner.batch import StepBatch
 from gpu_worker.runner.eager import EagerRunner
 from gpu_worker.runner.graphs import GraphRunner
@@ -136,7 +136,7 @@ def prefill_checks(program, page: int) -> tuple[dict, bool]:
         )
 
     kv_g, kv_e, kv_p = kv(), kv(), kv()
-    graph = GraphRunner(program, kv_g, EngineLimits(max_batch_size=32, max_context=MAX_CONTEXT))
+    graph = GraphRunner(program, kv_g, GpuWorkerSettings(max_batch_size=32, max_context=MAX_CONTEXT))
     eager = EagerRunner(program, FlashInferAttention(kv_e, program.num_qo_heads, program.dtype))
     eager_pad = EagerRunner(program, FlashInferAttention(kv_p, program.num_qo_heads, program.dtype))
     rng = np.random.default_rng(1)

@@ -19,8 +19,9 @@ import pytest
 import torch
 from parity_checks import codec_graphs_vs_eager
 
+from common.config import GpuWorkerSettings
 from common.messages import Prompt, SamplingParams
-from gpu_worker.engine import Engine, EngineLimits
+from gpu_worker.engine import Engine
 from gpu_worker.runner.batch import StepBatch
 from gpu_worker.runner.kv_cache import allocate_kv_cache
 from gpu_worker.runner.model_runner import make_runner
@@ -74,8 +75,8 @@ def csm():
     )
     return (
         prog,
-        Engine(prog, EngineLimits(max_batch_size=64, max_context=1024)),
-        make_runner(prog, kv, EngineLimits(cuda_graphs=False)),
+        Engine(prog, GpuWorkerSettings(max_batch_size=64, max_context=1024)),
+        make_runner(prog, kv, GpuWorkerSettings(cuda_graphs=False)),
     )
 
 

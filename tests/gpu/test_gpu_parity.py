@@ -28,8 +28,8 @@ from parity_checks import (
 )
 from prefill_checks import TOLERANCE, compare, prefill_checks
 
+from common.config import GpuWorkerSettings
 from gpu_worker.attention.torch_paged import TorchPagedAttention
-from gpu_worker.engine import EngineLimits
 from gpu_worker.runner.eager import EagerRunner
 from gpu_worker.runner.kv_cache import allocate_kv_cache
 from gpu_worker.runner.model_runner import make_runner
@@ -74,10 +74,10 @@ def test_graph_logits_match_eager_and_the_unfused_reference(fast, gpu_report):
     ]
     steps = forced_batches(seqs, [len(p) for p in prompts])
     graph_logits = run_forced(
-        make_runner(fast, kv(fast), EngineLimits(max_batch_size=8, max_context=1200)), steps
+        make_runner(fast, kv(fast), GpuWorkerSettings(max_batch_size=8, max_context=1200)), steps
     )
     eager_fast = run_forced(
-        make_runner(fast, kv(fast), EngineLimits(max_batch_size=8, cuda_graphs=False)), steps
+        make_runner(fast, kv(fast), GpuWorkerSettings(max_batch_size=8, cuda_graphs=False)), steps
     )
     reference = run_forced(EagerRunner(ref, TorchPagedAttention(kv(ref), ref.num_qo_heads)), steps)
     res["graph_vs_eager_fused"] = compare(graph_logits, eager_fast)

@@ -16,7 +16,7 @@ import torch
 from parity_checks import forced_batches, greedy_batches, greedy_setup, run_forced
 from prefill_checks import compare
 
-from gpu_worker.engine import EngineLimits
+from common.config import GpuWorkerSettings
 from gpu_worker.runner.kv_cache import allocate_kv_cache
 from gpu_worker.runner.kv_cache import kv_cache_dtype as kv_dtype
 from gpu_worker.runner.model_runner import make_runner
@@ -53,7 +53,7 @@ def test_decode_logits_per_setting_are_reported(program, gpu_report):
     for name, (kv, decode) in SETTINGS.items():
         cache = allocate_kv_cache(program.num_layers, 64, PAGE, program.num_kv_heads, program.head_dim,
                                   kv_dtype(kv, program.dtype), "cuda")  # fmt: skip
-        limits = EngineLimits(max_batch_size=8, max_context=1200, decode_attention=decode)
+        limits = GpuWorkerSettings(max_batch_size=8, max_context=1200, decode_attention=decode)
         logits[name] = run_forced(make_runner(program, cache, limits), steps)[1:]  # decode steps only
     base = logits["bf16+flashinfer"]
     res = gpu_report("xqa-parity")
