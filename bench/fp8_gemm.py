@@ -5,9 +5,9 @@ Per batch size M, the four GEMMs of one Llama-3.2-3B layer (QKV 3072→5120, O 3
 3072→16384, down 8192→3072), each captured in a CUDA graph and replayed, summed over 28 layers:
 - `bf16`: F.linear;
 - `fp8_rowwise`: `torch._scaled_mm` with per-row activation and per-channel weight scales (what
-  programs/fp8.py runs), the activations already quantized;
+  programs/blocks/fp8.py runs), the activations already quantized;
 - `fp8_tensorwise`: `torch._scaled_mm` with one scale each (cuBLAS's fp8 path), already quantized;
-- `quantize`: programs/fp8.py's per-row activation quantizer (compiled when it can be) on the
+- `quantize`: programs/blocks/fp8.py's per-row activation quantizer (compiled when it can be) on the
   four inputs.
 Ratios are against bf16 in the same run.
 
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.codec_speed import graphed, time_us
-from programs import fp8
+from programs.blocks import fp8
 
 LAYERS = 28
 SHAPES = {"qkv": (5120, 3072), "o": (3072, 3072), "gate_up": (16384, 3072), "down": (3072, 8192)}  # (N, K)

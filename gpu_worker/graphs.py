@@ -40,8 +40,8 @@ from gpu_worker.prefill_graphs import (
 )
 from gpu_worker.runner import EagerRunner, StepBatch
 from gpu_worker.xqa_backend import XqaDecode, resolve_decode_attention
-from programs import fp8
 from programs.base import LMProgram
+from programs.blocks import fp8
 
 log = logging.getLogger(__name__)
 

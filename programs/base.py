@@ -142,7 +142,7 @@ class LMProgram:
     # False: the model has no repetition penalty; requests' repetition_penalty is ignored, and
     # prompt ids need not be sampleable ids (input_vocab_size may exceed vocab_size).
     uses_repetition_penalty: bool = True
-    # True: every GEMM of `backbone` goes through `programs.fp8.linear`, so that `fp8.rows_apart`
+    # True: every GEMM of `backbone` goes through `programs.blocks.fp8.linear`, so that `fp8.rows_apart`
     # keeps a step's prompt rows and decode rows in GEMMs of their own where a GEMM's rows could
     # round by its size (bf16 weights), and a prompt may then ride in one forward pass with a decode
     # step (gpu_worker.graphs, mixed graphs) and round as it would alone.

@@ -27,9 +27,9 @@ from programs.base import Attention, LMProgram, Sampler, TokenKind
 from programs.csm.spec import EOS_ID, N_CODEBOOKS, PAD_CODE, TEXT_MARK
 
 if TYPE_CHECKING:
+    from programs.blocks.text_tokenizer import TextTokenizer
     from programs.csm.codec import MimiCodec
     from programs.csm.model import CsmLM
-    from programs.orpheus.tokenizer import TextTokenizer
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 _MAX_CONTEXT_TURNS = 16
@@ -91,7 +91,7 @@ class CsmProgram(LMProgram):
             self.codec = MimiCodec.from_pretrained(self.codec_weights, stride, self.codec_dtype, self.device)
 
     def load_prompts(self) -> None:
-        from programs.orpheus.tokenizer import load_text_tokenizer
+        from programs.blocks.text_tokenizer import load_text_tokenizer
 
         self._tokenizer = load_text_tokenizer(self.spec, self.weights, self.load_format)
 
