@@ -24,7 +24,7 @@ from common.ipc import ROLE_SOCKETS, Addresses, is_wildcard
 
 
 class ServeConfig(msgspec.Struct, kw_only=True):
-    model: str = "orpheus-tiny"
+    model: str = ""  # "" = the registry's default model (`voxpipe models` marks it)
     host: str = "127.0.0.1"
     port: int = 8000
     tokenizer_workers: int = 1
@@ -38,7 +38,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     weights: str = ""  # LM checkpoint: Hugging Face id or local directory ("" = the model's default)
     codec_weights: str = ""  # codec checkpoint, likewise
     dtype: str = "auto"  # auto = bfloat16 on GPU, float32 on CPU
-    codec_dtype: str = "auto"  # codec precision: auto = the model's choice (orpheus: float32)
+    codec_dtype: str = "auto"  # codec precision: auto = the model's choice (its program's codec_dtype)
     codec_compile: str = "auto"  # codec_worker: auto | on | off (torch.compile of regular windows)
     codec_max_batch: int = 0  # codec_worker: windows per decode call (0 = 128 on GPU, 64 on CPU)
     codec_gather_ms: float = 30.0  # codec_worker: longest a window waits to share a decode call
@@ -206,7 +206,7 @@ def _address_roles(field: str) -> tuple[str, ...]:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("model", "model name (see `voxpipe models`)", _ALL),
+    Option("model", "model name (see `voxpipe models`; default: the one it marks)", _ALL),
     Option(
         "host", "HTTP bind address (127.0.0.1: this host only; 0.0.0.0 in a container)", ("serve", "gateway")
     ),
@@ -248,7 +248,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("dtype", "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16", ("serve", "gpu_worker")),
     Option(
         "codec_dtype",
-        "codec precision: auto (the model's choice; orpheus: float32), float32, bfloat16, float16",
+        "codec precision: auto (the model's choice), float32, bfloat16, float16",
         ("serve", "codec_worker"),
         choices=("auto", "float32", "bfloat16", "float16"),
     ),
@@ -292,7 +292,7 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "capacity_headroom",
-        "admission: the share of a row's playback time (12.2 ms for Orpheus) that an engine step of "
+        "admission: the share of a row's playback time (1 / the model's rows per second) that an engine step of "
         "every admitted stream, at the context each attends over on average in its life, may take "
         "by the gpu_worker's fitted step cost; lower keeps more margin against streams aging "
         "together and uneven steps, higher admits more streams per GPU (0.5..1.0)",

@@ -14,25 +14,22 @@ gpu_worker unless the workers already ended it, so no KV pages stay held by a de
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import msgspec
 from aiohttp import web
 
 from common.messages import GenerateRequest
 from gateway.events import Done, Event, Failed, Pending
+from gateway.pipeline import Pipeline
 from gateway.segments import FADE_S, Joiner
 from gateway.validation import SEED_MAX, GenerateParams
-
-if TYPE_CHECKING:
-    from gateway.server import Gateway
 
 
 class Synthesis:
     """Submits a request's segments one by one and merges their audio into one event stream."""
 
     def __init__(
-        self, gateway: Gateway, request: web.Request, rid: str, params: GenerateParams, started: float
+        self, gateway: Pipeline, request: web.Request, rid: str, params: GenerateParams, started: float
     ) -> None:
         self.gateway = gateway
         self.request = request

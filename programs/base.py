@@ -92,6 +92,7 @@ import numpy as np
 import torch
 
 import programs
+from common.messages import ModelSpec, SamplingParams
 
 CODEC_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -293,6 +294,43 @@ class LMProgram:
     # --- prompts (tokenizer_worker) ------------------------------------------------------------
     def preprocess(self, text: str, model_kwargs: dict[str, str]) -> np.ndarray:
         raise NotImplementedError
+
+    def prompt_overhead(self) -> int:
+        """Prompt rows besides the text's tokens, with no model options: a prompt of a text of b
+        UTF-8 bytes has at most prompt_overhead() + b rows (byte-level tokenizers). Default: the
+        spec's `prefix_ids` and `suffix_ids`, BOS, and the `text_template` around the text for the
+        longest voice, its characters counted as bytes."""
+        voices = self.spec.get("voices") or [""]
+        template = str(self.spec.get("text_template", "{text}"))
+        around = max(len(template.format(voice=v, text="").encode()) for v in voices)
+        return len(self.spec.get("prefix_ids", ())) + len(self.spec.get("suffix_ids", ())) + 1 + around
+
+    def model_spec(self, served: str) -> ModelSpec:
+        """Every fact the gateway needs about this model, served as `served` (the --model name);
+        the tokenizer_worker announces it (common.messages.ModelSpec)."""
+        spec = self.spec
+        defaults = {
+            k: v for k, v in spec.get("sampling", {}).items() if k in SamplingParams.__struct_fields__
+        }
+        voices = [str(v) for v in spec.get("voices", ())]
+        return ModelSpec(
+            name=served,
+            aliases=[n for n in programs.aliases_of(served) if n != served.lower()],
+            voices=voices,
+            default_voice=str(spec.get("default_voice", voices[0] if voices else "")),
+            sample_rate=int(self.sample_rate),
+            rows_per_second=self.rows_per_second,
+            max_tokens=int(spec["max_tokens"]),
+            vocab_size=int(self.vocab_size),
+            prompt_overhead=self.prompt_overhead(),
+            window_rows=int(self.detok_interval),
+            sampling=SamplingParams(**defaults),
+            constrained=bool(spec.get("constrained", False)),
+            constrainable=bool(spec.get("constrainable", False)),
+            options=dict(spec.get("model_options", {})),
+            refused=dict(spec.get("refused", {})),
+            n_codebooks=int(self.n_codebooks),
+        )
 
 
 def pcm16(audio: torch.Tensor) -> torch.Tensor:

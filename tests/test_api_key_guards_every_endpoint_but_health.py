@@ -16,6 +16,7 @@ from common.config import ServeConfig
 from common.ipc import Addresses
 from gateway.server import build_app
 from tests.conftest import Server, get_json
+from tests.specs import announce
 
 KEY = "vp-test-7f3a9c1e5b"
 
@@ -29,6 +30,7 @@ async def client(tmp_path: Path):
     cfg = ServeConfig(model="orpheus-tiny", addresses=Addresses.local(str(run)), api_key_file=str(key_file))
     c = TestClient(TestServer(build_app(cfg)))
     await c.start_server()
+    await announce(c.app, cfg.addresses, cfg.model)
     yield c
     await c.close()
 
