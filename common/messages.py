@@ -58,6 +58,10 @@ class GenerateRequest(msgspec.Struct, tag="gen", **_STRUCT):
     # wait behind arrivals that have nothing playing yet. Each admitted stream has at most one
     # segment in flight, so urgent work never exceeds the streams already admitted.
     urgent: bool = False
+    # Size the prompt instead of building it: the tokenizer worker answers with the `PromptSize` of
+    # this request's model options (the gateway asks before it cuts a long text into segments, for
+    # options that add prompt rows: ModelSpec.sized_options).
+    size_only: bool = False
 
 
 class Prompt(msgspec.Struct, tag="prompt", **_STRUCT):
@@ -78,6 +82,14 @@ class Prompt(msgspec.Struct, tag="prompt", **_STRUCT):
         if self.n_rows < 0 or len(self.tokens) != 4 * n_codebooks * self.n_rows:
             return f"{len(self.tokens)} bytes for {self.n_rows} rows of {n_codebooks} int32 ids"
         return ""
+
+
+class PromptSize(msgspec.Struct, tag="psize", **_STRUCT):
+    """tokenizer_worker → gateway: the answer to a `size_only` GenerateRequest: the prompt rows the
+    request's model options add beyond ModelSpec.prompt_overhead (the program's `option_rows`)."""
+
+    rid: str
+    rows: int
 
 
 class Abort(msgspec.Struct, tag="abort", **_STRUCT):
@@ -201,12 +213,15 @@ class ModelSpec(msgspec.Struct, tag="spec", **_STRUCT):
     # "instructions"); a field not listed here goes to the program as a model option.
     refused: dict[str, str] = {}
     n_codebooks: int = 1  # ids per prompt row (Prompt.shape_error)
+    # Options whose value adds prompt rows (a conversation context): a request that sets one is
+    # sized by the tokenizer pool (GenerateRequest.size_only) before its text is cut into segments.
+    sized_options: list[str] = []
 
 
 # One union per receiving socket.
 GpuInMsg = Prompt | Abort
 CodecInMsg = DetokBatch
-GatewayInMsg = AudioChunks | RequestError | ProcStatus | Prompt | ModelSpec
+GatewayInMsg = AudioChunks | RequestError | ProcStatus | Prompt | ModelSpec | PromptSize
 
 
 # --- Pool control and taps (added after the unions above; fields carry defaults) -----------------

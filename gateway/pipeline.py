@@ -44,10 +44,11 @@ from common.messages import (
     ModelSpec,
     ProcStatus,
     Prompt,
+    PromptSize,
     RequestError,
 )
 from gateway.admission import Admission
-from gateway.events import ClientGone, Event, Failed, Pending, error_status, finished_event
+from gateway.events import ClientGone, Event, Failed, Pending, Sized, error_status, finished_event
 from gateway.metrics import GatewayMetrics
 from gateway.procs import ProcessTable
 from gateway.segments import MAX_TEXT_CHARS_LIMIT
@@ -223,6 +224,8 @@ class Pipeline:
                     self._fail_held_by(name)
             case Prompt(rid=rid):
                 self._route(msg)
+            case PromptSize(rid=rid, rows=rows):
+                self._put(rid, Sized(rows))
             case ModelSpec():
                 try:
                     self.learn(msg)

@@ -351,17 +351,21 @@ def parse_speech(body: Mapping[str, Any], spec: ModelSpec, cfg: ServeConfig) -> 
     )
 
 
-def plan_segments(text: str, max_tokens: int, spec: ModelSpec, cfg: ServeConfig) -> tuple[str, ...]:
-    """The text's segments, sized for the model's full token budget (see `gateway.segments`).
+def plan_segments(
+    text: str, max_tokens: int, spec: ModelSpec, cfg: ServeConfig, option_rows: int = 0
+) -> tuple[str, ...]:
+    """The text's segments, sized for the model's full token budget (see `gateway.segments`) less
+    the prompt rows the request's model options add (`option_rows`, from the tokenizer pool).
 
     A request's `max_tokens` then caps each segment's generation. When the text is split, it must
     leave every segment room for its prompt (at most one token per byte) and one codec window of
     audio: cutting every sentence short is never what a client of a long text wants."""
-    segments = tuple(split_text(text, segment_budget(spec, max_tokens_limit(spec, cfg))))
+    budget = segment_budget(spec, max_tokens_limit(spec, cfg) - option_rows)
+    segments = tuple(split_text(text, budget))
     if len(segments) <= 1:
         return (text,)  # one generation: the text as the client sent it
     longest = max(len(s.encode("utf-8")) for s in segments)
-    need = spec.prompt_overhead + longest + spec.window_rows
+    need = spec.prompt_overhead + option_rows + longest + spec.window_rows
     if max_tokens < need:
         raise BadRequest(
             f"max_tokens={max_tokens} is too small for this text: it is spoken as {len(segments)} "

@@ -22,6 +22,9 @@ apart from N/B/Bd, state only in buffers, randomness only from the keys passed i
 | `detokenize(tokens, keys, tail_rows=0)` | codec_worker | yes | [Bd, R, C] int64 (R = detok_interval, or one of `detok_lead`), keys [Bd] int64 → audio [Bd, S] float in [-1, 1] (S = detok_samples for a regular window, R / s * detok_samples for a lead window, tail_rows / s * detok_samples for a tail window), valid [Bd] bool |
 | `compiled_detokenize()` | codec_worker | — | optional: a function equal to `detokenize(tokens, keys)` for regular windows, compiled (`torch.compile`, any batch size), or None (the default): the codec_worker captures it in the regular windows' graphs (`--codec-compile`) |
 | `preprocess(text, model_kwargs)` | tokenizer_worker | no | → prompt rows [R, C] int32; ValueError → HTTP 400 |
+| `prompt_overhead()` | tokenizer_worker | no | → prompt rows besides the text's tokens (no options) |
+| `option_rows(model_kwargs)` | tokenizer_worker | no | → prompt rows the `sized_options` add; ValueError → HTTP 400 |
+| `model_spec(served)` | tokenizer_worker | no | → `ModelSpec`, the facts the gateway serves the model by |
 
 Multi-codebook rows (C > 1): a row is one frame of C codebook ids (a program may also encode
 non-audio rows in it, e.g. a text token, as long as `embed` tells them apart; prompt ids must lie
@@ -148,6 +151,8 @@ class LMProgram:
     # round by its size (bf16 weights), and a prompt may then ride in one forward pass with a decode
     # step (gpu_worker.graphs, mixed graphs) and round as it would alone.
     mixed_prefill: bool = False
+    # Request options whose value adds prompt rows (`option_rows` counts them), e.g. a context.
+    sized_options: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -305,6 +310,11 @@ class LMProgram:
         around = max(len(template.format(voice=v, text="").encode()) for v in voices)
         return len(self.spec.get("prefix_ids", ())) + len(self.spec.get("suffix_ids", ())) + 1 + around
 
+    def option_rows(self, model_kwargs: dict[str, str]) -> int:
+        """Prompt rows the request's model options add beyond `prompt_overhead()`, for the options
+        named in `sized_options` (a conversation context); 0 by default. ValueError → HTTP 400."""
+        return 0
+
     def model_spec(self, served: str) -> ModelSpec:
         """Every fact the gateway needs about this model, served as `served` (the --model name);
         the tokenizer_worker announces it (common.messages.ModelSpec)."""
@@ -330,6 +340,7 @@ class LMProgram:
             options=dict(spec.get("model_options", {})),
             refused=dict(spec.get("refused", {})),
             n_codebooks=int(self.n_codebooks),
+            sized_options=list(self.sized_options),
         )
 
 

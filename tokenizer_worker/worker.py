@@ -24,7 +24,15 @@ import numpy as np
 
 from common.config import ServeConfig, program_kwargs
 from common.ipc import PushChannel, WorkChannel
-from common.messages import GatewayInMsg, GenerateRequest, ModelSpec, ProcState, Prompt, RequestError
+from common.messages import (
+    GatewayInMsg,
+    GenerateRequest,
+    ModelSpec,
+    ProcState,
+    Prompt,
+    PromptSize,
+    RequestError,
+)
 from common.proc import StatusReporter
 from programs import get_spec, load_program_class, served_name
 from programs.base import LMProgram
@@ -35,13 +43,16 @@ SPEC_EVERY_S = 1.0  # how often the model's spec is announced again (a restarted
 
 
 class PromptBuilder:
-    """GenerateRequest → Prompt, or RequestError (no sockets: testable alone)."""
+    """GenerateRequest → Prompt (or PromptSize when it asks only for that), or RequestError (no
+    sockets: testable alone)."""
 
     def __init__(self, program: LMProgram, max_context: int) -> None:
         self.program = program
         self.max_context = max_context
 
-    def build(self, req: GenerateRequest) -> Prompt | RequestError:
+    def build(self, req: GenerateRequest) -> Prompt | PromptSize | RequestError:
+        if req.size_only:
+            return self.size(req)
         try:
             rows = np.ascontiguousarray(self.program.preprocess(req.text, req.model_kwargs), dtype="<i4")
         except ValueError as e:
@@ -62,6 +73,16 @@ class PromptBuilder:
                 f"{budget}: shorten the text or raise max_tokens",
             )
         return Prompt(req.rid, rows.tobytes(), len(rows), req.sampling, req.arrival, urgent=req.urgent)
+
+    def size(self, req: GenerateRequest) -> PromptSize | RequestError:
+        """The prompt rows `req`'s model options add (the program's `option_rows`)."""
+        try:
+            return PromptSize(req.rid, int(self.program.option_rows(req.model_kwargs)))
+        except ValueError as e:
+            return RequestError(req.rid, 400, str(e))
+        except Exception as e:
+            log.exception("option_rows failed for %s", req.rid)
+            return RequestError(req.rid, 500, f"prompt builder error: {type(e).__name__}: {e}")
 
     def _shape_error(self, rows: np.ndarray) -> str:
         """Why `rows` is not a prompt the gpu_worker can run ("" when it is): the program contract's

@@ -44,6 +44,7 @@ class CsmProgram(LMProgram):
     name = "csm"
     codec_dtype: torch.dtype = torch.float32
     uses_repetition_penalty = False
+    sized_options = ("context",)  # context turns are prompt rows (option_rows)
 
     def __init__(self, spec: dict[str, Any], **kwargs: Any) -> None:
         super().__init__(spec, **kwargs)
@@ -134,6 +135,13 @@ class CsmProgram(LMProgram):
         body = self._tokenizer.tokenizer.encode(f"[{speaker}]{text}", add_special_tokens=False).ids
         ids = [self.spec["bos_id"], *body, EOS_ID]
         return [[i] + [TEXT_MARK] * (N_CODEBOOKS - 1) for i in ids]
+
+    def option_rows(self, model_kwargs: dict[str, str]) -> int:
+        """The context turns' rows: each turn's text rows, its frames and the end frame."""
+        if self._tokenizer is None:
+            self.load_prompts()
+        turns = _parse_context(model_kwargs.get("context") or "[]")
+        return sum(len(self._turn(str(t["speaker"]), t["text"])) + len(t["codes"]) + 1 for t in turns)
 
     def preprocess(self, text: str, model_kwargs: dict[str, str]) -> np.ndarray:
         """Context turns, then `[speaker]text` → rows [R, 32] int32 (see the module docstring)."""
