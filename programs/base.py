@@ -2,7 +2,9 @@
 
 A program is written once and never sees sockets or requests, only rows and batch entries. Loading
 is split by process: the gpu_worker calls `load_lm`, the codec_worker `load_codec`, and the
-tokenizer_worker neither (prompts read only `spec`).
+tokenizer_worker neither (prompts read only `spec`, and the text tokenizer). The tokenizer_worker
+also announces the model to the gateway (`model_spec`), which never imports `programs`.
+A model's modules import shared code from `programs.blocks`, never from another model's folder.
 
 Hooks, with shapes (N = token rows this step, B = requests this step, C = n_codebooks,
 V = vocab_size, H = hidden size). "graph" marks code the GPU runtime captures in CUDA graphs: no
@@ -25,6 +27,20 @@ apart from N/B/Bd, state only in buffers, randomness only from the keys passed i
 | `prompt_overhead()` | tokenizer_worker | no | → prompt rows besides the text's tokens (no options) |
 | `option_rows(model_kwargs)` | tokenizer_worker | no | → prompt rows the `sized_options` add; ValueError → HTTP 400 |
 | `model_spec(served)` | tokenizer_worker | no | → `ModelSpec`, the facts the gateway serves the model by |
+
+Attributes a program sets (defaults on LMProgram; any model may use each):
+
+| attribute | meaning |
+|---|---|
+| `n_codebooks`, `vocab_size`, `num_layers`, `num_qo_heads`, `num_kv_heads`, `head_dim`, `hidden_size` | LM shapes, from the config (weight-free programs know them too) |
+| `input_vocab_size` | prompt ids lie in [0, input_vocab_size) (above vocab_size when prompt rows carry text ids) |
+| `detok_interval`, `detok_overlap`, `detok_samples`, `detok_offset` | codec windows (Audio chunks) |
+| `detok_lead`, `detok_tail` | lead windows, tail windows (below) |
+| `detok_preseed`, `detok_flush`, `pad_rows()` | stream edges (below) |
+| `codec_dtype`, `head_ids` | codec precision, output heads (below) |
+| `uses_repetition_penalty` | False: the model has none; requests' repetition_penalty is ignored |
+| `mixed_prefill` | every GEMM of `backbone` goes through `programs.blocks.fp8.linear`, so a prompt may ride in one forward pass with a decode step |
+| `sized_options` | request options whose value adds prompt rows, counted by `option_rows` |
 
 Multi-codebook rows (C > 1): a row is one frame of C codebook ids (a program may also encode
 non-audio rows in it, e.g. a text token, as long as `embed` tells them apart; prompt ids must lie
