@@ -23,8 +23,9 @@ def test_serve_refuses_constrained_for_csm(capsys):
 
 
 def test_a_gateway_run_alone_refuses_it_too():
+    pipeline = Pipeline(ServeConfig(model="csm-tiny", constrained=True), addresses=None)
     with pytest.raises(ValueError, match="no constrained sampling mode"):
-        Pipeline(ServeConfig(model="csm-tiny", constrained=True), addresses=None).learn(model_spec("csm-tiny"))
+        pipeline.learn(model_spec("csm-tiny"))  # the spec the tokenizer workers announce
 
 
 def test_models_with_the_mode_say_so_and_accept_it():
