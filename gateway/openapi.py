@@ -125,7 +125,7 @@ def document(spec: ModelSpec, cfg: ServeConfig) -> dict[str, Any]:
             },
             "/ready": {
                 "get": {
-                    "summary": "Whether every process is ready, and each process's state.",
+                    "summary": "Whether every process is ready and the model known, and each process's state.",
                     "responses": {"200": _json("All ready.", {}), "503": _json("Not all ready.", {})},
                 }
             },

@@ -77,8 +77,11 @@ class Routes:
         return web.json_response({"status": "ok"})
 
     async def ready(self, request: web.Request) -> web.Response:
+        """Ready when every process reports READY and the model's spec has arrived: a tokenizer
+        worker's READY status and its spec travel on different sockets, so either may come first."""
         ready, rows = self.pipeline.procs.report()
         spec = self.pipeline.spec
+        ready = ready and spec is not None
         model = self.pipeline.cfg.model or (spec.name if spec is not None else "")
         body = {"ready": ready, "model": model, "processes": rows}
         return web.json_response(body, status=200 if ready else 503)
