@@ -24,7 +24,6 @@ SAMPLES_PER_FRAME = 1920  # 24 kHz / 12.5 Hz
 SPEAKERS = [str(i) for i in range(10)]
 
 _COMMON = {
-    "kind": "csm",
     "codec": "mimi",  # the codec's name (tests/test_architecture.py keeps it out of the runtime)
     "n_codebooks": N_CODEBOOKS,
     "vocab_size": AUDIO_VOCAB,

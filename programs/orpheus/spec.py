@@ -13,7 +13,6 @@ STOP_TOKEN = 128258
 VOICES = ["tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe"]
 
 _COMMON = {
-    "kind": "orpheus",
     "codec": "snac",  # the codec's name (tests/test_architecture.py keeps it out of the runtime)
     "n_codebooks": 1,
     "vocab_size": 156940,
