@@ -1,5 +1,7 @@
-"""Model registry. Specs (torch-free constants) and programs (torch) are imported lazily, so the
-gateway can read a model's spec without importing torch."""
+"""Model registry: --model names → the model's folder under programs/. Specs (torch-free constants)
+and programs (torch) are imported lazily, so the registry itself loads no torch (`voxpipe serve`
+checks --model with it). The gateway never imports this package: the tokenizer workers announce
+the model's facts to it (`LMProgram.model_spec`)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,6 @@ _MODELS: dict[str, tuple[str, str]] = {
     "sesame/csm-1b": ("csm", "csm"),
     "csm-tiny": ("csm", "csm-tiny"),
 }
-
 
 DEFAULT_MODEL = "orpheus-tiny"  # what --model "" (the default) serves: random weights, no download
 
