@@ -89,9 +89,9 @@ class PromptBuilder:
         [R, C] rows of ids in [0, input_vocab_size) (programs/base.py). The one full check of a
         prompt; later hops check only that the bytes they got are R rows of C ids."""
         c = self.program.n_codebooks
-        if rows.ndim != 2 or rows.shape[1] != c:
-            return f"rows of shape {list(rows.shape)}, not [R, {c}]"
-        if len(rows) and (rows.min() < 0 or rows.max() >= self.program.input_vocab_size):
+        if rows.ndim != 2 or rows.shape[1] != c or not len(rows):
+            return f"rows of shape {list(rows.shape)}, not [R, {c}] with R > 0"
+        if rows.min() < 0 or rows.max() >= self.program.input_vocab_size:
             return f"ids outside [0, {self.program.input_vocab_size})"
         return ""
 
