@@ -23,7 +23,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from common.ipc import Addresses, AsyncDispatchChannel, AsyncPullChannel  # noqa: E402
+from common.ipc import Addresses, AsyncPullChannel  # noqa: E402
 from common.messages import (  # noqa: E402
     GatewayInMsg,
     GenerateRequest,
@@ -32,6 +32,7 @@ from common.messages import (  # noqa: E402
     Prompt,
     SamplingParams,  # noqa: E402
 )
+from common.pool import AsyncDispatchChannel  # noqa: E402
 
 TEXT = "The quick brown fox jumps over the lazy dog, then naps in the warm afternoon sun. "
 

@@ -5,7 +5,7 @@ Settings from flags or VOXPIPE_* variables (`--help` lists them), or `--config-j
 """
 
 from codec_worker.worker import CodecWorker
-from common.config import RoleSettings
+from common.options import RoleSettings
 from common.proc import run_worker
 
 

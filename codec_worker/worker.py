@@ -19,7 +19,7 @@ import torch
 
 from codec_worker.gather import Gather
 from codec_worker.graphs import DetokGraphs, Pending
-from common.config import ServeConfig, check_codec_settings, program_kwargs, resolve_device
+from common.config import ServeConfig, program_kwargs, resolve_device
 from common.ipc import PullChannel, PushChannel
 from common.messages import (
     AudioChunk,
@@ -214,8 +214,8 @@ def codec_compile_backend(choice: str, device: str, program: LMProgram, graphs: 
 class CodecWorker:
     def __init__(self, cfg: ServeConfig, status: StatusReporter) -> None:
         assert cfg.addresses is not None
-        check_codec_settings(cfg)
-        device = resolve_device(cfg.codec_device if cfg.codec_device != "auto" else cfg.device)
+        cfg.codec.check()
+        device = resolve_device(cfg.codec.device if cfg.codec.device != "auto" else cfg.device)
         if device.startswith("cuda"):
             # TF32 convolutions drift ~5e-4 from fp32 and vary with the batch size; keep fp32 exact
             # so a chunk decodes the same alone or batched.
@@ -230,20 +230,18 @@ class CodecWorker:
             program,
             # 128: a full call's fixed cost is already spread thin (~1 ms over ~7 ms of windows on the
             # H200), and a first chunk arriving during a call waits for it: larger calls buy little.
-            max_batch=cfg.codec_max_batch or (128 if device.startswith("cuda") else 64),
-            graphs=not cfg.disable_cuda_graph,
+            max_batch=cfg.codec.max_batch or (128 if device.startswith("cuda") else 64),
+            graphs=cfg.codec.cuda_graphs,
             progress=lambda msg: status.set(ProcState.LOADING, msg),
-            tails=cfg.first_chunk == "progressive",
-            compile_fallback=cfg.codec_compile == "auto",
-            compile_backend=codec_compile_backend(
-                cfg.codec_compile, device, program, not cfg.disable_cuda_graph
-            ),
+            tails=cfg.gpu.first_chunk == "progressive",
+            compile_fallback=cfg.codec.compile == "auto",
+            compile_backend=codec_compile_backend(cfg.codec.compile, device, program, cfg.codec.cuda_graphs),
         )
         self.status = status
         self.inbox: PullChannel[CodecInMsg] = PullChannel(cfg.addresses.codec_in, CodecInMsg, bind=True)
         self.to_gateway: PushChannel[GatewayInMsg] = PushChannel(cfg.addresses.gateway_in)
         regular = (program.detok_interval, 0)
-        self.gather = Gather(cfg.codec_gather_ms / 1000, self.codec.limits[regular])
+        self.gather = Gather(cfg.codec.gather_ms / 1000, self.codec.limits[regular])
         # Heartbeat metrics: windows per call and the busy share show what gathering buys.
         self.counters = {"codec_calls_total": 0, "codec_windows_total": 0, "codec_busy_seconds_total": 0.0}
         status.set_load(0, 0, dict(self.counters))

@@ -15,15 +15,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common.config import (
-    ServeConfig,
-    add_options,
-    check_codec_settings,
-    check_headroom,
-    check_model_settings,
-    check_sit_out,
-    resolve,
-)
+from common.config import ServeConfig, check_model_settings
+from common.options import add_options, resolve
 from common.proc import setup_logging
 
 # `voxpipe <command>` → the role (= package) it runs
@@ -35,46 +28,20 @@ ROLE_COMMANDS = {
 }
 
 
-MAX_TEXT_CHARS = 50_000  # the gateway's own cap (gateway/segments.py MAX_TEXT_CHARS_LIMIT)
-
-
 def _validate(cfg: ServeConfig) -> None:
     from programs import get_spec, served_name
 
     cfg.model = served_name(cfg.model)  # "" → the registry's default, named for every process
     check_model_settings(cfg, get_spec(cfg.model))  # get_spec raises with the list of models
-    if cfg.tokenizer_workers < 1:
-        raise ValueError("--tokenizer-workers must be at least 1")
-    if cfg.gpu_workers < 1:
-        raise ValueError("--gpu-workers must be at least 1")
-    for spec in (cfg.device, cfg.codec_device):
-        n = len([p for p in spec.split(",") if p.strip()])
-        if n > 1 and n != cfg.gpu_workers:
-            raise ValueError(
-                f"--device/--codec-device list {n} devices but --gpu-workers is {cfg.gpu_workers}"
-            )
-    if not 1 <= cfg.port <= 65535:
-        raise ValueError(f"--port must be in 1..65535, got {cfg.port}")
-    if cfg.page_size < 1 or cfg.max_batch_size < 0 or cfg.max_context < 0 or cfg.num_pages < 0:
-        raise ValueError("--page-size must be positive; --max-batch-size, --max-context, --num-pages >= 0")
-    check_codec_settings(cfg)
-    if cfg.codec_gpu_share and cfg.mps == "off":
-        raise ValueError("--codec-gpu-share caps the codec's SMs under MPS: it needs --mps on or auto")
-    check_headroom(cfg.realtime_headroom)
-    check_headroom(cfg.capacity_headroom, "--capacity-headroom")
-    check_sit_out(cfg.sit_out)
-    if cfg.max_queue < 0 or cfg.max_streams < 0 or not 0 < cfg.queue_timeout < float("inf"):
-        raise ValueError("--max-queue and --max-streams must be >= 0 and --queue-timeout a positive number")
+    cfg.check()
     if cfg.zmq_curve_dir:
         from common.ipc import CurveKeys
 
         CurveKeys(cfg.zmq_curve_dir)  # missing keys fail here, naming `voxpipe keys`
-    if cfg.api_key_file:
+    if cfg.gateway.api_key_file:
         from gateway.auth import load_api_key
 
         load_api_key(cfg)  # an unreadable or empty key file fails here, not in the gateway
-    if not 1 <= cfg.max_text_chars <= MAX_TEXT_CHARS:
-        raise ValueError(f"--max-text-chars must be in 1..{MAX_TEXT_CHARS}, got {cfg.max_text_chars}")
 
 
 def build_parser() -> argparse.ArgumentParser:

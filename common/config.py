@@ -1,72 +1,186 @@
-"""Settings shared by every process of one deployment, and how each process gets them.
+"""The settings of one deployment, grouped by the process that takes them, with one default each.
 
-`voxpipe serve` parses its command line once into a `ServeConfig` and hands it to each child as
-JSON (`--config-json`), so all processes agree on the model, the limits and the addresses.
-
-Run as separate services (`python -m gpu_worker`, `voxpipe gpu-worker`), a process reads the same
-settings from flags or `VOXPIPE_*` environment variables (flags win over the environment; with
-`--config-json` the environment is ignored, since the JSON is the whole deployment's config). One
-table, `OPTIONS`, says which setting each role takes, its flag and its variable.
+`ServeConfig` holds what every process shares (the model, its weights, devices, addresses, logging)
+and one struct per kind of process: `GatewaySettings`, `TokenizerSettings`, `GpuWorkerSettings`,
+`CodecSettings`. `voxpipe serve` builds one and hands it to each child as JSON (`--config-json`),
+so all processes agree; a process run as a service builds it from flags and `VOXPIPE_*` variables
+(common/options.py). Each struct checks its own values (`check`), raising ValueError that names
+the flag to fix.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import socket
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from common.ipc import ROLE_SOCKETS, Addresses, is_wildcard
+from common.ipc import Addresses
+
+# `--sit-out`: a stream sitting out keeps at least this much audio in hand, more than its next chunk
+# can take to arrive (a window's steps, a codec pass, the delivery: ~0.15 s under load).
+MIN_SIT_OUT_S = 0.25
+# The gateway's cap on `--max-text-chars` (gateway/segments.py MAX_TEXT_CHARS_LIMIT).
+MAX_TEXT_CHARS = 50_000
 
 
-class ServeConfig(msgspec.Struct, kw_only=True):
-    model: str = ""  # "" = the registry's default model (`voxpipe models` marks it)
-    host: str = "127.0.0.1"
+def check_sit_out(spare_s: float) -> None:
+    """`--sit-out` (for `voxpipe serve`, and the engine of a gpu_worker run alone)."""
+    if not (spare_s == 0 or MIN_SIT_OUT_S <= spare_s < float("inf")):
+        raise ValueError(
+            f"--sit-out must be 0 (off) or seconds of audio in hand >= {MIN_SIT_OUT_S}, got {spare_s}"
+        )
+
+
+def check_headroom(headroom: float, flag: str = "--realtime-headroom") -> None:
+    """`--realtime-headroom` or `--capacity-headroom` (for `voxpipe serve`, and the engine of a
+    gpu_worker run alone)."""
+    if not 0.5 <= headroom <= 1.0:
+        raise ValueError(f"{flag} must be in 0.5..1.0, got {headroom}")
+
+
+class GatewaySettings(msgspec.Struct, kw_only=True):
+    """The gateway's HTTP side and admission queue."""
+
+    host: str = "127.0.0.1"  # HTTP bind address
     port: int = 8000
-    tokenizer_workers: int = 1
-    # serve: gpu_worker + codec_worker pairs to start; gateway: how many of each /ready expects
-    gpu_workers: int = 1
-    # gpu_worker: "cpu", "cuda", "cuda:N"; auto = cuda if available. serve with --gpu-workers N:
-    # one device, or a comma-separated list of N (auto/cuda → cuda:i per pair)
-    device: str = "auto"
-    codec_device: str = "auto"  # codec_worker; auto = the gpu_worker's device; a list like --device
-    load_format: str = "auto"  # auto (real weights) | dummy (random weights of the real shape)
-    weights: str = ""  # LM checkpoint: Hugging Face id or local directory ("" = the model's default)
-    codec_weights: str = ""  # codec checkpoint, likewise
-    dtype: str = "auto"  # auto = bfloat16 on GPU, float32 on CPU
-    codec_dtype: str = "auto"  # codec precision: auto = the model's choice (its program's codec_dtype)
-    codec_compile: str = "auto"  # codec_worker: auto | on | off (torch.compile of regular windows)
-    codec_max_batch: int = 0  # codec_worker: windows per decode call (0 = 128 on GPU, 64 on CPU)
-    codec_gather_ms: float = 30.0  # codec_worker: longest a window waits to share a decode call
-    max_batch_size: int = 0  # 0 = 256 on GPU, 16 on CPU
-    max_context: int = 0  # 0 = the model's max_tokens
-    page_size: int = 16
-    num_pages: int = 0  # 0 = enough for max_batch_size full contexts
-    first_chunk: str = "adaptive"  # reference | adaptive | fastest | progressive (see EngineLimits)
-    realtime_headroom: float = 0.88  # gpu_worker: step budget before the step cost is fitted, and sit-out's
-    capacity_headroom: float = 0.92  # gpu_worker: admit while a step of all at life context takes <= this
-    sit_out: float = 0.5  # gpu_worker: audio in hand (s) past which a stream may sit out slow steps; 0 = off
-    lm_head: str = "full"  # gpu_worker: full vocabulary, or "audio": logits for codec tokens + stop only
-    quantization: str = "none"  # gpu_worker: none | fp8 (LM linear weights in float8, per-channel scales)
-    kv_cache_dtype: str = "auto"  # gpu_worker: auto (the model's dtype) | fp8 (float8 e4m3 keys/values)
-    decode_attention: str = "auto"  # gpu_worker: auto | flashinfer | xqa (the decode steps' attention kernel)
     constrained: bool | None = None  # None = the model's default
     max_text_chars: int = 2000
     max_queue: int = 1024  # requests waiting for a slot beyond this get 503
-    queue_timeout: float = 30.0  # gateway: seconds a request may wait for a stream before a 503
-    max_streams: int = 0  # gateway: active streams admitted at once (0 = what the gpu_workers measure)
-    api_key_file: str = ""  # gateway: file holding the HTTP API's Bearer key (or VOXPIPE_API_KEY)
+    queue_timeout: float = 30.0  # seconds a request may wait for a stream before a 503
+    max_streams: int = 0  # active streams admitted at once (0 = what the gpu_workers measure)
+    api_key_file: str = ""  # file holding the HTTP API's Bearer key (or VOXPIPE_API_KEY)
+
+    def check(self) -> None:
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        if self.max_queue < 0 or self.max_streams < 0 or not 0 < self.queue_timeout < float("inf"):
+            raise ValueError(
+                "--max-queue and --max-streams must be >= 0 and --queue-timeout a positive number"
+            )
+        if not 1 <= self.max_text_chars <= MAX_TEXT_CHARS:
+            raise ValueError(f"--max-text-chars must be in 1..{MAX_TEXT_CHARS}, got {self.max_text_chars}")
+
+
+class TokenizerSettings(msgspec.Struct, kw_only=True):
+    """The tokenizer pool (prompt builders)."""
+
+    # serve: prompt-builder processes to start; gateway: how many must be ready for /ready
+    workers: int = 1
+
+    def check(self) -> None:
+        if self.workers < 1:
+            raise ValueError("--tokenizer-workers must be at least 1")
+
+
+class GpuWorkerSettings(msgspec.Struct, kw_only=True):
+    """The gpu_worker's engine: batch, KV cache, graphs, attention, admission and pacing."""
+
+    dtype: str = "auto"  # auto = bfloat16 on GPU, float32 on CPU
+    max_batch_size: int = 0  # 0 = 256 on GPU, 16 on CPU
+    max_context: int = 0  # 0 = the model's max_tokens
+    page_size: int = 16  # tokens per KV page
+    num_pages: int = 0  # 0 = room for max_batch_size full contexts
+    max_prefill_rows: int = 8192  # prompt rows per step, so one step never grows unbounded
+    cuda_graphs: bool = True  # GPU only: replay captured graphs (--disable-cuda-graph: eager steps)
+    min_decode_batch: int = 1  # smallest decode graph: smaller batches are padded up to it
+    # FlashInfer: one KV split per request, so attention reduces in the same order at any batch
+    # size (without it, greedy tokens change with the batch size on the H200).
+    no_split_kv: bool = True
+    # First audio of a request: "reference" waits for the first full window (detok_interval rows);
+    # "adaptive" sends a short lead window (the program's `detok_lead`) as soon as the measured
+    # step rate lets the next window arrive before the lead has played out; "fastest" always
+    # sends the smallest lead (deterministic: for tests); "progressive" sends each first frame as a
+    # tail window as soon as it exists, until the stream is far enough ahead (gpu_worker/windows.py).
+    first_chunk: str = "adaptive"
+    # Admission (gpu_worker.pacing.StepClock.capacity): the load whose step, every stream in it at
+    # its life-average context, takes at most this share of a row's playback time by the fitted
+    # step cost (gpu_worker.pacing.StepCost)...
+    capacity_headroom: float = 0.92
+    # ... and until that is fitted, the largest load whose step takes at most this share; also the
+    # step budget that streams sitting out keep steps under (gpu_worker.pacing.SitOut).
+    realtime_headroom: float = 0.88
+    # Streams with this much audio in hand (seconds) may sit out steps that run over the budget
+    # (gpu_worker.pacing.SitOut), which shortens the steps of those with less; 0 = never (--sit-out).
+    sit_out_lead_s: float = 0.5
+    lm_head: str = "full"  # full vocabulary, or "audio": logits for codec tokens + stop only
+    quantization: str = "none"  # none | fp8 (LM linear weights in float8, per-channel scales)
+    # Keys/values: "auto" stores them in the model's dtype; "fp8" in float8 e4m3 with scale 1
+    # (attention reads half the bytes; queries and outputs stay in the model's dtype).
+    kv_cache_dtype: str = "auto"
+    # The decode steps' attention: "flashinfer", "xqa" (gpu_worker.xqa_backend) or "auto" (xqa for
+    # an fp8 cache on Hopper). Prefill rows always run on FlashInfer.
+    decode_attention: str = "auto"
+    # FlashInfer's decode kernel: on tensor cores (its FA2 prefill kernel; 0.85-0.89x the time of the
+    # CUDA-core kernel for a 3B Llama's bf16 cache on the H200), or the CUDA-core decode kernel
+    # (bench/attention_kv.py compares them; with an fp8 cache it is not measured).
+    decode_tensor_cores: bool = True
+    # A step's first new prompt runs in one graph with its decode rows (gpu_worker.graphs, mixed
+    # graphs) when the program allows it; False: in a prefill graph of its own.
+    mixed_prefill: bool = True
+
+    def check(self) -> None:
+        if self.page_size < 1 or self.max_batch_size < 0 or self.max_context < 0 or self.num_pages < 0:
+            raise ValueError(
+                "--page-size must be positive; --max-batch-size, --max-context, --num-pages >= 0"
+            )
+        check_headroom(self.realtime_headroom)
+        check_headroom(self.capacity_headroom, "--capacity-headroom")
+        check_sit_out(self.sit_out_lead_s)
+
+    def context_limit(self, max_tokens: int) -> int:
+        """The longest context a request may reach: `max_context`, within the model's `max_tokens`."""
+        return min(self.max_context or max_tokens, max_tokens)
+
+    def resolved(self, device: str, max_tokens: int) -> GpuWorkerSettings:
+        """A copy with the defaults that depend on the device and the model filled in."""
+        cpu = device == "cpu"
+        return msgspec.structs.replace(
+            self,
+            max_batch_size=self.max_batch_size or (16 if cpu else 256),
+            max_context=self.context_limit(max_tokens),
+        )
+
+
+class CodecSettings(msgspec.Struct, kw_only=True):
+    """The codec_worker: its device, precision, graphs and batching."""
+
+    device: str = "auto"  # auto = the gpu_worker's device; a list like --device
+    dtype: str = "auto"  # auto = the model's choice (its program's codec_dtype)
+    compile: str = "auto"  # auto | on | off (torch.compile of regular windows)
+    max_batch: int = 0  # windows per decode call (0 = 128 on GPU, 64 on CPU)
+    gather_ms: float = 30.0  # longest a window waits to share a decode call
+    cuda_graphs: bool = True  # GPU only: replay captured decode graphs (--disable-cuda-graph: eager)
+    gpu_share: int = 0  # serve with MPS: percent of the GPU's SMs the codec_worker may use (0 = all)
+
+    def check(self) -> None:
+        if self.max_batch < 0 or not 0 <= self.gather_ms <= 1000:
+            raise ValueError("--codec-max-batch must be >= 0 and --codec-gather-ms in 0..1000")
+        if not 0 <= self.gpu_share <= 100:
+            raise ValueError(f"--codec-gpu-share must be a percent in 0..100 (0 = all), got {self.gpu_share}")
+
+
+class ServeConfig(msgspec.Struct, kw_only=True):
+    """One deployment: what every process shares, and each kind of process's own settings."""
+
+    model: str = ""  # "" = the registry's default model (`voxpipe models` marks it)
+    # gpu_worker: "cpu", "cuda", "cuda:N"; auto = cuda if available. serve with --gpu-workers N:
+    # one device, or a comma-separated list of N (auto/cuda → cuda:i per pair)
+    device: str = "auto"
+    load_format: str = "auto"  # auto (real weights) | dummy (random weights of the real shape)
+    weights: str = ""  # LM checkpoint: Hugging Face id or local directory ("" = the model's default)
+    codec_weights: str = ""  # codec checkpoint, likewise
+    # serve: gpu_worker + codec_worker pairs to start; gateway: how many of each /ready expects
+    gpu_workers: int = 1
     zmq_curve_dir: str = ""  # every process: CURVE keys for tcp:// sockets (`voxpipe keys DIR`)
     log_level: str = "INFO"
-    disable_cuda_graph: bool = False
     mps: str = "off"  # serve: off | on | auto (CUDA MPS for the GPU processes, see common/mps.py)
-    codec_gpu_share: int = 0  # serve with MPS: percent of the GPU's SMs the codec_worker may use (0 = all)
     addresses: Addresses | None = None
     run_dir: str = ""
+    gateway: GatewaySettings = msgspec.field(default_factory=GatewaySettings)
+    tokenizer: TokenizerSettings = msgspec.field(default_factory=TokenizerSettings)
+    gpu: GpuWorkerSettings = msgspec.field(default_factory=GpuWorkerSettings)
+    codec: CodecSettings = msgspec.field(default_factory=CodecSettings)
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()
@@ -74,6 +188,21 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     @classmethod
     def from_json(cls, text: str) -> ServeConfig:
         return msgspec.json.decode(text, type=cls)
+
+    def check(self) -> None:
+        """Every setting that needs no model or file to check (`voxpipe serve`)."""
+        if self.gpu_workers < 1:
+            raise ValueError("--gpu-workers must be at least 1")
+        for spec in (self.device, self.codec.device):
+            n = len([p for p in spec.split(",") if p.strip()])
+            if n > 1 and n != self.gpu_workers:
+                raise ValueError(
+                    f"--device/--codec-device list {n} devices but --gpu-workers is {self.gpu_workers}"
+                )
+        if self.codec.gpu_share and self.mps == "off":
+            raise ValueError("--codec-gpu-share caps the codec's SMs under MPS: it needs --mps on or auto")
+        for group in (self.gateway, self.tokenizer, self.gpu, self.codec):
+            group.check()
 
 
 def resolve_device(device: str) -> str:
@@ -118,39 +247,9 @@ def pair_devices(spec: str, n: int, cuda_available: Callable[[], bool] | None = 
 
 def check_model_settings(cfg: ServeConfig, spec: Mapping[str, Any]) -> None:
     """Settings the served model cannot honour: raises ValueError naming the flag."""
-    wanted = spec.get("constrained", False) if cfg.constrained is None else cfg.constrained
+    wanted = spec.get("constrained", False) if cfg.gateway.constrained is None else cfg.gateway.constrained
     if wanted and not spec.get("constrainable", False):
         raise ValueError(f"--constrained: {spec['name']} has no constrained sampling mode")
-
-
-# `--sit-out`: a stream sitting out keeps at least this much audio in hand, more than its next chunk
-# can take to arrive (a window's steps, a codec pass, the delivery: ~0.15 s under load).
-MIN_SIT_OUT_S = 0.25
-
-
-def check_sit_out(spare_s: float) -> None:
-    """`--sit-out` (for `voxpipe serve`, and the engine of a gpu_worker run alone)."""
-    if not (spare_s == 0 or MIN_SIT_OUT_S <= spare_s < float("inf")):
-        raise ValueError(
-            f"--sit-out must be 0 (off) or seconds of audio in hand >= {MIN_SIT_OUT_S}, got {spare_s}"
-        )
-
-
-def check_headroom(headroom: float, flag: str = "--realtime-headroom") -> None:
-    """`--realtime-headroom` or `--capacity-headroom` (for `voxpipe serve`, and the engine of a
-    gpu_worker run alone)."""
-    if not 0.5 <= headroom <= 1.0:
-        raise ValueError(f"{flag} must be in 0.5..1.0, got {headroom}")
-
-
-def check_codec_settings(cfg: ServeConfig) -> None:
-    """The codec worker's batching settings (for `voxpipe serve` and a codec worker run alone)."""
-    if cfg.codec_max_batch < 0 or not 0 <= cfg.codec_gather_ms <= 1000:
-        raise ValueError("--codec-max-batch must be >= 0 and --codec-gather-ms in 0..1000")
-    if not 0 <= cfg.codec_gpu_share <= 100:
-        raise ValueError(
-            f"--codec-gpu-share must be a percent in 0..100 (0 = all), got {cfg.codec_gpu_share}"
-        )
 
 
 def program_kwargs(cfg: ServeConfig) -> dict:
@@ -159,381 +258,5 @@ def program_kwargs(cfg: ServeConfig) -> dict:
         load_format=cfg.load_format,
         weights=cfg.weights or None,
         codec_weights=cfg.codec_weights or None,
-        codec_dtype=cfg.codec_dtype,
+        codec_dtype=cfg.codec.dtype,
     )
-
-
-# --- options: flags and environment variables ------------------------------------------------------
-
-SERVICES = ("gateway", "tokenizer_worker", "gpu_worker", "codec_worker")
-_ALL = ("serve", *SERVICES)
-_LOADERS = ("serve", "tokenizer_worker", "gpu_worker", "codec_worker")
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-def _parse_bool(text: str) -> bool | None:
-    t = text.strip().lower()
-    if t in _TRUE:
-        return True
-    if t in _FALSE:
-        return False
-    if t in ("", "auto", "default"):
-        return None
-    raise ValueError(f"expected one of {', '.join(_TRUE + _FALSE)} or auto")
-
-
-@dataclass(frozen=True)
-class Option:
-    field: str  # ServeConfig field, Addresses field, or a per-process setting (name, tap)
-    help: str
-    roles: tuple[str, ...]
-    type: Callable[[str], Any] = str
-    kind: str = "config"  # config | address | process
-    choices: tuple[str, ...] = ()
-    negatable: bool = True  # a boolean flag with a --no- form (else: store_true)
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.field.replace("_", "-")
-
-    @property
-    def env(self) -> str:
-        return "VOXPIPE_" + self.field.upper()
-
-
-def _address_roles(field: str) -> tuple[str, ...]:
-    return tuple(r for r, (binds, connects) in ROLE_SOCKETS.items() if field in binds + connects)
-
-
-OPTIONS: tuple[Option, ...] = (
-    Option("model", "model name (see `voxpipe models`; default: the one it marks)", _ALL),
-    Option(
-        "host", "HTTP bind address (127.0.0.1: this host only; 0.0.0.0 in a container)", ("serve", "gateway")
-    ),
-    Option("port", "HTTP port", ("serve", "gateway"), int),
-    Option(
-        "tokenizer_workers",
-        "serve: prompt-builder processes to start; gateway: how many must be ready for /ready",
-        ("serve", "gateway"),
-        int,
-    ),
-    Option(
-        "gpu_workers",
-        "serve: gpu_worker + codec_worker pairs to start (one per GPU); gateway: how many of each "
-        "must be ready for /ready",
-        ("serve", "gateway"),
-        int,
-    ),
-    Option(
-        "device",
-        "LM device: auto, cpu, cuda, cuda:N (serve with --gpu-workers N: one, or a comma-separated "
-        "list of N; auto/cuda give pair i cuda:i)",
-        ("serve", "gpu_worker", "codec_worker"),
-    ),
-    Option(
-        "codec_device",
-        "codec device (auto: the LM's); with --gpu-workers a list too",
-        ("serve", "codec_worker"),
-    ),
-    Option("load_format", "auto (real weights) or dummy (random)", _LOADERS, choices=("auto", "dummy")),
-    Option("weights", "LM checkpoint: Hugging Face id or local directory", _LOADERS),
-    Option("codec_weights", "codec checkpoint: Hugging Face id or local directory", _LOADERS),
-    Option(
-        "disable_cuda_graph",
-        "run GPU steps eagerly (debugging)",
-        ("serve", "gpu_worker", "codec_worker"),
-        _parse_bool,
-        negatable=False,
-    ),
-    Option("dtype", "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16", ("serve", "gpu_worker")),
-    Option(
-        "codec_dtype",
-        "codec precision: auto (the model's choice), float32, bfloat16, float16",
-        ("serve", "codec_worker"),
-        choices=("auto", "float32", "bfloat16", "float16"),
-    ),
-    Option(
-        "codec_compile",
-        "compile the codec's regular windows with torch.compile (fuses its elementwise work; tens of "
-        "seconds at startup, cached on disk): auto (on a GPU with Triton, when the model has a "
-        "compiled codec), on, off",
-        ("serve", "codec_worker"),
-        choices=("auto", "on", "off"),
-    ),
-    Option(
-        "codec_max_batch",
-        "windows decoded in one codec call, and the largest codec graph (0 = 128 on GPU, 64 on CPU)",
-        ("serve", "codec_worker"),
-        int,
-    ),
-    Option(
-        "codec_gather_ms",
-        "longest a codec window waits for others to share its decode call, within its listener's "
-        "buffered audio (first chunks never wait; 0 = decode on arrival)",
-        ("serve", "codec_worker"),
-        float,
-    ),
-    Option("max_batch_size", "0 = 256 on GPU, 16 on CPU", ("serve", "gpu_worker"), int),
-    Option(
-        "max_context",
-        "0 = the model's max_tokens",
-        ("serve", "gateway", "tokenizer_worker", "gpu_worker"),
-        int,
-    ),
-    Option("page_size", "tokens per KV page", ("serve", "gpu_worker"), int),
-    Option("num_pages", "0 = max-batch-size full contexts", ("serve", "gpu_worker"), int),
-    Option(
-        "first_chunk",
-        "first audio: reference (first full codec window), adaptive (a short lead window when the "
-        "measured step rate keeps the stream fed), fastest (always the shortest lead) or progressive "
-        "(each first frame as soon as it exists, until the stream is far enough ahead)",
-        ("serve", "gpu_worker", "codec_worker"),
-        choices=("reference", "adaptive", "fastest", "progressive"),
-    ),
-    Option(
-        "capacity_headroom",
-        "admission: the share of a row's playback time (1 / the model's rows per second) that an engine step of "
-        "every admitted stream, at the context each attends over on average in its life, may take "
-        "by the gpu_worker's fitted step cost; lower keeps more margin against streams aging "
-        "together and uneven steps, higher admits more streams per GPU (0.5..1.0)",
-        ("serve", "gpu_worker"),
-        float,
-    ),
-    Option(
-        "realtime_headroom",
-        "the share of a row's playback time that an engine step may take: admission's budget until "
-        "the step cost is fitted (the first ~200 steps), and the budget that streams sitting out "
-        "keep steps under (0.5..1.0)",
-        ("serve", "gpu_worker"),
-        float,
-    ),
-    Option(
-        "sit_out",
-        "seconds of audio in hand (sent, not yet played) past which a stream may sit out steps "
-        "while steps take longer than the headroom allows, so that the others' steps are shorter "
-        "and new requests keep being admitted; 0 = every running stream is in every step",
-        ("serve", "gpu_worker"),
-        float,
-    ),
-    Option(
-        "lm_head",
-        "full (whole vocabulary) or audio (logits only for codec tokens and stop: less work per step; "
-        "text tokens can no longer be sampled)",
-        ("serve", "gpu_worker"),
-        choices=("full", "audio"),
-    ),
-    Option(
-        "quantization",
-        "none, or fp8 (LM linear layers in float8 with per-channel scales; GPU with fp8 tensor cores)",
-        ("serve", "gpu_worker"),
-        choices=("none", "fp8"),
-    ),
-    Option(
-        "kv_cache_dtype",
-        "auto (keys and values in the model's dtype) or fp8 (float8 e4m3, unscaled: half the bytes "
-        "attention reads per step and half the memory for the same pages)",
-        ("serve", "gpu_worker"),
-        choices=("auto", "fp8"),
-    ),
-    Option(
-        "decode_attention",
-        "the decode steps' attention kernel: flashinfer, xqa (TensorRT-LLM's, on SM 9.x/10.x/12.x; over "
-        "an fp8 cache it attends in fp8), or auto (xqa for an fp8 cache on Hopper, else flashinfer)",
-        ("serve", "gpu_worker"),
-        choices=("auto", "flashinfer", "xqa"),
-    ),
-    Option(
-        "constrained",
-        "keep sampled tokens valid codes for their frame position (default: the model's choice)",
-        ("serve", "gateway"),
-        _parse_bool,
-    ),
-    Option("max_text_chars", "longest accepted text", ("serve", "gateway"), int),
-    Option("max_queue", "requests waiting for a stream beyond this get 503", ("serve", "gateway"), int),
-    Option(
-        "queue_timeout",
-        "seconds a request may wait for a stream before it gets 503",
-        ("serve", "gateway"),
-        float,
-    ),
-    Option(
-        "max_streams",
-        "requests streaming at once (0 = the capacity the gpu_workers measure, else their batch size)",
-        ("serve", "gateway"),
-        int,
-    ),
-    Option(
-        "api_key_file",
-        "file holding the Bearer key the HTTP API requires (or set VOXPIPE_API_KEY; never a flag)",
-        ("serve", "gateway"),
-    ),
-    Option(
-        "zmq_curve_dir",
-        "CURVE keys (from `voxpipe keys DIR`) that encrypt and authenticate every tcp:// socket",
-        _ALL,
-    ),
-    Option("log_level", "DEBUG, INFO, WARNING, ERROR", _ALL),
-    Option(
-        "mps",
-        "CUDA MPS for the gpu_worker and codec_worker: on (start a private MPS daemon; its kernels "
-        "and the LM's then run side by side instead of taking turns), auto (on when "
-        "nvidia-cuda-mps-control is installed and a CUDA client works under its daemon) or off",
-        ("serve",),
-        choices=("off", "on", "auto"),
-    ),
-    Option(
-        "codec_gpu_share",
-        "with MPS: the percent of the GPU's SMs the codec_worker's kernels may occupy "
-        "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), so that its passes leave the rest to the LM's steps; 0 = all",
-        ("serve",),
-        int,
-    ),
-    Option("run_dir", "directory for ipc:// sockets and taps (default: a private temp dir)", ("serve",)),
-    Option(
-        "requests",
-        "requests to the tokenizer pool (gateway binds)",
-        _address_roles("requests"),
-        kind="address",
-    ),
-    Option("gateway_in", "the gateway's inbox (gateway binds)", _address_roles("gateway_in"), kind="address"),
-    Option(
-        "gpu_in",
-        "prompts and aborts to the gpu_workers (gateway binds, gpu_workers connect)",
-        _address_roles("gpu_in"),
-        kind="address",
-    ),
-    Option(
-        "codec_in",
-        "the codec_worker's inbox (codec_worker binds; each gpu_worker/codec_worker pair its own)",
-        _address_roles("codec_in"),
-        kind="address",
-    ),
-    Option("name", "process name in /ready and logs", SERVICES, kind="process"),
-    Option(
-        "tap",
-        "mirror this process's sends on a PUB socket bound here (see `voxpipe tap`)",
-        SERVICES,
-        kind="process",
-    ),
-)
-
-
-def options_for(role: str) -> list[Option]:
-    return [o for o in OPTIONS if role in o.roles]
-
-
-def add_options(parser: argparse.ArgumentParser, role: str) -> None:
-    """The role's flags. Every default is None, so `resolve` can tell a flag from an absent one."""
-    d = ServeConfig()
-    defaults = {
-        **{f: getattr(d, f) for f in ServeConfig.__struct_fields__},
-        **{f: a for f, a in msgspec.structs.asdict(Addresses.tcp()).items()},
-    }
-    if role != "serve":
-        parser.add_argument(
-            "--config-json", help="the deployment's ServeConfig as JSON (written by `voxpipe serve`)"
-        )
-    for opt in options_for(role):
-        shown = defaults.get(opt.field, "")
-        help = (
-            f"{opt.help} [env {opt.env}; default {shown!r}]"
-            if shown not in ("", None)
-            else f"{opt.help} [env {opt.env}]"
-        )
-        if opt.type is _parse_bool:
-            action = argparse.BooleanOptionalAction if opt.negatable else "store_true"
-            parser.add_argument(opt.flag, action=action, default=None, help=help)
-        else:
-            conv = opt.type if opt.type in (int, float) else str
-            parser.add_argument(opt.flag, type=conv, default=None, choices=opt.choices or None, help=help)
-
-
-@dataclass
-class RoleSettings:
-    """What one process runs with: the deployment's config, and its own name and tap address."""
-
-    cfg: ServeConfig
-    name: str
-    tap: str
-
-
-def default_name(role: str) -> str:
-    # Replicas of the tokenizer service share a command line: host name and pid keep them apart.
-    if role == "tokenizer_worker":
-        return f"tokenizer_worker.{socket.gethostname()}.{os.getpid()}"
-    return role
-
-
-def resolve(role: str, ns: argparse.Namespace, environ: Mapping[str, str] | None = None) -> RoleSettings:
-    """Flags, then VOXPIPE_* variables (unless --config-json), then defaults. Raises ValueError
-    naming the flag and variable to fix."""
-    environ = os.environ if environ is None else environ
-    from_json = getattr(ns, "config_json", None)
-    try:
-        cfg = ServeConfig.from_json(from_json) if from_json else ServeConfig()
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise ValueError(f"--config-json is not a valid ServeConfig: {e}") from None
-    values: dict[str, Any] = {}
-    for opt in options_for(role):
-        value = getattr(ns, opt.field, None)
-        if value is None and not from_json and environ.get(opt.env, "") != "":
-            try:
-                value = opt.type(environ[opt.env])
-            except ValueError as e:
-                raise ValueError(f"{opt.env}={environ[opt.env]!r} is not valid for {opt.flag}: {e}") from None
-            if opt.choices and value not in opt.choices:
-                raise ValueError(f"{opt.env} must be one of {', '.join(opt.choices)}, got {value!r}")
-        if value is not None:
-            values[opt.field] = value
-    name = values.pop("name", None) or default_name(role)
-    tap = values.pop("tap", "")
-    addr_fields = {o.field for o in OPTIONS if o.kind == "address"}
-    given = {f: values.pop(f) for f in list(values) if f in addr_fields}
-    if role != "serve":
-        base = cfg.addresses or (Addresses.local(cfg.run_dir) if cfg.run_dir else Addresses.tcp())
-        cfg.addresses = msgspec.structs.replace(base, **given)
-        _check_connects(role, cfg.addresses)
-    for f, v in values.items():
-        setattr(cfg, f, v)
-    return RoleSettings(cfg, name, tap)
-
-
-def _check_connects(role: str, addresses: Addresses) -> None:
-    opts = {o.field: o for o in OPTIONS}
-    for f in ROLE_SOCKETS[role][1]:
-        addr = getattr(addresses, f)
-        if not addr.startswith(("tcp://", "ipc://", "inproc://")):
-            raise ValueError(
-                f"{opts[f].flag} / {opts[f].env} must be a tcp:// or ipc:// address, got {addr!r}"
-            )
-        if is_wildcard(addr):
-            raise ValueError(
-                f"{opts[f].flag} / {opts[f].env} is {addr!r}, a bind address, but {role} connects to it: "
-                f"give the host that binds it, e.g. tcp://{_binder(f)}:{addr.rpartition(':')[2]}"
-            )
-
-
-def _binder(field: str) -> str:
-    return next(r for r, (binds, _) in ROLE_SOCKETS.items() if field in binds)
-
-
-def role_parser(role: str, prog: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=prog or f"python -m {role}",
-        description=f"Run the {role} as a service. Settings come from flags or VOXPIPE_* variables.",
-    )
-    add_options(parser, role)
-    return parser
-
-
-def parse_role(
-    role: str, argv: list[str] | None = None, environ: Mapping[str, str] | None = None
-) -> RoleSettings:
-    """`python -m <role>`'s command line → settings; exits with a usage error on a bad value."""
-    parser = role_parser(role)
-    ns = parser.parse_args(argv)
-    try:
-        return resolve(role, ns, environ)
-    except ValueError as e:
-        parser.error(str(e))
-        raise  # unreachable: parser.error exits

@@ -3,10 +3,11 @@
 Call sites never see zmq or msgpack: they hold a `PushChannel[T]` / `PullChannel[T]` (or the
 asyncio variants) that encode and decode one tagged union each. Bound sockets belong to the
 receiver of a stream (gateway inbox, codec inbox); senders connect, so any number of senders
-(tokenizer workers, several gpu_workers) can join and leave. The two pools are pull-based instead
-(`common.pool`), both dispatched by the gateway: tokenizer workers ask for one request at a time
-(`requests`), gpu_workers for as many prompts as they have free slots (`gpu_in`). Prompts travel
-tokenizer_worker → gateway_in → gateway → gpu_in → the gpu_worker with free capacity.
+(tokenizer workers, several gpu_workers) can join and leave. The two pools are pull-based instead,
+both dispatched by the gateway: tokenizer workers ask for one request at a time (`requests`),
+gpu_workers for as many prompts as they have free slots (`gpu_in`); their channels are in
+`common.pool`, which makes its sockets with `make_socket` here (this module never imports it).
+Prompts travel tokenizer_worker → gateway_in → gateway → gpu_in → the gpu_worker with free capacity.
 
 Every address is written the way a connecting process reaches it (`tcp://gateway:5557`,
 `ipc:///run/x/requests`); the process that binds it derives its bind address (`bind_address`), so
@@ -221,9 +222,11 @@ def create_curve_keys(key_dir: str) -> list[str]:
     return written
 
 
-def _socket(
+def make_socket(
     ctx: zmq.Context, kind: int, addr: str, bind: bool, options: dict[int, Any] | None = None
 ) -> zmq.Socket:
+    """A socket of `kind` bound or connected to `addr`, with the deployment's limits, heartbeats
+    and CURVE keys: every socket of the pipeline is made here."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, _HWM)
@@ -342,7 +345,7 @@ class PushChannel(Generic[T]):
     def __init__(
         self, addr: str, bind: bool = False, ctx: zmq.Context | None = None, tap: bool = True
     ) -> None:
-        self._sock = _socket(ctx or zmq.Context.instance(), zmq.PUSH, addr, bind)
+        self._sock = make_socket(ctx or zmq.Context.instance(), zmq.PUSH, addr, bind)
         self._enc = msgspec.msgpack.Encoder()
         self._addr = addr if tap else ""
 
@@ -361,7 +364,7 @@ class PullChannel(Generic[T]):
     or a stranger on the socket must never take the receiver down."""
 
     def __init__(self, addr: str, msg_type: Any, bind: bool = True, ctx: zmq.Context | None = None) -> None:
-        self._sock = _socket(ctx or zmq.Context.instance(), zmq.PULL, addr, bind)
+        self._sock = make_socket(ctx or zmq.Context.instance(), zmq.PULL, addr, bind)
         self._dec = msgspec.msgpack.Decoder(msg_type)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
@@ -402,7 +405,7 @@ class AsyncPushChannel(Generic[T]):
     def __init__(
         self, addr: str, bind: bool = False, ctx: zmq.asyncio.Context | None = None, tap: bool = True
     ) -> None:
-        self._sock = _socket(ctx or zmq.asyncio.Context.instance(), zmq.PUSH, addr, bind)
+        self._sock = make_socket(ctx or zmq.asyncio.Context.instance(), zmq.PUSH, addr, bind)
         self._enc = msgspec.msgpack.Encoder()
         self._addr = addr if tap else ""
 
@@ -420,7 +423,7 @@ class AsyncPullChannel(Generic[T]):
     def __init__(
         self, addr: str, msg_type: Any, bind: bool = True, ctx: zmq.asyncio.Context | None = None
     ) -> None:
-        self._sock = _socket(ctx or zmq.asyncio.Context.instance(), zmq.PULL, addr, bind)
+        self._sock = make_socket(ctx or zmq.asyncio.Context.instance(), zmq.PULL, addr, bind)
         self._dec = msgspec.msgpack.Decoder(msg_type)
 
     async def recv(self) -> T:
@@ -434,16 +437,3 @@ class AsyncPullChannel(Generic[T]):
 
     def close(self) -> None:
         self._sock.close(linger=0)
-
-
-_POOL_NAMES = ("AsyncDispatchChannel", "AsyncWorkChannel", "CreditWorkChannel", "WorkChannel")
-
-
-def __getattr__(name: str) -> Any:
-    """The pull-based pool's channels live in common/pool.py (which builds on this module); they
-    are importable from here too, so call sites take every channel from common.ipc."""
-    if name in _POOL_NAMES:
-        from common import pool
-
-        return getattr(pool, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

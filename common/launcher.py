@@ -54,7 +54,7 @@ class Supervisor:
         self.cfg = cfg
         self.children = [Child("gateway", "gateway")]
         self.children += [
-            Child(f"tokenizer_worker.{i}", "tokenizer_worker") for i in range(cfg.tokenizer_workers)
+            Child(f"tokenizer_worker.{i}", "tokenizer_worker") for i in range(cfg.tokenizer.workers)
         ]
         self.children += self._pairs(cfg)
         self._stopping = False
@@ -73,7 +73,7 @@ class Supervisor:
         if n == 1:
             return [Child("gpu_worker", "gpu_worker"), Child("codec_worker", "codec_worker")]
         lm = pair_devices(cfg.device, n)
-        codec = lm if cfg.codec_device == "auto" else pair_devices(cfg.codec_device, n)
+        codec = lm if cfg.codec.device == "auto" else pair_devices(cfg.codec.device, n)
         out = []
         for i in range(n):
             addr = ["--codec-in", numbered(cfg.addresses.codec_in, i), "--device", lm[i]]
@@ -86,8 +86,8 @@ class Supervisor:
 
     @property
     def url(self) -> str:
-        host = "127.0.0.1" if self.cfg.host in ("0.0.0.0", "::", "") else self.cfg.host
-        return f"http://{host}:{self.cfg.port}"
+        host = "127.0.0.1" if self.cfg.gateway.host in ("0.0.0.0", "::", "") else self.cfg.gateway.host
+        return f"http://{host}:{self.cfg.gateway.port}"
 
     def child_env(self, child: Child) -> dict[str, str]:
         env = dict(os.environ)
@@ -96,8 +96,8 @@ class Supervisor:
         env["PYTHONPATH"] = _ROOT + os.pathsep + env.get("PYTHONPATH", "")
         if self.mps is not None and child.role in GPU_ROLES:
             env.update(self.mps.env)
-            if child.role == "codec_worker" and self.cfg.codec_gpu_share:
-                env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(self.cfg.codec_gpu_share)
+            if child.role == "codec_worker" and self.cfg.codec.gpu_share:
+                env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(self.cfg.codec.gpu_share)
         return env
 
     def _spawn(self, child: Child) -> None:
@@ -117,12 +117,12 @@ class Supervisor:
                 if self.cfg.mps == "on":
                     raise
                 log.warning("%s; serving without MPS (--mps auto)%s", e,
-                            ", so without --codec-gpu-share" if self.cfg.codec_gpu_share else "")  # fmt: skip
+                            ", so without --codec-gpu-share" if self.cfg.codec.gpu_share else "")  # fmt: skip
                 self.mps = None
         for child in self.children:
             self._spawn(child)
         taps = {child.name: self.tap_address(child) for child in self.children}
-        self.state_file = write_state(self.cfg.port, self.url, self.run_dir, self.cfg.model, taps)
+        self.state_file = write_state(self.cfg.gateway.port, self.url, self.run_dir, self.cfg.model, taps)
 
     def ready_state(self) -> dict | None:
         try:

@@ -224,7 +224,7 @@ CodecInMsg = DetokBatch
 GatewayInMsg = AudioChunks | RequestError | ProcStatus | Prompt | ModelSpec | PromptSize
 
 
-# --- Pool control and taps (added after the unions above; fields carry defaults) -----------------
+# --- Pool control and taps --------------------------------------------------------------------
 
 
 class WorkerReady(msgspec.Struct, tag="wready", **_STRUCT):

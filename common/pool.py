@@ -40,7 +40,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from common.ipc import _socket, mirror
+from common.ipc import make_socket, mirror
 from common.messages import LeaveAck, PoolWorkerMsg, WorkerLeaving, WorkerReady
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class AsyncDispatchChannel(Generic[T]):
         """`greeting`: a message sent to each worker the first time it announces itself, before
         anything else it gets from this dispatcher (outside the pool protocol, like `broadcast`)."""
         self._greeting = None if greeting is None else msgspec.msgpack.encode(greeting)
-        self._sock = _socket(
+        self._sock = make_socket(
             ctx or zmq.asyncio.Context.instance(), zmq.ROUTER, addr, bind, {zmq.ROUTER_MANDATORY: 1}
         )
         self._addr = addr
@@ -281,7 +281,7 @@ class WorkChannel(_WorkerSide[T]):
 
     def __init__(self, addr: str, msg_type: Any, name: str, ctx: zmq.Context | None = None) -> None:
         super().__init__(msg_type, name)
-        self._sock = _socket(
+        self._sock = make_socket(
             ctx or zmq.Context.instance(), zmq.DEALER, addr, False, {zmq.ROUTING_ID: self.identity}
         )
         self._poller = zmq.Poller()
@@ -335,7 +335,7 @@ class AsyncWorkChannel(_WorkerSide[T]):
 
     def __init__(self, addr: str, msg_type: Any, name: str, ctx: zmq.asyncio.Context | None = None) -> None:
         super().__init__(msg_type, name)
-        self._sock = _socket(
+        self._sock = make_socket(
             ctx or zmq.asyncio.Context.instance(), zmq.DEALER, addr, False, {zmq.ROUTING_ID: self.identity}
         )
 
@@ -388,7 +388,7 @@ class CreditWorkChannel(_WorkerSide[T]):
         ctx: zmq.Context | None = None,
     ) -> None:
         super().__init__(msg_type, name, uncounted)
-        self._sock = _socket(
+        self._sock = make_socket(
             ctx or zmq.Context.instance(), zmq.DEALER, addr, False, {zmq.ROUTING_ID: self.identity}
         )
         self._offered: tuple[int, int] | None = None  # (seq, credits) last announced

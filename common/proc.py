@@ -18,9 +18,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from common.config import RoleSettings, ServeConfig, parse_role
+from common.config import ServeConfig
 from common.ipc import PushChannel, install_tap, use_curve
 from common.messages import ProcState, ProcStatus
+from common.options import RoleSettings, parse_role
 
 HEARTBEAT_S = 0.25
 

@@ -13,8 +13,8 @@ import sys
 
 from aiohttp import web
 
-from common.config import RoleSettings, parse_role
 from common.ipc import install_tap, use_curve
+from common.options import RoleSettings, parse_role
 from common.proc import freeze_startup_objects, use_uvloop
 
 log = logging.getLogger("gateway")
@@ -39,10 +39,10 @@ def main(argv: list[str] | None = None, settings: RoleSettings | None = None) ->
 
         app = build_app(cfg)
         freeze_startup_objects()
-        log.info("listening on http://%s:%d", cfg.host, cfg.port)
+        log.info("listening on http://%s:%d", cfg.gateway.host, cfg.gateway.port)
         # handler_cancellation: a client that disconnects cancels its handler, which aborts the
         # request on the gpu_worker at once instead of after the next chunk.
-        web.run_app(app, host=cfg.host, port=cfg.port, handler_cancellation=True, print=None)
+        web.run_app(app, host=cfg.gateway.host, port=cfg.gateway.port, handler_cancellation=True, print=None)
     except Exception:
         if not logging.getLogger().handlers:
             logging.basicConfig(format="%(asctime)s %(processName)s[%(process)d] %(levelname)s %(message)s")

@@ -34,17 +34,21 @@ def load_api_key(cfg: ServeConfig, environ: Mapping[str, str] | None = None) -> 
     """The key from --api-key-file (first line, stripped) or VOXPIPE_API_KEY; None = no key.
     Raises ValueError naming the setting when the file is unreadable or empty."""
     environ = os.environ if environ is None else environ
-    if cfg.api_key_file:
+    if cfg.gateway.api_key_file:
         try:
-            with open(cfg.api_key_file, encoding="utf-8") as f:
+            with open(cfg.gateway.api_key_file, encoding="utf-8") as f:
                 key = f.readline().strip()
-            mode = os.stat(cfg.api_key_file).st_mode
+            mode = os.stat(cfg.gateway.api_key_file).st_mode
         except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"--api-key-file {cfg.api_key_file!r} cannot be read: {e}") from None
+            raise ValueError(f"--api-key-file {cfg.gateway.api_key_file!r} cannot be read: {e}") from None
         if not key:
-            raise ValueError(f"--api-key-file {cfg.api_key_file!r} is empty; put the key on its first line")
+            raise ValueError(
+                f"--api-key-file {cfg.gateway.api_key_file!r} is empty; put the key on its first line"
+            )
         if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            log.warning("--api-key-file %s is readable by other users; chmod 600 it", cfg.api_key_file)
+            log.warning(
+                "--api-key-file %s is readable by other users; chmod 600 it", cfg.gateway.api_key_file
+            )
         return key
     return environ.get(ENV, "").strip() or None
 

@@ -34,7 +34,7 @@ import msgspec
 from aiohttp import web
 
 from common.config import ServeConfig, check_model_settings
-from common.ipc import Addresses, AsyncDispatchChannel, AsyncPullChannel, publish_stage
+from common.ipc import Addresses, AsyncPullChannel, publish_stage
 from common.messages import (
     Abort,
     AudioChunks,
@@ -47,6 +47,7 @@ from common.messages import (
     PromptSize,
     RequestError,
 )
+from common.pool import AsyncDispatchChannel
 from gateway.admission import Admission
 from gateway.events import ClientGone, Event, Failed, Pending, Sized, error_status, finished_event
 from gateway.metrics import GatewayMetrics
@@ -79,8 +80,8 @@ class Pipeline:
         self.spec_error = ""  # why an announced spec cannot be served with these settings
         self.idle_timeout_s = idle_timeout_s
         self.submit_timeout_s = submit_timeout_s
-        self.procs = ProcessTable(cfg.tokenizer_workers, gpu_workers=cfg.gpu_workers)
-        self.admission = Admission(self._stream_capacity, cfg.max_queue, cfg.queue_timeout)
+        self.procs = ProcessTable(cfg.tokenizer.workers, gpu_workers=cfg.gpu_workers)
+        self.admission = Admission(self._stream_capacity, cfg.gateway.max_queue, cfg.gateway.queue_timeout)
         self.metrics = GatewayMetrics(self.procs, self.admission)
         self.created = int(time.time())
         self.closing = False  # set on shutdown: no new segments are submitted
@@ -93,10 +94,10 @@ class Pipeline:
         self._routing: dict[str, asyncio.Task[Any]] = {}  # rid → prompt waiting for a gpu_worker
         self._holder: dict[str, str] = {}  # rid → the process holding it (tokenizer, then gpu_worker)
         self._recv_from_workers: AsyncPullChannel[GatewayInMsg] | None = None
-        if cfg.max_text_chars > MAX_TEXT_CHARS_LIMIT:
+        if cfg.gateway.max_text_chars > MAX_TEXT_CHARS_LIMIT:
             log.warning(
                 "--max-text-chars %d is above the gateway's limit; texts are capped at %d characters",
-                cfg.max_text_chars,
+                cfg.gateway.max_text_chars,
                 MAX_TEXT_CHARS_LIMIT,
             )
 
@@ -160,8 +161,8 @@ class Pipeline:
             self.abort(rids)
 
     def _stream_capacity(self) -> float | None:
-        if self.cfg.max_streams > 0:
-            return float(self.cfg.max_streams)
+        if self.cfg.gateway.max_streams > 0:
+            return float(self.cfg.gateway.max_streams)
         return self.procs.stream_capacity()
 
     async def _watch_processes(self) -> None:

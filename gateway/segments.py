@@ -51,7 +51,7 @@ _LEVELS = [_SENTENCE_END, _CLAUSE_END, _SPACE]  # then between characters
 
 def text_limit(cfg: ServeConfig) -> int:
     """The longest accepted input in characters: --max-text-chars, capped at MAX_TEXT_CHARS_LIMIT."""
-    return max(1, min(cfg.max_text_chars, MAX_TEXT_CHARS_LIMIT))
+    return max(1, min(cfg.gateway.max_text_chars, MAX_TEXT_CHARS_LIMIT))
 
 
 def segment_budget(spec: ModelSpec, max_tokens: int) -> int:

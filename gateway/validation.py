@@ -59,12 +59,12 @@ class SpeechParams(GenerateParams):
 def max_tokens_limit(spec: ModelSpec, cfg: ServeConfig) -> int:
     """The largest `max_tokens` a request may ask for (prompt included, as in the reference)."""
     limit = spec.max_tokens
-    if cfg.max_context > 0:
-        limit = min(limit, cfg.max_context)
-    if cfg.num_pages > 0:
+    if cfg.gpu.max_context > 0:
+        limit = min(limit, cfg.gpu.max_context)
+    if cfg.gpu.num_pages > 0:
         # The gpu_worker reserves KV pages for a request's whole budget (+1 token) before it starts:
         # a budget larger than the whole cache could never start, and would block the queue behind it.
-        limit = min(limit, max(1, (cfg.num_pages - 1) * cfg.page_size - 1))
+        limit = min(limit, max(1, (cfg.gpu.num_pages - 1) * cfg.gpu.page_size - 1))
     return limit
 
 
@@ -397,5 +397,5 @@ def _sampling(v: Mapping[str, Any], fields: list[Field], spec: ModelSpec, cfg: S
         min_field = next(f for f in fields if f.name == "min_tokens")
         dataclasses.replace(min_field, maximum=sampling["max_tokens"]).parse(v["min_tokens"])
     sampling["min_tokens"] = v["min_tokens"] or 0
-    sampling["constrained"] = spec.constrained if cfg.constrained is None else cfg.constrained
+    sampling["constrained"] = spec.constrained if cfg.gateway.constrained is None else cfg.gateway.constrained
     return SamplingParams(**sampling)

@@ -4,7 +4,7 @@ Settings from flags or VOXPIPE_* variables (`--help` lists them), or `--config-j
 `voxpipe serve`.
 """
 
-from common.config import RoleSettings
+from common.options import RoleSettings
 from common.proc import run_worker
 from gpu_worker.worker import GpuWorker
 

@@ -13,8 +13,9 @@ import time
 import torch
 
 from common.config import ServeConfig, program_kwargs, resolve_device
-from common.ipc import CreditWorkChannel, PushChannel
+from common.ipc import PushChannel
 from common.messages import Abort, CodecInMsg, GpuInMsg, ProcState, Prompt
+from common.pool import CreditWorkChannel
 from common.proc import StatusReporter
 from gpu_worker.engine import Engine, EngineLimits
 from gpu_worker.kv_cache import pages_for
@@ -39,17 +40,17 @@ def engine_limits(cfg: ServeConfig, spec: dict, device: str) -> EngineLimits:
     """The engine's limits from the worker's settings and its model's spec."""
     is_cpu = device == "cpu"
     return EngineLimits(
-        max_batch_size=cfg.max_batch_size or (16 if is_cpu else 256),
-        max_context=min(cfg.max_context or spec["max_tokens"], spec["max_tokens"]),
-        page_size=cfg.page_size,
-        num_pages=cfg.num_pages,
-        cuda_graphs=not cfg.disable_cuda_graph,
-        first_chunk=cfg.first_chunk,
-        realtime_headroom=cfg.realtime_headroom,
-        capacity_headroom=cfg.capacity_headroom,
-        sit_out_lead_s=cfg.sit_out,
-        kv_cache_dtype=cfg.kv_cache_dtype,
-        decode_attention=cfg.decode_attention,
+        max_batch_size=cfg.gpu.max_batch_size or (16 if is_cpu else 256),
+        max_context=min(cfg.gpu.max_context or spec["max_tokens"], spec["max_tokens"]),
+        page_size=cfg.gpu.page_size,
+        num_pages=cfg.gpu.num_pages,
+        cuda_graphs=cfg.gpu.cuda_graphs,
+        first_chunk=cfg.gpu.first_chunk,
+        realtime_headroom=cfg.gpu.realtime_headroom,
+        capacity_headroom=cfg.gpu.capacity_headroom,
+        sit_out_lead_s=cfg.gpu.sit_out_lead_s,
+        kv_cache_dtype=cfg.gpu.kv_cache_dtype,
+        decode_attention=cfg.gpu.decode_attention,
     )
 
 
@@ -61,9 +62,9 @@ class GpuWorker:
         program = load_program_class(cfg.model)(
             spec,
             device=device,
-            dtype=resolve_dtype(cfg.dtype, device),
-            lm_head=cfg.lm_head,
-            quantization=cfg.quantization,
+            dtype=resolve_dtype(cfg.gpu.dtype, device),
+            lm_head=cfg.gpu.lm_head,
+            quantization=cfg.gpu.quantization,
             **program_kwargs(cfg),
         )
         status.set(ProcState.LOADING, f"loading {spec['name']} LM on {device}")

@@ -27,8 +27,9 @@ def gpu_dispatch(*names: str, greeting=None) -> Iterator[tuple]:
     """The gateway's dispatcher to gpu_workers and one worker-side credit channel per name, in a
     fresh event loop over ipc sockets in a temporary directory: → (loop, pool, {name: channel});
     all closed afterwards."""
-    from common.ipc import Addresses, AsyncDispatchChannel, CreditWorkChannel
+    from common.ipc import Addresses
     from common.messages import Abort, GpuInMsg
+    from common.pool import AsyncDispatchChannel, CreditWorkChannel
 
     d = tempfile.mkdtemp(prefix="vpdisp-")
     addrs = Addresses.local(d)

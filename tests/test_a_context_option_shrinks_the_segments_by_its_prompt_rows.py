@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from common.config import ServeConfig
+from common.config import ServeConfig, TokenizerSettings
 from common.ipc import Addresses
 from common.messages import FinishReason, GenerateRequest, PromptSize, RequestError, SamplingParams
 from gateway.segments import segment_budget
@@ -43,7 +43,7 @@ async def test_the_gateway_cuts_the_text_for_what_the_context_leaves(
     make_addrs: Callable[[], Addresses],
 ) -> None:
     addrs = make_addrs()
-    cfg = ServeConfig(model="csm-tiny", tokenizer_workers=1, addresses=addrs)
+    cfg = ServeConfig(model="csm-tiny", tokenizer=TokenizerSettings(workers=1), addresses=addrs)
     spec = model_spec("csm-tiny")
     workers = FakeWorkers(addrs)
     client = TestClient(TestServer(build_app(cfg)))

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from common.config import ServeConfig
+from common.config import GatewaySettings, ServeConfig, TokenizerSettings
 from common.ipc import Addresses
 from common.messages import FinishReason, ProcState, ProcStatus
 from gateway.server import GATEWAY, build_app
@@ -46,7 +46,12 @@ async def make_rig() -> AsyncIterator[Any]:
         run = tempfile.mkdtemp(prefix="vpadm-")
         addrs = Addresses.local(run)
         workers = FakeWorkers(addrs)
-        conf = ServeConfig(model="orpheus-tiny", tokenizer_workers=1, addresses=addrs, **cfg)
+        conf = ServeConfig(
+            model="orpheus-tiny",
+            tokenizer=TokenizerSettings(workers=1),
+            addresses=addrs,
+            gateway=GatewaySettings(**cfg),
+        )
         client = TestClient(TestServer(build_app(conf)))
         await client.start_server()
         await workers.join_gpu_pool(client.app)

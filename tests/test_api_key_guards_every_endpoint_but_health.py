@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from common.config import ServeConfig
+from common.config import GatewaySettings, ServeConfig
 from common.ipc import Addresses
 from gateway.server import build_app
 from tests.conftest import Server, get_json
@@ -27,7 +27,11 @@ async def client(tmp_path: Path):
     key_file.write_text(KEY + "\n")
     key_file.chmod(0o600)
     run = tmp_path / "run"
-    cfg = ServeConfig(model="orpheus-tiny", addresses=Addresses.local(str(run)), api_key_file=str(key_file))
+    cfg = ServeConfig(
+        model="orpheus-tiny",
+        addresses=Addresses.local(str(run)),
+        gateway=GatewaySettings(api_key_file=str(key_file)),
+    )
     c = TestClient(TestServer(build_app(cfg)))
     await c.start_server()
     await announce(c.app, cfg.addresses, cfg.model)
@@ -79,9 +83,9 @@ def test_an_empty_key_file_is_refused_at_startup(tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     empty.write_text("\n")
     with pytest.raises(ValueError, match="--api-key-file"):
-        load_api_key(ServeConfig(api_key_file=str(empty)))
+        load_api_key(ServeConfig(gateway=GatewaySettings(api_key_file=str(empty))))
     with pytest.raises(ValueError, match="--api-key-file"):
-        load_api_key(ServeConfig(api_key_file=str(tmp_path / "missing")))
+        load_api_key(ServeConfig(gateway=GatewaySettings(api_key_file=str(tmp_path / "missing"))))
     assert load_api_key(ServeConfig(), {"VOXPIPE_API_KEY": " k "}) == "k"
     assert load_api_key(ServeConfig(), {}) is None
 

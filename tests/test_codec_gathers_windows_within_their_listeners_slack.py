@@ -12,6 +12,7 @@ import numpy as np
 from test_workers_over_zmq import addrs, gateway_inbox, ready, start, wait_for  # noqa: F401
 
 from codec_worker.gather import MARGIN_S, Gather
+from common.config import CodecSettings
 from common.ipc import PushChannel
 from common.messages import (
     AudioChunks,
@@ -115,7 +116,7 @@ def test_the_gpu_worker_stamps_each_window_with_its_listeners_slack():
 
 
 def test_the_codec_worker_sends_a_first_chunk_at_once_and_gathers_the_rest(addrs, gateway_inbox):  # noqa: F811
-    proc = start("codec_worker", addrs, codec_gather_ms=400.0)
+    proc = start("codec_worker", addrs, codec=CodecSettings(gather_ms=400.0))
     try:
         wait_for(gateway_inbox, ready("codec_worker"))
         rng = np.random.default_rng(0)

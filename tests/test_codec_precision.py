@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from common.config import ServeConfig, program_kwargs
+from common.config import CodecSettings, ServeConfig, program_kwargs
 from programs import get_spec, load_program_class
 from programs.orpheus.codec import SnacCodec
 
@@ -46,6 +46,9 @@ def test_codec_dtype_setting_reaches_the_program() -> None:
     spec = get_spec("orpheus-tiny")
     cls = load_program_class("orpheus-tiny")
     assert cls(spec, **program_kwargs(ServeConfig())).codec_dtype == torch.float32  # auto: the model's
-    assert cls(spec, **program_kwargs(ServeConfig(codec_dtype="bfloat16"))).codec_dtype == torch.bfloat16
+    assert (
+        cls(spec, **program_kwargs(ServeConfig(codec=CodecSettings(dtype="bfloat16")))).codec_dtype
+        == torch.bfloat16
+    )
     with pytest.raises(ValueError, match="codec_dtype"):
         cls(spec, codec_dtype="int8")

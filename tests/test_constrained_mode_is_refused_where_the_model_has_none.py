@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from common.cli import main as cli_main
-from common.config import ServeConfig, check_model_settings
+from common.config import GatewaySettings, ServeConfig, check_model_settings
 from common.messages import FinishReason, Prompt, SamplingParams
 from gateway.pipeline import Pipeline
 from gpu_worker.engine import Engine, EngineLimits
@@ -23,15 +23,20 @@ def test_serve_refuses_constrained_for_csm(capsys):
 
 
 def test_a_gateway_run_alone_refuses_it_too():
-    pipeline = Pipeline(ServeConfig(model="csm-tiny", constrained=True), addresses=None)
+    cfg = ServeConfig(model="csm-tiny", gateway=GatewaySettings(constrained=True))
+    pipeline = Pipeline(cfg, addresses=None)
     with pytest.raises(ValueError, match="no constrained sampling mode"):
         pipeline.learn(model_spec("csm-tiny"))  # the spec the tokenizer workers announce
 
 
 def test_models_with_the_mode_say_so_and_accept_it():
     for name in ("orpheus", "orpheus-tiny"):
-        check_model_settings(ServeConfig(model=name, constrained=True), get_spec(name))
-    check_model_settings(ServeConfig(model="csm", constrained=False), get_spec("csm"))
+        check_model_settings(
+            ServeConfig(model=name, gateway=GatewaySettings(constrained=True)), get_spec(name)
+        )
+    check_model_settings(
+        ServeConfig(model="csm", gateway=GatewaySettings(constrained=False)), get_spec("csm")
+    )
     assert load_program_class("orpheus-tiny")(get_spec("orpheus-tiny"), load_format="dummy").can_constrain
     assert not load_program_class("csm-tiny")(get_spec("csm-tiny"), load_format="dummy").can_constrain
 

@@ -20,8 +20,8 @@ import soundfile as sf
 import yaml
 
 from common.cli import ROLE_COMMANDS, build_parser
-from common.config import resolve
 from common.ipc import ROLE_SOCKETS, Addresses, bind_address
+from common.options import resolve
 from tests.conftest import ROOT, free_port, wait_ready, worker_env
 
 COMPOSE = os.path.join(ROOT, "docker-compose.yml")
@@ -102,8 +102,8 @@ def test_gateway_has_a_ready_healthcheck_and_the_tokenizer_scales():
     gw = services["gateway"]
     check = " ".join(gw["healthcheck"]["test"])
     _, s = role_settings(gw)
-    assert f"127.0.0.1:{s.cfg.port}/ready" in check
-    assert s.cfg.host == "0.0.0.0" and any(p.endswith(f":{s.cfg.port}") for p in gw["ports"])
+    assert f"127.0.0.1:{s.cfg.gateway.port}/ready" in check
+    assert s.cfg.gateway.host == "0.0.0.0" and any(p.endswith(f":{s.cfg.gateway.port}") for p in gw["ports"])
     tok = services["tokenizer"]
     assert "container_name" not in tok and "ports" not in tok, "--scale tokenizer=N needs both absent"
     for name in ("gpu_worker", "codec_worker"):

@@ -10,7 +10,7 @@ from test_lm_parity import PROMPTS, generated, hf_generate, hf_model, make_promp
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from common.config import parse_role
+from common.options import parse_role
 from gpu_worker.engine import Engine, EngineLimits
 from gpu_worker.kv_cache import kv_cache_dtype
 
@@ -78,7 +78,7 @@ def test_rounding_keys_and_values_changes_what_is_generated(program, hf_model, h
 
 
 def test_the_flag_reaches_the_gpu_worker_settings():
-    assert parse_role("gpu_worker", ["--kv-cache-dtype", "fp8"], {}).cfg.kv_cache_dtype == "fp8"
-    assert parse_role("gpu_worker", [], {"VOXPIPE_KV_CACHE_DTYPE": "fp8"}).cfg.kv_cache_dtype == "fp8"
+    assert parse_role("gpu_worker", ["--kv-cache-dtype", "fp8"], {}).cfg.gpu.kv_cache_dtype == "fp8"
+    assert parse_role("gpu_worker", [], {"VOXPIPE_KV_CACHE_DTYPE": "fp8"}).cfg.gpu.kv_cache_dtype == "fp8"
     with pytest.raises(SystemExit):
         parse_role("gpu_worker", ["--kv-cache-dtype", "int8"], {})

@@ -31,8 +31,8 @@ import soundfile as sf
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from common.config import ServeConfig
-from common.ipc import Addresses, AsyncPushChannel, AsyncWorkChannel
+from common.config import GatewaySettings, ServeConfig, TokenizerSettings
+from common.ipc import Addresses, AsyncPushChannel
 from common.messages import (
     Abort,
     AudioChunk,
@@ -46,6 +46,7 @@ from common.messages import (
     ProcStatus,
     RequestError,
 )
+from common.pool import AsyncWorkChannel
 from gateway.body import MAX_BODY_BYTES
 from gateway.server import GATEWAY, build_app
 from gateway.validation import BadRequest, parse_generate
@@ -122,7 +123,11 @@ class Rig:
 
 def _cfg(addrs: Addresses, **overrides: Any) -> ServeConfig:
     return ServeConfig(
-        model="orpheus-tiny", tokenizer_workers=2, max_text_chars=MAX_TEXT, addresses=addrs, **overrides
+        model="orpheus-tiny",
+        tokenizer=TokenizerSettings(workers=2),
+        gateway=GatewaySettings(max_text_chars=MAX_TEXT),
+        addresses=addrs,
+        **overrides,
     )
 
 
@@ -349,7 +354,10 @@ async def test_every_bad_input_gets_a_4xx_that_says_what_to_change_and_the_serve
 
 
 def test_validation_reads_form_strings_and_rejects_what_json_would() -> None:
-    spec, cfg = model_spec("orpheus-tiny"), ServeConfig(model="orpheus-tiny", constrained=False)
+    spec, cfg = (
+        model_spec("orpheus-tiny"),
+        ServeConfig(model="orpheus-tiny", gateway=GatewaySettings(constrained=False)),
+    )
     form = {
         "text": "hi",
         "streaming": "False",
@@ -587,7 +595,9 @@ def test_python_m_gateway_serves_until_sigterm_and_fails_loudly_on_bad_config(
 ) -> None:
     port = _free_port()
     addrs = make_addrs()
-    cfg = ServeConfig(model="orpheus-tiny", port=port, addresses=addrs, log_level="WARNING")
+    cfg = ServeConfig(
+        model="orpheus-tiny", gateway=GatewaySettings(port=port), addresses=addrs, log_level="WARNING"
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "gateway", "--config-json", cfg.to_json(), "--name", "gateway"],
@@ -620,7 +630,7 @@ def test_python_m_gateway_serves_until_sigterm_and_fails_loudly_on_bad_config(
             "-m",
             "gateway",
             "--config-json",
-            msgspec.structs.replace(cfg, api_key_file=str(empty_key)).to_json(),
+            msgspec.structs.replace(cfg, gateway=GatewaySettings(api_key_file=str(empty_key))).to_json(),
         ],
         cwd=REPO,
         env=env,

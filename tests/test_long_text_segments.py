@@ -13,7 +13,7 @@ import aiohttp
 import numpy as np
 import pytest
 
-from common.config import ServeConfig
+from common.config import GatewaySettings, GpuWorkerSettings, ServeConfig
 from common.messages import Abort, FinishReason, RequestError
 from gateway.segments import (
     FADE_S,
@@ -41,8 +41,15 @@ def test_segment_budget_follows_the_documented_rule() -> None:
     assert segment_budget(model_spec("orpheus"), 1200) == 129
     assert segment_budget(model_spec("orpheus-tiny"), 400) == 42
     tiny = model_spec("orpheus-tiny")
-    assert segment_budget(tiny, max_tokens_limit(tiny, ServeConfig(max_context=200))) == 20
-    assert text_limit(ServeConfig(max_text_chars=10**9)) == MAX_TEXT_CHARS_LIMIT == 50_000
+    assert (
+        segment_budget(tiny, max_tokens_limit(tiny, ServeConfig(gpu=GpuWorkerSettings(max_context=200))))
+        == 20
+    )
+    assert (
+        text_limit(ServeConfig(gateway=GatewaySettings(max_text_chars=10**9)))
+        == MAX_TEXT_CHARS_LIMIT
+        == 50_000
+    )
 
 
 def _random_text(rng: random.Random) -> str:

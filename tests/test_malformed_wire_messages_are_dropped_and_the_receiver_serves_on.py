@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import zmq
 
-from common.config import ServeConfig
-from common.ipc import Addresses, AsyncDispatchChannel, PullChannel, PushChannel
+from common.config import GatewaySettings, ServeConfig, TokenizerSettings
+from common.ipc import Addresses, PullChannel, PushChannel
 from common.messages import (
     AudioChunks,
     DetokBatch,
@@ -33,6 +33,7 @@ from common.messages import (
     SamplingParams,
     WorkerReady,
 )
+from common.pool import AsyncDispatchChannel
 from tests.conftest import ROOT, free_port, get_json, worker_env
 from tests.test_gateway import make_addrs, rig, start_rig  # noqa: F401 (fixtures)
 from tests.test_workers_over_zmq import prompt, ready, wait_for
@@ -56,7 +57,8 @@ class Proc:
     """A worker process with its log in a file (to check that it said what it dropped)."""
 
     def __init__(self, role: str, addrs: Addresses, log: Path, **settings: object) -> None:
-        cfg = ServeConfig(model="orpheus-tiny", addresses=addrs, device="cpu", codec_device="cpu", **settings)
+        cfg = ServeConfig(model="orpheus-tiny", addresses=addrs, device="cpu", **settings)
+        cfg.codec.device = "cpu"
         argv = [sys.executable, "-m", role, "--config-json", cfg.to_json(), "--name", role]
         self.log = log
         self._out = open(log, "wb")  # noqa: SIM115 (closed in stop)
@@ -170,7 +172,13 @@ def test_tokenizer_worker_drops_malformed_pool_messages_and_builds_the_next_prom
 
 def test_gateway_drops_malformed_messages_on_each_socket_and_serves_on(addrs, tmp_path) -> None:
     port = free_port()
-    proc = Proc("gateway", addrs, tmp_path / "gateway.log", port=port, tokenizer_workers=1)
+    proc = Proc(
+        "gateway",
+        addrs,
+        tmp_path / "gateway.log",
+        gateway=GatewaySettings(port=port),
+        tokenizer=TokenizerSettings(workers=1),
+    )
     base = f"http://127.0.0.1:{port}"
     ctx = zmq.Context.instance()
     socks = []

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from common.config import ServeConfig
+from common.config import CodecSettings, ServeConfig
 from common.launcher import Supervisor
 from common.mps import CONTROL, MpsDaemon, mps_for
 
@@ -49,7 +49,7 @@ def _calls(pipe_dir: str) -> list[dict]:
 def test_serve_starts_a_private_daemon_for_the_gpu_processes_and_quits_it(control_on_path, tmp_path):
     run_dir = str(tmp_path / "run")
     os.makedirs(run_dir)
-    sup = Supervisor(ServeConfig(mps="on", run_dir=run_dir, codec_gpu_share=30))
+    sup = Supervisor(ServeConfig(mps="on", run_dir=run_dir, codec=CodecSettings(gpu_share=30)))
     assert sup.mps is not None
     sup.mps.start()
     pipe = os.path.join(run_dir, "mps-pipe")

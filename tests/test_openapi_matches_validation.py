@@ -10,14 +10,14 @@ from typing import Any
 
 import pytest
 
-from common.config import ServeConfig
+from common.config import GatewaySettings, ServeConfig
 from gateway.fields import BadRequest
 from gateway.validation import parse_generate, parse_speech
 from tests.specs import model_spec
 from tests.test_gateway import MAX_TEXT, Rig, make_addrs, rig, start_rig  # noqa: F401 (fixtures)
 
 SPEC = model_spec("orpheus-tiny")
-CFG = ServeConfig(model="orpheus-tiny", max_text_chars=MAX_TEXT)
+CFG = ServeConfig(model="orpheus-tiny", gateway=GatewaySettings(max_text_chars=MAX_TEXT))
 MINIMAL = {"GenerateRequest": {"text": "hi"}, "SpeechRequest": {"model": "orpheus-tiny", "input": "hi"}}
 PARSERS: dict[str, Callable[..., Any]] = {"GenerateRequest": parse_generate, "SpeechRequest": parse_speech}
 

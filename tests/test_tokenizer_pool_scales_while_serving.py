@@ -23,8 +23,9 @@ from typing import Any
 
 import pytest
 
-from common.ipc import Addresses, AsyncDispatchChannel, AsyncPullChannel
+from common.ipc import Addresses, AsyncPullChannel
 from common.messages import GatewayInMsg, GenerateRequest, ProcState, ProcStatus, Prompt, SamplingParams
+from common.pool import AsyncDispatchChannel
 from tests.conftest import ROOT, worker_env
 
 SLOW_S = 1.5

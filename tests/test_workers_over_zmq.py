@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from codec_worker.worker import Codec
-from common.config import ServeConfig
-from common.ipc import Addresses, AsyncDispatchChannel, PullChannel, PushChannel
+from common.config import GpuWorkerSettings, ServeConfig
+from common.ipc import Addresses, PullChannel, PushChannel
 from common.messages import (
     Abort,
     AudioChunks,
@@ -30,6 +30,7 @@ from common.messages import (
     RequestError,
     SamplingParams,
 )
+from common.pool import AsyncDispatchChannel
 from programs import get_spec, load_program_class
 from tests.conftest import ROOT, worker_env
 
@@ -42,7 +43,8 @@ def addrs(tmp_path) -> Addresses:
 
 
 def start(role: str, addrs: Addresses, **settings) -> subprocess.Popen:
-    cfg = ServeConfig(model="orpheus-tiny", addresses=addrs, device="cpu", codec_device="cpu", **settings)
+    cfg = ServeConfig(model="orpheus-tiny", addresses=addrs, device="cpu", **settings)
+    cfg.codec.device = "cpu"
     argv = [sys.executable, "-m", role, "--config-json", cfg.to_json(), "--name", role]
     return subprocess.Popen(argv, env=worker_env(), cwd=ROOT)
 
@@ -140,7 +142,7 @@ def test_gpu_worker_streams_chunks_and_honours_abort(addrs, gateway_inbox):
 def test_a_full_gpu_worker_is_sent_no_prompt_until_a_slot_frees(addrs, gateway_inbox):
     codec_inbox: PullChannel[DetokBatch] = PullChannel(addrs.codec_in, DetokBatch, bind=True)
     pool = GpuPool(addrs)
-    proc = start("gpu_worker", addrs, max_batch_size=2)
+    proc = start("gpu_worker", addrs, gpu=GpuWorkerSettings(max_batch_size=2))
     try:
         wait_for(gateway_inbox, ready("gpu_worker"))
         pool.send(*(prompt(f"r{i}", "Hello.", max_tokens=1000) for i in range(3)))

@@ -19,8 +19,9 @@ import zmq.auth
 
 from common import ipc
 from common.config import ServeConfig
-from common.ipc import Addresses, PullChannel, PushChannel, WorkChannel
+from common.ipc import Addresses, PullChannel, PushChannel
 from common.messages import GatewayInMsg, ProcState, ProcStatus, RequestError
+from common.pool import WorkChannel
 from tests.conftest import ROOT, free_port, worker_env
 
 ERR = RequestError("r1", 400, "hello over curve")
@@ -72,7 +73,7 @@ def test_sockets_with_the_keys_exchange_messages(keys: Path) -> None:
 def test_the_pool_sockets_use_the_keys_too(keys: Path) -> None:
     addr = tcp()
     ctx = zmq.Context.instance()
-    router = ipc._socket(ctx, zmq.ROUTER, addr, bind=True)  # the dispatcher's side, as pool.py makes it
+    router = ipc.make_socket(ctx, zmq.ROUTER, addr, bind=True)  # the dispatcher's side, as pool.py makes it
     worker: WorkChannel = WorkChannel(addr, GatewayInMsg, name="w")
     try:
         assert worker.recv(timeout_ms=50) is None  # sends its WorkerReady

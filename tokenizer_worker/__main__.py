@@ -4,7 +4,7 @@ Settings from flags or VOXPIPE_* variables (`--help` lists them), or `--config-j
 `voxpipe serve`. Start as many as you like, at any time; SIGTERM makes one leave without losing work.
 """
 
-from common.config import RoleSettings
+from common.options import RoleSettings
 from common.proc import run_worker
 from tokenizer_worker.worker import TokenizerWorker
 

@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from common.config import ServeConfig, program_kwargs
-from common.ipc import PushChannel, WorkChannel
+from common.ipc import PushChannel
 from common.messages import (
     GatewayInMsg,
     GenerateRequest,
@@ -33,6 +33,7 @@ from common.messages import (
     PromptSize,
     RequestError,
 )
+from common.pool import WorkChannel
 from common.proc import StatusReporter
 from programs import get_spec, load_program_class, served_name
 from programs.base import LMProgram
@@ -113,7 +114,9 @@ class TokenizerWorker:
         program = load_program_class(cfg.model)(spec, device="cpu", **program_kwargs(cfg))
         status.set(ProcState.LOADING, "loading the text tokenizer")
         program.preprocess("warm up", {})  # loads the tokenizer now rather than on the first request
-        self.builder = PromptBuilder(program, min(cfg.max_context or spec["max_tokens"], spec["max_tokens"]))
+        self.builder = PromptBuilder(
+            program, min(cfg.gpu.max_context or spec["max_tokens"], spec["max_tokens"])
+        )
         self.spec: ModelSpec = program.model_spec(served_name(cfg.model))
         self.status = status
         self.inbox: WorkChannel[GenerateRequest] = WorkChannel(

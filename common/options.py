@@ -1,0 +1,463 @@
+"""How each process gets its settings: flags and `VOXPIPE_*` variables → a `ServeConfig`.
+
+Run as separate services (`python -m gpu_worker`, `voxpipe gpu-worker`), a process reads its
+settings from flags or `VOXPIPE_*` environment variables (flags win over the environment; with
+`--config-json` the environment is ignored, since the JSON is the whole deployment's config). One
+table, `OPTIONS`, says which setting each role takes, its flag, its variable and the field of
+`ServeConfig` (common/config.py) it sets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from common.config import ServeConfig
+from common.ipc import ROLE_SOCKETS, Addresses, is_wildcard
+
+SERVICES = ("gateway", "tokenizer_worker", "gpu_worker", "codec_worker")
+_ALL = ("serve", *SERVICES)
+_LOADERS = ("serve", "tokenizer_worker", "gpu_worker", "codec_worker")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _parse_bool(text: str) -> bool | None:
+    t = text.strip().lower()
+    if t in _TRUE:
+        return True
+    if t in _FALSE:
+        return False
+    if t in ("", "auto", "default"):
+        return None
+    raise ValueError(f"expected one of {', '.join(_TRUE + _FALSE)} or auto")
+
+
+@dataclass(frozen=True)
+class Option:
+    field: str  # the flag's name: ServeConfig setting, Addresses field, or per-process (name, tap)
+    help: str
+    roles: tuple[str, ...]
+    type: Callable[[str], Any] = str
+    kind: str = "config"  # config | address | process
+    choices: tuple[str, ...] = ()
+    negatable: bool = True  # a boolean flag with a --no- form (else: store_true)
+    # config: where in ServeConfig the value goes ("gpu.page_size"; several, space-separated;
+    # "" = the field of that name at the top level)
+    path: str = ""
+    invert: bool = False  # a boolean flag that sets its fields to the opposite (--disable-...)
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.field.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return "VOXPIPE_" + self.field.upper()
+
+    @property
+    def paths(self) -> list[str]:
+        return (self.path or self.field).split()
+
+    def default(self, cfg: ServeConfig) -> Any:
+        value = getattr(*_holder(cfg, self.paths[0]))
+        return (not value) if self.invert else value
+
+    def apply(self, cfg: ServeConfig, value: Any) -> None:
+        for path in self.paths:
+            setattr(*_holder(cfg, path), (not value) if self.invert else value)
+
+
+def _holder(cfg: ServeConfig, path: str) -> tuple[Any, str]:
+    """The struct that holds `path` ("gpu.page_size": cfg.gpu) and the field's name in it."""
+    *groups, name = path.split(".")
+    obj: Any = cfg
+    for group in groups:
+        obj = getattr(obj, group)
+    return obj, name
+
+
+def _address_roles(field: str) -> tuple[str, ...]:
+    return tuple(r for r, (binds, connects) in ROLE_SOCKETS.items() if field in binds + connects)
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("model", "model name (see `voxpipe models`; default: the one it marks)", _ALL),
+    Option(
+        "host",
+        "HTTP bind address (127.0.0.1: this host only; 0.0.0.0 in a container)",
+        ("serve", "gateway"),
+        path="gateway.host",
+    ),
+    Option("port", "HTTP port", ("serve", "gateway"), int, path="gateway.port"),
+    Option(
+        "tokenizer_workers",
+        "serve: prompt-builder processes to start; gateway: how many must be ready for /ready",
+        ("serve", "gateway"),
+        int,
+        path="tokenizer.workers",
+    ),
+    Option(
+        "gpu_workers",
+        "serve: gpu_worker + codec_worker pairs to start (one per GPU); gateway: how many of each "
+        "must be ready for /ready",
+        ("serve", "gateway"),
+        int,
+    ),
+    Option(
+        "device",
+        "LM device: auto, cpu, cuda, cuda:N (serve with --gpu-workers N: one, or a comma-separated "
+        "list of N; auto/cuda give pair i cuda:i)",
+        ("serve", "gpu_worker", "codec_worker"),
+    ),
+    Option(
+        "codec_device",
+        "codec device (auto: the LM's); with --gpu-workers a list too",
+        ("serve", "codec_worker"),
+        path="codec.device",
+    ),
+    Option("load_format", "auto (real weights) or dummy (random)", _LOADERS, choices=("auto", "dummy")),
+    Option("weights", "LM checkpoint: Hugging Face id or local directory", _LOADERS),
+    Option("codec_weights", "codec checkpoint: Hugging Face id or local directory", _LOADERS),
+    Option(
+        "disable_cuda_graph",
+        "run GPU steps eagerly (debugging)",
+        ("serve", "gpu_worker", "codec_worker"),
+        _parse_bool,
+        negatable=False,
+        path="gpu.cuda_graphs codec.cuda_graphs",
+        invert=True,
+    ),
+    Option(
+        "dtype",
+        "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16",
+        ("serve", "gpu_worker"),
+        path="gpu.dtype",
+    ),
+    Option(
+        "codec_dtype",
+        "codec precision: auto (the model's choice), float32, bfloat16, float16",
+        ("serve", "codec_worker"),
+        choices=("auto", "float32", "bfloat16", "float16"),
+        path="codec.dtype",
+    ),
+    Option(
+        "codec_compile",
+        "compile the codec's regular windows with torch.compile (fuses its elementwise work; tens of "
+        "seconds at startup, cached on disk): auto (on a GPU with Triton, when the model has a "
+        "compiled codec), on, off",
+        ("serve", "codec_worker"),
+        choices=("auto", "on", "off"),
+        path="codec.compile",
+    ),
+    Option(
+        "codec_max_batch",
+        "windows decoded in one codec call, and the largest codec graph (0 = 128 on GPU, 64 on CPU)",
+        ("serve", "codec_worker"),
+        int,
+        path="codec.max_batch",
+    ),
+    Option(
+        "codec_gather_ms",
+        "longest a codec window waits for others to share its decode call, within its listener's "
+        "buffered audio (first chunks never wait; 0 = decode on arrival)",
+        ("serve", "codec_worker"),
+        float,
+        path="codec.gather_ms",
+    ),
+    Option(
+        "max_batch_size", "0 = 256 on GPU, 16 on CPU", ("serve", "gpu_worker"), int, path="gpu.max_batch_size"
+    ),
+    Option(
+        "max_context",
+        "0 = the model's max_tokens",
+        ("serve", "gateway", "tokenizer_worker", "gpu_worker"),
+        int,
+        path="gpu.max_context",
+    ),
+    Option("page_size", "tokens per KV page", ("serve", "gpu_worker"), int, path="gpu.page_size"),
+    Option(
+        "num_pages", "0 = max-batch-size full contexts", ("serve", "gpu_worker"), int, path="gpu.num_pages"
+    ),
+    Option(
+        "first_chunk",
+        "first audio: reference (first full codec window), adaptive (a short lead window when the "
+        "measured step rate keeps the stream fed), fastest (always the shortest lead) or progressive "
+        "(each first frame as soon as it exists, until the stream is far enough ahead)",
+        ("serve", "gpu_worker", "codec_worker"),
+        choices=("reference", "adaptive", "fastest", "progressive"),
+        path="gpu.first_chunk",
+    ),
+    Option(
+        "capacity_headroom",
+        "admission: the share of a row's playback time (1 / the model's rows per second) that an engine step of "
+        "every admitted stream, at the context each attends over on average in its life, may take "
+        "by the gpu_worker's fitted step cost; lower keeps more margin against streams aging "
+        "together and uneven steps, higher admits more streams per GPU (0.5..1.0)",
+        ("serve", "gpu_worker"),
+        float,
+        path="gpu.capacity_headroom",
+    ),
+    Option(
+        "realtime_headroom",
+        "the share of a row's playback time that an engine step may take: admission's budget until "
+        "the step cost is fitted (the first ~200 steps), and the budget that streams sitting out "
+        "keep steps under (0.5..1.0)",
+        ("serve", "gpu_worker"),
+        float,
+        path="gpu.realtime_headroom",
+    ),
+    Option(
+        "sit_out",
+        "seconds of audio in hand (sent, not yet played) past which a stream may sit out steps "
+        "while steps take longer than the headroom allows, so that the others' steps are shorter "
+        "and new requests keep being admitted; 0 = every running stream is in every step",
+        ("serve", "gpu_worker"),
+        float,
+        path="gpu.sit_out_lead_s",
+    ),
+    Option(
+        "lm_head",
+        "full (whole vocabulary) or audio (logits only for codec tokens and stop: less work per step; "
+        "text tokens can no longer be sampled)",
+        ("serve", "gpu_worker"),
+        choices=("full", "audio"),
+        path="gpu.lm_head",
+    ),
+    Option(
+        "quantization",
+        "none, or fp8 (LM linear layers in float8 with per-channel scales; GPU with fp8 tensor cores)",
+        ("serve", "gpu_worker"),
+        choices=("none", "fp8"),
+        path="gpu.quantization",
+    ),
+    Option(
+        "kv_cache_dtype",
+        "auto (keys and values in the model's dtype) or fp8 (float8 e4m3, unscaled: half the bytes "
+        "attention reads per step and half the memory for the same pages)",
+        ("serve", "gpu_worker"),
+        choices=("auto", "fp8"),
+        path="gpu.kv_cache_dtype",
+    ),
+    Option(
+        "decode_attention",
+        "the decode steps' attention kernel: flashinfer, xqa (TensorRT-LLM's, on SM 9.x/10.x/12.x; over "
+        "an fp8 cache it attends in fp8), or auto (xqa for an fp8 cache on Hopper, else flashinfer)",
+        ("serve", "gpu_worker"),
+        choices=("auto", "flashinfer", "xqa"),
+        path="gpu.decode_attention",
+    ),
+    Option(
+        "constrained",
+        "keep sampled tokens valid codes for their frame position (default: the model's choice)",
+        ("serve", "gateway"),
+        _parse_bool,
+        path="gateway.constrained",
+    ),
+    Option(
+        "max_text_chars", "longest accepted text", ("serve", "gateway"), int, path="gateway.max_text_chars"
+    ),
+    Option(
+        "max_queue",
+        "requests waiting for a stream beyond this get 503",
+        ("serve", "gateway"),
+        int,
+        path="gateway.max_queue",
+    ),
+    Option(
+        "queue_timeout",
+        "seconds a request may wait for a stream before it gets 503",
+        ("serve", "gateway"),
+        float,
+        path="gateway.queue_timeout",
+    ),
+    Option(
+        "max_streams",
+        "requests streaming at once (0 = the capacity the gpu_workers measure, else their batch size)",
+        ("serve", "gateway"),
+        int,
+        path="gateway.max_streams",
+    ),
+    Option(
+        "api_key_file",
+        "file holding the Bearer key the HTTP API requires (or set VOXPIPE_API_KEY; never a flag)",
+        ("serve", "gateway"),
+        path="gateway.api_key_file",
+    ),
+    Option(
+        "zmq_curve_dir",
+        "CURVE keys (from `voxpipe keys DIR`) that encrypt and authenticate every tcp:// socket",
+        _ALL,
+    ),
+    Option("log_level", "DEBUG, INFO, WARNING, ERROR", _ALL),
+    Option(
+        "mps",
+        "CUDA MPS for the gpu_worker and codec_worker: on (start a private MPS daemon; its kernels "
+        "and the LM's then run side by side instead of taking turns), auto (on when "
+        "nvidia-cuda-mps-control is installed and a CUDA client works under its daemon) or off",
+        ("serve",),
+        choices=("off", "on", "auto"),
+    ),
+    Option(
+        "codec_gpu_share",
+        "with MPS: the percent of the GPU's SMs the codec_worker's kernels may occupy "
+        "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), so that its passes leave the rest to the LM's steps; 0 = all",
+        ("serve",),
+        int,
+        path="codec.gpu_share",
+    ),
+    Option("run_dir", "directory for ipc:// sockets and taps (default: a private temp dir)", ("serve",)),
+    Option(
+        "requests",
+        "requests to the tokenizer pool (gateway binds)",
+        _address_roles("requests"),
+        kind="address",
+    ),
+    Option("gateway_in", "the gateway's inbox (gateway binds)", _address_roles("gateway_in"), kind="address"),
+    Option(
+        "gpu_in",
+        "prompts and aborts to the gpu_workers (gateway binds, gpu_workers connect)",
+        _address_roles("gpu_in"),
+        kind="address",
+    ),
+    Option(
+        "codec_in",
+        "the codec_worker's inbox (codec_worker binds; each gpu_worker/codec_worker pair its own)",
+        _address_roles("codec_in"),
+        kind="address",
+    ),
+    Option("name", "process name in /ready and logs", SERVICES, kind="process"),
+    Option(
+        "tap",
+        "mirror this process's sends on a PUB socket bound here (see `voxpipe tap`)",
+        SERVICES,
+        kind="process",
+    ),
+)
+
+
+def options_for(role: str) -> list[Option]:
+    return [o for o in OPTIONS if role in o.roles]
+
+
+def add_options(parser: argparse.ArgumentParser, role: str) -> None:
+    """The role's flags. Every default is None, so `resolve` can tell a flag from an absent one."""
+    d = ServeConfig()
+    defaults = {
+        **{o.field: o.default(d) for o in OPTIONS if o.kind == "config"},
+        **{f: a for f, a in msgspec.structs.asdict(Addresses.tcp()).items()},
+    }
+    if role != "serve":
+        parser.add_argument(
+            "--config-json", help="the deployment's ServeConfig as JSON (written by `voxpipe serve`)"
+        )
+    for opt in options_for(role):
+        shown = defaults.get(opt.field, "")
+        help = (
+            f"{opt.help} [env {opt.env}; default {shown!r}]"
+            if shown not in ("", None)
+            else f"{opt.help} [env {opt.env}]"
+        )
+        if opt.type is _parse_bool:
+            action = argparse.BooleanOptionalAction if opt.negatable else "store_true"
+            parser.add_argument(opt.flag, action=action, default=None, help=help)
+        else:
+            conv = opt.type if opt.type in (int, float) else str
+            parser.add_argument(opt.flag, type=conv, default=None, choices=opt.choices or None, help=help)
+
+
+@dataclass
+class RoleSettings:
+    """What one process runs with: the deployment's config, and its own name and tap address."""
+
+    cfg: ServeConfig
+    name: str
+    tap: str
+
+
+def default_name(role: str) -> str:
+    # Replicas of the tokenizer service share a command line: host name and pid keep them apart.
+    if role == "tokenizer_worker":
+        return f"tokenizer_worker.{socket.gethostname()}.{os.getpid()}"
+    return role
+
+
+def resolve(role: str, ns: argparse.Namespace, environ: Mapping[str, str] | None = None) -> RoleSettings:
+    """Flags, then VOXPIPE_* variables (unless --config-json), then defaults. Raises ValueError
+    naming the flag and variable to fix."""
+    environ = os.environ if environ is None else environ
+    from_json = getattr(ns, "config_json", None)
+    try:
+        cfg = ServeConfig.from_json(from_json) if from_json else ServeConfig()
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ValueError(f"--config-json is not a valid ServeConfig: {e}") from None
+    values: dict[str, Any] = {}
+    for opt in options_for(role):
+        value = getattr(ns, opt.field, None)
+        if value is None and not from_json and environ.get(opt.env, "") != "":
+            try:
+                value = opt.type(environ[opt.env])
+            except ValueError as e:
+                raise ValueError(f"{opt.env}={environ[opt.env]!r} is not valid for {opt.flag}: {e}") from None
+            if opt.choices and value not in opt.choices:
+                raise ValueError(f"{opt.env} must be one of {', '.join(opt.choices)}, got {value!r}")
+        if value is not None:
+            values[opt.field] = value
+    name = values.pop("name", None) or default_name(role)
+    tap = values.pop("tap", "")
+    addr_fields = {o.field for o in OPTIONS if o.kind == "address"}
+    given = {f: values.pop(f) for f in list(values) if f in addr_fields}
+    if role != "serve":
+        base = cfg.addresses or (Addresses.local(cfg.run_dir) if cfg.run_dir else Addresses.tcp())
+        cfg.addresses = msgspec.structs.replace(base, **given)
+        _check_connects(role, cfg.addresses)
+    opts = {o.field: o for o in OPTIONS}
+    for f, v in values.items():
+        opts[f].apply(cfg, v)
+    return RoleSettings(cfg, name, tap)
+
+
+def _check_connects(role: str, addresses: Addresses) -> None:
+    opts = {o.field: o for o in OPTIONS}
+    for f in ROLE_SOCKETS[role][1]:
+        addr = getattr(addresses, f)
+        if not addr.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(
+                f"{opts[f].flag} / {opts[f].env} must be a tcp:// or ipc:// address, got {addr!r}"
+            )
+        if is_wildcard(addr):
+            raise ValueError(
+                f"{opts[f].flag} / {opts[f].env} is {addr!r}, a bind address, but {role} connects to it: "
+                f"give the host that binds it, e.g. tcp://{_binder(f)}:{addr.rpartition(':')[2]}"
+            )
+
+
+def _binder(field: str) -> str:
+    return next(r for r, (binds, _) in ROLE_SOCKETS.items() if field in binds)
+
+
+def role_parser(role: str, prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog or f"python -m {role}",
+        description=f"Run the {role} as a service. Settings come from flags or VOXPIPE_* variables.",
+    )
+    add_options(parser, role)
+    return parser
+
+
+def parse_role(
+    role: str, argv: list[str] | None = None, environ: Mapping[str, str] | None = None
+) -> RoleSettings:
+    """`python -m <role>`'s command line → settings; exits with a usage error on a bad value."""
+    parser = role_parser(role)
+    ns = parser.parse_args(argv)
+    try:
+        return resolve(role, ns, environ)
+    except ValueError as e:
+        parser.error(str(e))
+        raise  # unreachable: parser.error exits
