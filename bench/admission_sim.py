@@ -1,7 +1,7 @@
 """A closed-loop load on a simulated GPU, scheduled by the engine's own pacing: to weigh admission and
 sit-out policies before spending GPU time on them.
 
-The parts that decide are the real ones: `gpu_worker.pacing.StepClock` measures the steps and gives
+The parts that decide are the real ones: `gpu_worker.scheduler.pacing.StepClock` measures the steps and gives
 the capacity, `SitOut` leaves streams ahead out of slow steps, progressive first chunks wait for
 `lead_fits` on the clock's `rows_time_high`, and the gateway admits up to the capacity the engine
 last reported. Simplified: each step's time is recorded with its own step (the engine's pipeline
@@ -12,7 +12,7 @@ its context, a part per prompt, and some noise. The load is bench/load's: `clien
 clients started over `ramp_s`, each sending its next request when the last one has finished
 generating, until `duration_s`.
 
-    python -m bench.admission_sim --clients 400,480 [--h200 [--calibrate]] --out /tmp/sim.json
+    voxpipe bench sim --clients 400,480 [--h200 [--calibrate]] --out /tmp/sim.json
 
 It reports, per policy and load, what bench/load reports (TTFA p50/p99, the share of requests on
 time) and the streams admitted. The step model's constants are fitted to the H200 runs (fp8 weights
@@ -31,9 +31,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpu_worker.calibrate import step_differences
-from gpu_worker.graphs import decode_buckets
-from gpu_worker.pacing import SPARE_LEAD_S, Lives, SitOut, StepClock, lead_fits
+from gpu_worker.limits import DEFAULTS
+from gpu_worker.runner.graphs import decode_buckets
+from gpu_worker.scheduler.calibrate import step_differences
+from gpu_worker.scheduler.pacing import Lives, StepClock, lead_fits
+from gpu_worker.scheduler.sit_out import SitOut
 
 ROWS_PER_S = 82.03  # Orpheus: a row is 1/82.03 s of audio; a frame is 7 rows
 FRAME, LEADS = 7, (7, 14, 21)
@@ -74,7 +76,7 @@ H200 = GPU(fixed_ms=3.0, row_us=15.5, row_us_per_1k_ctx=11.0, prompt_ms=1.6, kne
 
 
 def startup_differences(gpu: GPU) -> list:
-    """What the engine measures at startup (gpu_worker.calibrate), on the simulated GPU."""
+    """What the engine measures at startup (gpu_worker.scheduler.calibrate), on the simulated GPU."""
 
     class Runner:
         sizes = decode_buckets(512)
@@ -105,7 +107,7 @@ def simulate(
     clock = StepClock(ROWS_PER_S, 512)
     if calibrate:
         clock.cost.calibrate(startup_differences(gpu))
-    sit = SitOut(clock, decode_buckets(512), SPARE_LEAD_S) if sit_out else None
+    sit = SitOut(clock, decode_buckets(512), DEFAULTS.sit_out_lead_s) if sit_out else None
     t, cap, cap_at = 0.0, float(512), -1.0
     next_send = [i * ramp_s / clients for i in range(clients)]
     queue: list[tuple[int, float]] = []  # (client, sent at) waiting at the gateway
@@ -125,7 +127,7 @@ def simulate(
             cap_at = t
         while queue and len(run) + len(waiting) < cap:
             waiting.append(queue.pop(0))
-        new, waiting = waiting[:4], waiting[4:]  # gpu_worker.graphs.PREFILL_LANES
+        new, waiting = waiting[:4], waiting[4:]  # gpu_worker.runner.graphs.PREFILL_LANES
         for c, sent in new:
             run[c] = dict(sent=sent, gen=0, first=None, late=0.0, admitted=t, prompt=True, cap=cap)
         admitted_max = max(admitted_max, len(run) + len(waiting))
@@ -188,14 +190,14 @@ def simulate(
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--clients", default="384,400,416,480")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--out", default=None)
     ap.add_argument("--h200", action="store_true", help="the curved GPU of the session-12 H200 runs (H200)")
     ap.add_argument("--calibrate", action="store_true", help="the fit starts from the startup differences")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rows = []
     common = dict(gpu=H200 if args.h200 else None, calibrate=args.calibrate)
     for name, kw in (("pace", dict(life=False, **common)), ("life", dict(life=True, **common))):

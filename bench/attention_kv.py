@@ -7,7 +7,7 @@ heads, head dim 128), for a whole step's 28 layers. Ratios against bf16 with ten
 in the same run; each variant's largest difference from FlashInfer's output over the same cache
 (`max_abs_diff_vs_flashinfer`).
 
-    python -m bench.attention_kv --out attention_kv.json [--sizes 64,256,384,512] [--ctx 512]
+    voxpipe bench attention --out attention_kv.json [--sizes 64,256,384,512] [--ctx 512]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 import torch
 
 from bench.gpu_speed import cuda_ms
-from gpu_worker.flashinfer_backend import WORKSPACE_BYTES, import_flashinfer, page_arrays
+from gpu_worker.attention.flashinfer import WORKSPACE_BYTES, import_flashinfer, page_arrays
 
 LAYERS, HQ, HKV, D, PAGE = 28, 24, 8, 128, 16
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
@@ -84,14 +84,14 @@ def xqa_layer(ws, sems, q, cache, tables, ctx, sm_count):
     return run
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     flashinfer = import_flashinfer()  # with the plan fix the engine runs
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="attention_kv.json")
     ap.add_argument("--sizes", default="64,256,384,512")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--variants", default="", help="comma list (default: all)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     per = -(-(args.ctx + 1) // PAGE)
     pages = 1 + max(sizes) * per

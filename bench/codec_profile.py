@@ -13,7 +13,7 @@ At one batch size (default 128) of 4-frame windows, cropped decode (the codec_wo
 Then graph against compiled_taps at other batch sizes (--other-batches).
 Each variant's kept samples are compared with the fp32 full-window decode (SNR, max |difference|).
 
-Run: python -m bench.codec_profile --out bench/results/codec_profile.json
+Run: voxpipe bench codec-profile --out codec_profile.json
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def snake_compiled(codec: SnacCodec) -> None:
             m.forward = types.MethodType(lambda self, x: snake(x, self.alpha), m)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--batch", type=int, default=128)
@@ -105,8 +105,8 @@ def main() -> None:
     )
     ap.add_argument("--snake", action="store_true", help="also time compiled Snakes alone")
     ap.add_argument("--other-batches", default="1,16,64,256", help="batch sizes for graph vs compiled_taps")
-    args = ap.parse_args()
-    assert torch.cuda.is_available(), "bench/codec_profile.py needs a CUDA GPU"
+    args = ap.parse_args(argv)
+    assert torch.cuda.is_available(), "voxpipe bench codec-profile needs a CUDA GPU"
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
     dtype = getattr(torch, args.dtype)

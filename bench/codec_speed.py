@@ -16,7 +16,7 @@ decode draws other noise, so it gets no SNR. TF32 stays off (as in the codec_wor
 exact. Results go to --out as JSON, rewritten after every batch size so a cut-short run keeps what
 it measured.
 
-Run: python -m bench.codec_speed --out bench/results/codec_speed.json
+Run: voxpipe bench codec --out codec_speed.json
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def run_variant(decode: Callable[[], torch.Tensor], graph: bool) -> tuple[float,
         return us, out.float().clone()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="JSON file to write")
     ap.add_argument("--batches", default="16,64,256,512", help="comma-separated batch sizes")
@@ -111,8 +111,8 @@ def main() -> None:
     ap.add_argument("--compile-mode", default="max-autotune-no-cudagraphs")
     ap.add_argument("--compile-batches", default="256", help="batch sizes to compile (each compiles anew)")
     ap.add_argument("--config", default=CONFIG, help="SNAC config JSON (random weights)")
-    args = ap.parse_args()
-    assert torch.cuda.is_available(), "bench/codec_speed.py needs a CUDA GPU"
+    args = ap.parse_args(argv)
+    assert torch.cuda.is_available(), "voxpipe bench codec needs a CUDA GPU"
     torch.backends.cudnn.allow_tf32 = False  # as the codec_worker: fp32 stays exact
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.benchmark = False

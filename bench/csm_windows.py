@@ -7,7 +7,7 @@ script measures it for any weights: random ones from a shipped config (the defau
 (`--codec-weights sesame/csm-1b`, `kyutai/mimi` or a local directory), on random codes or on codes of
 real speech (`--codes frames.npy`, [T, 32] int).
 
-    python bench/csm_windows.py --model csm [--codec-weights DIR] [--codes frames.npy] [--device cuda]
+    voxpipe bench csm-windows --model csm [--codec-weights DIR] [--codes frames.npy] [--device cuda]
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ import torch
 from programs import get_spec, load_program_class
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="csm", help="csm (kyutai/mimi shape) or csm-tiny")
     ap.add_argument("--codec-weights", default="", help="checkpoint; default: random weights")
     ap.add_argument("--codes", default="", help=".npy of [T, 32] Mimi codes; default: random")
     ap.add_argument("--frames", type=int, default=100, help="random codes: stream length in frames")
     ap.add_argument("--device", default="cpu")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     spec = get_spec(args.model)
     load_format = "auto" if args.codec_weights else "dummy"
     p = load_program_class(args.model)(

@@ -19,11 +19,12 @@ import torch
 
 from codec_worker.worker import Codec
 from common.messages import Prompt, SamplingParams
+from gpu_worker.attention.flashinfer import FlashInferAttention
 from gpu_worker.engine import Engine, EngineLimits
-from gpu_worker.flashinfer_backend import FlashInferAttention
-from gpu_worker.graphs import GraphRunner
-from gpu_worker.kv_cache import allocate_kv_cache, pages_for
-from gpu_worker.runner import EagerRunner, StepBatch
+from gpu_worker.runner.batch import StepBatch
+from gpu_worker.runner.eager import EagerRunner
+from gpu_worker.runner.graphs import GraphRunner
+from gpu_worker.runner.kv_cache import allocate_kv_cache, pages_for
 from programs import get_spec, load_program_class
 
 TOKENS_PER_SECOND = 82.03  # Orpheus tokens per second of audio
@@ -231,7 +232,7 @@ def hf_baseline(n_tokens: int) -> dict:
     }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_speed.json")
     ap.add_argument("--sizes", default="1,8,64,128,256,384,512")
@@ -250,7 +251,7 @@ def main() -> int:
     ap.add_argument(
         "--offline-gather", type=int, default=256, help="windows pending per codec call (0: every step)"
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     skip = set(args.skip.split(","))
     torch.backends.cudnn.allow_tf32 = False
     res: dict = {

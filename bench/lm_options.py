@@ -3,7 +3,7 @@
 an fp8 KV cache, as ratios against the first config measured in the same run; and each config's
 teacher-forced logits (prefill through its own KV cache) against the first config's.
 
-    python bench/lm_options.py --out lm_options.json [--configs bf16,bf16+fp8kv] [--sizes 1,64,256,384,512] [--ctx 512]
+    voxpipe bench options --out lm_options.json [--configs bf16,bf16+fp8kv] [--sizes 1,64,256,384,512] [--ctx 512]
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ import torch
 
 from bench.gpu_speed import cuda_ms
 from common.messages import Prompt, SamplingParams
+from gpu_worker.attention.flashinfer import FlashInferAttention
 from gpu_worker.engine import Engine, EngineLimits
-from gpu_worker.flashinfer_backend import FlashInferAttention
-from gpu_worker.kv_cache import allocate_kv_cache, pages_for
-from gpu_worker.kv_cache import kv_cache_dtype as kv_dtype
-from gpu_worker.runner import EagerRunner, StepBatch
+from gpu_worker.runner.batch import StepBatch
+from gpu_worker.runner.eager import EagerRunner
+from gpu_worker.runner.kv_cache import allocate_kv_cache, pages_for
+from gpu_worker.runner.kv_cache import kv_cache_dtype as kv_dtype
 from programs import get_spec, load_program_class
 
 CONFIGS = {
@@ -146,13 +147,13 @@ def last_row_logits(program, prompts: list[np.ndarray], kv_cache_dtype: str = "a
     return runner.forward(b)[0][:, 0].float()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="lm_options.json")
     ap.add_argument("--sizes", default="1,64,256,384,512")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--configs", default=",".join(CONFIGS))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     res: dict = {"device": torch.cuda.get_device_name(), "model": "orpheus-3b dummy", "date": time.strftime("%F"),
                  "ctx": args.ctx, "step_ms": {}, "ratio_vs_base": {}}  # fmt: skip

@@ -1,7 +1,7 @@
 """Which operation of a decode step makes a row's result depend on the batch it is in.
 
-`bench/batch_invariance.py` finds that a greedy request's tokens change among 160 others (decode
-bucket 192) and not among 40 (bucket 48); this bench looks for the operation. For each one it
+With bf16 weights a greedy request's tokens change among 160 others (decode bucket 192) and not
+among 40 (bucket 48, tests/gpu/test_gpu_parity.py); this bench looks for the operation. For each one it
 computes the same first row alone and inside batches of the decode buckets' sizes, with different
 other rows, and reports the first batch size at which that row's output is no longer bit-identical
 to its output alone (None: identical at every size):
@@ -17,10 +17,10 @@ to its output alone (None: identical at every size):
   the H200, bench/results/h200-batch-invariance-2026-11-30-session10-start.json), and the
   sampler's `row_cumsum`, which scans a lone row as a batch of two.
 
-    python -m bench.op_invariance --out op_invariance.json [--sizes 1,2,...,512]
+    voxpipe bench op-invariance --out op_invariance.json [--sizes 1,2,...,512]
 
 On a CPU (no FlashInfer) it checks the GEMMs only; `tests/test_op_invariance_bench.py` runs its
-detector there.
+detector there. tests/gpu/test_gpu_op_invariance.py asserts, on the GPU, the ones the engine relies on.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.graphs import decode_buckets
-from gpu_worker.sampler import row_cumsum
+from gpu_worker.runner.graphs import decode_buckets
+from gpu_worker.runner.sampler import row_cumsum
 from programs.blocks import fp8
 
 HIDDEN, INTER, HQ, HKV, D, AUDIO_HEAD = 3072, 8192, 24, 8, 128, 4112
@@ -82,7 +82,7 @@ def gemm_checks(device: str, sizes: list[int], shapes=GEMMS) -> dict:
 
 
 def mixed_checks(device: str, sizes: list[int], prompt_rows=(32, 64, 128), shapes=GEMMS) -> dict:
-    """A mixed step's GEMM (gpu_worker.graphs: a prompt bucket's rows, then a decode bucket's):
+    """A mixed step's GEMM (gpu_worker.runner.graphs: a prompt bucket's rows, then a decode bucket's):
     for each GEMM and weight kind, the first (prompt rows, decode rows) at which one GEMM over
     both parts differs, bit for bit, from a GEMM per part (null: never), which `fp8.rows_apart`
     runs for the weights that need it."""
@@ -131,7 +131,7 @@ def sampling_checks(device: str, sizes: list[int], vocabs=VOCABS) -> dict:
 
 def attention_checks(sizes: list[int]) -> dict:
     from bench.attention_kv import flashinfer_layer, xqa_layer
-    from gpu_worker.flashinfer_backend import WORKSPACE_BYTES, import_flashinfer
+    from gpu_worker.attention.flashinfer import WORKSPACE_BYTES, import_flashinfer
 
     flashinfer = import_flashinfer()
     per = -(-(CTX + 1) // PAGE)
@@ -160,11 +160,11 @@ def attention_checks(sizes: list[int]) -> dict:
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="op_invariance.json")
     ap.add_argument("--sizes", default="", help="comma list (default: the decode buckets to 512)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else decode_buckets(512)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     res: dict = {

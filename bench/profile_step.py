@@ -1,7 +1,7 @@
 """GPU: where a full engine step's time goes at one batch size (torch.profiler): the busiest
 CUDA kernels and CPU ops over a few steady decode steps, and the GPU's idle share.
 
-    python bench/profile_step.py --batch 384 [--ctx 512] [--lm-head audio] [--quantization fp8]
+    voxpipe bench profile --batch 384 [--ctx 512] [--lm-head audio] [--quantization fp8]
         [--kv-cache-dtype fp8] [--prompt-tokens 40 [--prompts-per-step 1,2]]
 """
 
@@ -48,7 +48,7 @@ def report(label: str, wall: float, events, steps: int, rows: int) -> None:
     print(events.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60))
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=384)
     ap.add_argument("--ctx", type=int, default=512)
@@ -65,7 +65,7 @@ def main() -> int:
         "to a step (the load's fitted step cost reads 3.2-3.5 ms on the H200); 0 = off",
     )
     ap.add_argument("--prompts-per-step", default="1,2", help="new requests in each such step, per run")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     per_step = [int(k) for k in args.prompts_per_step.split(",")] if args.prompt_tokens else []
     p = load_program_class("orpheus")(get_spec("orpheus"), load_format="dummy", device="cuda",
                                       dtype=torch.bfloat16, lm_head=args.lm_head,

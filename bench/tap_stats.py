@@ -1,7 +1,7 @@
 """Where a request's time goes under load, from `voxpipe tap --all-chunks` output (JSON lines).
 
     voxpipe tap --all-chunks --seconds 10 > tap.jsonl      # while a load runs
-    python -m bench.tap_stats tap.jsonl [--out stats.json]
+    voxpipe bench tap-stats tap.jsonl [--out stats.json]
 
 For requests whose arrival the tap saw, the first audio split by stage (gateway → prompt built →
 admitted → first token → first chunk ready → decoded → first byte sent), as p50/p90/p99 ms; for
@@ -84,11 +84,11 @@ def stats(events: list[dict], client_ttfa: dict[str, float] | None = None) -> di
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("path", help="tap output (JSON lines, .gz too)")
     ap.add_argument("--out", default="")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     res = stats(read(args.path))
     text = json.dumps(res, indent=1)
     if args.out:

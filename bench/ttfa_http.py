@@ -136,7 +136,7 @@ def later(delay_s: float, fn, *args) -> threading.Thread:
     return t
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="orpheus")
     ap.add_argument("--port", type=int, default=8123)
@@ -157,7 +157,7 @@ def main() -> int:
     ap.add_argument("--profile-roles", default="gpu_worker,codec_worker")
     ap.add_argument("--profile-out", default="py-spy")
     ap.add_argument("serve_args", nargs="*", help="extra `voxpipe serve` flags (after --)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     cmd = [sys.executable, "-m", "common.cli", "serve", "--model", args.model, "--port", str(args.port)]
     from programs import get_spec
 

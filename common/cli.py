@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     keys.add_argument("dir", help="directory for the keys (created mode 0700; existing keys are kept)")
     bench = sub.add_parser(
         "bench",
-        help="load a running server over HTTP (TTFA, on-time share, x real time); see --help",
+        help="benchmarks: load curve (default), step, ttfa, offline, codec…; see --help",
         add_help=False,
     )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
-        from bench.load import main as run_bench
+        from bench.cli import main as run_bench
 
         sys.exit(run_bench(argv[1:]))
     parser = build_parser()

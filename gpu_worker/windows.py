@@ -27,13 +27,13 @@ from collections.abc import Callable
 import numpy as np
 
 from common.messages import LEAD_NOISE_BASE, DetokChunk
-from gpu_worker.pacing import StepClock, lead_fits
+from gpu_worker.scheduler.pacing import StepClock, lead_fits
 from programs.base import LMProgram
 
 FIRST_CHUNK_MODES = ("reference", "adaptive", "fastest", "progressive")
 # Progressive mode: what a chunk's trip takes besides the steps that make it (waiting for a codec
-# pass, the decode, the gateway, the network). Measured on the H200 at 128 streams with a frame's
-# worth of steps as the only allowance: the second frame came ~6 ms late for 1 stream in 5.
+# pass, the decode, the gateway, the network). On the H200 at 128 streams, with a frame's worth of
+# steps as the only allowance, the second frame comes ~6 ms late for 1 stream in 5.
 DELIVERY_S = 0.025
 
 

@@ -1,8 +1,8 @@
 """The gpu_worker process: owns the LM program and the engine, and runs the step loop.
 
 It takes prompts from the gateway's dispatcher on `gpu_in` (several gpu_workers can share one
-gateway): after each step it announces its free capacity (`credits`: free slots, bounded by the KV
-pages a full-budget request needs), so it is only ever sent prompts it can start at once. Aborts
+gateway): after each step it announces its free capacity (`credits`, from the engine's scheduler:
+free slots, bounded by the KV pages a full-budget request needs), so it is only ever sent prompts it can start at once. Aborts
 arrive on the same socket, broadcast to every gpu_worker."""
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from common.messages import Abort, CodecInMsg, GpuInMsg, ProcState, Prompt
 from common.pool import CreditWorkChannel
 from common.proc import StatusReporter
 from gpu_worker.engine import Engine, EngineLimits
-from gpu_worker.kv_cache import pages_for
 from gpu_worker.stages import StageReporter
 from programs import get_spec, load_program_class
 
@@ -37,20 +36,21 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
 
 
 def engine_limits(cfg: ServeConfig, spec: dict, device: str) -> EngineLimits:
-    """The engine's limits from the worker's settings and its model's spec."""
-    is_cpu = device == "cpu"
+    """The engine's limits from the worker's settings and its model's spec (the batch size and
+    context that default to the device's and the model's, from `GpuWorkerSettings.resolved`)."""
+    gpu = cfg.gpu.resolved(device, spec["max_tokens"])
     return EngineLimits(
-        max_batch_size=cfg.gpu.max_batch_size or (16 if is_cpu else 256),
-        max_context=min(cfg.gpu.max_context or spec["max_tokens"], spec["max_tokens"]),
-        page_size=cfg.gpu.page_size,
-        num_pages=cfg.gpu.num_pages,
-        cuda_graphs=cfg.gpu.cuda_graphs,
-        first_chunk=cfg.gpu.first_chunk,
-        realtime_headroom=cfg.gpu.realtime_headroom,
-        capacity_headroom=cfg.gpu.capacity_headroom,
-        sit_out_lead_s=cfg.gpu.sit_out_lead_s,
-        kv_cache_dtype=cfg.gpu.kv_cache_dtype,
-        decode_attention=cfg.gpu.decode_attention,
+        max_batch_size=gpu.max_batch_size,
+        max_context=gpu.max_context,
+        page_size=gpu.page_size,
+        num_pages=gpu.num_pages,
+        cuda_graphs=gpu.cuda_graphs,
+        first_chunk=gpu.first_chunk,
+        realtime_headroom=gpu.realtime_headroom,
+        capacity_headroom=gpu.capacity_headroom,
+        sit_out_lead_s=gpu.sit_out_lead_s,
+        kv_cache_dtype=gpu.kv_cache_dtype,
+        decode_attention=gpu.decode_attention,
     )
 
 
@@ -85,7 +85,6 @@ class GpuWorker:
         self.inbox: CreditWorkChannel[GpuInMsg] = CreditWorkChannel(
             cfg.addresses.gpu_in, GpuInMsg, name=status.name, uncounted=(Abort,)
         )
-        self._pages_per_request = pages_for(limits.max_context + 1, limits.page_size)
         self.to_codec: PushChannel[CodecInMsg] = PushChannel(cfg.addresses.codec_in)
         self.stages = StageReporter()  # tap-only events: admitted, first token
         self._metrics_at = 0.0
@@ -139,12 +138,5 @@ class GpuWorker:
             self.status.set_load(engine.num_active, engine.limits.max_batch_size, metrics)
 
     def credits(self) -> int:
-        """Prompts this worker can start at once: free slots, and no more than the free KV pages
-        cover at a full budget each (an idle worker always takes one)."""
-        engine = self.engine
-        slots = engine.limits.max_batch_size - engine.num_active
-        pages = engine.allocator.num_free // self._pages_per_request - len(engine.waiting)
-        credits = min(slots, pages)
-        if engine.num_active == 0:
-            credits = max(credits, 1)
-        return max(0, credits)
+        """Prompts this worker can start at once, as its scheduler says (`Scheduler.credits`)."""
+        return self.engine.credits()

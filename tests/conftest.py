@@ -46,7 +46,7 @@ def gpu_dispatch(*names: str, greeting=None) -> Iterator[tuple]:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def tiny_lm_on_one_thread(model: str) -> Iterator:
+def tiny_lm_on_one_thread(model: str, **program_kw) -> Iterator:
     """A module fixture's body: `model`'s program with its dummy LM loaded, yielded while torch runs
     on one thread (tiny matrices: faster on a loaded machine than a thread pool)."""
     import torch
@@ -56,7 +56,7 @@ def tiny_lm_on_one_thread(model: str) -> Iterator:
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        p = load_program_class(model)(get_spec(model), load_format="dummy")
+        p = load_program_class(model)(get_spec(model), load_format="dummy", **program_kw)
         p.load_lm()
         yield p
     finally:
@@ -89,7 +89,7 @@ def wait_ready(base: str, proc: subprocess.Popen, timeout: float = 180.0) -> dic
                 return body
         except OSError:
             pass
-        time.sleep(0.25)
+        time.sleep(0.05)
     raise TimeoutError(f"server not ready after {timeout} s: {body}")
 
 

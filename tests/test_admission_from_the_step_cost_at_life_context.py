@@ -1,4 +1,4 @@
-"""Admission from a fitted step cost (gpu_worker.pacing.StepCost): a step's time is recovered as a
+"""Admission from a fitted step cost (gpu_worker.scheduler.pacing.StepCost): a step's time is recovered as a
 fixed part, a part per token, per thousand tokens of context and per prompt, its context part kept
 apart from the prompts that come with young streams; the capacity is the load whose step at the
 streams' life-average context fits the budget, whatever their age now; and under a closed-loop
@@ -9,12 +9,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import gpu_worker.pacing as pacing
+import gpu_worker.scheduler.pacing as pacing
 from bench.admission_sim import GPU, H200, simulate, startup_differences
-from gpu_worker.pacing import CAPACITY_HEADROOM, Lives, StepClock, StepCost
+from gpu_worker.limits import DEFAULTS
+from gpu_worker.scheduler.pacing import Lives, StepClock, StepCost
 
 A, B, C, D = 3e-3, 9e-6, 18e-6, 2e-3  # s, per token, per thousand tokens of context, per prompt
 PERIOD = 1 / 82.03
+CAPACITY_HEADROOM = DEFAULTS.capacity_headroom
 
 
 def ramp_steps(n: int, rng: np.random.Generator):
@@ -253,7 +255,9 @@ def test_the_engine_reports_its_streams_lives_from_what_ended_requests_generated
     eng.abort("aborted")  # an abort says nothing of what requests generate
     eng.run_until_idle()
     assert (
-        eng.n_ended == 3 and eng.gen_rows == pytest.approx(short) and eng.gen_rows2 == pytest.approx(short**2)
+        eng.scheduler.n_ended == 3
+        and eng.scheduler.gen_rows == pytest.approx(short)
+        and eng.scheduler.gen_rows2 == pytest.approx(short**2)
     )
     idle = eng.lives()  # idle: the last prompts and what requests generated
     assert idle == pytest.approx(Lives(len(rows) + short / 2, len(rows), short))
@@ -263,7 +267,7 @@ def test_the_engine_reports_its_streams_lives_from_what_ended_requests_generated
     assert lives.context == pytest.approx(len(rows) + short / 2) and lives.rows == pytest.approx(short)
     assert eng.metrics()["life_context"] == pytest.approx(len(rows) + short / 2, abs=0.1)
     # a long request holds its slot longer: a slot's context averages E[n^2] / (2 E[n]) past the prompt
-    eng.gen_rows, eng.gen_rows2 = 100.0, 100.0**2 + 60.0**2  # lengths 100 +- 60
+    eng.scheduler.gen_rows, eng.scheduler.gen_rows2 = 100.0, 100.0**2 + 60.0**2  # lengths 100 +- 60
     assert eng.lives().context == pytest.approx(len(rows) + (100.0**2 + 60.0**2) / 200.0)
 
 

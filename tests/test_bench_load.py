@@ -81,3 +81,22 @@ def test_load_levels_report_ttfa_viability_and_throughput(server, tmp_path):
         assert 0.0 <= d["admission_queued_share"] <= 1.0
     assert any(d.get("codec_windows_per_call", 0) >= 1 for d in during), during
     assert res["max_streams_meeting_target"] in (0, 1, 3)
+
+
+def test_bench_commands_run_their_module_and_an_unknown_one_is_refused(tmp_path, capsys):
+    from bench.cli import COMMANDS
+
+    with pytest.raises(SystemExit) as done:
+        main(["bench", "--help"])
+    assert done.value.code == 0
+    listed = capsys.readouterr().out
+    assert all(f"  {name} " in listed for name in COMMANDS)
+    tap = tmp_path / "tap.jsonl"
+    tap.write_text("")
+    out = tmp_path / "stats.json"
+    with pytest.raises(SystemExit) as done:
+        main(["bench", "tap-stats", str(tap), "--out", str(out)])  # a command's own arguments
+    assert done.value.code == 0 and isinstance(json.loads(out.read_text()), dict)
+    with pytest.raises(SystemExit) as done:
+        main(["bench", "no-such-bench"])
+    assert done.value.code == 2 and "unknown command" in capsys.readouterr().err

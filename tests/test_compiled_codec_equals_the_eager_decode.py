@@ -60,20 +60,32 @@ def test_depthwise_taps_equal_the_convolution(config, monkeypatch) -> None:
     assert conv.abs().max() > 0.05  # not silence
 
 
-def test_compiled_decode_equals_eager_at_every_batch_size_compiling_a_few_times() -> None:
-    with open(os.path.join(CONFIGS, "snac-tiny.json")) as f:
-        codec = SnacCodec.from_config(json.load(f), seed=0)
+@pytest.fixture(scope="module")
+def compiled_codec():
+    """orpheus-tiny's `Codec` compiled at startup (aot_eager) and the unique graphs its compiles
+    made: one compile serves both tests below (compiling is most of their time)."""
+    program = load_program_class("orpheus-tiny")(get_spec("orpheus-tiny"), load_format="dummy")
+    program.load_codec()
     torch._dynamo.reset()
-    before = counters["stats"]["unique_graphs"]
-    fn = codec.compiled(backend="aot_eager")
+    before = counters["stats"]["calls_captured"], counters["stats"]["unique_graphs"]
+    codec = Codec(program, max_batch=4, graphs=False, compile_backend="aot_eager")
+    assert counters["stats"]["calls_captured"] > before[0]  # compiled at startup
+    return program, codec, before[1]
+
+
+def test_compiled_decode_equals_eager_at_every_batch_size_compiling_a_few_times(compiled_codec) -> None:
+    program, codec, graphs_before = compiled_codec
+    fn = codec.compiled
     for seed, n in enumerate((5, 3, 1, 2, 17, 7, 1, 20)):
-        tokens, keys = _windows(seed, n)
-        tokens[0, 0, 0] = 5 if n == 3 else tokens[0, 0, 0]  # an invalid window stays flagged
-        got, valid = fn(tokens, keys)
-        want, want_valid = codec.decode_orpheus_window(tokens, keys)
+        with torch.inference_mode():  # as the codec_worker makes its tensors and calls it
+            tokens, keys = _windows(seed, n)
+            tokens[0, 0, 0] = 5 if n == 3 else tokens[0, 0, 0]  # an invalid window stays flagged
+            got, valid = fn(tokens, keys)
+            want, want_valid = program.codec.decode_orpheus_window(tokens, keys)
         torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
         assert torch.equal(valid, want_valid)
-    assert 1 <= counters["stats"]["unique_graphs"] - before <= 3
+    # The compiles at startup and any since, for every batch size above.
+    assert 1 <= counters["stats"]["unique_graphs"] - graphs_before <= 3
     with pytest.raises(ValueError, match="28-row"):
         fn(*_windows(0, 2, rows=14))
 
@@ -86,17 +98,14 @@ def _chunk(seed: int, index: int, rows: int) -> DetokChunk:
     )
 
 
-def test_codec_worker_decodes_regular_windows_compiled_and_lead_windows_eagerly() -> None:
-    program = load_program_class("orpheus-tiny")(get_spec("orpheus-tiny"), load_format="dummy")
-    program.load_codec()
+def test_codec_worker_decodes_regular_windows_compiled_and_lead_windows_eagerly(
+    compiled_codec, monkeypatch
+) -> None:
+    program, compiled, _ = compiled_codec
     plain = Codec(program, max_batch=4, graphs=False)
-    torch._dynamo.reset()
-    before = counters["stats"]["calls_captured"]
-    compiled = Codec(program, max_batch=4, graphs=False, compile_backend="aot_eager")
-    assert counters["stats"]["calls_captured"] > before  # compiled at startup
     calls = []
     fn = compiled.compiled
-    compiled.compiled = lambda t, k: calls.append(len(t)) or fn(t, k)
+    monkeypatch.setattr(compiled, "compiled", lambda t, k: calls.append(len(t)) or fn(t, k))
     chunks = [_chunk(s, i, rows) for s, (i, rows) in enumerate([(0, 28), (0, 7), (1, 28), (0, 14), (2, 28)])]
     got, want = compiled.decode(chunks), plain.decode(chunks)
     assert calls == [3]  # the three regular windows in one call; the lead windows went elsewhere

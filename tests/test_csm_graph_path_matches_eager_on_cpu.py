@@ -48,8 +48,8 @@ def run(eng: Engine, batch: list[Prompt]) -> dict:
 def test_graph_runner_frames_equal_the_eager_runner(program, graph_runner_cls):  # noqa: F811
     eager = run(Engine(program, EngineLimits(**LIMITS)), prompts(program))
     eng = Engine(program, EngineLimits(**LIMITS))
-    eng.runner = graph_runner_cls(program, eng.kv_cache, EngineLimits(**LIMITS))
-    assert eng.runner.depth is not None and eng.runner.depth.sizes == [1, 2, 4]
+    eng.runner.forward_runner = graph_runner_cls(program, eng.kv_cache, EngineLimits(**LIMITS))
+    assert eng.runner.forward_runner.depth is not None and eng.runner.forward_runner.depth.sizes == [1, 2, 4]
     graphs = run(eng, prompts(program))
     assert graphs == eager
     assert all(np.array(frames).shape == (7, 32) for frames, _ in graphs.values())

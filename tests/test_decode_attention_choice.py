@@ -1,5 +1,5 @@
 """`--decode-attention`: which kernel the decode steps get, by GPU, cache dtype and shape (the
-kernels themselves run on the GPU: bench/xqa_parity.py)."""
+kernels themselves run on the GPU: tests/gpu/test_gpu_xqa_parity.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gpu_worker import xqa_backend
-from gpu_worker.xqa_backend import resolve_decode_attention
+from gpu_worker.attention import xqa as xqa_backend
+from gpu_worker.attention.xqa import resolve_decode_attention
 
 
 def cache(dtype=torch.float8_e4m3fn, page=16, head_dim=128, device="cuda"):

@@ -10,7 +10,7 @@ import pytest
 
 from common.messages import LEAD_NOISE_BASE, Prompt, SamplingParams
 from gpu_worker.engine import Engine, EngineLimits
-from gpu_worker.pacing import PACE_REACH, PACE_STEPS, STALE_S, StepClock, lead_fits
+from gpu_worker.scheduler.pacing import PACE_REACH, PACE_STEPS, STALE_S, StepClock, lead_fits
 from programs import get_spec, load_program_class
 
 PROMPT = [128259, 300, 301, 302, 128009, 128260, 128261, 128257]

@@ -12,7 +12,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from common.options import parse_role
 from gpu_worker.engine import Engine, EngineLimits
-from gpu_worker.kv_cache import kv_cache_dtype
+from gpu_worker.runner.kv_cache import kv_cache_dtype
 
 FP8 = torch.float8_e4m3fn
 

@@ -7,9 +7,9 @@ import numpy as np
 import torch
 
 from codec_worker.graphs import codec_buckets
-from gpu_worker.attention import StepLayout
-from gpu_worker.flashinfer_backend import _max, page_arrays, plan_arrays, write_slots
-from gpu_worker.graphs import decode_buckets
+from gpu_worker.attention.flashinfer import _max, page_arrays, plan_arrays, write_slots
+from gpu_worker.attention.interface import StepLayout
+from gpu_worker.runner.graphs import decode_buckets
 
 
 def test_decode_buckets_cover_every_batch_size_with_little_padding():

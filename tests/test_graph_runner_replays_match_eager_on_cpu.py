@@ -6,7 +6,7 @@ fixed buffers and a fixed batch size, `plan` only refills those buffers (and ref
 its first plan), `run` reads nothing but the buffers; a "graph" replays its captured function into
 the output tensor it returned at capture, reading the arena's device views. So the arena layout,
 the padding, the order plan → copy → replay and the prefill/decode split are checked here; the
-FlashInfer kernels themselves only on the GPU (bench/gpu_parity.py).
+FlashInfer kernels themselves only on the GPU (tests/gpu/test_gpu_parity.py).
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.attention import TorchPagedAttention
+from gpu_worker.attention.torch_paged import TorchPagedAttention
 from gpu_worker.engine import EngineLimits
-from gpu_worker.kv_cache import allocate_kv_cache, pages_for
-from gpu_worker.runner import EagerRunner, StepBatch
+from gpu_worker.runner.batch import StepBatch
+from gpu_worker.runner.eager import EagerRunner
+from gpu_worker.runner.kv_cache import allocate_kv_cache, pages_for
 from programs import get_spec, load_program_class
 
 PAGE = 16
@@ -122,15 +123,14 @@ def graph_runner_cls(request):
         mp.setitem(sys.modules, "flashinfer.xqa", fake.xqa)
         # Decode steps on XQA (resolved on the GPU by its compute capability): tables on the device
         # per slot, gathered per step, lengths from the positions inside the graph.
-        mp.setattr("gpu_worker.graphs.resolve_decode_attention", lambda *a: request.param)
-        mp.setattr("gpu_worker.graphs.capture", _capture)
-        mp.setattr("gpu_worker.prefill_graphs.capture", _capture)
-        mp.setattr("gpu_worker.depth_graphs.capture", _capture)
-        mp.setattr("gpu_worker.sample_graphs.capture", _capture)
+        mp.setattr("gpu_worker.attention.select.resolve_decode_attention", lambda *a: request.param)
+        mp.setattr("gpu_worker.runner.graphs.capture", _capture)
+        mp.setattr("gpu_worker.runner.prefill_graphs.capture", _capture)
+        mp.setattr("gpu_worker.runner.depth_graphs.capture", _capture)
+        mp.setattr("gpu_worker.runner.sample_graphs.capture", _capture)
         mp.setattr("torch.cuda.graph_pool_handle", lambda: None)
-        mp.setattr("gpu_worker.graphs.WORKSPACE_BYTES", 16)
-        mp.setattr("gpu_worker.flashinfer_backend.WORKSPACE_BYTES", 16)
-        from gpu_worker.graphs import GraphRunner
+        mp.setattr("gpu_worker.attention.flashinfer.WORKSPACE_BYTES", 16)
+        from gpu_worker.runner.graphs import GraphRunner
 
         class Runner(GraphRunner):
             decode = request.param  # which decode attention this one runs
@@ -151,7 +151,7 @@ def test_graph_runner_matches_eager_for_prefill_decode_and_mixed_steps(program, 
     kv_g = allocate_kv_cache(*shape, torch.float32, "cpu")
     kv_e = allocate_kv_cache(*shape, torch.float32, "cpu")
     graphs = graph_runner_cls(program, kv_g, EngineLimits(max_batch_size=16, max_context=MAX_CONTEXT))
-    assert (graphs.xqa is not None) == (graph_runner_cls.decode == "xqa")
+    assert graphs.attn.name == graph_runner_cls.decode
     assert [r for r, _ in graphs.prefill.buckets] == [32, 64, 128, 256, 512]
     assert len(graphs.prefills) == graphs.max_prefills_per_step == 4
     eager = EagerRunner(program, TorchPagedAttention(kv_e, program.num_qo_heads))

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from gpu_worker.attention import write_kv
+from gpu_worker.attention.interface import write_kv
 
 
 class _Scatters(TorchFunctionMode):

@@ -11,7 +11,7 @@ import pytest
 
 from common.messages import FinishReason, Prompt, SamplingParams
 from gpu_worker.engine import Engine, EngineLimits
-from gpu_worker.kv_cache import pages_for
+from gpu_worker.runner.kv_cache import pages_for
 from programs import get_spec, load_program_class
 from tests.conftest import Server, get_json
 
@@ -83,11 +83,11 @@ async def burst(base: str, n: int) -> list[tuple[int, int]]:
 
 async def scrape(base: str) -> dict[str, float]:
     async with aiohttp.ClientSession() as s:
-        for _ in range(20):  # the heartbeat after the last step carries the freed pages
+        for _ in range(100):  # the heartbeat after the last step carries the freed pages
             async with s.get(base + "/metrics") as r:
                 text = await r.text()
             lines = dict(x.rsplit(" ", 1) for x in text.splitlines() if x.startswith("voxpipe_kv_pages"))
             if lines.get('voxpipe_kv_pages_used{process="gpu_worker",role="gpu_worker"}') == "0.0":
                 break
-            await asyncio.sleep(0.25)
+            await asyncio.sleep(0.05)
     return {k: float(v) for k, v in lines.items()}

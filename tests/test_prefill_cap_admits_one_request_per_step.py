@@ -14,7 +14,7 @@ def test_new_requests_are_admitted_one_per_step_when_the_runner_says_so():
     p = load_program_class("orpheus-tiny")(get_spec("orpheus-tiny"), load_format="dummy")
     p.load_lm()
     eng = Engine(p, EngineLimits(max_batch_size=8, max_context=120, first_chunk="reference"))
-    eng.runner.max_prefills_per_step = 1
+    eng.runner.forward_runner.max_prefills_per_step = 1
     eng.outputs = {}
     rows = np.array([128259, 300, 301, 128009, 128260, 128261, 128257], dtype="<i4")
     for i in range(4):

@@ -1,7 +1,7 @@
 """The prefill-graph layout (row buckets, padding entries, arena contents) computes, on CPU with the
 torch attention backend, the same logits and KV pages as the eager runner for the unpadded step.
 
-The CUDA graph itself needs a GPU (bench/gpu_parity.py checks it there); this checks everything the
+The CUDA graph itself needs a GPU (tests/gpu/test_gpu_parity.py checks it there); this checks everything the
 graph reads: the padded qo/kv page arrays FlashInfer is planned with, the write slots and the
 last-row indices in the arena, and that padding rows (token 0, position 0, page 0) leave the real
 requests' rows and pages untouched.
@@ -13,11 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker.attention import StepLayout, TorchPagedAttention
-from gpu_worker.graph_io import InputArena
-from gpu_worker.graphs import decode_spans, fill_decode
-from gpu_worker.kv_cache import allocate_kv_cache
-from gpu_worker.prefill_graphs import (
+from gpu_worker.attention.interface import StepLayout
+from gpu_worker.attention.torch_paged import TorchPagedAttention
+from gpu_worker.runner.arena import InputArena
+from gpu_worker.runner.batch import StepBatch
+from gpu_worker.runner.eager import EagerRunner
+from gpu_worker.runner.graphs import decode_spans, fill_decode
+from gpu_worker.runner.kv_cache import allocate_kv_cache
+from gpu_worker.runner.prefill_graphs import (
     fill_prefill,
     max_prefill_pages,
     pick_bucket,
@@ -25,7 +28,6 @@ from gpu_worker.prefill_graphs import (
     prefill_layout,
     prefill_spans,
 )
-from gpu_worker.runner import EagerRunner, StepBatch
 from programs import get_spec, load_program_class
 
 PAGE = 16

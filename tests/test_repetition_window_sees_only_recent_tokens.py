@@ -7,8 +7,8 @@ import numpy as np
 import torch
 
 from common.messages import SamplingParams
-from gpu_worker.sampler import apply_repetition_penalty
-from gpu_worker.slots import SlotState
+from gpu_worker.runner.sampler import apply_repetition_penalty
+from gpu_worker.runner.slots import SlotState
 
 
 def test_the_penalty_history_holds_only_the_window():

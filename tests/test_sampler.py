@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from gpu_worker.sampler import SamplingRows, apply_repetition_penalty, sample_rows
+from gpu_worker.runner.sampler import SamplingRows, apply_repetition_penalty, sample_rows
 
 V = 50
 

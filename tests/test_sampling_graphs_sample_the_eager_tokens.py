@@ -1,9 +1,11 @@
-"""Sampling graphs (gpu_worker/sample_graphs.py): a decode-only step whose rows share a mode replays
+"""Sampling graphs (gpu_worker/runner/sample_graphs.py): a decode-only step whose rows share a mode replays
 its bucket's captured sampling, padding rows on the scratch slot; every request still samples the
 tokens of the eager engine, whatever its settings (penalty over the whole history or a window, or
 none; greedy; top-k, top-p, min-p; min_tokens), with requests joining mid-stream and steps mixing
 free and constrained rows (sampled eagerly). On CPU, with the stand-ins for FlashInfer and CUDA
-graphs of test_graph_runner_replays_match_eager_on_cpu."""
+graphs of test_graph_runner_replays_match_eager_on_cpu. Free rows sample over the audio-only head
+(the H200's load runs it; sorting the full vocabulary on one CPU thread is most of a step),
+constrained ones over the full head: both heads' sampling graphs are checked."""
 
 from __future__ import annotations
 
@@ -30,6 +32,11 @@ def program():
     yield from tiny_lm_on_one_thread("orpheus-tiny")
 
 
+@pytest.fixture(scope="module")
+def audio_head_program():
+    yield from tiny_lm_on_one_thread("orpheus-tiny", lm_head="audio")
+
+
 def prompts(constrained: list[bool]) -> list[Prompt]:
     out = []
     for i, c in enumerate(constrained):
@@ -53,25 +60,30 @@ def run(eng: Engine, batch: list[Prompt]) -> dict:
 
 @pytest.mark.parametrize("graph_runner_cls", ["xqa"], indirect=True)  # the H200's decode path
 @pytest.mark.parametrize(
-    "constrained",
-    [[False] * 7, [True] * 7, [True, False, True, True, False, True, False]],
+    "constrained, head",
+    [([False] * 7, "audio"), ([True] * 7, "full"), ([True, False, True, True, False, True, False], "audio")],
     ids=["free", "constrained", "mixed"],
 )
-def test_sampling_graphs_give_the_eager_tokens(program, graph_runner_cls, constrained):  # noqa: F811
+def test_sampling_graphs_give_the_eager_tokens(request, graph_runner_cls, constrained, head):  # noqa: F811
+    program = request.getfixturevalue("program" if head == "full" else "audio_head_program")
+    assert (program.head_ids is None) == (head == "full")
+
     def engine() -> Engine:
         eng = Engine(program, EngineLimits(**LIMITS))
-        eng.runner = graph_runner_cls(program, eng.kv_cache, EngineLimits(**LIMITS))
+        eng.runner.forward_runner = graph_runner_cls(program, eng.kv_cache, EngineLimits(**LIMITS))
         return eng
 
     # Against the same runner sampling eagerly: the stand-in attention rounds differently from
     # the eager runner's, and over the whole vocabulary that changes a draw now and then.
     eager = run(engine(), prompts(constrained))
     eng = engine()
-    eng.capture_sampling()
-    assert set(eng.sample_graphs.graphs) == {(bs, c) for bs in eng.runner.sizes for c in (False, True)}
+    eng.runner.capture_sampling()
+    assert set(eng.runner.sample_graphs.graphs) == {
+        (bs, c) for bs in eng.runner.forward_runner.sizes for c in (False, True)
+    }
     replays = []
-    replay = eng.sample_graphs.replay
-    eng.sample_graphs.replay = lambda bs, c: replays.append((bs, c)) or replay(bs, c)
+    replay = eng.runner.sample_graphs.replay
+    eng.runner.sample_graphs.replay = lambda bs, c: replays.append((bs, c)) or replay(bs, c)
     got = run(eng, prompts(constrained))
     assert got == eager
     assert all(len(rows) >= 40 for rows, _ in got.values())

@@ -90,7 +90,7 @@ def test_realtime_headroom_reaches_the_engine_clock_and_out_of_range_is_refused(
         _validate(ServeConfig(model="orpheus-tiny", gpu=GpuWorkerSettings(capacity_headroom=0.2)))
     with pytest.raises(ValueError, match="--capacity-headroom"):  # a gpu_worker run alone checks it too
         Engine(p, EngineLimits(max_batch_size=2, max_context=64, capacity_headroom=1.2))
-    from gpu_worker.pacing import CAPACITY_HEADROOM
+    CAPACITY_HEADROOM = EngineLimits().capacity_headroom
 
     # the default, the same for `voxpipe serve`, a gpu_worker run alone and the clock
     assert eng.clock.capacity_headroom == ServeConfig().gpu.capacity_headroom == CAPACITY_HEADROOM

@@ -1,4 +1,4 @@
-"""gpu_worker/calibrate.py: the steps the engine times at startup differ in one part each, are
+"""gpu_worker/scheduler/calibrate.py: the steps the engine times at startup differ in one part each, are
 well-formed batches on pages of the cache, and their differences give `StepCost` each part."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_worker.calibrate import step_differences
-from gpu_worker.pacing import StepCost
+from gpu_worker.scheduler.calibrate import step_differences
+from gpu_worker.scheduler.pacing import StepCost
 
 A, B, C, D = 3e-3, 10e-6, 12e-6, 1.5e-3
 CODEBOOKS = 3

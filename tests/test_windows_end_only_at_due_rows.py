@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from common.messages import SamplingParams
-from gpu_worker.pacing import StepClock
-from gpu_worker.requests import Request
+from gpu_worker.scheduler.pacing import StepClock
+from gpu_worker.scheduler.request import Request
 from gpu_worker.windows import AudioWindows
 from programs import get_spec, load_program_class
 

@@ -1,19 +1,19 @@
 """CUDA graphs for the prefill part of a step (`lm_prefill`): one captured graph per row bucket.
 
-A bucket is (rows, reqs): the graph runs `rows` prompt rows as `reqs + 1` FlashInfer requests,
+A bucket is (rows, reqs): the graph runs `rows` prompt rows as `reqs + 1` attention requests,
 because a CUDA-graph prefill wrapper fixes its batch size (the length of its qo/kv indptr buffers)
-and, at its first `plan`, its total row count (`plan` raises if a later one has more rows; the work
-schedule, sized for that total, keeps the same shape, so the captured kernels stay valid). The step's
-n new requests come first; entries n..reqs-1 are one padding row each and the last entry takes the
-rest of the rows (at least one), so every entry has rows and the row total is always `rows`.
+and, at its first plan, its total row count (a later plan with more rows fails; the work schedule,
+sized for that total, keeps the same shape, so the captured kernels stay valid). The step's n new
+requests come first; entries n..reqs-1 are one padding row each and the last entry takes the rest
+of the rows (at least one), so every entry has rows and the row total is always `rows`.
 Padding rows are arena zeros: token 0 at position 0, key/value written to the reserved page 0,
 attending causally to a context made of page 0 alone. Harmless work; their logits are not computed
 (the head runs on each request's last row only, as in the eager runner).
 
-Keys/values are written into their pages first, then `BatchPrefillWithPagedKVCacheWrapper` attends
-causally (bottom-right aligned, like the eager path, which runs the same wrapper un-captured).
-Small buckets serve a single Orpheus prompt (20-60 rows) without padding it to hundreds of rows;
-steps that fit no bucket (more new requests or rows than the largest) run their prefill eagerly.
+Keys/values are written into their pages first, then the backend's prefill wrapper attends causally
+(bottom-right aligned, like the eager path, which runs the same kernel un-captured). Small buckets
+serve a single short prompt (20-60 rows) without padding it to hundreds of rows; steps that fit no
+bucket (more new requests or rows than the largest) run their prefill eagerly.
 """
 
 from __future__ import annotations
@@ -27,20 +27,20 @@ import numpy as np
 import torch
 
 from common.graphs import capture
-from gpu_worker.flashinfer_backend import import_flashinfer, page_arrays, plan_arrays
-from gpu_worker.graph_io import GraphAttention, InputArena
-from gpu_worker.kv_cache import pages_for
-from gpu_worker.runner import StepBatch
+from gpu_worker.attention.interface import GraphAttention, GraphAttentionBackend, page_arrays
+from gpu_worker.runner.arena import InputArena
+from gpu_worker.runner.batch import StepBatch
+from gpu_worker.runner.kv_cache import pages_for
 from programs.base import LMProgram
 
 log = logging.getLogger(__name__)
 
 # New requests one prefill graph takes. One: a request's prefill then depends on its own prompt only
 # (its bucket, GEMM row count and attention batch), so its tokens do not depend on which requests
-# arrived with it. Measured on the H200: prefilled together with another request in a (64, 4)
-# graph, a greedy request's tokens differed from alone from token 12 on (bf16 rounding). Several
+# arrived with it. On the H200, prefilled together with another request in a (64, 4) graph, a
+# greedy request's tokens differ from its tokens alone from token 12 on (bf16 rounding). Several
 # new requests in one step each take a graph of their own, from a *lane* of graphs with its own
-# arena spans and FlashInfer wrappers (`gpu_worker.graphs.PREFILL_LANES`).
+# arena spans and attention wrappers (`gpu_worker.runner.graphs.PREFILL_LANES`).
 MAX_PREFILL_REQS = 1
 MIN_PREFILL_ROWS = 32
 REQS_PER_ROWS = 16  # a bucket of R rows takes up to R // 16 requests, so small buckets stay small
@@ -141,52 +141,39 @@ def empty_prefill(n_codebooks: int) -> StepBatch:
 
 
 class PrefillGraphs:
-    """The captured prefill graphs; `GraphRunner` owns the arena and calls fill, plan, replay."""
+    """The captured prefill graphs of one lane; `GraphRunner` owns the arena and calls fill, plan,
+    replay. Their attention comes from the graphs' backend (`attn`)."""
 
     def __init__(
         self,
         program: LMProgram,
         kv_cache: torch.Tensor,
         arena: InputArena,
-        workspace: torch.Tensor,
+        attn: GraphAttentionBackend,
         pool,
         buckets: list[tuple[int, int]],
         max_pages: int,
-        no_split_kv: bool,
         progress: Callable[[str], None] | None = None,
         lane: int = 0,
     ) -> None:
-        self.program, self.kv_cache, self.arena, self.lane = program, kv_cache, arena, lane
+        self.program, self.kv_cache, self.arena, self.attn, self.lane = program, kv_cache, arena, attn, lane
         self.prefix = lane_prefix(lane)
         self.page_size = kv_cache.shape[3]
-        self.buckets, self.no_split_kv = buckets, no_split_kv
+        self.buckets = buckets
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object, torch.Tensor]] = {}
         t0 = time.monotonic()
         for i, (rows, reqs) in enumerate(sorted(buckets, reverse=True)):
             if progress:
                 progress(f"capturing prefill graphs, lane {lane}: {rows} rows ({i + 1}/{len(buckets)})")
-            self.graphs[rows] = self._capture(rows, reqs, workspace, pool, max_pages)
+            self.graphs[rows] = self._capture(rows, reqs, pool, max_pages)
         log.info("captured %d prefill graphs (rows, requests) %s for lane %d in %.1f s", len(buckets), buckets,
                  lane, time.monotonic() - t0)  # fmt: skip
 
     @torch.inference_mode()
-    def _capture(self, rows: int, reqs: int, workspace: torch.Tensor, pool, max_pages: int):
-        flashinfer = import_flashinfer()
-
-        p, a, c, dev = self.program, self.arena, self.program.n_codebooks, self.kv_cache.device
-        # Buffers of its own per wrapper: a step plans prefill and decode before replaying either.
-        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            workspace,
-            "NHD",
-            use_cuda_graph=True,
-            qo_indptr_buf=torch.zeros(reqs + 2, dtype=torch.int32, device=dev),
-            paged_kv_indptr_buf=torch.zeros(reqs + 2, dtype=torch.int32, device=dev),
-            paged_kv_indices_buf=torch.zeros(max_pages, dtype=torch.int32, device=dev),
-            paged_kv_last_page_len_buf=torch.zeros(reqs + 1, dtype=torch.int32, device=dev),
-        )
-        # The first plan fixes the wrapper's row total: every later plan has exactly `rows`.
+    def _capture(self, rows: int, reqs: int, pool, max_pages: int):
+        p, a, c = self.program, self.arena, self.program.n_codebooks
         lay = prefill_layout(empty_prefill(c), rows, reqs, self.page_size)
-        self._plan(wrapper, lay, torch.from_numpy(lay.kv_indices))
+        wrapper = self.attn.prepare_capture_prefill(rows, reqs, max_pages, lay)
         x = self.prefix
         ids, pos, last = (
             a.dev_view(x + "ids", rows * c).view(rows, c),
@@ -209,24 +196,11 @@ class PrefillGraphs:
         bucket = pick_bucket(self.buckets, pre.batch_size, pre.qo_indptr[-1])
         return None if bucket is None else prefill_layout(pre, *bucket, self.page_size)
 
-    def _plan(self, wrapper, lay: PrefillLayout, kv_indices: torch.Tensor) -> None:
-        p, dt = self.program, self.kv_cache.dtype
-        host = plan_arrays(lay.kv_indptr, lay.kv_last, self.page_size, p.device)
-        qo_indptr = torch.from_numpy(lay.qo_indptr)
-        if p.device.type == "cuda":
-            qo_indptr = qo_indptr.pin_memory()  # see plan_arrays
-        wrapper.plan(
-            qo_indptr, host["indptr"], kv_indices, host["last"], p.num_qo_heads, p.num_kv_heads, p.head_dim,
-            self.page_size, causal=True, q_data_type=p.dtype, kv_data_type=dt, disable_split_kv=self.no_split_kv,
-            seq_lens=host["seq_lens"],
-        )  # fmt: skip
-
     def plan(self, lay: PrefillLayout) -> None:
         """After the arena's copy: the page indices come from the device arena (an on-device copy,
-        where a host tensor would make FlashInfer's copy wait for the whole stream)."""
-        self._plan(
-            self.graphs[lay.rows][1], lay, self.arena.dev_view(self.prefix + "kv", len(lay.kv_indices))
-        )
+        where a host tensor would make the backend's copy wait for the whole stream)."""
+        kv_indices = self.arena.dev_view(self.prefix + "kv", len(lay.kv_indices))
+        self.attn.prepare_replay_prefill(self.graphs[lay.rows][1], lay, kv_indices)
 
     def replay(self, lay: PrefillLayout) -> tuple[torch.Tensor, torch.Tensor]:
         graph, _, out = self.graphs[lay.rows]

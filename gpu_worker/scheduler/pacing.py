@@ -1,18 +1,19 @@
-"""How fast the engine steps, measured while it serves: real-time capacity and the first-chunk choice.
+"""How fast the engine steps, measured while it serves: real-time capacity and the first-chunk choice,
+from the step clock (`StepClock`) and the step cost (`StepCost`).
 
 A step produces one row for every running request (but those sitting it out, `SitOut`), so the
 time between consecutive steps is the time each stream waits for its next row. A stream stays real
 time while that interval is below the program's row period (1 / rows per audio second: 12.19 ms
-for Orpheus). `StepClock` keeps an exponential average of the interval per batch-size bucket
+at 82.03 rows a second). `StepClock` keeps an exponential average of the interval per batch-size bucket
 (quarter octaves), which gives
 
 - `capacity(lives=)`: the streams this worker keeps real time, which the gateway admits to it.
   Once `StepCost` has fitted a step's time (fixed, per token, per token of context, per prompt):
   the load whose step, at the context its streams attend over averaged over their lives and their
-  prompts at the rate they come, takes `capacity_headroom` (`--capacity-headroom`, default
-  CAPACITY_HEADROOM) of the row period. Before that: the largest batch whose measured (or
-  extrapolated) interval fits the row period with some headroom, and at least the recent load
-  scaled by the budget over its recent interval (`paced_capacity`);
+  prompts at the rate they come, takes `capacity_headroom` (`--capacity-headroom`) of the row
+  period. Before that: the largest batch whose measured (or extrapolated) interval fits the row
+  period with some headroom, and at least the recent load scaled by the budget over its recent
+  interval (`paced_capacity`);
 - `row_period()`: the recent interval at the current load, and `row_period_high()` a pessimistic
   one (plus twice the recent spread);
 - `rows_time_high(n)`: how long the next n steps may take, from the last steps' own n-step spans
@@ -32,31 +33,26 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gpu_worker.limits import DEFAULTS
+
 _MIN_SAMPLES = 8  # steps measured in a bucket before it counts
 # `rows_time_high`: the steps it looks back on (~1 s under load), the spans it needs among them
 # before it trusts them, and which of their span times it takes.
 RECENT_STEPS, MIN_SPANS, SPAN_QUANTILE = 96, 16, 0.95
-# The capacity is the batch whose step takes this share of a row's playback time. A stream's lead,
-# and its switch to regular windows, build from the surplus. Measured on the H200 (fp8 weights and
-# cache, closed-loop load of 1024-token streams): at 0.88, 99.3-100 % of requests on time at every
-# level from 320 to 384 streams, over four runs (bench/results/h200-load-2026-11-29-session8-
-# headroom088.json, -session9-lm-share-reverted.json, -session9-paced.json); at 0.92, 98.7 % at 384
-# (-session9-headroom092.json). 0.8, the earlier default, held admission ~10 % lower.
-HEADROOM = 0.88
 # A bucket not measured for this long stops counting. Admission keeps batches below the capacity,
 # so a large batch once measured slow (a burst of prefills, say) would otherwise cap the capacity
-# for good: measured on the H200, one such moment held a server to ~140 streams for minutes while
-# its steady step times allowed ~350. Forgetting it lets admission probe that batch size again.
+# for good (on the H200 one such moment can hold a server to ~140 streams for minutes while its
+# steady step times allow ~350). Forgetting it lets admission probe that batch size again.
 STALE_S = 20.0
 # A bucket measured within the budget counts this long: under a steady load the batch stays in one
 # or two buckets, and the slope to extrapolate from needs a smaller batch measured earlier.
 FIT_STALE_S = 120.0
 # The weight of a new step in its bucket's average, once the bucket has that many: ~100 steps, about
 # a second under load. Capacity is what a worker sustains: a burst of arrivals (one prefill in each
-# of the next few dozen steps) slows those steps, not the next seconds'. With 0.05 (~20 steps) such
-# bursts pushed the bucket in use past the budget, and admission held requests back while the
-# streams running stayed on time: capacity median 301, minimum 221 at 256 streams on the H200
-# (bench/results/h200-load-2026-11-29-session7-lm-priority-reverted.json).
+# of the next few dozen steps) slows those steps, not the next seconds'. An average over ~20 steps
+# lets such bursts push the bucket in use past the budget, so that admission holds requests back
+# while the streams running stay on time (on the H200 at 256 streams: capacity median 301,
+# minimum 221).
 BUCKET_ALPHA = 0.01
 # How far beyond the largest batch measured within budget the capacity may be extrapolated: a factor,
 # or a number of streams where that is more.
@@ -80,22 +76,6 @@ REFIT_STEPS, RIDGE = 50, 1e-3
 # The weight of the differences measured at startup (`StepCost.calibrate`) beside the steps served,
 # as a share of those steps' averages: enough to tell the parts apart where the steps do not.
 CALIBRATION_WEIGHT = 0.1
-# The capacity over the streams' whole lives (`StepCost.capacity`): a step of all of them, at their
-# contexts averaged over their lives, takes at most this share of a row period. The rest, and the
-# streams' leads (`SitOut`), carry the steps of streams that age together (a ramp's), and what the
-# linear fit misses near a full GPU. On the H200 (fp8, MPS, 1024-token streams) at 0.95 the
-# capacity was ~445 and 480 closed-loop clients filled 435 streams, whose steps took 13-14 ms once
-# old: 53 % of requests were late at their end (bench/results/h200-load-2026-11-30-session11-
-# life095.json); 416 streams were 98.7 % on time. The simulation (bench/admission_sim.py), whose
-# GPU is linear, kept every stream on time at 0.95. At 0.90, with prompts charged at their recent
-# rate (which a ramp raises and a drain lowers), the H200 held that overload at ~400 streams, every
-# one on time (-session11.json). Charging them at the rate a slot takes them at capacity, as now,
-# 0.92 gives the same steady capacity: ~395-402 in a 60 s level of 400 streams, 99.95 % on time,
-# though some requests waited (-session11-final-400x60s.json). At 0.94 the same code let 480 clients
-# fill ~395-411 streams, and 43 % of requests went late (-session12-start-094.json). Once a prompt
-# rode a decode step for 1.6 ms instead of 3.3 (programs/fp8.py), 0.92 gave ~421-427, and the same
-# overload filled 419-424 streams, every one on time (-session12-onegemm.json, -session12.json).
-CAPACITY_HEADROOM = 0.92  # the default of --capacity-headroom
 
 
 @dataclass(frozen=True)
@@ -117,23 +97,24 @@ class StepCost:
     What it is for: a stream's steps cost more as its context grows (at ~550 tokens attention is
     ~45 % of an H200 step at 384 rows), so a load measured while its streams are young takes longer
     steps later in their lives. Admission from the pace alone admitted young streams that the same
-    GPU could not keep real time once they were old (bench/admission_sim.py). The prompt term keeps
-    the context's part apart from the prompts': the young streams of a ramp come with prompts, and
-    without it the fit charged their cost to the tokens and took the context's part for none (in
+    GPU cannot keep real time once they are old (bench/admission_sim.py). The prompt term keeps the
+    context's part apart from the prompts': the young streams of a ramp come with prompts, and
+    without it the fit charges their cost to the tokens and takes the context's part for none (in
     the simulation, 5.8 instead of 18 us per thousand tokens at 2.5 ms a prompt; on the H200, none).
 
     A steady load does not tell the parts apart (the same tokens every step: a fixed part or a
     part per token fit it equally): each fit is held towards the one before by a small ridge
-    (RIDGE of each term's own scale), so what the steps do not say, the earlier steps' fit keeps.
-    Without it, 400 s of a steady load on the simulated GPU moved the fixed part from 3.0 to 5.6 ms
-    and the part per token from 10 to 0.4 us, and the capacity between 378 and 512.
+    (RIDGE of each term's own scale), so what the steps do not say, the fit of the steps before keeps.
+    Without the ridge, 400 s of a steady load on the simulated GPU (bench/admission_sim.py) move the
+    fixed part from 3.0 to 5.6 ms and the part per token from 10 to 0.4 us, and the capacity between
+    378 and 512.
 
     Nor does a ramp tell them apart, though its steps grow in rows and in context at once: a step's
     time is not linear in its rows (the GEMMs read the weights whatever the rows, and only past a
     hundred or so rows do the rows cost compute), and a fit over a ramp's steps charges that curve
     to the context, which grows like the square of the rows. On the H200, a fresh server's first
-    ramp to 400 streams fitted 30 us per thousand tokens of context and 2.2 us a token (steady: 11
-    and 10), and the capacity fell below the 400 streams running for a few seconds. `calibrate`
+    ramp to 400 streams alone fits 30 us per thousand tokens of context and 2.2 us a token (steady:
+    11 and 10), and puts the capacity below the 400 streams running for a few seconds. `calibrate`
     adds what the engine measured at startup, steps that differ in one thing only: the same rows at
     two contexts, two batches at one context, a step with and without a prompt. A difference has no
     fixed part and holds every other part equal. The startup steps lack what the steps served carry
@@ -234,8 +215,8 @@ class StepClock:
         self,
         rows_per_second: float,
         max_batch: int,
-        headroom: float = HEADROOM,
-        capacity_headroom: float = CAPACITY_HEADROOM,
+        headroom: float = DEFAULTS.realtime_headroom,
+        capacity_headroom: float = DEFAULTS.capacity_headroom,
     ) -> None:
         self.period = 1.0 / rows_per_second  # seconds per row a real-time stream can afford
         self.max_batch = max_batch
@@ -361,8 +342,8 @@ class StepClock:
         # Streams sitting out (`SitOut`) spend their lead: never more streams than the rows made
         # keep at real time, the headroom spent, or admission outgrows what the GPU sustains once
         # no stream is left ahead. In a simulation (3 ms + 21 us a row, 480 closed-loop clients)
-        # counting them as served without this bound admitted up to 449 streams, past the 437 whose
-        # steps take a row period, and 9 % of requests fell behind; with it, at most 418 and none.
+        # counting them as served without this bound admits up to 449 streams, past the 437 whose
+        # steps take a row period, and 9 % of requests fall behind; with it, at most 418 and none.
         real_time = self._pace_rows * self.period / self._pace_dt
         return min(float(self.max_batch), paced, real_time, self._pace_batch * (1.0 + PACE_REACH))
 
@@ -371,12 +352,11 @@ class StepClock:
         `lives` (the requests it serves, over their lives) and once `StepCost` has its fit: the
         streams whose step takes `capacity_headroom` of a row period at their life-average context
         and prompt rate, within PROBE of the load served lately. Else the per-bucket model below,
-        and never less than `paced_capacity`. The model alone dipped below the load while every
-        stream kept time: a bucket above the load is reached in bursts of admissions, so its steps
+        and never less than `paced_capacity`. The model alone dips below the load while every
+        stream keeps time: a bucket above the load is reached in bursts of admissions, so its steps
         carry their prompts, it is measured slow, and the capacity is interpolated below it until
-        the bucket goes stale (STALE_S). Measured on the H200 at 352
-        streams: capacity median 362 but p10 235, and 11 % of the samples had requests waiting
-        (bench/results/h200-load-2026-11-29-session9-lm-share-reverted.json, first run)."""
+        the bucket goes stale (STALE_S): on the H200 at 352 streams the model alone gives a
+        capacity of median 362 but p10 235, and requests wait in 11 % of the samples."""
         if lives is not None:
             life = self.cost.capacity(self.capacity_headroom * self.period, lives)
             if life is not None:
@@ -426,83 +406,6 @@ class StepClock:
         return float(min(self.max_batch, max(b1, ahead, min(line, reach))))
 
 
-# A stream whose listener has this much audio sent and not yet played may sit out steps (`SitOut`;
-# `--sit-out`). Far beyond what a chunk's trip takes (a codec pass and the delivery: tens of
-# milliseconds), so a stream sitting out never comes near a gap; half a second lasts ~40 steps.
-SPARE_LEAD_S = 0.5
-# The interval the share sitting out aims at, as a share of the budget: a little below it, so that
-# the paced capacity (streams served x budget / interval) stays above the streams served and
-# admission goes on while streams ahead can make room.
-SIT_OUT_TARGET = 0.97
-# How fast the share sitting out follows the step interval: per step, this times the interval's
-# excess over the target (a step 10 % over adds half a percent of the streams).
-SIT_OUT_GAIN = 0.05
-SIT_OUT_MAX = 0.5  # of the streams a step serves (its rows and those sitting out)
-
-
-class SitOut:
-    """Streams well ahead of their listeners sit out steps while steps run slower than the budget.
-
-    A step's time grows with its rows, the more so the longer their contexts; a stream's listener
-    needs a row only every row period. When the step interval exceeds the target (SIT_OUT_TARGET x
-    the budget, headroom x row period: long contexts together, say), the streams with the most
-    audio in hand beyond `spare_s` skip the step, so it is shorter for everyone else: the requests
-    just started, whose listeners have little audio yet, and those waiting for admission, which the
-    paced capacity (counting the streams sitting out as served) keeps admitting. The share sitting
-    out is integral control on the interval's excess over the target, so it settles where the
-    interval meets it, and falls to none once steps keep it without help. (Where fewer rows do not
-    make shorter steps, a host-bound loop say, it climbs to what the streams ahead allow and spends
-    their lead for nothing: not guarded against yet.) A stream sits out only while it has
-    `spare_s` in hand, so its listener never waits: the headroom each stream gains in the steps it
-    is in is spent, not its timeliness. With decode graphs (batch buckets), the rows left are
-    rounded to a bucket's size, since a step costs its bucket's padding anyway.
-
-    Measured on the H200 (fp8 weights and cache, MPS, closed-loop 1024-token streams, one run with
-    it off then on, spare 1 s: bench/results/h200-load-2026-11-30-session10-sit-out.json): at 416
-    streams TTFA p50 886 -> 198 ms and p99 1837 -> 1369 ms, at 384 p99 1017 -> 664 ms, with
-    100 % and 99.6 -> 99.9 % of requests on time."""
-
-    def __init__(
-        self, clock: StepClock, sizes: list[int] | None = None, spare_s: float = SPARE_LEAD_S
-    ) -> None:
-        if not spare_s > 0:
-            raise ValueError(f"a stream sits out steps only with audio in hand: spare_s > 0, got {spare_s}")
-        self.clock = clock
-        self.sizes = sorted(sizes) if sizes else []
-        self.spare_s = spare_s
-        self.share = 0.0
-
-    def choose(self, leads: list[float], prompts: int = 0) -> list[int]:
-        """`leads[i]`: seconds of audio row i's listener has in hand (-inf where it may not sit
-        out: a prompt, a stream before its regular windows); `prompts` of the rows are prompts,
-        which a decode graph's bucket does not count → the rows to leave out of the next step."""
-        clock, n = self.clock, len(leads)
-        interval, target = clock.row_period(), SIT_OUT_TARGET * clock.headroom * clock.period
-        ahead = [i for i, lead in enumerate(leads) if lead >= self.spare_s]
-        if interval <= 0.0 or n == 0:
-            self.share = 0.0
-            return []
-        # Never wind up beyond what the streams ahead allow: the share must fall at once when
-        # the steps come back within the budget.
-        most = min(SIT_OUT_MAX, len(ahead) / n)
-        self.share = min(most, max(0.0, self.share + SIT_OUT_GAIN * (interval / target - 1.0)))
-        most_out = min(len(ahead), math.floor(SIT_OUT_MAX * n))
-        out = min(most_out, round(self.share * n))
-        if out and self.sizes:
-            # Decode rows left: the bucket at or below, else the next one up (the padding is paid
-            # anyway), within what the streams ahead and SIT_OUT_MAX allow.
-            dec = n - prompts
-            below = [b for b in self.sizes if b <= dec - out]
-            if below and dec - below[-1] <= most_out:
-                out = dec - below[-1]
-            else:
-                out = dec - next((b for b in self.sizes if b >= dec - out), dec)
-        if out <= 0:
-            return []
-        ahead.sort(key=lambda i: leads[i], reverse=True)
-        return ahead[:out]
-
-
 def lead_fits(
     gap_rows: int, lead_audio_s: float, row_period: float, margin: float = 1.15, latency_s: float = 0.0
 ) -> bool:
@@ -510,5 +413,5 @@ def lead_fits(
     `gap_rows` steps later, arrives before the lead has played out (with `margin` for jitter in the
     steps, and `latency_s` for the next chunk's trip beyond the lead's). Measured on the H200, a
     single stream steps every ~3.4 ms: 21 rows take 71 ms against a one-frame lead's 85 ms, which a
-    margin of 1.3 refused (TTFA 57 ms instead of 29 ms)."""
+    margin of 1.3 would refuse (TTFA 57 ms instead of 29 ms)."""
     return row_period > 0 and gap_rows * row_period * margin + latency_s <= lead_audio_s

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from common.messages import SamplingParams
-from gpu_worker.sampler import SamplingRows
+from gpu_worker.runner.sampler import SamplingRows
 from programs.base import TokenKind
 
 
@@ -24,7 +24,7 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 class SlotState:
     """`num_slots` slots for requests, and one more, `scratch` (never handed out): the padding rows
-    of a captured step (gpu_worker/sample_graphs.py) sample and record there, harmlessly."""
+    of a captured step (gpu_worker/runner/sample_graphs.py) sample and record there, harmlessly."""
 
     def __init__(self, num_slots: int, max_context: int, n_codebooks: int, device: torch.device) -> None:
         self.scratch = num_slots
@@ -50,7 +50,7 @@ class SlotState:
     def admit(self, sp: SamplingParams, prompt_ids: np.ndarray, penalty: bool = True) -> int:
         """Claim a slot for a request whose codebook-0 prompt ids are `prompt_ids` [R]. With
         `penalty` False (a program without one) the penalty is off and the prompt stays out of the
-        history: its ids need not be sampleable (CSM's text rows)."""
+        history: its ids need not be sampleable (a program's text rows)."""
         slot = self._free.pop()
         if not penalty:
             sp, prompt_ids = msgspec.structs.replace(sp, repetition_penalty=1.0), np.zeros(1, np.int64)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from common.graphs import capture
-from gpu_worker.sampler import SamplingRows, depth_sampler
+from gpu_worker.runner.sampler import SamplingRows, depth_sampler
 from programs.base import LMProgram
 
 log = logging.getLogger(__name__)

@@ -1,8 +1,8 @@
 """CUDA graphs for a decode step's sampling: one per decode bucket and mode (free or constrained).
 
 Sampling a step eagerly is some sixty small kernels (penalty, stop mask, sort, top-k/p, min-p, the
-counter-based draw, classification, the slot records), each launched from Python: measured on the
-H200 at ~300 streams, launching them took a third of the engine loop's host time. A decode-only
+counter-based draw, classification, the slot records), each launched from Python: on the H200 at
+~300 streams, launching them takes a third of the engine loop's host time. A decode-only
 step whose rows share one mode replays instead the graph of its bucket, which reads the decode
 graph's logits and the arena's meta (laid out [3, bucket]; padding rows sample and record on the
 scratch slot) and writes [bucket, C + 1] rows and kinds. Steps with prompt rows, or mixing free and
@@ -11,7 +11,7 @@ constrained rows, sample eagerly: the same function, so the same kernels and the
 The graph always applies the window mask and the penalty, which the eager path skips when no row
 needs them; they change nothing then (a window of -1 masks nothing, x / 1 = x * 1 = x), so a row
 samples the same token either way. Single-codebook programs only: a depth step has graphs of its
-own (gpu_worker.depth_graphs).
+own (gpu_worker.runner.depth_graphs).
 """
 
 from __future__ import annotations

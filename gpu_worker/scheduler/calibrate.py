@@ -1,4 +1,4 @@
-"""What the parts of a step cost, measured once at startup for `gpu_worker.pacing.StepCost`.
+"""What the parts of a step cost, measured once at startup for `gpu_worker.scheduler.pacing.StepCost`.
 
 The steps served tell a step's fixed part from its parts per token, per token of context and per
 prompt only where they vary apart, and a ramp's do not: its rows and its streams' contexts grow
@@ -23,8 +23,8 @@ import time
 import numpy as np
 import torch
 
-from gpu_worker.kv_cache import pages_for
-from gpu_worker.runner import StepBatch
+from gpu_worker.runner.batch import StepBatch
+from gpu_worker.runner.kv_cache import pages_for
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""What the decode and prefill graphs share: the input arena and the captured attention.
+"""The input arena every graph of a step reads, sent to the device with one copy.
 
 The arena is one int64 device buffer holding every input a step's graphs read (token ids,
 positions, KV write slots, meta, prefill page indices), laid out in named spans, with a host mirror
@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.attention import write_kv
-
 
 class InputArena:
+    """Named spans of one int64 device buffer and its host mirror (`sizes`: span name → entries,
+    laid out in that order)."""
+
     def __init__(self, sizes: dict[str, int], device: torch.device | str) -> None:
         self.spans: dict[str, tuple[int, int]] = {}
         lo = 0
@@ -51,32 +52,7 @@ class InputArena:
         self.dev[:upto].copy_(self.host[:upto], non_blocking=True)
 
     def seal(self) -> None:
-        """Mark the end of this step's host→device copies (the arena's and FlashInfer's plans,
+        """Mark the end of this step's host→device copies (the arena's and the attention plans',
         which stage through pinned buffers of their own): the next `begin` waits for them."""
         if self._copied is not None:
             self._copied.record()
-
-
-class GraphAttention:
-    """Attention as captured: writes the rows' keys/values to the arena's slots, runs one wrapper
-    whose page-table buffers were fixed at construction and are refreshed by `plan` each step."""
-
-    def __init__(self, kv_cache: torch.Tensor, wrapper, page: torch.Tensor, off: torch.Tensor) -> None:
-        self.kv_cache, self.wrapper, self.page, self.off = kv_cache, wrapper, page, off
-
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        cache = self.kv_cache[layer]  # [P, 2, page, Hkv, D]
-        write_kv(cache, self.page, self.off, k, v)
-        return self.wrapper.run(q, cache)
-
-
-class SplitRows:
-    """Two attention wrappers as one, for a mixed step (`GraphAttention` takes it as its wrapper):
-    its first `rows` rows are a prefill (a planned prefill wrapper), the rest decode rows."""
-
-    def __init__(self, prefill, decode, rows: int) -> None:
-        self.prefill, self.decode, self.rows = prefill, decode, rows
-
-    def run(self, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-        r = self.rows
-        return torch.cat([self.prefill.run(q[:r], cache), self.decode.run(q[r:], cache)])

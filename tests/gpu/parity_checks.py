@@ -1,35 +1,20 @@
-"""GPU fidelity checks (run on the H200 with dummy Orpheus-3B weights, bf16).
+"""The GPU tests' shared parts (dummy Orpheus-3B weights, bf16): teacher-forced steps, the greedy
+request alone and among others, the codec graphs against the eager codec.
 
-1. Teacher-forced logits: the serving path (fused kernels + FlashInfer + CUDA graphs) against the
-   eager reference path (unfused, HF arithmetic, torch paged attention) on the same GPU, and against
-   the CPU torch backend in fp32 with the same weights.
-2. Prefill graphs (bench/prefill_parity.py): logits and KV pages against eager FlashInfer prefill
-   for several prompt lengths and request mixes, and steps mixing prefill and decode rows.
-3. Greedy tokens of a request alone and inside batches of other requests (graphs on), and alone
-   with graphs on vs off.
-4. Codec graphs against the eager codec.
-
-Writes JSON to --out and exits non-zero if a check fails.
+Used by test_gpu_parity.py, test_gpu_batch_invariance.py, test_gpu_xqa_parity.py and
+test_gpu_csm_parity.py.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
 
 import numpy as np
 import torch
 
-from bench.prefill_parity import TOLERANCE, compare, prefill_checks
 from common.messages import Prompt, SamplingParams
-from gpu_worker.attention import TorchPagedAttention
 from gpu_worker.engine import Engine, EngineLimits
-from gpu_worker.kv_cache import allocate_kv_cache
-from gpu_worker.runner import EagerRunner, StepBatch, make_runner
-from programs import get_spec, load_program_class
-from programs.orpheus.model import LlamaLM
+from gpu_worker.runner.batch import StepBatch
 
 PAGE = 16
 
@@ -70,7 +55,7 @@ def codec_graphs_vs_eager(program, tokens: np.ndarray, keys: np.ndarray, max_bat
     per_rows, valid_equal = {}, True
     for rows, tail in sorted(graphs.graphs, reverse=True):
         if tail:
-            continue  # tail windows: bench/codec_passes.py
+            continue  # tail windows: test_gpu_codec_passes.py
         g = graphs.graphs[rows, tail]
         part = np.ascontiguousarray(tokens[: g.max_batch, -rows:])
         pg, vg = g.decode(part, keys[: len(part)])
@@ -117,23 +102,25 @@ def greedy_setup(program):
     return prompt, engine
 
 
-def greedy_batches(engine, prompt, kw: dict, temperature: float = 0.0) -> dict:
-    """One greedy request alone, then among 3, 17, 40 and 160 others joining at different steps, and
-    last of 4 arriving at once (prefilled in the same step as 3 others, in the 4th prefill lane).
-    With a temperature, every request samples (its own seed): the same comparison for draws."""
+def greedy_batches(
+    engine, prompt, kw: dict, temperature: float = 0.0, others: tuple[int, ...] = (3, 17, 40, 160)
+) -> dict:
+    """One greedy request alone, then among `others` others joining at different steps, and last of
+    4 arriving at once (prefilled in the same step as 3 others, in the 4th prefill lane). With a
+    temperature, every request samples (its own seed): the same comparison for draws."""
     eng = engine(**kw)
     eng.add(prompt("x", "The same words, again.", 1, temperature=temperature))
     eng.run_until_idle()
     alone = eng.outputs["x"][0]
     out = {}
-    for n_others in (3, 17, 40, 160):
+    for n_others in others:
         eng = engine(**kw)
-        others = [
+        rest = [
             prompt(f"o{i}", "other text " * (1 + i % 5), 100 + i, 200 + 3 * i, temperature)
             for i in range(n_others)
         ]
         x = prompt("x", "The same words, again.", 1, temperature=temperature)
-        order = [*others[: n_others // 2], x, *others[n_others // 2 :]]
+        order = [*rest[: n_others // 2], x, *rest[n_others // 2 :]]
         for i, p in enumerate(order):
             eng.add(p)
             for _ in range(i % 3):
@@ -178,97 +165,3 @@ def parity_header() -> dict:
         "model": "orpheus-3b dummy bf16",
         "date": time.strftime("%F"),
     }
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="gpu_parity.json")
-    ap.add_argument("--cpu", action="store_true", help="also compare with the CPU fp32 torch backend")
-    args = ap.parse_args()
-    res = parity_header()
-    ok = True
-    spec = get_spec("orpheus")
-    cls = load_program_class("orpheus")
-    fast = cls(spec, load_format="dummy", device="cuda", dtype=torch.bfloat16)
-    fast.load_lm()  # fused on CUDA
-    ref = cls(spec, load_format="dummy", device="cuda", dtype=torch.bfloat16)
-    ref.lm = LlamaLM.dummy(fast.lm.config, torch.bfloat16, "cuda")  # same seed → same weights, unfused
-    assert fast.lm.fused and not ref.lm.fused
-
-    rng = np.random.default_rng(0)
-    prompts = [
-        ref.preprocess(t, {}).reshape(-1)
-        for t in ("Hello there.", "A longer sentence to speak, with commas.")
-    ]
-    seqs = [
-        np.concatenate([p, rng.integers(128266, 128266 + 7 * 4096, size=48)]).astype(np.int64)
-        for p in prompts
-    ]
-    n_prompt = [len(p) for p in prompts]
-    steps = forced_batches(seqs, n_prompt)
-    limits = EngineLimits(max_batch_size=8, max_context=1200)
-
-    def kv(program):
-        return allocate_kv_cache(
-            program.num_layers, 64, PAGE, program.num_kv_heads, program.head_dim, torch.bfloat16, "cuda"
-        )
-
-    graph_logits = run_forced(make_runner(fast, kv(fast), limits), steps)
-    eager_fast = run_forced(
-        make_runner(fast, kv(fast), EngineLimits(max_batch_size=8, cuda_graphs=False)), steps
-    )
-    reference = run_forced(EagerRunner(ref, TorchPagedAttention(kv(ref), ref.num_qo_heads)), steps)
-    res["graph_vs_eager_fused"] = compare(graph_logits, eager_fast)
-    res["graph_vs_reference_bf16"] = compare(graph_logits, reference)
-    # Bitwise before prefill graphs: a padded prefill rounds its bf16 GEMMs otherwise (TOLERANCE).
-    ok &= res["graph_vs_eager_fused"]["max_abs"] < TOLERANCE
-    ok &= res["graph_vs_reference_bf16"]["max_abs"] < 0.5
-    if args.cpu:
-        cpu = cls(spec, load_format="dummy", device="cpu", dtype=torch.float32)
-        sd = {k: v.float().cpu() for k, v in ref.lm.state_dict().items()}
-        cpu.lm = LlamaLM.from_state_dict(ref.lm.config, sd, torch.float32, "cpu")
-        cpu_kv = allocate_kv_cache(
-            cpu.num_layers, 64, PAGE, cpu.num_kv_heads, cpu.head_dim, torch.float32, "cpu"
-        )
-        cpu_logits = run_forced(EagerRunner(cpu, TorchPagedAttention(cpu_kv, cpu.num_qo_heads)), steps[:9])
-        res["graph_vs_cpu_fp32"] = compare(graph_logits[:9], cpu_logits)
-        res["reference_bf16_vs_cpu_fp32"] = compare(reference[:9], cpu_logits)
-        # Random-weight logits are nearly tied everywhere, so bf16 rounding alone flips argmaxes
-        # (the unfused bf16 reference agrees with fp32 no better); the bar is being as close to
-        # fp32 as that reference is.
-        ok &= res["graph_vs_cpu_fp32"]["max_abs"] <= 1.25 * res["reference_bf16_vs_cpu_fp32"]["max_abs"]
-    print(json.dumps(res, indent=1), flush=True)
-    del ref
-
-    # 2. Prefill graphs against eager prefill: prompt mixes, then steps mixing prefill and decode.
-    res["prefill_graphs"], prefill_ok = prefill_checks(fast, PAGE)
-    ok &= prefill_ok
-
-    # 3. Greedy tokens alone vs in batches (constrained, so the tokens are real audio codes).
-    prompt, engine = greedy_setup(fast)
-    batch_match = {}
-    for name, kw in VARIANTS.items():
-        batch_match[name] = greedy_batches(engine, prompt, kw)
-        print(name, json.dumps(batch_match[name]), flush=True)
-
-    res["greedy_alone_vs_batched"] = batch_match
-    ok &= all(v["first_difference"] is None for v in batch_match["default (no split-KV)"].values())
-    res["greedy_alone_graphs_vs_eager"] = greedy_graphs_vs_eager(engine, prompt)
-    print("graphs vs eager, alone", res["greedy_alone_graphs_vs_eager"], flush=True)
-
-    # 4. Codec graphs vs eager.
-    torch.backends.cudnn.allow_tf32 = False
-    fast.load_codec()
-    codes = rng.integers(1, 4096, size=(40, 28))
-    tokens = (codes + 128266 + 4096 * (np.arange(28) % 7)).astype(np.int64)[:, :, None]
-    res["codec_graph_vs_eager"] = codec_graphs_vs_eager(fast, tokens, rng.integers(0, 2**62, size=40), 64)
-    ok &= res["codec_graph_vs_eager"]["max_pcm_diff"] <= 1
-    res["ok"] = bool(ok)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
-    print(json.dumps(res, indent=1))
-    return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,10 +1,12 @@
-"""CUDA graphs: `lm_decode` per batch-size bucket here, `lm_prefill` per row bucket in
-`gpu_worker.prefill_graphs`, and the `GraphRunner` that replays them.
+"""CUDA graphs: `lm_decode` per batch-size bucket and `lm_mixed` per (decode bucket, prefill bucket)
+here, `lm_prefill` per row bucket in `gpu_worker.runner.prefill_graphs`, and the `GraphRunner` that
+replays them.
 
-Every graph reads one device input arena (`gpu_worker.graph_io`: token ids, positions, KV write
+Every graph reads one device input arena (`gpu_worker.runner.arena`: token ids, positions, KV write
 slots, meta), filled from a pinned host mirror with a single host→device copy per step, and
-FlashInfer wrappers whose page-table buffers are fixed at capture (`use_cuda_graph=True`); `plan`
-refreshes them before each replay. Decode padding entries (bucket larger than the batch) decode
+attention from the graphs' backend (`gpu_worker.attention.interface.GraphAttentionBackend`), whose
+`prepare_capture_*` hooks build what a graph captures and whose `prepare_replay_*` hooks plan it
+again before each replay. Decode padding entries (bucket larger than the batch) decode
 token 0 at position 0, write their key/value into the reserved page 0 and attend to it alone:
 harmless work whose logits are dropped. A step's new requests each replay a prefill graph of their
 own lane (padded the same way), or run eagerly together when they fit no bucket; its decode rows then
@@ -16,39 +18,36 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from common.graphs import capture
-from gpu_worker.flashinfer_backend import (
-    WORKSPACE_BYTES,
-    FlashInferAttention,
-    import_flashinfer,
-    page_arrays,
-    plan_arrays,
-)
-from gpu_worker.graph_io import GraphAttention, InputArena, SplitRows
-from gpu_worker.kv_cache import pages_for
-from gpu_worker.prefill_graphs import (
+from gpu_worker.attention.interface import GraphAttention, SplitRows
+from gpu_worker.attention.select import graph_attention
+from gpu_worker.runner.arena import InputArena
+from gpu_worker.runner.batch import StepBatch
+from gpu_worker.runner.eager import EagerRunner
+from gpu_worker.runner.kv_cache import pages_for
+from gpu_worker.runner.prefill_graphs import (
     PrefillGraphs,
+    PrefillLayout,
     fill_prefill,
     lane_prefix,
     max_prefill_pages,
     prefill_buckets,
     prefill_spans,
 )
-from gpu_worker.runner import EagerRunner, StepBatch
-from gpu_worker.xqa_backend import XqaDecode, resolve_decode_attention
 from programs.base import LMProgram
 from programs.blocks import fp8
 
 log = logging.getLogger(__name__)
 
 # New requests one step may start, each in a prefill graph of its own (one lane of graphs each).
-# One at a time, a burst of arrivals queued a step apiece: measured on the H200 at 192 streams, a
-# prompt waited p50 36 / p99 158 ms to be admitted, 15 / 39 ms with four lanes
-# (bench/results/h200-tap-2026-11-29-session5.json).
+# With one lane a burst of arrivals queues a step apiece: on the H200 at 192 streams a prompt waits
+# p50 36 / p99 158 ms to be admitted with one lane, 15 / 39 ms with four.
 PREFILL_LANES = 4
 # A step's first new request, when its prompt fits a prefill bucket of at most this many rows, runs
 # in one graph with the step's decode rows (`lm_mixed`, one per decode bucket and such prefill
@@ -76,9 +75,9 @@ def decode_buckets(max_batch: int, min_batch: int = 1) -> list[int]:
 
 def decode_spans(bmax: int, n_codebooks: int, max_pages: int = 0) -> dict[str, int]:
     """Arena spans of the decode graphs; meta (slot, tokens sampled, prompt length) covers every
-    request of the step, prefill ones included; d_kv holds the decode batch's KV page indices for
-    FlashInfer (last, so a decode-only step copies only the indices it uses; XQA keeps each slot's
-    pages on the device and needs none)."""
+    request of the step, prefill ones included; d_kv holds the decode batch's KV page indices where
+    the attention backend plans from them (last, so a decode-only step copies only the indices it
+    uses; `max_pages` 0 where the backend keeps each slot's pages on the device)."""
     spans = {"ids": bmax * n_codebooks, "pos": bmax, "page": bmax, "off": bmax, "meta": 3 * bmax}
     return {**spans, "d_kv": max_pages}
 
@@ -95,6 +94,28 @@ def fill_decode(arena: InputArena, dec: StepBatch, page_size: int) -> None:
     arena.host_view("off", n).copy_(torch.from_numpy(pos % page_size))
 
 
+@dataclass
+class _Parts:
+    """How a step splits over the graphs: its prefill part and its decode part, each request of the
+    prefill part in a lane of its own (`pres`, `lays`; none when the prefill runs eagerly), the
+    decode bucket, the decode part's attention layout, and how much of the arena the step sends."""
+
+    n_pre: int
+    n_dec: int
+    pre: StepBatch | None
+    dec: StepBatch | None
+    pres: list[StepBatch]
+    lays: list[PrefillLayout]
+    bs: int = 0
+    kv: Any = None
+    kv_indices: np.ndarray | None = None
+    upto: int = 0
+
+    @property
+    def n_kv(self) -> int:
+        return 0 if self.kv_indices is None else len(self.kv_indices)
+
+
 class GraphRunner:
     """Replays a prefill graph per new request of a step (each in its own lane; eager when they fit
     no graph) and a decode graph for its fed-back rows, from one input arena sent with one
@@ -109,42 +130,25 @@ class GraphRunner:
         limits,
         progress: Callable[[str], None] | None = None,
     ) -> None:
-        flashinfer = import_flashinfer()
-
         self.program = program
         self.kv_cache = kv_cache
         self.page_size = kv_cache.shape[3]
-        decode = resolve_decode_attention(limits.decode_attention, kv_cache)
-        self.eager = EagerRunner(
-            program,
-            FlashInferAttention(
-                kv_cache, program.num_qo_heads, program.dtype, limits.decode_tensor_cores, decode
-            ),
-        )
         self.sizes = decode_buckets(limits.max_batch_size, limits.min_decode_batch)
         # A decode-only step lays its meta out as [3, bucket], padding rows on the scratch slot
-        # (gpu_worker.slots.SlotState), so a captured sampling step can read it; its bucket, else 0.
+        # (gpu_worker.runner.slots.SlotState), so a captured sampling step can read it; its bucket, else 0.
         self.scratch_slot = limits.max_batch_size
         self.decode_bucket = 0
-        self.no_split_kv = limits.no_split_kv
         bmax, c, dev = self.sizes[-1], program.n_codebooks, program.device
         buckets = prefill_buckets(limits.max_context)
         rows, reqs = buckets[-1]
         p_pages = max_prefill_pages(rows, reqs, limits.max_context, self.page_size)
         max_pages = bmax * pages_for(limits.max_context, self.page_size) + bmax
-        # XQA: each slot's pages (a request's whole budget, reserved at admission) as a table row
-        self.xqa = None
-        if decode == "xqa":
-            per_request = pages_for(limits.max_context + 1, self.page_size)
-            self.xqa = XqaDecode(kv_cache, limits.max_batch_size, per_request, bmax)
-        spans = decode_spans(bmax, c, 0 if self.xqa is not None else max_pages)
+        eager_attn, self.attn = graph_attention(program, kv_cache, limits, bmax, max_pages)
+        self.eager = EagerRunner(program, eager_attn)
+        spans = decode_spans(bmax, c, self.attn.decode_index_span(max_pages))
         for lane in range(PREFILL_LANES):
             spans |= prefill_spans(rows, reqs, c, p_pages, lane)
         self.arena = InputArena(spans, dev)
-        self.kv_indptr = torch.zeros(bmax + 1, dtype=torch.int32, device=dev)
-        self.kv_indices = torch.zeros(max_pages, dtype=torch.int32, device=dev)
-        self.kv_last = torch.zeros(bmax, dtype=torch.int32, device=dev)
-        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
         # One memory pool for all graphs. Prefill graphs are captured first, lane by lane: a step
         # replays its prefill graphs in lane order, then its decode graph, and graphs sharing a pool
         # must replay in capture order, so that no graph's scratch memory holds an output that is
@@ -152,52 +156,63 @@ class GraphRunner:
         self.pool = torch.cuda.graph_pool_handle()
         self.prefills = [
             PrefillGraphs(
-                program,
-                kv_cache,
-                self.arena,
-                self.workspace,
-                self.pool,
-                buckets,
-                p_pages,
-                self.no_split_kv,
-                progress,
-                lane,
+                program, kv_cache, self.arena, self.attn, self.pool, buckets, p_pages, progress, lane
             )
             for lane in range(PREFILL_LANES)
         ]
         self.prefill = self.prefills[0]
-        # bucket → (graph, wrapper, (logits [bs, C', V], hidden [bs, H]))
+        # bucket → (graph, attention wrapper, (logits [bs, C', V], hidden [bs, H]))
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._capture_decode(progress)
+        # (decode bucket, prefill rows) → (graph, the prompt's logits [1, C', V] and hidden [1, H],
+        # then the decode rows' [bs, C', V] and [bs, H])
+        self.mixed: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
+        self._capture_all_mixed(program.mixed_prefill and limits.mixed_prefill, progress)
+        self.depth = None
+        if program.n_codebooks > 1:
+            from gpu_worker.runner.depth_graphs import DepthGraphs
+
+            self.depth = DepthGraphs(program, self.sizes, progress)
+
+    # --- capture -------------------------------------------------------------------------------
+    def _capture_decode(self, progress: Callable[[str], None] | None) -> None:
+        """A decode graph per bucket, the largest first (after every lane's prefill graphs)."""
         t0 = time.monotonic()
         for i, bs in enumerate(sorted(self.sizes, reverse=True)):
             if progress:
                 progress(f"capturing decode graphs: batch {bs} ({i + 1}/{len(self.sizes)})")
-            if self.xqa is not None:
-                self.graphs[bs] = self._capture(bs, None)
-                continue
-            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace,
-                "NHD",
-                use_cuda_graph=True,
-                use_tensor_cores=limits.decode_tensor_cores,
-                paged_kv_indptr_buffer=self.kv_indptr[: bs + 1],
-                paged_kv_indices_buffer=self.kv_indices,
-                paged_kv_last_page_len_buffer=self.kv_last[:bs],
-            )
-            self._plan(wrapper, *page_arrays([1] * bs, [[0]] * bs, self.page_size))
+            # built (and planned once) outside inference mode, where the graph's own tensors are not
+            wrapper = self.attn.prepare_capture_decode(bs, self.arena.dev_view("pos", bs))
             self.graphs[bs] = self._capture(bs, wrapper)
         log.info(
             "captured %d decode graphs (batch %s, attention on %s) in %.1f s",
             len(self.sizes),
             self.sizes,
-            decode,
+            self.attn.name,
             time.monotonic() - t0,
         )
-        # (decode bucket, prefill rows) → (graph, the prompt's logits [1, C', V] and hidden [1, H],
-        # then the decode rows' [bs, C', V] and [bs, H])
-        self.mixed: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
+
+    @torch.inference_mode()
+    def _capture(
+        self, bs: int, wrapper
+    ) -> tuple[torch.cuda.CUDAGraph, object, tuple[torch.Tensor, torch.Tensor]]:
+        p, c, a = self.program, self.program.n_codebooks, self.arena
+        ids, pos = a.dev_view("ids", bs * c).view(bs, c), a.dev_view("pos", bs)
+        attn = GraphAttention(self.kv_cache, wrapper, a.dev_view("page", bs), a.dev_view("off", bs))
+
+        def step() -> tuple[torch.Tensor, torch.Tensor]:
+            self.attn.in_graph(wrapper)
+            hidden = p.backbone(p.embed(ids), pos, attn)  # [bs, H]
+            return p.head(hidden).float(), hidden  # [bs, C', V], [bs, H]
+
+        graph, out = capture(step, self.pool)
+        return graph, wrapper, out
+
+    def _capture_all_mixed(self, enabled: bool, progress: Callable[[str], None] | None) -> None:
+        """A mixed graph per decode bucket and prefill bucket of at most MIXED_PREFILL_ROWS rows, when
+        `enabled` (captured last: a step replays its mixed graph after any other lane's prefill graph)."""
         mixed_rows = sorted((r for r in self.prefill.graphs if r <= MIXED_PREFILL_ROWS), reverse=True)
-        if not (program.mixed_prefill and limits.mixed_prefill):
+        if not enabled:
             mixed_rows = []
         t0 = time.monotonic()
         for i, bs in enumerate(sorted(self.sizes, reverse=True)):
@@ -207,44 +222,6 @@ class GraphRunner:
                 self.mixed[bs, rows] = self._capture_mixed(bs, rows)
         log.info("captured %d mixed graphs (prefill rows %s) in %.1f s", len(self.mixed), mixed_rows,
                  time.monotonic() - t0)  # fmt: skip
-        self.depth = None
-        if program.n_codebooks > 1:
-            from gpu_worker.depth_graphs import DepthGraphs
-
-            self.depth = DepthGraphs(program, self.sizes, progress)
-
-    def _plan(
-        self, wrapper, indptr: np.ndarray, indices: np.ndarray | torch.Tensor, last: np.ndarray
-    ) -> None:
-        """`indices` on the device when planning a step: FlashInfer copies host indices with a
-        blocking copy, which would wait for the whole stream (all work queued before this step)."""
-        p = self.program
-        if isinstance(indices, np.ndarray):
-            indices = torch.from_numpy(indices)
-        host = plan_arrays(indptr, last, self.page_size, p.device)
-        wrapper.plan(
-            host["indptr"], indices, host["last"], p.num_qo_heads, p.num_kv_heads, p.head_dim, self.page_size,
-            q_data_type=p.dtype, kv_data_type=self.kv_cache.dtype, disable_split_kv=self.no_split_kv,
-            seq_lens=host["seq_lens"],
-        )  # fmt: skip
-
-    @torch.inference_mode()
-    def _capture(
-        self, bs: int, wrapper
-    ) -> tuple[torch.cuda.CUDAGraph, object, tuple[torch.Tensor, torch.Tensor]]:
-        p, c, a = self.program, self.program.n_codebooks, self.arena
-        ids, pos = a.dev_view("ids", bs * c).view(bs, c), a.dev_view("pos", bs)
-        xqa = self.xqa.wrapper(bs, pos) if wrapper is None else None
-        attn = GraphAttention(self.kv_cache, xqa or wrapper, a.dev_view("page", bs), a.dev_view("off", bs))
-
-        def step() -> tuple[torch.Tensor, torch.Tensor]:
-            if xqa is not None:
-                xqa.prepare()
-            hidden = p.backbone(p.embed(ids), pos, attn)  # [bs, H]
-            return p.head(hidden).float(), hidden  # [bs, C', V], [bs, H]
-
-        graph, out = capture(step, self.pool)
-        return graph, wrapper, out
 
     @torch.inference_mode()
     def _capture_mixed(self, bs: int, rows: int) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
@@ -262,12 +239,11 @@ class GraphRunner:
         page = (a.dev_view(x + "page", rows), a.dev_view("page", bs))
         off = (a.dev_view(x + "off", rows), a.dev_view("off", bs))
         last = a.dev_view(x + "last", 1)
-        decode = self.xqa.wrapper(bs, pos[1]) if self.xqa is not None else self.graphs[bs][1]
+        decode = self.graphs[bs][1]  # the decode graph's wrapper: it reads the same spans
         attn = GraphAttention(self.kv_cache, SplitRows(lane.graphs[rows][1], decode, rows), None, None)
 
         def step() -> tuple[torch.Tensor, torch.Tensor]:
-            if self.xqa is not None:
-                decode.prepare()
+            self.attn.in_graph(decode)
             attn.page, attn.off = torch.cat(page), torch.cat(off)  # both parts' write slots, in the graph
             with fp8.rows_apart(rows):
                 hidden = p.backbone(p.embed(torch.cat(ids)), torch.cat(pos), attn)  # [rows + bs, H]
@@ -276,17 +252,29 @@ class GraphRunner:
 
         return capture(step, self.pool)
 
+    # --- a step --------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, b: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """→ (logits [B, C', V] float32, meta [3, B] on the device, hidden [B, H] or None; see
         EagerRunner): the prefill part from a graph (or eagerly when no bucket holds it), the
-        decode part from a graph."""
-        n_pre, n_dec = b.num_prefill, b.batch_size - b.num_prefill
-        if self.xqa is not None and b.meta is not None and n_pre:
-            self.xqa.admit(b.meta[0, :n_pre], b.page_tables[:n_pre])  # new requests bring their pages
+        decode part from a graph.
+          1. lay the step out over the graphs;
+          2. fill the arena and send it with one copy;
+          3. plan every graph's attention (their own buffers), then mark the copies done;
+          4. replay: prefill graphs in lane order, then the decode (or mixed) graph."""
+        n_pre = b.num_prefill
+        if b.meta is not None and n_pre:
+            self.attn.admit(b.meta[0, :n_pre], b.page_tables[:n_pre])  # new requests bring their pages
         self.decode_bucket = 0
         if b.batch_size > self.sizes[-1]:
             return self.eager.forward(b)
+        parts = self._lay_out(b)
+        meta = self._fill(b, parts)
+        self._plan(b, parts)
+        return self._replay(b, parts, meta)
+
+    def _lay_out(self, b: StepBatch) -> _Parts:
+        n_pre, n_dec = b.num_prefill, b.batch_size - b.num_prefill
         pre = b.part(0, n_pre) if n_pre else None
         dec = b.part(n_pre, b.batch_size) if n_dec else None
         # Each new request in a graph of its own lane; all eagerly when one fits no graph.
@@ -294,27 +282,31 @@ class GraphRunner:
         lays = [lane.layout(p) for lane, p in zip(self.prefills, pres, strict=False)]
         if pre is not None and (not lays or any(lay is None for lay in lays)):
             pres, lays = [], []
-        # 1. One copy of the arena: decode rows, meta, and the prefill rows when a graph runs them.
+        parts = _Parts(n_pre, n_dec, pre, dec, pres, lays)
         a = self.arena
-        xqa = self.xqa
-        n_kv = 0
         if dec is not None:
-            bs = next(s for s in self.sizes if s >= n_dec)
-            pad = bs - n_dec
-            if xqa is None:
-                kv = page_arrays(dec.kv_lens + [1] * pad, dec.page_tables + [[0]] * pad, self.page_size)
-                n_kv = len(kv[1])
+            parts.bs = next(s for s in self.sizes if s >= n_dec)
+            pad = parts.bs - n_dec
+            parts.kv = self.attn.decode_layout(dec.kv_lens + [1] * pad, dec.page_tables + [[0]] * pad)
+            parts.kv_indices = self.attn.decode_indices(parts.kv)
         if lays:  # through the last lane used (the lanes' spans follow the decode spans, in order)
-            upto = sum(a.spans[lane_prefix(len(lays) - 1) + "kv"])
+            parts.upto = sum(a.spans[lane_prefix(len(lays) - 1) + "kv"])
         else:
-            upto = a.spans["d_kv"][0] + n_kv
-        a.begin(upto)
+            parts.upto = a.spans["d_kv"][0] + parts.n_kv
+        return parts
+
+    def _fill(self, b: StepBatch, parts: _Parts) -> torch.Tensor | None:
+        """One copy of the arena: decode rows, meta, and the prefill rows when a graph runs them →
+        the step's meta [3, B] on the device (None without meta)."""
+        a, dec, n_dec = self.arena, parts.dec, parts.n_dec
+        a.begin(parts.upto)
         if dec is not None:
             fill_decode(a, dec, self.page_size)
-            if xqa is None:
-                a.host_view("d_kv", n_kv).copy_(torch.from_numpy(kv[1]))
+            if parts.kv_indices is not None:
+                a.host_view("d_kv", parts.n_kv).copy_(torch.from_numpy(parts.kv_indices))
         meta = None
-        if b.meta is not None and n_pre == 0 and dec is not None:  # [3, bucket]: see decode_bucket
+        if b.meta is not None and parts.n_pre == 0 and dec is not None:  # [3, bucket]: see decode_bucket
+            bs = parts.bs
             host = a.host_view("meta", 3 * bs).view(3, bs)
             host[:, :n_dec].copy_(torch.from_numpy(b.meta))
             host[0, n_dec:] = self.scratch_slot
@@ -323,56 +315,66 @@ class GraphRunner:
         elif b.meta is not None:
             a.host_view("meta", b.meta.size).copy_(torch.from_numpy(b.meta.reshape(-1)))
             meta = a.dev_view("meta", b.meta.size).view(3, -1)
-        for lane, (p, lay) in enumerate(zip(pres, lays, strict=True)):
+        for lane, (p, lay) in enumerate(zip(parts.pres, parts.lays, strict=True)):
             fill_prefill(a, p, lay, lane)
-        a.send(upto)
-        # 2. Plan every graph's attention (their own buffers), then mark the copies done.
-        for graphs, lay in zip(self.prefills, lays, strict=False):
+        a.send(parts.upto)
+        return meta
+
+    def _plan(self, b: StepBatch, parts: _Parts) -> None:
+        """Plan every graph's attention (their own buffers), then mark the copies done."""
+        for graphs, lay in zip(self.prefills, parts.lays, strict=False):
             graphs.plan(lay)
-        if dec is not None:
-            graph, wrapper, out = self.graphs[bs]
-            if xqa is None:
-                self._plan(wrapper, kv[0], a.dev_view("d_kv", n_kv), kv[2])
-            elif b.meta is None:  # no slots (offline use): the decode rows' tables from the host
-                xqa.set_rows(dec.page_tables, dec.kv_lens, grow=False)
-        a.seal()
-        # 3. Replay: prefill first (the capture order), then decode; the first new request with the
-        # decode rows in a mixed graph when one holds them (captured last, so replayed last).
-        mixed = self.mixed.get((bs, lays[0].rows)) if lays and dec is not None else None
-        parts, hiddens = [], []
+        if parts.dec is not None:
+            _, wrapper, _ = self.graphs[parts.bs]
+            rows = (parts.dec.page_tables, parts.dec.kv_lens) if b.meta is None else None
+            kv_indices = self.arena.dev_view("d_kv", parts.n_kv)
+            self.attn.prepare_replay_decode(wrapper, parts.kv, kv_indices, rows)
+        self.arena.seal()
+
+    def _replay(
+        self, b: StepBatch, parts: _Parts, meta: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Prefill first (the capture order), then decode; the first new request with the decode
+        rows in a mixed graph when one holds them (captured last, so replayed last)."""
+        lays, n_pre, n_dec = parts.lays, parts.n_pre, parts.n_dec
+        mixed = self.mixed.get((parts.bs, lays[0].rows)) if lays and parts.dec is not None else None
+        logits, hiddens = [], []
         for graphs, lay in zip(self.prefills, lays, strict=False):
             if mixed is not None and graphs is self.prefill:
                 continue
-            logits, hidden = graphs.replay(lay)
-            parts.append(logits)
+            lg, hidden = graphs.replay(lay)
+            logits.append(lg)
             hiddens.append(hidden)
-        if pre is not None and not lays:
-            pre.meta = None  # already on the device, in the arena
-            logits, _, hidden = self.eager.forward(pre)
-            parts.append(logits)
+        if parts.pre is not None and not lays:
+            parts.pre.meta = None  # already on the device, in the arena
+            lg, _, hidden = self.eager.forward(parts.pre)
+            logits.append(lg)
             hiddens.append(hidden)
-        if dec is not None:
-            if b.last_rows is not None and meta is not None:  # fed-back ids, gathered on the device
-                a.dev_view("ids", n_dec * self.program.n_codebooks).view(n_dec, -1).copy_(
-                    b.last_rows[meta[0, n_pre:]]
-                )
-            if xqa is not None and meta is not None:
-                xqa.gather(meta[0, n_pre:])  # the decode rows' page tables, by slot
+        if parts.dec is not None:
+            a = self.arena
+            if meta is not None:
+                slots = meta[0, n_pre:]  # the decode rows'
+                if b.last_rows is not None:  # fed-back ids, gathered on the device
+                    a.dev_view("ids", n_dec * self.program.n_codebooks).view(n_dec, -1).copy_(
+                        b.last_rows[slots]
+                    )
+                self.attn.select_rows(slots)
             if mixed is not None:
                 graph, out = mixed
                 graph.replay()
-                parts.insert(0, out[0])
+                logits.insert(0, out[0])
                 hiddens.insert(0, out[1])
-                parts.append(out[2][:n_dec])
+                logits.append(out[2][:n_dec])
                 hiddens.append(out[3][:n_dec])
             else:
+                graph, _, out = self.graphs[parts.bs]
                 graph.replay()
-                parts.append(out[0][:n_dec])
+                logits.append(out[0][:n_dec])
                 hiddens.append(out[1][:n_dec])
         hidden = None
         if self.program.n_codebooks > 1:
             hidden = hiddens[0] if len(hiddens) == 1 else torch.cat(hiddens)
-        return (parts[0] if len(parts) == 1 else torch.cat(parts)), meta, hidden
+        return (logits[0] if len(logits) == 1 else torch.cat(logits)), meta, hidden
 
     def padded_meta(self, bs: int) -> torch.Tensor:
         """[3, bs] device view of a decode-only step's meta in bucket bs (see decode_bucket)."""

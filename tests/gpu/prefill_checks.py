@@ -1,4 +1,4 @@
-"""Prefill-graph checks for bench/gpu_parity.py (H200, dummy Orpheus-3B, bf16).
+"""Prefill-graph checks for test_gpu_parity.py (dummy Orpheus-3B, bf16).
 
 For each prompt mix, one prefill step through `GraphRunner` (each new request in a prefill graph
 of its own lane, or all eagerly when there are more than the lanes) against the eager runner
@@ -18,12 +18,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from gpu_worker.attention.flashinfer import FlashInferAttention
 from gpu_worker.engine import EngineLimits
-from gpu_worker.flashinfer_backend import FlashInferAttention
-from gpu_worker.graphs import GraphRunner
-from gpu_worker.kv_cache import allocate_kv_cache, pages_for
-from gpu_worker.prefill_graphs import pick_bucket
-from gpu_worker.runner import EagerRunner, StepBatch
+from gpu_worker.runner.batch import StepBatch
+from gpu_worker.runner.eager import EagerRunner
+from gpu_worker.runner.graphs import GraphRunner
+from gpu_worker.runner.kv_cache import allocate_kv_cache, pages_for
+from gpu_worker.runner.prefill_graphs import pick_bucket
 
 MAX_CONTEXT = 1200
 # The same arithmetic on the same rows (a graph against eager padded to its bucket): a bf16 ulp or
@@ -31,7 +32,7 @@ MAX_CONTEXT = 1200
 SAME_ROWS_TOLERANCE = 0.05
 # Against eager on another row count (a padded graph against the unpadded prompt): bf16 GEMMs of a
 # different M round differently and 28 layers carry it (measured on the H200: up to 0.24); the
-# bound is the one the serving path keeps against the unfused bf16 reference (gpu_parity.py).
+# bound is the one the serving path keeps against the unfused bf16 reference (test_gpu_parity.py).
 TOLERANCE = 0.5
 
 CASES = {

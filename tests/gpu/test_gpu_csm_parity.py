@@ -1,34 +1,30 @@
-"""CSM on the GPU (run on the H200 with dummy csm-1b weights, bf16): graphs against eager.
+"""CSM on the GPU (dummy csm-1b weights, bf16): graphs against eager, one engine for every check
+(its GraphRunner captures prefill, decode and depth graphs once).
 
 1. Depth graphs: the captured `decode_tokens` (depth decoder + sampler) against the eager call, for
-   the same backbone states, greedy and sampled, at several batch sizes: frames must be equal.
-2. Backbone, teacher-forced: codebook-0 logits from the graph runner against the eager runner
-   (FlashInfer both) over the same frames.
-3. Greedy frames of a request alone and inside batches of 3 and 17 others joining at different
-   steps, with graphs: the first frame that differs (None = identical).
-4. Codec graphs (Mimi windows, pad-led first windows included) against the eager codec.
-5. Decode step time with graphs (backbone + depth) per batch size, and the largest batch whose
-   step stays under a frame (80 ms): an LM-side bound on real-time streams per GPU.
-
-Writes JSON to --out and exits non-zero if a check fails.
+   the same backbone states, greedy and sampled, at several batch sizes: frames equal.
+2. Backbone, teacher-forced: codebook-0 logits from the graph runner against the eager runner.
+3. Greedy frames of a request alone and among 3 and 17 others joining at different steps.
+4. Codec graphs (Mimi windows, a padded last window included) against the eager codec.
+5. Decode step time with graphs (backbone + depth) per batch size: one stream's step fits in a frame
+   (80 ms); the largest batch that does (an LM-side bound on real-time streams) is reported.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
 
 import numpy as np
+import pytest
 import torch
+from parity_checks import codec_graphs_vs_eager
 
-from bench.gpu_parity import codec_graphs_vs_eager
 from common.messages import Prompt, SamplingParams
 from gpu_worker.engine import Engine, EngineLimits
-from gpu_worker.kv_cache import allocate_kv_cache
-from gpu_worker.runner import StepBatch, make_runner
-from gpu_worker.sampler import SamplingRows
+from gpu_worker.runner.batch import StepBatch
+from gpu_worker.runner.kv_cache import allocate_kv_cache
+from gpu_worker.runner.model_runner import make_runner
+from gpu_worker.runner.sampler import SamplingRows
 from programs import get_spec, load_program_class
 
 PAGE = 16
@@ -66,35 +62,25 @@ def forced_steps(prompts: list[np.ndarray], frames: np.ndarray) -> list[StepBatc
     return steps
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="csm")
-    ap.add_argument("--out", default="csm_gpu_parity.json")
-    args = ap.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    spec = get_spec(args.model)
-    prog = load_program_class(args.model)(spec, load_format="dummy", device="cuda", dtype=torch.bfloat16)
+@pytest.fixture(scope="module")
+def csm():
+    """(program, engine, eager runner)."""
+    prog = load_program_class("csm")(
+        get_spec("csm"), load_format="dummy", device="cuda", dtype=torch.bfloat16
+    )
     prog.load_lm()
-    res: dict = {
-        "device": torch.cuda.get_device_name(),
-        "model": f"{args.model} dummy bf16",
-        "date": time.strftime("%F"),
-    }
-    ok = True
-    limits = EngineLimits(max_batch_size=64, max_context=1024)
+    kv = allocate_kv_cache(
+        prog.num_layers, 1 + 64 * 65, PAGE, prog.num_kv_heads, prog.head_dim, torch.bfloat16, "cuda"
+    )
+    return (
+        prog,
+        Engine(prog, EngineLimits(max_batch_size=64, max_context=1024)),
+        make_runner(prog, kv, EngineLimits(cuda_graphs=False)),
+    )
 
-    def kv():
-        return allocate_kv_cache(
-            prog.num_layers, 1 + 64 * 65, PAGE, prog.num_kv_heads, prog.head_dim, torch.bfloat16, "cuda"
-        )
 
-    # One engine (its GraphRunner captures prefill, decode and depth graphs once) serves every check.
-    eng = Engine(prog, limits)
-    graph_runner = eng.runner
-    eager_runner = make_runner(prog, kv(), EngineLimits(cuda_graphs=False))
-
-    # 1. Depth graphs vs eager.
+def test_depth_graphs_give_the_eager_frames(csm, gpu_report):
+    prog, eng, eager = csm
     gen = torch.Generator(device="cuda").manual_seed(0)
     depth = {}
     for bs in (1, 3, 8, 64):
@@ -102,33 +88,39 @@ def main() -> int:
         c0 = torch.randint(0, 2048, (bs,), generator=gen, device="cuda")
         for temp in (0.0, 0.9):
             rows = rows_for(bs, temp, 100 * bs)
-            g = graph_runner.decode_tokens(hidden, c0, rows).clone()
-            e = eager_runner.decode_tokens(hidden, c0, rows)
+            g = eng.runner.forward_runner.decode_tokens(hidden, c0, rows).clone()
+            e = eager.decode_tokens(hidden, c0, rows)
             depth[f"batch {bs} temperature {temp}"] = int((g != e).sum())
-    res["depth_graph_vs_eager_frames_differing_codes"] = depth
-    ok &= all(v == 0 for v in depth.values())
+    gpu_report("csm-parity")["depth_graph_vs_eager_frames_differing_codes"] = depth
+    assert depth == dict.fromkeys(depth, 0)
 
-    # 2. Backbone logits, teacher-forced.
+
+def test_backbone_graph_logits_match_eager(csm, gpu_report):
+    prog, eng, eager = csm
     rng = np.random.default_rng(0)
     prompts = [
         prog.preprocess(t, {"voice": "0"})
         for t in ("Hello there.", "A longer sentence to speak, with commas.")
     ]
-    frames = rng.integers(0, 2048, size=(32, 32))
-    steps = forced_steps(prompts, frames)
-    lg = torch.stack([graph_runner.forward(s)[0][:, 0].float().cpu() for s in steps])  # [T, B, V]
-    le = torch.stack([eager_runner.forward(s)[0][:, 0].float().cpu() for s in steps])
+    steps = forced_steps(prompts, rng.integers(0, 2048, size=(32, 32)))
+    lg = torch.stack(
+        [eng.runner.forward_runner.forward(s)[0][:, 0].float().cpu() for s in steps]
+    )  # [T, B, V]
+    le = torch.stack([eager.forward(s)[0][:, 0].float().cpu() for s in steps])
     d = (lg - le).abs()
-    res["backbone_graph_vs_eager"] = {
+    res = {
         "max_abs": float(d.max()),
         "ref_abs_max": float(le.abs().max()),
         "top1_agree": float((lg.argmax(-1) == le.argmax(-1)).float().mean()),
     }
-    ok &= float(d.max()) < 1e-2
-    print(json.dumps(res, indent=1), flush=True)
+    gpu_report("csm-parity")["backbone_graph_vs_eager"] = res
+    assert res["max_abs"] < 1e-2
 
-    # 3. Greedy frames alone vs batched (graphs on; min_tokens masks the stop code, so every
-    # request runs its whole budget).
+
+def test_greedy_frames_alone_equal_those_among_others(csm, gpu_report):
+    """Graphs on; min_tokens masks the stop code, so every request runs its whole budget."""
+    prog, eng, _ = csm
+
     def prompt(rid: str, text: str, seed: int, new: int = 60) -> Prompt:
         rows = prog.preprocess(text, {"voice": str(seed % 10)}).astype("<i4")
         sp = SamplingParams(temperature=0.0, seed=seed, max_tokens=len(rows) + new, min_tokens=new)
@@ -151,17 +143,23 @@ def main() -> int:
             [*others[: n_others // 2], prompt("x", "The same words, again.", 1), *others[n_others // 2 :]]
         )
         batched[n_others] = next((i for i, (a, b) in enumerate(zip(got, alone, strict=True)) if a != b), None)
-    res["greedy_alone_vs_batched_first_difference"] = batched
-    ok &= all(v is None for v in batched.values())
+    gpu_report("csm-parity")["greedy_alone_vs_batched_first_difference"] = batched
+    assert batched == dict.fromkeys(batched, None)
 
-    # 4. Codec graphs vs eager.
+
+def test_codec_graphs_match_the_eager_codec(csm, gpu_report):
+    prog, _, _ = csm
     prog.load_codec()
+    rng = np.random.default_rng(1)
     tokens = rng.integers(0, 2048, size=(16, prog.detok_interval, 32)).astype(np.int64)
     tokens[0, -1] = prog.pad_rows(1)[0]  # a stream's last window, padded past its end
-    res["codec_graph_vs_eager"] = codec_graphs_vs_eager(prog, tokens, np.zeros(16, dtype=np.int64), 16)
-    ok &= res["codec_graph_vs_eager"]["max_pcm_diff"] <= 1
+    res = codec_graphs_vs_eager(prog, tokens, np.zeros(16, dtype=np.int64), 16)
+    gpu_report("csm-parity")["codec_graph_vs_eager"] = res
+    assert res["max_pcm_diff"] <= 1, res
 
-    # 5. Decode step time (graphs): backbone replay + depth graph, per batch size.
+
+def test_one_streams_decode_step_fits_in_a_frame(csm, gpu_report):
+    _, eng, _ = csm
     step_ms = {}
     for bs in (1, 8, 16, 32, 64):
         n_ctx = 300
@@ -173,8 +171,8 @@ def main() -> int:
         rows = rows_for(bs, 0.9, 0)
 
         def one_step(b=b, rows=rows) -> None:
-            logits, _, hidden = graph_runner.forward(b)
-            graph_runner.decode_tokens(hidden, logits[:, 0].argmax(-1), rows)
+            logits, _, hidden = eng.runner.forward_runner.forward(b)
+            eng.runner.forward_runner.decode_tokens(hidden, logits[:, 0].argmax(-1), rows)
 
         for _ in range(3):
             one_step()
@@ -184,14 +182,7 @@ def main() -> int:
             one_step()
         torch.cuda.synchronize()
         step_ms[bs] = (time.perf_counter() - t0) * 1000 / 20
+    res = gpu_report("csm-parity")
     res["decode_step_ms_context_300"] = step_ms
     res["lm_bound_streams_real_time"] = max((bs for bs, ms in step_ms.items() if ms < FRAME_MS), default=0)
-    res["ok"] = bool(ok)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
-    print(json.dumps(res, indent=1))
-    return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    assert step_ms[1] < FRAME_MS

@@ -3,48 +3,15 @@
 The runtime plans it once per step with each request's rows, positions and page table; every
 layer then calls `forward(layer, q, k, v)`, which scatters the step's keys/values into their pages
 and attends causally over the request's whole context. A FlashInfer backend implements the same
-`plan`/`forward` interface on GPU.
+`plan`/`forward` interface on GPU (gpu_worker.attention.interface.EagerAttention).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
-
-@dataclass
-class StepLayout:
-    """Where this step's rows come from and go to. Rows of one request are contiguous."""
-
-    qo_indptr: list[int]  # [B+1] row offsets per request
-    kv_lens: list[int]  # [B] context length after this step's rows are written
-    page_tables: list[list[int]]  # [B] page ids of each request, in order
-    pos: torch.Tensor  # [N] int64 position of each row
-
-
-def write_kv(
-    cache: torch.Tensor, page: torch.Tensor, off: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> None:
-    """Rows' keys and values k, v [N, Hkv, D] into one layer's cache [P, 2, page, Hkv, D] at
-    (page[i], off[i]), converted to the cache's dtype. When v directly follows k in one buffer (the
-    fused QKV projection's output, split), both go in one conversion and one scatter; else apart."""
-    n, h, d = k.shape
-    adjacent = (
-        k.shape == v.shape
-        and k.dtype == v.dtype
-        and k.stride() == v.stride()
-        and k.stride()[1:] == (d, 1)
-        and k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
-        and v.data_ptr() - k.data_ptr() == h * d * k.element_size()
-    )
-    if adjacent:
-        kv = k.as_strided((n, 2, h, d), (k.stride(0), h * d, d, 1))  # [N, 2, Hkv, D]
-        cache[page, :, off] = kv.to(cache.dtype)
-    else:
-        cache[page, 0, off] = k.to(cache.dtype)
-        cache[page, 1, off] = v.to(cache.dtype)
+from gpu_worker.attention.interface import StepLayout, write_kv
 
 
 class TorchPagedAttention:

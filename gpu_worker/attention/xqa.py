@@ -3,7 +3,7 @@
 Over an fp8 cache on Hopper, XQA's fp8 kernel (queries and probabilities in fp8 on the tensor
 cores) reads half the bytes of a bf16 cache and keeps up with the memory: 28 layers at batch 384,
 context 512, take 0.52x the time of FlashInfer's bf16 decode (FlashInfer's own fp8 paths are
-slower than its bf16 one; bench/results/h200-attention-xqa-2026-11-29.json). Its price is those
+slower than its bf16 one; bench/attention_kv.py, bench/xqa_parity.py). Its price is those
 fp8 roundings: against FlashInfer over the same fp8 cache its outputs differ by up to ~0.3 on
 values of a few units.
 
@@ -12,6 +12,8 @@ reserves a request's pages for its whole budget at admission, so each sampling s
 table is written once, when its request brings its prompt (`admit`), and a step only gathers its
 decode rows' slots (`gather`, a device op) and derives their lengths from their positions inside
 the captured graph (`XqaWrapper.prepare`): no per-step page list leaves the host.
+
+`XqaGraphs` is the graph backend: prefill graphs on FlashInfer, decode graphs on XQA.
 
 A request is never split over several thread blocks (XQA is told it has one SM, which is what its
 split rule reads): each request's attention reduces in the same order at any batch size.
@@ -22,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gpu_worker.slots import to_device
+from gpu_worker.runner.slots import to_device
 
 DECODE_ATTENTION = ("auto", "flashinfer", "xqa")
 SCRATCH_BYTES = 16 << 20  # XQA's scratch for split requests (unused without splits)
@@ -38,7 +40,7 @@ XQA_PAGE_SIZES = (16, 32, 64, 128)
 
 def resolve_decode_attention(choice: str, kv_cache: torch.Tensor) -> str:
     """flashinfer or xqa for a cache [L, P, 2, page, Hkv, D]. auto: XQA for an fp8 cache on Hopper
-    (where it was measured faster) when XQA takes its page size and head size, FlashInfer
+    (where it measures faster) when XQA takes its page size and head size, FlashInfer
     otherwise; xqa: wherever XQA runs (SM 9.x, 10.x, 12.x), or a clear error."""
     if choice not in DECODE_ATTENTION:
         raise ValueError(f"decode attention must be one of {', '.join(DECODE_ATTENTION)}, not {choice!r}")
@@ -136,3 +138,46 @@ class XqaWrapper:
 
     def run(self, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
         return self.xqa.run(q, cache, self.batch)
+
+
+class XqaGraphs:
+    """Attention of captured graphs with decode on XQA and prefill on FlashInfer (`prefill`, a
+    gpu_worker.attention.flashinfer.FlashInferGraphs): each slot's pages (a request's whole budget,
+    reserved at admission) as a row of a device table, written when the request is admitted,
+    gathered per step by the decode rows' slots."""
+
+    name = "xqa"
+
+    def __init__(self, xqa: XqaDecode, prefill) -> None:
+        self.xqa, self.prefill = xqa, prefill
+
+    def prepare_capture_prefill(self, rows: int, reqs: int, max_pages: int, layout):
+        return self.prefill.prepare_capture_prefill(rows, reqs, max_pages, layout)
+
+    def prepare_replay_prefill(self, wrapper, layout, kv_indices: torch.Tensor) -> None:
+        self.prefill.prepare_replay_prefill(wrapper, layout, kv_indices)
+
+    def decode_index_span(self, max_pages: int) -> int:
+        return 0  # each slot's pages live on the device
+
+    def admit(self, slots: np.ndarray, page_tables: list[list[int]]) -> None:
+        self.xqa.admit(slots, page_tables)
+
+    def prepare_capture_decode(self, batch: int, pos: torch.Tensor) -> XqaWrapper:
+        return self.xqa.wrapper(batch, pos)
+
+    def in_graph(self, wrapper: XqaWrapper) -> None:
+        wrapper.prepare()  # the rows' lengths from their positions
+
+    def decode_layout(self, kv_lens: list[int], page_tables: list[list[int]]) -> None:
+        return None
+
+    def decode_indices(self, kv: None) -> None:
+        return None
+
+    def prepare_replay_decode(self, wrapper, kv, kv_indices: torch.Tensor, rows) -> None:
+        if rows is not None:  # no slots (offline use): the decode rows' tables from the host
+            self.xqa.set_rows(*rows, grow=False)
+
+    def select_rows(self, slots: torch.Tensor) -> None:
+        self.xqa.gather(slots)  # the decode rows' page tables, by slot

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# The GPU benchmarks and the GPU test suite on your own CUDA machine, stage by stage:
+#
+#   bash bench/gpu.sh STAGE [STAGE ...]
+#
+# Needs: voxpipe installed with its GPU extras (torch with CUDA, FlashInfer; see README.md), a GPU
+# with room for a dummy Orpheus-3B (bf16, ~7 GB, plus the KV cache: 40 GB is plenty; 80 GB for
+# `load` at 512 streams). No checkpoint is downloaded: every stage runs dummy weights.
+#
+# Stages (each writes $OUT/NAME.log and its JSON to $OUT):
+#   tests          python -m pytest tests/gpu (every GPU test; its reports to $OUT)
+#   parity         tests/gpu/test_gpu_parity.py: logits, prefill graphs, greedy alone vs batched, codec graphs
+#   invariance     tests/gpu batch and op invariance (fp8 weights and cache, what `load` serves)
+#   xqa            tests/gpu/test_gpu_xqa_parity.py, then `voxpipe bench options` for the XQA configs
+#   csm            tests/gpu/test_gpu_csm_parity.py
+#   step | speed | offline | options | profile | attention | op-invariance | codec | codec-profile
+#                  `voxpipe bench STAGE` with the serving flags below
+#   load | load-mps | load-adaptive   `voxpipe bench ttfa` then the load curve on the same server
+#   csm-load       the same for CSM
+#
+# Environment: OUT (default /tmp/out), VOXPIPE_STAGE_S (per-stage timeout, default 300 s),
+# VOXPIPE_LOAD / VOXPIPE_LOAD_S (load levels and seconds per level), VOXPIPE_SERVE_EXTRA (more
+# `voxpipe serve` flags), VOXPIPE_LM_SIZES, VOXPIPE_LM_CONFIGS, VOXPIPE_ATTN_VARIANTS / _SIZES,
+# VOXPIPE_CODEC_BATCH / _OTHER, VOXPIPE_COMPILE_MODES, VOXPIPE_PROFILE_BATCH / _FLAGS,
+# VOXPIPE_TAP_LEVEL, VOXPIPE_PROFILE_LEVEL, VOXPIPE_LABEL (device label, default: nvidia-smi's).
+# bench/device.sh wraps this script for a bare machine that gets the packages carried with the tree.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+STAGE_S=${VOXPIPE_STAGE_S:-300}
+LABEL=${VOXPIPE_LABEL:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)}
+export PYTHONUNBUFFERED=1
+serve_flags="--max-batch-size 512 --lm-head audio --codec-dtype float16"
+bench="python -m common.cli bench"
+
+run() {  # run NAME CMD...: timed, logged, never stops the other stages
+    local name=$1
+    shift
+    local t0=$SECONDS
+    timeout "$STAGE_S" "$@" >"$OUT/$name.log" 2>&1
+    echo "$name: rc $? in $((SECONDS - t0)) s"
+    tail -n 3 "$OUT/$name.log"
+}
+gpu_tests() {  # gpu_tests NAME FILES...: the GPU tests, their reports to $OUT
+    local name=$1
+    shift
+    run "$name" env VOXPIPE_GPU_REPORT_DIR="$OUT" python -m pytest -v -p no:cacheprovider "$@"
+}
+
+for stage in "$@"; do
+    # shellcheck disable=SC2086
+    case $stage in
+    tests) gpu_tests tests tests/gpu ;;
+    parity) gpu_tests parity tests/gpu/test_gpu_parity.py ;;
+    invariance) gpu_tests invariance tests/gpu/test_gpu_batch_invariance.py tests/gpu/test_gpu_op_invariance.py ;;
+    csm) gpu_tests csm tests/gpu/test_gpu_csm_parity.py ;;
+    xqa)
+        gpu_tests xqa-parity tests/gpu/test_gpu_xqa_parity.py
+        run xqa-speed $bench options --configs bf16+audio_head,audio_head+fp8kv,audio_head+fp8kv+flashinfer,audio_head+xqa \
+            --sizes "${VOXPIPE_LM_SIZES:-1,64,128,256,384,512}" --out "$OUT/xqa-speed.json"
+        ;;
+    step | speed) run "$stage" $bench "$stage" --lm-head audio --codec-dtype float16 --out "$OUT/$stage.json" ;;
+    offline)
+        run offline $bench offline --lm-head audio --codec-dtype float16 --offline-requests 512 --offline-gather 256 \
+            --out "$OUT/offline.json"
+        ;;
+    options)
+        run options $bench options --configs "${VOXPIPE_LM_CONFIGS:-bf16+audio_head}" \
+            --sizes "${VOXPIPE_LM_SIZES:-1,64,256,384,512}" --out "$OUT/options.json"
+        ;;
+    profile) run profile $bench profile --batch "${VOXPIPE_PROFILE_BATCH:-384}" --lm-head audio ${VOXPIPE_PROFILE_FLAGS:-} ;;
+    attention)
+        run attention $bench attention --variants "${VOXPIPE_ATTN_VARIANTS:-}" \
+            --sizes "${VOXPIPE_ATTN_SIZES:-64,256,384,512}" --out "$OUT/attention.json"
+        ;;
+    op-invariance) run op-invariance $bench op-invariance --out "$OUT/op-invariance.json" ;;
+    codec) run codec $bench codec --out "$OUT/codec.json" ;;
+    codec-profile)
+        run codec-profile $bench codec-profile --batch "${VOXPIPE_CODEC_BATCH:-128}" \
+            --compile-modes "${VOXPIPE_COMPILE_MODES:-}" --other-batches "${VOXPIPE_CODEC_OTHER:-1,16,64,256}" \
+            --out "$OUT/codec-profile.json"
+        ;;
+    load | load-mps | load-adaptive)
+        first=progressive extra=""
+        [ "$stage" = load-adaptive ] && first=adaptive
+        [ "$stage" = load-mps ] && extra="--mps on"
+        run "$stage" $bench ttfa --reps 15 --tokens 200 --load "${VOXPIPE_LOAD:-128,192,256,320,384}" \
+            --load-duration "${VOXPIPE_LOAD_S:-20}" --ramp 8 --label "$LABEL" --load-out "$OUT/$stage.json" \
+            --out "$OUT/$stage-ttfa.json" ${VOXPIPE_TAP_LEVEL:+--tap-level $VOXPIPE_TAP_LEVEL --tap-out $OUT/$stage-tap.jsonl.gz} \
+            ${VOXPIPE_PROFILE_LEVEL:+--profile-level $VOXPIPE_PROFILE_LEVEL --profile-out $OUT/$stage-py-spy} \
+            -- $serve_flags --first-chunk $first $extra ${VOXPIPE_SERVE_EXTRA:-}
+        ;;
+    csm-load)
+        run csm-load $bench ttfa --model csm --reps 5 --tokens 40 --load "${VOXPIPE_LOAD:-16,32,64,96}" \
+            --load-duration 15 --load-tokens 150 --ramp 4 --label "$LABEL" --load-out "$OUT/csm-load.json" \
+            --out "$OUT/csm-ttfa.json" -- --max-batch-size 128 --codec-dtype float16
+        ;;
+    *) echo "unknown stage $stage (see the head of bench/gpu.sh)" ;;
+    esac
+done

@@ -1,0 +1,52 @@
+"""A step as the runners take it: its rows, laid out prefill first, then decode.
+
+The engine orders a step's requests prefill first (whole prompts), then decode (one fed-back row
+each), and hands the runner a `StepBatch`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class StepBatch:
+    ids: np.ndarray  # [N, C] int64
+    pos: np.ndarray  # [N] int64
+    qo_indptr: list[int]  # [B+1]
+    kv_lens: list[int]  # [B] context after this step
+    page_tables: list[list[int]]  # [B]
+    num_prefill: int  # the first num_prefill requests bring prompt rows
+    # [3, B] int64 per request: sampling slot, tokens sampled before this step, prompt length.
+    meta: np.ndarray | None = None
+    # [S, C] device table of each slot's last sampled row: decode rows take their ids from it, so
+    # fed-back tokens never leave the device. None: `ids` holds every row.
+    last_rows: torch.Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.kv_lens)
+
+    def part(self, lo: int, hi: int) -> StepBatch:
+        """Requests [lo, hi) as a batch of their own."""
+        r0, r1 = self.qo_indptr[lo], self.qo_indptr[hi]
+        return StepBatch(
+            ids=self.ids[r0:r1],
+            pos=self.pos[r0:r1],
+            qo_indptr=[i - r0 for i in self.qo_indptr[lo : hi + 1]],
+            kv_lens=self.kv_lens[lo:hi],
+            page_tables=self.page_tables[lo:hi],
+            num_prefill=max(0, min(self.num_prefill, hi) - lo),
+            meta=None if self.meta is None else self.meta[:, lo:hi],
+            last_rows=self.last_rows,
+        )
+
+
+def feed_decode_rows(ids: torch.Tensor, b: StepBatch, meta: torch.Tensor | None) -> None:
+    """Decode rows (the last ones) take the ids sampled last step, straight from the device."""
+    n_dec = b.batch_size - b.num_prefill
+    if b.last_rows is not None and n_dec:
+        ids[ids.shape[0] - n_dec :] = b.last_rows[meta[0, b.num_prefill :]]

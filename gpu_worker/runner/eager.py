@@ -1,0 +1,49 @@
+"""The eager runner: one ragged forward pass over a step's rows with any attention backend
+(torch on CPU, FlashInfer on GPU). `gpu_worker.runner.graphs.GraphRunner` replays CUDA graphs for
+the prefill part (per row bucket) and the decode part (per batch size) instead, and falls back to
+this runner for steps no graph holds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from gpu_worker.attention.interface import EagerAttention, StepLayout
+from gpu_worker.runner.batch import StepBatch, feed_decode_rows
+from gpu_worker.runner.sampler import SamplingRows, depth_sampler
+from programs.base import LMProgram
+
+
+class EagerRunner:
+    """One ragged forward pass; logits only for each request's last row."""
+
+    max_prefills_per_step = 0  # any number of new requests per step
+
+    def __init__(self, program: LMProgram, attn: EagerAttention) -> None:
+        self.program = program
+        self.attn = attn
+        self.device = program.device
+
+    @torch.inference_mode()
+    def forward(self, b: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """→ (logits [B, C', V] float32, meta [3, B] on the device, each request's last hidden state
+        [B, H] when the program has several codebooks, else None) with one host→device copy."""
+        dev = self.device
+        n, c = b.ids.shape
+        parts = [b.ids.reshape(-1), b.pos] + ([b.meta.reshape(-1)] if b.meta is not None else [])
+        arena = torch.from_numpy(np.concatenate(parts)).to(dev, non_blocking=True)
+        ids, pos = arena[: n * c].view(n, c), arena[n * c : n * c + n]  # [N, C], [N]
+        meta = arena[n * (c + 1) :].view(3, -1) if b.meta is not None else None
+        feed_decode_rows(ids, b, meta)
+        self.attn.plan(StepLayout(b.qo_indptr, b.kv_lens, b.page_tables, pos))
+        hidden = self.program.backbone(self.program.embed(ids), pos, self.attn)  # [N, H]
+        last = torch.tensor(b.qo_indptr[1:], device=dev) - 1
+        hidden = hidden[last]  # [B, H]
+        keep = hidden if self.program.n_codebooks > 1 else None
+        return self.program.head(hidden).float(), meta, keep
+
+    @torch.inference_mode()
+    def decode_tokens(self, hidden: torch.Tensor, c0: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+        """The program's depth step: [B, H], [B] → rows [B, C] int64."""
+        return self.program.decode_tokens(hidden, c0, depth_sampler(rows))

@@ -1,0 +1,268 @@
+"""The model runner: the step on the device, one step ahead of the host.
+
+It owns the KV cache, the sampling slots and the forward runner (`EagerRunner`, or `GraphRunner`
+with its graphs and input arena), and for each step the scheduler chose:
+
+- `launch`: lays the step out (`StepBatch`: whole prompts for new requests; for the others the token
+  sampled last step, fed back on the device), runs the forward pass, samples every row (a captured
+  sampling graph where one holds the step, else eagerly; the depth step for several codebooks),
+  classifies the tokens and starts one device→host copy of the results (`InFlight`);
+- `wait`: waits for a launched step's copy and folds its device times into the averages.
+
+Everything a step needs is known ahead: positions and budgets advance by one per step, and the
+audio-row count that constrained sampling depends on is kept on the device.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from gpu_worker.attention.select import eager_attention
+from gpu_worker.limits import EngineLimits
+from gpu_worker.runner.batch import StepBatch
+from gpu_worker.runner.eager import EagerRunner
+from gpu_worker.runner.kv_cache import allocate_kv_cache, kv_cache_dtype, pages_for
+from gpu_worker.runner.sampler import HeadColumns, sample_rows
+from gpu_worker.runner.slots import SlotState, to_device
+from programs.base import LMProgram
+
+if TYPE_CHECKING:
+    from gpu_worker.scheduler.request import Request
+
+
+def make_runner(program: LMProgram, kv_cache: torch.Tensor, limits, progress=None) -> EagerRunner:
+    """The forward runner: eager on CPU, or on GPU without graphs; else prefill and decode graphs."""
+    if program.device.type == "cpu" or not limits.cuda_graphs:
+        return EagerRunner(program, eager_attention(program, kv_cache, limits))
+    from gpu_worker.runner.graphs import GraphRunner
+
+    return GraphRunner(program, kv_cache, limits, progress)
+
+
+@dataclass
+class InFlight:
+    """A launched step: its requests, and its results as they reach the host."""
+
+    batch: list[Request]
+    host: torch.Tensor  # [B, C + 1] int64: sampled row, then its kind
+    ready: torch.cuda.Event | None
+    # GPU only, timing events: where the device reached the step's launch, and its forward pass's end
+    began: torch.cuda.Event | None = None
+    forwarded: torch.cuda.Event | None = None
+
+
+class ModelRunner:
+    def __init__(self, program: LMProgram, limits: EngineLimits, progress=None) -> None:
+        self.program = program
+        self.device = program.device
+        # +1 token per request: a launched step may run once past a stop it has not seen yet.
+        per_request = pages_for(limits.max_context + 1, limits.page_size)
+        num_pages = limits.num_pages or 1 + limits.max_batch_size * per_request
+        self.kv_cache = allocate_kv_cache(
+            program.num_layers,
+            num_pages,
+            limits.page_size,
+            program.num_kv_heads,
+            program.head_dim,
+            kv_cache_dtype(limits.kv_cache_dtype, program.dtype),
+            self.device,
+        )
+        self.forward_runner = make_runner(program, self.kv_cache, limits, progress)
+        self.slots = SlotState(
+            limits.max_batch_size, limits.max_context + 1, program.n_codebooks, self.device
+        )
+        self.stop_ids = torch.tensor(program.stop_tokens(), dtype=torch.int64, device=self.device)
+        self.head: HeadColumns | None = None  # a partial output head: sample over its columns
+        if program.head_ids is not None:
+            self.head = HeadColumns(program.head_ids, program.vocab_size)
+            self.stop_ids = self.head.column[self.stop_ids]
+        self.sample_graphs = None
+        # On the device (exponential averages, seconds, from CUDA events): a step's forward pass
+        # (prefill and decode graphs), all its work (with sampling), and how long the device sat
+        # idle before it, waiting for the host to launch it. Work from other processes sharing the
+        # GPU (the codec under MPS) slows these, as it slows the streams.
+        self.gpu_forward_s = self.gpu_step_s = self.gpu_idle_s = 0.0
+        self._last_ready: torch.cuda.Event | None = None
+
+    @property
+    def num_pages(self) -> int:
+        return self.kv_cache.shape[1]
+
+    @property
+    def has_graphs(self) -> bool:
+        return hasattr(self.forward_runner, "decode_bucket")  # a GraphRunner
+
+    @property
+    def max_prefills_per_step(self) -> int:
+        """New requests one step may start (one per prefill lane); 0: any number."""
+        return self.forward_runner.max_prefills_per_step
+
+    # --- a step --------------------------------------------------------------------------------
+    def layout(self, batch: list[Request]) -> StepBatch:
+        """The step's rows: new requests' whole prompts, then one fed-back row per running one."""
+        n_pre = sum(r.n_ctx == 0 for r in batch)
+        prompts = [r.prompt for r in batch[:n_pre]]
+        n_dec = len(batch) - n_pre
+        c = self.program.n_codebooks
+        ids = np.concatenate([*prompts, np.zeros((n_dec, c), dtype=np.int64)])  # decode rows fed on device
+        # slot, sampled before, prompt length, n_ctx
+        meta = np.array(
+            [
+                [r.slot for r in batch],
+                [r.n_launched for r in batch],
+                [len(r.prompt) for r in batch],
+                [r.n_ctx for r in batch],
+            ],
+            dtype=np.int64,
+        )
+        dec_pos = meta[3, n_pre:]
+        pos = np.concatenate([*(np.arange(len(p)) for p in prompts), dec_pos])
+        rows = [len(p) for p in prompts] + [1] * n_dec
+        return StepBatch(
+            ids=ids,
+            pos=pos,
+            qo_indptr=np.concatenate([[0], np.cumsum(rows)]).tolist(),
+            kv_lens=[len(p) for p in prompts] + (dec_pos + 1).tolist(),
+            page_tables=[r.pages for r in batch],
+            num_prefill=n_pre,
+            meta=np.ascontiguousarray(meta[:3]),
+            last_rows=self.slots.last,
+        )
+
+    @torch.inference_mode()
+    def launch(self, batch: list[Request]) -> InFlight:
+        """Run `batch` (new requests first) on the device: forward, sampling, and the results'
+        copy to the host, without waiting for any of it."""
+        layout = self.layout(batch)
+        cuda = self.device.type == "cuda"
+        began = forwarded = None
+        if cuda:
+            began = torch.cuda.Event(enable_timing=True)
+            began.record()
+        logits, meta, hidden = self.forward_runner.forward(layout)  # [B, C', V], [3, B], [B, H] | None
+        if cuda:
+            forwarded = torch.cuda.Event(enable_timing=True)
+            forwarded.record()
+        for r in batch:
+            r.n_ctx += len(r.prompt) if r.n_ctx == 0 else 1
+            r.n_launched += 1
+        result = self._sampled_in_graph(batch)
+        if result is None:
+            result = self._sample(batch, logits, meta, hidden)
+        if not cuda:  # a copy: a graph's output is rewritten by its next replay
+            return InFlight(batch, result.clone(), None)
+        host = torch.empty(result.shape, dtype=torch.int64, pin_memory=True)
+        host.copy_(result, non_blocking=True)
+        ready = torch.cuda.Event(enable_timing=True)
+        ready.record()
+        return InFlight(batch, host, ready, began, forwarded)
+
+    def idle(self) -> None:
+        """No step this time: the gap before the next one is not the host's lateness."""
+        self._last_ready = None
+
+    def wait(self, step: InFlight) -> float:
+        """Wait for a launched step's results on the host → the seconds waited."""
+        if step.ready is None:
+            return 0.0
+        t0 = time.perf_counter()
+        step.ready.synchronize()
+        waited = time.perf_counter() - t0
+        self._time_on_device(step)
+        return waited
+
+    def _time_on_device(self, step: InFlight) -> None:
+        """Fold a completed step's device times into the averages (its events are all done)."""
+        a = 0.05
+        self.gpu_forward_s += a * (step.began.elapsed_time(step.forwarded) / 1000 - self.gpu_forward_s)
+        self.gpu_step_s += a * (step.began.elapsed_time(step.ready) / 1000 - self.gpu_step_s)
+        if self._last_ready is not None:  # the previous step's end to this one's start
+            idle = self._last_ready.elapsed_time(step.began) / 1000
+            self.gpu_idle_s += a * (max(0.0, idle) - self.gpu_idle_s)
+        self._last_ready = step.ready
+
+    # --- sampling ------------------------------------------------------------------------------
+    def _sample(
+        self, batch: list[Request], logits: torch.Tensor, meta: torch.Tensor, hidden: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Eagerly: each row's next token and its kind → [B, C + 1] int64 on the device, recorded
+        in the slots. Constrained and free rows are sampled apart; every op is row-wise, so a row's
+        result does not depend on which group or batch it is in."""
+        groups = []
+        for use_candidates in (True, False):
+            group = [i for i, r in enumerate(batch) if r.sp.constrained == use_candidates]
+            if not group:
+                continue
+            idx = to_device(torch.tensor(group), self.device) if len(group) < len(batch) else slice(None)
+            # What the host knows of the group spares kernels that would change nothing: the window
+            # mask when no row has a window, the penalty when every row's is 1 (x / 1 = x * 1 = x).
+            windowed = any(batch[i].sp.repetition_window > 0 for i in group)
+            penalize = self.program.uses_repetition_penalty and any(
+                batch[i].sp.repetition_penalty != 1.0 and batch[i].sp.repetition_window != 0 for i in group
+            )
+            groups.append((idx, use_candidates, windowed, penalize))
+        return self.sample_rows(logits, meta, hidden, groups)
+
+    def sample_rows(
+        self,
+        logits: torch.Tensor,  # [B, C', V]
+        meta: torch.Tensor,  # [3, B]: slot, tokens sampled before, prompt length
+        hidden: torch.Tensor | None,  # [B, H] for the depth step of several codebooks
+        groups: list[tuple[torch.Tensor | slice, bool, bool, bool]],  # rows, constrained, windowed, penalize
+    ) -> torch.Tensor:
+        """Sample, classify and record every row (device work only, no host sync, so that it can be
+        captured in a graph) → [B, C + 1] int64: the row, then its kind."""
+        slots, n_gen, plen = meta
+        length = n_gen + plen  # history entries: prompt + tokens sampled before this step
+        out = torch.empty(slots.shape[0], dtype=torch.int64, device=self.device)
+        for idx, use_candidates, windowed, penalize in groups:
+            cand = self.program.candidates(self.slots.n_audio[slots[idx]]) if use_candidates else None
+            rows = self.slots.rows(slots[idx], n_gen[idx], length[idx], cand, windowed, penalize)
+            scores = logits[idx, 0]
+            if self.head is not None:
+                scores, rows = self.head.logits(scores), self.head.rows(rows)
+            out[idx] = sample_rows(scores, rows, self.stop_ids)
+        if self.head is not None:
+            out = self.head.ids[out]
+        if self.program.n_codebooks == 1:
+            tokens = out[:, None]  # [B, 1]
+        else:  # codebooks 1..C-1 from the program's depth step, sampled with the same settings
+            tokens = self.forward_runner.decode_tokens(
+                hidden, out, self.slots.rows(slots, n_gen, length, None)
+            )
+        kinds = self.program.classify(tokens, self.slots.n_audio[slots])  # before the count moves
+        self.slots.record(slots, length, tokens, kinds)
+        return torch.cat([tokens, kinds[:, None]], dim=1)  # [B, C + 1]
+
+    def capture_sampling(self, progress: Callable[[str], None] | None = None) -> None:
+        """Sampling graphs for the forward runner's decode buckets (gpu_worker/runner/sample_graphs.py),
+        for a single-codebook program."""
+        if self.program.n_codebooks != 1:
+            return
+        from gpu_worker.runner.sample_graphs import SampleGraphs
+
+        self.forward_runner.scratch_slot = self.slots.scratch  # where its padded decode rows sample
+        modes = (False, True) if self.program.can_constrain else (False,)
+        self.sample_graphs = SampleGraphs(self._sample_all, self.forward_runner, modes, progress)
+
+    def _sample_all(self, logits: torch.Tensor, meta: torch.Tensor, constrained: bool) -> torch.Tensor:
+        """Every row in one mode, window and penalty applied (what a sampling graph captures)."""
+        penalize = self.program.uses_repetition_penalty
+        return self.sample_rows(logits, meta, None, [(slice(None), constrained, True, penalize)])
+
+    def _sampled_in_graph(self, batch: list[Request]) -> torch.Tensor | None:
+        """A decode-only step whose rows share one mode replays its bucket's sampling graph →
+        [B, C + 1], or None (no graphs, prompt rows in the step, constrained and free rows mixed)."""
+        graphs, bucket = self.sample_graphs, getattr(self.forward_runner, "decode_bucket", 0)
+        if graphs is None or not bucket:
+            return None
+        constrained = batch[0].sp.constrained
+        if any(r.sp.constrained != constrained for r in batch):
+            return None
+        return graphs.replay(bucket, constrained)[: len(batch)]

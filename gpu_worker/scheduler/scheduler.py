@@ -1,0 +1,319 @@
+"""The scheduler: which requests run when. It alone decides
+
+- admission: which waiting requests start this step (free slots, KV pages for their whole budget,
+  the prefill row cap, the runner's lanes), and rejection of those that never could;
+- abort and finish: a request's end, its slot and pages given back;
+- sit-out: which running streams, well ahead of their listeners, leave a slow step out (`SitOut`);
+- capacity: the streams this worker keeps real time (`StepClock.capacity` over the requests'
+  `lives`) and the prompts it can start at once (`credits`, which the worker announces).
+
+KV pages for a request's whole budget (max_tokens, prompt included) are reserved when it is
+admitted, so a running request never runs out of pages mid-stream; when pages are short, requests
+wait in arrival order instead. Freeing pages or a slot while a launched step still uses them is
+safe: later writes by a new owner are queued on the same stream, after that step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+
+import numpy as np
+
+from common.config import check_headroom, check_sit_out
+from common.messages import Finished, FinishReason, Prompt
+from gpu_worker.limits import EngineLimits
+from gpu_worker.runner.kv_cache import PageAllocator, pages_for
+from gpu_worker.runner.slots import SlotState
+from gpu_worker.scheduler.pacing import Lives, StepClock
+from gpu_worker.scheduler.request import Request
+from gpu_worker.scheduler.sit_out import SitOut
+from gpu_worker.windows import AudioWindows
+from programs.base import LMProgram
+
+log = logging.getLogger(__name__)
+
+_MAX_TOMBSTONES = 10_000
+
+
+def step_clock(program: LMProgram, limits: EngineLimits) -> StepClock:
+    """The clock that paces admission, from the limits' headrooms (checked)."""
+    check_headroom(limits.realtime_headroom)
+    check_headroom(limits.capacity_headroom, "--capacity-headroom")
+    return StepClock(
+        program.rows_per_second, limits.max_batch_size, limits.realtime_headroom, limits.capacity_headroom
+    )
+
+
+class Scheduler:
+    def __init__(
+        self,
+        program: LMProgram,
+        limits: EngineLimits,
+        num_pages: int,
+        slots: SlotState,
+        clock: StepClock,
+        windows: AudioWindows,
+        sizes: list[int] | None = None,
+        real_time: bool = True,
+    ) -> None:
+        """`num_pages` KV pages and `slots` to hand out; `windows` say how far ahead each stream
+        is; `sizes` the runner's decode buckets (sit-out rounds to them); `real_time` False (CPU:
+        tests, demos) admits by batch size, not by pace."""
+        self.program, self.limits, self.slots, self.clock, self.windows = (
+            program,
+            limits,
+            slots,
+            clock,
+            windows,
+        )
+        self.allocator = PageAllocator(num_pages)
+        self.real_time = real_time
+        # +1 token per request: a launched step may run once past a stop it has not seen yet.
+        self.pages_per_request = pages_for(limits.max_context + 1, limits.page_size)
+        self.waiting: deque[Request] = deque()
+        self.running: dict[str, Request] = {}
+        self.finished: list[Finished] = []
+        self._aborted: dict[str, bool] = {}  # rids aborted before their prompt arrived (bounded)
+        # rid → (generated rows as in Request.generated, stop excluded; reason) when kept (tests, benches).
+        self.outputs: dict[str, tuple[list, FinishReason]] | None = None
+        self.last_batch_size = 0
+        self.sit_out = None
+        check_sit_out(limits.sit_out_lead_s)
+        if limits.sit_out_lead_s > 0:
+            self.sit_out = SitOut(clock, sizes, limits.sit_out_lead_s)
+        self.sitting_out = 0.0  # streams left out of a step (SitOut), averaged
+        # Rows a request generates before it ends (stop or budget), and their square, averaged over
+        # the last ~100 that ended of themselves: what running requests grow to (`lives`).
+        self.gen_rows, self.gen_rows2, self.n_ended = 0.0, 0.0, 0
+        self._lives: Lives | None = None
+
+    # --- requests in and out -------------------------------------------------------------------
+    def add(self, prompt: Prompt) -> None:
+        """Queue a prompt, or end it at once with a 400 when it could never run."""
+        c, limits = self.program.n_codebooks, self.limits
+        if prompt.n_rows < 0 or len(prompt.tokens) != 4 * c * prompt.n_rows:
+            self.reject(
+                prompt.rid, f"prompt holds {len(prompt.tokens)} bytes, not {prompt.n_rows} rows of {c}"
+            )
+            return
+        if prompt.sampling.constrained and not self.program.can_constrain:
+            self.reject(prompt.rid, f"{self.program.name} has no constrained sampling mode")
+            return
+        rows = np.frombuffer(prompt.tokens, dtype="<i4").astype(np.int64).reshape(prompt.n_rows, c)
+        budget = min(prompt.sampling.max_tokens, limits.max_context)
+        need = pages_for(budget + 1, limits.page_size)
+        if need > self.allocator.num_pages - 1:
+            self.reject(
+                prompt.rid,
+                f"max_tokens={prompt.sampling.max_tokens} needs {need} KV pages, more than the whole cache "
+                f"holds ({self.allocator.num_pages - 1}); lower max_tokens or raise --num-pages",
+            )
+            return
+        if prompt.n_rows == 0 or prompt.n_rows >= budget:
+            self.reject(
+                prompt.rid,
+                f"prompt is {prompt.n_rows} tokens, which leaves no room to generate within "
+                f"max_tokens={prompt.sampling.max_tokens} (context limit {limits.max_context})",
+            )
+            return
+        if rows.min() < 0 or rows.max() >= self.program.input_vocab_size:
+            self.reject(prompt.rid, "prompt token ids out of range")
+            return
+        if self._aborted.pop(prompt.rid, False):
+            self.finished.append(Finished(prompt.rid, FinishReason.ABORT))
+            return
+        req = Request(prompt.rid, rows, prompt.sampling, prompt.arrival, budget, urgent=prompt.urgent)
+        if prompt.urgent:  # ahead of every request that has nothing playing yet
+            self.waiting.insert(sum(r.urgent for r in self.waiting), req)
+        else:
+            self.waiting.append(req)
+
+    def reject(self, rid: str, message: str) -> None:
+        """End a request that could not start with an explicit 400."""
+        self.finished.append(Finished(rid, FinishReason.ERROR, message=message, status=400))
+
+    def abort(self, rid: str) -> None:
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                self.finish(req, FinishReason.ABORT)
+                return
+        req = self.running.get(rid)
+        if req is not None:
+            self.finish(req, FinishReason.ABORT)
+            return
+        # The abort overtook its prompt (still in the tokenizer pool): drop the prompt on arrival.
+        self._aborted[rid] = True
+        while len(self._aborted) > _MAX_TOMBSTONES:
+            self._aborted.pop(next(iter(self._aborted)))
+
+    def end_all(self, reason: FinishReason, message: str = "", status: int = 0) -> None:
+        """End every request held, running or waiting, with `reason`."""
+        for req in [*self.running.values(), *self.waiting]:
+            self.finish(req, reason)
+            self.finished[-1].message, self.finished[-1].status = message, status
+        self.waiting.clear()
+
+    def finish(self, req: Request, reason: FinishReason, natural: bool = False) -> None:
+        """End a request and give back its slot and pages; `natural` (it stopped or used its budget)
+        also counts what it generated towards `lives`."""
+        if natural:
+            # what requests generate, averaged over the last ~100 that ended of themselves
+            a = max(0.01, 1.0 / (self.n_ended + 1))
+            self.gen_rows += a * (req.n_gen - self.gen_rows)
+            self.gen_rows2 += a * (req.n_gen**2 - self.gen_rows2)
+            self.n_ended += 1
+        if self.outputs is not None:
+            self.outputs[req.rid] = (req.generated, reason)
+        req.done = True
+        self.running.pop(req.rid, None)
+        if req.slot >= 0:
+            self.slots.release(req.slot)
+            req.slot = -1
+        self.allocator.free(req.pages)
+        req.pages = []
+        self.finished.append(
+            Finished(
+                req.rid, reason, n_tokens=req.n_gen, n_chunks=req.n_chunks, n_prompt_tokens=len(req.prompt)
+            )
+        )
+
+    def take_finished(self) -> list[Finished]:
+        out, self.finished = self.finished, []
+        return out
+
+    @property
+    def num_active(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    # --- one step ------------------------------------------------------------------------------
+    def schedule(self, max_prefills: int) -> list[Request]:
+        """This step's batch: admit what may start (at most `max_prefills` new requests, 0: no
+        limit), leave out the streams sitting this step out, new requests first (the runners split
+        prefill from decode); and tell the clock."""
+        self.admit(max_prefills)
+        # Requests whose budget is used up by launched steps wait for their last results.
+        batch = [r for r in self.running.values() if len(r.prompt) + r.n_launched < r.budget]
+        served = len(batch)
+        n_pre = sum(r.n_ctx == 0 for r in batch)  # prompts, which never sit out
+        batch = self.leave_out_streams_ahead(batch, n_pre)
+        batch.sort(key=lambda r: r.n_ctx != 0)  # new requests first: runners split prefill/decode
+        self.last_batch_size = len(batch)
+        prompt_tokens = sum(len(r.prompt) for r in batch[:n_pre])
+        cost = (len(batch) - n_pre + prompt_tokens, sum(r.n_ctx for r in batch[n_pre:]), n_pre)
+        self.clock.tick(len(batch), served, cost)
+        return batch
+
+    def admit(self, max_prefills: int) -> None:
+        """Waiting requests into slots while slots, KV pages, the prefill row cap and
+        `max_prefills` (the runner's lanes; 0: no limit) last, in order."""
+        prefill_rows = admitted = 0
+        while self.waiting and len(self.running) < self.limits.max_batch_size:
+            req = self.waiting[0]
+            if prefill_rows and prefill_rows + len(req.prompt) > self.limits.max_prefill_rows:
+                break
+            if max_prefills and admitted >= max_prefills:
+                break
+            admitted += 1
+            pages = self.allocator.alloc(pages_for(req.budget + 1, self.limits.page_size))
+            if pages is None:
+                break  # wait for a running request to finish and free its pages
+            self.waiting.popleft()
+            req.pages = pages
+            req.slot = self.slots.admit(req.sp, req.prompt[:, 0], self.program.uses_repetition_penalty)
+            p = self.program
+            req.audio = np.zeros((p.detok_preseed + req.budget, p.n_codebooks), dtype="<i4")
+            req.audio[: p.detok_preseed] = p.preseed_rows()
+            req.n_audio = p.detok_preseed
+            req.admitted_at = time.time()
+            self.running[req.rid] = req
+            prefill_rows += len(req.prompt)
+
+    def leave_out_streams_ahead(self, batch: list[Request], prompts: int) -> list[Request]:
+        """The batch (`prompts` of its requests new) less the streams sitting this step out
+        (`SitOut`): only streams on their regular windows (past the tail windows of progressive
+        mode, or a lead window and one more chunk), by their listener's audio in hand (sent, less
+        played by the clock since the first chunk left)."""
+        if self.sit_out is None or not batch:
+            self.sitting_out = 0.0
+            return batch
+        now, progressive = self.windows.now(), self.windows.progressive
+        leads = [
+            r.sent_s - (now - r.t_first) if (r.switched if progressive else r.n_chunks > 1) else -np.inf
+            for r in batch
+        ]
+        out = self.sit_out.choose(leads, prompts)
+        self.sitting_out += 0.05 * (len(out) - self.sitting_out)
+        if not out:
+            return batch
+        skip = set(out)
+        return [r for i, r in enumerate(batch) if i not in skip]
+
+    # --- capacity ------------------------------------------------------------------------------
+    def credits(self) -> int:
+        """Prompts this worker can start at once: free slots, and no more than the free KV pages
+        cover at a full budget each (an idle worker always takes one)."""
+        slots = self.limits.max_batch_size - self.num_active
+        pages = self.allocator.num_free // self.pages_per_request - len(self.waiting)
+        credits = min(slots, pages)
+        if self.num_active == 0:
+            credits = max(credits, 1)
+        return max(0, credits)
+
+    def capacity(self, lives: Lives | None) -> float:
+        """Concurrent streams this worker keeps real time (`StepClock.capacity` at `lives`); its
+        batch size where nothing is real time."""
+        return self.clock.capacity(lives=lives) if self.real_time else self.limits.max_batch_size
+
+    def lives(self) -> Lives | None:
+        """The requests this worker serves, over their lives (for `StepClock.capacity`): the
+        context a running one attends over averaged over its time in a slot, its prompt and the rows
+        it generates. As requests that ended of themselves generated n rows, a slot's context is on
+        average its prompt and E[n^2] / (2 E[n]) (a longer request holds its slot longer), and a slot
+        takes a new prompt every E[n] steps; within each running request's budget, and its budget
+        before any ended. While none runs: the last prompts, and what requests generated (None
+        before any ran), so that an idle worker admits as it did."""
+        if not self.running:
+            if self._lives is None or not self.gen_rows:
+                return self._lives
+            held = self.gen_rows2 / self.gen_rows
+            return Lives(self._lives.prompt_tokens + 0.5 * held, self._lives.prompt_tokens, self.gen_rows)
+        held = self.gen_rows2 / self.gen_rows if self.gen_rows > 0 else math.inf
+        prompt = context = rows = 0.0
+        for r in self.running.values():
+            prompt += len(r.prompt)
+            context += len(r.prompt) + 0.5 * min(r.gen_budget, held)
+            rows += min(r.gen_budget, self.gen_rows or math.inf)
+        n = len(self.running)
+        self._lives = Lives(context=context / n, prompt_tokens=prompt / n, rows=rows / n)
+        return self._lives
+
+    def step_cost(self) -> dict[str, float]:
+        """The step's cost model as fitted (`StepCost`), for /metrics."""
+        fit = self.clock.cost.coefficients()
+        if fit is None:
+            return {}
+        a, b, c, d = fit
+        return {"step_cost_fixed_ms": round(1e3 * a, 3), "step_cost_token_us": round(1e6 * b, 3),
+                "step_cost_kcontext_us": round(1e6 * c, 3), "step_cost_prompt_ms": round(1e3 * d, 3)}  # fmt: skip
+
+    def calibrate(self, runner, progress=None) -> None:
+        """Steps that differ in one part, timed on `runner` (a GraphRunner) before any request
+        (gpu_worker/scheduler/calibrate.py), for the fit behind admission. A failure leaves the fit
+        to the steps served."""
+        from gpu_worker.scheduler.calibrate import step_differences
+
+        try:
+            diffs = step_differences(
+                runner, self.allocator.num_pages, self.limits.page_size, self.limits.max_context,
+                self.program.n_codebooks, progress,
+            )  # fmt: skip
+        except Exception:
+            log.exception(
+                "measuring the step's parts at startup failed; admission fits them from the steps served"
+            )
+            return
+        self.clock.cost.calibrate(diffs)
