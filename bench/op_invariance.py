@@ -6,7 +6,7 @@ computes the same first row alone and inside batches of the decode buckets' size
 other rows, and reports the first batch size at which that row's output is no longer bit-identical
 to its output alone (None: identical at every size):
 
-- the GEMMs of an Orpheus-3B layer and the audio head, bf16 (`F.linear`) and fp8 (`programs.fp8`,
+- the GEMMs of an Orpheus-3B layer and the audio head, bf16 (`F.linear`) and fp8 (`programs.blocks.fp8`,
   per-row activation scales, `torch._scaled_mm`); and the same GEMMs over a mixed step's rows (a
   prompt bucket's, then a decode bucket's) as one GEMM against one per part (`mixed_gemm`: the
   first such pair of sizes whose rows differ);
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from gpu_worker.runner.graphs import decode_buckets
 from gpu_worker.runner.sampler import row_cumsum
-from programs import fp8
+from programs.blocks import fp8
 
 HIDDEN, INTER, HQ, HKV, D, AUDIO_HEAD = 3072, 8192, 24, 8, 128, 4112
 # (name, output features, input features): Orpheus-3B's fused projections and its audio-only head

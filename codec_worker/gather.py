@@ -1,7 +1,7 @@
 """When the codec worker decodes: gather windows from several steps into one batch while every
 waiting window's listener still has audio to play.
 
-A codec call has a fixed cost (a SNAC graph replay is ~1 ms at batch 1 on the H200) besides its
+A codec call has a fixed cost (a graph replay of a 24 kHz codec is ~1 ms at batch 1 on the H200) besides its
 per-window cost, and its batch is padded up to a graph bucket. Decoding each LM step's few dozen
 windows on arrival pays both about a hundred times a second, on the GPU the LM needs. Each
 DetokChunk says how long its listener can wait (`slack_ms`, stamped by the gpu_worker: audio

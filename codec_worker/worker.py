@@ -32,8 +32,9 @@ from common.messages import (
     ProcState,
 )
 from common.proc import StatusReporter
-from programs import get_spec, load_program_class, rng
+from programs import get_spec, load_program_class
 from programs.base import LMProgram, pcm16
+from programs.blocks import rng
 
 # A launched decode: the chunks, and per part (their positions in it) the pending result.
 Launched = tuple[list[DetokChunk], list[tuple[list[int], Pending]]]

@@ -29,8 +29,9 @@ ROLE_COMMANDS = {
 
 
 def _validate(cfg: ServeConfig) -> None:
-    from programs import get_spec
+    from programs import get_spec, served_name
 
+    cfg.model = served_name(cfg.model)  # "" → the registry's default, named for every process
     check_model_settings(cfg, get_spec(cfg.model))  # get_spec raises with the list of models
     cfg.check()
     if cfg.zmq_curve_dir:
@@ -77,9 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     if args.command == "models":
-        from programs import model_names
+        from programs import DEFAULT_MODEL, model_names
 
-        print("\n".join(model_names()))
+        print("\n".join(f"{n} (default)" if n == DEFAULT_MODEL else n for n in model_names()))
         return
     if args.command == "keys":
         from common.ipc import create_curve_keys

@@ -122,8 +122,8 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     # an fp8 cache on Hopper). Prefill rows always run on FlashInfer.
     decode_attention: str = "auto"
     # FlashInfer's decode kernel: on tensor cores (its FA2 prefill kernel; 0.85-0.89x the time of the
-    # CUDA-core kernel for a 3B model's bf16 cache on the H200), or the CUDA-core decode kernel
-    # (bench/attention_kv.py compares them; with an fp8 cache it is not measured yet).
+    # CUDA-core kernel for a 3B Llama's bf16 cache on the H200), or the CUDA-core decode kernel
+    # (bench/attention_kv.py compares them; with an fp8 cache it is not measured).
     decode_tensor_cores: bool = True
     # A step's first new prompt runs in one graph with its decode rows (gpu_worker.runner.graphs, mixed
     # graphs) when the program allows it; False: in a prefill graph of its own.
@@ -163,7 +163,7 @@ class CodecSettings(msgspec.Struct, kw_only=True):
     """The codec_worker: its device, precision, graphs and batching."""
 
     device: str = "auto"  # auto = the gpu_worker's device; a list like --device
-    dtype: str = "auto"  # auto = the model's choice (orpheus: float32)
+    dtype: str = "auto"  # auto = the model's choice (its program's codec_dtype)
     compile: str = "auto"  # auto | on | off (torch.compile of regular windows)
     max_batch: int = 0  # windows per decode call (0 = 128 on GPU, 64 on CPU)
     gather_ms: float = 30.0  # longest a window waits to share a decode call
@@ -180,7 +180,7 @@ class CodecSettings(msgspec.Struct, kw_only=True):
 class ServeConfig(msgspec.Struct, kw_only=True):
     """One deployment: what every process shares, and each kind of process's own settings."""
 
-    model: str = "orpheus-tiny"
+    model: str = ""  # "" = the registry's default model (`voxpipe models` marks it)
     # gpu_worker: "cpu", "cuda", "cuda:N"; auto = cuda if available. serve with --gpu-workers N:
     # one device, or a comma-separated list of N (auto/cuda → cuda:i per pair)
     device: str = "auto"

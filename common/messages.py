@@ -58,6 +58,10 @@ class GenerateRequest(msgspec.Struct, tag="gen", **_STRUCT):
     # wait behind arrivals that have nothing playing yet. Each admitted stream has at most one
     # segment in flight, so urgent work never exceeds the streams already admitted.
     urgent: bool = False
+    # Size the prompt instead of building it: the tokenizer worker answers with the `PromptSize` of
+    # this request's model options (the gateway asks before it cuts a long text into segments, for
+    # options that add prompt rows: ModelSpec.sized_options).
+    size_only: bool = False
 
 
 class Prompt(msgspec.Struct, tag="prompt", **_STRUCT):
@@ -70,6 +74,22 @@ class Prompt(msgspec.Struct, tag="prompt", **_STRUCT):
     sampling: SamplingParams
     arrival: float = 0.0
     urgent: bool = False  # as GenerateRequest.urgent
+
+    def shape_error(self, n_codebooks: int) -> str:
+        """Why `tokens` is not `n_rows` rows of n_codebooks int32 ids ("" when it is): the one check
+        a process that takes a Prompt off the wire makes before reading it (the tokenizer worker
+        checks the rows it builds in full: shape, id range, length)."""
+        if self.n_rows < 0 or len(self.tokens) != 4 * n_codebooks * self.n_rows:
+            return f"{len(self.tokens)} bytes for {self.n_rows} rows of {n_codebooks} int32 ids"
+        return ""
+
+
+class PromptSize(msgspec.Struct, tag="psize", **_STRUCT):
+    """tokenizer_worker → gateway: the answer to a `size_only` GenerateRequest: the prompt rows the
+    request's model options add beyond ModelSpec.prompt_overhead (the program's `option_rows`)."""
+
+    rid: str
+    rows: int
 
 
 class Abort(msgspec.Struct, tag="abort", **_STRUCT):
@@ -164,10 +184,44 @@ class ProcStatus(msgspec.Struct, tag="status", **_STRUCT):
     metrics: dict[str, float] = {}
 
 
+class ModelSpec(msgspec.Struct, tag="spec", **_STRUCT):
+    """tokenizer_worker → gateway: every fact about the served model that the gateway needs, from
+    the model's program (`LMProgram.model_spec`), so the gateway never imports `programs` or torch.
+    A tokenizer worker sends it when it is ready and again every few seconds (a restarted gateway
+    learns it within that time; until then it answers speech requests with 503)."""
+
+    name: str  # the served --model name, as the client gives it
+    aliases: list[str]  # the registry's other names for the same model
+    voices: list[str]
+    default_voice: str
+    sample_rate: int  # Hz of the PCM16 the codec_worker sends
+    rows_per_second: float  # generated rows per second of audio (the real-time pace of a stream)
+    max_tokens: int  # a generation's token budget, prompt included (the model's context)
+    vocab_size: int  # sampleable ids of codebook 0: top_k's upper bound
+    # Rows a prompt holds besides its text's tokens (special ids, the template around the text for
+    # the longest voice), with no model options: a prompt of a text of b UTF-8 bytes has at most
+    # prompt_overhead + b rows (byte-level tokenizers), which is how long texts are cut.
+    prompt_overhead: int
+    window_rows: int  # rows of one codec window: the least audio a segment of a long text has room for
+    sampling: SamplingParams  # the model's sampling defaults (seed, max_tokens, min_tokens unused)
+    constrained: bool = False  # constrained sampling by default (--constrained overrides)
+    constrainable: bool = False  # the model has a constrained sampling mode
+    # The model's own request options: name → description (string fields of both endpoints, passed
+    # to the program's preprocess as model_kwargs).
+    options: dict[str, str] = {}
+    # Request fields of OpenAI's API the model cannot honour → why, said in the 400 (e.g. "speed",
+    # "instructions"); a field not listed here goes to the program as a model option.
+    refused: dict[str, str] = {}
+    n_codebooks: int = 1  # ids per prompt row (Prompt.shape_error)
+    # Options whose value adds prompt rows (a conversation context): a request that sets one is
+    # sized by the tokenizer pool (GenerateRequest.size_only) before its text is cut into segments.
+    sized_options: list[str] = []
+
+
 # One union per receiving socket.
 GpuInMsg = Prompt | Abort
 CodecInMsg = DetokBatch
-GatewayInMsg = AudioChunks | RequestError | ProcStatus | Prompt
+GatewayInMsg = AudioChunks | RequestError | ProcStatus | Prompt | ModelSpec | PromptSize
 
 
 # --- Pool control and taps --------------------------------------------------------------------
@@ -222,4 +276,14 @@ class TapHeader(msgspec.Struct, **_STRUCT):
 
 PoolWorkerMsg = WorkerReady | WorkerLeaving  # pool worker → dispatcher
 # Everything a tap can carry: one decoder for `voxpipe tap`.
-TapMsg = GenerateRequest | Prompt | Abort | DetokBatch | AudioChunks | RequestError | ProcStatus | StageEvent
+TapMsg = (
+    GenerateRequest
+    | Prompt
+    | Abort
+    | DetokBatch
+    | AudioChunks
+    | RequestError
+    | ProcStatus
+    | StageEvent
+    | ModelSpec
+)

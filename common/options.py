@@ -87,7 +87,7 @@ def _address_roles(field: str) -> tuple[str, ...]:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("model", "model name (see `voxpipe models`)", _ALL),
+    Option("model", "model name (see `voxpipe models`; default: the one it marks)", _ALL),
     Option(
         "host",
         "HTTP bind address (127.0.0.1: this host only; 0.0.0.0 in a container)",
@@ -141,7 +141,7 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "codec_dtype",
-        "codec precision: auto (the model's choice; orpheus: float32), float32, bfloat16, float16",
+        "codec precision: auto (the model's choice), float32, bfloat16, float16",
         ("serve", "codec_worker"),
         choices=("auto", "float32", "bfloat16", "float16"),
         path="codec.dtype",
@@ -195,7 +195,7 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "capacity_headroom",
-        "admission: the share of a row's playback time (12.2 ms for Orpheus) that an engine step of "
+        "admission: the share of a row's playback time (1 / the model's rows per second) that an engine step of "
         "every admitted stream, at the context each attends over on average in its life, may take "
         "by the gpu_worker's fitted step cost; lower keeps more margin against streams aging "
         "together and uneven steps, higher admits more streams per GPU (0.5..1.0)",

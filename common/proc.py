@@ -137,7 +137,7 @@ def use_uvloop() -> bool:
 def freeze_startup_objects() -> None:
     """What startup built (models, graphs, tables, imported modules) lives as long as the process:
     move it out of the cyclic collector's reach. A full collection over it took ~78 ms with the
-    orpheus-tiny engine loaded (173k objects, 2-core CPU), a pause in the serving loop; after
+    tiny model's engine loaded (173k objects, 2-core CPU), a pause in the serving loop; after
     `gc.freeze()`, 0 ms."""
     gc.collect()
     gc.freeze()

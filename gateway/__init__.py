@@ -1,23 +1,26 @@
 """The voxpipe gateway: the HTTP front door (aiohttp) of the worker pipeline.
 
 `build_app(cfg)` gives the aiohttp application; `python -m gateway --config-json ...` runs it.
-The gateway never imports torch: model constants come from `programs.get_spec`.
+The gateway never imports torch or `programs`: model facts come from the `ModelSpec` that the
+tokenizer workers announce.
 
-Modules: `server` (the Gateway: sockets, inbox, /generate, /health, /ready, /metrics), `openai`
+Modules: `pipeline` (the pipeline client: sockets, inbox, requests in flight, the model's spec),
+`server` (the HTTP app: /generate, /health, /ready, /metrics, and the routes below), `openai`
 (/v1/audio/speech, /v1/models), `openapi` (/openapi.json), `fields` + `validation` (the request
 field tables and their checks), `segments` (long text: splitting and joining), `synthesis` (one
 request's segments as one event stream), `respond` (streamed, whole or SSE responses), `encoders`
 (wav, pcm, flac, mp3, opus), `metrics` (Prometheus), `procs` (/ready), `body`, `events`, `wav`.
 """
 
-from gateway.server import IDLE_TIMEOUT_S, Gateway, build_app
+from gateway.pipeline import IDLE_TIMEOUT_S, Pipeline
+from gateway.server import build_app
 from gateway.validation import BadRequest, GenerateParams, parse_generate
 from gateway.wav import wav_file, wav_header
 
 __all__ = [
     "IDLE_TIMEOUT_S",
     "BadRequest",
-    "Gateway",
+    "Pipeline",
     "GenerateParams",
     "build_app",
     "parse_generate",

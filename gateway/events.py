@@ -1,8 +1,8 @@
 """What a request's handler waits on: the events the inbox task routes to each request.
 
-The inbox turns worker messages into three kinds of event on the request's queue: PCM bytes (one
-audio chunk), `Done` (the workers finished or cancelled it) and `Failed` (with the HTTP status to
-answer). Handlers never see wire structs, so the HTTP side does not change when a message does.
+The inbox turns worker messages into four kinds of event on the request's queue: PCM bytes (one
+audio chunk), `Done` (the workers finished or cancelled it), `Failed` (with the HTTP status to
+answer) and `Sized` (the answer to a sizing request). Handlers never see wire structs, so the HTTP side does not change when a message does.
 """
 
 from __future__ import annotations
@@ -35,7 +35,14 @@ class Failed:
     message: str
 
 
-Event = bytes | Done | Failed  # bytes: int16 little-endian PCM of one audio chunk
+@dataclasses.dataclass(frozen=True)
+class Sized:
+    """The prompt rows a request's model options add (a tokenizer worker's PromptSize)."""
+
+    rows: int
+
+
+Event = bytes | Done | Failed | Sized  # bytes: int16 little-endian PCM of one audio chunk
 
 
 class ClientGone(Exception):

@@ -16,15 +16,17 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from common.messages import ModelSpec
 from gateway.body import BodyError, read_fields
 from gateway.encoders import available_formats, make_encoder
+from gateway.events import Failed
 from gateway.metrics import outcome_of
 from gateway.respond import error_body, speak
 from gateway.segments import text_limit
 from gateway.validation import BadRequest, accepted_models, max_tokens_limit, parse_speech
 
 if TYPE_CHECKING:
-    from gateway.server import Gateway
+    from gateway.pipeline import Pipeline
 
 log = logging.getLogger(__name__)
 
@@ -42,40 +44,43 @@ def openai_error(
     )
 
 
-def model_card(gateway: Gateway) -> dict[str, Any]:
+def model_card(pipeline: Pipeline, spec: ModelSpec) -> dict[str, Any]:
     """The served model as an OpenAI model object, with what a speech client needs to know."""
-    spec = gateway.spec
     return {
-        "id": gateway.cfg.model,
+        "id": spec.name,
         "object": "model",
-        "created": gateway.created,
+        "created": pipeline.created,
         "owned_by": "voxpipe",
-        "aliases": accepted_models(gateway.cfg.model)[1:],
-        "voices": list(spec.get("voices", [])),
-        "default_voice": spec.get("default_voice"),
-        "sample_rate": gateway.sample_rate,
-        "response_formats": list(available_formats(gateway.sample_rate)),
-        "max_input_chars": text_limit(gateway.cfg),
-        "max_tokens": max_tokens_limit(spec, gateway.cfg),
+        "aliases": accepted_models(spec)[1:],
+        "voices": list(spec.voices),
+        "default_voice": spec.default_voice,
+        "sample_rate": spec.sample_rate,
+        "response_formats": list(available_formats(spec.sample_rate)),
+        "max_input_chars": text_limit(pipeline.cfg),
+        "max_tokens": max_tokens_limit(spec, pipeline.cfg),
     }
 
 
 class OpenAIRoutes:
     """The /v1 handlers of one gateway."""
 
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
 
     async def speech(self, request: web.Request) -> web.StreamResponse:
-        gateway = self.gateway
+        gateway = self.pipeline
         started = time.monotonic()
         rid, clash = gateway.request_id(request)
         headers = {"X-Request-Id": rid}
         if clash:
             return openai_error(409, clash, headers)
+        spec = gateway.model_spec()
+        if isinstance(spec, Failed):
+            gateway.metrics.finished("speech", outcome_of(spec.status))
+            return openai_error(spec.status, spec.message, headers)
         try:
-            params = parse_speech(await read_fields(request), gateway.spec, gateway.cfg)
-            encoder = make_encoder(params.response_format, gateway.sample_rate, params.streaming)
+            params = parse_speech(await read_fields(request), spec, gateway.cfg)
+            encoder = make_encoder(params.response_format, spec.sample_rate, params.streaming)
         except BadRequest as e:
             gateway.metrics.finished("speech", outcome_of(e.status))
             return openai_error(e.status, str(e), headers, e.param, e.code)
@@ -103,20 +108,27 @@ class OpenAIRoutes:
         )
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [model_card(self.gateway)]})
+        spec = self.pipeline.model_spec()
+        if isinstance(spec, Failed):
+            return openai_error(spec.status, spec.message)
+        return web.json_response({"object": "list", "data": [model_card(self.pipeline, spec)]})
 
     async def model(self, request: web.Request) -> web.Response:
+        spec = self.pipeline.model_spec()
+        if isinstance(spec, Failed):
+            return openai_error(spec.status, spec.message)
         name = request.match_info["model"]
-        served = self.gateway.cfg.model
-        if name.lower() not in {m.lower() for m in accepted_models(served)}:
+        if name.lower() not in {m.lower() for m in accepted_models(spec)}:
             return openai_error(
-                404, f"model {name!r} is not served here; this server serves {served}", code="model_not_found"
+                404,
+                f"model {name!r} is not served here; this server serves {spec.name}",
+                code="model_not_found",
             )
-        return web.json_response(model_card(self.gateway))
+        return web.json_response(model_card(self.pipeline, spec))
 
 
-def add_routes(app: web.Application, gateway: Gateway) -> None:
-    routes = OpenAIRoutes(gateway)
+def add_routes(app: web.Application, pipeline: Pipeline) -> None:
+    routes = OpenAIRoutes(pipeline)
     app.router.add_post("/v1/audio/speech", routes.speech)
     app.router.add_get("/v1/models", routes.models)
     app.router.add_get("/v1/models/{model:.+}", routes.model)  # ids may hold a slash (org/name)

@@ -13,12 +13,15 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from common.config import ServeConfig
+from common.messages import ModelSpec
 from gateway.encoders import available_formats, content_type
+from gateway.events import Failed
 from gateway.fields import schema_of
 from gateway.validation import generate_fields, speech_fields
 
 if TYPE_CHECKING:
-    from gateway.server import Gateway
+    from gateway.pipeline import Pipeline
 
 _BINARY = {"type": "string", "format": "binary"}
 
@@ -46,10 +49,9 @@ _REQUEST_ERRORS = {
 }
 
 
-def document(gateway: Gateway) -> dict[str, Any]:
-    """The OpenAPI document for this gateway's model and settings."""
-    spec, cfg = gateway.spec, gateway.cfg
-    formats = available_formats(gateway.sample_rate)
+def document(spec: ModelSpec, cfg: ServeConfig) -> dict[str, Any]:
+    """The OpenAPI document for the served model and this gateway's settings."""
+    formats = available_formats(spec.sample_rate)
     generate_body = {"schema": _ref("GenerateRequest")}
     speech_audio = {content_type(f): {"schema": _BINARY} for f in formats}
     return {
@@ -57,7 +59,7 @@ def document(gateway: Gateway) -> dict[str, Any]:
         "info": {
             "title": "voxpipe",
             "version": _version(),
-            "description": f"Speech synthesis with {cfg.model}: {gateway.sample_rate} Hz mono audio.",
+            "description": f"Speech synthesis with {spec.name}: {spec.sample_rate} Hz mono audio.",
         },
         "paths": {
             "/generate": {
@@ -123,7 +125,7 @@ def document(gateway: Gateway) -> dict[str, Any]:
             },
             "/ready": {
                 "get": {
-                    "summary": "Whether every process is ready, and each process's state.",
+                    "summary": "Whether every process is ready and the model known, and each process's state.",
                     "responses": {"200": _json("All ready.", {}), "503": _json("Not all ready.", {})},
                 }
             },
@@ -224,12 +226,19 @@ def _version() -> str:
         return "0+unknown"
 
 
-def add_routes(app: web.Application, gateway: Gateway) -> None:
-    doc = document(gateway)  # fixed for the life of the app: it depends only on the config
-    if gateway.requires_key:
-        doc = _secure(doc)
+def add_routes(app: web.Application, pipeline: Pipeline, requires_key: bool) -> None:
+    docs: dict[int, dict[str, Any]] = {}  # id(spec) → its document: it depends only on spec and config
 
     async def handle_openapi(request: web.Request) -> web.Response:
+        spec = pipeline.model_spec()
+        if isinstance(spec, Failed):
+            return web.json_response({"error": spec.message}, status=spec.status)
+        doc = docs.get(id(spec))
+        if doc is None:
+            docs.clear()  # a newer announcement replaced the spec
+            doc = docs[id(spec)] = (
+                _secure(document(spec, pipeline.cfg)) if requires_key else document(spec, pipeline.cfg)
+            )
         return web.json_response(doc)
 
     app.router.add_get("/openapi.json", handle_openapi)

@@ -20,7 +20,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
@@ -28,11 +28,9 @@ from common.ipc import publish_stage
 from gateway.encoders import Encoder
 from gateway.events import ClientGone, Done, Event, Failed
 from gateway.metrics import outcome_of
+from gateway.pipeline import Pipeline
 from gateway.synthesis import Synthesis
 from gateway.validation import GenerateParams
-
-if TYPE_CHECKING:
-    from gateway.server import Gateway
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +73,7 @@ class _Coder:
 
 
 async def speak(
-    gateway: Gateway,
+    gateway: Pipeline,
     request: web.Request,
     rid: str,
     params: GenerateParams,
@@ -301,13 +299,3 @@ def _break_stream(request: web.Request) -> None:
     audio already written; aiohttp's later write_eof then fails quietly on the closed transport."""
     if request.transport is not None:
         request.transport.close()
-
-
-_RID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:-")
-
-
-def client_request_id(request: web.Request) -> str | None:
-    """The client's X-Request-Id when it is 1-64 of [A-Za-z0-9._:-] (so `voxpipe tap --rid` can
-    follow a request its client names), else None: the gateway makes one."""
-    rid = request.headers.get("X-Request-Id", "")
-    return rid if 0 < len(rid) <= 64 and set(rid) <= _RID_CHARS else None

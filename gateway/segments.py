@@ -1,7 +1,7 @@
 """Long text: splitting it into segments one generation can speak, and joining their audio.
 
-A generation has a token budget (the model's max_tokens, prompt included: 1200 for Orpheus, 400
-for orpheus-tiny) that must hold the prompt and every audio token of the speech. Longer input is
+A generation has a token budget (the model's max_tokens, prompt included) that must hold the prompt
+and every audio token of the speech. Longer input is
 cut at sentence ends into segments, generated one after another as separate requests (so a long
 text holds one slot at a time), and streamed in order.
 
@@ -11,8 +11,9 @@ for byte-level tokenizers such as Llama 3's):
     budget = floor((max_tokens - prompt_overhead) / (1 + rows_per_second / SLOW_SPEECH_BYTES_PER_S))
 
 i.e. each byte costs at most one prompt token plus the audio tokens of slow speech (10 bytes/s;
-people speak 12-16). Orpheus: 82.03 audio tokens/s, so 129 bytes per segment (~9 s of speech);
-orpheus-tiny: 42. A text longer than the budget is cut into n = ceil(len / budget) segments of
+people speak 12-16); `prompt_overhead` and `rows_per_second` come from the model's spec (the
+program computes them). A model of 82.03 rows/s with 12 rows of overhead and 1200 tokens: 129
+bytes per segment (~9 s of speech). A text longer than the budget is cut into n = ceil(len / budget) segments of
 about len / n bytes each (even sizes, not a full budget then a scrap): sentences are packed while
 that brings a segment closer to len / n, a sentence longer than the budget is cut at clause
 punctuation, then between words, then between characters.
@@ -26,13 +27,11 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 
 from common.config import ServeConfig
-from programs import rows_per_second
+from common.messages import ModelSpec
 
 # --max-text-chars may not exceed this: about an hour of speech in one HTTP response.
 MAX_TEXT_CHARS_LIMIT = 50_000
@@ -55,19 +54,10 @@ def text_limit(cfg: ServeConfig) -> int:
     return max(1, min(cfg.gateway.max_text_chars, MAX_TEXT_CHARS_LIMIT))
 
 
-def prompt_overhead(spec: Mapping[str, Any]) -> int:
-    """Prompt tokens that are not the text: special ids, BOS and the template around the text
-    (its characters counted as bytes, for the longest voice name)."""
-    voices = spec.get("voices") or [""]
-    template = str(spec.get("text_template", "{text}"))
-    around = max(len(template.format(voice=v, text="").encode()) for v in voices)
-    return len(spec.get("prefix_ids", ())) + len(spec.get("suffix_ids", ())) + 1 + around
-
-
-def segment_budget(spec: Mapping[str, Any], max_tokens: int) -> int:
+def segment_budget(spec: ModelSpec, max_tokens: int) -> int:
     """The most UTF-8 bytes of text one generation of `max_tokens` can surely speak (see above)."""
-    per_byte = 1.0 + rows_per_second(spec) / SLOW_SPEECH_BYTES_PER_S
-    return max(1, math.floor((max_tokens - prompt_overhead(spec)) / per_byte))
+    per_byte = 1.0 + spec.rows_per_second / SLOW_SPEECH_BYTES_PER_S
+    return max(1, math.floor((max_tokens - spec.prompt_overhead) / per_byte))
 
 
 def split_text(text: str, budget: int) -> list[str]:

@@ -7,6 +7,10 @@ PCM goes through a `Joiner` (fades at the joins) and comes out of `next()` in or
 one `Done` (or the first `Failed`). A single-segment request keeps the HTTP request id and its
 audio passes through untouched.
 
+A request that sets a model option which adds prompt rows (ModelSpec.sized_options, e.g. a
+conversation context) is first sized by the tokenizer pool (`GenerateRequest.size_only`: the
+program counts the rows), and its text is cut for the budget those rows leave.
+
 `close()` must run when the handler ends for any reason: it aborts the segment in flight on the
 gpu_worker unless the workers already ended it, so no KV pages stay held by a dead request.
 """
@@ -14,32 +18,28 @@ gpu_worker unless the workers already ended it, so no KV pages stay held by a de
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import msgspec
 from aiohttp import web
 
 from common.messages import GenerateRequest
-from gateway.events import Done, Event, Failed, Pending
+from gateway.events import Done, Event, Failed, Pending, Sized
+from gateway.pipeline import Pipeline
 from gateway.segments import FADE_S, Joiner
-from gateway.validation import SEED_MAX, GenerateParams
-
-if TYPE_CHECKING:
-    from gateway.server import Gateway
+from gateway.validation import SEED_MAX, BadRequest, GenerateParams, plan_segments
 
 
 class Synthesis:
     """Submits a request's segments one by one and merges their audio into one event stream."""
 
     def __init__(
-        self, gateway: Gateway, request: web.Request, rid: str, params: GenerateParams, started: float
+        self, gateway: Pipeline, request: web.Request, rid: str, params: GenerateParams, started: float
     ) -> None:
         self.gateway = gateway
         self.request = request
         self.params = params
-        self.segments = params.segments or (params.text,)
-        n = len(self.segments)
-        self.rids = [rid] if n == 1 else [f"{rid}.{k}" for k in range(n)]
+        self.rid = rid
+        self._set_segments(params.segments or (params.text,))
         self.joiner = Joiner(round(FADE_S * gateway.sample_rate))
         self.started = started  # time.monotonic() at the request's arrival
         self.index = -1  # segment in flight
@@ -52,6 +52,10 @@ class Synthesis:
     async def next(self) -> Event:
         """The next PCM bytes, or how the whole request ended: Done after the last segment, or the
         first Failed / Done(ABORT). Raises ClientGone if the client disconnects while waiting."""
+        if self.index == -1 and self._sized_options():
+            failed = await self._size()
+            if failed is not None:
+                return failed
         while True:
             if self._pending is None:
                 failed = await self._submit_next()
@@ -102,6 +106,47 @@ class Synthesis:
             urgent=k > 0,  # the stream is already playing segment k - 1
         )
         return await self.gateway.submit(req)  # on failure close() aborts it, in case it got through
+
+    def _set_segments(self, segments: tuple[str, ...]) -> None:
+        self.segments = segments
+        n = len(segments)
+        self.rids = [self.rid] if n == 1 else [f"{self.rid}.{k}" for k in range(n)]
+
+    def _sized_options(self) -> bool:
+        spec = self.gateway.spec
+        return spec is not None and any(name in spec.sized_options for name, _ in self.params.options)
+
+    async def _size(self) -> Failed | None:
+        """Ask the tokenizer pool how many prompt rows the request's options add, and cut the text
+        for what they leave of the budget (a Failed when it cannot be)."""
+        rid = f"{self.rid}:size"
+        pending = self.gateway.register(rid)
+        try:
+            req = GenerateRequest(
+                rid=rid,
+                text="",
+                sampling=self.params.sampling,
+                model_kwargs={"voice": self.params.voice, **dict(self.params.options)},
+                arrival=time.time(),
+                size_only=True,
+            )
+            failed = await self.gateway.submit(req)
+            event = failed or await self.gateway.next_event(self.request, pending)
+        finally:
+            self.gateway.release(rid)
+        if isinstance(event, Failed):
+            return event
+        if not isinstance(event, Sized):
+            return Failed(500, f"a tokenizer worker answered a sizing request with {type(event).__name__}")
+        spec, params = self.gateway.spec, self.params
+        assert spec is not None
+        try:
+            self._set_segments(
+                plan_segments(params.text, params.sampling.max_tokens, spec, self.gateway.cfg, event.rows)
+            )
+        except BadRequest as e:
+            return Failed(e.status, str(e))
+        return None
 
     def _end_segment(self) -> None:
         if self._pending is not None:

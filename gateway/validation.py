@@ -1,7 +1,8 @@
 """Validation of `POST /generate` and `POST /v1/audio/speech` bodies: pure functions from the decoded
 fields to a request, driven by the field tables below (which /openapi.json also publishes).
 
-Defaults come from the model spec (`programs.<x>.spec`), so the gateway needs no torch. Texts may be
+Defaults come from the model's `ModelSpec` (announced by the tokenizer workers), so the gateway needs
+neither torch nor `programs`. Texts may be
 longer than one generation can speak: `gateway.segments` splits them; the limit here is
 --max-text-chars on the whole input.
 """
@@ -13,17 +14,16 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
+
 from common.config import ServeConfig
-from common.messages import SamplingParams
+from common.messages import ModelSpec, SamplingParams
 from gateway.encoders import available_formats, default_format
 from gateway.fields import BadRequest, Field, parse_fields, show
-from gateway.segments import MAX_TEXT_CHARS_LIMIT, prompt_overhead, segment_budget, split_text, text_limit
-from programs import get_spec, model_names
+from gateway.segments import MAX_TEXT_CHARS_LIMIT, segment_budget, split_text, text_limit
 
-# Used when the spec does not say how large the vocabulary is; any larger k means "all tokens".
-TOP_K_MAX = 1_000_000
 SEED_MAX = 2**63 - 1
-_OPTION_MAX_CHARS = 4_000_000  # a model option may carry audio codes (CSM's context)
+_OPTION_MAX_CHARS = 4_000_000  # a model option may carry audio codes (a conversation context)
 
 # OpenAI's model names, accepted for the served model so that OpenAI clients work unchanged.
 OPENAI_MODEL_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
@@ -42,7 +42,7 @@ class GenerateParams:
     sampling: SamplingParams
     streaming: bool
     segments: tuple[str, ...] = ()  # the text as generations (see gateway.segments)
-    options: tuple[tuple[str, str], ...] = ()  # the model's own request options (spec "model_options")
+    options: tuple[tuple[str, str], ...] = ()  # the model's own request options (ModelSpec.options)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,9 +56,9 @@ class SpeechParams(GenerateParams):
 # -- the field tables ----------------------------------------------------------------------------------
 
 
-def max_tokens_limit(spec: Mapping[str, Any], cfg: ServeConfig) -> int:
+def max_tokens_limit(spec: ModelSpec, cfg: ServeConfig) -> int:
     """The largest `max_tokens` a request may ask for (prompt included, as in the reference)."""
-    limit = int(spec["max_tokens"])
+    limit = spec.max_tokens
     if cfg.gpu.max_context > 0:
         limit = min(limit, cfg.gpu.max_context)
     if cfg.gpu.num_pages > 0:
@@ -80,41 +80,46 @@ def _text_field(name: str, cfg: ServeConfig) -> Field:
     )
 
 
-def _voice_field(spec: Mapping[str, Any]) -> Field:
-    voices = tuple(spec.get("voices", ()))
+def _voice_field(spec: ModelSpec) -> Field:
+    voices = tuple(spec.voices)
     return Field(
         "voice",
         "string",
         "One of the model's voices.",
-        default=spec.get("default_voice", voices[0] if voices else None),
+        default=spec.default_voice or None,
         choices=voices,
         choice_error="unknown voice {value}; this model's voices are: {choices}",
     )
 
 
-def option_fields(spec: Mapping[str, Any]) -> list[Field]:
-    """The model's own string options (spec "model_options": name → description), passed through
+def option_fields(spec: ModelSpec) -> list[Field]:
+    """The model's own string options (ModelSpec.options: name → description), passed through
     to its prompt builder as model_kwargs, which checks them (a ValueError there is a 400)."""
     return [
         Field(name, "string", description, max_length=_OPTION_MAX_CHARS, max_length_hint="send less context")
-        for name, description in spec.get("model_options", {}).items()
+        for name, description in spec.options.items()
     ]
 
 
-def _options(v: Mapping[str, Any], spec: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
-    return tuple((n, v[n]) for n in spec.get("model_options", {}) if v[n] is not None)
+def _options(
+    v: Mapping[str, Any], spec: ModelSpec, extra: tuple[str, ...] = ()
+) -> tuple[tuple[str, str], ...]:
+    """The model options a request set: the spec's, then the OpenAI fields in `extra` the model
+    does not refuse (as strings)."""
+    names = [*spec.options, *(n for n in extra if n not in spec.refused)]
+    return tuple((n, str(v[n])) for n in names if v[n] is not None)
 
 
-def sampling_fields(spec: Mapping[str, Any], cfg: ServeConfig) -> list[Field]:
+def sampling_fields(spec: ModelSpec, cfg: ServeConfig) -> list[Field]:
     """Sampling options, shared by both endpoints (extra fields on the OpenAI one)."""
-    d = spec.get("sampling", {})
+    d = spec.sampling
     limit = max_tokens_limit(spec, cfg)
     return [
         Field(
             "temperature",
             "number",
             "Sampling temperature; 0 = greedy.",
-            d.get("temperature"),
+            d.temperature,
             minimum=0,
             maximum=2,
         ),
@@ -122,7 +127,7 @@ def sampling_fields(spec: Mapping[str, Any], cfg: ServeConfig) -> list[Field]:
             "top_p",
             "number",
             "Nucleus sampling mass.",
-            d.get("top_p"),
+            d.top_p,
             minimum=0,
             maximum=1,
             exclusive_minimum=True,
@@ -131,15 +136,15 @@ def sampling_fields(spec: Mapping[str, Any], cfg: ServeConfig) -> list[Field]:
             "top_k",
             "integer",
             "Keep the k likeliest tokens; 0 = off.",
-            d.get("top_k", 0),
+            d.top_k,
             minimum=0,
-            maximum=int(spec.get("vocab_size") or TOP_K_MAX),
+            maximum=spec.vocab_size,
         ),
         Field(
             "min_p",
             "number",
             "Drop tokens below min_p x the top probability; 0 = off.",
-            d.get("min_p", 0.0),
+            d.min_p,
             minimum=0,
             maximum=1,
         ),
@@ -147,7 +152,7 @@ def sampling_fields(spec: Mapping[str, Any], cfg: ServeConfig) -> list[Field]:
             "repetition_penalty",
             "number",
             "Penalty on tokens already in the prompt or generated.",
-            d.get("repetition_penalty"),
+            d.repetition_penalty,
             minimum=0,
             maximum=10,
             exclusive_minimum=True,
@@ -179,7 +184,7 @@ def sampling_fields(spec: Mapping[str, Any], cfg: ServeConfig) -> list[Field]:
     ]
 
 
-def generate_fields(spec: Mapping[str, Any], cfg: ServeConfig) -> list[Field]:
+def generate_fields(spec: ModelSpec, cfg: ServeConfig) -> list[Field]:
     """The fields of `POST /generate`, in the order error messages list them."""
     streaming = Field(
         "streaming",
@@ -196,23 +201,44 @@ def generate_fields(spec: Mapping[str, Any], cfg: ServeConfig) -> list[Field]:
     ]
 
 
-def accepted_models(served: str) -> list[str]:
+def accepted_models(spec: ModelSpec) -> list[str]:
     """Names a speech request may give for the served model: the served name, the registry's other
-    names for the same model, and OpenAI's model names."""
-    spec_name = get_spec(served)["name"]
-    names = [served] + [n for n in model_names() if n != served.lower() and get_spec(n)["name"] == spec_name]
+    names for the same model (ModelSpec.aliases), and OpenAI's model names."""
+    names = [spec.name, *spec.aliases]
     return names + [n for n in OPENAI_MODEL_ALIASES if n not in names]
 
 
-def speech_fields(spec: Mapping[str, Any], cfg: ServeConfig) -> list[Field]:
+def _speed_field(spec: ModelSpec) -> Field:
+    why = spec.refused.get("speed")
+    if why is None:  # the model takes a speaking rate: OpenAI's range, passed on as a model option
+        return Field("speed", "number", "Speaking rate.", 1.0, minimum=0.25, maximum=4.0)
+    return Field(
+        "speed", "number", f"Speaking rate. {why}, so only 1.0 is accepted.", 1.0, minimum=1.0, maximum=1.0
+    )
+
+
+def _instructions_field(spec: ModelSpec) -> Field:
+    why = spec.refused.get("instructions")
+    if why is None:  # the model takes them: passed on as a model option
+        return Field("instructions", "string", "Voice instructions.", max_length=_OPTION_MAX_CHARS)
+    return Field(
+        "instructions",
+        "string",
+        f"Voice instructions; {why}, so it must be empty.",
+        max_length=0,
+        max_length_hint="this model takes no instructions: leave the field out",
+    )
+
+
+def speech_fields(spec: ModelSpec, cfg: ServeConfig) -> list[Field]:
     """The fields of `POST /v1/audio/speech`: OpenAI's, then voxpipe's extras."""
-    formats = tuple(available_formats(int(spec["sample_rate"])))
-    models = tuple(accepted_models(cfg.model))
+    formats = tuple(available_formats(spec.sample_rate))
+    models = tuple(accepted_models(spec))
     return [
         Field(
             "model",
             "string",
-            f"The served model, {cfg.model}, or an alias of it (see GET /v1/models).",
+            f"The served model, {spec.name}, or an alias of it (see GET /v1/models).",
             required=True,
             choices=models,
         ),
@@ -223,18 +249,11 @@ def speech_fields(spec: Mapping[str, Any], cfg: ServeConfig) -> list[Field]:
             "string",
             "Audio container: pcm is raw 16-bit little-endian mono samples at the model's sample rate; "
             "flac is sent whole when generation ends (its header holds the length).",
-            default_format(int(spec["sample_rate"])),
+            default_format(spec.sample_rate),
             choices=formats,
             choice_error="unsupported response_format {value}; use one of: {choices}",
         ),
-        Field(
-            "speed",
-            "number",
-            f"Speaking rate. {spec['name']} cannot change it, so only 1.0 is accepted.",
-            1.0,
-            minimum=1.0,
-            maximum=1.0,
-        ),
+        _speed_field(spec),
         Field(
             "stream_format",
             "string",
@@ -243,13 +262,7 @@ def speech_fields(spec: Mapping[str, Any], cfg: ServeConfig) -> list[Field]:
             "audio",
             choices=("audio", "sse"),
         ),
-        Field(
-            "instructions",
-            "string",
-            f"Voice instructions; {spec['name']} has none, so it must be empty.",
-            max_length=0,
-            max_length_hint="this model takes no instructions: leave the field out",
-        ),
+        _instructions_field(spec),
         Field(
             "streaming",
             "boolean",
@@ -264,7 +277,7 @@ def speech_fields(spec: Mapping[str, Any], cfg: ServeConfig) -> list[Field]:
 # -- parsing -------------------------------------------------------------------------------------------
 
 
-def parse_generate(body: Mapping[str, Any], spec: Mapping[str, Any], cfg: ServeConfig) -> GenerateParams:
+def parse_generate(body: Mapping[str, Any], spec: ModelSpec, cfg: ServeConfig) -> GenerateParams:
     """Check every field of a /generate `body` against the model `spec` and the deployment `cfg`.
 
     A field given as JSON `null` counts as absent (its default applies), except `text`.
@@ -282,7 +295,7 @@ def parse_generate(body: Mapping[str, Any], spec: Mapping[str, Any], cfg: ServeC
     )
 
 
-def parse_speech(body: Mapping[str, Any], spec: Mapping[str, Any], cfg: ServeConfig) -> SpeechParams:
+def parse_speech(body: Mapping[str, Any], spec: ModelSpec, cfg: ServeConfig) -> SpeechParams:
     """Check an OpenAI speech `body`. A model that is not served is a 404 (`model_not_found`)."""
     fields = speech_fields(spec, cfg)
     models = _default_choices(fields, "model")
@@ -291,7 +304,7 @@ def parse_speech(body: Mapping[str, Any], spec: Mapping[str, Any], cfg: ServeCon
         match = next((m for m in models if m.lower() == model.lower()), None)  # names are case-blind
         if match is None:
             raise BadRequest(
-                f"model {show(model)} is not served here; this server serves {cfg.model} "
+                f"model {show(model)} is not served here; this server serves {spec.name} "
                 f"(accepted names: {', '.join(models)}); see GET /v1/models",
                 param="model",
                 code="model_not_found",
@@ -300,20 +313,20 @@ def parse_speech(body: Mapping[str, Any], spec: Mapping[str, Any], cfg: ServeCon
         body = {**body, "model": match}
     fmt = body.get("response_format")
     if isinstance(fmt, str) and fmt in UNSUPPORTED_FORMATS:
-        choices = ", ".join(available_formats(int(spec["sample_rate"])))
+        choices = ", ".join(available_formats(spec.sample_rate))
         raise BadRequest(
             f"response_format {fmt!r} is not supported: {UNSUPPORTED_FORMATS[fmt]}; use one of: {choices}",
             param="response_format",
             code="unsupported_value",
         )
     speed = body.get("speed")
-    if speed is not None:
+    if speed is not None and "speed" in spec.refused:
         try:
             next(f for f in fields if f.name == "speed").parse(speed)
         except BadRequest:
             raise BadRequest(
-                f"field 'speed' must be 1.0, got {show(speed)}: {spec['name']} cannot change its speaking "
-                "rate; leave speed out (or resample the audio on your side)",
+                f"field 'speed' must be 1.0, got {show(speed)}: {spec.refused['speed']}; leave speed out "
+                "(or resample the audio on your side)",
                 param="speed",
                 code="unsupported_value",
             ) from None
@@ -331,24 +344,28 @@ def parse_speech(body: Mapping[str, Any], spec: Mapping[str, Any], cfg: ServeCon
         voice=v["voice"] or _default(fields, "voice"),
         sampling=sampling,
         segments=plan_segments(v["input"], sampling.max_tokens, spec, cfg),
-        options=_options(v, spec),
+        options=_options(v, spec, extra=("speed", "instructions")),
         streaming=streaming,
         response_format=v["response_format"] or _default(fields, "response_format"),
         stream_format=stream_format,
     )
 
 
-def plan_segments(text: str, max_tokens: int, spec: Mapping[str, Any], cfg: ServeConfig) -> tuple[str, ...]:
-    """The text's segments, sized for the model's full token budget (see `gateway.segments`).
+def plan_segments(
+    text: str, max_tokens: int, spec: ModelSpec, cfg: ServeConfig, option_rows: int = 0
+) -> tuple[str, ...]:
+    """The text's segments, sized for the model's full token budget (see `gateway.segments`) less
+    the prompt rows the request's model options add (`option_rows`, from the tokenizer pool).
 
     A request's `max_tokens` then caps each segment's generation. When the text is split, it must
     leave every segment room for its prompt (at most one token per byte) and one codec window of
     audio: cutting every sentence short is never what a client of a long text wants."""
-    segments = tuple(split_text(text, segment_budget(spec, max_tokens_limit(spec, cfg))))
+    budget = segment_budget(spec, max_tokens_limit(spec, cfg) - option_rows)
+    segments = tuple(split_text(text, budget))
     if len(segments) <= 1:
         return (text,)  # one generation: the text as the client sent it
     longest = max(len(s.encode("utf-8")) for s in segments)
-    need = prompt_overhead(spec) + longest + int(spec["detok_interval"])
+    need = spec.prompt_overhead + option_rows + longest + spec.window_rows
     if max_tokens < need:
         raise BadRequest(
             f"max_tokens={max_tokens} is too small for this text: it is spoken as {len(segments)} "
@@ -367,13 +384,9 @@ def _default_choices(fields: list[Field], name: str) -> tuple[str, ...]:
     return next(f.choices or () for f in fields if f.name == name)
 
 
-def _sampling(
-    v: Mapping[str, Any], fields: list[Field], spec: Mapping[str, Any], cfg: ServeConfig
-) -> SamplingParams:
+def _sampling(v: Mapping[str, Any], fields: list[Field], spec: ModelSpec, cfg: ServeConfig) -> SamplingParams:
     """SamplingParams from the parsed values, the spec's defaults filling the gaps."""
-    defaults = spec.get("sampling", {})
-    # Only fields SamplingParams has: a spec may carry extra knobs other processes read.
-    sampling: dict[str, Any] = {k: x for k, x in defaults.items() if k in SamplingParams.__struct_fields__}
+    sampling: dict[str, Any] = msgspec.structs.asdict(spec.sampling)
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         if v[name] is not None:
             sampling[name] = v[name]
@@ -384,7 +397,5 @@ def _sampling(
         min_field = next(f for f in fields if f.name == "min_tokens")
         dataclasses.replace(min_field, maximum=sampling["max_tokens"]).parse(v["min_tokens"])
     sampling["min_tokens"] = v["min_tokens"] or 0
-    sampling["constrained"] = bool(
-        spec.get("constrained", False) if cfg.gateway.constrained is None else cfg.gateway.constrained
-    )
+    sampling["constrained"] = spec.constrained if cfg.gateway.constrained is None else cfg.gateway.constrained
     return SamplingParams(**sampling)

@@ -1,5 +1,7 @@
-"""Model registry. Specs (torch-free constants) and programs (torch) are imported lazily, so the
-gateway can read a model's spec without importing torch."""
+"""Model registry: --model names → the model's folder under programs/. Specs (torch-free constants)
+and programs (torch) are imported lazily, so the registry itself loads no torch (`voxpipe serve`
+checks --model with it). The gateway never imports this package: the tokenizer workers announce
+the model's facts to it (`LMProgram.model_spec`)."""
 
 from __future__ import annotations
 
@@ -19,13 +21,20 @@ _MODELS: dict[str, tuple[str, str]] = {
     "csm-tiny": ("csm", "csm-tiny"),
 }
 
+DEFAULT_MODEL = "orpheus-tiny"  # what --model "" (the default) serves: random weights, no download
+
 
 def model_names() -> list[str]:
     return sorted(_MODELS)
 
 
+def served_name(name: str) -> str:
+    """The name a deployment serves for --model `name`: `name`, or DEFAULT_MODEL for ""."""
+    return name or DEFAULT_MODEL
+
+
 def _lookup(name: str) -> tuple[str, str]:
-    key = name.lower()
+    key = served_name(name).lower()
     if key in _MODELS:
         return _MODELS[key]
     raise ValueError(f"unknown model {name!r}; --model takes one of: {', '.join(model_names())}")
@@ -44,6 +53,26 @@ def rows_per_second(spec: Mapping[str, Any]) -> float:
     = 82.03). The real-time pace a stream needs."""
     stride = int(spec["detok_interval"]) - int(spec.get("detok_overlap", 0))
     return float(spec["sample_rate"]) / float(spec["detok_samples"]) * stride
+
+
+def aliases_of(name: str) -> list[str]:
+    """Every registry name of the model `name` names (itself included), sorted."""
+    package, spec_name = _lookup(name)
+    return [n for n in model_names() if _MODELS[n] == (package, spec_name)]
+
+
+def model_words() -> set[str]:
+    """Lower-case words that name a served model or its codec: each model's package, spec names,
+    codec and checkpoint owners. Runtime code outside programs/ never says them
+    (tests/test_architecture.py), so a new model's registry line extends the check."""
+    words: set[str] = set()
+    for package, spec_name in set(_MODELS.values()):
+        spec = importlib.import_module(f"programs.{package}.spec").SPECS[spec_name]
+        words |= {package, spec_name, str(spec.get("codec", ""))}
+        for checkpoint in (spec.get("hf_id"), spec.get("codec_id")):
+            if checkpoint and "/" in checkpoint:
+                words.add(checkpoint.split("/")[0])
+    return {w.lower() for w in words if w}
 
 
 def load_program_class(name: str) -> type:

@@ -2,7 +2,9 @@
 
 A program is written once and never sees sockets or requests, only rows and batch entries. Loading
 is split by process: the gpu_worker calls `load_lm`, the codec_worker `load_codec`, and the
-tokenizer_worker neither (prompts read only `spec`).
+tokenizer_worker neither (prompts read only `spec`, and the text tokenizer). The tokenizer_worker
+also announces the model to the gateway (`model_spec`), which never imports `programs`.
+A model's modules import shared code from `programs.blocks`, never from another model's folder.
 
 Hooks, with shapes (N = token rows this step, B = requests this step, C = n_codebooks,
 V = vocab_size, H = hidden size). "graph" marks code the GPU runtime captures in CUDA graphs: no
@@ -22,6 +24,23 @@ apart from N/B/Bd, state only in buffers, randomness only from the keys passed i
 | `detokenize(tokens, keys, tail_rows=0)` | codec_worker | yes | [Bd, R, C] int64 (R = detok_interval, or one of `detok_lead`), keys [Bd] int64 → audio [Bd, S] float in [-1, 1] (S = detok_samples for a regular window, R / s * detok_samples for a lead window, tail_rows / s * detok_samples for a tail window), valid [Bd] bool |
 | `compiled_detokenize()` | codec_worker | — | optional: a function equal to `detokenize(tokens, keys)` for regular windows, compiled (`torch.compile`, any batch size), or None (the default): the codec_worker captures it in the regular windows' graphs (`--codec-compile`) |
 | `preprocess(text, model_kwargs)` | tokenizer_worker | no | → prompt rows [R, C] int32; ValueError → HTTP 400 |
+| `prompt_overhead()` | tokenizer_worker | no | → prompt rows besides the text's tokens (no options) |
+| `option_rows(model_kwargs)` | tokenizer_worker | no | → prompt rows the `sized_options` add; ValueError → HTTP 400 |
+| `model_spec(served)` | tokenizer_worker | no | → `ModelSpec`, the facts the gateway serves the model by |
+
+Attributes a program sets (defaults on LMProgram; any model may use each):
+
+| attribute | meaning |
+|---|---|
+| `n_codebooks`, `vocab_size`, `num_layers`, `num_qo_heads`, `num_kv_heads`, `head_dim`, `hidden_size` | LM shapes, from the config (weight-free programs know them too) |
+| `input_vocab_size` | prompt ids lie in [0, input_vocab_size) (above vocab_size when prompt rows carry text ids) |
+| `detok_interval`, `detok_overlap`, `detok_samples`, `detok_offset` | codec windows (Audio chunks) |
+| `detok_lead`, `detok_tail` | lead windows, tail windows (below) |
+| `detok_preseed`, `detok_flush`, `pad_rows()` | stream edges (below) |
+| `codec_dtype`, `head_ids` | codec precision, output heads (below) |
+| `uses_repetition_penalty` | False: the model has none; requests' repetition_penalty is ignored |
+| `mixed_prefill` | every GEMM of `backbone` goes through `programs.blocks.fp8.linear`, so a prompt may ride in one forward pass with a decode step |
+| `sized_options` | request options whose value adds prompt rows, counted by `option_rows` |
 
 Multi-codebook rows (C > 1): a row is one frame of C codebook ids (a program may also encode
 non-audio rows in it, e.g. a text token, as long as `embed` tells them apart; prompt ids must lie
@@ -92,6 +111,7 @@ import numpy as np
 import torch
 
 import programs
+from common.messages import ModelSpec, SamplingParams
 
 CODEC_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -142,11 +162,13 @@ class LMProgram:
     # False: the model has no repetition penalty; requests' repetition_penalty is ignored, and
     # prompt ids need not be sampleable ids (input_vocab_size may exceed vocab_size).
     uses_repetition_penalty: bool = True
-    # True: every GEMM of `backbone` goes through `programs.fp8.linear`, so that `fp8.rows_apart`
+    # True: every GEMM of `backbone` goes through `programs.blocks.fp8.linear`, so that `fp8.rows_apart`
     # keeps a step's prompt rows and decode rows in GEMMs of their own where a GEMM's rows could
     # round by its size (bf16 weights), and a prompt may then ride in one forward pass with a decode
     # step (gpu_worker.graphs, mixed graphs) and round as it would alone.
     mixed_prefill: bool = False
+    # Request options whose value adds prompt rows (`option_rows` counts them), e.g. a context.
+    sized_options: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -293,6 +315,49 @@ class LMProgram:
     # --- prompts (tokenizer_worker) ------------------------------------------------------------
     def preprocess(self, text: str, model_kwargs: dict[str, str]) -> np.ndarray:
         raise NotImplementedError
+
+    def prompt_overhead(self) -> int:
+        """Prompt rows besides the text's tokens, with no model options: a prompt of a text of b
+        UTF-8 bytes has at most prompt_overhead() + b rows (byte-level tokenizers). Default: the
+        spec's `prefix_ids` and `suffix_ids`, BOS, and the `text_template` around the text for the
+        longest voice, its characters counted as bytes."""
+        voices = self.spec.get("voices") or [""]
+        template = str(self.spec.get("text_template", "{text}"))
+        around = max(len(template.format(voice=v, text="").encode()) for v in voices)
+        return len(self.spec.get("prefix_ids", ())) + len(self.spec.get("suffix_ids", ())) + 1 + around
+
+    def option_rows(self, model_kwargs: dict[str, str]) -> int:
+        """Prompt rows the request's model options add beyond `prompt_overhead()`, for the options
+        named in `sized_options` (a conversation context); 0 by default. ValueError → HTTP 400."""
+        return 0
+
+    def model_spec(self, served: str) -> ModelSpec:
+        """Every fact the gateway needs about this model, served as `served` (the --model name);
+        the tokenizer_worker announces it (common.messages.ModelSpec)."""
+        spec = self.spec
+        defaults = {
+            k: v for k, v in spec.get("sampling", {}).items() if k in SamplingParams.__struct_fields__
+        }
+        voices = [str(v) for v in spec.get("voices", ())]
+        return ModelSpec(
+            name=served,
+            aliases=[n for n in programs.aliases_of(served) if n != served.lower()],
+            voices=voices,
+            default_voice=str(spec.get("default_voice", voices[0] if voices else "")),
+            sample_rate=int(self.sample_rate),
+            rows_per_second=self.rows_per_second,
+            max_tokens=int(spec["max_tokens"]),
+            vocab_size=int(self.vocab_size),
+            prompt_overhead=self.prompt_overhead(),
+            window_rows=int(self.detok_interval),
+            sampling=SamplingParams(**defaults),
+            constrained=bool(spec.get("constrained", False)),
+            constrainable=bool(spec.get("constrainable", False)),
+            options=dict(spec.get("model_options", {})),
+            refused=dict(spec.get("refused", {})),
+            n_codebooks=int(self.n_codebooks),
+            sized_options=list(self.sized_options),
+        )
 
 
 def pcm16(audio: torch.Tensor) -> torch.Tensor:

@@ -55,6 +55,7 @@ async def make_rig() -> AsyncIterator[Any]:
         client = TestClient(TestServer(build_app(conf)))
         await client.start_server()
         await workers.join_gpu_pool(client.app)
+        await workers.announce(client.app, conf.model)
         made.append((client, workers, run))
         return Rig(client, workers)
 

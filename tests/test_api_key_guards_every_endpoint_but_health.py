@@ -16,6 +16,7 @@ from common.config import GatewaySettings, ServeConfig
 from common.ipc import Addresses
 from gateway.server import build_app
 from tests.conftest import Server, get_json
+from tests.specs import announce
 
 KEY = "vp-test-7f3a9c1e5b"
 
@@ -33,6 +34,7 @@ async def client(tmp_path: Path):
     )
     c = TestClient(TestServer(build_app(cfg)))
     await c.start_server()
+    await announce(c.app, cfg.addresses, cfg.model)
     yield c
     await c.close()
 

@@ -11,8 +11,9 @@ import torch
 
 from codec_worker.worker import Codec
 from common.messages import LEAD_NOISE_BASE, DetokChunk
-from programs import get_spec, load_program_class, rng
+from programs import get_spec, load_program_class
 from programs.base import pcm16
+from programs.blocks import rng
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,10 @@ import pytest
 from common.cli import main as cli_main
 from common.config import GatewaySettings, GpuWorkerSettings, ServeConfig, check_model_settings
 from common.messages import FinishReason, Prompt, SamplingParams
-from gateway.server import Gateway
+from gateway.pipeline import Pipeline
 from gpu_worker.engine import Engine
 from programs import get_spec, load_program_class
+from tests.specs import model_spec
 
 
 def test_serve_refuses_constrained_for_csm(capsys):
@@ -22,8 +23,10 @@ def test_serve_refuses_constrained_for_csm(capsys):
 
 
 def test_a_gateway_run_alone_refuses_it_too():
+    cfg = ServeConfig(model="csm-tiny", gateway=GatewaySettings(constrained=True))
+    pipeline = Pipeline(cfg, addresses=None)
     with pytest.raises(ValueError, match="no constrained sampling mode"):
-        Gateway(ServeConfig(model="csm-tiny", gateway=GatewaySettings(constrained=True)), addresses=None)
+        pipeline.learn(model_spec("csm-tiny"))  # the spec the tokenizer workers announce
 
 
 def test_models_with_the_mode_say_so_and_accept_it():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from programs import fp8
+from programs.blocks import fp8
 
 
 @pytest.mark.parametrize("m", [1, 3, 40])

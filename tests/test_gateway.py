@@ -51,7 +51,7 @@ from gateway.body import MAX_BODY_BYTES
 from gateway.server import GATEWAY, build_app
 from gateway.validation import BadRequest, parse_generate
 from gateway.wav import wav_header
-from programs import get_spec
+from tests.specs import model_spec
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE_RATE = 24000
@@ -75,6 +75,14 @@ class FakeWorkers:
         while not app[GATEWAY]._send_to_gpu.workers:
             assert time.monotonic() < deadline, "the gateway never heard from the fake gpu_worker"
             self.recv_gpu_in._send(self.recv_gpu_in._ready())
+            await asyncio.sleep(0.02)
+
+    async def announce(self, app: web.Application, model: str) -> None:
+        """Announce the served model's spec as a tokenizer worker does, until the gateway has it."""
+        deadline = time.monotonic() + 5
+        while app[GATEWAY].spec is None:
+            assert time.monotonic() < deadline, "the gateway never took the model's spec"
+            await self.send(model_spec(model))
             await asyncio.sleep(0.02)
 
     async def next_request(self) -> GenerateRequest:
@@ -150,6 +158,7 @@ async def start_rig(make_addrs: Callable[[], Addresses]) -> AsyncIterator[Callab
         client = TestClient(TestServer(build_app(cfg, **app_kwargs)))
         await client.start_server()
         await workers.join_gpu_pool(client.app)
+        await workers.announce(client.app, cfg.model)
 
         async def cleanup() -> None:
             await client.close()
@@ -346,7 +355,7 @@ async def test_every_bad_input_gets_a_4xx_that_says_what_to_change_and_the_serve
 
 def test_validation_reads_form_strings_and_rejects_what_json_would() -> None:
     spec, cfg = (
-        get_spec("orpheus-tiny"),
+        model_spec("orpheus-tiny"),
         ServeConfig(model="orpheus-tiny", gateway=GatewaySettings(constrained=False)),
     )
     form = {
@@ -451,6 +460,7 @@ async def test_client_disconnect_is_noticed_without_handler_cancellation(
     await web.TCPSite(runner, "127.0.0.1", port).start()
     workers = FakeWorkers(addrs)
     await workers.join_gpu_pool(runner.app)
+    await workers.announce(runner.app, "orpheus-tiny")
     try:
         async with aiohttp.ClientSession() as session:
             task = asyncio.create_task(session.post(f"http://127.0.0.1:{port}/generate", json={"text": "hi"}))
@@ -612,13 +622,15 @@ def test_python_m_gateway_serves_until_sigterm_and_fails_loudly_on_bad_config(
         if proc.poll() is None:
             proc.kill()
 
+    empty_key = Path(addrs.requests.removeprefix("ipc://")).parent / "empty-key"
+    empty_key.write_text("\n")
     bad = subprocess.run(
         [
             sys.executable,
             "-m",
             "gateway",
             "--config-json",
-            msgspec.structs.replace(cfg, model="nope").to_json(),
+            msgspec.structs.replace(cfg, gateway=GatewaySettings(api_key_file=str(empty_key))).to_json(),
         ],
         cwd=REPO,
         env=env,
@@ -626,9 +638,14 @@ def test_python_m_gateway_serves_until_sigterm_and_fails_loudly_on_bad_config(
         text=True,
         timeout=20,
     )
-    assert bad.returncode == 1 and "unknown model 'nope'" in bad.stderr
+    # The gateway knows no model registry (the model's facts reach it from the tokenizer workers):
+    # what it refuses at startup are its own settings.
+    assert bad.returncode == 1 and "--api-key-file" in bad.stderr
 
 
 def test_gateway_never_imports_torch() -> None:
-    code = "import sys, gateway.__main__, gateway.server; assert 'torch' not in sys.modules, 'torch imported'"
+    code = (
+        "import sys, gateway.__main__, gateway.server; "
+        "assert not {'torch', 'programs'} & set(sys.modules), 'torch or programs imported'"
+    )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=20)

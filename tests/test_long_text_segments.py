@@ -24,7 +24,7 @@ from gateway.segments import (
     text_limit,
 )
 from gateway.validation import max_tokens_limit
-from programs import get_spec
+from tests.specs import model_spec
 from tests.test_gateway import SAMPLE_RATE, Rig, make_addrs, rig, start_rig  # noqa: F401 (fixtures)
 
 FADE = round(FADE_S * SAMPLE_RATE)
@@ -38,9 +38,9 @@ def _size(text: str) -> int:
 
 def test_segment_budget_follows_the_documented_rule() -> None:
     # floor((max_tokens - 12 prompt tokens) / (1 + 82.03 tokens/s / 10 bytes/s))
-    assert segment_budget(get_spec("orpheus"), 1200) == 129
-    assert segment_budget(get_spec("orpheus-tiny"), 400) == 42
-    tiny = get_spec("orpheus-tiny")
+    assert segment_budget(model_spec("orpheus"), 1200) == 129
+    assert segment_budget(model_spec("orpheus-tiny"), 400) == 42
+    tiny = model_spec("orpheus-tiny")
     assert (
         segment_budget(tiny, max_tokens_limit(tiny, ServeConfig(gpu=GpuWorkerSettings(max_context=200))))
         == 20

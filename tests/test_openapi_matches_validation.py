@@ -6,7 +6,6 @@ document states is checked against the validation code, from both sides of the l
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -14,10 +13,10 @@ import pytest
 from common.config import GatewaySettings, ServeConfig
 from gateway.fields import BadRequest
 from gateway.validation import parse_generate, parse_speech
-from programs import get_spec
+from tests.specs import model_spec
 from tests.test_gateway import MAX_TEXT, Rig, make_addrs, rig, start_rig  # noqa: F401 (fixtures)
 
-SPEC = get_spec("orpheus-tiny")
+SPEC = model_spec("orpheus-tiny")
 CFG = ServeConfig(model="orpheus-tiny", gateway=GatewaySettings(max_text_chars=MAX_TEXT))
 MINIMAL = {"GenerateRequest": {"text": "hi"}, "SpeechRequest": {"model": "orpheus-tiny", "input": "hi"}}
 PARSERS: dict[str, Callable[..., Any]] = {"GenerateRequest": parse_generate, "SpeechRequest": parse_speech}
@@ -27,9 +26,7 @@ PARSERS: dict[str, Callable[..., Any]] = {"GenerateRequest": parse_generate, "Sp
 def doc() -> dict[str, Any]:
     from gateway.openapi import document
 
-    # document() reads only these attributes of the Gateway
-    gateway = SimpleNamespace(spec=SPEC, cfg=CFG, sample_rate=int(SPEC["sample_rate"]))
-    return document(gateway)  # type: ignore[arg-type]
+    return document(SPEC, CFG)
 
 
 def _accepts(schema_name: str, **fields: Any) -> bool:
@@ -89,9 +86,9 @@ def test_document_states_this_deployments_limits(doc: dict[str, Any]) -> None:
     gen = doc["components"]["schemas"]["GenerateRequest"]["properties"]
     speech = doc["components"]["schemas"]["SpeechRequest"]["properties"]
     assert gen["text"]["maxLength"] == speech["input"]["maxLength"] == MAX_TEXT
-    assert gen["voice"]["enum"] == speech["voice"]["enum"] == SPEC["voices"]
-    assert gen["max_tokens"]["maximum"] == SPEC["max_tokens"] == 400
-    assert gen["temperature"]["default"] == SPEC["sampling"]["temperature"]
+    assert gen["voice"]["enum"] == speech["voice"]["enum"] == SPEC.voices
+    assert gen["max_tokens"]["maximum"] == SPEC.max_tokens == 400
+    assert gen["temperature"]["default"] == SPEC.sampling.temperature
     assert speech["response_format"]["default"] == "mp3"
     assert speech["speed"]["minimum"] == speech["speed"]["maximum"] == 1
     assert speech["model"]["enum"][0] == "orpheus-tiny" and "tts-1" in speech["model"]["enum"]

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from programs import get_spec
+from programs.blocks.text_tokenizer import build_offline_tokenizer, load_text_tokenizer
 from programs.orpheus.program import OrpheusProgram
-from programs.orpheus.tokenizer import build_offline_tokenizer, load_text_tokenizer
 
 PREFIX, BOS, SUFFIX = [128259], 128000, [128009, 128260, 128261, 128257]
 

@@ -19,7 +19,8 @@ from codec_worker.worker import Codec
 from common.config import GpuWorkerSettings
 from common.messages import LEAD_NOISE_BASE, DetokChunk, Prompt, SamplingParams
 from gpu_worker.engine import Engine
-from programs import get_spec, load_program_class, rng
+from programs import get_spec, load_program_class
+from programs.blocks import rng
 from tests.conftest import Server
 
 PROMPT = [128259, 300, 301, 302, 128009, 128260, 128261, 128257]

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from programs import rng
+from programs.blocks import rng
 from programs.orpheus.codec import SnacCodec
 from programs.orpheus.snac_crop import normal_at
 

@@ -1,4 +1,10 @@
-"""A tokenizer_worker process: builds prompts on a weight-free program.
+"""A tokenizer_worker process: builds prompts on a weight-free program, and announces the model.
+
+It is the process that announces the served model's `ModelSpec` to the gateway: it holds the
+model's program without weights (so it is ready within seconds, long before a gpu_worker has loaded
+its weights), it is the one that evaluates the program's prompt hooks, and the gateway cannot serve
+a request without one anyway. It sends the spec once it is ready and every `SPEC_EVERY_S` after, so
+a gateway that restarts learns it again.
 
 Any number of these take GenerateRequests from the gateway's dispatcher, one at a time and only
 when free (`common.pool`), so they can join and leave while serving. Built prompts go back to the
@@ -18,23 +24,36 @@ import numpy as np
 
 from common.config import ServeConfig, program_kwargs
 from common.ipc import PushChannel
-from common.messages import GatewayInMsg, GenerateRequest, ProcState, Prompt, RequestError
+from common.messages import (
+    GatewayInMsg,
+    GenerateRequest,
+    ModelSpec,
+    ProcState,
+    Prompt,
+    PromptSize,
+    RequestError,
+)
 from common.pool import WorkChannel
 from common.proc import StatusReporter
-from programs import get_spec, load_program_class
+from programs import get_spec, load_program_class, served_name
 from programs.base import LMProgram
 
 log = logging.getLogger(__name__)
 
+SPEC_EVERY_S = 1.0  # how often the model's spec is announced again (a restarted gateway waits this long)
+
 
 class PromptBuilder:
-    """GenerateRequest → Prompt, or RequestError (no sockets: testable alone)."""
+    """GenerateRequest → Prompt (or PromptSize when it asks only for that), or RequestError (no
+    sockets: testable alone)."""
 
     def __init__(self, program: LMProgram, max_context: int) -> None:
         self.program = program
         self.max_context = max_context
 
-    def build(self, req: GenerateRequest) -> Prompt | RequestError:
+    def build(self, req: GenerateRequest) -> Prompt | PromptSize | RequestError:
+        if req.size_only:
+            return self.size(req)
         try:
             rows = np.ascontiguousarray(self.program.preprocess(req.text, req.model_kwargs), dtype="<i4")
         except ValueError as e:
@@ -42,6 +61,10 @@ class PromptBuilder:
         except Exception as e:
             log.exception("preprocess failed for %s", req.rid)
             return RequestError(req.rid, 500, f"prompt builder error: {type(e).__name__}: {e}")
+        bad = self._shape_error(rows)
+        if bad:
+            log.error("[%s] the program built a bad prompt: %s", req.rid, bad)
+            return RequestError(req.rid, 500, f"prompt builder error: {bad}")
         budget = min(req.sampling.max_tokens, self.max_context)
         if len(rows) >= budget:
             return RequestError(
@@ -51,6 +74,27 @@ class PromptBuilder:
                 f"{budget}: shorten the text or raise max_tokens",
             )
         return Prompt(req.rid, rows.tobytes(), len(rows), req.sampling, req.arrival, urgent=req.urgent)
+
+    def size(self, req: GenerateRequest) -> PromptSize | RequestError:
+        """The prompt rows `req`'s model options add (the program's `option_rows`)."""
+        try:
+            return PromptSize(req.rid, int(self.program.option_rows(req.model_kwargs)))
+        except ValueError as e:
+            return RequestError(req.rid, 400, str(e))
+        except Exception as e:
+            log.exception("option_rows failed for %s", req.rid)
+            return RequestError(req.rid, 500, f"prompt builder error: {type(e).__name__}: {e}")
+
+    def _shape_error(self, rows: np.ndarray) -> str:
+        """Why `rows` is not a prompt the gpu_worker can run ("" when it is): the program contract's
+        [R, C] rows of ids in [0, input_vocab_size) (programs/base.py). The one full check of a
+        prompt; later hops check only that the bytes they got are R rows of C ids."""
+        c = self.program.n_codebooks
+        if rows.ndim != 2 or rows.shape[1] != c or not len(rows):
+            return f"rows of shape {list(rows.shape)}, not [R, {c}] with R > 0"
+        if rows.min() < 0 or rows.max() >= self.program.input_vocab_size:
+            return f"ids outside [0, {self.program.input_vocab_size})"
+        return ""
 
 
 def _test_delay() -> tuple[str, float] | None:
@@ -73,6 +117,7 @@ class TokenizerWorker:
         self.builder = PromptBuilder(
             program, min(cfg.gpu.max_context or spec["max_tokens"], spec["max_tokens"])
         )
+        self.spec: ModelSpec = program.model_spec(served_name(cfg.model))
         self.status = status
         self.inbox: WorkChannel[GenerateRequest] = WorkChannel(
             cfg.addresses.requests, GenerateRequest, name=status.name
@@ -80,6 +125,7 @@ class TokenizerWorker:
         self.to_gateway: PushChannel[GatewayInMsg] = PushChannel(cfg.addresses.gateway_in)
         self._stopping = False
         self._delay = _test_delay()
+        self._spec_sent = -float("inf")  # time.monotonic() of the last announcement
 
     def stop(self) -> None:
         """From a signal handler: finish the current prompt, then leave the pool."""
@@ -87,6 +133,9 @@ class TokenizerWorker:
 
     def run(self) -> None:
         while not self._stopping:
+            if time.monotonic() - self._spec_sent >= SPEC_EVERY_S:
+                self.to_gateway.send(self.spec)
+                self._spec_sent = time.monotonic()
             req = self.inbox.recv(timeout_ms=100)
             if req is not None:
                 self.handle(req)

@@ -40,8 +40,8 @@ from gpu_worker.runner.prefill_graphs import (
     prefill_buckets,
     prefill_spans,
 )
-from programs import fp8
 from programs.base import LMProgram
+from programs.blocks import fp8
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from programs import rng
+from programs.blocks import rng
 
 
 @dataclass

@@ -24,7 +24,7 @@ import os
 
 import torch
 
-from programs.weights import checkpoint_dir
+from programs.blocks.weights import checkpoint_dir
 
 
 def keep_shape_buffers_on_host(model) -> None:

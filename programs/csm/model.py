@@ -2,8 +2,8 @@
 
 Based on transformers' `CsmForConditionalGeneration` (models/csm/modeling_csm.py and
 generation_csm.py): the same parameter names (so sesame/csm-1b's safetensors load unchanged, the
-codec's `codec_model.*` aside) and the same arithmetic, built from the Llama pieces of
-programs/orpheus/model.py.
+codec's `codec_model.*` aside) and the same arithmetic, built from the shared Llama pieces of
+programs/blocks.
 
 - Backbone: a frame row is embedded as the sum of its 32 codebook embeddings
   (`embed_audio_tokens[code + 2051 * k]`), a text row as `embed_text_tokens[id]`; Llama layers over
@@ -25,19 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from programs.base import Attention, Sampler
+from programs.blocks.llama import DecoderLayer, Embedding, Linear, RMSNorm, decoder_stack, param
+from programs.blocks.rope import llama3_inv_freq, rope_cos_sin, rotate_half
+from programs.blocks.weights import checkpoint_dir, copy_weights
 from programs.csm.spec import TEXT_MARK
-from programs.orpheus.model import (
-    DecoderLayer,
-    Embedding,
-    Linear,
-    RMSNorm,
-    _param,
-    _rotate_half,
-    decoder_stack,
-    llama3_inv_freq,
-    rope_cos_sin,
-)
-from programs.weights import checkpoint_dir, copy_weights
 
 
 class _Stack(nn.Module):
@@ -69,7 +60,7 @@ class _DepthModel(_Stack):
 class _CodebooksHead(nn.Module):
     def __init__(self, n: int, dim: int, vocab: int, fk: dict[str, Any]) -> None:
         super().__init__()
-        self.weight = _param(n, dim, vocab, fk=fk)  # [C-1, Hd, V]
+        self.weight = param(n, dim, vocab, fk=fk)  # [C-1, Hd, V]
 
 
 class _DepthDecoder(nn.Module):
@@ -159,8 +150,8 @@ class CsmLM(nn.Module):
                 q = a.q_proj(y).view(b, hq, dh)
                 k = a.k_proj(y).view(b, hkv, dh)
                 v = a.v_proj(y).view(b, hkv, dh)
-                q = q * cos + _rotate_half(q) * sin
-                k = k * cos + _rotate_half(k) * sin
+                q = q * cos + rotate_half(q) * sin
+                k = k * cos + rotate_half(k) * sin
                 keys[i, :, :, t] = k
                 values[i, :, :, t] = v
                 kk = keys[i, :, :, : t + 1].repeat_interleave(hq // hkv, dim=1)  # [B, Hq, t+1, D]

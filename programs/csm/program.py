@@ -27,9 +27,9 @@ from programs.base import Attention, LMProgram, Sampler, TokenKind
 from programs.csm.spec import EOS_ID, N_CODEBOOKS, PAD_CODE, TEXT_MARK
 
 if TYPE_CHECKING:
+    from programs.blocks.text_tokenizer import TextTokenizer
     from programs.csm.codec import MimiCodec
     from programs.csm.model import CsmLM
-    from programs.orpheus.tokenizer import TextTokenizer
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 _MAX_CONTEXT_TURNS = 16
@@ -44,6 +44,7 @@ class CsmProgram(LMProgram):
     name = "csm"
     codec_dtype: torch.dtype = torch.float32
     uses_repetition_penalty = False
+    sized_options = ("context",)  # context turns are prompt rows (option_rows)
 
     def __init__(self, spec: dict[str, Any], **kwargs: Any) -> None:
         super().__init__(spec, **kwargs)
@@ -91,7 +92,7 @@ class CsmProgram(LMProgram):
             self.codec = MimiCodec.from_pretrained(self.codec_weights, stride, self.codec_dtype, self.device)
 
     def load_prompts(self) -> None:
-        from programs.orpheus.tokenizer import load_text_tokenizer
+        from programs.blocks.text_tokenizer import load_text_tokenizer
 
         self._tokenizer = load_text_tokenizer(self.spec, self.weights, self.load_format)
 
@@ -134,6 +135,13 @@ class CsmProgram(LMProgram):
         body = self._tokenizer.tokenizer.encode(f"[{speaker}]{text}", add_special_tokens=False).ids
         ids = [self.spec["bos_id"], *body, EOS_ID]
         return [[i] + [TEXT_MARK] * (N_CODEBOOKS - 1) for i in ids]
+
+    def option_rows(self, model_kwargs: dict[str, str]) -> int:
+        """The context turns' rows: each turn's text rows, its frames and the end frame."""
+        if self._tokenizer is None:
+            self.load_prompts()
+        turns = _parse_context(model_kwargs.get("context") or "[]")
+        return sum(len(self._turn(str(t["speaker"]), t["text"])) + len(t["codes"]) + 1 for t in turns)
 
     def preprocess(self, text: str, model_kwargs: dict[str, str]) -> np.ndarray:
         """Context turns, then `[speaker]text` → rows [R, 32] int32 (see the module docstring)."""

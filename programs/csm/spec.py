@@ -24,7 +24,7 @@ SAMPLES_PER_FRAME = 1920  # 24 kHz / 12.5 Hz
 SPEAKERS = [str(i) for i in range(10)]
 
 _COMMON = {
-    "kind": "csm",
+    "codec": "mimi",  # the codec's name (tests/test_architecture.py keeps it out of the runtime)
     "n_codebooks": N_CODEBOOKS,
     "vocab_size": AUDIO_VOCAB,
     "sample_rate": 24000,
@@ -52,6 +52,11 @@ _COMMON = {
         "context": "CSM conversation context: a JSON list of earlier turns, "
         '[{"speaker": 1, "text": "...", "codes": [[32 Mimi codes], ...]}], each with its audio as Mimi '
         "codes (the reference's template gives every context turn audio).",
+    },
+    # OpenAI request fields the model cannot honour, and why (the gateway refuses other values).
+    "refused": {
+        "speed": "CSM cannot change its speaking rate",
+        "instructions": "CSM takes no voice instructions",
     },
     "max_tokens": 2048,  # frames, prompt included: the backbone's max_position_embeddings
     # sesame/csm-1b's generation_config: sampling with temperature 0.9 and top_k 50, for the

@@ -5,7 +5,7 @@ reference decoder (canopyai/Orpheus-TTS `decoder.py`, `convert_to_audio`): a 28-
 (4 frames of 7 tokens) is split into SNAC's three levels, decoded, and samples [2048:4096] kept.
 
 Three changes make it servable, all confined to our SNAC instance:
-- each decoder `NoiseBlock` draws its noise from `programs.rng` keyed per batch entry instead of
+- each decoder `NoiseBlock` draws its noise from `programs.blocks.rng` keyed per batch entry instead of
   the global `torch.randn`, so a request's audio depends on its seed only, never on its batch,
   and the draw is capturable in a CUDA graph;
 - weight norm is folded into plain weights once at load (the same values SNAC recomputes on
@@ -41,7 +41,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from programs import rng
+from programs.blocks import rng
 from programs.orpheus.snac_crop import CroppedDecoder, normal_at
 from programs.orpheus.spec import AUDIO_BASE, CODEBOOK, FRAME
 

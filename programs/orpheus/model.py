@@ -1,9 +1,9 @@
 """Llama decoder for Orpheus (Llama-3.2-3B backbone), written for the serving runtime.
 
-Based on transformers' `LlamaForCausalLM` (models/llama/modeling_llama.py) and its llama3 RoPE
-(`_compute_llama3_parameters` in modeling_rope_utils.py): same parameter names, so a published
-checkpoint or an HF state_dict loads unchanged, and the same arithmetic (fp32 RMSNorm, fp32 cos/sin
-cast to the activation dtype, rotate-half RoPE, SiLU-gated MLP), so logits match HF's.
+Based on transformers' `LlamaForCausalLM` (models/llama/modeling_llama.py), built from the shared
+Llama pieces in programs/blocks (decoder layers, RMSNorm, llama3 RoPE): same parameter names, so a
+published checkpoint or an HF state_dict loads unchanged, and the same arithmetic, so logits match
+HF's. This file adds the causal LM around them and its fused GPU path (`fuse`, `quantize_fp8`).
 
 What differs is the calling convention: tokens arrive flattened as rows `[N]` of many requests
 with explicit positions, and attention is delegated to the runtime's `attn.forward(layer, q, k, v)`
@@ -14,164 +14,18 @@ with explicit positions, and attention is delegated to the runtime's `attn.forwa
 from __future__ import annotations
 
 import glob
-import math
 import os
 from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from programs import fp8
 from programs.base import Attention
-from programs.weights import checkpoint_dir, copy_weights
-
-
-def _rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-    """(theta, scaling) from either config layout: transformers 4 (`rope_theta` + `rope_scaling`) or
-    transformers 5 (`rope_parameters` holding both)."""
-    params = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or params
-    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
-    return theta, dict(scaling)
-
-
-def llama3_inv_freq(config: dict[str, Any], head_dim: int) -> torch.Tensor:
-    """Inverse RoPE frequencies [head_dim // 2] float32, computed on CPU exactly as transformers
-    does (same dtype and op order), so positions rotate identically."""
-    theta, scaling = _rope_settings(config)
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "default":
-        return inv_freq
-    if rope_type != "llama3":
-        raise ValueError(f"unsupported rope type {rope_type!r}; this Llama supports 'default' and 'llama3'")
-    factor = scaling["factor"]
-    low_ff, high_ff = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_len = scaling.get("original_max_position_embeddings", config.get("max_position_embeddings"))
-    low_freq_wavelen, high_freq_wavelen = old_len / low_ff, old_len / high_ff
-    wavelen = 2 * math.pi / inv_freq
-    # Long wavelengths are slowed down by `factor`, short ones kept, the band between interpolated.
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low_ff) / (high_ff - low_ff)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-def rope_cos_sin(
-    inv_freq: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [N, D] for positions pos [N]: angles in float32, cast to `dtype` (as transformers)."""
-    freqs = pos.float()[:, None] * inv_freq.float()[None, :]  # [N, D/2] float32
-    emb = torch.cat((freqs, freqs), dim=-1)  # [N, D]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def decoder_stack(layers, norm, hidden: torch.Tensor, cos, sin, attn: Attention) -> torch.Tensor:
-    """The unfused Llama decoder layers over `hidden` [N, H], then the final norm."""
-    for i, layer in enumerate(layers):
-        hidden = hidden + layer.self_attn(layer.input_layernorm(hidden), cos, sin, i, attn)
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-    return norm(hidden)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-Factory = dict[str, Any]  # {"dtype": ..., "device": ...} for every parameter
-
-
-def _param(*shape: int, fk: Factory) -> nn.Parameter:
-    # Uninitialized and frozen: values come from a checkpoint or `LlamaLM.dummy`, so a 3B model is
-    # allocated straight on its device with no throwaway init (nn.Linear's costs seconds on CPU).
-    return nn.Parameter(torch.empty(*shape, **fk), requires_grad=False)
-
-
-class Linear(nn.Module):
-    """nn.Linear's parameters and math, without its initialization."""
-
-    def __init__(
-        self, d_in: int, d_out: int, bias: bool, fk: Factory, tied: nn.Parameter | None = None
-    ) -> None:
-        super().__init__()
-        self.weight = tied if tied is not None else _param(d_out, d_in, fk=fk)
-        self.register_parameter("bias", _param(d_out, fk=fk) if bias else None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8.linear(x, self.weight, self.bias)  # F.linear, but see fp8.rows_apart
-
-
-class Embedding(nn.Module):
-    def __init__(self, num: int, dim: int, fk: Factory) -> None:
-        super().__init__()
-        self.weight = _param(num, dim, fk=fk)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, fk: Factory) -> None:
-        super().__init__()
-        self.weight = _param(dim, fk=fk)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in fp32, cast back before the weight, as HF does (matters for bf16 parity).
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-class SelfAttention(nn.Module):
-    def __init__(self, cfg: dict[str, Any], head_dim: int, fk: Factory) -> None:
-        super().__init__()
-        hidden, bias = cfg["hidden_size"], cfg.get("attention_bias", False)
-        self.num_heads, self.num_kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-        self.head_dim = head_dim
-        self.q_proj = Linear(hidden, self.num_heads * head_dim, bias, fk)
-        self.k_proj = Linear(hidden, self.num_kv_heads * head_dim, bias, fk)
-        self.v_proj = Linear(hidden, self.num_kv_heads * head_dim, bias, fk)
-        self.o_proj = Linear(self.num_heads * head_dim, hidden, bias, fk)
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, attn: Attention
-    ) -> torch.Tensor:
-        n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)  # [N, Hq, D]
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
-        cos, sin = cos[:, None, :], sin[:, None, :]  # [N, 1, D]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        out = attn.forward(layer, q, k, v)  # [N, Hq, D]
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: dict[str, Any], fk: Factory) -> None:
-        super().__init__()
-        hidden, inter, bias = cfg["hidden_size"], cfg["intermediate_size"], cfg.get("mlp_bias", False)
-        self.gate_proj = Linear(hidden, inter, bias, fk)
-        self.up_proj = Linear(hidden, inter, bias, fk)
-        self.down_proj = Linear(inter, hidden, bias, fk)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any], head_dim: int, fk: Factory) -> None:
-        super().__init__()
-        eps = cfg.get("rms_norm_eps", 1e-5)
-        self.self_attn = SelfAttention(cfg, head_dim, fk)
-        self.mlp = MLP(cfg, fk)
-        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps, fk)
-        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps, fk)
+from programs.blocks import fp8
+from programs.blocks.llama import DecoderLayer, Embedding, Factory, Linear, RMSNorm, decoder_stack
+from programs.blocks.rope import llama3_inv_freq, rope_cos_sin
+from programs.blocks.weights import checkpoint_dir, copy_weights
 
 
 class LlamaModel(nn.Module):

@@ -30,9 +30,9 @@ from programs.base import Attention, LMProgram, TokenKind
 from programs.orpheus.spec import AUDIO_BASE, CODEBOOK, FRAME, STOP_TOKEN
 
 if TYPE_CHECKING:  # torch modules load only in the process that needs them
+    from programs.blocks.text_tokenizer import TextTokenizer
     from programs.orpheus.codec import SnacCodec
     from programs.orpheus.model import LlamaLM
-    from programs.orpheus.tokenizer import TextTokenizer
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 
@@ -101,7 +101,7 @@ class OrpheusProgram(LMProgram):
             self.codec = SnacCodec.from_pretrained(self.codec_weights, self.codec_dtype, self.device)
 
     def load_prompts(self) -> None:
-        from programs.orpheus.tokenizer import load_text_tokenizer
+        from programs.blocks.text_tokenizer import load_text_tokenizer
 
         self._tokenizer = load_text_tokenizer(self.spec, self.weights, self.load_format)
 

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from programs import rng
+from programs.blocks import rng
 
 Interval = tuple[int, int]  # [lo, hi) in full-decode positions of one stage
 

@@ -13,7 +13,7 @@ STOP_TOKEN = 128258
 VOICES = ["tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe"]
 
 _COMMON = {
-    "kind": "orpheus",
+    "codec": "snac",  # the codec's name (tests/test_architecture.py keeps it out of the runtime)
     "n_codebooks": 1,
     "vocab_size": 156940,
     "sample_rate": 24000,
@@ -31,6 +31,11 @@ _COMMON = {
     "text_template": "{voice}: {text}",
     "voices": VOICES,
     "default_voice": "tara",
+    # OpenAI request fields the model cannot honour, and why (the gateway refuses other values).
+    "refused": {
+        "speed": "Orpheus cannot change its speaking rate",
+        "instructions": "Orpheus takes no voice instructions",
+    },
     "max_tokens": 1200,
     "sampling": {
         "temperature": 0.6,

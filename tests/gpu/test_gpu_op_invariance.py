@@ -16,7 +16,7 @@ import torch
 
 from bench.op_invariance import GEMMS, attention_checks, gemm_checks, mixed_checks, sampling_checks
 from gpu_worker.runner.graphs import decode_buckets
-from programs import fp8
+from programs.blocks import fp8
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,10 @@
-"""Text tokenizer for Orpheus prompts: the real Llama-3 `tokenizer.json`, or an offline stand-in.
+"""Text tokenizer of Llama-3-based models: the checkpoint's `tokenizer.json`, or an offline stand-in.
 
 The real one is the checkpoint's `tokenizer.json` (Llama-3 byte-level BPE whose post-processor
 puts <|begin_of_text|> = 128000 first), read with the `tokenizers` library from a local dir, the
 Hugging Face cache, or the hub.
 
-The stand-in serves orpheus-tiny and `--load-format dummy` when the hub is unreachable: a
+The stand-in serves models without a checkpoint (the tiny ones) and `--load-format dummy` when the hub is unreachable: a
 byte-level BPE built in code (a few ms) from a small built-in English text, so prompts keep a
 realistic-ish length. Its text ids are < 128000 and it also puts BOS 128000 first, so prompts have
 the real layout. Random-weight models do not care which text ids they see; a real checkpoint
@@ -145,7 +145,7 @@ def _offline(bos_id: int) -> TextTokenizer:
 
 def load_text_tokenizer(spec: dict[str, Any], weights: str | None, load_format: str) -> TextTokenizer:
     """The real tokenizer for `weights` (dir or hub id), or the offline stand-in where allowed:
-    models without a checkpoint (orpheus-tiny), or dummy weights when the real one is unreachable."""
+    models without a checkpoint (the tiny ones), or dummy weights when the real one is unreachable."""
     bos_id = spec.get("bos_id", 128000)
     if weights is None:
         return _offline(bos_id)  # no checkpoint behind this model: nothing real to match

@@ -1,0 +1,10 @@
+"""Building blocks that model programs share; a model imports from here, never from another model.
+
+- `llama`: the Llama decoder pieces (parameters, Linear through `fp8.linear`, Embedding, RMSNorm,
+  attention over the runtime's paged cache, MLP, DecoderLayer, the unfused `decoder_stack`);
+- `rope`: rotary embeddings (default and llama3 scaling), as transformers computes them;
+- `fp8`: float8 linear layers and `rows_apart` (GEMM row groups of a mixed step);
+- `weights`: finding a checkpoint and copying named weights into a module;
+- `text_tokenizer`: the checkpoint's `tokenizer.json`, or an offline byte-level BPE stand-in;
+- `rng`: counter-based random numbers for the sampler and codec noise.
+"""
