@@ -18,7 +18,7 @@ It reports, per policy and load, what bench/load reports (TTFA p50/p99, the shar
 time) and the streams admitted. The step model's constants are fitted to the H200 runs (fp8 weights
 and cache, the codec beside the LM under MPS): ~4 ms a step at 40 streams, ~10 ms at 340 rows of
 ~550 tokens, and 416 streams held on time with about a sixth of them sitting out
-(bench/results/h200-load-2026-11-30-session10.json). It is a model: it ranks policies, the GPU
+(bench/results/h200-orpheus-load-sit-out.json). It is a model: it ranks policies, the GPU
 decides.
 """
 
@@ -66,8 +66,8 @@ class GPU:
         return ms * (1.0 if rng is None else max(0.5, 1 + self.noise * rng.standard_normal())) / 1000
 
 
-# The H200 as the session-12 runs read it (fp8, MPS, a prompt riding the decode step): its startup
-# differences (bench/results/h200-load-2026-11-30-session12.json), the rows' part raised to what
+# The H200 as its load runs read it (fp8, MPS, a prompt riding the decode step): its startup
+# differences (bench/results/h200-orpheus-load-curve.json), the rows' part raised to what
 # the fit reads under load (the codec beside the steps). Simulated, 480 clients fill ~437 streams
 # (~450 with `calibrate`), all on time, where the H200 held ~421; and a first ramp to 400 admits
 # every stream with or without the startup differences, where the H200's fit (after single-stream

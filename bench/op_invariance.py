@@ -14,7 +14,7 @@ to its output alone (None: identical at every size):
   that it never splits a request's keys (fp8 cache), as the engine runs them;
 - the sampler's row-wise reductions over a row of probabilities (audio head, full vocabulary):
   softmax, torch's cumsum (on CUDA a single row takes another scan than rows of a batch: measured on
-  the H200, bench/results/h200-batch-invariance-2026-11-30-session10-start.json), and the
+  the H200: a sampling request alone drew other tokens than in a batch), and the
   sampler's `row_cumsum`, which scans a lone row as a batch of two.
 
     voxpipe bench op-invariance --out op_invariance.json [--sizes 1,2,...,512]

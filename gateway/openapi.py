@@ -51,9 +51,6 @@ _REQUEST_ERRORS = {
 
 def document(spec: ModelSpec, cfg: ServeConfig) -> dict[str, Any]:
     """The OpenAPI document for the served model and this gateway's settings."""
-    formats = available_formats(spec.sample_rate)
-    generate_body = {"schema": _ref("GenerateRequest")}
-    speech_audio = {content_type(f): {"schema": _BINARY} for f in formats}
     return {
         "openapi": "3.1.0",
         "info": {
@@ -61,139 +58,148 @@ def document(spec: ModelSpec, cfg: ServeConfig) -> dict[str, Any]:
             "version": _version(),
             "description": f"Speech synthesis with {spec.name}: {spec.sample_rate} Hz mono audio.",
         },
-        "paths": {
-            "/generate": {
-                "post": {
-                    "summary": "Speak a text; WAV audio, streamed by default.",
-                    "description": "Form bodies carry the same fields as strings.",
-                    "requestBody": {
-                        "required": True,
-                        "content": {
-                            "application/json": generate_body,
-                            "application/x-www-form-urlencoded": generate_body,
-                            "multipart/form-data": generate_body,
-                        },
+        "paths": _paths(spec),
+        "components": _components(spec, cfg),
+    }
+
+
+def _paths(spec: ModelSpec) -> dict[str, Any]:
+    """Every endpoint with its request and responses."""
+    generate_body = {"schema": _ref("GenerateRequest")}
+    speech_audio = {content_type(f): {"schema": _BINARY} for f in available_formats(spec.sample_rate)}
+    return {
+        "/generate": {
+            "post": {
+                "summary": "Speak a text; WAV audio, streamed by default.",
+                "description": "Form bodies carry the same fields as strings.",
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "application/json": generate_body,
+                        "application/x-www-form-urlencoded": generate_body,
+                        "multipart/form-data": generate_body,
                     },
-                    "responses": {
-                        "200": {
-                            "description": "PCM16 mono WAV.",
-                            "content": {"audio/wav": {"schema": _BINARY}},
-                        },
-                        **_errors("Error", _REQUEST_ERRORS),
+                },
+                "responses": {
+                    "200": {
+                        "description": "PCM16 mono WAV.",
+                        "content": {"audio/wav": {"schema": _BINARY}},
                     },
-                }
-            },
-            "/v1/audio/speech": {
-                "post": {
-                    "summary": "OpenAI-compatible speech: the text in the requested audio format.",
-                    "requestBody": {
-                        "required": True,
-                        "content": {"application/json": {"schema": _ref("SpeechRequest")}},
-                    },
-                    "responses": {
-                        "200": {
-                            "description": "The audio (stream_format audio), or server-sent events (sse).",
-                            "content": {
-                                **speech_audio,
-                                "text/event-stream": {"schema": _ref("SpeechStreamEvent")},
-                            },
-                        },
-                        **_errors("OpenAIError", {**_REQUEST_ERRORS, 404: "The model is not served here."}),
-                    },
-                }
-            },
-            "/v1/models": {
-                "get": {
-                    "summary": "The served model, its voices and sample rate.",
-                    "responses": {"200": _json("The model list.", _ref("ModelList"))},
-                }
-            },
-            "/v1/models/{model}": {
-                "get": {
-                    "summary": "One model, by its id or an alias.",
-                    "parameters": [
-                        {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
-                    ],
-                    "responses": {
-                        "200": _json("The model.", _ref("Model")),
-                        **_errors("OpenAIError", {404: "The model is not served here."}),
-                    },
-                }
-            },
-            "/health": {
-                "get": {"summary": "200 while the gateway runs.", "responses": {"200": _json("OK.", {})}}
-            },
-            "/ready": {
-                "get": {
-                    "summary": "Whether every process is ready and the model known, and each process's state.",
-                    "responses": {"200": _json("All ready.", {}), "503": _json("Not all ready.", {})},
-                }
-            },
-            "/metrics": {
-                "get": {
-                    "summary": "Prometheus metrics (text exposition format).",
-                    "responses": {"200": {"description": "Metrics.", "content": {"text/plain": {}}}},
-                }
-            },
-            "/openapi.json": {
-                "get": {"summary": "This document.", "responses": {"200": _json("OpenAPI 3.1.", {})}}
-            },
-        },
-        "components": {
-            "schemas": {
-                "GenerateRequest": schema_of(generate_fields(spec, cfg)),
-                "SpeechRequest": schema_of(speech_fields(spec, cfg)),
-                "Error": _object({"error": {"type": "string", "description": "What to change."}}),
-                "OpenAIError": _object(
-                    {
-                        "error": _object(
-                            {
-                                "message": {"type": "string"},
-                                "type": {"type": "string", "enum": ["invalid_request_error", "server_error"]},
-                                "param": {"type": ["string", "null"]},
-                                "code": {"type": ["string", "null"]},
-                            }
-                        )
-                    }
-                ),
-                "SpeechStreamEvent": {"oneOf": [_ref("SpeechAudioDeltaEvent"), _ref("SpeechAudioDoneEvent")]},
-                "SpeechAudioDeltaEvent": _object(
-                    {
-                        "type": {"const": "speech.audio.delta"},
-                        "audio": {"type": "string", "description": "Base64 of the next encoded bytes."},
-                    }
-                ),
-                "SpeechAudioDoneEvent": _object(
-                    {
-                        "type": {"const": "speech.audio.done"},
-                        "usage": _object(
-                            {
-                                k: {"type": "integer"}
-                                for k in ("input_tokens", "output_tokens", "total_tokens")
-                            }
-                        ),
-                    }
-                ),
-                "Model": _object(
-                    {
-                        "id": {"type": "string"},
-                        "object": {"const": "model"},
-                        "created": {"type": "integer"},
-                        "owned_by": {"type": "string"},
-                        "aliases": {"type": "array", "items": {"type": "string"}},
-                        "voices": {"type": "array", "items": {"type": "string"}},
-                        "default_voice": {"type": "string"},
-                        "sample_rate": {"type": "integer"},
-                        "response_formats": {"type": "array", "items": {"type": "string"}},
-                        "max_input_chars": {"type": "integer"},
-                        "max_tokens": {"type": "integer"},
-                    }
-                ),
-                "ModelList": _object(
-                    {"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}}
-                ),
+                    **_errors("Error", _REQUEST_ERRORS),
+                },
             }
         },
+        "/v1/audio/speech": {
+            "post": {
+                "summary": "OpenAI-compatible speech: the text in the requested audio format.",
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": _ref("SpeechRequest")}},
+                },
+                "responses": {
+                    "200": {
+                        "description": "The audio (stream_format audio), or server-sent events (sse).",
+                        "content": {
+                            **speech_audio,
+                            "text/event-stream": {"schema": _ref("SpeechStreamEvent")},
+                        },
+                    },
+                    **_errors("OpenAIError", {**_REQUEST_ERRORS, 404: "The model is not served here."}),
+                },
+            }
+        },
+        "/v1/models": {
+            "get": {
+                "summary": "The served model, its voices and sample rate.",
+                "responses": {"200": _json("The model list.", _ref("ModelList"))},
+            }
+        },
+        "/v1/models/{model}": {
+            "get": {
+                "summary": "One model, by its id or an alias.",
+                "parameters": [
+                    {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+                ],
+                "responses": {
+                    "200": _json("The model.", _ref("Model")),
+                    **_errors("OpenAIError", {404: "The model is not served here."}),
+                },
+            }
+        },
+        "/health": {
+            "get": {"summary": "200 while the gateway runs.", "responses": {"200": _json("OK.", {})}}
+        },
+        "/ready": {
+            "get": {
+                "summary": "Whether every process is ready and the model known, and each process's state.",
+                "responses": {"200": _json("All ready.", {}), "503": _json("Not all ready.", {})},
+            }
+        },
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus metrics (text exposition format).",
+                "responses": {"200": {"description": "Metrics.", "content": {"text/plain": {}}}},
+            }
+        },
+        "/openapi.json": {
+            "get": {"summary": "This document.", "responses": {"200": _json("OpenAPI 3.1.", {})}}
+        },
+    }
+
+
+def _components(spec: ModelSpec, cfg: ServeConfig) -> dict[str, Any]:
+    """The request, error, event and model schemas the paths refer to."""
+    return {
+        "schemas": {
+            "GenerateRequest": schema_of(generate_fields(spec, cfg)),
+            "SpeechRequest": schema_of(speech_fields(spec, cfg)),
+            "Error": _object({"error": {"type": "string", "description": "What to change."}}),
+            "OpenAIError": _object(
+                {
+                    "error": _object(
+                        {
+                            "message": {"type": "string"},
+                            "type": {"type": "string", "enum": ["invalid_request_error", "server_error"]},
+                            "param": {"type": ["string", "null"]},
+                            "code": {"type": ["string", "null"]},
+                        }
+                    )
+                }
+            ),
+            "SpeechStreamEvent": {"oneOf": [_ref("SpeechAudioDeltaEvent"), _ref("SpeechAudioDoneEvent")]},
+            "SpeechAudioDeltaEvent": _object(
+                {
+                    "type": {"const": "speech.audio.delta"},
+                    "audio": {"type": "string", "description": "Base64 of the next encoded bytes."},
+                }
+            ),
+            "SpeechAudioDoneEvent": _object(
+                {
+                    "type": {"const": "speech.audio.done"},
+                    "usage": _object(
+                        {k: {"type": "integer"} for k in ("input_tokens", "output_tokens", "total_tokens")}
+                    ),
+                }
+            ),
+            "Model": _object(
+                {
+                    "id": {"type": "string"},
+                    "object": {"const": "model"},
+                    "created": {"type": "integer"},
+                    "owned_by": {"type": "string"},
+                    "aliases": {"type": "array", "items": {"type": "string"}},
+                    "voices": {"type": "array", "items": {"type": "string"}},
+                    "default_voice": {"type": "string"},
+                    "sample_rate": {"type": "integer"},
+                    "response_formats": {"type": "array", "items": {"type": "string"}},
+                    "max_input_chars": {"type": "integer"},
+                    "max_tokens": {"type": "integer"},
+                }
+            ),
+            "ModelList": _object(
+                {"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}}
+            ),
+        }
     }
 
 

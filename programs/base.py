@@ -93,7 +93,7 @@ Output heads: a program may compute logits for a subset of its vocabulary (`lm_h
 only the tokens a speech stream can use). It then sets `head_ids` [V'] int64, the token id of each
 logits column; the runtime samples over those columns (penalties, stop masks and candidates are
 mapped onto them; tokens outside the head cannot be sampled) and hands token ids to every other
-hook as before. `head_ids` None means the columns are the whole vocabulary.
+hook, as with a full head. `head_ids` None means the columns are the whole vocabulary.
 
 Attention: `attn` is an `Attention` planned by the runtime for this step. Each layer calls
 `attn.forward(layer, q, k, v)`: it writes the step's keys/values into the paged cache
@@ -165,7 +165,7 @@ class LMProgram:
     # True: every GEMM of `backbone` goes through `programs.blocks.fp8.linear`, so that `fp8.rows_apart`
     # keeps a step's prompt rows and decode rows in GEMMs of their own where a GEMM's rows could
     # round by its size (bf16 weights), and a prompt may then ride in one forward pass with a decode
-    # step (gpu_worker.graphs, mixed graphs) and round as it would alone.
+    # step (the gpu_worker's mixed graphs) and round as it would alone.
     mixed_prefill: bool = False
     # Request options whose value adds prompt rows (`option_rows` counts them), e.g. a context.
     sized_options: tuple[str, ...] = ()
@@ -274,7 +274,7 @@ class LMProgram:
         lo, hi = self.spec["audio_tokens"]
         kinds = torch.where((t0 >= lo) & (t0 < hi), int(TokenKind.AUDIO), int(TokenKind.OTHER))
         # The ids on the device once: a copy from the host each call would wait for the stream, and
-        # cannot be captured in a sampling graph (gpu_worker/sample_graphs.py).
+        # cannot be captured in a sampling graph (the gpu_worker's sampling graphs).
         ids = self._stop_ids.get(t0.device)
         if ids is None:
             ids = self._stop_ids[t0.device] = torch.tensor(self.stop_tokens(), device=t0.device)

@@ -48,7 +48,7 @@ def row_cumsum(x: torch.Tensor) -> torch.Tensor:
     """Cumulative sums along each row of x [B, V], the same for a row whatever B is. PyTorch's CUDA
     cumsum scans a tensor with a single row by another algorithm (one device-wide scan) than rows
     of a batch (a tiled scan per row), which rounds differently: on the H200 a sampling request
-    alone draws other tokens from token 78 on than in any batch (bench/batch_invariance.py). A lone
+    alone draws other tokens from token 78 on than in any batch (tests/gpu/test_gpu_batch_invariance.py). A lone
     row is scanned as a batch of two instead."""
     if x.shape[0] == 1:
         return torch.cat([x, x]).cumsum(dim=-1)[:1]

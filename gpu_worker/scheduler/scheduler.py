@@ -93,10 +93,9 @@ class Scheduler:
     def add(self, prompt: Prompt) -> None:
         """Queue a prompt, or end it at once with a 400 when it could never run."""
         c, limits = self.program.n_codebooks, self.limits
-        if prompt.n_rows < 0 or len(prompt.tokens) != 4 * c * prompt.n_rows:
-            self.reject(
-                prompt.rid, f"prompt holds {len(prompt.tokens)} bytes, not {prompt.n_rows} rows of {c}"
-            )
+        shape_error = prompt.shape_error(c)
+        if shape_error:
+            self.reject(prompt.rid, f"prompt holds {shape_error}")
             return
         if prompt.sampling.constrained and not self.program.can_constrain:
             self.reject(prompt.rid, f"{self.program.name} has no constrained sampling mode")

@@ -49,9 +49,9 @@ def compile_quantizer(device: torch.device, widths: tuple[int, ...] = (256,)) ->
     """Fuse `quantize_rows` into one kernel with torch.compile if this machine can (Triton);
     keep the eager version otherwise. Returns whether the compiled one is in use. `widths`: the
     row lengths (K) it will see, compiled here (not later inside a CUDA graph capture). The row
-    count is dynamic, the width static: with both dynamic (as before) inductor looped over each
+    count is dynamic, the width static: with both dynamic, inductor looped over each
     row in small blocks, 12 µs a call on the H200 at any batch, which cost an fp8 step more than
-    its GEMMs saved (bench/results/h200-fp8-gemm-2026-11-29.json)."""
+    its GEMMs saved (bench/results/h200-fp8-gemm.json)."""
     global _quantizer
     try:
         compiled = torch.compile(quantize_rows, dynamic=False, fullgraph=True)
@@ -83,7 +83,7 @@ def rows_apart(rows: int):
     two GEMMs. A bf16 GEMM's result for a row can depend on how many rows it holds (the library
     picks its kernel by shape: measured on the H200, a prompt prefilled beside decode rows in one
     GEMM changed a greedy request's tokens), so a step that runs a prompt with decode rows
-    (gpu_worker.graphs, mixed graphs) keeps each part in a GEMM of the size it has in a step of its
+    (the gpu_worker's mixed graphs) keeps each part in a GEMM of the size it has in a step of its
     own. The float8 GEMMs give a row the same bits at any row count (bench/op_invariance.py, every
     Orpheus-3B shape on the H200: 1-512 rows, and one GEMM over a prompt bucket's 32-128 rows with a
     decode bucket's 1-512 against a GEMM per part): they run the step's rows as one, which spares

@@ -52,7 +52,7 @@ SAMPLES_PER_FRAME = 2048  # SNAC 24 kHz: one Orpheus frame decodes to 2048 sampl
 # Inductor inlines a pointwise value into each of its readers unless it reads more than 4 inputs:
 # a Snake read by a depthwise convolution's 7 taps would be computed (its sine included) 7 times
 # per output. Realizing every value read more than once: 0.72x the compiled decode's time on the
-# H200 (bench/results/h200-codec-profile-2026-11-29.json).
+# H200 (bench/results/h200-snac-codec-compiled.json).
 REALIZE_REUSED = {"realize_reads_threshold": 1}
 LEAD_ROWS = (7, 14, 21)  # lead windows: the first 1-3 frames of a request, decoded whole
 

@@ -86,7 +86,7 @@ class OrpheusProgram(LMProgram):
             self.head_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
             # Rows padded with zeros to a multiple of 64: an output row of 28,673 bf16 values is not
             # 16-byte aligned, and cuBLAS then takes a slow pre-Hopper kernel (0.77 ms at batch 384,
-            # 6 % of the step, in bench/results/h200-profile-step-b384-2026-11-29.txt).
+            # 6 % of the step, in a `voxpipe bench profile` of the bf16 step).
             weight = self.lm.lm_head.weight
             self._head_weight = weight.new_zeros(-(-len(ids) // 64) * 64, weight.shape[1])  # [V'', H]
             self._head_weight[: len(ids)] = weight[self.head_ids]
