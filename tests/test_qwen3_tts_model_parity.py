@@ -3,7 +3,8 @@
 weights (qwen3-tts-tiny, CPU fp32): codebook-0 logits over a prompt and the frames after it, each
 frame's input carrying its text column (text rows, then the tts pad row), through the paged KV
 cache; and the code predictor's greedy codebooks 1..15 of every frame. MRoPE with three different
-position rows equals the reference's, interleaved and in sections.
+position rows equals the reference's, interleaved and in sections. Without the reference: the code
+predictor's frames do not depend on the batch, and a sharded checkpoint loads every talker weight.
 
 The reference installs without its dependencies (`pip install --no-deps qwen-tts-compat==0.1.1.post1`,
 plus `librosa`, which its modeling file imports) and runs on transformers 5.9-5.23; the test skips
@@ -198,3 +199,35 @@ def test_mrope_with_three_position_rows_equals_the_reference(interleaved):
     rot = mod.rotate_half
     torch.testing.assert_close(q * cos + rot(q) * sin, want_q, rtol=0, atol=0)
     torch.testing.assert_close(k * cos + rot(k) * sin, want_k, rtol=0, atol=0)
+
+
+def test_code_predictor_frames_do_not_depend_on_the_batch(config):
+    ours = Qwen3TtsLM.dummy(config, torch.float32, "cpu", seed=3)  # runs without the reference too
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(3, ours.hidden_size, generator=gen)
+    c0 = torch.randint(0, 2048, (3,), generator=gen)
+    with torch.no_grad():
+        batched = ours.predict(hidden, c0, greedy)
+        alone = torch.cat([ours.predict(hidden[i : i + 1], c0[i : i + 1], greedy) for i in range(3)])
+    assert batched.shape == (3, 16) and batched.tolist() == alone.tolist()
+    assert len(set(batched[:, 1:].flatten().tolist())) > 10, "random weights give varied codes"
+
+
+def test_a_checkpoint_directory_loads_every_talker_weight(config, tmp_path):
+    from safetensors.torch import save_file
+
+    src = Qwen3TtsLM.dummy(config, torch.float32, "cpu", seed=4)
+    shards = {f"talker.{k}": v.contiguous() for k, v in src.state_dict().items()}
+    names = sorted(shards)
+    half = len(names) // 2
+    save_file({k: shards[k] for k in names[:half]}, str(tmp_path / "model-1.safetensors"))
+    rest = {k: shards[k] for k in names[half:]}
+    rest["speaker_encoder.fc.weight"] = torch.zeros(2, 2)  # a Base checkpoint's, passed over
+    save_file(rest, str(tmp_path / "model-2.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    lm = Qwen3TtsLM.from_pretrained(str(tmp_path), torch.float32, "cpu")
+    for k, v in src.state_dict().items():
+        assert torch.equal(lm.state_dict()[k], v), k
+    save_file({k: shards[k] for k in names[1:]}, str(tmp_path / "model-1.safetensors"))
+    with pytest.raises(KeyError, match="lacks 1 weights"):
+        Qwen3TtsLM.from_pretrained(str(tmp_path), torch.float32, "cpu")
