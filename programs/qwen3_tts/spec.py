@@ -79,13 +79,14 @@ LANGUAGES = {
     "sichuan_dialect": 2062,
 }
 
-# Sampling defaults: the reference wrapper's own (used where generation_config.json gives none).
+# Sampling defaults: the checkpoints' generation_config.json, which equals the reference wrapper's
+# own defaults (used where that file gives none) but for max_new_tokens (the wrapper's: 2048).
 MIN_FRAMES = 2  # min_new_tokens: CODEC_EOS cannot end the first two frames
 TALKER_SAMPLING = {
     "temperature": 0.9,
     "top_k": 50,
     "top_p": 1.0,
     "repetition_penalty": 1.05,  # over the request's generated codebook-0 ids (transformers' processor)
-    "max_new_tokens": 2048,
+    "max_new_tokens": 8192,
 }
 PREDICTOR_SAMPLING = {"temperature": 0.9, "top_k": 50, "top_p": 1.0}
