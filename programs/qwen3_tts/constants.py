@@ -1,4 +1,5 @@
-"""Qwen3-TTS constants, torch-free (the gateway and tokenizer workers will read them).
+"""Qwen3-TTS constants, torch-free: what the model's spec.py (SPECS, registered in programs/__init__.py
+with the program that serves it) and its prompt builder take their ids and defaults from.
 
 Facts from the reference, qwen-tts 0.1.1 / qwen-tts-compat 0.1.1.post1
 (qwen_tts/core/models/modeling_qwen3_tts.py `Qwen3TTSForConditionalGeneration.generate`,
