@@ -28,6 +28,7 @@ from gateway.validation import BadRequest, parse_generate
 
 log = logging.getLogger(__name__)
 
+GATEWAY = web.AppKey("gateway", Pipeline)
 ENDPOINTS = "POST /generate, POST /v1/audio/speech, GET /v1/models, GET /openapi.json, GET /metrics, GET /health, GET /ready"
 
 
@@ -97,6 +98,15 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
 
 
 @web.middleware
+async def _release_request_id(request: web.Request, handler: Any) -> web.StreamResponse:
+    """The request id a handler claimed (`Pipeline.request_id`) is given back when it returns."""
+    try:
+        return await handler(request)
+    finally:
+        request.app[GATEWAY].unclaim(request)
+
+
+@web.middleware
 async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
     """aiohttp's own errors (404, 405, 413 outside a handler) and anything a handler let slip,
     as JSON like the rest of the API (OpenAI's error shape under /v1/)."""
@@ -128,9 +138,6 @@ def _allowed(e: web.HTTPException) -> set[str]:
     return set(getattr(e, "allowed_methods", ()) or ())
 
 
-GATEWAY = web.AppKey("gateway", Pipeline)
-
-
 def build_app(
     cfg: ServeConfig,
     idle_timeout_s: float = IDLE_TIMEOUT_S,
@@ -147,7 +154,7 @@ def build_app(
             "ServeConfig has neither addresses nor run_dir; set one so the gateway can find the workers"
         )
     pipeline = Pipeline(cfg, addresses, idle_timeout_s=idle_timeout_s, submit_timeout_s=submit_timeout_s)
-    middlewares = [_json_errors]
+    middlewares = [_release_request_id, _json_errors]
     key = auth.load_api_key(cfg)
     if key is not None:
         middlewares.append(auth.middleware(key, error_body))
