@@ -116,15 +116,20 @@ async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse
     except web.HTTPException as e:
         if e.status < 400:
             raise
+        headers: dict[str, str] = {}
         if e.status == 404:
             message = f"no such endpoint {request.path}; endpoints: {ENDPOINTS}"
         elif e.status == 405:
-            message = f"{request.method} is not allowed on {request.path}; allowed: {', '.join(sorted(_allowed(e)))}"
+            allowed = ", ".join(sorted(_allowed(e)))
+            message = f"{request.method} is not allowed on {request.path}; allowed: {allowed}"
+            headers["Allow"] = allowed  # RFC 9110: a 405 lists the methods the resource supports
         else:
             message = e.text or e.reason
         if openai_shape:
-            return web.json_response({"error": error_body(e.status, message)}, status=e.status)
-        return _error(e.status, message)
+            return web.json_response(
+                {"error": error_body(e.status, message)}, status=e.status, headers=headers
+            )
+        return _error(e.status, message, headers)
     except (asyncio.CancelledError, ConnectionError):
         raise
     except Exception:
