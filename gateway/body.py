@@ -66,7 +66,30 @@ def _json_object(raw: bytes) -> dict[str, Any]:
         raise BodyError(
             400, f'request body must be a JSON object such as {{"text": "Hello"}}, got a {_json_kind(value)}'
         )
+    _check_unicode(value)
     return value
+
+
+def _check_unicode(value: dict[str, Any]) -> None:
+    """A 400 for a string holding a lone UTF-16 surrogate (JSON's "\ud800" escapes decode to one):
+    it is no Unicode text, has no UTF-8 form, and replacing it would speak something the client
+    did not send, so the client is told to fix its encoder."""
+    stack: list[Any] = [value]
+    while stack:
+        item = stack.pop()
+        strings = [*item.keys(), *item.values()] if isinstance(item, dict) else item
+        for x in strings:
+            if isinstance(x, str):
+                try:
+                    x.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise BodyError(
+                        400,
+                        f"request body holds a lone UTF-16 surrogate ({ascii(x[e.start])}) at character "
+                        f"{e.start} of a string; send valid Unicode (a pair \\ud83d\\ude00 is fine)",
+                    ) from None
+            elif isinstance(x, dict | list):
+                stack.append(x)
 
 
 async def _form(request: web.Request) -> dict[str, Any]:
