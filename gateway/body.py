@@ -6,6 +6,7 @@ this module owns everything about bytes on the wire: content types, size limits,
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -26,18 +27,24 @@ class BodyError(Exception):
         self.message = message
 
 
-async def read_fields(request: web.Request) -> dict[str, Any]:
-    """The body's fields: a JSON object as decoded, or a form's values as strings."""
+async def read_fields(request: web.Request, timeout_s: float) -> dict[str, Any]:
+    """The body's fields: a JSON object as decoded, or a form's values as strings. A body not
+    received in full within `timeout_s` seconds (--body-timeout) is a 408: a client that sends a
+    few bytes and stalls holds no connection and no handler for long."""
     if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
         raise _too_large()  # refuse before reading a byte of it
     ctype = request.content_type
     try:
         if ctype in JSON_TYPES or ctype.endswith("+json"):
-            return _json_object(await request.read())
+            return _json_object(await asyncio.wait_for(request.read(), timeout_s))
         if ctype in FORM_TYPES:
-            return await _form(request)
+            return await asyncio.wait_for(_form(request), timeout_s)
     except web.HTTPRequestEntityTooLarge:
         raise _too_large() from None
+    except asyncio.TimeoutError:
+        raise BodyError(
+            408, f"the request body did not arrive within {timeout_s:g} s (--body-timeout); send it at once"
+        ) from None
     raise BodyError(
         415,
         f"unsupported Content-Type {ctype!r}; send application/json, "

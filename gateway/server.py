@@ -50,7 +50,9 @@ class Routes:
             pipeline.metrics.finished("generate", outcome_of(spec.status))
             return _error(spec.status, spec.message, headers)
         try:
-            params = parse_generate(await read_fields(request), spec, pipeline.cfg)
+            params = parse_generate(
+                await read_fields(request, pipeline.cfg.gateway.body_timeout), spec, pipeline.cfg
+            )
         except (BodyError, BadRequest) as e:
             status = e.status
             pipeline.metrics.finished("generate", outcome_of(status))
