@@ -64,7 +64,10 @@ _RID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123
 # The gateway's own ids for a request's parts (its text segments, its sizing) are
 # `<request id>/<part>`: clients may not use "/" in X-Request-Id, so no part's id is ever a client's.
 PART_SEP = "/"
-_CLAIM = "voxpipe_request_id"  # the key under which a web.Request holds the id it claimed
+# The key under which a web.Request holds the id it claimed (a typed key where aiohttp has them).
+_CLAIM: Any = (
+    web.RequestKey("voxpipe_request_id", str) if hasattr(web, "RequestKey") else "voxpipe_request_id"
+)
 
 
 class Pipeline:
