@@ -99,7 +99,8 @@ class Scheduler:
 
     # --- requests in and out -------------------------------------------------------------------
     def add(self, prompt: Prompt) -> None:
-        """Queue a prompt, or end it at once with a 400 when it could never run."""
+        """Queue a prompt, or end it at once: a 409 when its id is already held here (the request
+        holding it runs on), a 400 when it could never run."""
         c, limits = self.program.n_codebooks, self.limits
         if self.holds(prompt.rid):  # never in the place of the request holding the id
             self.reject(prompt.rid, f"request id {prompt.rid} is already held by this gpu_worker", 409)
