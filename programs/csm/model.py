@@ -16,8 +16,6 @@ programs/blocks.
 
 from __future__ import annotations
 
-import glob
-import os
 from typing import Any
 
 import torch
@@ -27,7 +25,7 @@ from torch import nn
 from programs.base import Attention, Sampler
 from programs.blocks.llama import DecoderLayer, Embedding, Linear, RMSNorm, decoder_stack, param
 from programs.blocks.rope import llama3_inv_freq, rope_cos_sin, rotate_half
-from programs.blocks.weights import checkpoint_dir, copy_weights
+from programs.blocks.weights import checkpoint_dir, copy_weights, load_safetensors, random_weights
 from programs.csm.spec import TEXT_MARK
 
 
@@ -189,17 +187,10 @@ class CsmLM(nn.Module):
     @classmethod
     def from_pretrained(cls, id_or_dir: str, dtype: torch.dtype, device: str | torch.device) -> CsmLM:
         """config.json + *.safetensors of sesame/csm-1b (a local dir or the hub id)."""
-        from safetensors import safe_open
-
         path, config = checkpoint_dir(id_or_dir)
         lm = cls(config, dtype, device)
-        loaded: set[str] = set()
-        for shard in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-            with safe_open(shard, framework="pt", device=str(torch.device(device))) as f:
-                loaded |= lm.load_weights(
-                    (n, f.get_tensor(n)) for n in f.keys() if not n.startswith("codec_model.")
-                )
-        lm._check_complete(loaded)
+        keep = lambda name: not name.startswith("codec_model.")  # noqa: E731 (Mimi: the codec_worker's)
+        lm._check_complete(load_safetensors(path, device, lm.load_weights, keep))
         return lm.eval()
 
     @classmethod
@@ -209,10 +200,5 @@ class CsmLM(nn.Module):
     ) -> CsmLM:
         """Random weights (normal std 0.02, norm weights 1), deterministic for (seed, device type)."""
         lm = cls(config, dtype, device)
-        gen = torch.Generator(device=torch.device(device)).manual_seed(seed)
-        for name, p in lm.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
+        random_weights(lm, device, seed)
         return lm.eval()

@@ -13,8 +13,6 @@ with explicit positions, and attention is delegated to the runtime's `attn.forwa
 
 from __future__ import annotations
 
-import glob
-import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -25,7 +23,7 @@ from programs.base import Attention
 from programs.blocks import fp8
 from programs.blocks.llama import DecoderLayer, Embedding, Factory, Linear, RMSNorm, decoder_stack
 from programs.blocks.rope import llama3_inv_freq, rope_cos_sin
-from programs.blocks.weights import checkpoint_dir, copy_weights
+from programs.blocks.weights import checkpoint_dir, copy_weights, load_safetensors, random_weights
 
 
 class LlamaModel(nn.Module):
@@ -185,19 +183,9 @@ class LlamaLM(nn.Module):
         cls, id_or_dir: str, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
     ) -> LlamaLM:
         """Load config.json and every *.safetensors shard of a local dir or a Hugging Face repo."""
-        from safetensors import safe_open
-
         path, config = checkpoint_dir(id_or_dir)
-        shards = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-        if not shards:
-            raise FileNotFoundError(f"no *.safetensors in {path}; convert the checkpoint to safetensors")
         lm = cls(config, dtype, device)
-        loaded: set[str] = set()
-        for shard in shards:
-            # Tensors are read straight onto the target device, one at a time.
-            with safe_open(shard, framework="pt", device=str(torch.device(device))) as f:
-                loaded |= lm.load_weights((name, f.get_tensor(name)) for name in f.keys())
-        lm._check_complete(loaded)
+        lm._check_complete(load_safetensors(path, device, lm.load_weights))
         return lm.eval()
 
     @classmethod
@@ -212,12 +200,5 @@ class LlamaLM(nn.Module):
         """Random weights (normal std 0.02, norm weights 1), deterministic for (seed, device type),
         drawn on the target device in the target dtype."""
         lm = cls(config, dtype, device)
-        gen = torch.Generator(device=lm.inv_freq.device).manual_seed(seed)
-        for name, p in lm.named_parameters():  # shared (tied) weights come once, in a fixed order
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.zero_()
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
+        random_weights(lm, lm.inv_freq.device, seed)
         return lm.eval()

@@ -21,8 +21,6 @@ arithmetic, built from the shared pieces of programs/blocks.
 
 from __future__ import annotations
 
-import glob
-import os
 from typing import Any
 
 import torch
@@ -33,7 +31,7 @@ from programs.base import Attention, Sampler
 from programs.blocks.llama import Embedding, Linear, RMSNorm, decoder_stack
 from programs.blocks.qwen3 import Qwen3DecoderLayer, mrope_cos_sin, mrope_rows
 from programs.blocks.rope import llama3_inv_freq, rope_cos_sin, rope_settings, rotate_half
-from programs.blocks.weights import checkpoint_dir, copy_weights
+from programs.blocks.weights import checkpoint_dir, copy_weights, load_safetensors, random_weights
 
 
 def _head_dim(cfg: dict[str, Any]) -> int:
@@ -217,15 +215,9 @@ class Qwen3TtsLM(nn.Module):
     @classmethod
     def from_pretrained(cls, id_or_dir: str, dtype: torch.dtype, device: str | torch.device) -> Qwen3TtsLM:
         """config.json + model*.safetensors of a Qwen3-TTS checkpoint (a local dir or the hub id)."""
-        from safetensors import safe_open
-
         path, config = checkpoint_dir(id_or_dir)
         lm = cls(config, dtype, device)
-        loaded: set[str] = set()
-        for shard in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-            with safe_open(shard, framework="pt", device=str(torch.device(device))) as f:
-                loaded |= lm.load_weights((n, f.get_tensor(n)) for n in f.keys())
-        lm._check_complete(loaded)
+        lm._check_complete(load_safetensors(path, device, lm.load_weights))
         return lm.eval()
 
     @classmethod
@@ -235,12 +227,5 @@ class Qwen3TtsLM(nn.Module):
     ) -> Qwen3TtsLM:
         """Random weights (normal std 0.02, norm weights 1, biases 0), deterministic for (seed, device type)."""
         lm = cls(config, dtype, device)
-        gen = torch.Generator(device=torch.device(device)).manual_seed(seed)
-        for name, p in lm.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.zero_()
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
+        random_weights(lm, device, seed)
         return lm.eval()
