@@ -191,6 +191,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     gpu_workers: int = 1
     zmq_curve_dir: str = ""  # every process: CURVE keys for tcp:// sockets (`voxpipe keys DIR`)
     log_level: str = "INFO"
+    # CPU threads of each process's compute (torch, OpenMP, MKL); 0 = by role and host (common/threads.py)
+    threads: int = 0
     mps: str = "off"  # serve: off | on | auto (CUDA MPS for the GPU processes, see common/mps.py)
     addresses: Addresses | None = None
     run_dir: str = ""
@@ -210,6 +212,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
         """Every setting that needs no model or file to check (`voxpipe serve`)."""
         if self.gpu_workers < 1:
             raise ValueError("--gpu-workers must be at least 1")
+        if self.threads < 0:
+            raise ValueError("--threads must be 0 (by role and host) or a positive count")
         for spec in (self.device, self.codec.device):
             n = len([p for p in spec.split(",") if p.strip()])
             if n > 1 and n != self.gpu_workers:

@@ -27,6 +27,7 @@ from common.config import ServeConfig
 from common.ipc import Addresses, numbered
 from common.mps import GPU_ROLES, mps_for
 from common.tap import remove_state, write_state
+from common.threads import thread_env
 
 log = logging.getLogger("voxpipe.serve")
 
@@ -94,6 +95,7 @@ class Supervisor:
         if child.role != "gateway":
             env.pop("VOXPIPE_API_KEY", None)  # only the gateway checks it: no other process holds it
         env["PYTHONPATH"] = _ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        env.update(thread_env(child.role, self.cfg))
         if self.mps is not None and child.role in GPU_ROLES:
             env.update(self.mps.env)
             if child.role == "codec_worker" and self.cfg.codec.gpu_share:

@@ -296,6 +296,13 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("log_level", "DEBUG, INFO, WARNING, ERROR", _ALL),
     Option(
+        "threads",
+        "CPU threads of each process's compute (torch, OpenMP, MKL); 0: by role and host (gateway and "
+        "tokenizer workers 1, gpu_worker and codec_worker processes split the cores)",
+        _ALL,
+        int,
+    ),
+    Option(
         "mps",
         "CUDA MPS for the gpu_worker and codec_worker: on (start a private MPS daemon; its kernels "
         "and the LM's then run side by side instead of taking turns), auto (on when "

@@ -22,6 +22,7 @@ from common.config import ServeConfig
 from common.ipc import PushChannel, install_tap, use_curve
 from common.messages import ProcState, ProcStatus
 from common.options import RoleSettings, parse_role
+from common.threads import apply_threads
 
 HEARTBEAT_S = 0.25
 
@@ -153,6 +154,7 @@ def run_worker(
     settings = settings or parse_role(role, argv)
     cfg, name = settings.cfg, settings.name
     setup_logging(name, cfg.log_level)
+    log.debug("%s computes with %d CPU threads", name, apply_threads(role, cfg))
     assert cfg.addresses is not None, "config has no addresses"
     if settings.tap:
         install_tap(settings.tap, name)

@@ -15,7 +15,8 @@ from aiohttp import web
 
 from common.ipc import install_tap, use_curve
 from common.options import RoleSettings, parse_role
-from common.proc import freeze_startup_objects, use_uvloop
+from common.proc import freeze_startup_objects, setup_logging, use_uvloop
+from common.threads import apply_threads
 
 log = logging.getLogger("gateway")
 
@@ -26,10 +27,8 @@ def main(argv: list[str] | None = None, settings: RoleSettings | None = None) ->
     # Named so that log lines from every process of a deployment say which one wrote them.
     multiprocessing.current_process().name = settings.name
     try:
-        logging.basicConfig(
-            level=cfg.log_level.upper(),
-            format="%(asctime)s %(processName)s[%(process)d] %(levelname)s %(name)s: %(message)s",
-        )
+        setup_logging(settings.name, cfg.log_level)  # the format every process logs in
+        apply_threads("gateway", cfg)  # its imports never load torch: the variables, for any library
         if settings.tap:
             install_tap(settings.tap, settings.name)
         if cfg.zmq_curve_dir:
@@ -45,7 +44,7 @@ def main(argv: list[str] | None = None, settings: RoleSettings | None = None) ->
         web.run_app(app, host=cfg.gateway.host, port=cfg.gateway.port, handler_cancellation=True, print=None)
     except Exception:
         if not logging.getLogger().handlers:
-            logging.basicConfig(format="%(asctime)s %(processName)s[%(process)d] %(levelname)s %(message)s")
+            setup_logging(settings.name)
         log.exception("gateway failed")
         return 1
     return 0
