@@ -1,0 +1,102 @@
+"""What a restart cannot mend stops `voxpipe serve` at once with one clear line and exit status 2:
+a port in use (the server already there keeps its state file), weights the hub cannot give, a CUDA
+device this torch cannot use. Also the command line's own manners: `--version`, and a serve flag
+error printed with serve's usage."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import tomllib
+
+from common import __version__
+from common.cli import main
+from common.config import ServeConfig
+from common.proc import refusal
+from tests.conftest import ROOT, free_port, worker_env
+
+SERVE = [sys.executable, "-m", "common.cli", "serve", "--model", "orpheus-tiny"]
+
+
+def _serve(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*SERVE, *args], env={**worker_env(), **(env or {})}, cwd=ROOT, capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+
+
+def test_a_port_in_use_fails_at_once_and_leaves_the_other_servers_state_alone(tmp_path) -> None:
+    port = free_port()
+    state_dir = tmp_path / "voxpipe"
+    state_dir.mkdir()
+    state = state_dir / f"{port}.json"
+    state.write_text(json.dumps({"pid": os.getpid(), "port": port, "url": "the running one"}))
+    with socket.socket() as other:  # the running server's listening socket
+        other.bind(("127.0.0.1", port))
+        other.listen()
+        done = _serve("--port", str(port), env={"XDG_RUNTIME_DIR": str(tmp_path)}, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and "choose another --port" in done.stderr
+    assert "started gateway" not in done.stderr and "Traceback" not in done.stderr  # nothing started
+    assert json.loads(state.read_text())["url"] == "the running one"
+
+
+def test_weights_the_hub_cannot_give_are_one_line_naming_what_to_do() -> None:
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    cfg = ServeConfig(model="orpheus")
+    try:
+        try:
+            raise LocalEntryNotFoundError("cannot find the requested files in the local cache")
+        except LocalEntryNotFoundError as e:
+            raise OSError("SNAC.from_pretrained failed") from e
+    except OSError as wrapped:
+        why = refusal(wrapped, cfg)
+    assert why.startswith("cannot load the weights of orpheus (LocalEntryNotFoundError")
+    assert "--load-format dummy" in why and "\n" not in why
+    hub = ConnectionError("the Hugging Face hub is unreachable, and tokenizer.json of x is not cached")
+    assert refusal(hub, cfg).startswith("cannot load the weights")
+    assert refusal(ValueError("a bug"), cfg) == "" and refusal(ConnectionError("zmq"), cfg) == ""
+
+
+def test_cuda_asked_of_a_cpu_torch_is_one_line() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA")
+    try:
+        torch.zeros(1, device="cuda")
+    except Exception as e:  # AssertionError (CPU build) or RuntimeError (no driver)
+        why = refusal(e, ServeConfig(device="cuda"))
+    assert why.startswith("--device cuda / --codec-device auto asks for CUDA, but ")
+    assert why.endswith("install a CUDA build of torch, or use --device cpu")
+
+
+def test_serve_with_cuda_on_a_cpu_host_exits_2_with_one_line_per_process() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA")
+    done = _serve("--port", str(free_port()), "--device", "cuda")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "cannot start: --device cuda" in done.stderr and "Traceback" not in done.stderr
+    assert "restarting" not in done.stderr
+
+
+def test_version_and_a_serve_flag_error_print_what_they_concern(capsys) -> None:
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        assert tomllib.load(f)["project"]["version"] == __version__
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"voxpipe {__version__}"
+    with pytest.raises(SystemExit) as done:
+        main(["serve", "--gpu-workers", "0"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and err.startswith("usage: voxpipe serve ") and "--gpu-workers" in err
