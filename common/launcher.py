@@ -51,6 +51,13 @@ class Child:
     restarts: list[float] = field(default_factory=list)
 
 
+def _state_text(proc: dict) -> str:
+    """A process's state and detail, the state word once ("loading orpheus LM on cpu", whose
+    detail already says it, not "loading loading …")."""
+    state, detail = str(proc.get("state", "")), str(proc.get("detail", "")).strip()
+    return detail if detail.lower().startswith(state.lower()) and state else f"{state} {detail}".strip()
+
+
 class Refused(RuntimeError):
     """A child refused to start (exit status REFUSED): serve stops with that status."""
 
@@ -180,9 +187,7 @@ class Supervisor:
                     )
             state = self.ready_state()
             if state is not None:
-                summary = ", ".join(
-                    f"{p['name']}: {p['state']} {p.get('detail', '')}".strip() for p in state["processes"]
-                )
+                summary = ", ".join(f"{p['name']}: {_state_text(p)}" for p in state["processes"])
                 if summary != last:
                     log.info("%s", summary)
                     last = summary

@@ -1,7 +1,7 @@
 """What a restart cannot mend stops `voxpipe serve` at once with one clear line and exit status 2:
 a port in use (the server already there keeps its state file), weights the hub cannot give, a CUDA
-device this torch cannot use. Also the command line's own manners: `--version`, and a serve flag
-error printed with serve's usage."""
+device this torch cannot use. Also the command line's own manners: `--version` (and the license
+it ships under), and a serve flag error printed with serve's usage."""
 
 from __future__ import annotations
 
@@ -92,7 +92,10 @@ def test_serve_with_cuda_on_a_cpu_host_exits_2_with_one_line_per_process() -> No
 
 def test_version_and_a_serve_flag_error_print_what_they_concern(capsys) -> None:
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
-        assert tomllib.load(f)["project"]["version"] == __version__
+        project = tomllib.load(f)["project"]
+    assert project["version"] == __version__ and project["license"] == {"text": "Apache-2.0"}
+    with open(os.path.join(ROOT, "LICENSE")) as f:
+        assert "Apache License\n                           Version 2.0" in f.read(200)
     with pytest.raises(SystemExit) as done:
         main(["--version"])
     assert done.value.code == 0 and capsys.readouterr().out.strip() == f"voxpipe {__version__}"
