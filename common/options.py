@@ -223,10 +223,10 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "lm_head",
-        "full (whole vocabulary) or audio (logits only for codec tokens and stop: less work per step; "
-        "text tokens can no longer be sampled)",
+        "full (whole vocabulary), audio (logits only for codec tokens and stop: less work per step; "
+        "text tokens can no longer be sampled) or auto (audio on a CPU, full on a GPU)",
         ("serve", "gpu_worker"),
-        choices=("full", "audio"),
+        choices=("auto", "full", "audio"),
         path="gpu.lm_head",
     ),
     Option(
