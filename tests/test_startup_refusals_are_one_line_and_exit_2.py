@@ -103,3 +103,15 @@ def test_version_and_a_serve_flag_error_print_what_they_concern(capsys) -> None:
         main(["serve", "--gpu-workers", "0"])
     err = capsys.readouterr().err
     assert done.value.code == 2 and err.startswith("usage: voxpipe serve ") and "--gpu-workers" in err
+
+
+def test_serve_of_a_model_without_its_weights_exits_2_with_one_line_per_process(tmp_path) -> None:
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}  # an empty cache and no hub
+    done = subprocess.run(
+        [sys.executable, "-m", "common.cli", "serve", "--model", "orpheus", "--port", str(free_port())],
+        env={**worker_env(), **env}, cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    refusals = [line for line in done.stderr.splitlines() if "cannot start: cannot load the weights" in line]
+    assert refusals and all(line.count("cannot load") == 1 for line in refusals)
+    assert "Traceback" not in done.stderr and "restarting" not in done.stderr
