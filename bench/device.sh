@@ -5,10 +5,12 @@
 #   bash bench/device.sh STAGE [STAGE ...]
 #
 # VOXPIPE_WHEELS (default .whl): a folder of wheels (FlashInfer and what the machine's Python lacks;
-# for the GPU test stages also pytest, pluggy and iniconfig), installed without an index into /tmp/site. VOXPIPE_FI_CACHE (default .devcache): FlashInfer's
+# for the GPU test stages also pytest, pluggy and iniconfig), installed without an index into
+# /tmp/site. VOXPIPE_FI_CACHE (default .devcache): FlashInfer's
 # compiled kernels as fi_cache.tgz or its parts fi_cache.tgz.* (a split tar, for tools that return
 # files of 16 MiB at most), restored first; when kernels were compiled meanwhile, the grown cache is
 # written to $OUT as fi_cache.tgz.* (copy them back into that folder, replacing the old parts).
+# A copied tree may carry another commit's .git: set VOXPIPE_COMMIT so that reports name the right one.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}

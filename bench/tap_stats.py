@@ -67,8 +67,8 @@ def stats(events: list[dict], client_ttfa: dict[str, float] | None = None) -> di
         )
         out["first_audio_ms"]["total_from_http"] = _pct([s[FIRST[-1]] - s["http_received"] for s in http])
     if client_ttfa:
-        # A text spoken in several segments has its first one's stages under "<request id>.0".
-        server = {rid.removesuffix(".0"): s for rid, s in by_rid.items() if all(k in s for k in FIRST)}
+        # A text spoken in several segments has its first one's stages under "<request id>/0".
+        server = {rid.removesuffix("/0"): s for rid, s in by_rid.items() if all(k in s for k in FIRST)}
         out["client_minus_server_ms"] = _pct(
             [client_ttfa[rid] - (s[FIRST[-1]] - s.get("http_received", s[FIRST[0]]))
              for rid, s in server.items() if rid in client_ttfa]

@@ -49,6 +49,7 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     max_queue: int = 1024  # requests waiting for a slot beyond this get 503
     queue_timeout: float = 30.0  # seconds a request may wait for a stream before a 503
     max_streams: int = 0  # active streams admitted at once (0 = what the gpu_workers measure)
+    body_timeout: float = 30.0  # seconds a client may take to send a request body before a 408
     api_key_file: str = ""  # file holding the HTTP API's Bearer key (or VOXPIPE_API_KEY)
 
     def check(self) -> None:
@@ -58,6 +59,8 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
             raise ValueError(
                 "--max-queue and --max-streams must be >= 0 and --queue-timeout a positive number"
             )
+        if not 0 < self.body_timeout < float("inf"):
+            raise ValueError(f"--body-timeout must be a positive number of seconds, got {self.body_timeout}")
         if not 1 <= self.max_text_chars <= MAX_TEXT_CHARS:
             raise ValueError(f"--max-text-chars must be in 1..{MAX_TEXT_CHARS}, got {self.max_text_chars}")
 

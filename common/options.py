@@ -284,6 +284,13 @@ OPTIONS: tuple[Option, ...] = (
         path="gateway.max_streams",
     ),
     Option(
+        "body_timeout",
+        "seconds a client may take to send its request body before it gets 408",
+        ("serve", "gateway"),
+        float,
+        path="gateway.body_timeout",
+    ),
+    Option(
         "api_key_file",
         "file holding the Bearer key the HTTP API requires (or set VOXPIPE_API_KEY; never a flag)",
         ("serve", "gateway"),

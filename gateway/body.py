@@ -6,6 +6,7 @@ this module owns everything about bytes on the wire: content types, size limits,
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -28,18 +29,24 @@ class BodyError(Exception):
         self.message = message
 
 
-async def read_fields(request: web.Request) -> dict[str, Any]:
-    """The body's fields: a JSON object as decoded, or a form's values as strings."""
+async def read_fields(request: web.Request, timeout_s: float) -> dict[str, Any]:
+    """The body's fields: a JSON object as decoded, or a form's values as strings. A body not
+    received in full within `timeout_s` seconds (--body-timeout) is a 408: a client that sends a
+    few bytes and stalls holds no connection and no handler for long."""
     if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
         raise _too_large()  # refuse before reading a byte of it
     ctype = request.content_type
     try:
         if ctype in JSON_TYPES or ctype.endswith("+json"):
-            return _json_object(await request.read())
+            return _json_object(await asyncio.wait_for(request.read(), timeout_s))
         if ctype in FORM_TYPES:
-            return await _form(request)
+            return await asyncio.wait_for(_form(request), timeout_s)
     except web.HTTPRequestEntityTooLarge:
         raise _too_large() from None
+    except asyncio.TimeoutError:
+        raise BodyError(
+            408, f"the request body did not arrive within {timeout_s:g} s (--body-timeout); send it at once"
+        ) from None
     raise BodyError(
         415,
         f"unsupported Content-Type {ctype!r}; send application/json, "
@@ -68,7 +75,30 @@ def _json_object(raw: bytes) -> dict[str, Any]:
         raise BodyError(
             400, f'request body must be a JSON object such as {{"text": "Hello"}}, got a {_json_kind(value)}'
         )
+    _check_unicode(value)
     return value
+
+
+def _check_unicode(value: dict[str, Any]) -> None:
+    """A 400 for a string holding a lone UTF-16 surrogate (JSON's "\ud800" escapes decode to one):
+    it is no Unicode text, has no UTF-8 form, and replacing it would speak something the client
+    did not send, so the client is told to fix its encoder."""
+    stack: list[Any] = [value]
+    while stack:
+        item = stack.pop()
+        strings = [*item.keys(), *item.values()] if isinstance(item, dict) else item
+        for x in strings:
+            if isinstance(x, str):
+                try:
+                    x.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise BodyError(
+                        400,
+                        f"request body holds a lone UTF-16 surrogate ({ascii(x[e.start])}) at character "
+                        f"{e.start} of a string; send valid Unicode (a pair \\ud83d\\ude00 is fine)",
+                    ) from None
+            elif isinstance(x, dict | list):
+                stack.append(x)
 
 
 async def _form(request: web.Request) -> dict[str, Any]:

@@ -81,7 +81,9 @@ class OpenAIRoutes:
             gateway.metrics.finished("speech", outcome_of(spec.status))
             return openai_error(spec.status, spec.message, headers)
         try:
-            params = parse_speech(await read_fields(request), spec, gateway.cfg)
+            params = parse_speech(
+                await read_fields(request, gateway.cfg.gateway.body_timeout), spec, gateway.cfg
+            )
             encoder = make_encoder(params.response_format, spec.sample_rate, params.streaming)
         except BadRequest as e:
             gateway.metrics.finished("speech", outcome_of(e.status))

@@ -61,6 +61,13 @@ WATCH_INTERVAL_S = 0.2  # how often the gateway looks for processes that died
 SUBMIT_TIMEOUT_S = 30.0  # no tokenizer worker connected for this long → 503
 DISCONNECT_POLL_S = 1.0  # how often a waiting handler checks that its client is still there
 _RID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:-")
+# The gateway's own ids for a request's parts (its text segments, its sizing) are
+# `<request id>/<part>`: clients may not use "/" in X-Request-Id, so no part's id is ever a client's.
+PART_SEP = "/"
+# The key under which a web.Request holds the id it claimed (a typed key where aiohttp has them).
+_CLAIM: Any = (
+    web.RequestKey("voxpipe_request_id", str) if hasattr(web, "RequestKey") else "voxpipe_request_id"
+)
 
 
 class Pipeline:
@@ -86,6 +93,9 @@ class Pipeline:
         self.created = int(time.time())
         self.closing = False  # set on shutdown: no new segments are submitted
         self._pending: dict[str, Pending] = {}
+        # Request ids claimed by HTTP requests, from their arrival (before the body is read) until
+        # their handler returns: an id is unique among requests in flight whatever their stage.
+        self._claimed: dict[str, web.Request] = {}
         self._tasks: set[asyncio.Task[Any]] = set()  # background sends, kept so they are not GC'd
         self._inbox_task: asyncio.Task[None] | None = None
         self._watch_task: asyncio.Task[None] | None = None
@@ -289,11 +299,22 @@ class Pipeline:
 
     def request_id(self, request: web.Request) -> tuple[str, str | None]:
         """(rid, why it cannot be used): the client's X-Request-Id when valid, else a new one; an
-        id already in flight is refused, for each endpoint to answer in its own error shape."""
+        id already in flight is refused, for each endpoint to answer in its own error shape. A
+        usable id is claimed by `request` until `unclaim(request)` (the server's middleware calls
+        it when the handler returns), so a second request with the id gets the refusal even while
+        the first is still sending its body."""
         rid = client_request_id(request) or uuid.uuid4().hex
-        if rid in self._pending:
+        if rid in self._pending or rid in self._claimed:
             return rid, f"request id {rid} is already in flight; send a unique X-Request-Id"
+        self._claimed[rid] = request
+        request[_CLAIM] = rid
         return rid, None
+
+    def unclaim(self, request: web.Request) -> None:
+        """Give back the request id `request` claimed, if any."""
+        rid = request.get(_CLAIM)
+        if rid is not None and self._claimed.get(rid) is request:
+            del self._claimed[rid]
 
     async def submit(self, req: GenerateRequest) -> Failed | None:
         """Hand `req` to the tokenizer pool; a Failed(503) when no worker takes it in time."""
@@ -352,6 +373,7 @@ class Pipeline:
 
 def client_request_id(request: web.Request) -> str | None:
     """The client's X-Request-Id when it is 1-64 of [A-Za-z0-9._:-] (so `voxpipe tap --rid` can
-    follow a request its client names), else None: the gateway makes one."""
+    follow a request its client names), else None: the gateway makes one. "/" is not among them:
+    the gateway's ids for a request's parts use it (`PART_SEP`)."""
     rid = request.headers.get("X-Request-Id", "")
     return rid if 0 < len(rid) <= 64 and set(rid) <= _RID_CHARS else None

@@ -28,6 +28,7 @@ from gateway.validation import BadRequest, parse_generate
 
 log = logging.getLogger(__name__)
 
+GATEWAY = web.AppKey("gateway", Pipeline)
 ENDPOINTS = "POST /generate, POST /v1/audio/speech, GET /v1/models, GET /openapi.json, GET /metrics, GET /health, GET /ready"
 
 
@@ -49,7 +50,9 @@ class Routes:
             pipeline.metrics.finished("generate", outcome_of(spec.status))
             return _error(spec.status, spec.message, headers)
         try:
-            params = parse_generate(await read_fields(request), spec, pipeline.cfg)
+            params = parse_generate(
+                await read_fields(request, pipeline.cfg.gateway.body_timeout), spec, pipeline.cfg
+            )
         except (BodyError, BadRequest) as e:
             status = e.status
             pipeline.metrics.finished("generate", outcome_of(status))
@@ -97,6 +100,15 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
 
 
 @web.middleware
+async def _release_request_id(request: web.Request, handler: Any) -> web.StreamResponse:
+    """The request id a handler claimed (`Pipeline.request_id`) is given back when it returns."""
+    try:
+        return await handler(request)
+    finally:
+        request.app[GATEWAY].unclaim(request)
+
+
+@web.middleware
 async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
     """aiohttp's own errors (404, 405, 413 outside a handler) and anything a handler let slip,
     as JSON like the rest of the API (OpenAI's error shape under /v1/)."""
@@ -106,15 +118,20 @@ async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse
     except web.HTTPException as e:
         if e.status < 400:
             raise
+        headers: dict[str, str] = {}
         if e.status == 404:
             message = f"no such endpoint {request.path}; endpoints: {ENDPOINTS}"
         elif e.status == 405:
-            message = f"{request.method} is not allowed on {request.path}; allowed: {', '.join(sorted(_allowed(e)))}"
+            allowed = ", ".join(sorted(_allowed(e)))
+            message = f"{request.method} is not allowed on {request.path}; allowed: {allowed}"
+            headers["Allow"] = allowed  # RFC 9110: a 405 lists the methods the resource supports
         else:
             message = e.text or e.reason
         if openai_shape:
-            return web.json_response({"error": error_body(e.status, message)}, status=e.status)
-        return _error(e.status, message)
+            return web.json_response(
+                {"error": error_body(e.status, message)}, status=e.status, headers=headers
+            )
+        return _error(e.status, message, headers)
     except (asyncio.CancelledError, ConnectionError):
         raise
     except Exception:
@@ -126,9 +143,6 @@ async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse
 
 def _allowed(e: web.HTTPException) -> set[str]:
     return set(getattr(e, "allowed_methods", ()) or ())
-
-
-GATEWAY = web.AppKey("gateway", Pipeline)
 
 
 def build_app(
@@ -147,7 +161,7 @@ def build_app(
             "ServeConfig has neither addresses nor run_dir; set one so the gateway can find the workers"
         )
     pipeline = Pipeline(cfg, addresses, idle_timeout_s=idle_timeout_s, submit_timeout_s=submit_timeout_s)
-    middlewares = [_json_errors]
+    middlewares = [_release_request_id, _json_errors]
     key = auth.load_api_key(cfg)
     if key is not None:
         middlewares.append(auth.middleware(key, error_body))

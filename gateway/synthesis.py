@@ -1,7 +1,8 @@
 """One HTTP request's speech, as one stream of events over all its text segments.
 
 A text longer than one generation can speak is split (`gateway.segments`); each segment becomes
-its own `GenerateRequest` (rid `<request id>.<k>`, seed `seed + k`), submitted when the previous
+its own `GenerateRequest` (rid `<request id>/<k>`, seed `seed + k`: "/" is a character client ids
+may not hold, so a segment's id is never a client's), submitted when the previous
 one has finished, so a long text holds one slot and one set of KV pages at a time. The segments'
 PCM goes through a `Joiner` (fades at the joins) and comes out of `next()` in order, followed by
 one `Done` (or the first `Failed`). A single-segment request keeps the HTTP request id and its
@@ -24,7 +25,7 @@ from aiohttp import web
 
 from common.messages import GenerateRequest
 from gateway.events import Done, Event, Failed, Pending, Sized
-from gateway.pipeline import Pipeline
+from gateway.pipeline import PART_SEP, Pipeline
 from gateway.segments import FADE_S, Joiner
 from gateway.validation import SEED_MAX, BadRequest, GenerateParams, plan_segments
 
@@ -110,7 +111,7 @@ class Synthesis:
     def _set_segments(self, segments: tuple[str, ...]) -> None:
         self.segments = segments
         n = len(segments)
-        self.rids = [self.rid] if n == 1 else [f"{self.rid}.{k}" for k in range(n)]
+        self.rids = [self.rid] if n == 1 else [f"{self.rid}{PART_SEP}{k}" for k in range(n)]
 
     def _sized_options(self) -> bool:
         spec = self.gateway.spec
@@ -119,7 +120,7 @@ class Synthesis:
     async def _size(self) -> Failed | None:
         """Ask the tokenizer pool how many prompt rows the request's options add, and cut the text
         for what they leave of the budget (a Failed when it cannot be)."""
-        rid = f"{self.rid}:size"
+        rid = f"{self.rid}{PART_SEP}size"
         pending = self.gateway.register(rid)
         try:
             req = GenerateRequest(

@@ -124,9 +124,11 @@ class Engine:
         self.scheduler.end_all(FinishReason.ABORT)
 
     def fail_all(self, message: str) -> None:
-        """After a failed step: end every request with an explicit error and reclaim all state."""
+        """After a failed step: end every request with an explicit error and reclaim all state
+        (every slot and KV page free again, also those the books had lost: `Scheduler.reset`)."""
         self._inflight = None
         self.scheduler.end_all(FinishReason.ERROR, message, 500)
+        self.scheduler.reset()
 
     def credits(self) -> int:
         """Prompts this worker can start at once (`Scheduler.credits`)."""

@@ -196,10 +196,10 @@ def test_timeline_lines_keep_their_own_fields_and_come_out_in_time_order():
 
 
 def test_a_text_in_segments_joins_the_client_by_its_request_id():
-    # A long text's first segment carries the first audio's stages as "<request id>.0".
+    # A long text's first segment carries the first audio's stages as "<request id>/0".
     t = {"http_received": 0.0, "received": 0.002, "prompt_built": 0.003, "admitted": 0.004,
          "first_token": 0.03, "first_chunk_ready": 0.1, "first_chunk_decoded": 0.11, "first_byte_sent": 0.112}  # fmt: skip
-    events = [{"time": 100 + v, "rid": "x.0", "stage": k, "proc": "gateway"} for k, v in t.items()]
+    events = [{"time": 100 + v, "rid": "x/0", "stage": k, "proc": "gateway"} for k, v in t.items()]
     split = tap_stats(events, {"x": 120.0})
     assert split["first_audio_complete"] == 1
     assert split["first_audio_ms"]["total_from_http"]["p50"] == pytest.approx(112.0, abs=0.01)

@@ -70,6 +70,10 @@ class SlotState:
     def release(self, slot: int) -> None:
         self._free.append(slot)
 
+    def release_all(self) -> None:
+        """Every slot free (the scheduler's reset, once no request runs)."""
+        self._free = list(range(self.scratch - 1, -1, -1))
+
     @property
     def num_free(self) -> int:
         return len(self._free)

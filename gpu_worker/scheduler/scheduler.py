@@ -3,6 +3,10 @@
 - admission: which waiting requests start this step (free slots, KV pages for their whole budget,
   the prefill row cap, the runner's lanes), and rejection of those that never could;
 - abort and finish: a request's end, its slot and pages given back;
+- consistency: a prompt whose id is already held is refused (never run in another's place), and a
+  step in a state the scheduler knows is broken (a slot or KV page that no request holds) raises
+  `BrokenState` instead of serving on; the worker then ends every request and `reset()` starts
+  the scheduler afresh;
 - sit-out: which running streams, well ahead of their listeners, leave a slow step out (`SitOut`);
 - capacity: the streams this worker keeps real time (`StepClock.capacity` over the requests'
   `lives`) and the prompts it can start at once (`credits`, which the worker announces).
@@ -35,6 +39,10 @@ from programs.base import LMProgram
 log = logging.getLogger(__name__)
 
 _MAX_TOMBSTONES = 10_000
+
+
+class BrokenState(RuntimeError):
+    """The scheduler's books disagree with its slots or KV pages: what it holds cannot be trusted."""
 
 
 def step_clock(program: LMProgram, limits: GpuWorkerSettings) -> StepClock:
@@ -91,8 +99,12 @@ class Scheduler:
 
     # --- requests in and out -------------------------------------------------------------------
     def add(self, prompt: Prompt) -> None:
-        """Queue a prompt, or end it at once with a 400 when it could never run."""
+        """Queue a prompt, or end it at once: a 409 when its id is already held here (the request
+        holding it runs on), a 400 when it could never run."""
         c, limits = self.program.n_codebooks, self.limits
+        if self.holds(prompt.rid):  # never in the place of the request holding the id
+            self.reject(prompt.rid, f"request id {prompt.rid} is already held by this gpu_worker", 409)
+            return
         shape_error = prompt.shape_error(c)
         if shape_error:
             self.reject(prompt.rid, f"prompt holds {shape_error}")
@@ -129,9 +141,13 @@ class Scheduler:
         else:
             self.waiting.append(req)
 
-    def reject(self, rid: str, message: str) -> None:
-        """End a request that could not start with an explicit 400."""
-        self.finished.append(Finished(rid, FinishReason.ERROR, message=message, status=400))
+    def reject(self, rid: str, message: str, status: int = 400) -> None:
+        """End a request that could not start with an explicit error (400 unless said)."""
+        self.finished.append(Finished(rid, FinishReason.ERROR, message=message, status=status))
+
+    def holds(self, rid: str) -> bool:
+        """Whether a request with this id is running or waiting."""
+        return rid in self.running or any(r.rid == rid for r in self.waiting)
 
     def abort(self, rid: str) -> None:
         for req in self.waiting:
@@ -154,6 +170,28 @@ class Scheduler:
             self.finish(req, reason)
             self.finished[-1].message, self.finished[-1].status = message, status
         self.waiting.clear()
+
+    def reset(self) -> None:
+        """After `end_all`: every slot and KV page free again, whatever the books said (a state
+        known to be broken is rebuilt, not served on)."""
+        assert not self.running and not self.waiting, "reset only once every request has ended"
+        self.slots.release_all()
+        self.allocator = PageAllocator(self.allocator.num_pages)
+
+    def check(self) -> None:
+        """Raise BrokenState when a slot or KV page is held by no request (or lent twice)."""
+        free_slots = self.limits.max_batch_size - len(self.running)
+        if self.slots.num_free != free_slots:
+            raise BrokenState(
+                f"scheduler state is broken: {self.slots.num_free} free sampling slots where "
+                f"{len(self.running)} running requests leave {free_slots}"
+            )
+        held = sum(len(r.pages) for r in self.running.values())
+        if self.allocator.num_used != held:
+            raise BrokenState(
+                f"scheduler state is broken: {self.allocator.num_used} KV pages in use where "
+                f"the running requests hold {held}"
+            )
 
     def finish(self, req: Request, reason: FinishReason, natural: bool = False) -> None:
         """End a request and give back its slot and pages; `natural` (it stopped or used its budget)
@@ -191,7 +229,8 @@ class Scheduler:
     def schedule(self, max_prefills: int) -> list[Request]:
         """This step's batch: admit what may start (at most `max_prefills` new requests, 0: no
         limit), leave out the streams sitting this step out, new requests first (the runners split
-        prefill from decode); and tell the clock."""
+        prefill from decode); and tell the clock. Raises BrokenState (see `check`)."""
+        self.check()
         self.admit(max_prefills)
         # Requests whose budget is used up by launched steps wait for their last results.
         batch = [r for r in self.running.values() if len(r.prompt) + r.n_launched < r.budget]
@@ -209,7 +248,7 @@ class Scheduler:
         """Waiting requests into slots while slots, KV pages, the prefill row cap and
         `max_prefills` (the runner's lanes; 0: no limit) last, in order."""
         prefill_rows = admitted = 0
-        while self.waiting and len(self.running) < self.limits.max_batch_size:
+        while self.waiting and len(self.running) < self.limits.max_batch_size and self.slots.num_free:
             req = self.waiting[0]
             if prefill_rows and prefill_rows + len(req.prompt) > self.limits.max_prefill_rows:
                 break

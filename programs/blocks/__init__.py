@@ -2,6 +2,7 @@
 
 - `llama`: the Llama decoder pieces (parameters, Linear through `fp8.linear`, Embedding, RMSNorm,
   attention over the runtime's paged cache, MLP, DecoderLayer, the unfused `decoder_stack`);
+- `qwen3`: the Qwen3 layer (QK-norm) and multimodal RoPE (MRoPE) on top of the Llama pieces;
 - `rope`: rotary embeddings (default and llama3 scaling), as transformers computes them;
 - `fp8`: float8 linear layers and `rows_apart` (GEMM row groups of a mixed step);
 - `weights`: finding a checkpoint and copying named weights into a module;

@@ -44,7 +44,14 @@ Well, honestly, I don't know. Maybe we could try again tomorrow, if that works f
 
 
 class TextTokenizer:
-    """`encode(text)` → ids with BOS first, whichever tokenizer backs it."""
+    """`encode(text)` → ids with BOS first, whichever tokenizer backs it; `text_ids(text)` without.
+
+    Both tokenize their input as text only: the normalizer, pre-tokenizer and BPE model, never the
+    tokenizer's added vocabulary. `tokenizers`' own `encode` matches added tokens (<|eot_id|>,
+    <|begin_of_text|>, a checkpoint's <custom_token_N>, ...) in the input first, so text a client
+    sent could put control tokens into a prompt; here "<|eot_id|>" in a text is the characters it
+    spells. For text that holds no added token, the ids are `encode`'s.
+    """
 
     def __init__(self, tokenizer: Tokenizer, bos_id: int, source: str, is_real: bool) -> None:
         self.tokenizer = tokenizer
@@ -53,11 +60,16 @@ class TextTokenizer:
         self.is_real = is_real
 
     def encode(self, text: str) -> list[int]:
-        ids = self.tokenizer.encode(text).ids
-        # Llama-3's tokenizer.json adds BOS through its post-processor; some exports lack it.
-        if not ids or ids[0] != self.bos_id:
-            ids = [self.bos_id, *ids]
-        return ids
+        """BOS, then `text_ids(text)` (BOS is what Llama-3's post-processor puts first)."""
+        return [self.bos_id, *self.text_ids(text)]
+
+    def text_ids(self, text: str) -> list[int]:
+        """The ids of `text` as text (see the class docstring); no BOS."""
+        tok = self.tokenizer
+        if tok.normalizer is not None:
+            text = tok.normalizer.normalize_str(text)
+        pieces = tok.pre_tokenizer.pre_tokenize_str(text) if tok.pre_tokenizer is not None else [(text, None)]
+        return [t.id for piece, _ in pieces for t in tok.model.tokenize(piece)]
 
 
 def build_offline_tokenizer(bos_id: int = 128000, vocab_size: int = 2048) -> Tokenizer:

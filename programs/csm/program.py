@@ -132,7 +132,7 @@ class CsmProgram(LMProgram):
 
     # --- prompts (tokenizer_worker) ------------------------------------------------------------
     def _turn(self, speaker: str, text: str) -> list[list[int]]:
-        body = self._tokenizer.tokenizer.encode(f"[{speaker}]{text}", add_special_tokens=False).ids
+        body = self._tokenizer.text_ids(f"[{speaker}]{text}")  # as text: no control token from a client
         ids = [self.spec["bos_id"], *body, EOS_ID]
         return [[i] + [TEXT_MARK] * (N_CODEBOOKS - 1) for i in ids]
 

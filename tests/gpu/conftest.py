@@ -30,6 +30,10 @@ def cuda_gpu() -> None:
 
 
 def _commit() -> str:
+    """The commit under test: VOXPIPE_COMMIT when set (a copy of the tree whose .git is not its
+    own, as a remote GPU tool makes), else git's HEAD."""
+    if os.environ.get("VOXPIPE_COMMIT"):
+        return os.environ["VOXPIPE_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5

@@ -1,0 +1,246 @@
+"""Qwen3-TTS's language model for the serving runtime: the talker over frames and the code predictor.
+
+Based on qwen-tts' `Qwen3TTSTalkerForConditionalGeneration` (qwen_tts/core/models/
+modeling_qwen3_tts.py, the reference): the same parameter names under `talker.` (so the published
+safetensors load unchanged; a Base checkpoint's `speaker_encoder.*` is skipped) and the same
+arithmetic, built from the shared pieces of programs/blocks.
+
+- Talker: Qwen3 layers (QK-norm) over the paged KV cache with MRoPE (sections over the head's
+  frequencies); a speech row has one position for all three rows, which makes it plain RoPE.
+  Inputs are embeddings: text rows are `text_projection(text_embedding[id])` (an MLP from the text
+  width to the talker's), codec rows `codec_embedding[id]` (3072 ids: 2048 codes, then specials),
+  and each generated frame's input is the sum of its 16 codebooks' embeddings plus the frame's text
+  column (the caller's: the next text row, then the tts pad row once the text runs out).
+  `codec_head` gives codebook 0's logits over the codec vocabulary.
+- Code predictor: per frame, a 16-position sequence: position 0 the talker's last hidden state,
+  position 1 codebook 0's talker embedding, position k ≥ 2 codebook k-1's
+  `code_predictor.model.codec_embedding[k-2]`, all through `small_to_mtp_projection` (a linear
+  layer when the widths differ, else none); `lm_head[k-1]` at position k gives codebook k. It runs
+  in `predict`, one position at a time over a local KV cache with fixed shapes, so it can be captured.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from programs.base import Attention, Sampler
+from programs.blocks.llama import Embedding, Linear, RMSNorm, decoder_stack
+from programs.blocks.qwen3 import Qwen3DecoderLayer, mrope_cos_sin, mrope_rows
+from programs.blocks.rope import llama3_inv_freq, rope_cos_sin, rope_settings, rotate_half
+from programs.blocks.weights import checkpoint_dir, copy_weights
+
+
+def _head_dim(cfg: dict[str, Any]) -> int:
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
+class _Stack(nn.Module):
+    """`layers.*` and `norm` of a Qwen3 decoder, under the reference's names."""
+
+    def __init__(self, cfg: dict[str, Any], fk: dict[str, Any]) -> None:
+        super().__init__()
+        self.head_dim = _head_dim(cfg)
+        self.layers = nn.ModuleList(
+            Qwen3DecoderLayer(cfg, self.head_dim, fk) for _ in range(cfg["num_hidden_layers"])
+        )
+        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6), fk)
+
+
+class _TalkerModel(_Stack):
+    def __init__(self, cfg: dict[str, Any], fk: dict[str, Any]) -> None:
+        super().__init__(cfg, fk)
+        self.codec_embedding = Embedding(cfg["vocab_size"], cfg["hidden_size"], fk)
+        self.text_embedding = Embedding(cfg["text_vocab_size"], cfg["text_hidden_size"], fk)
+
+
+class _ResizeMLP(nn.Module):
+    """`text_projection`: linear_fc2(act(linear_fc1(x))), both with bias."""
+
+    def __init__(self, d_in: int, d_mid: int, d_out: int, fk: dict[str, Any]) -> None:
+        super().__init__()
+        self.linear_fc1 = Linear(d_in, d_mid, True, fk)
+        self.linear_fc2 = Linear(d_mid, d_out, True, fk)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(F.silu(self.linear_fc1(x)))
+
+
+class _PredictorModel(_Stack):
+    def __init__(self, cfg: dict[str, Any], talker_hidden: int, fk: dict[str, Any]) -> None:
+        super().__init__(cfg, fk)
+        n = cfg["num_code_groups"] - 1
+        self.codec_embedding = nn.ModuleList(
+            Embedding(cfg["vocab_size"], talker_hidden, fk) for _ in range(n)
+        )
+
+
+class _CodePredictor(nn.Module):
+    def __init__(self, cfg: dict[str, Any], talker_hidden: int, fk: dict[str, Any]) -> None:
+        super().__init__()
+        hidden, n = cfg["hidden_size"], cfg["num_code_groups"] - 1
+        self.model = _PredictorModel(cfg, talker_hidden, fk)
+        self.lm_head = nn.ModuleList(Linear(hidden, cfg["vocab_size"], False, fk) for _ in range(n))
+        # The reference's nn.Identity when the talker and the predictor have one width.
+        self.small_to_mtp_projection = (
+            Linear(talker_hidden, hidden, True, fk) if hidden != talker_hidden else None
+        )
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.small_to_mtp_projection is None else self.small_to_mtp_projection(x)
+
+
+class Qwen3TtsLM(nn.Module):
+    """`state_dict()` keys equal the reference talker's; the checkpoint's names carry `talker.`."""
+
+    def __init__(
+        self, config: dict[str, Any], dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    ) -> None:
+        super().__init__()
+        self.config = dict(config)
+        tc = self.talker_config = dict(config["talker_config"])
+        pc = self.predictor_config = dict(tc["code_predictor_config"])
+        self.n_codebooks: int = tc["num_code_groups"]
+        self.vocab_size: int = tc["vocab_size"]
+        self.hidden_size: int = tc["hidden_size"]
+        dev = torch.device(device)
+        fk = {"dtype": dtype, "device": dev}
+        self.model = _TalkerModel(tc, fk)
+        self.text_projection = _ResizeMLP(
+            tc["text_hidden_size"], tc["text_hidden_size"], tc["hidden_size"], fk
+        )
+        self.codec_head = Linear(tc["hidden_size"], tc["vocab_size"], False, fk)
+        self.code_predictor = _CodePredictor(pc, tc["hidden_size"], fk)
+        _, scaling = rope_settings(tc)
+        rows = mrope_rows(scaling["mrope_section"], bool(scaling.get("interleaved", False)), dev)
+        self.register_buffer("mrope_rows", rows, persistent=False)  # [D/2] position row per frequency
+        self.register_buffer("inv_freq", llama3_inv_freq(tc, self.model.head_dim).to(dev), persistent=False)
+        # Predictor RoPE (plain) for positions 0..C-1, fp32 angles cast to the weights' dtype.
+        inv = llama3_inv_freq(pc, self.code_predictor.model.head_dim).to(dev)
+        cos, sin = rope_cos_sin(inv, torch.arange(self.n_codebooks, device=dev), dtype)
+        self.register_buffer("predictor_cos", cos, persistent=False)  # [C, Dp]
+        self.register_buffer("predictor_sin", sin, persistent=False)
+
+    # --- inputs (graph-safe) ---------------------------------------------------------------------
+    def text_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Text ids [N] → projected text rows [N, H] (the talker's text track)."""
+        return self.text_projection(self.model.text_embedding(ids))
+
+    def codec_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Codec ids [N] (codes, or the think / language / speaker / pad / bos specials) → [N, H]."""
+        return self.model.codec_embedding(ids)
+
+    def frame_rows(self, codes: torch.Tensor) -> torch.Tensor:
+        """Frames [N, C] of codes → [N, H]: the sum of codebook 0's talker embedding and codebook
+        k's `code_predictor.model.codec_embedding[k-1]`, summed as one reduction as the reference."""
+        tables = self.code_predictor.model.codec_embedding
+        parts = [self.model.codec_embedding(codes[:, 0])]
+        parts += [tables[k - 1](codes[:, k]) for k in range(1, self.n_codebooks)]
+        return torch.stack(parts, dim=1).sum(1)
+
+    # --- talker (graph-safe) ---------------------------------------------------------------------
+    def backbone(self, hidden: torch.Tensor, pos: torch.Tensor, attn: Attention) -> torch.Tensor:
+        """Rows [N, H] at positions pos [N] (all three MRoPE rows alike) or [3, N] → [N, H] normed."""
+        cos, sin = mrope_cos_sin(self.inv_freq, pos, self.mrope_rows, hidden.dtype)
+        return decoder_stack(self.model.layers, self.model.norm, hidden, cos, sin, attn)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.codec_head(hidden).float()  # [B, H] → [B, V] codebook 0 (and the specials)
+
+    # --- code predictor (graph-safe) -------------------------------------------------------------
+    def predict(self, hidden: torch.Tensor, c0: torch.Tensor, sample: Sampler) -> torch.Tensor:
+        """hidden [B, H] talker, c0 [B] → frame [B, C] int64; codebook k drawn with salt k."""
+        cp = self.code_predictor
+        m, heads = cp.model, cp.lm_head
+        b, c, dh = hidden.shape[0], self.n_codebooks, m.head_dim
+        hkv = m.layers[0].self_attn.num_kv_heads
+        keys = hidden.new_empty(len(m.layers), b, hkv, c, dh)  # [L, B, Hkv, C, D] local KV cache
+        values = torch.empty_like(keys)
+        codes = [c0]
+        for t in range(c):
+            if t == 0:
+                x = cp.project(hidden)  # position 0: the talker's state
+            elif t == 1:
+                x = cp.project(self.model.codec_embedding(c0))
+            else:
+                x = cp.project(m.codec_embedding[t - 2](codes[-1]))
+            h = self._predictor_position(x, t, keys, values)
+            if t > 0:
+                logits = heads[t - 1](m.norm(h)).float()  # [B, V]
+                codes.append(sample(logits, t))
+        return torch.stack(codes, dim=1)  # [B, C]
+
+    def _predictor_position(
+        self, x: torch.Tensor, t: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> torch.Tensor:
+        """One predictor position x [B, Hp] through its layers; writes position t of the local cache."""
+        m = self.code_predictor.model
+        b, dh = x.shape[0], m.head_dim
+        cos, sin = self.predictor_cos[t], self.predictor_sin[t]  # [D]
+        h = x
+        for i, layer in enumerate(m.layers):
+            a = layer.self_attn
+            y = layer.input_layernorm(h)
+            q = a.q_norm(a.q_proj(y).view(b, a.num_heads, dh))
+            k = a.k_norm(a.k_proj(y).view(b, a.num_kv_heads, dh))
+            v = a.v_proj(y).view(b, a.num_kv_heads, dh)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            keys[i, :, :, t] = k
+            values[i, :, :, t] = v
+            group = a.num_heads // a.num_kv_heads
+            kk = keys[i, :, :, : t + 1].repeat_interleave(group, dim=1)  # [B, Hq, t+1, D]
+            vv = values[i, :, :, : t + 1].repeat_interleave(group, dim=1)
+            o = F.scaled_dot_product_attention(q[:, :, None, :], kk, vv)  # [B, Hq, 1, D]
+            h = h + a.o_proj(o.reshape(b, a.num_heads * dh))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return h
+
+    # --- weights ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def load_weights(self, weights) -> set[str]:
+        """(name, tensor) pairs with the checkpoint's names (`talker.*`); a Base checkpoint's
+        `speaker_encoder.*` belongs to voice cloning and is passed over."""
+        talker = ((n.removeprefix("talker."), t) for n, t in weights if not n.startswith("speaker_encoder."))
+        return copy_weights(self, talker, skip=lambda n: False)
+
+    def _check_complete(self, loaded: set[str]) -> None:
+        missing = {n for n, _ in self.named_parameters()} - loaded
+        if missing:
+            raise KeyError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
+
+    @classmethod
+    def from_pretrained(cls, id_or_dir: str, dtype: torch.dtype, device: str | torch.device) -> Qwen3TtsLM:
+        """config.json + model*.safetensors of a Qwen3-TTS checkpoint (a local dir or the hub id)."""
+        from safetensors import safe_open
+
+        path, config = checkpoint_dir(id_or_dir)
+        lm = cls(config, dtype, device)
+        loaded: set[str] = set()
+        for shard in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+            with safe_open(shard, framework="pt", device=str(torch.device(device))) as f:
+                loaded |= lm.load_weights((n, f.get_tensor(n)) for n in f.keys())
+        lm._check_complete(loaded)
+        return lm.eval()
+
+    @classmethod
+    @torch.no_grad()
+    def dummy(
+        cls, config: dict[str, Any], dtype: torch.dtype, device: str | torch.device, seed: int = 0
+    ) -> Qwen3TtsLM:
+        """Random weights (normal std 0.02, norm weights 1, biases 0), deterministic for (seed, device type)."""
+        lm = cls(config, dtype, device)
+        gen = torch.Generator(device=torch.device(device)).manual_seed(seed)
+        for name, p in lm.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+        return lm.eval()
