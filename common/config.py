@@ -117,9 +117,9 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     # a stream sitting out never comes near a gap; half a second lasts ~40 steps.
     sit_out_lead_s: float = 0.5
     # "full" vocabulary, or "audio": logits for codec tokens + stop only; "auto": audio where the LM
-    # runs on the CPU, full on a GPU (`head_for`). On a CPU the full head's rows (156,940 for
-    # Orpheus) are most of a small model's step: orpheus-tiny on 2 cores steps in ~4 ms with the
-    # audio head against ~13 ms with the full one.
+    # runs on the CPU, full on a GPU (`head_for`). On a CPU the full head's rows (a text LLM's whole
+    # vocabulary) are most of a small model's step: the default model on 2 cores steps in ~4 ms
+    # with the audio head against ~13 ms with the full one (`voxpipe bench`, row_period_ms).
     lm_head: str = "auto"
     quantization: str = "none"  # none | fp8 (LM linear weights in float8, per-channel scales)
     # Keys/values: "auto" stores them in the model's dtype; "fp8" in float8 e4m3 with scale 1

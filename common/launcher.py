@@ -52,8 +52,8 @@ class Child:
 
 
 def _state_text(proc: dict) -> str:
-    """A process's state and detail, the state word once ("loading orpheus LM on cpu", whose
-    detail already says it, not "loading loading …")."""
+    """A process's state and detail, the state word once ("loading the LM on cpu", whose detail
+    already says it, not "loading loading …")."""
     state, detail = str(proc.get("state", "")), str(proc.get("detail", "")).strip()
     return detail if detail.lower().startswith(state.lower()) and state else f"{state} {detail}".strip()
 
