@@ -181,6 +181,13 @@ class Supervisor:
                 code = child.popen.poll() if child.popen else None
                 if code == REFUSED:
                     raise Refused(f"{child.name} could not start; see its message above")
+                if code is not None and code < 0 and len(child.restarts) < MAX_RESTARTS:
+                    # Killed by a signal from outside (an operator, the OOM killer), not a failure of
+                    # its own: start it again, as `supervise` would once all are ready.
+                    log.error("%s was killed (signal %d) while starting; restarting it", child.name, -code)
+                    child.restarts.append(time.monotonic())
+                    self._spawn(child)
+                    continue
                 if code is not None:
                     raise RuntimeError(
                         f"{child.name} exited with status {code} while starting; see its log above"

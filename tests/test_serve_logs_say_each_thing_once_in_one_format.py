@@ -31,8 +31,11 @@ def test_a_state_is_named_once() -> None:
 
 
 async def test_the_launchers_ready_polls_are_logged_at_debug_only(caplog) -> None:
+    async def ready(_request: web.Request) -> web.Response:
+        return web.json_response({"ready": True})
+
     app = web.Application()
-    app.router.add_get("/ready", lambda _r: web.json_response({"ready": True}))
+    app.router.add_get("/ready", ready)
     server = TestServer(app)
     await server.start_server(access_log_class=AccessLog)  # as gateway.__main__ runs the app
     async with TestClient(server) as client:

@@ -1,15 +1,17 @@
 """What a restart cannot mend stops `voxpipe serve` at once with one clear line and exit status 2:
 a port in use (the server already there keeps its state file), weights the hub cannot give, a CUDA
-device this torch cannot use. Also the command line's own manners: `--version` (and the license
+device this torch cannot use. A process killed from outside while starting is started again. Also the command line's own manners: `--version` (and the license
 it ships under), and a serve flag error printed with serve's usage."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import tomllib
@@ -18,7 +20,7 @@ from common import __version__
 from common.cli import main
 from common.config import ServeConfig
 from common.proc import refusal
-from tests.conftest import ROOT, free_port, worker_env
+from tests.conftest import ROOT, free_port, get_json, worker_env
 
 SERVE = [sys.executable, "-m", "common.cli", "serve", "--model", "orpheus-tiny"]
 
@@ -115,3 +117,37 @@ def test_serve_of_a_model_without_its_weights_exits_2_with_one_line_per_process(
     refusals = [line for line in done.stderr.splitlines() if "cannot start: cannot load the weights" in line]
     assert refusals and all(line.count("cannot load") == 1 for line in refusals)
     assert "Traceback" not in done.stderr and "restarting" not in done.stderr
+
+
+def test_a_process_killed_while_starting_is_started_again() -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [*SERVE, "--port", str(port)], env=worker_env(), cwd=ROOT, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        killed, deadline = None, time.monotonic() + 60
+        while killed is None and time.monotonic() < deadline:  # the codec_worker, as soon as it reports
+            try:
+                _, ready = get_json(f"http://127.0.0.1:{port}/ready", timeout=1)
+            except OSError:
+                ready = {}
+            if ready.get("ready"):
+                pytest.skip("every process was ready before one could be killed")
+            codec = [p for p in ready.get("processes", []) if p["name"] == "codec_worker" and p.get("pid")]
+            if codec:
+                killed = codec[0]["pid"]
+                os.kill(killed, signal.SIGKILL)
+            time.sleep(0.05)
+        assert killed is not None
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if get_json(f"http://127.0.0.1:{port}/ready", timeout=1)[1].get("ready"):
+                    break
+            except OSError:
+                pass
+            time.sleep(0.2)
+        assert proc.poll() is None, "serve gave up instead of starting the killed process again"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        err = proc.communicate(timeout=30)[1]
+    assert "codec_worker was killed (signal 9) while starting; restarting it" in err
