@@ -17,7 +17,7 @@ import sys
 
 # name: (module, preset arguments, what it measures)
 COMMANDS: dict[str, tuple[str, list[str], str]] = {
-    "load": ("bench.load", [], "load curve of a running server over HTTP (closed loop or Poisson)"),
+    "load": ("bench.load_cli", [], "load curve of a running server over HTTP (closed loop or Poisson)"),
     "ttfa": (
         "bench.ttfa_http",
         [],

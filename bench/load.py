@@ -12,17 +12,17 @@ and the server's own gauges sampled during the level (`server_during`: batch siz
 capacity, step host/wait time, codec windows per call and busy seconds per second); it writes JSON (and a PNG
 when matplotlib is installed). `max_streams_meeting_target` is the largest level with ≥ 99 % of
 requests on time and p99 TTFA ≤ 250 ms. A server that requires a key gets VOXPIPE_API_KEY's.
+The command line (model limits from the server, progress, stopping on failures): `bench.load_cli`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
-import json
 import os
 import random
 import statistics
+import sys
 import threading
 import time
 import urllib.request
@@ -86,6 +86,12 @@ class Result:
 
     def audio_s(self, sample_rate: int) -> float:
         return (self.chunks[-1][1] / 2 / sample_rate) if self.chunks else 0.0
+
+    def x_realtime(self, sample_rate: int) -> float:
+        """This stream's own pace: its audio seconds over the seconds from sending to its last chunk."""
+        return (
+            self.audio_s(sample_rate) / self.chunks[-1][0] if self.chunks and self.chunks[-1][0] > 0 else 0.0
+        )
 
     def late_detail(self, sample_rate: int) -> dict:
         """A late request, for a person to read: when it was sent, its first audio and how much
@@ -263,6 +269,7 @@ def summarize(results: list[Result], wall_s: float, sample_rate: int, ramp_s: fl
     worst = max((r for r in ok if r.chunks), key=lambda r: r.ttfa, default=None)
     lateness = [(r, *r.lateness(sample_rate)) for r in ok if r.chunks]
     late = [(w * 1000, first) for _, w, first in lateness if w > 0]
+    per_stream = [r.x_realtime(sample_rate) for r in ok if r.chunks]
     return {
         "requests": len(results),
         "errors": len(results) - len(ok),
@@ -274,6 +281,10 @@ def summarize(results: list[Result], wall_s: float, sample_rate: int, ramp_s: fl
         "ttfa_worst_sent_at_s": round(worst.sent_at, 2) if worst is not None else None,
         "on_time_share": round(sum(r.on_time(sample_rate) for r in results) / max(1, len(results)), 4),
         "x_realtime": round(sum(r.audio_s(sample_rate) for r in ok) / wall_s, 2),
+        # Each stream's own pace (audio seconds over its seconds from sending to its last chunk):
+        # >= 1.0 keeps up with a listener. The median and the slowest stream.
+        "x_realtime_per_stream_p50": round(percentile(per_stream, 50), 2) if per_stream else 0.0,
+        "x_realtime_per_stream_min": round(min(per_stream), 2) if per_stream else 0.0,
         # Of the requests with a late chunk: how far behind playback (worst chunk) and how far into
         # the stream the first late chunk came.
         "late_requests": len(late),
@@ -313,9 +324,13 @@ async def run_level(
     prompt_allowance: int,
     seed: int,
     ramp: float = 0.0,
+    max_errors: int = 0,
+    progress_s: float = 0.0,
 ) -> tuple[list[Result], float]:
     """Closed loop (`concurrency` clients, each sending back to back, their first requests spread
-    evenly over `ramp` seconds) or open loop (Poisson `rate`)."""
+    evenly over `ramp` seconds) or open loop (Poisson `rate`). With `max_errors` > 0 the level ends
+    early once that many requests failed; with `progress_s` > 0 a line on stderr every that many
+    seconds says how far it got."""
     rng = random.Random(seed)
     url = base + "/generate"
     timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
@@ -335,21 +350,43 @@ async def run_level(
     async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=auth_headers()) as s:
         t0 = time.perf_counter()
         deadline = t0 + duration
+
+        def going() -> bool:
+            failed = max_errors > 0 and sum(not r.ok for r in results) >= max_errors
+            return not failed and time.perf_counter() < deadline
+
+        ticker = (
+            asyncio.create_task(_report_progress(results, t0, duration, progress_s)) if progress_s else None
+        )
         if concurrency:
 
             async def client(i: int) -> None:
                 await asyncio.sleep(ramp * i / concurrency)
-                while time.perf_counter() < deadline:
+                while going():
                     results.append(await one_request(s, url, body(), t0, next(rids)))
 
             await asyncio.gather(*(client(i) for i in range(concurrency)))
         else:
             tasks = []
-            while time.perf_counter() < deadline:
+            while going():
                 tasks.append(asyncio.create_task(one_request(s, url, body(), t0, next(rids))))
                 await asyncio.sleep(rng.expovariate(rate))
             results.extend(await asyncio.gather(*tasks))
+        if ticker is not None:
+            ticker.cancel()
         return results, time.perf_counter() - t0
+
+
+async def _report_progress(results: list[Result], t0: float, duration: float, every: float) -> None:
+    while True:
+        await asyncio.sleep(every)
+        errors = sum(not r.ok for r in results)
+        elapsed = time.perf_counter() - t0
+        print(
+            f"  {elapsed:4.0f}/{duration:.0f} s: {len(results)} requests done, {errors} failed",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def meets_target(point: dict) -> bool:
@@ -380,67 +417,3 @@ def plot(curve: list[dict], key: str, path: str) -> bool:
     fig.savefig(path)
     plt.close(fig)
     return True
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="voxpipe bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--url", default="http://127.0.0.1:8000")
-    group = ap.add_mutually_exclusive_group()
-    group.add_argument("--concurrency", default="", help="comma list of concurrent streams, e.g. 1,8,32")
-    group.add_argument("--rate", default="", help="comma list of Poisson arrival rates (requests/s)")
-    ap.add_argument("--duration", type=float, default=30.0, help="seconds of load per level")
-    ap.add_argument("--tokens", type=int, default=1024, help="tokens generated per request")
-    ap.add_argument("--prompt-allowance", type=int, default=100, help="max_tokens = tokens + this")
-    ap.add_argument("--sample-rate", type=int, default=24000)
-    ap.add_argument("--model", default="", help="label for the results (default: from /ready)")
-    ap.add_argument("--device", default="", help="label for the results")
-    ap.add_argument("--out", default="bench_load.json")
-    ap.add_argument("--plot", default="", help="PNG path (needs matplotlib)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--ramp", type=float, default=0.0, help="closed loop: spread client starts over S s")
-    args = ap.parse_args(argv)
-    levels = [int(c) for c in args.concurrency.split(",") if c] or []
-    rates = [float(r) for r in args.rate.split(",") if r]
-    if not levels and not rates:
-        levels = [1]
-    key = "concurrency" if levels else "rate"
-    curve = []
-    for i, level in enumerate(levels or rates):
-        kw = {"concurrency": level} if levels else {"rate": level}
-        point = {
-            key: level,
-            **measure_level(
-                args.url,
-                args.sample_rate,
-                duration=args.duration,
-                tokens=args.tokens,
-                prompt_allowance=args.prompt_allowance,
-                seed=args.seed + i,
-                ramp=args.ramp,
-                **kw,
-            ),
-        }
-        curve.append(point)
-        print(json.dumps(point), flush=True)
-    passing = [p[key] for p in curve if meets_target(p)]
-    out = {
-        "device": args.device,
-        "model": args.model,
-        "date": time.strftime("%F"),
-        "tokens_per_request": args.tokens,
-        "duration_s_per_level": args.duration,
-        "ramp_s": args.ramp,
-        "target": "no errors, >= 99% of requests fully on time, p99 TTFA <= 250 ms",
-        "max_streams_meeting_target": max(passing) if passing else 0,
-        "curve": curve,
-    }
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-    if args.plot and not plot(curve, key, args.plot):
-        print("matplotlib is not installed: no plot written (pip install matplotlib)")
-    print(json.dumps({k: out[k] for k in ("max_streams_meeting_target", "date")}))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

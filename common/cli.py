@@ -45,7 +45,10 @@ def _validate(cfg: ServeConfig) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from common import __version__
+
     parser = argparse.ArgumentParser(prog="voxpipe", description="Serve speech language models.")
+    parser.add_argument("--version", action="version", version=f"voxpipe {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_options(sub.add_parser("serve", help="start every process on this host and serve HTTP"), "serve")
     for command, role in ROLE_COMMANDS.items():
@@ -65,6 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The parser of `voxpipe <command>`, whose usage a flag error of that command prints."""
+    for action in parser._subparsers._group_actions if parser._subparsers else ():
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return action.choices[command]
     return parser
 
 
@@ -106,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
         if role == "serve":
             _validate(settings.cfg)
     except ValueError as e:
-        parser.error(str(e))
+        _subparser(parser, args.command).error(str(e))  # the command's own usage, not voxpipe's
     if role == "serve":
         setup_logging("serve", settings.cfg.log_level)
         from common.launcher import serve

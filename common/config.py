@@ -116,7 +116,11 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     # Far beyond what a chunk's trip takes (a codec pass and the delivery: tens of milliseconds), so
     # a stream sitting out never comes near a gap; half a second lasts ~40 steps.
     sit_out_lead_s: float = 0.5
-    lm_head: str = "full"  # full vocabulary, or "audio": logits for codec tokens + stop only
+    # "full" vocabulary, or "audio": logits for codec tokens + stop only; "auto": audio where the LM
+    # runs on the CPU, full on a GPU (`head_for`). On a CPU the full head's rows (a text LLM's whole
+    # vocabulary) are most of a small model's step: the default model on 2 cores steps in ~4 ms
+    # with the audio head against ~13 ms with the full one (`voxpipe bench`, row_period_ms).
+    lm_head: str = "auto"
     quantization: str = "none"  # none | fp8 (LM linear weights in float8, per-channel scales)
     # Keys/values: "auto" stores them in the model's dtype; "fp8" in float8 e4m3 with scale 1
     # (attention reads half the bytes; queries and outputs stay in the model's dtype).
@@ -140,6 +144,12 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
         check_headroom(self.realtime_headroom)
         check_headroom(self.capacity_headroom, "--capacity-headroom")
         check_sit_out(self.sit_out_lead_s)
+
+    def head_for(self, device: str) -> str:
+        """The LM head a gpu_worker on `device` computes: `lm_head`, with auto resolved."""
+        if self.lm_head != "auto":
+            return self.lm_head
+        return "audio" if device == "cpu" else "full"
 
     def context_limit(self, max_tokens: int) -> int:
         """The longest context a request may reach: `max_context`, within the model's `max_tokens`."""
@@ -194,6 +204,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     gpu_workers: int = 1
     zmq_curve_dir: str = ""  # every process: CURVE keys for tcp:// sockets (`voxpipe keys DIR`)
     log_level: str = "INFO"
+    # CPU threads of each process's compute (torch, OpenMP, MKL); 0 = by role and host (common/threads.py)
+    threads: int = 0
     mps: str = "off"  # serve: off | on | auto (CUDA MPS for the GPU processes, see common/mps.py)
     addresses: Addresses | None = None
     run_dir: str = ""
@@ -213,6 +225,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
         """Every setting that needs no model or file to check (`voxpipe serve`)."""
         if self.gpu_workers < 1:
             raise ValueError("--gpu-workers must be at least 1")
+        if self.threads < 0:
+            raise ValueError("--threads must be 0 (by role and host) or a positive count")
         for spec in (self.device, self.codec.device):
             n = len([p for p in spec.split(",") if p.strip()])
             if n > 1 and n != self.gpu_workers:

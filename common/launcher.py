@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -26,12 +27,16 @@ from dataclasses import dataclass, field
 from common.config import ServeConfig
 from common.ipc import Addresses, numbered
 from common.mps import GPU_ROLES, mps_for
+from common.proc import REFUSED
 from common.tap import remove_state, write_state
+from common.threads import thread_env
 
 log = logging.getLogger("voxpipe.serve")
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_RESTARTS = 5  # within RESTART_WINDOW_S, per child
+# A process that exits with REFUSED (common.proc) refused to start for a reason a restart cannot
+# change (a port in use, missing weights, a device torch cannot use): serve stops and exits with it.
 RESTART_WINDOW_S = 60.0
 # Run under the MPS daemon before the GPU processes: a CUDA client that works there means they will.
 MPS_PROBE = [sys.executable, "-c", "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()"]
@@ -44,6 +49,34 @@ class Child:
     popen: subprocess.Popen | None = None
     args: list[str] = field(default_factory=list)  # per-child flags (a pair's codec_in, device)
     restarts: list[float] = field(default_factory=list)
+
+
+def _state_text(proc: dict) -> str:
+    """A process's state and detail, the state word once ("loading the LM on cpu", whose detail
+    already says it, not "loading loading …")."""
+    state, detail = str(proc.get("state", "")), str(proc.get("detail", "")).strip()
+    return detail if detail.lower().startswith(state.lower()) and state else f"{state} {detail}".strip()
+
+
+class Refused(RuntimeError):
+    """A child refused to start (exit status REFUSED): serve stops with that status."""
+
+
+def port_in_use(host: str, port: int) -> str:
+    """Why the gateway could not listen on host:port ("" when it can): bound the way aiohttp binds
+    (SO_REUSEADDR), so a port left in TIME_WAIT by a stopped server counts as free."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as e:
+        return f"cannot resolve --host {host!r}: {e}"
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(addr)
+            except OSError as e:
+                return f"cannot listen on {host}:{port}: {e.strerror or e}"
+    return ""
 
 
 class Supervisor:
@@ -94,6 +127,7 @@ class Supervisor:
         if child.role != "gateway":
             env.pop("VOXPIPE_API_KEY", None)  # only the gateway checks it: no other process holds it
         env["PYTHONPATH"] = _ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        env.update(thread_env(child.role, self.cfg))
         if self.mps is not None and child.role in GPU_ROLES:
             env.update(self.mps.env)
             if child.role == "codec_worker" and self.cfg.codec.gpu_share:
@@ -126,7 +160,9 @@ class Supervisor:
 
     def ready_state(self) -> dict | None:
         try:
-            with urllib.request.urlopen(self.url + "/ready", timeout=2) as r:
+            # Named, so that the gateway logs these polls at DEBUG (gateway.__main__.AccessLog).
+            req = urllib.request.Request(self.url + "/ready", headers={"User-Agent": "voxpipe-serve"})
+            with urllib.request.urlopen(req, timeout=2) as r:
                 return json.loads(r.read())
         except urllib.error.HTTPError as e:
             try:
@@ -143,15 +179,22 @@ class Supervisor:
         while time.monotonic() < deadline and not self._stopping:
             for child in self.children:
                 code = child.popen.poll() if child.popen else None
+                if code == REFUSED:
+                    raise Refused(f"{child.name} could not start; see its message above")
+                if code is not None and code < 0 and len(child.restarts) < MAX_RESTARTS:
+                    # Killed by a signal from outside (an operator, the OOM killer), not a failure of
+                    # its own: start it again, as `supervise` would once all are ready.
+                    log.error("%s was killed (signal %d) while starting; restarting it", child.name, -code)
+                    child.restarts.append(time.monotonic())
+                    self._spawn(child)
+                    continue
                 if code is not None:
                     raise RuntimeError(
                         f"{child.name} exited with status {code} while starting; see its log above"
                     )
             state = self.ready_state()
             if state is not None:
-                summary = ", ".join(
-                    f"{p['name']}: {p['state']} {p.get('detail', '')}".strip() for p in state["processes"]
-                )
+                summary = ", ".join(f"{p['name']}: {_state_text(p)}" for p in state["processes"])
                 if summary != last:
                     log.info("%s", summary)
                     last = summary
@@ -169,6 +212,10 @@ class Supervisor:
                 code = child.popen.poll() if child.popen else None
                 if code is None:
                     continue
+                if code == REFUSED:
+                    log.error("%s refused to start again; stopping (see its message above)", child.name)
+                    self.stop()
+                    return REFUSED
                 now = time.monotonic()
                 child.restarts = [t for t in child.restarts if now - t < RESTART_WINDOW_S] + [now]
                 if len(child.restarts) > MAX_RESTARTS:
@@ -205,6 +252,10 @@ class Supervisor:
 
 
 def serve(cfg: ServeConfig) -> int:
+    busy = port_in_use(cfg.gateway.host, cfg.gateway.port)
+    if busy:  # before anything starts: another server's processes and state file stay untouched
+        log.error("%s; is another server running there? choose another --port", busy)
+        return REFUSED
     sup = Supervisor(cfg)
 
     def _on_signal(signum: int, _frame: object) -> None:
@@ -217,6 +268,9 @@ def serve(cfg: ServeConfig) -> int:
         try:
             sup.start()
             sup.wait_ready()
+        except Refused as e:
+            log.error("%s", e)
+            return REFUSED
         except (RuntimeError, TimeoutError) as e:
             log.error("%s", e)
             return 1

@@ -216,6 +216,10 @@ class ModelSpec(msgspec.Struct, tag="spec", **_STRUCT):
     # Options whose value adds prompt rows (a conversation context): a request that sets one is
     # sized by the tokenizer pool (GenerateRequest.size_only) before its text is cut into segments.
     sized_options: list[str] = []
+    # The languages a request's `language` may name (besides "auto", always accepted), as the model
+    # spells them; the program receives a named one as model_kwargs["language"]. Empty: the model
+    # takes no language, and a request may only say "auto".
+    languages: list[str] = []
 
 
 # One union per receiving socket.

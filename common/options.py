@@ -223,10 +223,10 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "lm_head",
-        "full (whole vocabulary) or audio (logits only for codec tokens and stop: less work per step; "
-        "text tokens can no longer be sampled)",
+        "full (whole vocabulary), audio (logits only for codec tokens and stop: less work per step; "
+        "text tokens can no longer be sampled) or auto (audio on a CPU, full on a GPU)",
         ("serve", "gpu_worker"),
-        choices=("full", "audio"),
+        choices=("auto", "full", "audio"),
         path="gpu.lm_head",
     ),
     Option(
@@ -302,6 +302,13 @@ OPTIONS: tuple[Option, ...] = (
         _ALL,
     ),
     Option("log_level", "DEBUG, INFO, WARNING, ERROR", _ALL),
+    Option(
+        "threads",
+        "CPU threads of each process's compute (torch, OpenMP, MKL); 0: by role and host (gateway and "
+        "tokenizer workers 1, gpu_worker and codec_worker processes split the cores)",
+        _ALL,
+        int,
+    ),
     Option(
         "mps",
         "CUDA MPS for the gpu_worker and codec_worker: on (start a private MPS daemon; its kernels "

@@ -22,8 +22,10 @@ from common.config import ServeConfig
 from common.ipc import PushChannel, install_tap, use_curve
 from common.messages import ProcState, ProcStatus
 from common.options import RoleSettings, parse_role
+from common.threads import apply_threads
 
 HEARTBEAT_S = 0.25
+REFUSED = 2  # the exit status of a process that cannot start for a reason a restart cannot mend
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +145,41 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
+# Errors a restart cannot mend, by the exception's class name (no import of the libraries raising
+# them): weights the hub cannot give (not cached and unreachable, missing, gated) ...
+_WEIGHT_ERRORS = (
+    "LocalEntryNotFoundError", "EntryNotFoundError", "RepositoryNotFoundError", "RevisionNotFoundError",
+    "GatedRepoError", "OfflineModeIsEnabled",
+)  # fmt: skip
+# ... and a CUDA device that this torch or this host cannot give.
+_NO_CUDA = ("Torch not compiled with CUDA enabled", "No CUDA GPUs are available", "Found no NVIDIA driver")
+
+
+def refusal(e: BaseException, cfg: ServeConfig) -> str:
+    """One line saying why this process cannot start and what to change, when `e` (or an error it
+    came from) is one a restart cannot mend; "" otherwise."""
+    seen: set[int] = set()
+    err: BaseException | None = e
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        names = {cls.__name__ for cls in type(err).__mro__}
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        hub = isinstance(err, (FileNotFoundError, ConnectionError)) and "Hugging Face" in str(err)
+        if names & set(_WEIGHT_ERRORS) or hub:
+            return (
+                f"cannot load the weights of {cfg.model or 'the model'} ({type(err).__name__}: {first}); "
+                "download them while online (they are cached), give a local directory with --weights "
+                "/ --codec-weights, or use --load-format dummy"
+            )
+        if any(text in str(err) for text in _NO_CUDA):
+            return (
+                f"--device {cfg.device} / --codec-device {cfg.codec.device} asks for CUDA, but {first}; "
+                "install a CUDA build of torch, or use --device cpu"
+            )
+        err = err.__cause__ or err.__context__
+    return ""
+
+
 def run_worker(
     role: str,
     build: Callable[[ServeConfig, StatusReporter], Any],
@@ -153,6 +190,7 @@ def run_worker(
     settings = settings or parse_role(role, argv)
     cfg, name = settings.cfg, settings.name
     setup_logging(name, cfg.log_level)
+    log.debug("%s computes with %d CPU threads", name, apply_threads(role, cfg))
     assert cfg.addresses is not None, "config has no addresses"
     if settings.tap:
         install_tap(settings.tap, name)
@@ -175,9 +213,13 @@ def run_worker(
     except KeyboardInterrupt:
         status.set(ProcState.STOPPING)
     except Exception as e:
-        log.exception("%s failed", name)
-        status.set(ProcState.FAILED, f"{type(e).__name__}: {e}")
+        why = refusal(e, cfg)
+        if why:  # one line, and a status that tells the supervisor a restart would not help
+            log.error("%s cannot start: %s", name, why)
+        else:
+            log.exception("%s failed", name)
+        status.set(ProcState.FAILED, why or f"{type(e).__name__}: {e}")
         time.sleep(2 * HEARTBEAT_S)  # let the FAILED status reach the gateway
         status.close()
-        sys.exit(1)
+        sys.exit(REFUSED if why else 1)
     status.close()

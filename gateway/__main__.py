@@ -7,17 +7,35 @@ tells the supervisor that it failed.
 
 from __future__ import annotations
 
+import errno
 import logging
 import multiprocessing
 import sys
 
 from aiohttp import web
+from aiohttp.web_log import AccessLogger
+from aiohttp.web_request import BaseRequest
+from aiohttp.web_response import StreamResponse
 
 from common.ipc import install_tap, use_curve
 from common.options import RoleSettings, parse_role
-from common.proc import freeze_startup_objects, use_uvloop
+from common.proc import freeze_startup_objects, setup_logging, use_uvloop
+from common.threads import apply_threads
 
 log = logging.getLogger("gateway")
+LAUNCHER_AGENT = "voxpipe-serve"  # the User-Agent of `voxpipe serve`'s own /ready polls
+
+
+class AccessLog(AccessLogger):
+    """aiohttp's access log, but `voxpipe serve`'s own /ready polls (five a second while the
+    processes start) go at DEBUG: the log shows what clients asked."""
+
+    def log(self, request: BaseRequest, response: StreamResponse, time: float) -> None:
+        if request.headers.get("User-Agent", "") == LAUNCHER_AGENT:
+            if self.logger.isEnabledFor(logging.DEBUG):
+                self.logger.debug("%s %s %d (voxpipe serve)", request.method, request.path, response.status)
+            return
+        super().log(request, response, time)
 
 
 def main(argv: list[str] | None = None, settings: RoleSettings | None = None) -> int:
@@ -26,10 +44,8 @@ def main(argv: list[str] | None = None, settings: RoleSettings | None = None) ->
     # Named so that log lines from every process of a deployment say which one wrote them.
     multiprocessing.current_process().name = settings.name
     try:
-        logging.basicConfig(
-            level=cfg.log_level.upper(),
-            format="%(asctime)s %(processName)s[%(process)d] %(levelname)s %(name)s: %(message)s",
-        )
+        setup_logging(settings.name, cfg.log_level)  # the format every process logs in
+        apply_threads("gateway", cfg)  # its imports never load torch: the variables, for any library
         if settings.tap:
             install_tap(settings.tap, settings.name)
         if cfg.zmq_curve_dir:
@@ -39,13 +55,25 @@ def main(argv: list[str] | None = None, settings: RoleSettings | None = None) ->
 
         app = build_app(cfg)
         freeze_startup_objects()
-        log.info("listening on http://%s:%d", cfg.gateway.host, cfg.gateway.port)
+        url = f"http://{cfg.gateway.host}:{cfg.gateway.port}"
         # handler_cancellation: a client that disconnects cancels its handler, which aborts the
-        # request on the gpu_worker at once instead of after the next chunk.
-        web.run_app(app, host=cfg.gateway.host, port=cfg.gateway.port, handler_cancellation=True, print=None)
-    except Exception:
+        # request on the gpu_worker at once instead of after the next chunk. `print` is called
+        # once the socket listens.
+        web.run_app(
+            app,
+            host=cfg.gateway.host,
+            port=cfg.gateway.port,
+            handler_cancellation=True,
+            print=lambda _banner: log.info("listening on %s", url),
+            access_log_class=AccessLog,
+        )
+    except Exception as e:
+        if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:
+            port = cfg.gateway.port
+            log.error("cannot listen on %s:%d: %s; choose another --port", cfg.gateway.host, port, e.strerror)
+            return 2  # a restart cannot free the port: the supervisor stops (common.launcher.REFUSED)
         if not logging.getLogger().handlers:
-            logging.basicConfig(format="%(asctime)s %(processName)s[%(process)d] %(levelname)s %(message)s")
+            setup_logging(settings.name)
         log.exception("gateway failed")
         return 1
     return 0

@@ -12,6 +12,8 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.fields import FormFields
+
 MAX_BODY_BYTES = 1 << 20  # the Application's client_max_size; a text request needs far less
 
 JSON_TYPES = ("application/json",)
@@ -115,7 +117,7 @@ async def _form(request: web.Request) -> dict[str, Any]:
         if not isinstance(value, str):
             raise BodyError(400, f"form field {key!r} must be a plain value, not a file upload")
         fields[key] = value
-    return fields
+    return FormFields(fields)
 
 
 def _json_kind(value: Any) -> str:

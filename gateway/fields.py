@@ -6,9 +6,11 @@ Schema, so the OpenAPI document cannot drift from what the gateway accepts. Limi
 the model or the deployment (voices, max_tokens, --max-text-chars) are filled in by the table
 builders in `gateway.validation`.
 
-Bodies come from JSON (typed values) or HTML forms (every value a string), so parsers accept both:
-`0.7` and `"0.7"`, `false` and `"no"`. Every problem raises `BadRequest` with a message that names
-the field, what was given and what is allowed.
+Bodies come from JSON (typed values) or HTML forms (every value a string, a `FormFields`). A JSON
+value must have its field's JSON type, as /openapi.json states it: `0.7` for a number, `false` for a
+boolean; `"0.7"`, `"no"` and `null` are refused. A form's strings are read by the field's type, so
+`"0.7"` and `"no"` pass there. Every problem raises `BadRequest` with a message that names the
+field, what was given and what is allowed.
 """
 
 from __future__ import annotations
@@ -37,13 +39,17 @@ class BadRequest(ValueError):
         self.status = status
 
 
+class FormFields(dict):
+    """A body's fields as an HTML form sends them: every value a string, read by its field's type."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Field:
     """One request field: its type, limits and documented default.
 
     `type` is a JSON Schema type: "string", "number", "integer" or "boolean". Bounds are inclusive
-    unless `exclusive_minimum`. `choices` restricts a string to a list; `choice_error` is the
-    message for a value outside it (`{value}` and `{choices}` are filled in).
+    unless `exclusive_minimum`. `choices` restricts a string (or a boolean) to a list;
+    `choice_error` is the message for a value outside it (`{value}` and `{choices}` are filled in).
     """
 
     name: str
@@ -54,21 +60,31 @@ class Field:
     minimum: float | None = None
     maximum: float | None = None
     exclusive_minimum: bool = False
-    choices: tuple[str, ...] | None = None
+    choices: tuple[Any, ...] | None = None
     choice_error: str = ""
     max_length: int | None = None
     max_length_hint: str = ""  # appended to the too-long message: which setting raises the limit
 
-    def parse(self, value: Any) -> Any:
-        """The checked value (never None: absent fields are the caller's business)."""
+    def parse(self, value: Any, form: bool = False) -> Any:
+        """The checked value (never None: absent fields are the caller's business). `form`: the
+        value is a form's string, read by the field's type; otherwise it must have that JSON type."""
         if self.type == "string":
             return self._string(value)
         if self.type == "boolean":
-            return _bool(self.name, value)
+            flag = _bool(self.name, value, form)
+            if self.choices is not None and flag not in self.choices:
+                shown = ", ".join("true" if c else "false" for c in self.choices)
+                message = self.choice_error or "field {name!r} must be one of {choices}, got {value}"
+                raise BadRequest(
+                    message.format(name=self.name, choices=shown, value=show(flag)),
+                    param=self.name,
+                    code="unsupported_value",
+                )
+            return flag
         if self.type == "integer":
-            return _integer(self.name, value, int(self.minimum or 0), int(self.maximum or 0))
+            return _integer(self.name, value, int(self.minimum or 0), int(self.maximum or 0), form)
         return _number(
-            self.name, value, float(self.minimum or 0), float(self.maximum or 0), self.exclusive_minimum
+            self.name, value, float(self.minimum or 0), float(self.maximum or 0), self.exclusive_minimum, form
         )
 
     def _string(self, value: Any) -> str:
@@ -111,8 +127,9 @@ class Field:
 
 
 def parse_fields(body: Mapping[str, Any], fields: Sequence[Field]) -> dict[str, Any]:
-    """Every field's checked value (None when absent or JSON null), after refusing unknown fields
-    and missing required ones."""
+    """Every field's checked value (None when absent), after refusing unknown fields, missing
+    required ones and JSON nulls (a field left out takes its default; null is no value of any
+    field's type). A `FormFields` body's strings are read by each field's type."""
     by_name = {f.name: f for f in fields}
     unknown = sorted(k for k in body if k not in by_name)
     if unknown:
@@ -124,6 +141,13 @@ def parse_fields(body: Mapping[str, Any], fields: Sequence[Field]) -> dict[str, 
             f"unknown field {names}{hint}; accepted fields: {', '.join(by_name)}",
             param=unknown[0],
             code="unknown_parameter",
+        )
+    form = isinstance(body, FormFields)
+    nulls = [f.name for f in fields if f.name in body and body[f.name] is None]
+    if nulls:
+        raise BadRequest(
+            f"field {nulls[0]!r} is null; leave the field out to take its default",
+            param=nulls[0],
         )
     values: dict[str, Any] = {}
     for f in fields:
@@ -138,7 +162,7 @@ def parse_fields(body: Mapping[str, Any], fields: Sequence[Field]) -> dict[str, 
                 )
             values[f.name] = None
         else:
-            values[f.name] = f.parse(value)
+            values[f.name] = f.parse(value, form)
     return values
 
 
@@ -159,11 +183,11 @@ def _plain(x: float, kind: str) -> int | float:
     return int(x) if kind == "integer" or float(x).is_integer() else x
 
 
-def _bool(name: str, value: Any) -> bool:
+def _bool(name: str, value: Any, form: bool = True) -> bool:
     if isinstance(value, bool):
         return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
+    if not form:
+        raise BadRequest(f"field {name!r} must be a boolean (true or false), got {show(value)}", param=name)
     if isinstance(value, str):
         word = value.strip().lower()
         if word in _TRUE:
@@ -175,8 +199,14 @@ def _bool(name: str, value: Any) -> bool:
     )
 
 
-def _to_float(name: str, value: Any, expected: str) -> float:
+def _to_float(name: str, value: Any, expected: str, form: bool) -> float:
     # bool is an int subclass, but `"temperature": true` is a client bug, not a number.
+    if isinstance(value, str) and not form:
+        raise BadRequest(
+            f"field {name!r} must be {expected}, got the string {show(value)}: a JSON body gives "
+            "numbers without quotes",
+            param=name,
+        )
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise BadRequest(f"field {name!r} must be {expected}, got {show(value)}", param=name)
     try:
@@ -190,24 +220,24 @@ def _to_float(name: str, value: Any, expected: str) -> float:
     return number
 
 
-def _number(name: str, value: Any, lo: float, hi: float, lo_open: bool = False) -> float:
+def _number(name: str, value: Any, lo: float, hi: float, lo_open: bool = False, form: bool = False) -> float:
     """A float in [lo, hi] (or (lo, hi] with `lo_open`)."""
     allowed = f"a number in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
-    number = _to_float(name, value, allowed)
+    number = _to_float(name, value, allowed, form)
     if number < lo or number > hi or (lo_open and number == lo):
         raise BadRequest(f"field {name!r} must be {allowed}, got {show(value)}", param=name)
     return number
 
 
-def _integer(name: str, value: Any, lo: int, hi: int) -> int:
+def _integer(name: str, value: Any, lo: int, hi: int, form: bool = False) -> int:
     """An integer in [lo, hi]; integral floats (`50.0`) pass."""
     allowed = f"an integer in [{lo}, {hi}]"
     if isinstance(value, int) and not isinstance(value, bool):
         number = value  # exact: large seeds must not round-trip through float
-    elif isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+    elif form and isinstance(value, str) and value.strip().lstrip("+-").isdigit():
         number = int(value.strip())
     else:
-        as_float = _to_float(name, value, allowed)
+        as_float = _to_float(name, value, allowed, form)
         if not as_float.is_integer():
             raise BadRequest(f"field {name!r} must be {allowed}, got {show(value)}", param=name)
         number = int(as_float)

@@ -26,7 +26,8 @@ ENDPOINTS = ("generate", "speech")
 # cancelled: the client went away first; rejected: refused by admission (503 with Retry-After).
 OUTCOMES = ("ok", "client_error", "server_error", "cancelled", "rejected")
 
-# Heartbeat key → help text. Keys ending in _total are counters; unknown keys export as gauges.
+# Heartbeat key → help text. Keys ending in _total are counters (but those in CAPACITIES); unknown
+# keys export as gauges.
 WORKER_METRICS = {
     "active_streams": "Requests running on the worker, each holding a slot and KV pages.",
     "queue_depth": "Prompts waiting on the worker for a slot or KV pages.",
@@ -78,10 +79,15 @@ class WorkerCollector:
         yield from families.values()
 
 
+# Keys named *_total that are a capacity (a level that may go down, e.g. after a restart with a
+# smaller cache), not a count of events: gauges.
+CAPACITIES = frozenset({"kv_pages_total"})
+
+
 def _family(key: str) -> GaugeMetricFamily | CounterMetricFamily:
     name = "voxpipe_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
     doc = WORKER_METRICS.get(key, f"{key}, as the worker reports it.")
-    if name.endswith("_total"):
+    if name.endswith("_total") and key not in CAPACITIES:
         return CounterMetricFamily(name[: -len("_total")], doc, labels=["process", "role"])
     return GaugeMetricFamily(name, doc, labels=["process", "role"])
 

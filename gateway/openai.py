@@ -1,8 +1,10 @@
 """OpenAI's speech API: `POST /v1/audio/speech`, `GET /v1/models`, `GET /v1/models/{model}`.
 
 Request fields follow OpenAI's (`model`, `input`, `voice`, `response_format`, `speed`,
-`stream_format`, `instructions`) plus voxpipe's sampling options and `streaming`; see
-`gateway.validation.speech_fields`. Errors on these endpoints keep OpenAI's shape
+`stream_format`, `instructions`), vLLM-Omni's and SGLang-Omni's (`stream`, `language`, `task_type`,
+`non_streaming_mode`, `ref_audio`, `ref_text`: `gateway.omni_fields`), plus voxpipe's sampling
+options and `streaming`; see `gateway.validation.speech_fields`. Raw PCM answers carry the sample
+rate in the `X-Sample-Rate` header, as SGLang-Omni's do. Errors on these endpoints keep OpenAI's shape
 `{"error": {"message", "type", "param", "code"}}`. The served model is accepted under its own
 name, the registry's other names for it, and OpenAI's model names (tts-1, tts-1-hd,
 gpt-4o-mini-tts), so OpenAI clients work unchanged.
@@ -95,6 +97,8 @@ class OpenAIRoutes:
             log.exception("[%s] failed to read the request", rid)
             gateway.metrics.finished("speech", "server_error")
             return openai_error(500, "internal error while reading the request", headers)
+        if params.response_format == "pcm" and params.stream_format == "audio":
+            headers["X-Sample-Rate"] = str(spec.sample_rate)  # raw samples carry no rate of their own
         mode = "sse" if params.stream_format == "sse" else ("stream" if params.streaming else "whole")
         return await speak(
             gateway,

@@ -19,7 +19,8 @@ import msgspec
 from common.config import ServeConfig
 from common.messages import ModelSpec, SamplingParams
 from gateway.encoders import available_formats, default_format
-from gateway.fields import BadRequest, Field, parse_fields, show
+from gateway.fields import BadRequest, Field, FormFields, parse_fields, show
+from gateway.omni_fields import check_omni, language_option, omni_fields, streaming_choice
 from gateway.segments import MAX_TEXT_CHARS_LIMIT, segment_budget, split_text, text_limit
 
 SEED_MAX = 2**63 - 1
@@ -269,6 +270,7 @@ def speech_fields(spec: ModelSpec, cfg: ServeConfig) -> list[Field]:
             "voxpipe extension. false: one complete file with exact sizes (stream_format audio only).",
             True,
         ),
+        *omni_fields(spec),
         *sampling_fields(spec, cfg),
         *option_fields(spec),
     ]
@@ -297,6 +299,7 @@ def parse_generate(body: Mapping[str, Any], spec: ModelSpec, cfg: ServeConfig) -
 
 def parse_speech(body: Mapping[str, Any], spec: ModelSpec, cfg: ServeConfig) -> SpeechParams:
     """Check an OpenAI speech `body`. A model that is not served is a 404 (`model_not_found`)."""
+    form = isinstance(body, FormFields)
     fields = speech_fields(spec, cfg)
     models = _default_choices(fields, "model")
     model = body.get("model")
@@ -319,10 +322,11 @@ def parse_speech(body: Mapping[str, Any], spec: ModelSpec, cfg: ServeConfig) -> 
             param="response_format",
             code="unsupported_value",
         )
+    body = check_omni(body, spec)
     speed = body.get("speed")
     if speed is not None and "speed" in spec.refused:
         try:
-            next(f for f in fields if f.name == "speed").parse(speed)
+            next(f for f in fields if f.name == "speed").parse(speed, form)
         except BadRequest:
             raise BadRequest(
                 f"field 'speed' must be 1.0, got {show(speed)}: {spec.refused['speed']}; leave speed out "
@@ -330,9 +334,9 @@ def parse_speech(body: Mapping[str, Any], spec: ModelSpec, cfg: ServeConfig) -> 
                 param="speed",
                 code="unsupported_value",
             ) from None
-    v = parse_fields(body, fields)
+    v = parse_fields(FormFields(body) if form else body, fields)
     stream_format = v["stream_format"] or "audio"
-    streaming = True if v["streaming"] is None else v["streaming"]
+    streaming = streaming_choice(v)
     if not streaming and stream_format == "sse":
         raise BadRequest(
             "stream_format 'sse' always streams; drop streaming: false or use stream_format 'audio'",
@@ -344,7 +348,7 @@ def parse_speech(body: Mapping[str, Any], spec: ModelSpec, cfg: ServeConfig) -> 
         voice=v["voice"] or _default(fields, "voice"),
         sampling=sampling,
         segments=plan_segments(v["input"], sampling.max_tokens, spec, cfg),
-        options=_options(v, spec, extra=("speed", "instructions")),
+        options=_options(v, spec, extra=("speed", "instructions")) + language_option(v),
         streaming=streaming,
         response_format=v["response_format"] or _default(fields, "response_format"),
         stream_format=stream_format,

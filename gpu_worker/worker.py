@@ -50,7 +50,7 @@ class GpuWorker:
             spec,
             device=device,
             dtype=resolve_dtype(cfg.gpu.dtype, device),
-            lm_head=cfg.gpu.lm_head,
+            lm_head=cfg.gpu.head_for(device),
             quantization=cfg.gpu.quantization,
             **program_kwargs(cfg),
         )

@@ -357,6 +357,7 @@ class LMProgram:
             refused=dict(spec.get("refused", {})),
             n_codebooks=int(self.n_codebooks),
             sized_options=list(self.sized_options),
+            languages=[str(x) for x in spec.get("languages", ())],
         )
 
 

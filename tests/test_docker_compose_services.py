@@ -202,3 +202,22 @@ def test_the_compose_topology_serves_a_wav_over_tcp_on_one_host(topology):
         wav = r.read()
     audio, rate = sf.read(io.BytesIO(wav), dtype="int16")
     assert rate == 24000 and len(audio) > 0
+
+
+def test_the_cpu_variant_reserves_no_gpu_and_serves_on_the_cpu():
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_constructor("!reset", lambda loader, node: {"!reset": loader.construct_mapping(node)})
+    with open(os.path.join(ROOT, "docker-compose.cpu.yml")) as f:
+        cpu = yaml.load(f, Loader=Loader)["services"]
+    base = load_compose()["services"]
+    assert set(cpu) == {name for name, svc in base.items() if not svc.get("profiles")}
+    for name in ("gpu_worker", "codec_worker"):
+        assert "deploy" in base[name] and cpu[name]["deploy"] == {"!reset": {}}, name  # no GPU reserved
+    for name, svc in cpu.items():
+        env = {**base[name].get("environment", {}), **svc["environment"]}
+        assert (
+            interpolate(env["VOXPIPE_DEVICE"], {}) == "cpu"
+            and interpolate(env["VOXPIPE_MODEL"], {}) == "orpheus-tiny"
+        )

@@ -48,6 +48,7 @@ from common.messages import (
 )
 from common.pool import AsyncWorkChannel
 from gateway.body import MAX_BODY_BYTES
+from gateway.fields import FormFields
 from gateway.server import GATEWAY, build_app
 from gateway.validation import BadRequest, parse_generate
 from gateway.wav import wav_header
@@ -209,7 +210,7 @@ async def test_streaming_response_is_an_open_ended_wav_with_pcm_in_order(rig: Ri
 
 
 async def test_request_carries_validated_fields_and_model_defaults(rig: Rig) -> None:
-    task = rig.post(json={"text": "Hi", "voice": "leo", "top_k": "50", "seed": 2**63 - 1, "max_tokens": 300})
+    task = rig.post(json={"text": "Hi", "voice": "leo", "top_k": 50, "seed": 2**63 - 1, "max_tokens": 300})
     req = await rig.workers.next_request()
     await rig.workers.audio(req.rid, finish=FinishReason.LENGTH)
     resp = await task
@@ -274,7 +275,9 @@ _BAD_INPUTS: list[tuple[dict[str, Any], int, str]] = [
         400,
         "finite",
     ),
-    ({"json": {"text": "hi", "top_p": "inf"}}, 400, "finite"),
+    ({"data": {"text": "hi", "top_p": "inf"}}, 400, "finite"),
+    ({"json": {"text": "hi", "top_p": "0.5"}}, 400, "without quotes"),
+    ({"json": {"text": "hi", "top_p": None}}, 400, "leave the field out"),
     ({"json": {"text": "hi", "top_p": 0}}, 400, "'top_p' must be a number in (0, 1]"),
     ({"json": {"text": "hi", "top_p": 1.5}}, 400, "(0, 1]"),
     ({"json": {"text": "hi", "top_k": -1}}, 400, "'top_k' must be an integer in [0, "),
@@ -347,7 +350,7 @@ async def test_every_bad_input_gets_a_4xx_that_says_what_to_change_and_the_serve
         resp = await rig.client.request(method, path)
         assert resp.status == status and "error" in await resp.json()
     # Still serving: a good request goes through.
-    task = rig.post(json={"text": "still here", "streaming": 0})
+    task = rig.post(json={"text": "still here", "streaming": False})
     req = await rig.workers.next_request()
     await rig.workers.audio(req.rid, _pcm(10), finish=FinishReason.STOP)
     assert (await task).status == 200
@@ -358,14 +361,16 @@ def test_validation_reads_form_strings_and_rejects_what_json_would() -> None:
         model_spec("orpheus-tiny"),
         ServeConfig(model="orpheus-tiny", gateway=GatewaySettings(constrained=False)),
     )
-    form = {
-        "text": "hi",
-        "streaming": "False",
-        "top_k": "7",
-        "min_p": "0.05",
-        "seed": "12",
-        "min_tokens": "3",
-    }
+    form = FormFields(
+        {
+            "text": "hi",
+            "streaming": "False",
+            "top_k": "7",
+            "min_p": "0.05",
+            "seed": "12",
+            "min_tokens": "3",
+        }
+    )
     p = parse_generate(form, spec, cfg)
     assert not p.streaming and p.voice == "tara"
     assert (p.sampling.top_k, p.sampling.min_p, p.sampling.seed, p.sampling.min_tokens) == (7, 0.05, 12, 3)
@@ -375,6 +380,8 @@ def test_validation_reads_form_strings_and_rejects_what_json_would() -> None:
     )
     with pytest.raises(BadRequest, match="'streaming' must be a boolean"):
         parse_generate({"text": "hi", "streaming": [1]}, spec, cfg)
+    with pytest.raises(BadRequest, match="'streaming' must be a boolean"):
+        parse_generate(dict(form), spec, cfg)  # the same strings in a JSON body
 
 
 # -- errors from the workers -------------------------------------------------------------------------

@@ -105,6 +105,7 @@ async def test_metrics_export_the_workers_heartbeat_gauges_and_counters(rig: Rig
     text = await resp.text()
     assert "# TYPE voxpipe_generated_tokens_total counter" in text
     assert "# TYPE voxpipe_kv_pages_used gauge" in text
+    assert "# TYPE voxpipe_kv_pages_total gauge" in text  # a capacity, not a count of events
     # A worker that stops reporting drops out after a second instead of showing stale pages.
     await asyncio.sleep(1.1)
     assert not any(name.startswith("voxpipe_kv_pages") for name, _ in await scrape(rig))

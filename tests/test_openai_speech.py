@@ -223,10 +223,10 @@ _BAD: list[tuple[dict[str, Any], int, str, str | None, str]] = [
     ),
     ({"model": "tts-1", "input": "hi", "temperature": 9}, 400, "invalid_value", "temperature", "[0, 2]"),
     (
-        {"model": "tts-1", "input": "hi", "stream": True},
+        {"model": "tts-1", "input": "hi", "streamed": True},
         400,
         "unknown_parameter",
-        "stream",
+        "streamed",
         "accepted fields",
     ),
 ]

@@ -55,9 +55,13 @@ def _cases(prop: dict[str, Any]) -> list[tuple[Any, bool]]:
         cases += [("a" * prop["maxLength"], prop.get("minLength", 0) <= prop["maxLength"])]
         cases += [("a" * (prop["maxLength"] + 1), False)]
     if kind == "boolean":
-        cases += [(True, True), (False, True), ("maybe", False)]
+        cases += [(b, b in prop.get("enum", (True, False))) for b in (True, False)] + [("maybe", False)]
+        cases += [("true", False), (1, False)]  # a JSON body's boolean is true or false
     if kind in ("number", "integer"):
         cases += [("not a number", False)]
+        if "default" in prop:
+            cases += [(str(prop["default"]), False)]  # a JSON body's number is no string
+    cases += [(None, False)]  # null is no value of the stated type: leave a field out for its default
     if "default" in prop:
         cases += [(prop["default"], True)]
     return cases

@@ -45,6 +45,7 @@ def addrs(tmp_path) -> Addresses:
 def start(role: str, addrs: Addresses, **settings) -> subprocess.Popen:
     cfg = ServeConfig(model="orpheus-tiny", addresses=addrs, device="cpu", **settings)
     cfg.codec.device = "cpu"
+    cfg.gpu.lm_head = "full"  # the whole vocabulary: windows of the random model's rows, as counted below
     argv = [sys.executable, "-m", role, "--config-json", cfg.to_json(), "--name", role]
     return subprocess.Popen(argv, env=worker_env(), cwd=ROOT)
 

@@ -1,0 +1,144 @@
+"""`voxpipe bench load` (and `voxpipe bench --url …`): the load curve of a running server.
+
+The model's limits come from the server (`GET /v1/models`: `max_tokens`, `sample_rate`, the model's
+name), so the defaults work against any model: each request asks for up to `--tokens` tokens (1024
+by default) but never more than the model's `max_tokens` less `--prompt-allowance`. Each level
+says on stderr what it runs and, every few seconds, how far it got. A level whose requests fail
+ends early (after `--max-errors` failures), the run stops there, and the exit status is 1: a load
+curve over failing requests measures nothing. Metrics and the curve: `bench.load`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import urllib.request
+from typing import Any
+
+from bench.load import auth_headers, measure_level, meets_target, plot
+
+DEFAULT_TOKENS = 1024
+
+
+def server_model(base: str) -> dict[str, Any]:
+    """The served model's card from `GET /v1/models` (empty when the server has none to give)."""
+    req = urllib.request.Request(base + "/v1/models", headers=auth_headers())
+    with urllib.request.urlopen(req, timeout=10) as r:
+        data = json.loads(r.read()).get("data") or [{}]
+    return data[0]
+
+
+def fit_tokens(asked: int, allowance: int, max_tokens: int) -> int:
+    """The tokens per request: `asked`, within the model's `max_tokens` less the prompt allowance."""
+    if max_tokens <= 0:
+        return asked
+    room = max_tokens - allowance
+    if room < 1:
+        raise ValueError(
+            f"--prompt-allowance {allowance} leaves no tokens within the model's max_tokens {max_tokens}"
+        )
+    return min(asked, room)
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="voxpipe bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    group = ap.add_mutually_exclusive_group()
+    group.add_argument("--concurrency", default="", help="comma list of concurrent streams, e.g. 1,8,32")
+    group.add_argument("--rate", default="", help="comma list of Poisson arrival rates (requests/s)")
+    ap.add_argument("--duration", type=float, default=30.0, help="seconds of load per level")
+    ap.add_argument(
+        "--tokens",
+        type=int,
+        default=DEFAULT_TOKENS,
+        help="tokens generated per request, at most the model's max_tokens less --prompt-allowance",
+    )
+    ap.add_argument("--prompt-allowance", type=int, default=100, help="max_tokens = tokens + this")
+    ap.add_argument("--sample-rate", type=int, default=0, help="Hz of the audio (default: the model's)")
+    ap.add_argument("--model", default="", help="label for the results (default: the served model)")
+    ap.add_argument("--device", default="", help="label for the results")
+    ap.add_argument("--out", default="bench_load.json")
+    ap.add_argument("--plot", default="", help="PNG path (needs matplotlib)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ramp", type=float, default=0.0, help="closed loop: spread client starts over S s")
+    ap.add_argument(
+        "--max-errors", type=int, default=5, help="end the run once a level has this many failures"
+    )
+    ap.add_argument("--progress", type=float, default=5.0, help="seconds between progress lines (0: none)")
+    return ap.parse_args(argv)
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
+    levels = [int(c) for c in args.concurrency.split(",") if c]
+    rates = [float(r) for r in args.rate.split(",") if r]
+    if not levels and not rates:
+        levels = [1]
+    key = "concurrency" if levels else "rate"
+    try:
+        card = server_model(args.url)
+        tokens = fit_tokens(args.tokens, args.prompt_allowance, int(card.get("max_tokens", 0)))
+    except (OSError, ValueError) as e:
+        _say(f"voxpipe bench: cannot read the model's limits from {args.url}/v1/models: {e}")
+        return 2
+    if tokens < args.tokens:
+        _say(f"{card.get('id')}: max_tokens {card.get('max_tokens')}, so {tokens} tokens per request")
+    sample_rate = args.sample_rate or int(card.get("sample_rate", 24000))
+    curve, failed = [], False
+    for i, level in enumerate(levels or rates):
+        _say(f"level {i + 1}/{len(levels or rates)}: {key} {level} for {args.duration:.0f} s")
+        point = {
+            key: level,
+            **measure_level(
+                args.url,
+                sample_rate,
+                duration=args.duration,
+                tokens=tokens,
+                prompt_allowance=args.prompt_allowance,
+                seed=args.seed + i,
+                ramp=args.ramp,
+                max_errors=args.max_errors,
+                progress_s=args.progress,
+                **({"concurrency": level} if levels else {"rate": level}),
+            ),
+        }
+        curve.append(point)
+        print(json.dumps(point), flush=True)
+        _say(
+            f"  {point['requests']} requests, {point['errors']} failed; TTFA p50 {point['ttfa_p50_ms']} ms; "
+            f"x real time per stream p50 {point['x_realtime_per_stream_p50']}, "
+            f"slowest {point['x_realtime_per_stream_min']}; on time {100 * point['on_time_share']:.0f} %"
+        )
+        if point["errors"]:
+            _say(f"requests failed at {key} {level}, stopping: {'; '.join(point['error_examples'])}")
+            failed = True
+            break
+    passing = [p[key] for p in curve if meets_target(p)]
+    out = {
+        "device": args.device,
+        "model": args.model or card.get("id", ""),
+        "date": time.strftime("%F"),
+        "tokens_per_request": tokens,
+        "duration_s_per_level": args.duration,
+        "ramp_s": args.ramp,
+        "target": "no errors, >= 99% of requests fully on time, p99 TTFA <= 250 ms",
+        "max_streams_meeting_target": max(passing) if passing else 0,
+        "failed": failed,
+        "curve": curve,
+    }
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    if args.plot and not plot(curve, key, args.plot):
+        _say("matplotlib is not installed: no plot written (pip install matplotlib)")
+    print(json.dumps({k: out[k] for k in ("max_streams_meeting_target", "date")}))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,121 @@
+"""The speech request fields of vLLM-Omni's and SGLang-Omni's APIs, so their clients work unchanged.
+
+Those servers extend OpenAI's `POST /v1/audio/speech` with `stream`, `language`, `task_type`,
+`non_streaming_mode` and voice cloning (`ref_audio`, `ref_text`). Here they mean:
+
+- `stream`: true = the audio in chunks as it is decoded, false = one complete file (voxpipe's own
+  `streaming`; a request giving both must give the same value).
+- `language`: one of the model's languages (`ModelSpec.languages`) or "auto", in any letter case;
+  a named language reaches the program as the model option `language`, "auto" as no option. A
+  model without a list of languages takes only "auto".
+- `task_type`: "CustomVoice" only: every served model speaks with its preset voices. Voice cloning
+  ("Base", `ref_audio`/`ref_text`) and voice design ("VoiceDesign") are refused with a 400 that
+  names the model.
+- `non_streaming_mode` (Qwen3-TTS's prompt mode): true only: the served models' prompts hold the
+  whole text before the first audio token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from common.messages import ModelSpec
+from gateway.fields import BadRequest, Field, show
+
+TASK_TYPES = ("CustomVoice", "VoiceDesign", "Base")  # the task types vLLM-Omni and SGLang-Omni know
+CLONING_FIELDS = ("ref_audio", "ref_text")
+
+
+def omni_fields(spec: ModelSpec) -> list[Field]:
+    """The fields, as `gateway.validation.speech_fields` lists them after OpenAI's."""
+    languages = ("auto", *spec.languages)
+    return [
+        Field(
+            "stream",
+            "boolean",
+            "vLLM-Omni/SGLang-Omni's name for streaming: true = the audio in chunks as it is decoded, "
+            "false = one complete file. Default: streaming's.",
+        ),
+        Field(
+            "language",
+            "string",
+            "The language of the input: auto, or one of the model's languages (any letter case).",
+            "auto",
+            choices=languages,
+            choice_error=f"model {spec.name} does not speak {{value}}; its languages: {{choices}}",
+        ),
+        Field(
+            "task_type",
+            "string",
+            "CustomVoice: speak with one of the model's voices (the only task served here).",
+            "CustomVoice",
+            choices=("CustomVoice",),
+            choice_error=f"task_type {{value}} is not served by model {spec.name}: it speaks with its "
+            "preset voices (task_type CustomVoice); voice cloning (Base) and voice design "
+            "(VoiceDesign) are not available",
+        ),
+        Field(
+            "non_streaming_mode",
+            "boolean",
+            "Qwen3-TTS's prompt mode; only true: the prompt holds the whole text before the first "
+            "audio token.",
+            True,
+            choices=(True,),
+            choice_error=f"non_streaming_mode {{value}} is not available for model {spec.name}: its "
+            "prompt holds the whole text before the first audio token (non_streaming_mode true)",
+        ),
+        *(
+            Field(
+                name,
+                "string",
+                f"Voice cloning; model {spec.name} does not clone voices, so it must be empty.",
+                max_length=0,
+                max_length_hint="voice cloning is not served: leave the field out",
+            )
+            for name in CLONING_FIELDS
+        ),
+    ]
+
+
+def check_omni(body: Mapping[str, Any], spec: ModelSpec) -> Mapping[str, Any]:
+    """Refuse voice cloning naming the model, and spell `language` as the model does."""
+    for name in CLONING_FIELDS:
+        if body.get(name) not in (None, ""):
+            voices = ", ".join(spec.voices)
+            raise BadRequest(
+                f"field {name!r}: model {spec.name} does not clone voices (ref_audio, ref_text); "
+                f"leave them out and choose one of its voices: {voices}",
+                param=name,
+                code="unsupported_value",
+            )
+    body = dict(body)
+    language = body.get("language")
+    if isinstance(language, str):
+        match = next((n for n in ("auto", *spec.languages) if n.lower() == language.strip().lower()), None)
+        if match is not None:
+            body["language"] = match
+    task = body.get("task_type")
+    if isinstance(task, str) and task.lower() == "customvoice":
+        body["task_type"] = "CustomVoice"
+    return body
+
+
+def streaming_choice(v: Mapping[str, Any]) -> bool:
+    """`streaming` or `stream` (true when neither is given); a clash is a 400."""
+    streaming, stream = v["streaming"], v["stream"]
+    if streaming is not None and stream is not None and streaming != stream:
+        raise BadRequest(
+            f"stream {show(stream)} and streaming {show(streaming)} disagree; give one of them",
+            param="stream",
+        )
+    for value in (streaming, stream):
+        if value is not None:
+            return bool(value)
+    return True
+
+
+def language_option(v: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """The model option a named language becomes ("auto" and absent: none)."""
+    language = v["language"]
+    return () if language in (None, "auto") else (("language", language),)
