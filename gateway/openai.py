@@ -25,7 +25,7 @@ from gateway.events import Failed
 from gateway.metrics import outcome_of
 from gateway.respond import error_body, speak
 from gateway.segments import text_limit
-from gateway.validation import BadRequest, accepted_models, max_tokens_limit, parse_speech
+from gateway.validation import BadRequest, accepted_models, max_tokens_limit, parse_speech, voice_aliases
 
 if TYPE_CHECKING:
     from gateway.pipeline import Pipeline
@@ -56,6 +56,7 @@ def model_card(pipeline: Pipeline, spec: ModelSpec) -> dict[str, Any]:
         "aliases": accepted_models(spec)[1:],
         "voices": list(spec.voices),
         "default_voice": spec.default_voice,
+        "voice_aliases": voice_aliases(spec),
         "sample_rate": spec.sample_rate,
         "response_formats": list(available_formats(spec.sample_rate)),
         "max_input_chars": text_limit(pipeline.cfg),

@@ -81,14 +81,47 @@ def _text_field(name: str, cfg: ServeConfig) -> Field:
     )
 
 
-def _voice_field(spec: ModelSpec) -> Field:
+# OpenAI's voice names. Clients written for OpenAI's speech API can send no other (Pipecat's
+# OpenAITTSService only these; LiveKit's plugin defaults to "ash"), so /v1/audio/speech takes each
+# as an alias of one of the model's voices (`voice_aliases`).
+OPENAI_VOICES = (
+    "alloy",
+    "ash",
+    "ballad",
+    "coral",
+    "echo",
+    "fable",
+    "onyx",
+    "nova",
+    "sage",
+    "shimmer",
+    "verse",
+)
+
+
+def voice_aliases(spec: ModelSpec) -> dict[str, str]:
+    """OpenAI's voice names → the model's voices, in order and round again (alloy → the first, ash →
+    the second, …); a name the model has as a voice of its own stays that voice."""
+    voices = list(spec.voices)
+    if not voices:
+        return {}
+    return {name: voices[i % len(voices)] for i, name in enumerate(OPENAI_VOICES) if name not in voices}
+
+
+def _voice_field(spec: ModelSpec, aliases: bool = False) -> Field:
     voices = tuple(spec.voices)
+    extra = tuple(voice_aliases(spec)) if aliases else ()
     return Field(
         "voice",
         "string",
-        "One of the model's voices.",
+        "One of the model's voices"
+        + (
+            ", or one of OpenAI's voice names, each an alias of one of them (GET /v1/models)."
+            if extra
+            else "."
+        ),
         default=spec.default_voice or None,
-        choices=voices,
+        choices=voices + extra,
         choice_error="unknown voice {value}; this model's voices are: {choices}",
     )
 
@@ -244,7 +277,7 @@ def speech_fields(spec: ModelSpec, cfg: ServeConfig) -> list[Field]:
             choices=models,
         ),
         _text_field("input", cfg),
-        _voice_field(spec),
+        _voice_field(spec, aliases=True),
         Field(
             "response_format",
             "string",
@@ -343,9 +376,10 @@ def parse_speech(body: Mapping[str, Any], spec: ModelSpec, cfg: ServeConfig) -> 
             param="streaming",
         )
     sampling = _sampling(v, fields, spec, cfg)
+    voice = v["voice"] or _default(fields, "voice")
     return SpeechParams(
         text=v["input"],
-        voice=v["voice"] or _default(fields, "voice"),
+        voice=voice_aliases(spec).get(voice, voice),
         sampling=sampling,
         segments=plan_segments(v["input"], sampling.max_tokens, spec, cfg),
         options=_options(v, spec, extra=("speed", "instructions")) + language_option(v),

@@ -17,7 +17,7 @@ import pytest
 from common.config import ServeConfig
 from common.messages import FinishReason
 from gateway.fields import BadRequest
-from gateway.validation import parse_speech
+from gateway.validation import parse_speech, voice_aliases
 from tests.specs import model_spec
 from tests.test_gateway import SAMPLE_RATE, Rig, make_addrs, rig, start_rig  # noqa: F401 (fixtures)
 
@@ -45,6 +45,16 @@ def test_language_is_auto_or_one_of_the_models_in_any_case() -> None:
         _parse(SPEAKER, language="French")
     with pytest.raises(BadRequest, match="model orpheus-tiny does not speak 'English'; its languages: auto$"):
         _parse(language="English")  # a model without a list of languages takes only auto
+
+
+def test_openai_voice_names_are_aliases_of_the_models_voices_in_order() -> None:
+    voices = list(SPEC.voices)  # tara, leah, jess, leo, dan, mia, zac, zoe
+    assert voice_aliases(SPEC)["alloy"] == voices[0] and voice_aliases(SPEC)["fable"] == voices[5]
+    assert voice_aliases(SPEC)["nova"] == voices[7 % len(voices)]  # round again past the last voice
+    assert _parse(voice="shimmer").voice == voices[9 % len(voices)]
+    assert _parse(voice="leah").voice == "leah"
+    with pytest.raises(BadRequest, match="voices are: tara"):
+        _parse(voice="nobody")
 
 
 def test_what_the_model_cannot_honour_is_a_400_naming_it() -> None:
@@ -84,11 +94,29 @@ async def test_a_vllm_omni_client_gets_chunked_pcm_with_its_sample_rate(rig: Rig
     assert await resp.read() == pcm
 
 
-async def test_livekit_and_pipecat_shaped_requests_get_raw_pcm(rig: Rig) -> None:
-    # Both plugins call OpenAI's SDK: model, voice, input, response_format pcm, streamed response.
-    body = {"model": "gpt-4o-mini-tts", "voice": "tara", "input": "Hi.", "response_format": "pcm"}
+@pytest.mark.parametrize(
+    ("voice", "speaks"),
+    [
+        ("tara", "tara"),
+        ("alloy", "tara"),
+        ("ash", "leah"),
+        ("verse", "jess"),
+    ],  # verse: the 11th of 8, round again
+)
+async def test_livekit_and_pipecat_shaped_requests_get_raw_pcm(rig: Rig, voice: str, speaks: str) -> None:
+    # Both plugins call OpenAI's SDK: model, voice, input, response_format pcm (speed, instructions
+    # when set), streamed response. Pipecat's OpenAITTSService sends only OpenAI's voice names and
+    # LiveKit's defaults to "ash": each is an alias of one of the model's voices, in order.
+    body = {
+        "model": "gpt-4o-mini-tts",
+        "voice": voice,
+        "input": "Hi.",
+        "response_format": "pcm",
+        "speed": 1.0,
+    }
     task = asyncio.ensure_future(rig.client.post("/v1/audio/speech", json=body))
     req = await rig.workers.next_request()
+    assert req.model_kwargs["voice"] == speaks
     pcm = (np.arange(2048) % 100).astype("<i2").tobytes()
     await rig.workers.audio(req.rid, pcm, finish=FinishReason.STOP, n_tokens=28, n_prompt_tokens=12)
     resp = await task

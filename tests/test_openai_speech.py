@@ -183,7 +183,7 @@ _BAD: list[tuple[dict[str, Any], int, str, str | None, str]] = [
         "input",
         f"the limit is {MAX_TEXT}",
     ),
-    ({"model": "tts-1", "input": "hi", "voice": "alloy"}, 400, "invalid_value", "voice", "voices are: tara"),
+    ({"model": "tts-1", "input": "hi", "voice": "nobody"}, 400, "invalid_value", "voice", "voices are: tara"),
     ({"model": "tts-1", "input": "hi", "speed": 1.5}, 400, "unsupported_value", "speed", "cannot change"),
     ({"model": "tts-1", "input": "hi", "speed": "fast"}, 400, "unsupported_value", "speed", "must be 1.0"),
     (

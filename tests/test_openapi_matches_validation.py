@@ -12,7 +12,7 @@ import pytest
 
 from common.config import GatewaySettings, ServeConfig
 from gateway.fields import BadRequest
-from gateway.validation import parse_generate, parse_speech
+from gateway.validation import parse_generate, parse_speech, voice_aliases
 from tests.specs import model_spec
 from tests.test_gateway import MAX_TEXT, Rig, make_addrs, rig, start_rig  # noqa: F401 (fixtures)
 
@@ -90,7 +90,9 @@ def test_document_states_this_deployments_limits(doc: dict[str, Any]) -> None:
     gen = doc["components"]["schemas"]["GenerateRequest"]["properties"]
     speech = doc["components"]["schemas"]["SpeechRequest"]["properties"]
     assert gen["text"]["maxLength"] == speech["input"]["maxLength"] == MAX_TEXT
-    assert gen["voice"]["enum"] == speech["voice"]["enum"] == SPEC.voices
+    assert gen["voice"]["enum"] == SPEC.voices
+    # /v1/audio/speech also takes OpenAI's voice names, each an alias of one of the model's
+    assert speech["voice"]["enum"] == SPEC.voices + list(voice_aliases(SPEC))
     assert gen["max_tokens"]["maximum"] == SPEC.max_tokens == 400
     assert gen["temperature"]["default"] == SPEC.sampling.temperature
     assert speech["response_format"]["default"] == "mp3"
