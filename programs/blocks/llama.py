@@ -75,12 +75,17 @@ class SelfAttention(nn.Module):
         self.v_proj = Linear(hidden, self.num_kv_heads * head_dim, bias, fk)
         self.o_proj = Linear(self.num_heads * head_dim, hidden, bias, fk)
 
+    def queries_keys(self, x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows x [N, H] → queries [N, Hq, D] and keys [N, Hkv, D] before RoPE."""
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        return q, k
+
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, attn: Attention
     ) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)  # [N, Hq, D]
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
+        q, k = self.queries_keys(x, n)  # [N, Hq, D], [N, Hkv, D]
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
         cos, sin = cos[:, None, :], sin[:, None, :]  # [N, 1, D]
         q = q * cos + rotate_half(q) * sin
@@ -102,10 +107,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """`self_attn`, `mlp` and the two RMSNorms, under transformers' names; a family whose layers
+    differ only in their attention sets `attention` (and its configs' default `rms_norm_eps`)."""
+
+    attention: type[SelfAttention] = SelfAttention
+    default_eps = 1e-5
+
     def __init__(self, cfg: dict[str, Any], head_dim: int, fk: Factory) -> None:
         super().__init__()
-        eps = cfg.get("rms_norm_eps", 1e-5)
-        self.self_attn = SelfAttention(cfg, head_dim, fk)
+        eps = cfg.get("rms_norm_eps", self.default_eps)
+        self.self_attn = self.attention(cfg, head_dim, fk)
         self.mlp = MLP(cfg, fk)
         self.input_layernorm = RMSNorm(cfg["hidden_size"], eps, fk)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps, fk)

@@ -15,11 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
-from programs.base import Attention
-from programs.blocks.llama import MLP, Factory, RMSNorm, SelfAttention
-from programs.blocks.rope import rotate_half
+from programs.blocks.llama import DecoderLayer, Factory, RMSNorm, SelfAttention
 
 
 def mrope_rows(sections: list[int], interleaved: bool, device: torch.device | None = None) -> torch.Tensor:
@@ -57,28 +54,13 @@ class Qwen3SelfAttention(SelfAttention):
         self.q_norm = RMSNorm(head_dim, eps, fk)
         self.k_norm = RMSNorm(head_dim, eps, fk)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, attn: Attention
-    ) -> torch.Tensor:
-        n = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim))  # [N, Hq, D]
-        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))  # [N, Hkv, D]
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
-        cos, sin = cos[:, None, :], sin[:, None, :]  # [N, 1, D]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        out = attn.forward(layer, q, k, v)  # [N, Hq, D]
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+    def queries_keys(self, x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k = super().queries_keys(x, n)
+        return self.q_norm(q), self.k_norm(k)
 
 
-class Qwen3DecoderLayer(nn.Module):
-    """`self_attn` (with QK-norm), `mlp`, and the two RMSNorms, under transformers' names; runs in
-    `programs.blocks.llama.decoder_stack` like a Llama layer."""
+class Qwen3DecoderLayer(DecoderLayer):
+    """A Llama layer whose attention has QK-norm; runs in `programs.blocks.llama.decoder_stack`."""
 
-    def __init__(self, cfg: dict[str, Any], head_dim: int, fk: Factory) -> None:
-        super().__init__()
-        eps = cfg.get("rms_norm_eps", 1e-6)
-        self.self_attn = Qwen3SelfAttention(cfg, head_dim, fk)
-        self.mlp = MLP(cfg, fk)
-        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps, fk)
-        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps, fk)
+    attention = Qwen3SelfAttention
+    default_eps = 1e-6
