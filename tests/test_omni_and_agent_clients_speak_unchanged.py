@@ -69,6 +69,15 @@ def test_what_the_model_cannot_honour_is_a_400_naming_it() -> None:
     assert _parse(task_type="CustomVoice", non_streaming_mode=True, ref_audio="", ref_text="").streaming
 
 
+async def _served(rig: Rig, body: dict[str, Any], pcm: bytes) -> tuple[Any, Any]:
+    """POST the speech body, let the fake workers answer its request with `pcm`: → (the request
+    the tokenizer pool got, the response)."""
+    task = asyncio.ensure_future(rig.client.post("/v1/audio/speech", json=body))
+    req = await rig.workers.next_request()
+    await rig.workers.audio(req.rid, pcm, finish=FinishReason.STOP, n_tokens=28, n_prompt_tokens=12)
+    return req, await task
+
+
 async def test_a_vllm_omni_client_gets_chunked_pcm_with_its_sample_rate(rig: Rig) -> None:
     body = {
         "model": "orpheus-tiny",
@@ -81,13 +90,9 @@ async def test_a_vllm_omni_client_gets_chunked_pcm_with_its_sample_rate(rig: Rig
         "non_streaming_mode": True,
         "instructions": "",
     }
-    task = rig.client.post("/v1/audio/speech", json=body)
-    task = asyncio.ensure_future(task)
-    req = await rig.workers.next_request()
-    assert req.model_kwargs == {"voice": "leo"}
     pcm = (np.arange(4096) % 200).astype("<i2").tobytes()
-    await rig.workers.audio(req.rid, pcm, finish=FinishReason.STOP, n_tokens=28, n_prompt_tokens=12)
-    resp = await task
+    req, resp = await _served(rig, body, pcm)
+    assert req.model_kwargs == {"voice": "leo"}
     assert resp.status == 200, await resp.text()
     assert resp.headers["X-Sample-Rate"] == str(SAMPLE_RATE)
     assert resp.headers.get("Transfer-Encoding") == "chunked"
@@ -114,12 +119,9 @@ async def test_livekit_and_pipecat_shaped_requests_get_raw_pcm(rig: Rig, voice: 
         "response_format": "pcm",
         "speed": 1.0,
     }
-    task = asyncio.ensure_future(rig.client.post("/v1/audio/speech", json=body))
-    req = await rig.workers.next_request()
-    assert req.model_kwargs["voice"] == speaks
     pcm = (np.arange(2048) % 100).astype("<i2").tobytes()
-    await rig.workers.audio(req.rid, pcm, finish=FinishReason.STOP, n_tokens=28, n_prompt_tokens=12)
-    resp = await task
+    req, resp = await _served(rig, body, pcm)
+    assert req.model_kwargs["voice"] == speaks
     assert resp.status == 200 and resp.headers["Content-Type"] == "audio/pcm"
     assert resp.headers["X-Sample-Rate"] == str(SAMPLE_RATE) and await resp.read() == pcm
 
