@@ -30,8 +30,8 @@ from programs import get_spec, load_program_class
 CONFIGS = {
     "bf16": {},
     "bf16+audio_head": {"lm_head": "audio"},
-    # As before two host/GEMM fixes: the audio head's rows unpadded (a row of logits not 16-byte
-    # aligned) and FlashInfer's plan with Python's max over the batch's KV lengths.
+    # Without two host/GEMM measures, to weigh them: the audio head's rows unpadded (a row of
+    # logits not 16-byte aligned) and FlashInfer's plan with Python's max over the batch's KV lengths.
     "audio_head_unpadded+py_max": {"lm_head": "audio", "undo_plan_max": True, "unpad_head": True},
     "fp8": {"quantization": "fp8"},
     "fp8+audio_head": {"quantization": "fp8", "lm_head": "audio"},

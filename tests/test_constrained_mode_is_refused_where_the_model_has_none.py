@@ -1,6 +1,6 @@
 """`--constrained` is a server setting. A model without a constrained sampling mode (CSM) refuses it
 at startup with a usage error; a constrained prompt that reaches its gpu_worker anyway ends with a
-400 for that request alone, where it used to fail the whole step (every request in it) with a 500."""
+400 for that request alone, never failing the whole step (every request in it) with a 500."""
 
 from __future__ import annotations
 
