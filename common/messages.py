@@ -64,6 +64,27 @@ class GenerateRequest(msgspec.Struct, tag="gen", **_STRUCT):
     size_only: bool = False
 
 
+STATE_DTYPES = ("<i4", "<f4")  # what a prompt's state arrays may hold: int32, float32
+
+
+class Array(msgspec.Struct, **_STRUCT):
+    """One named array of a prompt's state (programs.base, "Rows and per-request state"): raw
+    little-endian bytes of a row-major array of one of STATE_DTYPES."""
+
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+    def error(self) -> str:
+        """Why the bytes are not such an array ("" when they are)."""
+        if self.dtype not in STATE_DTYPES or len(self.shape) > 4 or any(n < 0 for n in self.shape):
+            return f"a {self.dtype!r} array of shape {self.shape}"
+        size = 4
+        for n in self.shape:
+            size *= n
+        return "" if len(self.data) == size else f"{len(self.data)} bytes for shape {self.shape}"
+
+
 class Prompt(msgspec.Struct, tag="prompt", **_STRUCT):
     """tokenizer_worker → gateway → gpu_worker: a built prompt, int32 rows of n_codebooks ids (the
     gateway hands it to a gpu_worker with free capacity, see `common.pool`)."""
@@ -74,13 +95,20 @@ class Prompt(msgspec.Struct, tag="prompt", **_STRUCT):
     sampling: SamplingParams
     arrival: float = 0.0
     urgent: bool = False  # as GenerateRequest.urgent
+    # The program's per-request state besides the rows (PromptRows.state), by name.
+    state: dict[str, Array] = {}
 
     def shape_error(self, n_codebooks: int) -> str:
-        """Why `tokens` is not `n_rows` rows of n_codebooks int32 ids ("" when it is): the one check
-        a process that takes a Prompt off the wire makes before reading it (the tokenizer worker
-        checks the rows it builds in full: shape, id range, length)."""
+        """Why `tokens` is not `n_rows` rows of n_codebooks int32 ids, or a state entry not an
+        array ("" when all are): the one check a process that takes a Prompt off the wire makes
+        before reading it (the tokenizer worker checks the rows it builds in full: shape, id
+        range, length; the gpu_worker's program vets the state's contents)."""
         if self.n_rows < 0 or len(self.tokens) != 4 * n_codebooks * self.n_rows:
             return f"{len(self.tokens)} bytes for {self.n_rows} rows of {n_codebooks} int32 ids"
+        for name, array in self.state.items():
+            error = array.error()
+            if error:
+                return f"state {name!r}: {error}"
         return ""
 
 

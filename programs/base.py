@@ -15,15 +15,18 @@ apart from N/B/Bd, state only in buffers, randomness only from the keys passed i
 |---|---|---|---|
 | `load_lm()` | gpu_worker | no | sets the LM constants below |
 | `load_codec()` | codec_worker | no | sets the codec constants below |
-| `embed(ids)` | gpu_worker | yes | ids [N, C] int64 → [N, H] |
+| `embed(ids, rows)` | gpu_worker | yes | ids [N, C] int64, rows `Rows` (slot, step [N]) → [N, H] |
 | `backbone(hidden, pos, attn)` | gpu_worker | yes | [N, H], pos [N] int64 → [N, H]; attention through `attn` |
 | `head(hidden)` | gpu_worker | yes | [B, H] → logits [B, C', V] float32 (V' columns when `head_ids` is set); the runtime samples codebook 0 |
-| `decode_tokens(hidden, c0, sample)` | gpu_worker | yes | [B, H], [B] int64 → row [B, C] int64 (only when C > 1) |
+| `decode_tokens(hidden, c0, sample, rows)` | gpu_worker | yes | [B, H], [B] int64, `Rows` (slot, step, prev [B, C]) → row [B, C] int64 (only when C > 1) |
+| `init_state(num_slots)` | gpu_worker | no | optional: allocate per-request state buffers [num_slots, …] (see Per-request state) |
+| `check_state(state)` | gpu_worker | no | a prompt's state arrays → "" or why they are not what `preprocess` builds |
+| `admit(slot, state)` | gpu_worker | no | write a starting request's state into its slot's buffers |
 | `candidates(n_audio)` | gpu_worker | yes | [B] int64 → [B, K] int64 token ids (constrained sampling) |
 | `classify(tokens, n_audio)` | gpu_worker | yes | [B, C] int64, [B] int64 → kinds [B] int64 (TokenKind) |
 | `detokenize(tokens, keys, tail_rows=0)` | codec_worker | yes | [Bd, R, C] int64 (R = detok_interval, or one of `detok_lead`), keys [Bd] int64 → audio [Bd, S] float in [-1, 1] (S = detok_samples for a regular window, R / s * detok_samples for a lead window, tail_rows / s * detok_samples for a tail window), valid [Bd] bool |
 | `compiled_detokenize()` | codec_worker | — | optional: a function equal to `detokenize(tokens, keys)` for regular windows, compiled (`torch.compile`, any batch size), or None (the default): the codec_worker captures it in the regular windows' graphs (`--codec-compile`) |
-| `preprocess(text, model_kwargs)` | tokenizer_worker | no | → prompt rows [R, C] int32; ValueError → HTTP 400 |
+| `preprocess(text, model_kwargs)` | tokenizer_worker | no | → prompt rows [R, C] int32, or `PromptRows` (rows and state arrays); ValueError → HTTP 400 |
 | `prompt_overhead()` | tokenizer_worker | no | → prompt rows besides the text's tokens (no options) |
 | `option_rows(model_kwargs)` | tokenizer_worker | no | → prompt rows the `sized_options` add; ValueError → HTTP 400 |
 | `model_spec(served)` | tokenizer_worker | no | → `ModelSpec`, the facts the gateway serves the model by |
@@ -53,6 +56,22 @@ runtime's sampler with the request's temperature/top-k/top-p/min-p and a stream 
 salt, tokens generated): no repetition penalty or stop masking, and a different salt per call, so a
 request samples the same row in any batch. The full row is fed back as the next input on the device
 and handed to `classify`. With C = 1 the runtime does not call `decode_tokens`.
+
+Rows and per-request state: `embed` and `decode_tokens` see where each row belongs (`Rows`):
+`slot` [N], the request's slot (0..num_slots-2; padding rows of a captured step may name any slot
+and their output is dropped), and `step` [N], the row's place in its request: prompt rows are
+-R..-1 (R prompt rows), the first generated row is 0 (in `embed`: the fed-back row of generated row
+`step`; in `decode_tokens`: the row being sampled). `decode_tokens` also gets `prev` [B, C], the
+request's previous row (the last prompt row for its first sample). A program whose step needs more
+than the row's ids (a text column that advances with the frames, a speaker vector in place of a
+prompt row) keeps it as per-request state: `init_state(num_slots)` allocates buffers indexed by
+slot on `self.device` (the last slot is the runtime's scratch slot, never a request's),
+`preprocess` returns `PromptRows(rows, state)` with named int32/float32 arrays, which travel with
+the prompt, `check_state` vets them when the prompt reaches the gpu_worker (a non-empty answer
+fails the request with a 400), and `admit(slot, state)` writes them into the slot when the request
+starts (host side, before its first step, without waiting for the device: copy from pinned
+memory). `embed` and `decode_tokens` only read the state, indexed by `rows.slot`, so a captured
+step reads each request's own. A program without state keeps the defaults (no buffers, no arrays).
 
 Audio chunks: the runtime counts the rows classified AUDIO per request (`n_audio`). Chunk j holds
 audio rows [j*s, j*s + detok_interval) with s = detok_interval - detok_overlap and is sent to the
@@ -105,6 +124,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -120,6 +140,23 @@ class TokenKind(enum.IntEnum):
     OTHER = 0  # fed back to the LM, not decoded (interleaved text, dropped tokens)
     AUDIO = 1  # a row of codec tokens
     STOP = 2  # ends the request
+
+
+@dataclass
+class Rows:
+    """Where the rows of a step belong (see "Rows and per-request state"), on the step's device."""
+
+    slot: torch.Tensor  # [N] int64 the request's slot
+    step: torch.Tensor  # [N] int64 prompt rows -R..-1, generated rows 0, 1, …
+    prev: torch.Tensor | None = None  # [B, C] int64 the request's previous row (decode_tokens only)
+
+
+@dataclass
+class PromptRows:
+    """What `preprocess` builds when a prompt carries state besides its rows."""
+
+    rows: np.ndarray  # [R, C] int32
+    state: dict[str, np.ndarray] = field(default_factory=dict)  # name → int32 or float32 array
 
 
 class Attention(Protocol):
@@ -239,7 +276,7 @@ class LMProgram:
         raise NotImplementedError
 
     # --- LM step (graph) -----------------------------------------------------------------------
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, ids: torch.Tensor, rows: Rows) -> torch.Tensor:
         raise NotImplementedError
 
     def backbone(self, hidden: torch.Tensor, pos: torch.Tensor, attn: Attention) -> torch.Tensor:
@@ -248,10 +285,23 @@ class LMProgram:
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def decode_tokens(self, hidden: torch.Tensor, c0: torch.Tensor, sample: Sampler) -> torch.Tensor:
+    def decode_tokens(
+        self, hidden: torch.Tensor, c0: torch.Tensor, sample: Sampler, rows: Rows
+    ) -> torch.Tensor:
         """hidden [B, H] (backbone, last row of each request), c0 [B] int64 sampled codebook 0 →
         the full row [B, C] int64. Needed when n_codebooks > 1."""
         raise NotImplementedError(f"{self.name} has {self.n_codebooks} codebooks and no decode_tokens")
+
+    # --- per-request state (gpu_worker, host) --------------------------------------------------
+    def init_state(self, num_slots: int) -> None:
+        """Allocate per-request state buffers [num_slots, …] on self.device (none by default)."""
+
+    def check_state(self, state: dict[str, np.ndarray]) -> str:
+        """Why a prompt's state arrays are not what `preprocess` builds ("" when they are)."""
+        return f"{self.name} prompts carry no state; got {sorted(state)}" if state else ""
+
+    def admit(self, slot: int, state: dict[str, np.ndarray]) -> None:
+        """Write a request's state (vetted by `check_state`) into `slot` as it starts."""
 
     @property
     def can_constrain(self) -> bool:
@@ -313,7 +363,7 @@ class LMProgram:
         return tuple(self.detok_interval - p + k * s for k in range(-(-p // s)))
 
     # --- prompts (tokenizer_worker) ------------------------------------------------------------
-    def preprocess(self, text: str, model_kwargs: dict[str, str]) -> np.ndarray:
+    def preprocess(self, text: str, model_kwargs: dict[str, str]) -> np.ndarray | PromptRows:
         raise NotImplementedError
 
     def prompt_overhead(self) -> int:

@@ -16,7 +16,7 @@ import torch
 from gpu_worker.attention.interface import StepLayout
 from gpu_worker.attention.torch_paged import TorchPagedAttention
 from gpu_worker.runner.arena import InputArena
-from gpu_worker.runner.batch import StepBatch
+from gpu_worker.runner.batch import StepBatch, rows_of
 from gpu_worker.runner.eager import EagerRunner
 from gpu_worker.runner.graphs import decode_spans, fill_decode
 from gpu_worker.runner.kv_cache import allocate_kv_cache
@@ -84,7 +84,8 @@ def graph_emulation(program, kv: torch.Tensor, pre: StepBatch) -> torch.Tensor:
     # The graph writes keys/values where the arena says; torch attention derives the same slots.
     assert attn._write_page.tolist() == arena.dev_view("p_page", rows).tolist()
     assert attn._write_off.tolist() == arena.dev_view("p_off", rows).tolist()
-    hidden = program.backbone(program.embed(ids), pos, attn)
+    where = rows_of(arena.dev_view("p_where", 2 * rows).view(rows, 2))
+    hidden = program.backbone(program.embed(ids, where), pos, attn)
     return program.head(hidden[last]).float()[: pre.batch_size]
 
 

@@ -25,6 +25,7 @@ import numpy as np
 from common.config import ServeConfig, program_kwargs
 from common.ipc import PushChannel
 from common.messages import (
+    Array,
     GatewayInMsg,
     GenerateRequest,
     ModelSpec,
@@ -36,11 +37,18 @@ from common.messages import (
 from common.pool import WorkChannel
 from common.proc import StatusReporter
 from programs import get_spec, load_program_class, served_name
-from programs.base import LMProgram
+from programs.base import LMProgram, PromptRows
 
 log = logging.getLogger(__name__)
 
 SPEC_EVERY_S = 1.0  # how often the model's spec is announced again (a restarted gateway waits this long)
+
+
+def wire_array(a: np.ndarray) -> Array:
+    """A state array as it travels (common.messages.Array): int32 or float32, little-endian."""
+    a = np.asarray(a)
+    dtype = "<f4" if a.dtype.kind == "f" else "<i4"
+    return Array(dtype, list(a.shape), np.ascontiguousarray(a, dtype=dtype).tobytes())
 
 
 class PromptBuilder:
@@ -55,7 +63,10 @@ class PromptBuilder:
         if req.size_only:
             return self.size(req)
         try:
-            rows = np.ascontiguousarray(self.program.preprocess(req.text, req.model_kwargs), dtype="<i4")
+            built = self.program.preprocess(req.text, req.model_kwargs)
+            built = built if isinstance(built, PromptRows) else PromptRows(built)
+            rows = np.ascontiguousarray(built.rows, dtype="<i4")
+            state = {name: wire_array(a) for name, a in built.state.items()}
         except ValueError as e:
             return RequestError(req.rid, 400, str(e))
         except Exception as e:
@@ -73,7 +84,7 @@ class PromptBuilder:
                 f"the prompt is {len(rows)} tokens but max_tokens (which counts the prompt) allows "
                 f"{budget}: shorten the text or raise max_tokens",
             )
-        return Prompt(req.rid, rows.tobytes(), len(rows), req.sampling, req.arrival, urgent=req.urgent)
+        return Prompt(req.rid, rows.tobytes(), len(rows), req.sampling, req.arrival, req.urgent, state)
 
     def size(self, req: GenerateRequest) -> PromptSize | RequestError:
         """The prompt rows `req`'s model options add (the program's `option_rows`)."""

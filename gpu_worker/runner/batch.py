@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from programs.base import Rows
+
 
 @dataclass
 class StepBatch:
@@ -25,6 +27,14 @@ class StepBatch:
     # [S, C] device table of each slot's last sampled row: decode rows take their ids from it, so
     # fed-back tokens never leave the device. None: `ids` holds every row.
     last_rows: torch.Tensor | None = None
+    # [N, 2] int64 each row's request slot and step (programs.base.Rows); None: zeros
+    where: np.ndarray | None = None
+
+    def row_where(self) -> np.ndarray:
+        """[N, 2] int64 slot and step of every row (zeros when the batch carries none)."""
+        if self.where is None:
+            return np.zeros((len(self.pos), 2), dtype=np.int64)
+        return self.where
 
     @property
     def batch_size(self) -> int:
@@ -42,7 +52,13 @@ class StepBatch:
             num_prefill=max(0, min(self.num_prefill, hi) - lo),
             meta=None if self.meta is None else self.meta[:, lo:hi],
             last_rows=self.last_rows,
+            where=None if self.where is None else self.where[r0:r1],
         )
+
+
+def rows_of(where: torch.Tensor) -> Rows:
+    """The `Rows` a program's embed reads, from an [N, 2] device view of slot and step."""
+    return Rows(slot=where[:, 0], step=where[:, 1])
 
 
 def feed_decode_rows(ids: torch.Tensor, b: StepBatch, meta: torch.Tensor | None) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from common.graphs import capture
 from gpu_worker.runner.sampler import SamplingRows, depth_sampler
-from programs.base import LMProgram
+from programs.base import LMProgram, Rows
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,12 @@ class DepthGraphs:
             history=None,
             block_stop=torch.zeros(bmax, dtype=torch.bool, device=dev),
         )
+        # Where each row belongs (programs.base.Rows): slot, step and the previous row.
+        self.where = Rows(
+            slot=torch.zeros(bmax, **i64),
+            step=torch.zeros(bmax, **i64),
+            prev=torch.zeros(bmax, program.n_codebooks, **i64),
+        )
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # A pool of its own: the backbone's graphs replay in their capture order within a shared
         # pool, and keeping the depth step apart leaves that order alone.
@@ -63,14 +69,20 @@ class DepthGraphs:
     @torch.inference_mode()
     def _capture(self, bs: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         hidden, c0, sample = self.hidden[:bs], self.c0[:bs], depth_sampler(self._view(bs))
-        return capture(lambda: self.program.decode_tokens(hidden, c0, sample), pool)  # out [bs, C]
+        w = self.where
+        where = Rows(slot=w.slot[:bs], step=w.step[:bs], prev=w.prev[:bs])
+        return capture(lambda: self.program.decode_tokens(hidden, c0, sample, where), pool)  # out [bs, C]
 
-    def run(self, hidden: torch.Tensor, c0: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
-        """hidden [n, H], c0 [n], rows (n entries) → [n, C] int64, from the smallest bucket ≥ n."""
+    def run(self, hidden: torch.Tensor, c0: torch.Tensor, rows: SamplingRows, where: Rows) -> torch.Tensor:
+        """hidden [n, H], c0 [n], rows and where (n entries) → [n, C] int64, from the smallest
+        bucket ≥ n."""
         n = hidden.shape[0]
         bs = next(s for s in self.sizes if s >= n)
         self.hidden[:n].copy_(hidden)
         self.c0[:n].copy_(c0)
+        self.where.slot[:n].copy_(where.slot)
+        self.where.step[:n].copy_(where.step)
+        self.where.prev[:n].copy_(where.prev)
         for f in _FIELDS:
             getattr(self.rows, f)[:n].copy_(getattr(rows, f))
         graph, out = self.graphs[bs]

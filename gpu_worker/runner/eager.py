@@ -10,9 +10,9 @@ import numpy as np
 import torch
 
 from gpu_worker.attention.interface import EagerAttention, StepLayout
-from gpu_worker.runner.batch import StepBatch, feed_decode_rows
+from gpu_worker.runner.batch import StepBatch, feed_decode_rows, rows_of
 from gpu_worker.runner.sampler import SamplingRows, depth_sampler
-from programs.base import LMProgram
+from programs.base import LMProgram, Rows
 
 
 class EagerRunner:
@@ -31,19 +31,23 @@ class EagerRunner:
         [B, H] when the program has several codebooks, else None) with one host→device copy."""
         dev = self.device
         n, c = b.ids.shape
-        parts = [b.ids.reshape(-1), b.pos] + ([b.meta.reshape(-1)] if b.meta is not None else [])
+        parts = [b.ids.reshape(-1), b.pos, b.row_where().reshape(-1)]
+        parts += [b.meta.reshape(-1)] if b.meta is not None else []
         arena = torch.from_numpy(np.concatenate(parts)).to(dev, non_blocking=True)
         ids, pos = arena[: n * c].view(n, c), arena[n * c : n * c + n]  # [N, C], [N]
-        meta = arena[n * (c + 1) :].view(3, -1) if b.meta is not None else None
+        where = arena[n * (c + 1) : n * (c + 3)].view(n, 2)  # [N, 2] slot, step
+        meta = arena[n * (c + 3) :].view(3, -1) if b.meta is not None else None
         feed_decode_rows(ids, b, meta)
         self.attn.plan(StepLayout(b.qo_indptr, b.kv_lens, b.page_tables, pos))
-        hidden = self.program.backbone(self.program.embed(ids), pos, self.attn)  # [N, H]
+        hidden = self.program.backbone(self.program.embed(ids, rows_of(where)), pos, self.attn)  # [N, H]
         last = torch.tensor(b.qo_indptr[1:], device=dev) - 1
         hidden = hidden[last]  # [B, H]
         keep = hidden if self.program.n_codebooks > 1 else None
         return self.program.head(hidden).float(), meta, keep
 
     @torch.inference_mode()
-    def decode_tokens(self, hidden: torch.Tensor, c0: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    def decode_tokens(
+        self, hidden: torch.Tensor, c0: torch.Tensor, rows: SamplingRows, where: Rows
+    ) -> torch.Tensor:
         """The program's depth step: [B, H], [B] → rows [B, C] int64."""
-        return self.program.decode_tokens(hidden, c0, depth_sampler(rows))
+        return self.program.decode_tokens(hidden, c0, depth_sampler(rows), where)

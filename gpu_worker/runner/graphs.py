@@ -28,7 +28,7 @@ from common.graphs import capture
 from gpu_worker.attention.interface import GraphAttention, SplitRows
 from gpu_worker.attention.select import graph_attention
 from gpu_worker.runner.arena import InputArena
-from gpu_worker.runner.batch import StepBatch
+from gpu_worker.runner.batch import StepBatch, rows_of
 from gpu_worker.runner.eager import EagerRunner
 from gpu_worker.runner.kv_cache import pages_for
 from gpu_worker.runner.prefill_graphs import (
@@ -40,7 +40,7 @@ from gpu_worker.runner.prefill_graphs import (
     prefill_buckets,
     prefill_spans,
 )
-from programs.base import LMProgram
+from programs.base import LMProgram, Rows
 from programs.blocks import fp8
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,8 @@ def decode_spans(bmax: int, n_codebooks: int, max_pages: int = 0) -> dict[str, i
     request of the step, prefill ones included; d_kv holds the decode batch's KV page indices where
     the attention backend plans from them (last, so a decode-only step copies only the indices it
     uses; `max_pages` 0 where the backend keeps each slot's pages on the device)."""
-    spans = {"ids": bmax * n_codebooks, "pos": bmax, "page": bmax, "off": bmax, "meta": 3 * bmax}
+    spans = {"ids": bmax * n_codebooks, "pos": bmax, "where": 2 * bmax, "page": bmax, "off": bmax}
+    spans["meta"] = 3 * bmax
     return {**spans, "d_kv": max_pages}
 
 
@@ -89,6 +90,7 @@ def fill_decode(arena: InputArena, dec: StepBatch, page_size: int) -> None:
     arena.host_view("ids", n * c).copy_(torch.from_numpy(np.ascontiguousarray(dec.ids).reshape(-1)))
     pos = np.asarray(dec.pos, dtype=np.int64)
     arena.host_view("pos", n).copy_(torch.from_numpy(pos))
+    arena.host_view("where", 2 * n).copy_(torch.from_numpy(dec.row_where().reshape(-1)))
     page = np.fromiter((t[p // page_size] for t, p in zip(dec.page_tables, pos, strict=True)), np.int64, n)
     arena.host_view("page", n).copy_(torch.from_numpy(page))
     arena.host_view("off", n).copy_(torch.from_numpy(pos % page_size))
@@ -198,11 +200,12 @@ class GraphRunner:
     ) -> tuple[torch.cuda.CUDAGraph, object, tuple[torch.Tensor, torch.Tensor]]:
         p, c, a = self.program, self.program.n_codebooks, self.arena
         ids, pos = a.dev_view("ids", bs * c).view(bs, c), a.dev_view("pos", bs)
+        rows = rows_of(a.dev_view("where", 2 * bs).view(bs, 2))
         attn = GraphAttention(self.kv_cache, wrapper, a.dev_view("page", bs), a.dev_view("off", bs))
 
         def step() -> tuple[torch.Tensor, torch.Tensor]:
             self.attn.in_graph(wrapper)
-            hidden = p.backbone(p.embed(ids), pos, attn)  # [bs, H]
+            hidden = p.backbone(p.embed(ids, rows), pos, attn)  # [bs, H]
             return p.head(hidden).float(), hidden  # [bs, C', V], [bs, H]
 
         graph, out = capture(step, self.pool)
@@ -236,6 +239,7 @@ class GraphRunner:
         x = lane.prefix
         ids = (a.dev_view(x + "ids", rows * c).view(rows, c), a.dev_view("ids", bs * c).view(bs, c))
         pos = (a.dev_view(x + "pos", rows), a.dev_view("pos", bs))
+        where = (a.dev_view(x + "where", 2 * rows), a.dev_view("where", 2 * bs))
         page = (a.dev_view(x + "page", rows), a.dev_view("page", bs))
         off = (a.dev_view(x + "off", rows), a.dev_view("off", bs))
         last = a.dev_view(x + "last", 1)
@@ -246,7 +250,8 @@ class GraphRunner:
             self.attn.in_graph(decode)
             attn.page, attn.off = torch.cat(page), torch.cat(off)  # both parts' write slots, in the graph
             with fp8.rows_apart(rows):
-                hidden = p.backbone(p.embed(torch.cat(ids)), torch.cat(pos), attn)  # [rows + bs, H]
+                emb = p.embed(torch.cat(ids), rows_of(torch.cat(where).view(-1, 2)))
+                hidden = p.backbone(emb, torch.cat(pos), attn)  # [rows + bs, H]
             pre, dec = hidden[last], hidden[rows:]  # [1, H], [bs, H]
             return p.head(pre).float(), pre, p.head(dec).float(), dec
 
@@ -384,8 +389,8 @@ class GraphRunner:
         """[bs, C', V] the logits of bucket bs's decode graph, rewritten by each replay."""
         return self.graphs[bs][2][0]
 
-    def decode_tokens(self, hidden: torch.Tensor, c0: torch.Tensor, rows) -> torch.Tensor:
+    def decode_tokens(self, hidden: torch.Tensor, c0: torch.Tensor, rows, where: Rows) -> torch.Tensor:
         """The program's depth step from a captured graph (eager past the largest bucket)."""
         if hidden.shape[0] > self.sizes[-1]:
-            return self.eager.decode_tokens(hidden, c0, rows)
-        return self.depth.run(hidden, c0, rows)
+            return self.eager.decode_tokens(hidden, c0, rows, where)
+        return self.depth.run(hidden, c0, rows, where)

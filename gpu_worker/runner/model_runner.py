@@ -30,7 +30,7 @@ from gpu_worker.runner.eager import EagerRunner
 from gpu_worker.runner.kv_cache import allocate_kv_cache, kv_cache_dtype, pages_for
 from gpu_worker.runner.sampler import HeadColumns, sample_rows
 from gpu_worker.runner.slots import SlotState, to_device
-from programs.base import LMProgram
+from programs.base import LMProgram, Rows
 
 if TYPE_CHECKING:
     from gpu_worker.scheduler.request import Request
@@ -125,6 +125,10 @@ class ModelRunner:
         dec_pos = meta[3, n_pre:]
         pos = np.concatenate([*(np.arange(len(p)) for p in prompts), dec_pos])
         rows = [len(p) for p in prompts] + [1] * n_dec
+        # Each row's slot and step (programs.base.Rows): prompt rows -R..-1, a decode row feeds back
+        # generated row n_launched - 1.
+        steps = np.concatenate([*(np.arange(-len(p), 0) for p in prompts), meta[1, n_pre:] - 1])
+        where = np.stack([np.repeat(meta[0], rows), steps], axis=1)  # [N, 2]
         return StepBatch(
             ids=ids,
             pos=pos,
@@ -134,6 +138,7 @@ class ModelRunner:
             num_prefill=n_pre,
             meta=np.ascontiguousarray(meta[:3]),
             last_rows=self.slots.last,
+            where=where,
         )
 
     @torch.inference_mode()
@@ -234,8 +239,9 @@ class ModelRunner:
         if self.program.n_codebooks == 1:
             tokens = out[:, None]  # [B, 1]
         else:  # codebooks 1..C-1 from the program's depth step, sampled with the same settings
+            where = Rows(slot=slots, step=n_gen, prev=self.slots.last[slots])
             tokens = self.forward_runner.decode_tokens(
-                hidden, out, self.slots.rows(slots, n_gen, length, None)
+                hidden, out, self.slots.rows(slots, n_gen, length, None), where
             )
         kinds = self.program.classify(tokens, self.slots.n_audio[slots])  # before the count moves
         self.slots.record(slots, length, tokens, kinds)

@@ -29,7 +29,7 @@ import torch
 from common.graphs import capture
 from gpu_worker.attention.interface import GraphAttention, GraphAttentionBackend, page_arrays
 from gpu_worker.runner.arena import InputArena
-from gpu_worker.runner.batch import StepBatch
+from gpu_worker.runner.batch import StepBatch, rows_of
 from gpu_worker.runner.kv_cache import pages_for
 from programs.base import LMProgram
 
@@ -117,6 +117,7 @@ def prefill_spans(rows: int, reqs: int, n_codebooks: int, max_pages: int, lane: 
         p + "last": reqs,
         p + "ids": rows * n_codebooks,
         p + "pos": rows,
+        p + "where": 2 * rows,
         p + "page": rows,
         p + "off": rows,
         p + "kv": max_pages,  # page indices: planned from the device, so `plan` never blocks
@@ -130,6 +131,7 @@ def fill_prefill(arena: InputArena, pre: StepBatch, lay: PrefillLayout, lane: in
         torch.from_numpy(np.ascontiguousarray(pre.ids).reshape(-1))
     )
     arena.host_view(p + "pos", r).copy_(torch.from_numpy(np.asarray(pre.pos, dtype=np.int64)))
+    arena.host_view(p + "where", 2 * r).copy_(torch.from_numpy(pre.row_where().reshape(-1)))
     arena.host_view(p + "page", r).copy_(torch.from_numpy(lay.page))
     arena.host_view(p + "off", r).copy_(torch.from_numpy(lay.off))
     arena.host_view(p + "last", len(lay.last)).copy_(torch.from_numpy(lay.last))
@@ -180,12 +182,13 @@ class PrefillGraphs:
             a.dev_view(x + "pos", rows),
             a.dev_view(x + "last", reqs),
         )
+        where = rows_of(a.dev_view(x + "where", 2 * rows).view(rows, 2))
         attn = GraphAttention(
             self.kv_cache, wrapper, a.dev_view(x + "page", rows), a.dev_view(x + "off", rows)
         )
 
         def step() -> tuple[torch.Tensor, torch.Tensor]:
-            hidden = p.backbone(p.embed(ids), pos, attn)[last]  # [reqs, H] each request's last row
+            hidden = p.backbone(p.embed(ids, where), pos, attn)[last]  # [reqs, H] each request's last row
             return p.head(hidden).float(), hidden  # [reqs, C', V], [reqs, H]
 
         graph, out = capture(step, pool)

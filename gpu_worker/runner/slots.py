@@ -47,11 +47,21 @@ class SlotState:
         self.n_audio = torch.zeros(num_slots, **i64)  # [S] rows classified AUDIO so far
         self._free = list(range(self.scratch - 1, -1, -1))
 
-    def admit(self, sp: SamplingParams, prompt_ids: np.ndarray, penalty: bool = True) -> int:
+    def admit(
+        self,
+        sp: SamplingParams,
+        prompt_ids: np.ndarray,
+        penalty: bool = True,
+        last_row: np.ndarray | None = None,
+    ) -> int:
         """Claim a slot for a request whose codebook-0 prompt ids are `prompt_ids` [R]. With
         `penalty` False (a program without one) the penalty is off and the prompt stays out of the
-        history: its ids need not be sampleable (a program's text rows)."""
+        history: its ids need not be sampleable (a program's text rows). `last_row` [C]: the
+        prompt's last row, the request's previous row when it samples its first
+        (programs.base.Rows.prev)."""
         slot = self._free.pop()
+        if last_row is not None:
+            self.last[slot] = to_device(torch.from_numpy(np.asarray(last_row, dtype=np.int64)), self.device)
         if not penalty:
             sp, prompt_ids = msgspec.structs.replace(sp, repetition_penalty=1.0), np.zeros(1, np.int64)
         # From pinned memory, without waiting: a write from pageable memory (a Python number into a

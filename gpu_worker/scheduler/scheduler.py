@@ -132,10 +132,15 @@ class Scheduler:
         if rows.min() < 0 or rows.max() >= self.program.input_vocab_size:
             self.reject(prompt.rid, "prompt token ids out of range")
             return
+        state = {k: np.frombuffer(a.data, a.dtype).reshape(a.shape) for k, a in prompt.state.items()}
+        state_error = self.program.check_state(state)
+        if state_error:
+            self.reject(prompt.rid, f"prompt state: {state_error}")
+            return
         if self._aborted.pop(prompt.rid, False):
             self.finished.append(Finished(prompt.rid, FinishReason.ABORT))
             return
-        req = Request(prompt.rid, rows, prompt.sampling, prompt.arrival, budget, urgent=prompt.urgent)
+        req = Request(prompt.rid, rows, prompt.sampling, prompt.arrival, budget, prompt.urgent, state=state)
         if prompt.urgent:  # ahead of every request that has nothing playing yet
             self.waiting.insert(sum(r.urgent for r in self.waiting), req)
         else:
@@ -260,8 +265,9 @@ class Scheduler:
                 break  # wait for a running request to finish and free its pages
             self.waiting.popleft()
             req.pages = pages
-            req.slot = self.slots.admit(req.sp, req.prompt[:, 0], self.program.uses_repetition_penalty)
             p = self.program
+            req.slot = self.slots.admit(req.sp, req.prompt[:, 0], p.uses_repetition_penalty, req.prompt[-1])
+            p.admit(req.slot, req.state)
             req.audio = np.zeros((p.detok_preseed + req.budget, p.n_codebooks), dtype="<i4")
             req.audio[: p.detok_preseed] = p.preseed_rows()
             req.n_audio = p.detok_preseed

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from programs.base import Attention, LMProgram, Sampler, TokenKind
+from programs.base import Attention, LMProgram, Rows, Sampler, TokenKind
 from programs.csm.spec import EOS_ID, N_CODEBOOKS, PAD_CODE, TEXT_MARK
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ class CsmProgram(LMProgram):
         self._tokenizer = load_text_tokenizer(self.spec, self.weights, self.load_format)
 
     # --- LM step (graph) -----------------------------------------------------------------------
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, ids: torch.Tensor, rows: Rows) -> torch.Tensor:
         return self.lm.embed(ids)  # [N, 32] → [N, H]
 
     def backbone(self, hidden: torch.Tensor, pos: torch.Tensor, attn: Attention) -> torch.Tensor:
@@ -106,7 +106,9 @@ class CsmProgram(LMProgram):
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm.logits(hidden)[:, None, :]  # [B, 1, 2051]: codebook 0
 
-    def decode_tokens(self, hidden: torch.Tensor, c0: torch.Tensor, sample: Sampler) -> torch.Tensor:
+    def decode_tokens(
+        self, hidden: torch.Tensor, c0: torch.Tensor, sample: Sampler, rows: Rows
+    ) -> torch.Tensor:
         return self.lm.depth(hidden, c0, sample)  # [B, 32]
 
     # --- tokens → meaning ----------------------------------------------------------------------

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from programs.base import Attention, LMProgram, TokenKind
+from programs.base import Attention, LMProgram, Rows, TokenKind
 from programs.orpheus.spec import AUDIO_BASE, CODEBOOK, FRAME, STOP_TOKEN
 
 if TYPE_CHECKING:  # torch modules load only in the process that needs them
@@ -106,7 +106,7 @@ class OrpheusProgram(LMProgram):
         self._tokenizer = load_text_tokenizer(self.spec, self.weights, self.load_format)
 
     # --- LM step (graph) -----------------------------------------------------------------------
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, ids: torch.Tensor, rows: Rows) -> torch.Tensor:
         return self.lm.embed(ids[:, 0])  # [N, 1] int64 → [N, H]
 
     def backbone(self, hidden: torch.Tensor, pos: torch.Tensor, attn: Attention) -> torch.Tensor:
