@@ -231,7 +231,7 @@ class ModelSpec(msgspec.Struct, tag="spec", **_STRUCT):
     # prompt_overhead + b rows (byte-level tokenizers), which is how long texts are cut.
     prompt_overhead: int
     window_rows: int  # rows of one codec window: the least audio a segment of a long text has room for
-    sampling: SamplingParams  # the model's sampling defaults (seed, max_tokens, min_tokens unused)
+    sampling: SamplingParams  # the model's sampling defaults (seed and max_tokens unused)
     constrained: bool = False  # constrained sampling by default (--constrained overrides)
     constrainable: bool = False  # the model has a constrained sampling mode
     # The model's own request options: name → description (string fields of both endpoints, passed

@@ -434,6 +434,6 @@ def _sampling(v: Mapping[str, Any], fields: list[Field], spec: ModelSpec, cfg: S
         # The bound depends on this request's max_tokens: re-check with it, for the same message.
         min_field = next(f for f in fields if f.name == "min_tokens")
         dataclasses.replace(min_field, maximum=sampling["max_tokens"]).parse(v["min_tokens"])
-    sampling["min_tokens"] = v["min_tokens"] or 0
+    sampling["min_tokens"] = spec.sampling.min_tokens if v["min_tokens"] is None else v["min_tokens"]
     sampling["constrained"] = spec.constrained if cfg.gateway.constrained is None else cfg.gateway.constrained
     return SamplingParams(**sampling)

@@ -19,6 +19,14 @@ _MODELS: dict[str, tuple[str, str]] = {
     "csm-1b": ("csm", "csm"),
     "sesame/csm-1b": ("csm", "csm"),
     "csm-tiny": ("csm", "csm-tiny"),
+    "qwen3-tts": ("qwen3_tts", "qwen3-tts"),
+    "qwen3-tts-1.7b": ("qwen3_tts", "qwen3-tts"),
+    "qwen/qwen3-tts-12hz-1.7b-customvoice": ("qwen3_tts", "qwen3-tts"),
+    "qwen3-tts-0.6b": ("qwen3_tts", "qwen3-tts-0.6b"),
+    "qwen/qwen3-tts-12hz-0.6b-customvoice": ("qwen3_tts", "qwen3-tts-0.6b"),
+    "qwen3-tts-voicedesign": ("qwen3_tts", "qwen3-tts-voicedesign"),
+    "qwen/qwen3-tts-12hz-1.7b-voicedesign": ("qwen3_tts", "qwen3-tts-voicedesign"),
+    "qwen3-tts-tiny": ("qwen3_tts", "qwen3-tts-tiny"),
 }
 
 DEFAULT_MODEL = "orpheus-tiny"  # what --model "" (the default) serves: random weights, no download

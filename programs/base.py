@@ -20,7 +20,7 @@ apart from N/B/Bd, state only in buffers, randomness only from the keys passed i
 | `head(hidden)` | gpu_worker | yes | [B, H] → logits [B, C', V] float32 (V' columns when `head_ids` is set); the runtime samples codebook 0 |
 | `decode_tokens(hidden, c0, sample, rows)` | gpu_worker | yes | [B, H], [B] int64, `Rows` (slot, step, prev [B, C]) → row [B, C] int64 (only when C > 1) |
 | `init_state(num_slots)` | gpu_worker | no | optional: allocate per-request state buffers [num_slots, …] (see Per-request state) |
-| `check_state(state)` | gpu_worker | no | a prompt's state arrays → "" or why they are not what `preprocess` builds |
+| `check_prompt(rows, state)` | gpu_worker | no | a prompt's rows [R, C] and state arrays → "" or why they are not what `preprocess` builds |
 | `admit(slot, state)` | gpu_worker | no | write a starting request's state into its slot's buffers |
 | `candidates(n_audio)` | gpu_worker | yes | [B] int64 → [B, K] int64 token ids (constrained sampling) |
 | `classify(tokens, n_audio)` | gpu_worker | yes | [B, C] int64, [B] int64 → kinds [B] int64 (TokenKind) |
@@ -67,7 +67,7 @@ than the row's ids (a text column that advances with the frames, a speaker vecto
 prompt row) keeps it as per-request state: `init_state(num_slots)` allocates buffers indexed by
 slot on `self.device` (the last slot is the runtime's scratch slot, never a request's),
 `preprocess` returns `PromptRows(rows, state)` with named int32/float32 arrays, which travel with
-the prompt, `check_state` vets them when the prompt reaches the gpu_worker (a non-empty answer
+the prompt, `check_prompt` vets them (and the rows) when the prompt reaches the gpu_worker (a non-empty answer
 fails the request with a 400), and `admit(slot, state)` writes them into the slot when the request
 starts (host side, before its first step, without waiting for the device: copy from pinned
 memory). `embed` and `decode_tokens` only read the state, indexed by `rows.slot`, so a captured
@@ -149,6 +149,14 @@ class Rows:
     slot: torch.Tensor  # [N] int64 the request's slot
     step: torch.Tensor  # [N] int64 prompt rows -R..-1, generated rows 0, 1, …
     prev: torch.Tensor | None = None  # [B, C] int64 the request's previous row (decode_tokens only)
+
+
+@dataclass
+class CodecStreams:
+    """The codec slots of a decode's entries (see "Codec streams")."""
+
+    slot: torch.Tensor  # [Bd] int64
+    fresh: torch.Tensor  # [Bd] bool: the entry starts its stream (its slot's state is reset first)
 
 
 @dataclass
@@ -296,12 +304,13 @@ class LMProgram:
     def init_state(self, num_slots: int) -> None:
         """Allocate per-request state buffers [num_slots, …] on self.device (none by default)."""
 
-    def check_state(self, state: dict[str, np.ndarray]) -> str:
-        """Why a prompt's state arrays are not what `preprocess` builds ("" when they are)."""
+    def check_prompt(self, rows: np.ndarray, state: dict[str, np.ndarray]) -> str:
+        """Why a prompt's rows [R, C] (ids in [0, input_vocab_size) already) or state arrays are not
+        what `preprocess` builds ("" when they are)."""
         return f"{self.name} prompts carry no state; got {sorted(state)}" if state else ""
 
     def admit(self, slot: int, state: dict[str, np.ndarray]) -> None:
-        """Write a request's state (vetted by `check_state`) into `slot` as it starts."""
+        """Write a request's state (vetted by `check_prompt`) into `slot` as it starts."""
 
     @property
     def can_constrain(self) -> bool:

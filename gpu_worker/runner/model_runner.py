@@ -78,6 +78,7 @@ class ModelRunner:
         self.slots = SlotState(
             limits.max_batch_size, limits.max_context + 1, program.n_codebooks, self.device
         )
+        program.init_state(self.slots.scratch + 1)  # the program's per-request buffers, scratch slot too
         self.stop_ids = torch.tensor(program.stop_tokens(), dtype=torch.int64, device=self.device)
         self.head: HeadColumns | None = None  # a partial output head: sample over its columns
         if program.head_ids is not None:

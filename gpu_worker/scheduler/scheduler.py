@@ -133,9 +133,9 @@ class Scheduler:
             self.reject(prompt.rid, "prompt token ids out of range")
             return
         state = {k: np.frombuffer(a.data, a.dtype).reshape(a.shape) for k, a in prompt.state.items()}
-        state_error = self.program.check_state(state)
+        state_error = self.program.check_prompt(rows, state)
         if state_error:
-            self.reject(prompt.rid, f"prompt state: {state_error}")
+            self.reject(prompt.rid, f"bad prompt: {state_error}")
             return
         if self._aborted.pop(prompt.rid, False):
             self.finished.append(Finished(prompt.rid, FinishReason.ABORT))

@@ -1,4 +1,4 @@
-"""programs/qwen3_tts/constants.py's ids, speakers and languages are the shipped configs' (the published
+"""programs/qwen3_tts/spec.py's ids, speakers and languages are the shipped configs' (the published
 config.json values), and the tiny config keeps the real ids, so prompts built from these constants fit it."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from programs.qwen3_tts import constants
+from programs.qwen3_tts import spec as constants
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "programs", "qwen3_tts", "configs")
 NAMES = sorted(os.listdir(CONFIGS))

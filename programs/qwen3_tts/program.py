@@ -1,0 +1,273 @@
+"""Qwen3-TTS program (Qwen/Qwen3-TTS-12Hz-*-CustomVoice, -VoiceDesign): a Qwen3 talker over frames of
+16 codebooks, the code predictor for codebooks 1..15 inside the step, and the 12 Hz speech
+tokenizer's decoder streamed with state per request. See programs/qwen3_tts/spec.py for the facts
+and the row layout, model.py for the LM, codec.py for the codec.
+
+The contract pieces it uses (programs/base.py): prompt rows with two tracks (text and codec, told
+apart by column 2), per-request state (the text that enters as the audio goes, in the streaming
+text mode), `Rows` (each frame's text column comes from its request's slot and step),
+`decode_tokens` (the code predictor), an output head over the sampleable ids only (`head_ids`: the
+2048 codes and the end id, as the reference's suppressed tokens leave them) and codec streams.
+
+Request options (model_kwargs): `voice` (a CustomVoice speaker), `language` (one of the spec's
+languages; none: "auto"), `instructions` (CustomVoice's instruction, VoiceDesign's voice
+description) and `non_streaming_mode` ("true", the default: the whole text in the prompt, as the
+reference's `generate_custom_voice`; "false": the first text token in the prompt, then one per
+frame, as its streaming text mode).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from programs.base import Attention, CodecStreams, LMProgram, PromptRows, Rows, Sampler, TokenKind
+from programs.qwen3_tts import spec as q
+
+if TYPE_CHECKING:
+    from programs.blocks.text_tokenizer import TextTokenizer
+    from programs.qwen3_tts.model import Qwen3TtsLM
+
+CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
+_OPTIONS = ("voice", "language", "instructions", "non_streaming_mode")
+
+
+def _read_config(name: str) -> dict[str, Any]:
+    with open(os.path.join(CONFIG_DIR, name)) as f:
+        return json.load(f)
+
+
+class Qwen3TtsProgram(LMProgram):
+    name = "qwen3_tts"
+    codec_dtype: torch.dtype = torch.float32
+    codec_streams = True  # each frame decoded once, with state per request (programs/base.py)
+    sized_options = ("instructions",)  # an instruction's rows come before the text's
+
+    def __init__(self, spec: dict[str, Any], **kwargs: Any) -> None:
+        super().__init__(spec, **kwargs)
+        self.lm: Qwen3TtsLM | None = None
+        self.codec = None
+        self._tokenizer: TextTokenizer | None = None
+        self._text: torch.Tensor | None = None  # [S, T] int64 each slot's text ids (streaming text)
+        self._n_text: torch.Tensor | None = None  # [S] int64 how many
+        self._set_lm_constants(_read_config(spec["lm_config"]))
+        self.head_ids = torch.tensor([*range(q.CODE_VOCAB), q.CODEC_EOS], device=self.device)
+
+    def _set_lm_constants(self, cfg: dict[str, Any]) -> None:
+        tc = cfg["talker_config"]
+        self.vocab_size = tc["vocab_size"]
+        self.text_vocab_size = tc["text_vocab_size"]
+        self.num_layers = tc["num_hidden_layers"]
+        self.num_qo_heads = tc["num_attention_heads"]
+        self.num_kv_heads = tc["num_key_value_heads"]
+        self.hidden_size = tc["hidden_size"]
+        self.head_dim = tc.get("head_dim") or self.hidden_size // self.num_qo_heads
+        if tc["num_code_groups"] != q.N_CODEBOOKS or tc["vocab_size"] != q.TALKER_VOCAB:
+            raise ValueError(
+                f"{self.spec['name']}: frames of {q.N_CODEBOOKS} codebooks over {q.TALKER_VOCAB} ids"
+            )
+
+    @property
+    def input_vocab_size(self) -> int:
+        return self.text_vocab_size  # prompt rows carry text ids in column 1
+
+    # --- loading -------------------------------------------------------------------------------
+    def load_lm(self) -> None:
+        from programs.qwen3_tts.model import Qwen3TtsLM
+
+        if self.quantization != "none":
+            raise ValueError(f"{self.name} runs with --quantization none (got {self.quantization!r})")
+        if self.load_format == "dummy" or self.weights is None:
+            self.lm = Qwen3TtsLM.dummy(_read_config(self.spec["lm_config"]), self.dtype, self.device)
+        else:
+            self.lm = Qwen3TtsLM.from_pretrained(self.weights, self.dtype, self.device)
+        self._set_lm_constants(self.lm.config)
+        self.head_weight = self.lm.codec_head.weight[self.head_ids]  # [V', H]
+
+    def load_codec(self) -> None:
+        from programs.qwen3_tts.codec import Qwen3TtsCodec
+
+        if self.load_format == "dummy" or self.codec_weights is None:
+            path = os.path.join(CONFIG_DIR, self.spec["codec_config"])
+            self.codec = Qwen3TtsCodec.from_config(path, self.codec_dtype, self.device)
+        else:
+            self.codec = Qwen3TtsCodec.from_pretrained(self.codec_weights, self.codec_dtype, self.device)
+
+    def load_prompts(self) -> None:
+        from programs.blocks.text_tokenizer import load_text_tokenizer
+
+        self._tokenizer = load_text_tokenizer(self.spec, self.weights, self.load_format)
+
+    # --- per-request state ---------------------------------------------------------------------
+    def init_state(self, num_slots: int) -> None:
+        max_text = int(self.spec["max_tokens"])
+        self._text = torch.zeros(num_slots, max_text, dtype=torch.int64, device=self.device)
+        self._n_text = torch.zeros(num_slots, dtype=torch.int64, device=self.device)
+
+    def check_prompt(self, rows: np.ndarray, state: dict[str, np.ndarray]) -> str:
+        prompt = rows[:, 2] >= q.PROMPT_TEXT
+        frames = rows[~prompt]
+        if (rows[prompt, 2] > q.PROMPT_BOTH).any() or (rows[prompt, 0] >= q.TALKER_VOCAB).any():
+            return "a prompt row's kind or codec id is out of range"
+        if (frames[:, 0] >= q.TALKER_VOCAB).any() or (frames[:, 1:] >= q.CODE_VOCAB).any():
+            return "a frame's code is out of range"
+        if set(state) - {"text"}:
+            return f"{self.name} prompts carry only 'text' state; got {sorted(state)}"
+        text = state.get("text")
+        if text is not None and (
+            text.ndim != 1
+            or text.dtype.kind != "i"
+            or len(text) > self._max_text
+            or (len(text) and (text.min() < 0 or text.max() >= self.text_vocab_size))
+        ):
+            return f"'text' state is a list of at most {self._max_text} text ids"
+        return ""
+
+    @property
+    def _max_text(self) -> int:
+        return int(self.spec["max_tokens"])
+
+    def admit(self, slot: int, state: dict[str, np.ndarray]) -> None:
+        """The streaming text mode's text ids into the slot (none: every frame's text column is the
+        tts pad row)."""
+        from gpu_worker.runner.slots import to_device
+
+        text = state.get("text", np.zeros(0, np.int64)).astype(np.int64)
+        n = torch.tensor([len(text)], dtype=torch.int64)
+        self._n_text[slot : slot + 1] = to_device(n, self.device)
+        if len(text):
+            self._text[slot, : len(text)] = to_device(torch.from_numpy(text), self.device)
+
+    # --- LM step (graph) -----------------------------------------------------------------------
+    def embed(self, ids: torch.Tensor, rows: Rows) -> torch.Tensor:
+        """[N, 16] rows → [N, H]: a prompt row is its text row (+ its codec row); a frame is its
+        codebooks' embeddings plus its text column: text id step + 1 of the request's streaming
+        text, the tts eos id right after it, else the tts pad id."""
+        lm = self.lm
+        kind = ids[:, 2]
+        prompt = kind >= q.PROMPT_TEXT
+        nxt = rows.step + 1
+        n = self._n_text[rows.slot]
+        held = self._text[rows.slot, nxt.clamp(0, self._text.shape[1] - 1)]
+        column = torch.where(nxt < n, held, torch.where(nxt == n, q.TTS_EOS_ID, q.TTS_PAD_ID))
+        text = lm.text_rows(torch.where(prompt, ids[:, 1], column))  # [N, H]
+        frames = lm.frame_rows(torch.where(prompt[:, None], 0, ids))  # [N, H]
+        codec = lm.codec_rows(ids[:, 0]) * (kind == q.PROMPT_BOTH)[:, None].to(text.dtype)
+        return torch.where(prompt[:, None], text + codec, frames + text)
+
+    def backbone(self, hidden: torch.Tensor, pos: torch.Tensor, attn: Attention) -> torch.Tensor:
+        return self.lm.backbone(hidden, pos, attn)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[B, H] → [B, 1, 2049] codebook 0 over `head_ids` (the reference suppresses the rest)."""
+        return (hidden @ self.head_weight.T).float()[:, None, :]
+
+    def decode_tokens(
+        self, hidden: torch.Tensor, c0: torch.Tensor, sample: Sampler, rows: Rows
+    ) -> torch.Tensor:
+        return self.lm.predict(hidden, c0, sample)  # [B, 16]
+
+    # --- tokens → meaning ----------------------------------------------------------------------
+    def classify(self, tokens: torch.Tensor, n_audio: torch.Tensor) -> torch.Tensor:
+        stop = tokens[:, 0] == q.CODEC_EOS
+        return torch.where(stop, int(TokenKind.STOP), int(TokenKind.AUDIO))
+
+    # --- codec (graph) -------------------------------------------------------------------------
+    def init_codec_streams(self, n_slots: int) -> None:
+        self.codec.init_streams(n_slots)
+
+    def detokenize(
+        self,
+        tokens: torch.Tensor,
+        keys: torch.Tensor,
+        tail_rows: int = 0,
+        streams: CodecStreams | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[Bd, R, 16] frames continuing each entry's stream → audio [Bd, R * 1920], valid [Bd]
+        (the decoder has no noise: keys unused)."""
+        audio = self.codec.decode_stream(tokens, streams.slot, streams.fresh)
+        return audio.float().clamp(-1, 1), torch.ones(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+
+    # --- prompts (tokenizer_worker) ------------------------------------------------------------
+    def _instruction_rows(self, model_kwargs: dict[str, str]) -> list[list[int]]:
+        instruct = (model_kwargs.get("instructions") or "").strip()
+        if not instruct:
+            return []
+        if not self.spec.get("instructions", True):
+            raise ValueError(f"{self.spec['name']} takes no instructions")
+        if self._tokenizer is None:
+            self.load_prompts()
+        head = [q.IM_START_ID, *self._tokenizer.text_ids("user\n")]
+        ids = [*head, *self._tokenizer.text_ids(instruct), q.IM_END_ID, *self._tokenizer.text_ids("\n")]
+        return [_row(q.CODEC_PAD, i, q.PROMPT_TEXT) for i in ids]
+
+    def option_rows(self, model_kwargs: dict[str, str]) -> int:
+        return len(self._instruction_rows(model_kwargs))
+
+    def prompt_overhead(self) -> int:
+        """3 role rows, at most 4 think/language rows and a speaker row, pad+bos rows, the tts eos
+        row and the last bos row."""
+        return 3 + 5 + 1 + 2
+
+    def _codec_prefix(self, model_kwargs: dict[str, str]) -> list[int]:
+        """The think / language / speaker / pad / bos codec ids of the reference's prompt."""
+        voices = self.spec.get("voices") or []
+        speaker = (model_kwargs.get("voice") or self.spec.get("default_voice") or "").lower()
+        if voices and speaker not in q.SPEAKERS:
+            raise ValueError(f"voice {speaker!r} is not one of {', '.join(voices)}")
+        if not voices and model_kwargs.get("voice"):
+            raise ValueError(f"{self.spec['name']} has no preset voices: describe the voice in instructions")
+        language = (model_kwargs.get("language") or "auto").lower()
+        if language != "auto" and (language not in q.LANGUAGES or "dialect" in language):
+            raise ValueError(
+                f"language {language!r} is not one of {', '.join(self.spec['languages'])} or auto"
+            )
+        lang_id = None if language == "auto" else q.LANGUAGES[language]
+        dialect = q.SPEAKER_DIALECT.get(speaker) if voices else None
+        if dialect and language in ("chinese", "auto"):
+            lang_id = q.LANGUAGES[dialect]
+        ids = (
+            [q.NOTHINK, q.THINK_BOS, q.THINK_EOS]
+            if lang_id is None
+            else [q.THINK, q.THINK_BOS, lang_id, q.THINK_EOS]
+        )
+        if voices:
+            ids.append(q.SPEAKERS[speaker])
+        return [*ids, q.CODEC_PAD, q.CODEC_BOS]
+
+    def preprocess(self, text: str, model_kwargs: dict[str, str]) -> PromptRows:
+        unknown = sorted(set(model_kwargs) - set(_OPTIONS))
+        if unknown:
+            raise ValueError(
+                f"{self.spec['name']} takes the model options {', '.join(_OPTIONS)}; got {', '.join(unknown)}"
+            )
+        mode = (model_kwargs.get("non_streaming_mode") or "true").lower()
+        if mode not in ("true", "false"):
+            raise ValueError(f"non_streaming_mode is true or false, not {mode!r}")
+        if not text or not text.strip():
+            raise ValueError("text is empty; give the text to speak")
+        if self._tokenizer is None:
+            self.load_prompts()
+        body = self._tokenizer.text_ids(text)  # as text: no control token from a client
+        codec = self._codec_prefix(model_kwargs)
+        rows = self._instruction_rows(model_kwargs)
+        rows += [_row(q.CODEC_PAD, i, q.PROMPT_TEXT) for i in (q.IM_START_ID, q.ASSISTANT_ID)]
+        rows += [_row(q.CODEC_PAD, i, q.PROMPT_TEXT) for i in self._tokenizer.text_ids("\n")]
+        # Codec rows before the last, on the tts pad row; the pad codec row on the tts bos row.
+        rows += [_row(c, q.TTS_PAD_ID) for c in codec[:-2]] + [_row(q.CODEC_PAD, q.TTS_BOS_ID)]
+        if mode == "true":
+            rows += [_row(q.CODEC_PAD, t) for t in [*body, q.TTS_EOS_ID]] + [_row(q.CODEC_BOS, q.TTS_PAD_ID)]
+            return PromptRows(np.asarray(rows, dtype=np.int32))
+        rows.append(_row(q.CODEC_BOS, body[0]))
+        return PromptRows(np.asarray(rows, dtype=np.int32), {"text": np.asarray(body, dtype=np.int32)})
+
+
+def _row(codec: int, text: int, kind: int = q.PROMPT_BOTH) -> list[int]:
+    return [codec, text, kind] + [0] * (q.N_CODEBOOKS - 3)
+
+
+PROGRAM = Qwen3TtsProgram
