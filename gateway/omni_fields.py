@@ -8,11 +8,12 @@ Those servers extend OpenAI's `POST /v1/audio/speech` with `stream`, `language`,
 - `language`: one of the model's languages (`ModelSpec.languages`) or "auto", in any letter case;
   a named language reaches the program as the model option `language`, "auto" as no option. A
   model without a list of languages takes only "auto".
-- `task_type`: "CustomVoice" only: every served model speaks with its preset voices. Voice cloning
-  ("Base", `ref_audio`/`ref_text`) and voice design ("VoiceDesign") are refused with a 400 that
-  names the model.
-- `non_streaming_mode` (Qwen3-TTS's prompt mode): true only: the served models' prompts hold the
-  whole text before the first audio token.
+- `task_type`: "CustomVoice" for a model with preset voices, "VoiceDesign" for one without (its
+  voice is described in `instructions`). Voice cloning ("Base", `ref_audio`/`ref_text`) is refused
+  with a 400 that names the model.
+- `non_streaming_mode` (Qwen3-TTS's prompt mode): true, the prompt holds the whole text before the
+  first audio token; false, for a model that lists it among its options, the text enters as the
+  audio goes. It reaches the program as the model option of that name.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ CLONING_FIELDS = ("ref_audio", "ref_text")
 def omni_fields(spec: ModelSpec) -> list[Field]:
     """The fields, as `gateway.validation.speech_fields` lists them after OpenAI's."""
     languages = ("auto", *spec.languages)
+    task = "CustomVoice" if spec.voices else "VoiceDesign"
+    both_modes = "non_streaming_mode" in spec.options
     return [
         Field(
             "stream",
@@ -48,20 +51,20 @@ def omni_fields(spec: ModelSpec) -> list[Field]:
         Field(
             "task_type",
             "string",
-            "CustomVoice: speak with one of the model's voices (the only task served here).",
-            "CustomVoice",
-            choices=("CustomVoice",),
-            choice_error=f"task_type {{value}} is not served by model {spec.name}: it speaks with its "
-            "preset voices (task_type CustomVoice); voice cloning (Base) and voice design "
-            "(VoiceDesign) are not available",
+            f"{task}: the only task model {spec.name} serves"
+            + (" (one of its voices)." if spec.voices else " (the voice described in instructions)."),
+            task,
+            choices=(task,),
+            choice_error=f"task_type {{value}} is not served by model {spec.name}: its task is {task}; "
+            "voice cloning (Base) is not available",
         ),
         Field(
             "non_streaming_mode",
             "boolean",
-            "Qwen3-TTS's prompt mode; only true: the prompt holds the whole text before the first "
-            "audio token.",
+            "Qwen3-TTS's prompt mode: true, the prompt holds the whole text before the first audio "
+            "token" + ("; false, the text enters as the audio goes." if both_modes else " (the only mode)."),
             True,
-            choices=(True,),
+            choices=(True, False) if both_modes else (True,),
             choice_error=f"non_streaming_mode {{value}} is not available for model {spec.name}: its "
             "prompt holds the whole text before the first audio token (non_streaming_mode true)",
         ),
@@ -96,8 +99,8 @@ def check_omni(body: Mapping[str, Any], spec: ModelSpec) -> Mapping[str, Any]:
         if match is not None:
             body["language"] = match
     task = body.get("task_type")
-    if isinstance(task, str) and task.lower() == "customvoice":
-        body["task_type"] = "CustomVoice"
+    if isinstance(task, str) and task.lower() in ("customvoice", "voicedesign"):
+        body["task_type"] = "CustomVoice" if task.lower() == "customvoice" else "VoiceDesign"
     return body
 
 

@@ -126,12 +126,14 @@ def _voice_field(spec: ModelSpec, aliases: bool = False) -> Field:
     )
 
 
-def option_fields(spec: ModelSpec) -> list[Field]:
+def option_fields(spec: ModelSpec, skip: set[str] = frozenset()) -> list[Field]:
     """The model's own string options (ModelSpec.options: name → description), passed through
-    to its prompt builder as model_kwargs, which checks them (a ValueError there is a 400)."""
+    to its prompt builder as model_kwargs, which checks them (a ValueError there is a 400); those
+    named in `skip` are fields of the endpoint already (their value is passed through the same)."""
     return [
         Field(name, "string", description, max_length=_OPTION_MAX_CHARS, max_length_hint="send less context")
         for name, description in spec.options.items()
+        if name not in skip
     ]
 
 
@@ -268,6 +270,7 @@ def speech_fields(spec: ModelSpec, cfg: ServeConfig) -> list[Field]:
     """The fields of `POST /v1/audio/speech`: OpenAI's, then voxpipe's extras."""
     formats = tuple(available_formats(spec.sample_rate))
     models = tuple(accepted_models(spec))
+    omni = omni_fields(spec)
     return [
         Field(
             "model",
@@ -303,9 +306,9 @@ def speech_fields(spec: ModelSpec, cfg: ServeConfig) -> list[Field]:
             "voxpipe extension. false: one complete file with exact sizes (stream_format audio only).",
             True,
         ),
-        *omni_fields(spec),
+        *omni,
         *sampling_fields(spec, cfg),
-        *option_fields(spec),
+        *option_fields(spec, skip={f.name for f in omni}),
     ]
 
 

@@ -161,19 +161,40 @@ def load_text_tokenizer(spec: dict[str, Any], weights: str | None, load_format: 
     bos_id = spec.get("bos_id", 128000)
     if weights is None:
         return _offline(bos_id)  # no checkpoint behind this model: nothing real to match
+    from huggingface_hub.errors import EntryNotFoundError
+
     try:
         path = _find_tokenizer_json(weights)
+    except (FileNotFoundError, EntryNotFoundError) as missing:  # no tokenizer.json: its vocab files?
+        try:
+            return TextTokenizer(_from_vocab_files(weights), bos_id, weights, is_real=True)
+        except Exception:
+            return _unavailable(weights, load_format, missing, bos_id)
     except Exception as e:
-        if load_format != "dummy":
-            raise OSError(
-                f"cannot load the tokenizer of {weights}: {e}. Pass --weights a local directory holding "
-                "the checkpoint's tokenizer.json, or use --load-format dummy for random weights."
-            ) from e
-        log.warning(
-            "tokenizer of %s unavailable (%s); dummy weights, so an offline byte-level BPE stands in "
-            "(text ids differ from the real Llama-3 tokenizer)",
-            weights,
-            e,
-        )
-        return _offline(bos_id)
+        return _unavailable(weights, load_format, e, bos_id)
     return TextTokenizer(Tokenizer.from_file(path), bos_id, path, is_real=True)
+
+
+def _from_vocab_files(path: str) -> Tokenizer:
+    """The fast tokenizer of a checkpoint that ships its BPE as vocab.json and merges.txt with a
+    tokenizer_config.json naming its class (Qwen2Tokenizer, say), as transformers converts it."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, use_fast=True).backend_tokenizer
+
+
+def _unavailable(weights: str, load_format: str, e: Exception, bos_id: int) -> TextTokenizer:
+    """No tokenizer for `weights`: an error with real weights, the offline stand-in with dummy ones."""
+    if load_format != "dummy":
+        raise OSError(
+            f"cannot load the tokenizer of {weights}: {e}. Pass --weights a local directory holding "
+            "the checkpoint's tokenizer.json (or vocab.json, merges.txt and tokenizer_config.json), "
+            "or use --load-format dummy for random weights."
+        ) from e
+    log.warning(
+        "tokenizer of %s unavailable (%s); dummy weights, so an offline byte-level BPE stands in "
+        "(text ids differ from the real tokenizer's)",
+        weights,
+        e,
+    )
+    return _offline(bos_id)
