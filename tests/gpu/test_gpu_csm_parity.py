@@ -27,6 +27,7 @@ from gpu_worker.runner.kv_cache import allocate_kv_cache
 from gpu_worker.runner.model_runner import make_runner
 from gpu_worker.runner.sampler import SamplingRows
 from programs import get_spec, load_program_class
+from programs.base import Rows
 
 PAGE = 16
 FRAME_MS = 80.0
@@ -45,6 +46,12 @@ def rows_for(n: int, temperature: float, seed: int) -> SamplingRows:
         history=None,
         block_stop=torch.zeros(n, dtype=torch.bool, **f),
     )
+
+
+def where_for(n: int, n_codebooks: int) -> Rows:
+    """Slots 0..n-1 at step 7, previous rows zero (CSM's depth step reads none of them)."""
+    i64 = dict(dtype=torch.int64, device="cuda")
+    return Rows(torch.arange(n, **i64), torch.full((n,), 7, **i64), torch.zeros(n, n_codebooks, **i64))
 
 
 def forced_steps(prompts: list[np.ndarray], frames: np.ndarray) -> list[StepBatch]:
@@ -89,8 +96,9 @@ def test_depth_graphs_give_the_eager_frames(csm, gpu_report):
         c0 = torch.randint(0, 2048, (bs,), generator=gen, device="cuda")
         for temp in (0.0, 0.9):
             rows = rows_for(bs, temp, 100 * bs)
-            g = eng.runner.forward_runner.decode_tokens(hidden, c0, rows).clone()
-            e = eager.decode_tokens(hidden, c0, rows)
+            where = where_for(bs, prog.n_codebooks)
+            g = eng.runner.forward_runner.decode_tokens(hidden, c0, rows, where).clone()
+            e = eager.decode_tokens(hidden, c0, rows, where)
             depth[f"batch {bs} temperature {temp}"] = int((g != e).sum())
     gpu_report("csm-parity")["depth_graph_vs_eager_frames_differing_codes"] = depth
     assert depth == dict.fromkeys(depth, 0)
@@ -169,11 +177,11 @@ def test_one_streams_decode_step_fits_in_a_frame(csm, gpu_report):
             np.zeros((bs, 32), dtype=np.int64), np.full(bs, n_ctx, dtype=np.int64), list(range(bs + 1)),
             [n_ctx + 1] * bs, tables, 0,
         )  # fmt: skip
-        rows = rows_for(bs, 0.9, 0)
+        rows, where = rows_for(bs, 0.9, 0), where_for(bs, 32)
 
-        def one_step(b=b, rows=rows) -> None:
+        def one_step(b=b, rows=rows, where=where) -> None:
             logits, _, hidden = eng.runner.forward_runner.forward(b)
-            eng.runner.forward_runner.decode_tokens(hidden, logits[:, 0].argmax(-1), rows)
+            eng.runner.forward_runner.decode_tokens(hidden, logits[:, 0].argmax(-1), rows, where)
 
         for _ in range(3):
             one_step()
