@@ -13,10 +13,13 @@
 #   invariance     tests/gpu batch and op invariance (fp8 weights and cache, what `load` serves)
 #   xqa            tests/gpu/test_gpu_xqa_parity.py, then `voxpipe bench options` for the XQA configs
 #   csm            tests/gpu/test_gpu_csm_parity.py
+#   qwen3          tests/gpu/test_gpu_qwen3_tts_parity.py
 #   step | speed | offline | options | profile | attention | op-invariance | codec | codec-profile
 #                  `voxpipe bench STAGE` with the serving flags below
 #   load | load-mps | load-adaptive   `voxpipe bench ttfa` then the load curve on the same server
 #   csm-load       the same for CSM
+#   qwen3-rate     Qwen3-TTS (VOXPIPE_QWEN3_MODEL, default the 1.7B CustomVoice): `voxpipe bench ttfa`,
+#                  then open-loop Poisson arrivals (VOXPIPE_RATES) of 8-15-word sentences, 60 frames each
 #
 # Environment: OUT (default /tmp/out), VOXPIPE_STAGE_S (per-stage timeout, default 300 s),
 # VOXPIPE_LOAD / VOXPIPE_LOAD_S (load levels and seconds per level), VOXPIPE_SERVE_EXTRA (more
@@ -55,6 +58,7 @@ for stage in "$@"; do
     parity) gpu_tests parity tests/gpu/test_gpu_parity.py ;;
     invariance) gpu_tests invariance tests/gpu/test_gpu_batch_invariance.py tests/gpu/test_gpu_op_invariance.py ;;
     csm) gpu_tests csm tests/gpu/test_gpu_csm_parity.py ;;
+    qwen3) gpu_tests qwen3 tests/gpu/test_gpu_qwen3_tts_parity.py ;;
     xqa)
         gpu_tests xqa-parity tests/gpu/test_gpu_xqa_parity.py
         run xqa-speed $bench options --configs bf16+audio_head,audio_head+fp8kv,audio_head+fp8kv+flashinfer,audio_head+xqa \
@@ -90,6 +94,12 @@ for stage in "$@"; do
             --out "$OUT/$stage-ttfa.json" ${VOXPIPE_TAP_LEVEL:+--tap-level $VOXPIPE_TAP_LEVEL --tap-out $OUT/$stage-tap.jsonl.gz} \
             ${VOXPIPE_PROFILE_LEVEL:+--profile-level $VOXPIPE_PROFILE_LEVEL --profile-out $OUT/$stage-py-spy} \
             -- $serve_flags --first-chunk $first $extra ${VOXPIPE_SERVE_EXTRA:-}
+        ;;
+    qwen3-rate)
+        run qwen3-rate $bench ttfa --model "${VOXPIPE_QWEN3_MODEL:-qwen3-tts}" --reps 15 --tokens 60 \
+            --rate "${VOXPIPE_RATES:-1,10,20,40,80}" --texts sentences --load-duration "${VOXPIPE_LOAD_S:-20}" \
+            --load-tokens 60 --label "$LABEL" --load-out "$OUT/qwen3-rate.json" --out "$OUT/qwen3-ttfa.json" \
+            -- --max-batch-size 256 ${VOXPIPE_SERVE_EXTRA:-}
         ;;
     csm-load)
         run csm-load $bench ttfa --model csm --reps 5 --tokens 40 --load "${VOXPIPE_LOAD:-16,32,64,96}" \

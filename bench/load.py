@@ -48,6 +48,19 @@ TEXTS = [
     "Many listeners at once, each hearing audio without gaps.",
     "A short sentence.",
 ]
+# English sentences of 8 to 15 words, the request texts of the published Qwen3-TTS serving figures
+# (`--texts sentences`).
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog near the river.",
+    "Please remember to bring your ticket and your passport to the station.",
+    "The weather will be warm and sunny this afternoon, with rain tonight.",
+    "Could you tell me where the old library is in this town?",
+    "Every morning I make coffee and listen to the radio before work.",
+    "Thank you so much for coming today, we have a lot to discuss.",
+    "Streaming speech should start quickly and never stall, even under heavy load.",
+    "She said it would be a long night, but nobody wanted to leave.",
+]
+TEXT_SETS = {"mixed": TEXTS, "sentences": SENTENCES}
 
 
 @dataclass
@@ -276,6 +289,7 @@ def summarize(results: list[Result], wall_s: float, sample_rate: int, ramp_s: fl
         "error_examples": sorted({r.error for r in results if not r.ok})[:3],
         "ttfa_p50_ms": round(percentile(ttfa, 50), 2),
         "ttfa_p90_ms": round(percentile(ttfa, 90), 2),
+        "ttfa_p95_ms": round(percentile(ttfa, 95), 2),
         "ttfa_p99_ms": round(percentile(ttfa, 99), 2),
         "ttfa_p99_ms_after_ramp": round(percentile(steady, 99), 2) if steady else None,
         "ttfa_worst_sent_at_s": round(worst.sent_at, 2) if worst is not None else None,
@@ -326,6 +340,7 @@ async def run_level(
     ramp: float = 0.0,
     max_errors: int = 0,
     progress_s: float = 0.0,
+    texts: str = "mixed",
 ) -> tuple[list[Result], float]:
     """Closed loop (`concurrency` clients, each sending back to back, their first requests spread
     evenly over `ramp` seconds) or open loop (Poisson `rate`). With `max_errors` > 0 the level ends
@@ -338,7 +353,7 @@ async def run_level(
 
     def body() -> dict:
         return {
-            "text": rng.choice(TEXTS),
+            "text": rng.choice(TEXT_SETS[texts]),
             "seed": rng.randrange(2**31),
             "max_tokens": tokens + prompt_allowance,
             "min_tokens": tokens,

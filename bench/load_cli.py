@@ -17,7 +17,7 @@ import time
 import urllib.request
 from typing import Any
 
-from bench.load import auth_headers, measure_level, meets_target, plot
+from bench.load import TEXT_SETS, auth_headers, measure_level, meets_target, plot
 
 DEFAULT_TOKENS = 1024
 
@@ -67,6 +67,12 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         "--max-errors", type=int, default=5, help="end the run once a level has this many failures"
     )
     ap.add_argument("--progress", type=float, default=5.0, help="seconds between progress lines (0: none)")
+    ap.add_argument(
+        "--texts",
+        choices=sorted(TEXT_SETS),
+        default="mixed",
+        help="request texts: mixed (short and long) or sentences (English, 8-15 words)",
+    )
     return ap.parse_args(argv)
 
 
@@ -105,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                 ramp=args.ramp,
                 max_errors=args.max_errors,
                 progress_s=args.progress,
+                texts=args.texts,
                 **({"concurrency": level} if levels else {"rate": level}),
             ),
         }

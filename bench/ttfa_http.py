@@ -59,13 +59,16 @@ def load_curve(base: str, args) -> None:
     from bench.tap_stats import read, stats
 
     curve = []
-    for i, level in enumerate(int(c) for c in args.load.split(",")):
-        point = {"concurrency": level}
+    levels = [("concurrency", int(c)) for c in args.load.split(",") if c]
+    levels += [("rate", float(r)) for r in args.rate.split(",") if r]
+    for i, (key, level) in enumerate(levels):
+        point = {key: level}
         tap = start_tap(args, delay_s=args.ramp + 2) if level == args.tap_level else None
         spies = start_py_spy(args, delay_s=args.ramp + 2) if level == args.profile_level else []
         client_ttfa: dict[str, float] = {}
-        point |= measure_level(base, 24000, client_ttfa, concurrency=level, duration=args.load_duration,
-                               tokens=args.load_tokens, prompt_allowance=100, seed=i, ramp=args.ramp)  # fmt: skip
+        point |= measure_level(base, 24000, client_ttfa, **{key: level}, duration=args.load_duration,
+                               tokens=args.load_tokens, prompt_allowance=100, seed=i, ramp=args.ramp,
+                               texts=args.texts)  # fmt: skip
         point["server_after"] = server_gauges(base)
         if tap is not None:
             tap.join()
@@ -84,14 +87,17 @@ def load_curve(base: str, args) -> None:
             "ramp_s": args.ramp,
             "target": "no errors, >= 99% of requests fully on time, p99 TTFA <= 250 ms",
             "max_streams_meeting_target": max(
-                [p["concurrency"] for p in curve if meets_target(p)], default=0
+                [p["concurrency"] for p in curve if "concurrency" in p and meets_target(p)], default=0
+            ),
+            "max_rate_meeting_target": max(
+                [p["rate"] for p in curve if "rate" in p and meets_target(p)], default=0
             ),
             "curve": curve,
         }
         with open(args.load_out, "w") as f:
             json.dump(out, f, indent=1)
-    if args.plot:
-        plot(curve, "concurrency", args.plot)
+    if args.plot and curve:
+        plot(curve, levels[0][0], args.plot)
 
 
 def start_tap(args, delay_s: float) -> threading.Thread:
@@ -144,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--out", default="ttfa_http.json")
     ap.add_argument("--load", default="", help="comma list of concurrency levels to run afterwards")
+    ap.add_argument("--rate", default="", help="comma list of Poisson arrival rates (requests/s) after those")
+    ap.add_argument("--texts", default="mixed", help="request texts of the load: mixed or sentences")
     ap.add_argument("--load-duration", type=float, default=30.0)
     ap.add_argument("--load-tokens", type=int, default=1024)
     ap.add_argument("--ramp", type=float, default=0.0)
@@ -195,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w") as f:  # before the load curve, which may run out of time
             json.dump(out, f, indent=1)
         print(json.dumps(out), flush=True)
-        if args.load:
+        if args.load or args.rate:
             load_curve(base, args)
     finally:
         server.send_signal(signal.SIGTERM)
