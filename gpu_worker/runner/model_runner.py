@@ -74,11 +74,12 @@ class ModelRunner:
             kv_cache_dtype(limits.kv_cache_dtype, program.dtype),
             self.device,
         )
-        self.forward_runner = make_runner(program, self.kv_cache, limits, progress)
         self.slots = SlotState(
             limits.max_batch_size, limits.max_context + 1, program.n_codebooks, self.device
         )
-        program.init_state(self.slots.scratch + 1)  # the program's per-request buffers, scratch slot too
+        # The program's per-request buffers (the scratch slot's too), before any graph captures them.
+        program.init_state(self.slots.scratch + 1)
+        self.forward_runner = make_runner(program, self.kv_cache, limits, progress)
         self.stop_ids = torch.tensor(program.stop_tokens(), dtype=torch.int64, device=self.device)
         self.head: HeadColumns | None = None  # a partial output head: sample over its columns
         if program.head_ids is not None:
