@@ -20,7 +20,7 @@ from codec_worker.codec import LEAD_MAX_BATCH, Codec, Launched
 from codec_worker.gather import Gather
 from common.config import ServeConfig, program_kwargs, resolve_device
 from common.ipc import PullChannel, PushChannel
-from common.messages import AudioChunks, CodecInMsg, DetokChunk, Finished, GatewayInMsg, ProcState
+from common.messages import AudioChunks, CodecInMsg, DetokBatch, DetokChunk, Finished, GatewayInMsg, ProcState
 from common.proc import StatusReporter
 from programs import get_spec, load_program_class
 from programs.base import LMProgram
@@ -85,21 +85,27 @@ class CodecWorker:
         status.set_load(0, 0, dict(self.counters))
 
     def run(self) -> None:
-        gather = self.gather
         drained = time.monotonic()
         while True:
-            batches = self.inbox.drain(timeout_ms=gather.wait_ms(time.monotonic()))
+            batches = self.inbox.drain(timeout_ms=self.gather.wait_ms(time.monotonic()))
             # These were queued after the last drain emptied the socket: count from then (a
             # message that waited out a decode pass has that much less slack left).
             arrived, drained = drained, time.monotonic()
-            for b in batches:
-                ends = self.codec.ended(gather.add(b, arrived))
-                if ends:
-                    self.to_gateway.send(AudioChunks(chunks=[], finished=ends))
-            if not gather.due(time.monotonic()):
-                continue
-            urgent, rest, finished = gather.take()
-            self._decode_and_send([(urgent, [] if rest else finished), (rest, finished if rest else [])])
+            self.receive(batches, arrived)
+            if self.gather.due(time.monotonic()):
+                self.decode_pass()
+
+    def receive(self, batches: list[DetokBatch], arrived: float) -> None:
+        """Gather the batches' windows; the ends of requests with no window waiting go at once."""
+        for b in batches:
+            ends = self.codec.ended(self.gather.add(b, arrived))
+            if ends:
+                self.to_gateway.send(AudioChunks(chunks=[], finished=ends))
+
+    def decode_pass(self) -> None:
+        """Decode and send everything gathered: the urgent group, then the rest."""
+        urgent, rest, finished = self.gather.take()
+        self._decode_and_send([(urgent, [] if rest else finished), (rest, finished if rest else [])])
 
     def _decode_and_send(self, groups: list[tuple[list[DetokChunk], list[Finished]]]) -> None:
         """One pass: queue every group's decode, then wait for each in turn and send it with its
