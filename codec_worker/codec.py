@@ -156,12 +156,13 @@ class Codec:
         fresh: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """tokens [n, R, C] int64, keys [n] (slots [n] int64, fresh [n] bool with codec streams) →
-        PCM16 [n, S], valid [n], in calls of exactly `eager_batch` windows: padding entries hold
-        token 0 (and the scratch slot, not fresh), so every call has one shape."""
+        PCM16 [n, S], valid [n], in calls of exactly `eager_batch` windows, so every call has one
+        shape: padding entries repeat the first window (a window the program takes), with codec
+        streams in the scratch slot, not fresh."""
         k, n = self.eager_batch, len(tokens)
         pad = -n % k
-        tokens = np.concatenate([tokens, np.zeros((pad, *tokens.shape[1:]), tokens.dtype)])
-        keys = np.concatenate([keys, np.zeros(pad, keys.dtype)])
+        tokens = np.concatenate([tokens, np.repeat(tokens[:1], pad, axis=0)])
+        keys = np.concatenate([keys, np.repeat(keys[:1], pad)])
         t, kt = torch.from_numpy(tokens).to(self.device), torch.from_numpy(keys).to(self.device)
         st = ft = None
         if self.slots is not None:
