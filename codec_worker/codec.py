@@ -252,6 +252,8 @@ class Codec:
             slots = np.array([s for _, s, _ in entries], dtype=np.int64)
             fresh = np.array([f for _, _, f in entries], dtype=bool)
         if kind in self.graphs:
+            if slots is None:
+                return part, self.graphs[kind].launch(tokens, keys)
             return part, self.graphs[kind].launch(tokens, keys, slots, fresh)
         if slots is None:
             return part, Pending.later(lambda: self._decode_eager(tokens, keys, tail))

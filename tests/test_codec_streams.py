@@ -27,32 +27,34 @@ class RunningSumProgram(OrpheusProgram):
 
     codec_streams = True
 
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cpu") -> None:
         spec = get_spec("orpheus-tiny")
         spec.update(detok_interval=ROWS, detok_overlap=0, detok_samples=ROWS * SPF, detok_lead=[])
         spec.update(detok_tail=False, detok_offset=0)
-        super().__init__(spec, load_format="dummy")
+        super().__init__(spec, load_format="dummy", device=device)
 
     def load_codec(self) -> None:
         pass
 
     def init_codec_streams(self, n_slots: int) -> None:
-        self.state = torch.full((n_slots,), 12345, dtype=torch.int64)  # not 0: a missed reset shows
+        self.state = torch.full(
+            (n_slots,), 12345, dtype=torch.int64, device=self.device
+        )  # not 0: a missed reset shows
 
     def frames(self, sums: torch.Tensor) -> torch.Tensor:
         """Running sums [..., T] → audio [..., T * SPF] in [-1, 1]."""
-        k = torch.arange(1, SPF + 1)
+        k = torch.arange(1, SPF + 1, device=sums.device)
         return ((sums[..., None] * k) % MOD).flatten(-2).double().div(MOD / 2).sub(1).float()
 
     def detokenize(self, tokens, keys, tail_rows=0, streams: CodecStreams | None = None):
         assert streams is not None
         codes = tokens[:, :, 0]  # [Bd, R]
-        if codes.min() < 0:
+        if codes.device.type == "cpu" and codes.min() < 0:  # a host check: eager only
             raise ValueError("a negative code")
         start = torch.where(streams.fresh, 0, self.state[streams.slot])
         sums = start[:, None] + codes.cumsum(1)  # [Bd, R]
         self.state[streams.slot] = sums[:, -1]
-        return self.frames(sums), torch.ones(len(codes), dtype=torch.bool)
+        return self.frames(sums), torch.ones(len(codes), dtype=torch.bool, device=codes.device)
 
     def decode_all(self, codes: torch.Tensor) -> torch.Tensor:
         """The whole stream's audio: codes [T] → [T * SPF]."""
@@ -72,9 +74,10 @@ class Status:
         pass
 
 
-def worker(slots: int, idle_s: float = 60.0, clock=None) -> CodecWorker:
+def worker(slots: int, idle_s: float = 60.0, clock=None, device: str = "cpu") -> CodecWorker:
     w = CodecWorker.__new__(CodecWorker)  # no sockets: the pass logic alone
-    w.codec = Codec(RunningSumProgram(), max_batch=4, graphs=False, streams=slots, idle_s=idle_s)
+    program = RunningSumProgram(device)
+    w.codec = Codec(program, max_batch=4, graphs=device != "cpu", streams=slots, idle_s=idle_s)
     if clock is not None:
         w.codec.slots.clock = clock
     w.gather, w.to_gateway, w.status = Gather(10.0, 1000), Recorder(), Status()
@@ -103,15 +106,20 @@ def played(w: CodecWorker) -> tuple[dict[str, bytes], dict[str, Finished]]:
 
 
 def expected(w: CodecWorker, codes: np.ndarray) -> bytes:
-    audio = w.codec.program.decode_all(torch.from_numpy(codes.astype(np.int64)))
+    audio = w.codec.program.decode_all(torch.from_numpy(codes.astype(np.int64))).cpu()
     return pcm16(audio).numpy().astype("<i2").tobytes()
 
 
-def test_interleaved_streams_decode_as_whole_streams_and_free_their_slots() -> None:
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_interleaved_streams_decode_as_whole_streams_and_free_their_slots(device: str) -> None:
+    """On a GPU through the codec graphs: padding entries decode in the scratch slot."""
     rng = random.Random(0)
     # 5 requests at once (the gpu_worker's batch), 10 slots: a request's slot is freed once its end
     # has passed the codec, after its last chunks, while new requests may already have started.
-    w = worker(slots=10)
+    w = worker(slots=10, device=device)
     codes = {f"r{i}": np.random.default_rng(i).integers(0, 5000, ROWS * rng.randint(1, 7)) for i in range(14)}
     # Each request's chunks, then its end, in order; requests start as slots allow (<= 5 at once).
     todo = {rid: [chunk(rid, j, c) for j in range(len(c) // ROWS)] for rid, c in codes.items()}
