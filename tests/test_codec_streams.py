@@ -14,7 +14,9 @@ import torch
 from codec_worker.codec import Codec
 from codec_worker.gather import Gather
 from codec_worker.worker import CodecWorker
+from common.config import CodecSettings
 from common.messages import AudioChunks, DetokBatch, DetokChunk, Finished, FinishReason
+from common.options import parse_role
 from programs import get_spec
 from programs.base import CodecStreams, LMProgram, pcm16
 from programs.orpheus.program import OrpheusProgram
@@ -232,3 +234,12 @@ def test_codec_streams_exclude_overlap_and_need_slots() -> None:
 
     with pytest.raises(NotImplementedError, match="no-slots"):
         NoSlots.init_codec_streams(NoSlots.__new__(NoSlots), 4)
+
+
+def test_codec_slots_come_from_the_flag_or_the_gpu_batch() -> None:
+    s = parse_role("codec_worker", ["--codec-streams", "40"], {})
+    assert s.cfg.codec.max_streams == 40 and s.cfg.codec.streams_for(256) == 40
+    assert parse_role("codec_worker", [], {"VOXPIPE_CODEC_STREAMS": "7"}).cfg.codec.max_streams == 7
+    assert CodecSettings().streams_for(256) == 2 * 256 + 16
+    with pytest.raises(ValueError, match="codec-streams"):
+        CodecSettings(max_streams=-1).check()
