@@ -1,10 +1,14 @@
 """CUDA graphs for the codec: one captured `detokenize` (+ PCM16 conversion) per batch bucket, for
 one window row count (the regular `detok_interval`, or a lead size: one `DetokGraphs` each).
 
-Inputs live in one device arena (tokens, then noise keys) filled from a pinned host mirror with
-one copy; a replay writes PCM16 and the valid flags, read back with one copy into pinned host
-buffers. Padding entries hold token 0, an invalid window that the program clamps and decodes
-harmlessly; their output is dropped.
+Inputs live in one device arena (tokens, then noise keys, then for codec streams each entry's
+slot and fresh flag) filled from a pinned host mirror with one copy; a replay writes PCM16 and the
+valid flags, read back with one copy into pinned host buffers. Padding entries hold token 0, an
+invalid window that the program clamps and decodes harmlessly; their output is dropped. With codec
+streams they decode in the scratch slot (not fresh), so no request's state is touched.
+
+A row's audio does not depend on the bucket it is replayed in (tests/gpu/, and the eager path's
+fixed call size in codec_worker/worker.py for the same on CPUs).
 
 `launch` only queues that work and returns a `Pending`: the codec_worker queues every kind of
 window of a pass (and the urgent and the gathered windows) before it waits once. Each wait for
@@ -23,7 +27,7 @@ import numpy as np
 import torch
 
 from common.graphs import capture
-from programs.base import LMProgram, pcm16
+from programs.base import CodecStreams, LMProgram, pcm16
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +54,15 @@ class DetokGraphs:
         pool: tuple | None = None,
         tail: int = 0,
         detokenize: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+        scratch: int | None = None,
     ) -> None:
+        """`scratch`: the program's scratch slot, for a program with codec streams (None: none)."""
         self.program = program
+        self.scratch = scratch
         # What the graphs capture: the program's detokenize, or a compiled one (regular windows).
-        self.detokenize = detokenize or (lambda t, k: program.detokenize(t, k, tail_rows=self.tail))
+        self.detokenize = detokenize or (
+            lambda t, k, streams=None: program.detokenize(t, k, tail_rows=self.tail, streams=streams)
+        )
         compiling = (
             " (compiling first: torch.compile, cached on disk after the first start)" if detokenize else ""
         )
@@ -64,11 +73,16 @@ class DetokGraphs:
         self.tail = tail  # > 0: tail windows (only the last `tail` rows' audio)
         self.row = self.rows * p.n_codebooks
         bmax = self.sizes[-1]
-        # Arena: [tokens bmax*row | keys bmax] int64.
-        self.host = torch.zeros(bmax * (self.row + 1), dtype=torch.int64).pin_memory()
+        # Arena: [tokens bmax*row | keys bmax | slots bmax | fresh bmax] int64 (no slots without streams).
+        extra = 1 if scratch is None else 3
+        self.host = torch.zeros(bmax * (self.row + extra), dtype=torch.int64).pin_memory()
         self.dev = torch.zeros_like(self.host, device=dev)
         self.tokens = self.dev[: bmax * self.row].view(bmax, self.rows, p.n_codebooks)
-        self.keys = self.dev[bmax * self.row :]
+        self.keys = self.dev[bmax * self.row : bmax * (self.row + 1)]
+        self.slots = self.dev[bmax * (self.row + 1) : bmax * (self.row + 2)]
+        self.fresh = self.dev[bmax * (self.row + 2) :]
+        if scratch is not None:  # the warm-up and capture decode in the scratch slot only
+            self.slots.fill_(scratch)
         # Graphs of several row counts may share one pool: they replay one at a time, and each
         # replay's outputs are copied out before the next.
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
@@ -96,16 +110,27 @@ class DetokGraphs:
     @torch.inference_mode()
     def _capture(self, bs: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
         def step() -> tuple[torch.Tensor, torch.Tensor]:
-            audio, valid = self.detokenize(self.tokens[:bs], self.keys[:bs])
+            if self.scratch is None:
+                audio, valid = self.detokenize(self.tokens[:bs], self.keys[:bs])
+            else:
+                streams = CodecStreams(self.slots[:bs], self.fresh[:bs] != 0)
+                audio, valid = self.detokenize(self.tokens[:bs], self.keys[:bs], streams=streams)
             return pcm16(audio), valid
 
         graph, (pcm, valid) = capture(step, self.pool)
         return graph, pcm, valid
 
-    def launch(self, tokens: np.ndarray, keys: np.ndarray) -> Pending:
-        """Queue the decode of tokens [n, rows, C] int64, keys [n] int64 (n ≤ max_batch); → its
-        Pending. The host arena and output buffers are this object's: a launch first reads out the
-        previous launch's results, if nobody has yet."""
+    def launch(
+        self,
+        tokens: np.ndarray,
+        keys: np.ndarray,
+        slots: np.ndarray | None = None,
+        fresh: np.ndarray | None = None,
+    ) -> Pending:
+        """Queue the decode of tokens [n, rows, C] int64, keys [n] int64 (n ≤ max_batch), and with
+        codec streams slots [n] int64, fresh [n] bool; → its Pending. The host arena and output
+        buffers are this object's: a launch first reads out the previous launch's results, if
+        nobody has yet."""
         if self.pending is not None:
             self.pending.result()  # waits for the previous copies in and out
         n = len(tokens)
@@ -114,6 +139,12 @@ class DetokGraphs:
         self.host.zero_()
         self.host[: n * self.row].copy_(torch.from_numpy(tokens.reshape(-1)))
         self.host[bmax * self.row : bmax * self.row + n].copy_(torch.from_numpy(keys))
+        if self.scratch is not None:
+            assert slots is not None and fresh is not None, "a program with codec streams needs slots"
+            at = bmax * (self.row + 1)
+            self.host[at : at + bmax].fill_(self.scratch)  # padding: the scratch slot, not fresh
+            self.host[at : at + n].copy_(torch.from_numpy(slots))
+            self.host[at + bmax : at + bmax + n].copy_(torch.from_numpy(fresh.astype(np.int64)))
         self.dev.copy_(self.host, non_blocking=True)
         graph, pcm, valid = self.graphs[bs]
         graph.replay()

@@ -182,8 +182,19 @@ class CodecSettings(msgspec.Struct, kw_only=True):
     gather_ms: float = 30.0  # longest a window waits to share a decode call
     cuda_graphs: bool = True  # GPU only: replay captured decode graphs (--disable-cuda-graph: eager)
     gpu_share: int = 0  # serve with MPS: percent of the GPU's SMs the codec_worker may use (0 = all)
+    # Codec slots (programs with codec_streams: one per request being decoded); 0 = streams_for's
+    # default from the gpu_worker's batch size.
+    max_streams: int = 0
+
+    def streams_for(self, gpu_max_batch: int) -> int:
+        """Codec slots to allocate: `max_streams`, or twice the gpu_worker's batch plus 16. A request's
+        slot is freed when its end has passed the codec, after its last chunks, while the gpu_worker
+        may already run a new request in its place: twice the batch covers a full turnover."""
+        return self.max_streams or 2 * gpu_max_batch + 16
 
     def check(self) -> None:
+        if self.max_streams < 0:
+            raise ValueError(f"--codec-streams must be >= 0 (0 = by the batch size), got {self.max_streams}")
         if self.max_batch < 0 or not 0 <= self.gather_ms <= 1000:
             raise ValueError("--codec-max-batch must be >= 0 and --codec-gather-ms in 0..1000")
         if not 0 <= self.gpu_share <= 100:

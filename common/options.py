@@ -171,6 +171,14 @@ OPTIONS: tuple[Option, ...] = (
         path="codec.gather_ms",
     ),
     Option(
+        "codec_streams",
+        "codec slots for models whose codec keeps each request's state (one per request being "
+        "decoded; 0 = twice the gpu_worker's max batch size plus 16)",
+        ("serve", "codec_worker"),
+        int,
+        path="codec.max_streams",
+    ),
+    Option(
         "max_batch_size", "0 = 256 on GPU, 16 on CPU", ("serve", "gpu_worker"), int, path="gpu.max_batch_size"
     ),
     Option(

@@ -24,7 +24,8 @@ apart from N/B/Bd, state only in buffers, randomness only from the keys passed i
 | `admit(slot, state)` | gpu_worker | no | write a starting request's state into its slot's buffers |
 | `candidates(n_audio)` | gpu_worker | yes | [B] int64 → [B, K] int64 token ids (constrained sampling) |
 | `classify(tokens, n_audio)` | gpu_worker | yes | [B, C] int64, [B] int64 → kinds [B] int64 (TokenKind) |
-| `detokenize(tokens, keys, tail_rows=0)` | codec_worker | yes | [Bd, R, C] int64 (R = detok_interval, or one of `detok_lead`), keys [Bd] int64 → audio [Bd, S] float in [-1, 1] (S = detok_samples for a regular window, R / s * detok_samples for a lead window, tail_rows / s * detok_samples for a tail window), valid [Bd] bool |
+| `detokenize(tokens, keys, tail_rows=0, streams=None)` | codec_worker | yes | [Bd, R, C] int64 (R = detok_interval, or one of `detok_lead`), keys [Bd] int64 → audio [Bd, S] float in [-1, 1] (S = detok_samples for a regular window, R / s * detok_samples for a lead window, tail_rows / s * detok_samples for a tail window), valid [Bd] bool; `streams` (a `CodecStreams`) only with `codec_streams` |
+| `init_codec_streams(n_slots)` | codec_worker | no | with `codec_streams`: allocates the state of n_slots codec slots on the codec's device (see Codec streams) |
 | `compiled_detokenize()` | codec_worker | — | optional: a function equal to `detokenize(tokens, keys)` for regular windows, compiled (`torch.compile`, any batch size), or None (the default): the codec_worker captures it in the regular windows' graphs (`--codec-compile`) |
 | `preprocess(text, model_kwargs)` | tokenizer_worker | no | → prompt rows [R, C] int32, or `PromptRows` (rows and state arrays); ValueError → HTTP 400 |
 | `prompt_overhead()` | tokenizer_worker | no | → prompt rows besides the text's tokens (no options) |
@@ -44,6 +45,7 @@ Attributes a program sets (defaults on LMProgram; any model may use each):
 | `uses_repetition_penalty` | False: the model has none; requests' repetition_penalty is ignored |
 | `mixed_prefill` | every GEMM of `backbone` goes through `programs.blocks.fp8.linear`, so a prompt may ride in one forward pass with a decode step |
 | `sized_options` | request options whose value adds prompt rows, counted by `option_rows` |
+| `codec_streams` | the codec keeps per-request state and decodes each audio row once (see Codec streams) |
 
 Multi-codebook rows (C > 1): a row is one frame of C codebook ids (a program may also encode
 non-audio rows in it, e.g. a text token, as long as `embed` tells them apart; prompt ids must lie
@@ -114,6 +116,26 @@ logits column; the runtime samples over those columns (penalties, stop masks and
 mapped onto them; tokens outside the head cannot be sampled) and hands token ids to every other
 hook, as with a full head. `head_ids` None means the columns are the whole vocabulary.
 
+Codec streams (`codec_streams = True`, for codecs whose output depends on everything decoded
+before: a transformer's KV cache, causal-convolution history, transposed-convolution overlap):
+each request's audio rows are decoded exactly once, in order, as one stream, so the streamed
+audio equals the codec's decode of the whole utterance. The codec keeps each stream's state in a
+*codec slot*. Such a program has detok_overlap 0 and no lead, tail, preseed or flush windows.
+- `init_codec_streams(n_slots)` (codec_worker, after `load_codec`) allocates n_slots slots on the
+  codec's device. The runtime keeps the last slot (n_slots - 1) as a scratch slot: padding
+  entries of a batch decode there, and it is never a request's.
+- `detokenize(tokens, keys, streams=CodecStreams(slot, fresh))`: entry b decodes its R new rows
+  `tokens[b]` [R, C] continuing the stream held in slot `slot[b]` [Bd] int64; `fresh[b]` [Bd] bool
+  True means the window starts a stream, and the slot's state is reset first, inside the call and
+  graph-safe (e.g. `torch.where(fresh, initial, state)`). It returns the window's audio
+  [Bd, R / s * detok_samples] and valid as usual and leaves each slot's state advanced by R rows.
+  It is captured per (R, batch bucket) with static slot and fresh buffers; one call never holds
+  two entries of one real slot (padding entries may share the scratch slot).
+- The runtime (codec_worker) gives a request's chunk 0 a free slot (fresh), its later chunks the
+  same slot, decodes a request's chunks strictly in index order, one per call, and frees the slot
+  at the request's end. A later chunk of a request without a slot (its state is lost: a restarted
+  codec worker, a slot reclaimed from a stream idle too long) ends that request with an error.
+
 Attention: `attn` is an `Attention` planned by the runtime for this step. Each layer calls
 `attn.forward(layer, q, k, v)`: it writes the step's keys/values into the paged cache
 [num_layers, num_pages, 2, page_size, num_kv_heads, head_dim] and returns each row's causal
@@ -152,14 +174,6 @@ class Rows:
 
 
 @dataclass
-class CodecStreams:
-    """The codec slots of a decode's entries (see "Codec streams")."""
-
-    slot: torch.Tensor  # [Bd] int64
-    fresh: torch.Tensor  # [Bd] bool: the entry starts its stream (its slot's state is reset first)
-
-
-@dataclass
 class PromptRows:
     """What `preprocess` builds when a prompt carries state besides its rows."""
 
@@ -177,6 +191,14 @@ class Sampler(Protocol):
     def __call__(self, logits: torch.Tensor, salt: int) -> torch.Tensor:
         """logits [B, V] float32 → token ids [B] int64 with each request's sampling settings."""
         ...
+
+
+@dataclass(frozen=True)
+class CodecStreams:
+    """Which codec slot each entry of a `detokenize` call continues (see Codec streams)."""
+
+    slot: torch.Tensor  # [Bd] int64: the entry's slot, in [0, n_slots)
+    fresh: torch.Tensor  # [Bd] bool: the entry starts its stream (the slot's state is reset first)
 
 
 class LMProgram:
@@ -214,6 +236,9 @@ class LMProgram:
     mixed_prefill: bool = False
     # Request options whose value adds prompt rows (`option_rows` counts them), e.g. a context.
     sized_options: tuple[str, ...] = ()
+    # True: the codec decodes each request's rows once, keeping its state in codec slots (see
+    # Codec streams): `init_codec_streams`, and `detokenize` takes `streams`.
+    codec_streams: bool = False
 
     def __init__(
         self,
@@ -259,6 +284,13 @@ class LMProgram:
             raise ValueError(f"{spec['name']}: detok_overlap must be smaller than detok_interval")
         if self.detok_flush and self.detok_samples % self.detok_stride:
             raise ValueError(f"{spec['name']}: detok_flush needs detok_samples divisible by the stride")
+        if self.codec_streams and (
+            self.detok_overlap or self.detok_lead or self.detok_tail or self.detok_preseed or self.detok_flush
+        ):
+            raise ValueError(
+                f"{spec['name']}: codec streams decode each row once: detok_overlap must be 0, and "
+                "there are no lead, tail, preseed or flush windows"
+            )
         if codec_dtype != "auto":
             if codec_dtype not in CODEC_DTYPES:
                 raise ValueError(
@@ -341,9 +373,18 @@ class LMProgram:
 
     # --- codec (graph) -------------------------------------------------------------------------
     def detokenize(
-        self, tokens: torch.Tensor, keys: torch.Tensor, tail_rows: int = 0
+        self,
+        tokens: torch.Tensor,
+        keys: torch.Tensor,
+        tail_rows: int = 0,
+        streams: CodecStreams | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
+
+    def init_codec_streams(self, n_slots: int) -> None:
+        """Allocate the state of `n_slots` codec slots on the codec's device (codec_streams only;
+        see Codec streams). Called once, after `load_codec`."""
+        raise NotImplementedError(f"{self.name or type(self).__name__} has no codec streams")
 
     def compiled_detokenize(
         self, backend: str = "inductor"

@@ -1,6 +1,6 @@
 """One codec pass: the urgent group (first chunks) is decoded and sent before the gathered rest is
-decoded, on the eager path too (its decodes run when read); a group that fails ends its own
-requests with an error, and the other ends held with it go on unchanged."""
+decoded, on the eager path too (its decodes run when read); a window that cannot be decoded ends
+its own request with an error, and the other windows and ends held with it go on unchanged."""
 
 from __future__ import annotations
 
@@ -77,8 +77,13 @@ def test_a_failed_group_ends_only_its_own_requests(program):
     held = [Finished("new", FinishReason.STOP), Finished("s1", FinishReason.STOP)]
     w._decode_and_send([(urgent, []), (bad, held)])
     sends = [entry for entry in log if entry[0] == "send"]
-    # The urgent audio first, then the failure, with the end held for "new" passed on after it.
+    # The urgent audio first, then the other group: s1's audio, the failure of "odd" alone, and the
+    # ends held with it.
     assert sends == [
         ("send", ["new"], []),
-        ("send", [], [("odd", FinishReason.ERROR), ("s1", FinishReason.ERROR), ("new", FinishReason.STOP)]),
+        (
+            "send",
+            ["s1"],
+            [("odd", FinishReason.ERROR), ("new", FinishReason.STOP), ("s1", FinishReason.STOP)],
+        ),
     ]

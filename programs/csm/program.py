@@ -120,7 +120,7 @@ class CsmProgram(LMProgram):
 
     # --- codec (graph) -------------------------------------------------------------------------
     def detokenize(
-        self, tokens: torch.Tensor, keys: torch.Tensor, tail_rows: int = 0
+        self, tokens: torch.Tensor, keys: torch.Tensor, tail_rows: int = 0, streams=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """[Bd, R, 32] frames (R = 12, or 4 or 8 for a stream's start windows) → audio [Bd, 4 * 1920]
         (Mimi has no noise: keys unused), valid [Bd].

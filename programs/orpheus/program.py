@@ -142,7 +142,7 @@ class OrpheusProgram(LMProgram):
 
     # --- codec (graph) -------------------------------------------------------------------------
     def detokenize(
-        self, tokens: torch.Tensor, keys: torch.Tensor, tail_rows: int = 0
+        self, tokens: torch.Tensor, keys: torch.Tensor, tail_rows: int = 0, streams=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """[Bd, R, 1] int64, keys [Bd] int64 → audio [Bd, S] float32, valid [Bd] bool: R = 28 gives
         S = 2048 (the reference's kept samples); a lead window (R = 7, 14, 21: `detok_lead`) of

@@ -1,0 +1,323 @@
+"""The program's detokenizer over batches of wire chunks: `Codec` (no sockets: testable alone).
+
+Chunks of one kind (row count, tail rows) decode together. A request's audio does not depend on
+how its windows are batched: on a GPU each batch bucket is its own captured graph, and the eager
+path (a CPU, or --disable-cuda-graph) decodes in calls of one fixed size (`eager_batch`), padded,
+since CPU convolutions round by batch size (a batch of 1, of 2-15 and of 16+ differ in the last
+bit on oneDNN).
+
+A failure fails only the requests whose windows cause it: a chunk of no known kind ends its own
+request, and a batch whose decode raises is decoded again window by window, so its good windows
+keep their audio. Programs with codec streams (programs/base.py, "Codec streams") decode in
+rounds: round k holds each request's k-th waiting chunk, each chunk in its request's slot
+(codec_worker/streams.py). Their failed batch fails all of its requests: how far it advanced
+their state is unknown.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from codec_worker.graphs import DetokGraphs, Pending
+from codec_worker.streams import IDLE_S, Slots, StreamError, rounds
+from common.messages import AudioChunk, DetokChunk, Finished, FinishReason
+from programs.base import CodecStreams, LMProgram, pcm16
+from programs.blocks import rng
+
+log = logging.getLogger(__name__)
+
+LEAD_MAX_BATCH = 16  # lead windows are first chunks only: few per pass; graphs up to this batch
+# Windows per eager decode call (a call of fewer is padded): on a CPU 4 costs a lone window ~1.8x
+# a call of 1, and 16 windows take no longer than in one call of 16.
+EAGER_BATCH = {"cpu": 4, "cuda": 16}
+DEAD_KEPT = 4096  # failed requests remembered, to drop their later chunks and their own end
+
+
+@dataclass
+class Launched:
+    """A launched decode: the chunks, per part its positions in them and the pending result, and
+    the requests it failed (rid → the error end to send in place of their audio)."""
+
+    chunks: list[DetokChunk]
+    parts: list[tuple[list[int], Pending]] = field(default_factory=list)
+    failed: dict[str, Finished] = field(default_factory=dict)
+
+
+class Codec:
+    """The program's detokenizer over batches of wire chunks. On a GPU it replays captured graphs
+    per row count and batch bucket unless `graphs` is False. `streams`: codec slots for a program
+    with codec streams (its scratch slot comes on top), taken back from a stream idle `idle_s`."""
+
+    def __init__(
+        self,
+        program: LMProgram,
+        max_batch: int = 64,
+        graphs: bool = True,
+        progress=None,
+        tails: bool = False,
+        compile_backend: str | Callable | None = None,
+        compile_fallback: bool = False,
+        streams: int = 0,
+        idle_s: float = IDLE_S,
+        eager_batch: int = 0,
+    ) -> None:
+        self.program = program
+        self.device = program.device
+        self.eager_batch = eager_batch or EAGER_BATCH.get(self.device.type, 16)
+        self.slots: Slots | None = None
+        if program.codec_streams:
+            if streams < 1:
+                raise ValueError(f"{program.name} decodes codec streams: give it codec slots (streams)")
+            self.slots = Slots(streams, idle_s)
+            program.init_codec_streams(streams + 1)
+        self.dead: OrderedDict[str, None] = OrderedDict()  # failed requests whose end is yet to come
+        # Regular windows through the program's compiled decode (`compile_backend`: torch.compile's
+        # backend; None: not compiled), graphed or eager like the others. `compile_fallback`: if
+        # compiling fails (no compiler on this host, say), decode them uncompiled, with a warning.
+        self.compile_fallback = compile_fallback
+        self.compiled = None
+        if compile_backend:
+            try:
+                self.compiled = program.compiled_detokenize(compile_backend)
+            except Exception as e:
+                self._compile_failed(e)
+            if self.compiled is None and not compile_fallback:
+                raise ValueError(f"--codec-compile on: {program.name} has no compiled codec")
+        # Largest batch decoded at once, per window kind (rows, tail rows): regular windows, lead
+        # and start windows, and with `tails` (--first-chunk progressive) the tail windows of 1-4 frames (a
+        # tail of all its rows is the whole window: kind (rows, 0), see `_kind`).
+        p, s = program, program.detok_stride
+        kinds = {(p.detok_interval, 0): max_batch}
+        # Lead windows and a stream's start windows (its first windows, less the preseed rows).
+        kinds.update({(r, 0): LEAD_MAX_BATCH for r in (*p.detok_lead, *p.start_window_rows)})
+        if tails and p.detok_tail:
+            kinds.update({self._kind(r, s): LEAD_MAX_BATCH for r in range(s, p.detok_interval + 1, s)})
+        self.limits = kinds
+        self.graphs: dict[tuple[int, int], DetokGraphs] = {}
+        if graphs and self.device.type == "cuda":
+            self._capture(progress)
+        else:
+            self.limits = {kind: max_batch for kind in self.limits}  # eager: any batch
+            if self.compiled is not None:  # compile now, not in the first request's decode
+                if progress:
+                    progress("compiling the codec")
+                n = self.eager_batch
+                self._decode_eager(
+                    np.zeros((n, p.detok_interval, p.n_codebooks), np.int64), np.zeros(n, np.int64)
+                )
+
+    def _capture(self, progress) -> None:
+        p = self.program
+        pool = torch.cuda.graph_pool_handle()
+        scratch = None if self.slots is None else self.slots.scratch
+        for (rows, tail), limit in self.limits.items():
+            fn = self.compiled if (rows, tail) == (p.detok_interval, 0) else None
+            graphs = None
+            try:  # a compile happens in the warm-up before the first capture
+                graphs = DetokGraphs(
+                    p, limit, progress, rows=rows, tail=tail, pool=pool, detokenize=fn, scratch=scratch
+                )
+            except Exception as e:
+                if fn is None:
+                    raise
+                self._compile_failed(e)
+            if graphs is None:  # captured again uncompiled, the failed attempt released
+                graphs = DetokGraphs(p, limit, progress, rows=rows, tail=tail, pool=pool, scratch=scratch)
+            self.graphs[rows, tail] = graphs
+
+    def _compile_failed(self, error: Exception) -> None:
+        """Decode regular windows uncompiled from now on, or (`--codec-compile on`) fail. Running
+        out of GPU memory is no compile failure: it goes on up."""
+        if not self.compile_fallback or isinstance(error, torch.cuda.OutOfMemoryError):
+            raise error
+        log.warning(
+            "codec: the compiled decode failed (%s: %s); decoding uncompiled", type(error).__name__, error
+        )
+        self.compiled = None
+
+    @staticmethod
+    def _kind(rows: int, tail: int) -> tuple[int, int]:
+        """A window's decode kind: (rows, tail rows kept), 0 for all of them."""
+        return rows, (tail if tail < rows else 0)
+
+    @torch.inference_mode()
+    def _decode_eager(
+        self,
+        tokens: np.ndarray,
+        keys: np.ndarray,
+        tail: int = 0,
+        slots: np.ndarray | None = None,
+        fresh: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """tokens [n, R, C] int64, keys [n] (slots [n] int64, fresh [n] bool with codec streams) →
+        PCM16 [n, S], valid [n], in calls of exactly `eager_batch` windows, so every call has one
+        shape: padding entries repeat the first window (a window the program takes), with codec
+        streams in the scratch slot, not fresh."""
+        k, n = self.eager_batch, len(tokens)
+        pad = -n % k
+        tokens = np.concatenate([tokens, np.repeat(tokens[:1], pad, axis=0)])
+        keys = np.concatenate([keys, np.repeat(keys[:1], pad)])
+        t, kt = torch.from_numpy(tokens).to(self.device), torch.from_numpy(keys).to(self.device)
+        st = ft = None
+        if self.slots is not None:
+            assert slots is not None and fresh is not None, "a program with codec streams needs slots"
+            st = torch.from_numpy(np.concatenate([slots, np.full(pad, self.slots.scratch)])).to(self.device)
+            ft = torch.from_numpy(np.concatenate([fresh, np.zeros(pad, bool)])).to(self.device)
+        pcm, valid = [], []
+        for lo in range(0, n + pad, k):
+            audio = None
+            if (
+                self.compiled is not None
+                and not tail
+                and st is None
+                and t.shape[1] == self.program.detok_interval
+            ):
+                try:
+                    audio, ok = self.compiled(t[lo : lo + k], kt[lo : lo + k])
+                except Exception as e:  # compiled at its first call
+                    self._compile_failed(e)
+            if audio is None:
+                streams = None if st is None else CodecStreams(st[lo : lo + k], ft[lo : lo + k])
+                audio, ok = self.program.detokenize(
+                    t[lo : lo + k], kt[lo : lo + k], tail_rows=tail, streams=streams
+                )
+            pcm.append(pcm16(audio).cpu().numpy())
+            valid.append(ok.cpu().numpy())
+        return np.concatenate(pcm)[:n], np.concatenate(valid)[:n]  # [n, S], [n]
+
+    def decode(self, chunks: list[DetokChunk]) -> list[AudioChunk]:
+        """One AudioChunk per chunk, in the chunks' order, but none for the chunks of a request the
+        decode failed (`launch(...).failed` says why)."""
+        return self.collect(self.launch(chunks))
+
+    def launch(self, chunks: list[DetokChunk]) -> Launched:
+        """Queue the decode of `chunks` (graphs: nothing waits for the GPU; eager: computed when
+        read). A chunk that cannot be decoded fails its request, and only it."""
+        p = self.program
+        out = Launched(chunks)
+        kinds: dict[int, tuple[int, int]] = {}  # position → window kind
+        for i, c in enumerate(chunks):
+            kind = self._kind(len(c.tokens) // (4 * p.n_codebooks), c.tail_rows)
+            if c.rid in self.dead:
+                continue  # its request has failed: its later chunks have nowhere to go
+            if kind not in self.limits or len(c.tokens) % (4 * p.n_codebooks):
+                self.fail(out, c.rid, self._bad_kind(c, kind))
+                continue
+            kinds[i] = kind
+        live = [i for i in kinds if chunks[i].rid not in out.failed]
+        for where in rounds(chunks, live) if self.slots is not None else [live]:
+            groups: dict[tuple[int, int], list[tuple[int, int, bool]]] = {}  # kind → (position, slot, fresh)
+            for i in where:
+                slot, fresh = 0, False
+                if self.slots is not None:
+                    try:
+                        slot, fresh = self.slots.take(chunks[i])
+                    except StreamError as e:
+                        self.fail(out, chunks[i].rid, str(e), e.status)
+                        continue
+                groups.setdefault(kinds[i], []).append((i, slot, fresh))
+            for kind, entries in groups.items():
+                limit = self.limits[kind]
+                for lo in range(0, len(entries), limit):
+                    out.parts.append(self._launch_part(chunks, kind, entries[lo : lo + limit]))
+        return out
+
+    def _bad_kind(self, c: DetokChunk, kind: tuple[int, int]) -> str:
+        p = self.program
+        return (
+            f"codec error: chunk {c.index} of {c.rid} has {len(c.tokens) / (4 * p.n_codebooks):g} rows "
+            f"(tail {kind[1]}); {p.name} windows have {p.detok_interval} (lead or start windows: "
+            f"{list(p.detok_lead or p.start_window_rows)}; tail windows: {sorted(t for t in self.limits if t[1])})"
+        )
+
+    def _launch_part(
+        self, chunks: list[DetokChunk], kind: tuple[int, int], entries: list[tuple[int, int, bool]]
+    ) -> tuple[list[int], Pending]:
+        """Queue one batch of windows of one kind: (position, slot, fresh) each."""
+        rows, tail = kind
+        part = [i for i, _, _ in entries]
+        tokens = np.stack([np.frombuffer(chunks[i].tokens, dtype="<i4") for i in part]).astype(np.int64)
+        tokens = tokens.reshape(len(part), rows, self.program.n_codebooks)
+        seeds = torch.tensor([chunks[i].seed for i in part], dtype=torch.int64)
+        index = torch.tensor([chunks[i].noise_id for i in part], dtype=torch.int64)
+        keys = rng.mix_keys(seeds, index).numpy()  # [Bd] noise key per chunk
+        slots = fresh = None
+        if self.slots is not None:
+            slots = np.array([s for _, s, _ in entries], dtype=np.int64)
+            fresh = np.array([f for _, _, f in entries], dtype=bool)
+        if kind in self.graphs:
+            if slots is None:
+                return part, self.graphs[kind].launch(tokens, keys)
+            return part, self.graphs[kind].launch(tokens, keys, slots, fresh)
+        if slots is None:
+            return part, Pending.later(lambda: self._decode_eager(tokens, keys, tail))
+        return part, Pending.later(lambda: self._decode_eager(tokens, keys, tail, slots, fresh))
+
+    def collect(self, launched: Launched) -> list[AudioChunk]:
+        """Wait for a launch and turn it into AudioChunks, in its chunks' order, leaving out the
+        chunks of the requests it failed (added to `launched.failed`)."""
+        p = self.program
+        chunks = launched.chunks
+        out: list[AudioChunk | None] = [None] * len(chunks)
+        for part, pending in launched.parts:
+            try:
+                pcm, valid = pending.result()
+            except Exception as e:
+                log.exception("codec failed on %d windows", len(part))
+                self._failed_part(launched, part, out, e)
+                continue
+            for i, samples, ok in zip(part, pcm.astype("<i2"), valid, strict=True):
+                c = chunks[i]
+                if c.n_rows:  # a request's padded last window: only its real rows' samples
+                    samples = samples[: c.n_rows * p.detok_samples // p.detok_stride]
+                out[i] = AudioChunk(c.rid, c.index, samples.tobytes() if ok else b"")
+        return [a for a in out if a is not None and a.rid not in launched.failed]
+
+    def _failed_part(
+        self, launched: Launched, part: list[int], out: list[AudioChunk | None], error: Exception
+    ) -> None:
+        """A batch's decode raised: decode its windows one by one and fail the requests of those
+        that fail alone (codec streams, or a window alone: fail them all)."""
+        chunks = launched.chunks
+        if self.slots is not None or len(part) == 1:
+            for i in part:
+                self.fail(launched, chunks[i].rid, f"codec error: {type(error).__name__}: {error}")
+            return
+        for i in part:
+            alone = self.launch([chunks[i]])
+            audio = self.collect(alone)
+            launched.failed.update(alone.failed)
+            if audio:
+                out[i] = audio[0]
+
+    def fail(self, launched: Launched | None, rid: str, message: str, status: int = 500) -> Finished:
+        """End request `rid` with an error: its slot is freed, its later chunks and its own end
+        dropped; → the error end (also recorded in `launched.failed`)."""
+        end = Finished(rid, FinishReason.ERROR, message=message, status=status)
+        if launched is not None:
+            launched.failed.setdefault(rid, end)
+        if self.slots is not None:
+            self.slots.release(rid)
+        self.dead[rid] = None
+        while len(self.dead) > DEAD_KEPT:
+            self.dead.popitem(last=False)
+        return end
+
+    def ended(self, finished: list[Finished]) -> list[Finished]:
+        """Requests' ends on their way to the gateway: their slots are freed; the ends of requests
+        already failed here are dropped (their error went out instead)."""
+        out = []
+        for f in finished:
+            if self.slots is not None:
+                self.slots.release(f.rid)
+            if f.rid in self.dead:
+                del self.dead[f.rid]
+            else:
+                out.append(f)
+        return out
