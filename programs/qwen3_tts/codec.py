@@ -1,0 +1,482 @@
+"""Qwen3-TTS-Tokenizer-12Hz's decoder (codes → 24 kHz audio), decoding each request as a stream.
+
+The network is the reference's `Qwen3TTSTokenizerV2Decoder` (qwen-tts, tokenizer_12hz) under its
+parameter names, so the checkpoint's `decoder.*` weights load unchanged: the split residual
+quantizer (codebook 0; codebooks 1..15; a code's vector is `embedding_sum / cluster_usage`), a
+causal pre-convolution, a transformer with RoPE over a sliding window, two ×2 upsampling stages
+(transposed conv + ConvNeXt block), the DAC-like decoder (SnakeBeta, transposed convs of kernel 2r
+and stride r, residual units of dilations 1, 3, 9): 1920 samples per frame (8·5·4·3·2·2).
+
+Every layer is causal, so a whole utterance decodes a window of frames at a time, each frame once,
+where each stateful layer keeps what it needs of the past: a causal conv its last
+(kernel - 1) · dilation input samples (its left padding); a transposed conv of kernel 2r its last
+input, whose second half-kernel overlaps the next input's outputs; attention the rotated keys and
+values of the last `sliding_window - 1` frames, with the stream's frame position. `init_streams`
+allocates that state per slot; `decode_stream` gathers each entry's slot, zeroes it where a stream
+starts (`fresh`), decodes, and writes it back with device tensors (graph-safe). `decode_all` runs
+a whole utterance as one window from zero state: the reference's `forward`, which its `decode`
+(`chunked_decode`) is up to 300 frames; longer utterances it decodes in 300-frame chunks with 25
+frames of left context, an approximation of that whole decode.
+
+configs/qwen3-tts-tokenizer-12hz.json holds the published config.json's values (top level and
+`decoder_config`; the encoder's left out), as several independent public copies of
+Qwen/Qwen3-TTS-Tokenizer-12Hz/config.json agree (ports' test fixtures, a build check running the
+reference on it); the checkpoint itself is not read here. The reference ignores
+`semantic_codebook_size` (4096) and `vector_quantization_hidden_dimension` (512): every codebook
+has `codebook_size` × `codebook_dim // 2` entries (public ports report 2048 × 256 in the
+checkpoint; unverified). qwen3-tts-tokenizer-tiny.json keeps every structural feature (GQA, all
+stages, 1920 samples per frame) at CPU-test size, with a 6-frame window.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from programs.blocks.weights import checkpoint_dir, copy_weights, load_safetensors
+
+
+class Contexts:
+    """One decode's state: each stateful layer reads its past (`get`, [B, *state_shape]) and leaves
+    what the next window needs (`put`), by its `state_index`."""
+
+    def __init__(self, past: list[torch.Tensor]) -> None:
+        self.past = past
+        self.new: list[torch.Tensor | None] = [None] * len(past)
+
+    def get(self, layer: nn.Module) -> torch.Tensor:
+        return self.past[layer.state_index]
+
+    def put(self, layer: nn.Module, state: torch.Tensor) -> None:
+        self.new[layer.state_index] = state
+
+
+class CausalConvNet(nn.Module):
+    """Conv1d (stride 1) padded on the left only: [B, Cin, T] → [B, Cout, T]; its past is the last
+    (kernel - 1) · dilation input samples, zeros at a stream's start."""
+
+    def __init__(self, cin: int, cout: int, kernel: int, dilation: int = 1, groups: int = 1) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(cin, cout, kernel, dilation=dilation, groups=groups)
+        self.context = (kernel - 1) * dilation
+        self.state_shape = (cin, self.context) if self.context else None
+
+    def forward(self, x: torch.Tensor, ctx: Contexts) -> torch.Tensor:
+        if self.context:
+            x = torch.cat([ctx.get(self), x], dim=-1)
+            ctx.put(self, x[..., -self.context :])
+        return self.conv(x)
+
+
+class CausalTransConvNet(nn.Module):
+    """ConvTranspose1d trimmed to `stride` outputs per input: [B, Cin, T] → [B, Cout, T · stride].
+    Outputs of input t also take the tails of the `context` inputs before it, its past."""
+
+    def __init__(self, cin: int, cout: int, kernel: int, stride: int) -> None:
+        super().__init__()
+        self.conv = nn.ConvTranspose1d(cin, cout, kernel, stride=stride)
+        self.stride = stride
+        self.context = -(-(kernel - stride) // stride)
+        self.state_shape = (cin, self.context) if self.context else None
+
+    def forward(self, x: torch.Tensor, ctx: Contexts) -> torch.Tensor:
+        n = x.shape[-1] * self.stride
+        if self.context:
+            x = torch.cat([ctx.get(self), x], dim=-1)
+            ctx.put(self, x[..., -self.context :])
+        start = self.context * self.stride
+        return self.conv(x)[..., start : start + n]
+
+
+class SnakeBeta(nn.Module):
+    """x + sin²(x · e^alpha) / e^beta per channel: [B, C, T] → [B, C, T]."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.zeros(channels))
+        self.beta = nn.Parameter(torch.zeros(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alpha = self.alpha.exp()[:, None]
+        beta = self.beta.exp()[:, None]
+        return x + torch.sin(x * alpha).pow(2) / (beta + 1e-9)
+
+
+class ConvNeXtBlock(nn.Module):
+    """Causal depthwise conv (7), LayerNorm, MLP ×4 (GELU), scaled residual: [B, C, T] → [B, C, T]."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dwconv = CausalConvNet(dim, dim, 7, groups=dim)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.pwconv1 = nn.Linear(dim, 4 * dim)
+        self.act = nn.GELU()
+        self.pwconv2 = nn.Linear(4 * dim, dim)
+        self.gamma = nn.Parameter(torch.full((dim,), 1e-6))
+
+    def forward(self, x: torch.Tensor, ctx: Contexts) -> torch.Tensor:
+        h = self.norm(self.dwconv(x, ctx).transpose(1, 2))
+        h = self.gamma * self.pwconv2(self.act(self.pwconv1(h)))
+        return x + h.transpose(1, 2)
+
+
+class ResidualUnit(nn.Module):
+    """SnakeBeta, causal conv (7, dilated), SnakeBeta, conv (1), residual: [B, C, T] → [B, C, T]."""
+
+    def __init__(self, dim: int, dilation: int) -> None:
+        super().__init__()
+        self.act1 = SnakeBeta(dim)
+        self.conv1 = CausalConvNet(dim, dim, 7, dilation=dilation)
+        self.act2 = SnakeBeta(dim)
+        self.conv2 = CausalConvNet(dim, dim, 1)
+
+    def forward(self, x: torch.Tensor, ctx: Contexts) -> torch.Tensor:
+        h = self.conv1(self.act1(x), ctx)
+        return x + self.conv2(self.act2(h), ctx)
+
+
+class DecoderBlock(nn.Module):
+    """SnakeBeta, ×rate transposed conv (kernel 2·rate) halving the channels, three residual units:
+    [B, C, T] → [B, C/2, T · rate]."""
+
+    def __init__(self, cin: int, rate: int) -> None:
+        super().__init__()
+        cout = cin // 2
+        units = [ResidualUnit(cout, d) for d in (1, 3, 9)]
+        self.block = nn.ModuleList([SnakeBeta(cin), CausalTransConvNet(cin, cout, 2 * rate, rate), *units])
+
+    def forward(self, x: torch.Tensor, ctx: Contexts) -> torch.Tensor:
+        x = self.block[1](self.block[0](x), ctx)
+        for unit in self.block[2:]:
+            x = unit(x, ctx)
+        return x
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class LayerScale(nn.Module):
+    def __init__(self, dim: int, init: float) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((dim,), init))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * x
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim: int, inner: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, inner, bias=False)
+        self.up_proj = nn.Linear(dim, inner, bias=False)
+        self.down_proj = nn.Linear(inner, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on halves: x [B, H, R, D], cos/sin [B, 1, R, D]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    """Causal attention over the last `window` frames. Its past: the keys (rotated) and values of
+    the `window - 1` frames before the window, [B, 2, kv_heads, window - 1, head_dim]."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        dim, bias = cfg["hidden_size"], cfg.get("attention_bias", False)
+        self.heads, self.kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        self.head_dim = cfg.get("head_dim") or dim // self.heads
+        self.q_proj = nn.Linear(dim, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(dim, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(dim, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, dim, bias=bias)
+        self.state_shape = (2, self.kv_heads, cfg["sliding_window"] - 1, self.head_dim)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, ctx: Contexts
+    ):
+        """x [B, R, dim], cos/sin [B, 1, R, head_dim], mask [B, 1, R, window - 1 + R] bool."""
+        b, r, _ = x.shape
+        q = self.q_proj(x).view(b, r, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, r, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, r, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        past = ctx.get(self)
+        keys = torch.cat([past[:, 0], k], dim=2)
+        values = torch.cat([past[:, 1], v], dim=2)
+        ctx.put(self, torch.stack([keys[:, :, r:], values[:, :, r:]], dim=1))
+        groups = self.heads // self.kv_heads
+        keys = keys.repeat_interleave(groups, dim=1)
+        values = values.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, r, -1))
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        dim, eps, scale = cfg["hidden_size"], cfg["rms_norm_eps"], cfg["layer_scale_initial_scale"]
+        self.self_attn = Attention(cfg)
+        self.mlp = Mlp(dim, cfg["intermediate_size"])
+        self.input_layernorm = RMSNorm(dim, eps)
+        self.post_attention_layernorm = RMSNorm(dim, eps)
+        self.self_attn_layer_scale = LayerScale(dim, scale)
+        self.mlp_layer_scale = LayerScale(dim, scale)
+
+    def forward(self, x: torch.Tensor, cos, sin, mask, ctx: Contexts) -> torch.Tensor:
+        x = x + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(x), cos, sin, mask, ctx))
+        return x + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(x)))
+
+
+class Transformer(nn.Module):
+    """latent → hidden, sliding-window layers (RoPE by stream position), norm, → latent:
+    x [B, R, latent], start [B] int64 (the stream position of x's first frame) → [B, R, latent]."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(TransformerLayer(cfg) for _ in range(cfg["num_hidden_layers"]))
+        self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.input_proj = nn.Linear(cfg["latent_dim"], cfg["hidden_size"])
+        self.output_proj = nn.Linear(cfg["hidden_size"], cfg["latent_dim"])
+        self.window = cfg["sliding_window"]
+        self.rope_theta = float(cfg.get("rope_theta", 10000.0))
+        self.head_dim = self.layers[0].self_attn.head_dim
+
+    def forward(self, x: torch.Tensor, start: torch.Tensor, ctx: Contexts) -> torch.Tensor:
+        r, dev = x.shape[1], x.device
+        pos = start[:, None] + torch.arange(r, device=dev)  # [B, R]
+        d = self.head_dim
+        inv_freq = 1.0 / self.rope_theta ** (torch.arange(0, d, 2, device=dev, dtype=torch.float32) / d)
+        freqs = pos.float()[..., None] * inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, R, D]
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        keys = start[:, None] - (self.window - 1) + torch.arange(self.window - 1 + r, device=dev)  # [B, K]
+        gap = pos[:, :, None] - keys[:, None, :]  # [B, R, K]
+        mask = ((keys[:, None, :] >= 0) & (gap >= 0) & (gap < self.window))[:, None]
+        h = self.input_proj(x)
+        for layer in self.layers:
+            h = layer(h, cos, sin, mask, ctx)
+        return self.output_proj(self.norm(h))
+
+
+class EuclideanCodebook(nn.Module):
+    def __init__(self, dim: int, size: int) -> None:
+        super().__init__()
+        self.cluster_usage = nn.Parameter(torch.ones(size))
+        self.embedding_sum = nn.Parameter(torch.zeros(size, dim))
+
+    def lookup(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes [...] → [..., dim]: the code's row of embedding_sum / cluster_usage."""
+        usage = self.cluster_usage.clamp(min=1e-5)[codes]
+        return F.embedding(codes, self.embedding_sum) / usage[..., None]
+
+
+class Named(nn.Module):
+    """A container that only gives its children their checkpoint names."""
+
+    def __init__(self, **children: nn.Module) -> None:
+        super().__init__()
+        for name, child in children.items():
+            self.add_module(name, child)
+
+
+class ResidualVectorQuantizer(nn.Module):
+    """n codebooks of `dim`, summed, projected to `outer` (input_proj serves the encoder only)."""
+
+    def __init__(self, n: int, dim: int, outer: int, size: int) -> None:
+        super().__init__()
+        self.input_proj = nn.Conv1d(outer, dim, 1, bias=False)
+        self.output_proj = nn.Conv1d(dim, outer, 1, bias=False)
+        self.vq = Named(layers=nn.ModuleList(Named(_codebook=EuclideanCodebook(dim, size)) for _ in range(n)))
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes [B, T, n] → [B, T, outer]."""
+        total = self.vq.layers[0]._codebook.lookup(codes[..., 0])
+        for i, layer in enumerate(self.vq.layers[1:], start=1):
+            total = total + layer._codebook.lookup(codes[..., i])
+        return F.linear(total, self.output_proj.weight[:, :, 0])
+
+
+class SplitResidualVectorQuantizer(nn.Module):
+    """Codebook 0 (semantic) and codebooks 1.. (acoustic), each group with its own projection."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        outer, n, size = cfg["codebook_dim"], cfg["num_quantizers"], cfg["codebook_size"]
+        self.rvq_first = ResidualVectorQuantizer(1, outer // 2, outer, size)
+        self.rvq_rest = ResidualVectorQuantizer(n - 1, outer // 2, outer, size)
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes [B, T, num_quantizers] → [B, T, codebook_dim]."""
+        return self.rvq_first.decode(codes[..., :1]) + self.rvq_rest.decode(codes[..., 1:])
+
+
+class Qwen3TtsCodec(nn.Module):
+    """The decoder of Qwen3-TTS-Tokenizer-12Hz (`decoder.*` of its checkpoint), decoding streams in
+    slots. `cfg` is the checkpoint config's `decoder_config`."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        latent, dim = cfg["latent_dim"], cfg["decoder_dim"]
+        rates, ratios = list(cfg["upsample_rates"]), list(cfg["upsampling_ratios"])
+        self.n_codebooks = cfg["num_quantizers"]
+        self.codebook_size = cfg["codebook_size"]
+        self.samples_per_frame = math.prod(rates + ratios)
+        self.quantizer = SplitResidualVectorQuantizer(cfg)
+        self.pre_conv = CausalConvNet(cfg["codebook_dim"], latent, 3)
+        self.pre_transformer = Transformer(cfg)
+        self.upsample = nn.ModuleList(
+            nn.ModuleList([CausalTransConvNet(latent, latent, f, f), ConvNeXtBlock(latent)]) for f in ratios
+        )
+        blocks = [DecoderBlock(dim // 2**i, rate) for i, rate in enumerate(rates)]
+        out = dim // 2 ** len(rates)
+        self.decoder = nn.ModuleList(
+            [CausalConvNet(latent, dim, 7), *blocks, SnakeBeta(out), CausalConvNet(out, 1, 7)]
+        )
+        self.stateful = [m for m in self.modules() if getattr(m, "state_shape", None)]
+        for i, m in enumerate(self.stateful):
+            m.state_index = i
+        self.states: list[torch.Tensor] = []  # per stateful layer [n_slots, *state_shape]
+        self.positions: torch.Tensor | None = None  # [n_slots] int64, frames a slot has decoded
+
+    def run(self, codes: torch.Tensor, start: torch.Tensor, past: list[torch.Tensor]):
+        """codes [B, R, C] int64, start [B] int64 (frames before them), past (one per stateful layer,
+        [B, *state_shape]) → (audio [B, R * samples_per_frame] in [-1, 1], the new states)."""
+        ctx = Contexts(past)
+        h = self.pre_conv(self.quantizer.decode(codes).transpose(1, 2), ctx)
+        h = self.pre_transformer(h.transpose(1, 2), start, ctx).transpose(1, 2)
+        for trans, block in self.upsample:
+            h = block(trans(h, ctx), ctx)
+        h = self.decoder[0](h, ctx)
+        for block in self.decoder[1:-2]:
+            h = block(h, ctx)
+        h = self.decoder[-1](self.decoder[-2](h), ctx)
+        return h[:, 0].clamp(-1.0, 1.0), ctx.new
+
+    def _zero_states(self, n: int) -> list[torch.Tensor]:
+        p = self.pre_conv.conv.weight
+        return [p.new_zeros((n, *m.state_shape)) for m in self.stateful]
+
+    @torch.no_grad()
+    def decode_all(self, codes: torch.Tensor) -> torch.Tensor:
+        """The whole utterance in one window from a fresh state: codes [T, C] → [T * 1920] float32."""
+        start = torch.zeros(1, dtype=torch.int64, device=codes.device)
+        return self.run(codes[None], start, self._zero_states(1))[0][0].float()
+
+    def init_streams(self, n_slots: int) -> None:
+        """Allocate (zeroed) the state of `n_slots` streams on the codec's device."""
+        self.states = self._zero_states(n_slots)
+        self.positions = torch.zeros(n_slots, dtype=torch.int64, device=self.pre_conv.conv.weight.device)
+
+    def slot_bytes(self) -> int:
+        """Bytes of state one slot holds."""
+        return (
+            sum(math.prod(m.state_shape) for m in self.stateful) * self.pre_conv.conv.weight.element_size()
+            + 8
+        )
+
+    @torch.no_grad()
+    def decode_stream(self, codes: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+        """Entry b decodes its next R frames, codes [Bd, R, C] int64, continuing the stream in slot
+        `slots[b]` ([Bd] int64; a slot appears once per call, but for a padding slot), whose state
+        is reset first where `fresh[b]` ([Bd] bool); → audio [Bd, R * 1920] float32. Graph-safe."""
+        past = []
+        for state in self.states:
+            gathered = state.index_select(0, slots)
+            past.append(gathered.masked_fill(fresh.view(-1, *[1] * (state.dim() - 1)), 0))
+        start = self.positions.index_select(0, slots).masked_fill(fresh, 0)
+        audio, new = self.run(codes, start, past)
+        for state, update in zip(self.states, new, strict=True):
+            state.index_copy_(0, slots, update)
+        self.positions.index_copy_(0, slots, start + codes.shape[1])
+        return audio.float()
+
+    @classmethod
+    def from_config(cls, path: str, dtype: torch.dtype, device, seed: int = 0) -> Qwen3TtsCodec:
+        """Random weights and random codebooks (`random_init`) for a shipped config."""
+        with open(path) as f:
+            cfg = json.load(f)["decoder_config"]
+        model = cls(cfg)
+        random_init(model, seed)
+        return model.to(device=device, dtype=dtype).eval()
+
+    @classmethod
+    def from_pretrained(cls, id_or_dir: str, dtype: torch.dtype, device) -> Qwen3TtsCodec:
+        """The tokenizer checkpoint (Qwen/Qwen3-TTS-Tokenizer-12Hz, or a Qwen3-TTS model directory
+        holding it in speech_tokenizer/): its `decoder.*` weights, every parameter required."""
+        path, config = checkpoint_dir(id_or_dir)
+        inner = os.path.join(path, "speech_tokenizer")
+        if "decoder_config" not in config and os.path.isdir(inner):
+            path, config = checkpoint_dir(inner)
+        with torch.device(device):
+            model = cls(config["decoder_config"]).to(dtype)
+        prefix = "decoder."
+
+        def load(pairs):
+            named = ((name.removeprefix(prefix), t) for name, t in pairs)
+            return copy_weights(model, named, skip=lambda name: name.endswith("rotary_emb.inv_freq"))
+
+        loaded = load_safetensors(path, device, load, keep=lambda name: name.startswith(prefix))
+        missing = {name for name, _ in model.named_parameters()} - loaded
+        if missing:
+            raise KeyError(f"{path}: no weights for {sorted(missing)[:5]} ({len(missing)} in all)")
+        return model.eval()
+
+
+@torch.no_grad()
+def random_init(model: Qwen3TtsCodec, seed: int) -> None:
+    """Random weights that keep the signal's scale through the layers and make every part count:
+    random codebooks (a zero codebook would decode every code alike), non-zero biases, norm and
+    scale weights around their use, and an output mostly inside the [-1, 1] clamp. Drawn on the CPU
+    in float32 in the order of the parameters, so a seed gives the same model on any device."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(p: torch.Tensor, std: float, mean: float = 0.0) -> None:
+        p.copy_(torch.randn(p.shape, generator=gen) * std + mean)
+
+    per_output = {
+        id(m.conv.weight): m.conv.kernel_size[0] // m.stride
+        for m in model.modules()
+        if isinstance(m, CausalTransConvNet)
+    }
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "embedding_sum":
+            draw(p, 1.0)
+        elif leaf == "cluster_usage":
+            p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+        elif leaf in ("alpha", "beta"):
+            draw(p, 0.3)
+        elif leaf in ("scale", "gamma"):
+            draw(p, 0.1, 0.5)
+        elif leaf == "bias":
+            draw(p, 0.1)
+        elif p.dim() == 1:  # norm weights
+            draw(p, 0.1, 1.0)
+        elif id(p) in per_output:  # transposed [in, out, k]: k / stride inputs per output
+            draw(p, (p.shape[0] * per_output[id(p)]) ** -0.5)
+        else:  # [out, in] or [out, in / groups, k]
+            draw(p, p[0].numel() ** -0.5)
+    for m in model.modules():
+        if isinstance(m, ResidualUnit):  # each adds a third: the signal keeps its scale
+            m.conv2.conv.weight.mul_(0.3)
+    model.decoder[-1].conv.weight.mul_(0.1)
