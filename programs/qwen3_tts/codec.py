@@ -12,8 +12,8 @@ where each stateful layer keeps what it needs of the past: a causal conv its las
 (kernel - 1) · dilation input samples (its left padding); a transposed conv of kernel 2r its last
 input, whose second half-kernel overlaps the next input's outputs; attention the rotated keys and
 values of the last `sliding_window - 1` frames, with the stream's frame position. `init_streams`
-allocates that state per slot; `decode_stream` gathers each entry's slot, zeroes it where a stream
-starts (`fresh`), decodes, and writes it back with device tensors (graph-safe). `decode_all` runs
+allocates it per slot; `decode_stream` gathers, resets (`fresh`), advances and writes back each
+entry's slot with device tensors (graph-safe). `decode_all` runs
 a whole utterance as one window from zero state: the reference's `forward`, which its `decode`
 (`chunked_decode`) is up to 300 frames; longer utterances it decodes in 300-frame chunks with 25
 frames of left context, an approximation of that whole decode.
@@ -56,6 +56,15 @@ class Contexts:
     def put(self, layer: nn.Module, state: torch.Tensor) -> None:
         self.new[layer.state_index] = state
 
+    def extend(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x [B, C, T] after the layer's past [B, C, context], whose last `context` samples are its
+        next past."""
+        if not layer.context:
+            return x
+        x = torch.cat([self.get(layer), x], dim=-1)
+        self.put(layer, x[..., -layer.context :])
+        return x
+
 
 class CausalConvNet(nn.Module):
     """Conv1d (stride 1) padded on the left only: [B, Cin, T] → [B, Cout, T]; its past is the last
@@ -68,10 +77,7 @@ class CausalConvNet(nn.Module):
         self.state_shape = (cin, self.context) if self.context else None
 
     def forward(self, x: torch.Tensor, ctx: Contexts) -> torch.Tensor:
-        if self.context:
-            x = torch.cat([ctx.get(self), x], dim=-1)
-            ctx.put(self, x[..., -self.context :])
-        return self.conv(x)
+        return self.conv(ctx.extend(self, x))
 
 
 class CausalTransConvNet(nn.Module):
@@ -86,12 +92,8 @@ class CausalTransConvNet(nn.Module):
         self.state_shape = (cin, self.context) if self.context else None
 
     def forward(self, x: torch.Tensor, ctx: Contexts) -> torch.Tensor:
-        n = x.shape[-1] * self.stride
-        if self.context:
-            x = torch.cat([ctx.get(self), x], dim=-1)
-            ctx.put(self, x[..., -self.context :])
-        start = self.context * self.stride
-        return self.conv(x)[..., start : start + n]
+        start, n = self.context * self.stride, x.shape[-1] * self.stride
+        return self.conv(ctx.extend(self, x))[..., start : start + n]
 
 
 class SnakeBeta(nn.Module):
@@ -103,9 +105,7 @@ class SnakeBeta(nn.Module):
         self.beta = nn.Parameter(torch.zeros(channels))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        alpha = self.alpha.exp()[:, None]
-        beta = self.beta.exp()[:, None]
-        return x + torch.sin(x * alpha).pow(2) / (beta + 1e-9)
+        return x + torch.sin(x * self.alpha.exp()[:, None]).pow(2) / (self.beta.exp()[:, None] + 1e-9)
 
 
 class ConvNeXtBlock(nn.Module):
@@ -170,13 +170,13 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-class LayerScale(nn.Module):
-    def __init__(self, dim: int, init: float) -> None:
-        super().__init__()
-        self.scale = nn.Parameter(torch.full((dim,), init))
+class Named(nn.Module):
+    """A container that only gives its children (modules, parameters) their checkpoint names."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.scale * x
+    def __init__(self, **children: nn.Module | nn.Parameter) -> None:
+        super().__init__()
+        for name, child in children.items():
+            setattr(self, name, child)
 
 
 class Mlp(nn.Module):
@@ -239,12 +239,14 @@ class TransformerLayer(nn.Module):
         self.mlp = Mlp(dim, cfg["intermediate_size"])
         self.input_layernorm = RMSNorm(dim, eps)
         self.post_attention_layernorm = RMSNorm(dim, eps)
-        self.self_attn_layer_scale = LayerScale(dim, scale)
-        self.mlp_layer_scale = LayerScale(dim, scale)
+        self.self_attn_layer_scale = Named(scale=nn.Parameter(torch.full((dim,), scale)))
+        self.mlp_layer_scale = Named(scale=nn.Parameter(torch.full((dim,), scale)))
 
     def forward(self, x: torch.Tensor, cos, sin, mask, ctx: Contexts) -> torch.Tensor:
-        x = x + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(x), cos, sin, mask, ctx))
-        return x + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(x)))
+        x = x + self.self_attn_layer_scale.scale * self.self_attn(
+            self.input_layernorm(x), cos, sin, mask, ctx
+        )
+        return x + self.mlp_layer_scale.scale * self.mlp(self.post_attention_layernorm(x))
 
 
 class Transformer(nn.Module):
@@ -278,27 +280,6 @@ class Transformer(nn.Module):
         return self.output_proj(self.norm(h))
 
 
-class EuclideanCodebook(nn.Module):
-    def __init__(self, dim: int, size: int) -> None:
-        super().__init__()
-        self.cluster_usage = nn.Parameter(torch.ones(size))
-        self.embedding_sum = nn.Parameter(torch.zeros(size, dim))
-
-    def lookup(self, codes: torch.Tensor) -> torch.Tensor:
-        """codes [...] → [..., dim]: the code's row of embedding_sum / cluster_usage."""
-        usage = self.cluster_usage.clamp(min=1e-5)[codes]
-        return F.embedding(codes, self.embedding_sum) / usage[..., None]
-
-
-class Named(nn.Module):
-    """A container that only gives its children their checkpoint names."""
-
-    def __init__(self, **children: nn.Module) -> None:
-        super().__init__()
-        for name, child in children.items():
-            self.add_module(name, child)
-
-
 class ResidualVectorQuantizer(nn.Module):
     """n codebooks of `dim`, summed, projected to `outer` (input_proj serves the encoder only)."""
 
@@ -306,13 +287,23 @@ class ResidualVectorQuantizer(nn.Module):
         super().__init__()
         self.input_proj = nn.Conv1d(outer, dim, 1, bias=False)
         self.output_proj = nn.Conv1d(dim, outer, 1, bias=False)
-        self.vq = Named(layers=nn.ModuleList(Named(_codebook=EuclideanCodebook(dim, size)) for _ in range(n)))
+        books = (
+            Named(
+                cluster_usage=nn.Parameter(torch.ones(size)),
+                embedding_sum=nn.Parameter(torch.zeros(size, dim)),
+            )
+            for _ in range(n)
+        )
+        self.vq = Named(layers=nn.ModuleList(Named(_codebook=book) for book in books))
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
-        """codes [B, T, n] → [B, T, outer]."""
-        total = self.vq.layers[0]._codebook.lookup(codes[..., 0])
-        for i, layer in enumerate(self.vq.layers[1:], start=1):
-            total = total + layer._codebook.lookup(codes[..., i])
+        """codes [B, T, n] → [B, T, outer]: the sum of each code's `embedding_sum / cluster_usage`."""
+        total = 0
+        for i, layer in enumerate(self.vq.layers):
+            book, code = layer._codebook, codes[..., i]
+            total = (
+                total + F.embedding(code, book.embedding_sum) / book.cluster_usage.clamp(min=1e-5)[code, None]
+            )
         return F.linear(total, self.output_proj.weight[:, :, 0])
 
 
@@ -388,11 +379,9 @@ class Qwen3TtsCodec(nn.Module):
         self.positions = torch.zeros(n_slots, dtype=torch.int64, device=self.pre_conv.conv.weight.device)
 
     def slot_bytes(self) -> int:
-        """Bytes of state one slot holds."""
-        return (
-            sum(math.prod(m.state_shape) for m in self.stateful) * self.pre_conv.conv.weight.element_size()
-            + 8
-        )
+        """Bytes of state one slot holds (its position included)."""
+        values = sum(math.prod(m.state_shape) for m in self.stateful)
+        return values * self.pre_conv.conv.weight.element_size() + 8
 
     @torch.no_grad()
     def decode_stream(self, codes: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
@@ -453,6 +442,7 @@ def random_init(model: Qwen3TtsCodec, seed: int) -> None:
     def draw(p: torch.Tensor, std: float, mean: float = 0.0) -> None:
         p.copy_(torch.randn(p.shape, generator=gen) * std + mean)
 
+    last = f"decoder.{len(model.decoder) - 1}.conv.weight"
     per_output = {
         id(m.conv.weight): m.conv.kernel_size[0] // m.stride
         for m in model.modules()
@@ -474,9 +464,6 @@ def random_init(model: Qwen3TtsCodec, seed: int) -> None:
             draw(p, 0.1, 1.0)
         elif id(p) in per_output:  # transposed [in, out, k]: k / stride inputs per output
             draw(p, (p.shape[0] * per_output[id(p)]) ** -0.5)
-        else:  # [out, in] or [out, in / groups, k]
-            draw(p, p[0].numel() ** -0.5)
-    for m in model.modules():
-        if isinstance(m, ResidualUnit):  # each adds a third: the signal keeps its scale
-            m.conv2.conv.weight.mul_(0.3)
-    model.decoder[-1].conv.weight.mul_(0.1)
+        else:  # [out, in] or [out, in / groups, k]: residual units add a third, the output std ~0.25
+            gain = 0.3 if name.endswith("conv2.conv.weight") else 0.1 if name == last else 1.0
+            draw(p, gain * p[0].numel() ** -0.5)
