@@ -40,6 +40,7 @@ def _reference():
             pytest.skip("reference missing: pip install --no-deps qwen-tts-compat==0.1.1.post1")
         package = types.ModuleType("qwen_tts")
         package.__path__ = [list(spec.submodule_search_locations)[0]]
+        package.__spec__ = spec  # importlib.util.find_spec("qwen_tts") reads it (the talker's test)
         sys.modules["qwen_tts"] = package
     modeling = importlib.import_module(name)
     configuration = importlib.import_module(
