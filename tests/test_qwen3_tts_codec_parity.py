@@ -21,6 +21,7 @@ import types
 import pytest
 import torch
 
+from programs.qwen3_tts import constants
 from programs.qwen3_tts.codec import Qwen3TtsCodec
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "programs", "qwen3_tts", "configs")
@@ -172,6 +173,19 @@ def test_the_real_config_builds_the_reference_parameters():
     assert codec.samples_per_frame == 1920
     assert codec.stateful[0].conv.in_channels == 512  # codebook_dim
     assert sum(p.numel() for p in codec.parameters()) == sum(p.numel() for p in ref.parameters())
+
+
+@pytest.mark.parametrize("path", [TINY, REAL])
+def test_the_configs_decode_the_talkers_frames(path):
+    """Both codecs take the talker's 16 codes of 2048 (the tiny talker's too) at 12.5 Hz, 24 kHz."""
+    with open(path) as f:
+        config = json.load(f)
+    cfg = config["decoder_config"]
+    assert (cfg["num_quantizers"], cfg["codebook_size"]) == (constants.N_CODEBOOKS, constants.CODE_VOCAB)
+    assert config["output_sample_rate"] == constants.SAMPLE_RATE
+    assert config["output_sample_rate"] / config["decode_upsample_rate"] == constants.FRAME_RATE
+    if path == TINY:
+        assert cfg["sliding_window"] < 8  # shorter than every stream these tests decode
 
 
 def test_a_checkpoint_in_the_tokenizers_layout_loads(tmp_path, pair):
