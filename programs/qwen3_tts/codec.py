@@ -81,19 +81,28 @@ class CausalConvNet(nn.Module):
 
 
 class CausalTransConvNet(nn.Module):
-    """ConvTranspose1d trimmed to `stride` outputs per input: [B, Cin, T] → [B, Cout, T · stride].
-    Outputs of input t also take the tails of the `context` inputs before it, its past."""
+    """ConvTranspose1d (kernel a multiple of the stride s) trimmed to s outputs per input:
+    [B, Cin, T] → [B, Cout, T · s]. Outputs of input t also take the tails of the `context` inputs
+    before it, its past. Computed as one matmul and an overlap-add of its k / s blocks of s samples
+    (the same sums as the convolution's; CPUs run small transposed convolutions slowly)."""
 
     def __init__(self, cin: int, cout: int, kernel: int, stride: int) -> None:
         super().__init__()
+        assert kernel % stride == 0, "a transposed convolution's kernel is a multiple of its stride"
         self.conv = nn.ConvTranspose1d(cin, cout, kernel, stride=stride)
         self.stride = stride
-        self.context = -(-(kernel - stride) // stride)
+        self.context = kernel // stride - 1
         self.state_shape = (cin, self.context) if self.context else None
 
     def forward(self, x: torch.Tensor, ctx: Contexts) -> torch.Tensor:
-        start, n = self.context * self.stride, x.shape[-1] * self.stride
-        return self.conv(ctx.extend(self, x))[..., start : start + n]
+        b, t, c, s = x.shape[0], x.shape[-1], self.context, self.stride
+        w = self.conv.weight  # [Cin, Cout, k]
+        z = ctx.extend(self, x).transpose(1, 2) @ w.flatten(1)  # [B, c + T, Cout · k]
+        z = z.view(b, c + t, w.shape[1], c + 1, s)  # input i's block j lands on output block i + j
+        y = z[:, c:, :, 0]
+        for j in range(1, c + 1):
+            y = y + z[:, c - j : c - j + t, :, j]
+        return y.permute(0, 2, 1, 3).reshape(b, w.shape[1], t * s) + self.conv.bias[:, None]
 
 
 class SnakeBeta(nn.Module):
