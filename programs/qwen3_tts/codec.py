@@ -13,10 +13,10 @@ where each stateful layer keeps what it needs of the past: a causal conv its las
 input, whose second half-kernel overlaps the next input's outputs; attention the rotated keys and
 values of the last `sliding_window - 1` frames, with the stream's frame position. `init_streams`
 allocates it per slot; `decode_stream` gathers, resets (`fresh`), advances and writes back each
-entry's slot with device tensors (graph-safe). `decode_all` runs
-a whole utterance as one window from zero state: the reference's `forward`, which its `decode`
-(`chunked_decode`) is up to 300 frames; longer utterances it decodes in 300-frame chunks with 25
-frames of left context, an approximation of that whole decode.
+entry's slot with device tensors (graph-safe). `decode_all` runs a whole utterance as one window
+from zero state: the reference's `forward`, which its `decode` (`chunked_decode`) is up to 300
+frames; longer utterances it decodes in 300-frame chunks with 25 frames of left context, an
+approximation of that whole decode.
 
 configs/qwen3-tts-tokenizer-12hz.json holds the published config.json's values (top level and
 `decoder_config`; the encoder's left out), as several independent public copies of
@@ -57,6 +57,8 @@ class Qwen3TtsCodec(nn.Module):
 
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__()
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"the codec's transformer runs SiLU, not {cfg['hidden_act']!r}")
         latent, dim = cfg["latent_dim"], cfg["decoder_dim"]
         rates, ratios = list(cfg["upsample_rates"]), list(cfg["upsampling_ratios"])
         self.n_codebooks = cfg["num_quantizers"]
