@@ -11,7 +11,7 @@ import pytest
 from programs.qwen3_tts import spec as constants
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "programs", "qwen3_tts", "configs")
-NAMES = sorted(os.listdir(CONFIGS))
+NAMES = sorted(n for n in os.listdir(CONFIGS) if not n.startswith("qwen3-tts-tokenizer-"))  # the talker's
 
 
 @pytest.mark.parametrize("name", NAMES)

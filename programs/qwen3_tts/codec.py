@@ -1,0 +1,201 @@
+"""Qwen3-TTS-Tokenizer-12Hz's decoder (codes → 24 kHz audio), decoding each request as a stream.
+
+The network is the reference's `Qwen3TTSTokenizerV2Decoder` (qwen-tts, tokenizer_12hz) under its
+parameter names, so the checkpoint's `decoder.*` weights load unchanged: the split residual
+quantizer (codebook 0; codebooks 1..15; a code's vector is `embedding_sum / cluster_usage`), a
+causal pre-convolution, a transformer with RoPE over a sliding window, two ×2 upsampling stages
+(transposed conv + ConvNeXt block), the DAC-like decoder (SnakeBeta, transposed convs of kernel 2r
+and stride r, residual units of dilations 1, 3, 9): 1920 samples per frame (8·5·4·3·2·2).
+
+Every layer is causal, so a whole utterance decodes a window of frames at a time, each frame once,
+where each stateful layer keeps what it needs of the past: a causal conv its last
+(kernel - 1) · dilation input samples (its left padding); a transposed conv of kernel 2r its last
+input, whose second half-kernel overlaps the next input's outputs; attention the rotated keys and
+values of the last `sliding_window - 1` frames, with the stream's frame position. `init_streams`
+allocates it per slot; `decode_stream` gathers, resets (`fresh`), advances and writes back each
+entry's slot with device tensors (graph-safe). `decode_all` runs a whole utterance as one window
+from zero state: the reference's `forward`, which its `decode` (`chunked_decode`) is up to 300
+frames; longer utterances it decodes in 300-frame chunks with 25 frames of left context, an
+approximation of that whole decode.
+
+configs/qwen3-tts-tokenizer-12hz.json holds the published config.json's values (top level and
+`decoder_config`; the encoder's left out), as several independent public copies of
+Qwen/Qwen3-TTS-Tokenizer-12Hz/config.json agree (ports' test fixtures, a build check running the
+reference on it); the checkpoint itself is not read here. The reference ignores
+`semantic_codebook_size` (4096) and `vector_quantization_hidden_dimension` (512): every codebook
+has `codebook_size` × `codebook_dim // 2` entries (public ports report 2048 × 256 in the
+checkpoint; unverified). qwen3-tts-tokenizer-tiny.json keeps every structural feature (GQA, all
+stages, 1920 samples per frame) at CPU-test size, with a 6-frame window.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from programs.blocks.weights import checkpoint_dir, copy_weights, load_safetensors
+from programs.qwen3_tts.codec_layers import (
+    CausalConvNet,
+    CausalTransConvNet,
+    Contexts,
+    ConvNeXtBlock,
+    DecoderBlock,
+    SnakeBeta,
+    SplitResidualVectorQuantizer,
+    Transformer,
+)
+
+
+class Qwen3TtsCodec(nn.Module):
+    """The decoder of Qwen3-TTS-Tokenizer-12Hz (`decoder.*` of its checkpoint), decoding streams in
+    slots. `cfg` is the checkpoint config's `decoder_config`."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"the codec's transformer runs SiLU, not {cfg['hidden_act']!r}")
+        latent, dim = cfg["latent_dim"], cfg["decoder_dim"]
+        rates, ratios = list(cfg["upsample_rates"]), list(cfg["upsampling_ratios"])
+        self.n_codebooks = cfg["num_quantizers"]
+        self.codebook_size = cfg["codebook_size"]
+        self.samples_per_frame = math.prod(rates + ratios)
+        self.quantizer = SplitResidualVectorQuantizer(cfg)
+        self.pre_conv = CausalConvNet(cfg["codebook_dim"], latent, 3)
+        self.pre_transformer = Transformer(cfg)
+        self.upsample = nn.ModuleList(
+            nn.ModuleList([CausalTransConvNet(latent, latent, f, f), ConvNeXtBlock(latent)]) for f in ratios
+        )
+        blocks = [DecoderBlock(dim // 2**i, rate) for i, rate in enumerate(rates)]
+        out = dim // 2 ** len(rates)
+        self.decoder = nn.ModuleList(
+            [CausalConvNet(latent, dim, 7), *blocks, SnakeBeta(out), CausalConvNet(out, 1, 7)]
+        )
+        self.stateful = [m for m in self.modules() if getattr(m, "state_shape", None)]
+        for i, m in enumerate(self.stateful):
+            m.state_index = i
+        self.states: list[torch.Tensor] = []  # per stateful layer [n_slots, *state_shape]
+        self.positions: torch.Tensor | None = None  # [n_slots] int64, frames a slot has decoded
+
+    def run(self, codes: torch.Tensor, start: torch.Tensor, past: list[torch.Tensor]):
+        """codes [B, R, C] int64, start [B] int64 (frames before them), past (one per stateful layer,
+        [B, *state_shape]) → (audio [B, R * samples_per_frame] in [-1, 1], the new states)."""
+        ctx = Contexts(past)
+        h = self.pre_conv(self.quantizer.decode(codes).transpose(1, 2), ctx)
+        h = self.pre_transformer(h.transpose(1, 2), start, ctx).transpose(1, 2)
+        for trans, block in self.upsample:
+            h = block(trans(h, ctx), ctx)
+        h = self.decoder[0](h, ctx)
+        for block in self.decoder[1:-2]:
+            h = block(h, ctx)
+        h = self.decoder[-1](self.decoder[-2](h), ctx)
+        return h[:, 0].clamp(-1.0, 1.0), ctx.new
+
+    def _zero_states(self, n: int) -> list[torch.Tensor]:
+        p = self.pre_conv.conv.weight
+        return [p.new_zeros((n, *m.state_shape)) for m in self.stateful]
+
+    @torch.no_grad()
+    def decode_all(self, codes: torch.Tensor) -> torch.Tensor:
+        """The whole utterance in one window from a fresh state: codes [T, C] → [T * 1920] float32."""
+        start = torch.zeros(1, dtype=torch.int64, device=codes.device)
+        return self.run(codes[None], start, self._zero_states(1))[0][0].float()
+
+    def init_streams(self, n_slots: int) -> None:
+        """Allocate (zeroed) the state of `n_slots` streams on the codec's device."""
+        self.states = self._zero_states(n_slots)
+        self.positions = torch.zeros(n_slots, dtype=torch.int64, device=self.pre_conv.conv.weight.device)
+
+    def slot_bytes(self) -> int:
+        """Bytes of state one slot holds (its position included)."""
+        values = sum(math.prod(m.state_shape) for m in self.stateful)
+        return values * self.pre_conv.conv.weight.element_size() + 8
+
+    @torch.no_grad()
+    def decode_stream(self, codes: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+        """Entry b decodes its next R frames, codes [Bd, R, C] int64, continuing the stream in slot
+        `slots[b]` ([Bd] int64; a slot appears once per call, but for a padding slot), whose state
+        is reset first where `fresh[b]` ([Bd] bool); → audio [Bd, R * 1920] float32. Graph-safe."""
+        past = []
+        for state in self.states:
+            gathered = state.index_select(0, slots)
+            past.append(gathered.masked_fill(fresh.view(-1, *[1] * (state.dim() - 1)), 0))
+        start = self.positions.index_select(0, slots).masked_fill(fresh, 0)
+        audio, new = self.run(codes, start, past)
+        for state, update in zip(self.states, new, strict=True):
+            state.index_copy_(0, slots, update)
+        self.positions.index_copy_(0, slots, start + codes.shape[1])
+        return audio.float()
+
+    @classmethod
+    def from_config(cls, path: str, dtype: torch.dtype, device, seed: int = 0) -> Qwen3TtsCodec:
+        """Random weights and random codebooks (`random_init`) for a shipped config."""
+        with open(path) as f:
+            cfg = json.load(f)["decoder_config"]
+        model = cls(cfg)
+        random_init(model, seed)
+        return model.to(device=device, dtype=dtype).eval()
+
+    @classmethod
+    def from_pretrained(cls, id_or_dir: str, dtype: torch.dtype, device) -> Qwen3TtsCodec:
+        """The tokenizer checkpoint (Qwen/Qwen3-TTS-Tokenizer-12Hz, or a Qwen3-TTS model directory
+        holding it in speech_tokenizer/): its `decoder.*` weights, every parameter required."""
+        path, config = checkpoint_dir(id_or_dir)
+        inner = os.path.join(path, "speech_tokenizer")
+        if "decoder_config" not in config and os.path.isdir(inner):
+            path, config = checkpoint_dir(inner)
+        with torch.device(device):
+            model = cls(config["decoder_config"]).to(dtype)
+        prefix = "decoder."
+
+        def load(pairs):
+            named = ((name.removeprefix(prefix), t) for name, t in pairs)
+            return copy_weights(model, named, skip=lambda name: name.endswith("rotary_emb.inv_freq"))
+
+        loaded = load_safetensors(path, device, load, keep=lambda name: name.startswith(prefix))
+        missing = {name for name, _ in model.named_parameters()} - loaded
+        if missing:
+            raise KeyError(f"{path}: no weights for {sorted(missing)[:5]} ({len(missing)} in all)")
+        return model.eval()
+
+
+@torch.no_grad()
+def random_init(model: Qwen3TtsCodec, seed: int) -> None:
+    """Random weights that keep the signal's scale through the layers and make every part count:
+    random codebooks (a zero codebook would decode every code alike), non-zero biases, norm and
+    scale weights around their use, and an output mostly inside the [-1, 1] clamp. Drawn on the CPU
+    in float32 in the order of the parameters, so a seed gives the same model on any device."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(p: torch.Tensor, std: float, mean: float = 0.0) -> None:
+        p.copy_(torch.randn(p.shape, generator=gen) * std + mean)
+
+    last = f"decoder.{len(model.decoder) - 1}.conv.weight"
+    per_output = {
+        id(m.conv.weight): m.conv.kernel_size[0] // m.stride
+        for m in model.modules()
+        if isinstance(m, CausalTransConvNet)
+    }
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "embedding_sum":
+            draw(p, 1.0)
+        elif leaf == "cluster_usage":
+            p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+        elif leaf in ("alpha", "beta"):
+            draw(p, 0.3)
+        elif leaf in ("scale", "gamma"):
+            draw(p, 0.1, 0.5)
+        elif leaf == "bias":
+            draw(p, 0.1)
+        elif p.dim() == 1:  # norm weights
+            draw(p, 0.1, 1.0)
+        elif id(p) in per_output:  # transposed [in, out, k]: k / stride inputs per output
+            draw(p, (p.shape[0] * per_output[id(p)]) ** -0.5)
+        else:  # [out, in] or [out, in / groups, k]: residual units add a third, the output std ~0.25
+            gain = 0.3 if name.endswith("conv2.conv.weight") else 0.1 if name == last else 1.0
+            draw(p, gain * p[0].numel() ** -0.5)
