@@ -22,6 +22,7 @@ Mimi's decoder is causal end to end, so streaming it this way gives the samples 
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -34,14 +35,19 @@ class MimiStreamDecoder:
 
     def __init__(self, model: nn.Module) -> None:
         cfg = model.config
-        dec = model.decoder
+        # transformers 5.2x holds the decode path in a MimiDecoderModel (`model.decoder`), earlier
+        # versions on the MimiModel itself, with `model.decoder` the SEANet
+        dec = model.decoder if hasattr(model.decoder, "decoder_seanet") else None
+        upsample = model.upsample if dec is None else dec.upsample
+        transformer = model.decoder_transformer if dec is None else dec.decoder_transformer
         self.model = model
         self.codebook_size = cfg.codebook_size
         self.window = cfg.sliding_window  # transformer steps a query sees, itself included
-        self.upsample = dec.upsample  # MimiConvTranspose1d, or None where the codes run at 25 Hz
-        self.layers = list(dec.decoder_transformer.layers)
-        self.inv_freq = dec.decoder_transformer.rotary_emb.inv_freq  # [head_dim / 2] float32
-        self.seanet = list(dec.decoder_seanet.layers)
+        self.upsample = upsample  # MimiConvTranspose1d, or None where the codes run at 25 Hz
+        self.layers = list(transformer.layers)
+        self.inv_freq = transformer.rotary_emb.inv_freq  # [head_dim / 2] float32
+        self.seanet = list((model.decoder if dec is None else dec.decoder_seanet).layers)
+        self.scaling = 1 / math.sqrt(cfg.head_dim)  # as MimiAttention scales its scores
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -237,7 +243,7 @@ class MimiStreamDecoder:
             keys,
             values,
             attn_mask=mask[:, None],
-            scale=attn.scaling,
+            scale=self.scaling,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
         return attn.o_proj(out.transpose(1, 2).reshape(bd, s, -1))
