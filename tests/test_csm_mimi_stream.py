@@ -95,7 +95,11 @@ def _reference(codec: MimiCodec, frames: torch.Tensor) -> torch.Tensor:
     return codec.decode_all(frames.clamp(max=codec.codebook_size - 1))
 
 
-@pytest.mark.parametrize("sizes", [(1, 2, 3), (1,)], ids=["random_windows", "one_frame_windows"])
+@pytest.mark.parametrize(
+    "sizes",
+    [(1, 2, 3), (1,), (4, 5)],
+    ids=["random_windows", "one_frame_windows", "windows_past_the_ring"],  # 10 steps > 8
+)
 def test_interleaved_streams_equal_the_whole_stream_decode(tiny: MimiCodec, sizes):
     gen = torch.Generator().manual_seed(len(sizes))
     streams = _streams(7, gen, (9, 25))  # 7 streams over 3 slots: every slot serves 2 or 3
