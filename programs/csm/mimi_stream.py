@@ -45,7 +45,9 @@ class MimiStreamDecoder:
         self.window = cfg.sliding_window  # transformer steps a query sees, itself included
         self.upsample = upsample  # MimiConvTranspose1d, or None where the codes run at 25 Hz
         self.layers = list(transformer.layers)
-        self.inv_freq = transformer.rotary_emb.inv_freq  # [head_dim / 2] float32
+        # one rotary table for the stack, or (transformers 4.4x) one per attention, all alike
+        rotary = getattr(transformer, "rotary_emb", None) or self.layers[0].self_attn.rotary_emb
+        self.inv_freq = rotary.inv_freq  # [head_dim / 2] float32
         self.seanet = list((model.decoder if dec is None else dec.decoder_seanet).layers)
         self.scaling = 1 / math.sqrt(cfg.head_dim)  # as MimiAttention scales its scores
         self.num_heads = cfg.num_attention_heads
@@ -57,14 +59,15 @@ class MimiStreamDecoder:
             )
         quant = model.quantizer
         self.splits = [quant.semantic_residual_vector_quantizer, quant.acoustic_residual_vector_quantizer]
-        # [n_codebooks, codebook_size, codebook_dim]: one gather serves every codebook of a split
-        self.tables = [torch.stack([vq.codebook.embed for vq in rvq.layers]) for rvq in self.splits]
+        # per split, its codebooks' [codebook_size, codebook_dim] vectors: the tensors MimiModel's
+        # own decode reads (the codebook's cached `embed`), no copy
+        self.tables = [[vq.codebook.embed for vq in rvq.layers] for rvq in self.splits]
         self.n_slots = 0
         self.state: dict[nn.Module, torch.Tensor] = {}
 
     def init_streams(self, n_slots: int) -> None:
         """Allocate (zeroed) the state of `n_slots` streams on the model's device and dtype."""
-        dtype, device = self.tables[0].dtype, self.tables[0].device
+        dtype, device = self.tables[0][0].dtype, self.tables[0][0].device
         self.n_slots = n_slots
         self.state = {}
         for conv, length in self._stateful_convs():
@@ -130,20 +133,18 @@ class MimiStreamDecoder:
         return x[:, 0]
 
     def _dequantize(self, codes: torch.Tensor) -> torch.Tensor:
-        """codes [Bd, R, K] → latents [Bd, D, R]: per split, its codebooks' vectors summed, projected."""
+        """codes [Bd, R, K] → latents [Bd, D, R]: per split, its codebooks' vectors summed in
+        codebook order (as MimiModel sums them: the same rounding), projected by a 1x1 conv."""
         out, first = None, 0
-        for rvq, table in zip(self.splits, self.tables, strict=True):
-            n = table.shape[0]
-            idx = codes[..., first : first + n]  # [Bd, R, n]
-            vectors = table[torch.arange(n, device=codes.device), idx]  # [Bd, R, n, dim]
-            x = vectors[:, :, 0]
-            for j in range(1, n):  # in codebook order, as MimiModel sums them: the same rounding
-                x = x + vectors[:, :, j]
+        for rvq, tables in zip(self.splits, self.tables, strict=True):
+            x = F.embedding(codes[..., first], tables[0])  # [Bd, R, dim]
+            for j in range(1, len(tables)):
+                x = x + F.embedding(codes[..., first + j], tables[j])
             x = x.transpose(1, 2)  # [Bd, dim, R]
             if rvq.output_proj is not None:
                 x = rvq.output_proj(x)
             out = x if out is None else out + x
-            first += n
+            first += len(tables)
         return out
 
     def _conv(
