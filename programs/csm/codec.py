@@ -14,6 +14,10 @@ and they equal the decode of the whole stream as far as `detok_overlap` frames o
 With 8 frames, on random weights with random codebooks (`random_codebooks`): csm-tiny's Mimi to
 5e-6; the real kyutai/mimi shape to 7e-3 of a 29 peak, 74 dB SNR over 100 frames, from its
 transformer's longer reach. Trained weights may differ: bench/csm_windows.py measures any weights.
+
+Streams: `init_streams` / `decode_stream` decode each frame once, carrying every stream's decoder
+state (transformer keys and values, convolution histories) in slots (programs/csm/mimi_stream.py):
+the audio of `decode_all` over the whole stream, to fp32 rounding.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class MimiCodec:
         self.stride = stride  # frames each window adds
         self.codebook_size = model.config.codebook_size
         self.samples_per_frame = int(model.config.sampling_rate / model.config.frame_rate)
+        self.streams = None  # MimiStreamDecoder, built by init_streams
 
     @torch.no_grad()
     def decode_window(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,6 +80,19 @@ class MimiCodec:
         codes = tokens.clamp(0, self.codebook_size - 1).transpose(1, 2)  # [Bd, 32, T]
         keep = self.stride * self.samples_per_frame
         return self.model.decode(codes).audio_values[:, 0, -keep:].float(), valid
+
+    def init_streams(self, n_slots: int) -> None:
+        """Allocate the stream state of `n_slots` requests (programs/csm/mimi_stream.py)."""
+        from programs.csm.mimi_stream import MimiStreamDecoder
+
+        self.streams = MimiStreamDecoder(self.model)
+        self.streams.init_streams(n_slots)
+
+    def decode_stream(self, codes: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+        """codes [Bd, R, 32] int64 continuing the streams in `slots` [Bd] (restarted where `fresh`
+        [Bd] bool) → audio [Bd, R * 1920]: each frame decoded once, equal to `decode_all` of the
+        whole stream. Graph-safe; needs `init_streams` first."""
+        return self.streams.decode_stream(codes, slots, fresh).float()
 
     @torch.no_grad()
     def decode_all(self, frames: torch.Tensor) -> torch.Tensor:
