@@ -11,7 +11,7 @@ Those servers extend OpenAI's `POST /v1/audio/speech` with `stream`, `language`,
 - `task_type`: "CustomVoice" for a model with preset voices, "VoiceDesign" for one without (its
   voice is described in `instructions`). Voice cloning ("Base", `ref_audio`/`ref_text`) is refused
   with a 400 that names the model.
-- `non_streaming_mode` (Qwen3-TTS's prompt mode): true, the prompt holds the whole text before the
+- `non_streaming_mode` (the omni servers' prompt mode): true, the prompt holds the whole text before the
   first audio token; false, for a model that lists it among its options, the text enters as the
   audio goes. It reaches the program as the model option of that name.
 """
@@ -61,7 +61,7 @@ def omni_fields(spec: ModelSpec) -> list[Field]:
         Field(
             "non_streaming_mode",
             "boolean",
-            "Qwen3-TTS's prompt mode: true, the prompt holds the whole text before the first audio "
+            "The prompt mode: true, the prompt holds the whole text before the first audio "
             "token" + ("; false, the text enters as the audio goes." if both_modes else " (the only mode)."),
             True,
             choices=(True, False) if both_modes else (True,),

@@ -21,7 +21,7 @@ import types
 import pytest
 import torch
 
-from programs.qwen3_tts import constants
+from programs.qwen3_tts import spec as constants
 from programs.qwen3_tts.codec import Qwen3TtsCodec
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "programs", "qwen3_tts", "configs")
