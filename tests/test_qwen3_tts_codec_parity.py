@@ -10,51 +10,21 @@ tokenizer's layout loads. Skips where the reference is missing.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import os
 import random
-import sys
-import types
 
 import pytest
 import torch
 
 from programs.qwen3_tts import spec as constants
 from programs.qwen3_tts.codec import Qwen3TtsCodec
+from tests.qwen3_tts_reference import reference_decoder
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "programs", "qwen3_tts", "configs")
 TINY = os.path.join(CONFIGS, "qwen3-tts-tokenizer-tiny.json")
 REAL = os.path.join(CONFIGS, "qwen3-tts-tokenizer-12hz.json")
 TOL = 1e-4
-
-
-def _reference():
-    """The reference's 12 Hz tokenizer modules (modeling, configuration). Its package `__init__`
-    imports the whole inference API and with it torchaudio (no build for this torch); the tokenizer
-    needs none of it, so the top package is entered without its `__init__`."""
-    name = "qwen_tts.core.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2"
-    if "qwen_tts" not in sys.modules:
-        spec = importlib.util.find_spec("qwen_tts")
-        if spec is None or not spec.submodule_search_locations:
-            pytest.skip("reference missing: pip install --no-deps qwen-tts-compat==0.1.1.post1")
-        package = types.ModuleType("qwen_tts")
-        package.__path__ = [list(spec.submodule_search_locations)[0]]
-        package.__spec__ = spec  # importlib.util.find_spec("qwen_tts") reads it (the talker's test)
-        sys.modules["qwen_tts"] = package
-    modeling = importlib.import_module(name)
-    configuration = importlib.import_module(
-        "qwen_tts.core.tokenizer_12hz.configuration_qwen3_tts_tokenizer_v2"
-    )
-    return modeling, configuration
-
-
-def _reference_decoder(path: str):
-    modeling, configuration = _reference()
-    with open(path) as f:
-        cfg = configuration.Qwen3TTSTokenizerV2DecoderConfig(**json.load(f)["decoder_config"])
-    return modeling.Qwen3TTSTokenizerV2Decoder(cfg).eval()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -69,7 +39,7 @@ def one_thread():
 def pair():
     """(codec, reference decoder) with the codec's random weights."""
     codec = Qwen3TtsCodec.from_config(TINY, torch.float32, "cpu", seed=0)
-    ref = _reference_decoder(TINY)
+    ref = reference_decoder(TINY)
     ref.load_state_dict(codec.state_dict(), strict=True)
     return codec, ref
 
@@ -166,7 +136,7 @@ def test_windows_without_their_state_differ(pair):
 def test_the_real_config_builds_the_reference_parameters():
     with torch.device("meta"):
         codec = Qwen3TtsCodec(json.load(open(REAL))["decoder_config"])
-        ref = _reference_decoder(REAL)
+        ref = reference_decoder(REAL)
     ours = {n: tuple(p.shape) for n, p in codec.named_parameters()}
     theirs = {n: tuple(p.shape) for n, p in ref.named_parameters()}
     assert ours == theirs
