@@ -135,8 +135,14 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     # A step's first new prompt runs in one graph with its decode rows (gpu_worker.runner.graphs, mixed
     # graphs) when the program allows it; False: in a prefill graph of its own.
     mixed_prefill: bool = True
+    # The depth step (a program's `decode_tokens`, several codebooks per row) under torch.compile
+    # inside its graphs: "auto" on a GPU with Triton and graphs, "on", "off". It is dozens of tiny
+    # sequential kernels per codebook; fused, fewer.
+    depth_compile: str = "auto"
 
     def check(self) -> None:
+        if self.depth_compile not in ("auto", "on", "off"):
+            raise ValueError(f"--depth-compile is auto, on or off, not {self.depth_compile!r}")
         if self.page_size < 1 or self.max_batch_size < 0 or self.max_context < 0 or self.num_pages < 0:
             raise ValueError(
                 "--page-size must be positive; --max-batch-size, --max-context, --num-pages >= 0"

@@ -147,6 +147,15 @@ OPTIONS: tuple[Option, ...] = (
         path="codec.dtype",
     ),
     Option(
+        "depth_compile",
+        "compile the depth step (the codebooks after the first, for models with several per frame) "
+        "with torch.compile inside its CUDA graphs (fuses its many small kernels; a minute at "
+        "startup): auto (on a GPU with Triton and graphs), on, off",
+        ("serve", "gpu_worker"),
+        choices=("auto", "on", "off"),
+        path="gpu.depth_compile",
+    ),
+    Option(
         "codec_compile",
         "compile the codec's regular windows with torch.compile (fuses its elementwise work; tens of "
         "seconds at startup, cached on disk): auto (on a GPU with Triton, when the model has a "

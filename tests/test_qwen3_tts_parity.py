@@ -22,10 +22,10 @@ from common.config import GpuWorkerSettings
 from common.messages import Array, FinishReason, Prompt, SamplingParams
 from gpu_worker.engine import Engine
 from programs import get_spec, load_program_class
-from programs.qwen3_tts import spec as q
-from programs.qwen3_tts.model import Qwen3TtsLM
 from programs.base import pcm16
+from programs.qwen3_tts import spec as q
 from programs.qwen3_tts.codec import Qwen3TtsCodec
+from programs.qwen3_tts.model import Qwen3TtsLM
 from tests.qwen3_tts_reference import reference_decoder, reference_module
 
 SPEC = get_spec("qwen3-tts-tiny")

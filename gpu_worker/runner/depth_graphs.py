@@ -5,6 +5,11 @@ and the sampler, C - 1 times), so eager launches would dominate a decode step. E
 reads static buffers: the backbone's hidden states, the sampled codebook 0 and the per-row sampling
 settings, copied in on the device (no host round trip); padding entries repeat the last step's
 values, compute garbage and are dropped.
+
+With `compiled` (--depth-compile), the step runs under torch.compile (dynamic batch, one compile
+for every bucket; Inductor's fused kernels are what each graph captures), and so does the eager
+step of a batch past the largest bucket, so that a row rounds the same way in either. On a GPU
+where compiling fails, "auto" captures the step uncompiled, with a warning.
 """
 
 from __future__ import annotations
@@ -24,12 +29,46 @@ log = logging.getLogger(__name__)
 _FIELDS = ("temperature", "top_k", "top_p", "min_p", "rep_penalty", "seed", "counter", "block_stop")
 
 
+def depth_step(
+    program: LMProgram,
+    hidden: torch.Tensor,
+    c0: torch.Tensor,
+    fields: tuple[torch.Tensor, ...],
+    slot: torch.Tensor,
+    step: torch.Tensor,
+    prev: torch.Tensor,
+) -> torch.Tensor:
+    """The program's `decode_tokens` from plain tensors (`fields`: SamplingRows' _FIELDS, in order),
+    so that torch.compile sees one function whatever the bucket."""
+    rows = SamplingRows(**dict(zip(_FIELDS, fields, strict=True)), history=None, candidates=None)
+    return program.decode_tokens(hidden, c0, depth_sampler(rows), Rows(slot, step, prev))
+
+
+def compiled_step(program: LMProgram, choice: str, graphs: bool) -> Callable[..., torch.Tensor] | None:
+    """`depth_step` under torch.compile for --depth-compile `choice`, or None: "on" always, "auto"
+    on a GPU with Triton and graphs, for a program with a depth step."""
+    if choice == "off" or program.n_codebooks == 1:
+        return None
+    if choice == "auto":
+        from torch.utils._triton import has_triton
+
+        if not (program.device.type == "cuda" and graphs and has_triton()):
+            return None
+    return torch.compile(depth_step, dynamic=True)
+
+
 class DepthGraphs:
     def __init__(
-        self, program: LMProgram, sizes: list[int], progress: Callable[[str], None] | None = None
+        self,
+        program: LMProgram,
+        sizes: list[int],
+        progress: Callable[[str], None] | None = None,
+        compiled: Callable[..., torch.Tensor] | None = None,
+        fallback: bool = True,
     ) -> None:
         self.program = program
         self.sizes = sizes
+        self.step = compiled or depth_step
         bmax, dev = sizes[-1], program.device
         f32 = dict(dtype=torch.float32, device=dev)
         i64 = dict(dtype=torch.int64, device=dev)
@@ -60,18 +99,35 @@ class DepthGraphs:
         for i, bs in enumerate(sorted(sizes, reverse=True)):
             if progress:
                 progress(f"capturing depth graphs: batch {bs} ({i + 1}/{len(sizes)})")
-            self.graphs[bs] = self._capture(bs, pool)
-        log.info("captured %d depth graphs in %.1f s", len(sizes), time.monotonic() - t0)
-
-    def _view(self, bs: int) -> SamplingRows:
-        return SamplingRows(**{f: getattr(self.rows, f)[:bs] for f in _FIELDS}, history=None, candidates=None)
+            try:
+                self.graphs[bs] = self._capture(bs, pool)
+            except Exception as e:  # a compile failure shows at the first capture's warm-up
+                if self.step is depth_step or not fallback or isinstance(e, torch.cuda.OutOfMemoryError):
+                    raise
+                log.warning(
+                    "depth step: compiling failed (%s: %s); capturing it uncompiled", type(e).__name__, e
+                )
+                self.step = depth_step
+                self.graphs[bs] = self._capture(bs, pool)
+        log.info(
+            "captured %d depth graphs (%s) in %.1f s",
+            len(sizes),
+            "compiled" if self.step is not depth_step else "uncompiled",
+            time.monotonic() - t0,
+        )
 
     @torch.inference_mode()
     def _capture(self, bs: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        hidden, c0, sample = self.hidden[:bs], self.c0[:bs], depth_sampler(self._view(bs))
+        hidden, c0 = self.hidden[:bs], self.c0[:bs]
+        fields = tuple(getattr(self.rows, f)[:bs] for f in _FIELDS)
         w = self.where
-        where = Rows(slot=w.slot[:bs], step=w.step[:bs], prev=w.prev[:bs])
-        return capture(lambda: self.program.decode_tokens(hidden, c0, sample, where), pool)  # out [bs, C]
+        slot, step, prev = w.slot[:bs], w.step[:bs], w.prev[:bs]
+        return capture(lambda: self.step(self.program, hidden, c0, fields, slot, step, prev), pool)  # [bs, C]
+
+    def eager(self, hidden: torch.Tensor, c0: torch.Tensor, rows: SamplingRows, where: Rows) -> torch.Tensor:
+        """The same step without a graph (a batch past the largest bucket)."""
+        fields = tuple(getattr(rows, f) for f in _FIELDS)
+        return self.step(self.program, hidden, c0, fields, where.slot, where.step, where.prev)
 
     def run(self, hidden: torch.Tensor, c0: torch.Tensor, rows: SamplingRows, where: Rows) -> torch.Tensor:
         """hidden [n, H], c0 [n], rows and where (n entries) → [n, C] int64, from the smallest

@@ -172,9 +172,10 @@ class GraphRunner:
         self._capture_all_mixed(program.mixed_prefill and limits.mixed_prefill, progress)
         self.depth = None
         if program.n_codebooks > 1:
-            from gpu_worker.runner.depth_graphs import DepthGraphs
+            from gpu_worker.runner.depth_graphs import DepthGraphs, compiled_step
 
-            self.depth = DepthGraphs(program, self.sizes, progress)
+            compiled = compiled_step(program, limits.depth_compile, limits.cuda_graphs)
+            self.depth = DepthGraphs(program, self.sizes, progress, compiled, limits.depth_compile == "auto")
 
     # --- capture -------------------------------------------------------------------------------
     def _capture_decode(self, progress: Callable[[str], None] | None) -> None:
@@ -392,5 +393,5 @@ class GraphRunner:
     def decode_tokens(self, hidden: torch.Tensor, c0: torch.Tensor, rows, where: Rows) -> torch.Tensor:
         """The program's depth step from a captured graph (eager past the largest bucket)."""
         if hidden.shape[0] > self.sizes[-1]:
-            return self.eager.decode_tokens(hidden, c0, rows, where)
+            return self.depth.eager(hidden, c0, rows, where)
         return self.depth.run(hidden, c0, rows, where)

@@ -34,6 +34,14 @@ from programs.blocks.rope import llama3_inv_freq, rope_cos_sin, rope_settings, r
 from programs.blocks.weights import checkpoint_dir, copy_weights, load_safetensors, random_weights
 
 
+def _norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """`norm(x)`; on a GPU as one fused kernel (torch.rms_norm: the same normalization, rounded once
+    in fp32 rather than cast back before the weight), where the layer-by-layer step is launch-bound."""
+    if x.is_cuda:
+        return torch.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps)
+    return norm(x)
+
+
 def _head_dim(cfg: dict[str, Any]) -> int:
     return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
 
@@ -123,6 +131,8 @@ class Qwen3TtsLM(nn.Module):
         cos, sin = rope_cos_sin(inv, torch.arange(self.n_codebooks, device=dev), dtype)
         self.register_buffer("predictor_cos", cos, persistent=False)  # [C, Dp]
         self.register_buffer("predictor_sin", sin, persistent=False)
+        self._qkv: list[torch.Tensor] | None = None  # fuse_predictor's weights, built at first use
+        self._gate_up: list[torch.Tensor] = []
 
     # --- inputs (graph-safe) ---------------------------------------------------------------------
     def text_rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -160,6 +170,8 @@ class Qwen3TtsLM(nn.Module):
         keys = hidden.new_empty(len(m.layers), b, hkv, c, dh)  # [L, B, Hkv, C, D] local KV cache
         values = torch.empty_like(keys)
         codes = [c0]
+        if self._qkv is None:
+            self.fuse_predictor()
         for t in range(c):
             if t == 0:
                 x = cp.project(hidden)  # position 0: the talker's state
@@ -176,28 +188,44 @@ class Qwen3TtsLM(nn.Module):
     def _predictor_position(
         self, x: torch.Tensor, t: int, keys: torch.Tensor, values: torch.Tensor
     ) -> torch.Tensor:
-        """One predictor position x [B, Hp] through its layers; writes position t of the local cache."""
+        """One predictor position x [B, Hp] through its layers; writes position t of the local cache.
+        The step is dozens of tiny kernels per codebook, so it runs each layer's projections as two
+        GEMMs (q/k/v together, gate/up together: `fuse_predictor`) and attention with grouped KV."""
         m = self.code_predictor.model
         b, dh = x.shape[0], m.head_dim
         cos, sin = self.predictor_cos[t], self.predictor_sin[t]  # [D]
         h = x
         for i, layer in enumerate(m.layers):
             a = layer.self_attn
-            y = layer.input_layernorm(h)
-            q = a.q_norm(a.q_proj(y).view(b, a.num_heads, dh))
-            k = a.k_norm(a.k_proj(y).view(b, a.num_kv_heads, dh))
-            v = a.v_proj(y).view(b, a.num_kv_heads, dh)
+            hq, hkv = a.num_heads, a.num_kv_heads
+            qkv = F.linear(_norm(layer.input_layernorm, h), self._qkv[i])  # [B, (Hq + 2 Hkv) D]
+            q, k, v = qkv.split((hq * dh, hkv * dh, hkv * dh), dim=-1)
+            q = _norm(a.q_norm, q.view(b, hq, dh))
+            k = _norm(a.k_norm, k.view(b, hkv, dh))
             q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
-            keys[i, :, :, t] = k
-            values[i, :, :, t] = v
-            group = a.num_heads // a.num_kv_heads
-            kk = keys[i, :, :, : t + 1].repeat_interleave(group, dim=1)  # [B, Hq, t+1, D]
-            vv = values[i, :, :, : t + 1].repeat_interleave(group, dim=1)
-            o = F.scaled_dot_product_attention(q[:, :, None, :], kk, vv)  # [B, Hq, 1, D]
-            h = h + a.o_proj(o.reshape(b, a.num_heads * dh))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            keys[i, :, :, t] = k * cos + rotate_half(k) * sin
+            values[i, :, :, t] = v.view(b, hkv, dh)
+            kk, vv = keys[i, :, :, : t + 1], values[i, :, :, : t + 1]  # [B, Hkv, t+1, D]
+            o = F.scaled_dot_product_attention(
+                q[:, :, None, :], kk, vv, enable_gqa=hq != hkv
+            )  # [B, Hq, 1, D]
+            h = h + a.o_proj(o.reshape(b, hq * dh))
+            gate, up = F.linear(_norm(layer.post_attention_layernorm, h), self._gate_up[i]).chunk(2, dim=-1)
+            h = h + layer.mlp.down_proj(F.silu(gate) * up)
         return h
+
+    def fuse_predictor(self) -> None:
+        """The predictor's q/k/v and gate/up weights, concatenated (after loading; biases: none)."""
+        layers = self.code_predictor.model.layers
+        for layer in layers:
+            a, mlp = layer.self_attn, layer.mlp
+            if any(p.bias is not None for p in (a.q_proj, a.k_proj, a.v_proj, mlp.gate_proj, mlp.up_proj)):
+                raise ValueError("the code predictor's fused projections assume no biases")
+        attn = [layer.self_attn for layer in layers]
+        self._qkv = [torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]) for a in attn]
+        self._gate_up = [
+            torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]) for layer in layers
+        ]
 
     # --- weights ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -205,6 +233,7 @@ class Qwen3TtsLM(nn.Module):
         """(name, tensor) pairs with the checkpoint's names (`talker.*`); a Base checkpoint's
         `speaker_encoder.*` belongs to voice cloning and is passed over."""
         talker = ((n.removeprefix("talker."), t) for n, t in weights if not n.startswith("speaker_encoder."))
+        self._qkv = None  # fused again from the new weights
         return copy_weights(self, talker, skip=lambda n: False)
 
     def _check_complete(self, loaded: set[str]) -> None:
