@@ -136,9 +136,10 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     # graphs) when the program allows it; False: in a prefill graph of its own.
     mixed_prefill: bool = True
     # The depth step (a program's `decode_tokens`, several codebooks per row) under torch.compile
-    # inside its graphs: "auto" on a GPU with Triton and graphs, "on", "off". It is dozens of tiny
-    # sequential kernels per codebook; fused, fewer.
-    depth_compile: str = "auto"
+    # inside its graphs: "auto" (on a GPU with Triton and graphs), "on", "off" (the default: its
+    # compile time at startup is not measured yet). It is dozens of tiny sequential kernels per
+    # codebook; fused, fewer.
+    depth_compile: str = "off"
 
     def check(self) -> None:
         if self.depth_compile not in ("auto", "on", "off"):

@@ -150,7 +150,7 @@ OPTIONS: tuple[Option, ...] = (
         "depth_compile",
         "compile the depth step (the codebooks after the first, for models with several per frame) "
         "with torch.compile inside its CUDA graphs (fuses its many small kernels; a minute at "
-        "startup): auto (on a GPU with Triton and graphs), on, off",
+        "startup): auto (on a GPU with Triton and graphs), on, off (default)",
         ("serve", "gpu_worker"),
         choices=("auto", "on", "off"),
         path="gpu.depth_compile",
