@@ -57,6 +57,8 @@ def model_card(pipeline: Pipeline, spec: ModelSpec) -> dict[str, Any]:
         "voices": list(spec.voices),
         "default_voice": spec.default_voice,
         "voice_aliases": voice_aliases(spec),
+        "languages": ["auto", *spec.languages],
+        "options": dict(spec.options),
         "sample_rate": spec.sample_rate,
         "response_formats": list(available_formats(spec.sample_rate)),
         "max_input_chars": text_limit(pipeline.cfg),

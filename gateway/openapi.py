@@ -191,6 +191,8 @@ def _components(spec: ModelSpec, cfg: ServeConfig) -> dict[str, Any]:
                     "voices": {"type": "array", "items": {"type": "string"}},
                     "default_voice": {"type": "string"},
                     "voice_aliases": {"type": "object", "additionalProperties": {"type": "string"}},
+                    "languages": {"type": "array", "items": {"type": "string"}},
+                    "options": {"type": "object", "additionalProperties": {"type": "string"}},
                     "sample_rate": {"type": "integer"},
                     "response_formats": {"type": "array", "items": {"type": "string"}},
                     "max_input_chars": {"type": "integer"},

@@ -59,3 +59,12 @@ async def test_what_the_model_cannot_take_is_a_400_naming_it(qwen_server):
         status, answer = await speech(qwen_server.base, **body)
         assert status == 400, (body, answer)
         assert word in json.loads(answer)["error"]["message"], answer
+
+
+async def test_the_model_card_lists_voices_languages_and_options(qwen_server):
+    async with aiohttp.ClientSession() as s:
+        async with s.get(qwen_server.base + "/v1/models") as r:
+            card = (await r.json())["data"][0]
+    assert "ryan" in card["voices"] and card["default_voice"] == "vivian"
+    assert card["languages"][0] == "auto" and "English" in card["languages"]
+    assert "non_streaming_mode" in card["options"] and card["sample_rate"] == 24000
