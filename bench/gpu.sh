@@ -19,7 +19,8 @@
 #   load | load-mps | load-adaptive   `voxpipe bench ttfa` then the load curve on the same server
 #   csm-load       the same for CSM
 #   qwen3-rate     Qwen3-TTS (VOXPIPE_QWEN3_MODEL, default the 1.7B CustomVoice): `voxpipe bench ttfa`,
-#                  then open-loop Poisson arrivals (VOXPIPE_RATES) of 8-15-word sentences, 60 frames each
+#                  then open-loop Poisson arrivals (VOXPIPE_RATES) of 8-15-word sentences, 60-100 frames
+#                  each (about 5-8 s of audio: random weights rarely end a stream themselves)
 #
 # Environment: OUT (default /tmp/out), VOXPIPE_STAGE_S (per-stage timeout, default 300 s),
 # VOXPIPE_LOAD / VOXPIPE_LOAD_S (load levels and seconds per level), VOXPIPE_SERVE_EXTRA (more
@@ -98,8 +99,9 @@ for stage in "$@"; do
     qwen3-rate)
         run qwen3-rate $bench ttfa --model "${VOXPIPE_QWEN3_MODEL:-qwen3-tts}" --reps 15 --tokens 60 \
             --rate "${VOXPIPE_RATES:-1,10,20,40,80}" --texts sentences --load-duration "${VOXPIPE_LOAD_S:-20}" \
-            --load-tokens 60 --label "$LABEL" --load-out "$OUT/qwen3-rate.json" --out "$OUT/qwen3-ttfa.json" \
-            -- --max-batch-size 256 ${VOXPIPE_SERVE_EXTRA:-}
+            --load-tokens 60 --prompt-allowance 40 --label "$LABEL" --load-out "$OUT/qwen3-rate.json" \
+            --out "$OUT/qwen3-ttfa.json" -- --max-batch-size 256 --codec-dtype bfloat16 --mps on \
+            --codec-gpu-share 50 ${VOXPIPE_SERVE_EXTRA:-}
         ;;
     csm-load)
         run csm-load $bench ttfa --model csm --reps 5 --tokens 40 --load "${VOXPIPE_LOAD:-16,32,64,96}" \

@@ -67,7 +67,7 @@ def load_curve(base: str, args) -> None:
         spies = start_py_spy(args, delay_s=args.ramp + 2) if level == args.profile_level else []
         client_ttfa: dict[str, float] = {}
         point |= measure_level(base, 24000, client_ttfa, **{key: level}, duration=args.load_duration,
-                               tokens=args.load_tokens, prompt_allowance=100, seed=i, ramp=args.ramp,
+                               tokens=args.load_tokens, prompt_allowance=args.prompt_allowance, seed=i, ramp=args.ramp,
                                texts=args.texts)  # fmt: skip
         point["server_after"] = server_gauges(base)
         if tap is not None:
@@ -153,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", default="", help="comma list of Poisson arrival rates (requests/s) after those")
     ap.add_argument("--texts", default="mixed", help="request texts of the load: mixed or sentences")
     ap.add_argument("--load-duration", type=float, default=30.0)
+    ap.add_argument(
+        "--prompt-allowance", type=int, default=100, help="load requests' max_tokens = --load-tokens + this"
+    )
     ap.add_argument("--load-tokens", type=int, default=1024)
     ap.add_argument("--ramp", type=float, default=0.0)
     ap.add_argument("--load-out", default="load.json")
