@@ -36,7 +36,6 @@ COMMANDS: dict[str, tuple[str, list[str], str]] = {
     "op-invariance": ("bench.op_invariance", [], "which op makes a row depend on its batch (first size)"),
     "codec": ("bench.codec_speed", [], "GPU: SNAC window decodes per batch size, per variant"),
     "codec-profile": ("bench.codec_profile", [], "GPU: where a SNAC window's time goes, compiled variants"),
-    "csm-windows": ("bench.csm_windows", [], "CSM's streamed Mimi windows against the whole-stream decode"),
     "sim": ("bench.admission_sim", [], "admission and sit-out policies on a simulated GPU"),
     "tap-stats": ("bench.tap_stats", [], "where a request's time goes, from `voxpipe tap` output"),
 }

@@ -90,12 +90,11 @@ class Codec:
             if self.compiled is None and not compile_fallback:
                 raise ValueError(f"--codec-compile on: {program.name} has no compiled codec")
         # Largest batch decoded at once, per window kind (rows, tail rows): regular windows, lead
-        # and start windows, and with `tails` (--first-chunk progressive) the tail windows of 1-4 frames (a
+        # windows, and with `tails` (--first-chunk progressive) the tail windows of 1-4 frames (a
         # tail of all its rows is the whole window: kind (rows, 0), see `_kind`).
         p, s = program, program.detok_stride
         kinds = {(p.detok_interval, 0): max_batch}
-        # Lead windows and a stream's start windows (its first windows, less the preseed rows).
-        kinds.update({(r, 0): LEAD_MAX_BATCH for r in (*p.detok_lead, *p.start_window_rows)})
+        kinds.update({(r, 0): LEAD_MAX_BATCH for r in p.detok_lead})
         if tails and p.detok_tail:
             kinds.update({self._kind(r, s): LEAD_MAX_BATCH for r in range(s, p.detok_interval + 1, s)})
         self.limits = kinds
@@ -232,8 +231,8 @@ class Codec:
         p = self.program
         return (
             f"codec error: chunk {c.index} of {c.rid} has {len(c.tokens) / (4 * p.n_codebooks):g} rows "
-            f"(tail {kind[1]}); {p.name} windows have {p.detok_interval} (lead or start windows: "
-            f"{list(p.detok_lead or p.start_window_rows)}; tail windows: {sorted(t for t in self.limits if t[1])})"
+            f"(tail {kind[1]}); {p.name} windows have {p.detok_interval} (lead windows: "
+            f"{list(p.detok_lead)}; tail windows: {sorted(t for t in self.limits if t[1])})"
         )
 
     def _launch_part(
@@ -262,7 +261,6 @@ class Codec:
     def collect(self, launched: Launched) -> list[AudioChunk]:
         """Wait for a launch and turn it into AudioChunks, in its chunks' order, leaving out the
         chunks of the requests it failed (added to `launched.failed`)."""
-        p = self.program
         chunks = launched.chunks
         out: list[AudioChunk | None] = [None] * len(chunks)
         for part, pending in launched.parts:
@@ -274,8 +272,6 @@ class Codec:
                 continue
             for i, samples, ok in zip(part, pcm.astype("<i2"), valid, strict=True):
                 c = chunks[i]
-                if c.n_rows:  # a request's padded last window: only its real rows' samples
-                    samples = samples[: c.n_rows * p.detok_samples // p.detok_stride]
                 out[i] = AudioChunk(c.rid, c.index, samples.tobytes() if ok else b"")
         return [a for a in out if a is not None and a.rid not in launched.failed]
 

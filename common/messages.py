@@ -144,9 +144,8 @@ class DetokChunk(msgspec.Struct, **_STRUCT):
     # > 0: a *tail* window (programs/base.py, "Progressive first chunks"): only the audio of its
     # last tail_rows rows is wanted.
     tail_rows: int = 0
-    # A request's last window, padded past its end (the program's detok_flush): rows of real audio
-    # it adds, fewer than the stride; the codec keeps that share of its samples. 0: a whole window.
-    n_rows: int = 0
+    # Unused: it holds slack_ms's place on the wire (field order is the wire format). Always 0.
+    reserved: int = 0
     # How long the listener can wait for this window when it leaves the gpu_worker: audio sent
     # before it minus audio played since the first chunk (0: a first chunk, or a stream running
     # late). The codec worker gathers windows for one batch within it (codec_worker/gather.py).

@@ -229,7 +229,8 @@ class Engine:
         return chunks
 
     def _end(self, req: Request, reason: FinishReason, chunks: list[DetokChunk]) -> None:
-        """A natural end: its flushed last window, if any, then the scheduler finishes it."""
+        """A natural end: a chunk still held back, if any (AudioWindows.flush), then the scheduler
+        finishes it."""
         last = self.windows.flush(req)
         if last is not None:
             chunks.append(last)

@@ -1,13 +1,11 @@
 """Which codec windows a request's audio rows make, and when (programs/base.py: "Audio chunks",
-"Lead windows", "Stream edges").
+"Lead windows").
 
-Regular window j holds audio rows [j*s, j*s + detok_interval) (s = detok_interval - detok_overlap;
-less any preseed pad rows: programs/base.py, "Stream edges") and goes out when its last row
-exists. Before it, a request may send one *lead window* of R rows (a `detok_lead` size) when the
-engine's step rate (its pessimistic estimate, `StepClock.rows_time_high`) says the next regular
-window will arrive before the lead has played out; the regular windows whose audio the lead covers
-are then skipped. After its last row, a program with `detok_flush` sends the rows past the last
-window in one more window, padded past the end.
+Regular window j holds audio rows [j*s, j*s + detok_interval) (s = detok_interval - detok_overlap)
+and goes out when its last row exists. Before it, a request may send one *lead window* of R rows
+(a `detok_lead` size) when the engine's step rate (its pessimistic estimate,
+`StepClock.rows_time_high`) says the next regular window will arrive before the lead has played
+out; the regular windows whose audio the lead covers are then skipped.
 
 Progressive mode (`--first-chunk progressive`, programs with `detok_tail`): the first chunk goes
 out after one frame when, at that step rate, the next frame will reach the listener before that
@@ -23,8 +21,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-
-import numpy as np
 
 from common.messages import LEAD_NOISE_BASE, DetokChunk
 from gpu_worker.scheduler.pacing import StepClock, lead_fits
@@ -80,8 +76,7 @@ class AudioWindows:
             j = (n - interval) // self.stride
             if j < req.first_window:
                 return None  # covered by the lead window
-            lo = self.program.window_start(j)  # past the preseed pad rows: the codec never sees them
-            chunk = DetokChunk(req.rid, req.n_chunks, req.sp.seed, req.audio[lo:n].tobytes(), j)
+            chunk = DetokChunk(req.rid, req.n_chunks, req.sp.seed, req.audio[n - interval : n].tobytes(), j)
             audio_rows = self.stride
         elif req.n_chunks == 0 and n in self.leads and self.lead_now(n):
             chunk = DetokChunk(req.rid, 0, req.sp.seed, req.audio[:n].tobytes(), LEAD_NOISE_BASE + n)
@@ -135,23 +130,12 @@ class AudioWindows:
         return chunk
 
     def flush(self, req) -> DetokChunk | None:
-        """At a request's natural end. detok_flush: window j = req.n_chunks holding rows
-        [window_start(j), n) then pad rows, or None (flush off, or nothing left over); its audio is
-        its last s rows, of which n_rows are real. Progressive mode: the first chunk, if it was
-        still waiting for more frames."""
-        p = self.program
+        """At a request's natural end, in progressive mode: the first chunk, if it was still
+        waiting for more frames; else None."""
         if self.progressive and req.n_chunks == 0 and req.n_audio >= self.stride:
             # A stream that ended while its first chunk waited for a second frame: send what it has.
             return self._tail(req, req.n_audio - req.n_audio % self.stride)
-        if not p.detok_flush:
-            return None
-        audio, j = req.audio[: req.n_audio], req.n_chunks
-        end = j * self.stride + p.detok_interval
-        left = len(audio) - (end - self.stride)
-        if left <= 0:
-            return None
-        window = np.concatenate([audio[p.window_start(j) :], p.pad_rows(end - len(audio))]).astype("<i4")
-        return self._sent(req, DetokChunk(req.rid, j, req.sp.seed, window.tobytes(), j, n_rows=left), left)
+        return None
 
     def first_window_after(self, lead_rows: int) -> int:
         """The first regular window whose audio starts at or after the lead's: window j covers

@@ -40,7 +40,6 @@ Attributes a program sets (defaults on LMProgram; any model may use each):
 | `input_vocab_size` | prompt ids lie in [0, input_vocab_size) (above vocab_size when prompt rows carry text ids) |
 | `detok_interval`, `detok_overlap`, `detok_samples`, `detok_offset` | codec windows (Audio chunks) |
 | `detok_lead`, `detok_tail` | lead windows, tail windows (below) |
-| `detok_preseed`, `detok_flush`, `pad_rows()` | stream edges (below) |
 | `codec_dtype`, `head_ids` | codec precision, output heads (below) |
 | `uses_repetition_penalty` | False: the model has none; requests' repetition_penalty is ignored |
 | `mixed_prefill` | every GEMM of `backbone` goes through `programs.blocks.fp8.linear`, so a prompt may ride in one forward pass with a decode step |
@@ -82,18 +81,6 @@ codec as soon as row j*s + detok_interval - 1 exists; each chunk returns only th
 windows). `keys` are per-chunk noise seeds derived from the request's seed and the chunk index, so
 a seed fixes the audio as well as the tokens.
 
-Stream edges (for codecs that must decode every row, like Mimi): with `detok_preseed` = P > 0,
-every request's audio starts with P `pad_rows` (so the first chunk comes after
-detok_interval - P real rows, and a window with overlap P covers the start of the stream). The
-pad rows only place the windows: the runtime never sends them to the codec. A window that starts
-among them holds its real rows only, [P, j*s + detok_interval) (`window_start`), so `detokenize`
-also takes these *start windows* of detok_interval - P + k*s rows (k = 0, 1, …) and decodes them as
-the beginning of a stream, keeping their last detok_samples samples as usual. With
-`detok_flush`, a request that ends with r rows (0 < r < s) past its last window gets one more:
-rows [j*s, n) followed by pad rows, sent with `DetokChunk.n_rows` = r; the codec_worker keeps the
-first r * detok_samples / s samples of what it adds. That needs a causal codec (samples never
-depend on later rows), so trailing pad rows change nothing before them. Both exclude lead windows.
-
 Lead windows (for a fast first chunk): `detok_lead` lists the row counts R a request's first
 chunk may have instead (() when the program has none). A lead window holds audio rows [0, R),
 R a multiple of s, and `detokenize` returns all of their audio, R / s * detok_samples samples
@@ -120,7 +107,7 @@ Codec streams (`codec_streams = True`, for codecs whose output depends on everyt
 before: a transformer's KV cache, causal-convolution history, transposed-convolution overlap):
 each request's audio rows are decoded exactly once, in order, as one stream, so the streamed
 audio equals the codec's decode of the whole utterance. The codec keeps each stream's state in a
-*codec slot*. Such a program has detok_overlap 0 and no lead, tail, preseed or flush windows.
+*codec slot*. Such a program has detok_overlap 0 and no lead or tail windows.
 - `init_codec_streams(n_slots)` (codec_worker, after `load_codec`) allocates n_slots slots on the
   codec's device. The runtime keeps the last slot (n_slots - 1) as a scratch slot: padding
   entries of a batch decode there, and it is never a request's.
@@ -224,8 +211,6 @@ class LMProgram:
     codec_dtype: torch.dtype = torch.float32  # the codec's weights and activations
     head_ids: torch.Tensor | None = None  # [V'] token id of each logits column (None: all of V)
     sample_rate: int = 24000
-    detok_preseed: int = 0  # pad rows before a request's first audio row (see preseed_rows)
-    detok_flush: bool = False  # a request's last rows short of a window go out in a padded one
     # False: the model has no repetition penalty; requests' repetition_penalty is ignored, and
     # prompt ids need not be sampleable ids (input_vocab_size may exceed vocab_size).
     uses_repetition_penalty: bool = True
@@ -275,21 +260,13 @@ class LMProgram:
         self.detok_tail = bool(spec.get("detok_tail", False))
         self.sample_rate = spec["sample_rate"]
         self.n_codebooks = spec.get("n_codebooks", 1)
-        self.detok_preseed = spec.get("detok_preseed", 0)
-        self.detok_flush = bool(spec.get("detok_flush", False))
-        if (self.detok_preseed or self.detok_flush) and self.detok_lead:
-            raise ValueError(f"{spec['name']}: detok_preseed/detok_flush and detok_lead are alternatives")
         self.detok_stride = self.detok_interval - self.detok_overlap
         if self.detok_stride <= 0:
             raise ValueError(f"{spec['name']}: detok_overlap must be smaller than detok_interval")
-        if self.detok_flush and self.detok_samples % self.detok_stride:
-            raise ValueError(f"{spec['name']}: detok_flush needs detok_samples divisible by the stride")
-        if self.codec_streams and (
-            self.detok_overlap or self.detok_lead or self.detok_tail or self.detok_preseed or self.detok_flush
-        ):
+        if self.codec_streams and (self.detok_overlap or self.detok_lead or self.detok_tail):
             raise ValueError(
                 f"{spec['name']}: codec streams decode each row once: detok_overlap must be 0, and "
-                "there are no lead, tail, preseed or flush windows"
+                "there are no lead or tail windows"
             )
         if codec_dtype != "auto":
             if codec_dtype not in CODEC_DTYPES:
@@ -392,25 +369,6 @@ class LMProgram:
         """`detokenize(tokens, keys)` of regular windows under torch.compile (`backend`), or None
         when this program has no compiled codec."""
         return None
-
-    def pad_rows(self, n: int) -> np.ndarray:
-        """[n, C] int32 rows the codec reads as "no audio here": before a request's first audio row
-        (detok_preseed) and after its last (detok_flush)."""
-        return np.zeros((n, self.n_codebooks), dtype=np.int32)
-
-    def preseed_rows(self) -> np.ndarray:
-        """[detok_preseed, C] int32 rows placed before a request's first audio row."""
-        return self.pad_rows(self.detok_preseed)
-
-    def window_start(self, j: int) -> int:
-        """The first row regular window j sends to the codec: j*s, past the preseed pad rows."""
-        return max(j * self.detok_stride, self.detok_preseed)
-
-    @property
-    def start_window_rows(self) -> tuple[int, ...]:
-        """Row counts of the start windows (shorter than detok_interval: see Stream edges)."""
-        p, s = self.detok_preseed, self.detok_stride
-        return tuple(self.detok_interval - p + k * s for k in range(-(-p // s)))
 
     # --- prompts (tokenizer_worker) ------------------------------------------------------------
     def preprocess(self, text: str, model_kwargs: dict[str, str]) -> np.ndarray | PromptRows:

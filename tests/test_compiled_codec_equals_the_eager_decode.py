@@ -130,8 +130,9 @@ def test_codec_compile_setting(monkeypatch) -> None:
     monkeypatch.setattr(torch.utils._triton, "has_triton", lambda: True)
     assert codec_compile_backend("auto", "cuda:1", orpheus, True) == "inductor"  # a GPU with Triton
     assert codec_compile_backend("auto", "cuda", csm, True) is None
+    csm.load_codec()
     with pytest.raises(ValueError, match="no compiled codec"):
-        Codec(csm, max_batch=2, graphs=False, compile_backend="inductor")
+        Codec(csm, max_batch=2, graphs=False, compile_backend="inductor", streams=1)
 
 
 def _no_compiler(gm, example_inputs):

@@ -41,7 +41,7 @@ def tiny(tmp_path_factory) -> MimiCodec:
     assert cfg["sliding_window"] == 8
     path = tmp_path_factory.mktemp("mimi") / "mimi-tiny-strong.json"
     path.write_text(json.dumps({**cfg, "layer_scale_initial_scale": 1.0, "initializer_range": 0.3}))
-    return MimiCodec.from_config(str(path), 4, torch.float32, "cpu")
+    return MimiCodec.from_config(str(path), torch.float32, "cpu")
 
 
 def _streams(n: int, gen: torch.Generator, lengths: tuple[int, int]) -> list[torch.Tensor]:
@@ -133,7 +133,7 @@ def test_every_piece_of_state_is_carried(tiny: MimiCodec):
 def test_real_mimi_shape_equals_the_whole_stream_decode():
     """kyutai/mimi's shape (8 layers of 512, 250-step window, 256-dim codebooks): two streams of 60
     frames sharing batches of random window sizes."""
-    codec = MimiCodec.from_config(os.path.join(CONFIGS, "mimi.json"), 4, torch.float32, "cpu")
+    codec = MimiCodec.from_config(os.path.join(CONFIGS, "mimi.json"), torch.float32, "cpu")
     gen = torch.Generator().manual_seed(3)
     streams = _streams(2, gen, (60, 61))
     for frames, got in zip(streams, _decode_interleaved(codec, streams, (1, 2, 3), gen), strict=True):
@@ -179,7 +179,7 @@ def _captured(codec: MimiCodec, bd: int, r: int, device: str, graph: bool):
 def _replayed_streams_match(device: str, graph: bool, n_frames: int = 300) -> None:
     """Three streams of the real shape through decode_stream on static buffers, one runner per
     window size (R 1..3, batch of 4 with a scratch-slot padding entry), against decode_all."""
-    codec = MimiCodec.from_config(os.path.join(CONFIGS, "mimi.json"), 4, torch.float32, device)
+    codec = MimiCodec.from_config(os.path.join(CONFIGS, "mimi.json"), torch.float32, device)
     codec.init_streams(N_SLOTS)
     runners = {r: _captured(codec, 4, r, device, graph) for r in (1, 2, 3)}
     gen = torch.Generator().manual_seed(0)

@@ -1,8 +1,8 @@
 """CSM through the gpu_worker engine equals transformers' CsmForConditionalGeneration for the same
 random weights (csm-tiny, CPU fp32): greedy frames (backbone and depth decoder) alone and inside a
 batch of staggered requests, a prompt with a context turn carrying audio, the all-zero stop frame;
-and the audio of the streamed Mimi windows (the last one padded past the end) equals
-`generate(output_audio=True)`'s whole decode."""
+and the audio the codec_worker streams (one frame a window, decoded once with state per request,
+requests interleaved) equals `generate(output_audio=True)`'s whole decode."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from programs import get_spec, load_program_class
 from programs.base import pcm16
 from programs.csm.codec import MimiCodec, random_codebooks
 from programs.csm.model import CsmLM
-from programs.csm.spec import PAD_CODE, TEXT_MARK
+from programs.csm.spec import TEXT_MARK
 
 SPEC = get_spec("csm-tiny")
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "programs", "csm", "configs")
@@ -60,7 +60,7 @@ def program(hf):
     state = {k: v for k, v in hf.state_dict().items() if not k.startswith("codec_model.")}
     lm._check_complete(lm.load_weights(state.items()))
     p.lm = lm.eval()
-    p.codec = MimiCodec(hf.codec_model, p.detok_interval - p.detok_overlap)
+    p.codec = MimiCodec(hf.codec_model)
     return p
 
 
@@ -166,8 +166,8 @@ def test_sampled_frames_do_not_depend_on_the_batch(program):
     assert len(frames) == 6 and len(np.unique(frames[:, 1:])) > 20, "the depth decoder samples too"
 
 
-def test_streamed_windows_equal_the_whole_mimi_decode(hf, program):
-    new = 14  # windows after 4, 8 and 12 frames, then the last 2 frames in a padded window
+def test_streamed_audio_equals_the_whole_mimi_decode(hf, program):
+    new = 14
     with torch.no_grad():
         out = hf.generate(
             torch.tensor([TEXTS["c"]]),
@@ -178,41 +178,46 @@ def test_streamed_windows_equal_the_whole_mimi_decode(hf, program):
             return_dict_in_generate=True,
         )
     assert (out.sequences[0] < 2048).all(), "greedy frames of these weights are all decodable"
-    eng = run(program, [make_prompt("c", text_rows(TEXTS["c"]), new, temperature=0.0)])
-    chunks = [c for b in eng.batches for c in b.chunks]
-    assert [(c.index, c.n_rows) for c in chunks] == [(0, 0), (1, 0), (2, 0), (3, 2)]
-    # The 8 preseed pad frames never reach the codec: the first two windows are start windows of
-    # 4 and 8 frames; the last one (rows 12..14, then pad) is a full window.
-    windows = [
-        torch.from_numpy(np.frombuffer(c.tokens, dtype="<i4").copy()).long().view(1, -1, 32) for c in chunks
+    others = [
+        make_prompt(r, text_rows(TEXTS[r]), NEW[r], temperature=0.9, seed=i) for i, r in enumerate("ab")
     ]
-    assert [len(w[0]) for w in windows] == [4, 8, 12, 12]
-    assert not (windows[0] == PAD_CODE).any() and not (windows[1] == PAD_CODE).any()
-    decoded = [program.detokenize(w, torch.zeros(1, dtype=torch.long)) for w in windows]
-    assert all(v.all() for _, v in decoded)
-    streamed = torch.cat([a[0, : (c.n_rows or 4) * 1920] for (a, _), c in zip(decoded, chunks, strict=True)])
-    reference = out.audio[0]  # transformers: MimiModel.decode of the whole stream
-    assert streamed.shape == reference.shape == (new * 1920,)
-    assert (streamed - reference).abs().max() < 1e-4
-    # The codec_worker's path (PCM16, the last window cut to its 2 frames) gives the same audio.
-    pcm = np.concatenate([np.frombuffer(a.pcm, dtype="<i2") for a in Codec(program).decode(chunks)])
-    want = pcm16(reference).numpy()
-    assert len(pcm) == len(want) and np.abs(pcm.astype(np.int32) - want).max() <= 1
+    eng = run(program, [others[0], make_prompt("c", text_rows(TEXTS["c"]), new, temperature=0.0), others[1]])
+    chunks = [c for b in eng.batches for c in b.chunks]
+    assert all(len(c.tokens) == 4 * 32 for c in chunks), "a window is one frame"
+    assert [c.index for c in chunks if c.rid == "c"] == list(range(new)), "the first audio needs one frame"
+    codec = Codec(program, graphs=False, streams=4)
+    audio: dict[str, list[np.ndarray]] = {}
+    for lo in range(0, len(chunks), 5):  # several requests' frames in each decode, in arrival order
+        for a in codec.decode(chunks[lo : lo + 5]):
+            audio.setdefault(a.rid, []).append(np.frombuffer(a.pcm, dtype="<i2"))
+    assert sorted(audio) == ["a", "b", "c"]
+    got = np.concatenate(audio["c"])
+    want = pcm16(out.audio[0]).numpy()  # transformers: MimiModel.decode of the whole stream
+    assert len(got) == len(want) == new * 1920
+    assert np.abs(got.astype(np.int32) - want).max() <= 1
+    for rid in "ab":  # the sampled requests' streams too (their frames may hold extra ids: as 2047)
+        frames = torch.tensor(np.array(eng.outputs[rid][0])).clamp(max=2047)
+        want = pcm16(program.codec.decode_all(frames)).numpy()
+        got = np.concatenate(audio[rid])
+        assert len(got) == len(want) == 1920 * len(frames)
+        assert np.abs(got.astype(np.int32) - want).max() <= 1, rid
 
 
 def test_a_frame_with_an_extra_id_still_sounds(program):
     """Random weights sample the LM's extra ids (2048..2050) now and then; Mimi has no code for
-    them. The window decodes them as code 2047 and keeps its audio, so the stream has no gap."""
+    them. The stream decodes them as code 2047 and keeps the frame's audio, so it has no gap."""
     gen = torch.Generator().manual_seed(1)
-    frames = torch.randint(0, 2048, (12, 32), generator=gen)
-    odd = frames.clone()
-    odd[10, 5] = 2049  # in a kept frame
+    frames = torch.randint(0, 2048, (6, 32), generator=gen)
+    odd, last = frames.clone(), frames.clone()
+    odd[4, 5], last[4, 5] = 2049, 2047
     chunks = [
-        DetokChunk("r", i, 0, f.numpy().astype("<i4").tobytes(), i) for i, f in enumerate((frames, odd))
+        DetokChunk(rid, i, 0, f[i : i + 1].numpy().astype("<i4").tobytes(), i)
+        for i in range(len(frames))
+        for rid, f in (("odd", odd), ("last", last))
     ]
-    plain, with_extra = Codec(program).decode(chunks)
-    assert len(with_extra.pcm) == len(plain.pcm) == 4 * 1920 * 2
-    odd[10, 5] = 2047
-    [same] = Codec(program).decode([DetokChunk("r", 0, 0, odd.numpy().astype("<i4").tobytes(), 0)])
-    diff = np.frombuffer(same.pcm, "<i2").astype(np.int32) - np.frombuffer(with_extra.pcm, "<i2")
-    assert np.abs(diff).max() <= 1  # alone vs in a batch of two: float rounding only
+    audio: dict[str, list[bytes]] = {}
+    for a in Codec(program, graphs=False, streams=2).decode(chunks):
+        audio.setdefault(a.rid, []).append(a.pcm)
+    with_extra, as_2047 = (np.frombuffer(b"".join(audio[rid]), "<i2") for rid in ("odd", "last"))
+    assert len(with_extra) == len(as_2047) == 6 * 1920
+    assert np.abs(with_extra.astype(np.int32) - as_2047).max() <= 1

@@ -268,9 +268,7 @@ class Scheduler:
             p = self.program
             req.slot = self.slots.admit(req.sp, req.prompt[:, 0], p.uses_repetition_penalty, req.prompt[-1])
             p.admit(req.slot, req.state)
-            req.audio = np.zeros((p.detok_preseed + req.budget, p.n_codebooks), dtype="<i4")
-            req.audio[: p.detok_preseed] = p.preseed_rows()
-            req.n_audio = p.detok_preseed
+            req.audio = np.zeros((req.budget, p.n_codebooks), dtype="<i4")
             req.admitted_at = time.time()
             self.running[req.rid] = req
             prefill_rows += len(req.prompt)

@@ -3,9 +3,9 @@ codebooks 1..31, Mimi 24 kHz. See programs/csm/spec.py for the row layout and th
 
 The contract pieces it uses beyond a single-codebook model (programs/base.py): `decode_tokens`
 (the depth decoder, inside the step), `input_vocab_size` (text rows carry text ids),
-`uses_repetition_penalty = False` (the reference has none), `detok_preseed` and `detok_flush`
-(pad frames before the first frame and after the last, so Mimi decodes every frame of a stream,
-the first window early) and a `classify` on the whole frame.
+`uses_repetition_penalty = False` (the reference has none), `codec_streams` (Mimi decodes each
+frame once, with every request's decoder state in a codec slot: a stream's first audio needs one
+frame, and its audio is MimiModel.decode of the whole utterance) and a `classify` on the whole frame.
 
 Request options (model_kwargs): `voice` = the speaker id (0..9) and `context`, a JSON list of earlier
 turns `[{"speaker": 1, "text": "…", "codes": [[32 codes] per frame]}]`: each becomes the reference's
@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from programs.base import Attention, LMProgram, Rows, Sampler, TokenKind
-from programs.csm.spec import EOS_ID, N_CODEBOOKS, PAD_CODE, TEXT_MARK
+from programs.base import Attention, CodecStreams, LMProgram, Rows, Sampler, TokenKind
+from programs.csm.spec import EOS_ID, N_CODEBOOKS, TEXT_MARK
 
 if TYPE_CHECKING:
     from programs.blocks.text_tokenizer import TextTokenizer
@@ -45,6 +45,7 @@ class CsmProgram(LMProgram):
     codec_dtype: torch.dtype = torch.float32
     uses_repetition_penalty = False
     sized_options = ("context",)  # context turns are prompt rows (option_rows)
+    codec_streams = True  # each frame decoded once, with state per request (programs/base.py)
 
     def __init__(self, spec: dict[str, Any], **kwargs: Any) -> None:
         super().__init__(spec, **kwargs)
@@ -84,12 +85,11 @@ class CsmProgram(LMProgram):
     def load_codec(self) -> None:
         from programs.csm.codec import MimiCodec
 
-        stride = self.detok_stride
         if self.load_format == "dummy" or self.codec_weights is None:
             path = os.path.join(CONFIG_DIR, self.spec["codec_config"])
-            self.codec = MimiCodec.from_config(path, stride, self.codec_dtype, self.device)
+            self.codec = MimiCodec.from_config(path, self.codec_dtype, self.device)
         else:
-            self.codec = MimiCodec.from_pretrained(self.codec_weights, stride, self.codec_dtype, self.device)
+            self.codec = MimiCodec.from_pretrained(self.codec_weights, self.codec_dtype, self.device)
 
     def load_prompts(self) -> None:
         from programs.blocks.text_tokenizer import load_text_tokenizer
@@ -119,18 +119,25 @@ class CsmProgram(LMProgram):
         return torch.where(stop, int(TokenKind.STOP), int(TokenKind.AUDIO))
 
     # --- codec (graph) -------------------------------------------------------------------------
-    def detokenize(
-        self, tokens: torch.Tensor, keys: torch.Tensor, tail_rows: int = 0, streams=None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """[Bd, R, 32] frames (R = 12, or 4 or 8 for a stream's start windows) → audio [Bd, 4 * 1920]
-        (Mimi has no noise: keys unused), valid [Bd].
-        CSM has no tail windows (`detok_tail` False): tail_rows is always 0."""
-        return self.codec.decode_window(tokens)
+    def init_codec_streams(self, n_slots: int) -> None:
+        self.codec.init_streams(n_slots)
 
-    def pad_rows(self, n: int) -> np.ndarray:
-        """Pad frames (codebook_pad_token_id 2050) before a stream's first frame and after its last:
-        the codec reads them as "no audio here" (programs/csm/codec.py)."""
-        return np.full((n, N_CODEBOOKS), PAD_CODE, dtype=np.int32)
+    def detokenize(
+        self,
+        tokens: torch.Tensor,
+        keys: torch.Tensor,
+        tail_rows: int = 0,
+        streams: CodecStreams | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[Bd, R, 32] frames continuing each entry's stream → audio [Bd, R * 1920], valid [Bd] (all
+        True; Mimi has no noise: keys unused; CSM has no tail windows: tail_rows is always 0).
+
+        The LM's extra ids (2048..2050) have no Mimi code; `decode_stream` decodes them as the last
+        code, 2047: trained weights do not sample them (the reference's decode would fail on one),
+        random weights do in ~3.5 % of csm-1b frames, and the frame still sounds, so the stream keeps
+        its timeline."""
+        audio = self.codec.decode_stream(tokens, streams.slot, streams.fresh)
+        return audio.float().clamp(-1, 1), torch.ones(tokens.shape[0], dtype=torch.bool, device=tokens.device)
 
     # --- prompts (tokenizer_worker) ------------------------------------------------------------
     def _turn(self, speaker: str, text: str) -> list[list[int]]:

@@ -16,7 +16,6 @@ column, so `embed` tells them apart on the device.
 
 AUDIO_VOCAB = 2051  # codes per codebook in the LM (Mimi's 2048 + 3 specials)
 TEXT_MARK = AUDIO_VOCAB
-PAD_CODE = 2050  # codebook_pad_token_id: the codec's "no audio here" frames
 N_CODEBOOKS = 32
 BOS_ID = 128000
 EOS_ID = 128001  # <|end_of_text|>, closes every turn's text
@@ -28,15 +27,12 @@ _COMMON = {
     "n_codebooks": N_CODEBOOKS,
     "vocab_size": AUDIO_VOCAB,
     "sample_rate": 24000,
-    # Mimi windows: each chunk decodes 12 frames and keeps the samples of its last 4 (320 ms), so
-    # every kept sample has at least 8 frames (640 ms) of codec context. 8 pad frames go before a
-    # request's first frame, so the first chunk needs only 4 generated frames; the last 1-3 frames
-    # of a stream go out in one more window padded past the end, so every frame is decoded.
-    "detok_interval": 12,
-    "detok_overlap": 8,
-    "detok_preseed": 8,
-    "detok_flush": True,
-    "detok_samples": 4 * SAMPLES_PER_FRAME,
+    # Codec streams (programs/base.py): Mimi decodes each frame once, keeping every request's
+    # decoder state in a codec slot, so a window is one frame, 80 ms of audio, and the stream's
+    # audio is MimiModel.decode of the whole utterance.
+    "detok_interval": 1,
+    "detok_overlap": 0,
+    "detok_samples": SAMPLES_PER_FRAME,
     # Codebook-0 code 0 is what a stop frame starts with: the sampler masks it until min_tokens
     # (the stop itself is decided on the whole frame, in CsmProgram.classify).
     "stop_tokens": [0],

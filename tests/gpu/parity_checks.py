@@ -47,8 +47,8 @@ VARIANTS = {
 
 def codec_graphs_vs_eager(program, tokens: np.ndarray, keys: np.ndarray, max_batch: int) -> dict:
     """Windows `tokens` [n, detok_interval, C] decoded by the codec graphs and eagerly, as regular
-    windows and cut to every shorter kind the codec has graphs for (lead and start windows: their
-    last rows): the largest PCM16 difference over all, per row count, and whether the valid flags
+    windows and cut to every shorter kind the codec has graphs for (lead windows: their last
+    rows): the largest PCM16 difference over all, per row count, and whether the valid flags
     agree."""
     from codec_worker.worker import Codec
 

@@ -5,7 +5,7 @@
    the same backbone states, greedy and sampled, at several batch sizes: frames equal.
 2. Backbone, teacher-forced: codebook-0 logits from the graph runner against the eager runner.
 3. Greedy frames of a request alone and among 3 and 17 others joining at different steps.
-4. Codec graphs (Mimi windows, a padded last window included) against the eager codec.
+4. Codec stream graphs against the eager codec: 16 streams of one-frame windows, interleaved.
 5. Decode step time with graphs (backbone + depth) per batch size: one stream's step fits in a frame
    (80 ms); the largest batch that does (an LM-side bound on real-time streams) is reported.
 """
@@ -17,10 +17,10 @@ import time
 import numpy as np
 import pytest
 import torch
-from parity_checks import codec_graphs_vs_eager
 
+from codec_worker.worker import Codec
 from common.config import GpuWorkerSettings
-from common.messages import Prompt, SamplingParams
+from common.messages import DetokChunk, Prompt, SamplingParams
 from gpu_worker.engine import Engine
 from gpu_worker.runner.batch import StepBatch
 from gpu_worker.runner.kv_cache import allocate_kv_cache
@@ -156,14 +156,28 @@ def test_greedy_frames_alone_equal_those_among_others(csm, gpu_report):
     assert batched == dict.fromkeys(batched, None)
 
 
-def test_codec_graphs_match_the_eager_codec(csm, gpu_report):
+def test_codec_stream_graphs_match_the_eager_codec(csm, gpu_report):
+    """16 streams of 6 frames, one frame a window, each round of windows decoded in two calls:
+    the codec's stream graphs against its eager decode (one Codec after the other: each allocates
+    the program's codec slots anew)."""
     prog, _, _ = csm
     prog.load_codec()
-    rng = np.random.default_rng(1)
-    tokens = rng.integers(0, 2048, size=(16, prog.detok_interval, 32)).astype(np.int64)
-    tokens[0, -1] = prog.pad_rows(1)[0]  # a stream's last window, padded past its end
-    res = codec_graphs_vs_eager(prog, tokens, np.zeros(16, dtype=np.int64), 16)
-    gpu_report("csm-parity")["codec_graph_vs_eager"] = res
+    frames = np.random.default_rng(1).integers(0, 2048, size=(16, 6, 32)).astype("<i4")
+    chunks = [
+        DetokChunk(f"s{b}", i, 0, frames[b, i : i + 1].tobytes(), i) for i in range(6) for b in range(16)
+    ]
+    pcm = {}
+    for graphs in (True, False):
+        codec = Codec(prog, max_batch=16, graphs=graphs, streams=16)
+        assert bool(codec.graphs) == graphs
+        audio: dict[str, list[np.ndarray]] = {}
+        for lo in range(0, len(chunks), 8):
+            for a in codec.decode(chunks[lo : lo + 8]):
+                audio.setdefault(a.rid, []).append(np.frombuffer(a.pcm, dtype="<i2"))
+        pcm[graphs] = np.stack([np.concatenate(audio[f"s{b}"]) for b in range(16)]).astype(np.int32)
+    assert pcm[True].shape == (16, 6 * 1920)
+    res = {"max_pcm_diff": int(np.abs(pcm[True] - pcm[False]).max())}
+    gpu_report("csm-parity")["codec_stream_graphs_vs_eager"] = res
     assert res["max_pcm_diff"] <= 1, res
 
 
