@@ -100,7 +100,7 @@ for stage in "$@"; do
         run qwen3-rate $bench ttfa --model "${VOXPIPE_QWEN3_MODEL:-qwen3-tts}" --reps 15 --tokens 60 \
             --rate "${VOXPIPE_RATES:-1,10,20,40,80}" --texts sentences --load-duration "${VOXPIPE_LOAD_S:-20}" \
             --load-tokens 60 --prompt-allowance 40 --label "$LABEL" --load-out "$OUT/qwen3-rate.json" \
-            --out "$OUT/qwen3-ttfa.json" -- --max-batch-size 256 --codec-dtype bfloat16 --mps on \
+            --out "$OUT/qwen3-ttfa.json" -- --max-batch-size 256 --codec-dtype float16 --mps on \
             --codec-gpu-share 50 ${VOXPIPE_SERVE_EXTRA:-}
         ;;
     csm-load)

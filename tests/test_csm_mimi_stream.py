@@ -2,7 +2,8 @@
 `MimiModel.decode` over the whole stream, within 1e-4 (CPU fp32, random weights and codebooks):
 streams interleaved in shared batches with windows of random sizes or one frame each, slots reused
 by new streams, padding entries on the scratch slot, CSM's extra ids decoded as code 2047; every
-piece of carried state changes the audio; the real kyutai/mimi shape too.
+piece of carried state changes the audio; the real kyutai/mimi shape too; in bfloat16 and float16
+a stream stays as near the fp32 decode as MimiModel's own decode in that dtype.
 
 csm-tiny's Mimi attends over 8 transformer steps (4 frames), so streams of 9..24 frames wrap each
 slot's key/value ring several times."""
@@ -31,8 +32,8 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> MimiCodec:
-    """csm-tiny's Mimi with a transformer that counts: transformers' init scales its residual
+def strong(tmp_path_factory) -> str:
+    """csm-tiny's Mimi config with a transformer that counts: transformers' init scales its residual
     branches by 0.01 and draws its Linear weights at std 0.02 (near-uniform attention), so what
     the transformer attends to would move the audio by less than the tolerance. Full layer scales
     and std 0.3 make its keys, values and positions show in the audio."""
@@ -41,7 +42,12 @@ def tiny(tmp_path_factory) -> MimiCodec:
     assert cfg["sliding_window"] == 8
     path = tmp_path_factory.mktemp("mimi") / "mimi-tiny-strong.json"
     path.write_text(json.dumps({**cfg, "layer_scale_initial_scale": 1.0, "initializer_range": 0.3}))
-    return MimiCodec.from_config(str(path), torch.float32, "cpu")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny(strong: str) -> MimiCodec:
+    return MimiCodec.from_config(strong, torch.float32, "cpu")
 
 
 def _streams(n: int, gen: torch.Generator, lengths: tuple[int, int]) -> list[torch.Tensor]:
@@ -138,6 +144,27 @@ def test_real_mimi_shape_equals_the_whole_stream_decode():
     streams = _streams(2, gen, (60, 61))
     for frames, got in zip(streams, _decode_interleaved(codec, streams, (1, 2, 3), gen), strict=True):
         assert (got - _reference(codec, frames)).abs().max() < TOL
+
+
+def _snr_db(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float(10 * torch.log10(want.pow(2).mean() / (got.float() - want.float()).pow(2).mean()))
+
+
+@pytest.mark.parametrize("dtype, bound", [(torch.bfloat16, 30.0), (torch.float16, 45.0)])
+def test_half_precision_streams_stay_near_the_fp32_decode(tiny: MimiCodec, strong: str, dtype, bound):
+    """The same weights in bfloat16 / float16 (state in that dtype), streams interleaved in windows
+    of 1..3 frames: above `bound` dB of SNR against the fp32 whole-stream decode (measured ~35 and
+    ~53), and within 1 dB of MimiModel.decode's own in that dtype."""
+    half = MimiCodec.from_config(strong, dtype, "cpu")
+    gen = torch.Generator().manual_seed(11)
+    streams = _streams(3, gen, (12, 17))
+    decoded = _decode_interleaved(half, streams, (1, 2, 3), gen)
+    assert half.streams.keys.dtype == dtype and all(t.dtype == dtype for t in half.streams.state.values())
+    for frames, got in zip(streams, decoded, strict=True):
+        want = _reference(tiny, frames)
+        floor = _snr_db(_reference(half, frames), want)
+        snr = _snr_db(got, want)
+        assert snr > bound and snr > floor - 1.0, (snr, floor)
 
 
 def test_a_step_sees_only_the_sliding_window(tiny: MimiCodec):

@@ -11,10 +11,17 @@ The decode path and the state each stage keeps between windows (T = R frames at 
 - upsample: depthwise ConvTranspose (stride 2, kernel 4) to 25 Hz → [Bd, D, 2T]; keeps the
   `kernel - stride` output samples its last input has not finished (the pending overlap).
 - transformer: layers of pre-norm attention + MLP with layer scales; keys and values of the last
-  `sliding_window` steps in a ring buffer per slot, with the slot's step count giving RoPE
-  positions and the ring's positions; a query at step q sees the keys at q - window < p <= q.
+  `sliding_window - 1 + PASS_STEPS` steps in a ring buffer per slot, step p at ring position
+  p % ring, with the slot's step count giving RoPE positions and the ring's positions; a query at
+  step q sees the keys at q - window < p <= q. A window's new keys and values are scattered into
+  the ring in place, then each entry's ring is gathered once and masked by position (steps older
+  than the window, or from before a fresh stream's start), so a fresh stream resets its step count
+  alone. Windows of more than PASS_STEPS steps run the layers in passes of that many.
 - SEANet: causal convs (each keeps its last `(kernel - 1) * dilation` input samples), ELUs,
   transposed convs (pending overlap as above) and residual blocks → [Bd, 1, T * 1920].
+
+Each conv's history and pending overlap has a row past the slots that stays zero: a fresh entry
+gathers from it, so a reset costs no pass over the state. The state is in the model's dtype.
 
 Mimi's decoder is causal end to end, so streaming it this way gives the samples of
 `MimiModel.decode` over the whole stream (tests/test_csm_mimi_stream.py holds it to 1e-4).
@@ -28,6 +35,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+PASS_STEPS = 4  # transformer steps (2 frames) a ring holds beyond the window's past: one pass's
 
 
 class MimiStreamDecoder:
@@ -66,7 +75,9 @@ class MimiStreamDecoder:
         self.state: dict[nn.Module, torch.Tensor] = {}
 
     def init_streams(self, n_slots: int) -> None:
-        """Allocate (zeroed) the state of `n_slots` streams on the model's device and dtype."""
+        """Allocate (zeroed) the state of `n_slots` streams on the model's device and dtype: each
+        conv's [n_slots + 1, C, size] (the last row stays zero), the rings
+        [layers, n_slots, kv_heads, window - 1 + PASS_STEPS, head_dim], the step counts [n_slots]."""
         dtype, device = self.tables[0][0].dtype, self.tables[0][0].device
         self.n_slots = n_slots
         self.state = {}
@@ -74,16 +85,19 @@ class MimiStreamDecoder:
             if length.size == 0:  # a kernel-1 conv sees its input alone
                 continue
             channels = conv.conv.in_channels if length.kind == "context" else conv.conv.out_channels
-            self.state[conv] = torch.zeros(n_slots, channels, length.size, dtype=dtype, device=device)
-        shape = (len(self.layers), n_slots, self.window, self.num_kv_heads, self.head_dim)
+            self.state[conv] = torch.zeros(n_slots + 1, channels, length.size, dtype=dtype, device=device)
+        ring = self.window - 1 + PASS_STEPS
+        shape = (len(self.layers), n_slots, self.num_kv_heads, ring, self.head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.steps = torch.zeros(n_slots, dtype=torch.int64, device=device)  # transformer steps seen
 
     def state_bytes_per_slot(self) -> int:
         """Bytes of state one slot holds (KV ring, conv histories, pending overlaps, step count)."""
-        tensors = [*self.state.values(), self.keys, self.values, self.steps]
-        return sum(t.numel() * t.element_size() for t in tensors) // max(self.n_slots, 1)
+        rings = [self.keys[:, 0], self.values[:, 0], self.steps[0]]
+        return sum(t[0].numel() * t.element_size() for t in self.state.values()) + sum(
+            t.numel() * t.element_size() for t in rings
+        )
 
     def _stateful_convs(self) -> list[tuple[nn.Module, _StateSize]]:
         convs = [] if self.upsample is None else [self.upsample]
@@ -115,19 +129,19 @@ class MimiStreamDecoder:
         leaves the slot advanced by R frames. Ids past the codebook (CSM's 2048..2050) decode as the
         last code. Graph-safe; entries of one call hold distinct slots, but for a shared scratch
         slot whose state nobody reads."""
-        keep = (~fresh)[:, None, None]
+        read = torch.where(fresh, self.n_slots, slots)  # the rows conv states come from
         x = self._dequantize(codes.clamp(0, self.codebook_size - 1))  # [Bd, D, R]
         if self.upsample is not None:
-            x = self._conv_transpose(self.upsample, x, slots, keep)  # [Bd, D, 2R]
+            x = self._conv_transpose(self.upsample, x, slots, read)  # [Bd, D, 2R]
         x = self._transformer(x.transpose(1, 2), slots, fresh).transpose(1, 2)
         for layer in self.seanet:
             kind = type(layer).__name__
             if kind == "MimiConv1d":
-                x = self._conv(layer, x, slots, keep)
+                x = self._conv(layer, x, slots, read)
             elif kind == "MimiConvTranspose1d":
-                x = self._conv_transpose(layer, x, slots, keep)
+                x = self._conv_transpose(layer, x, slots, read)
             elif kind == "MimiResnetBlock":
-                x = self._resnet_block(layer, x, slots, keep)
+                x = self._resnet_block(layer, x, slots, read)
             else:  # ELU
                 x = layer(x)
         return x[:, 0]
@@ -148,18 +162,19 @@ class MimiStreamDecoder:
         return out
 
     def _conv(
-        self, conv: nn.Module, x: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor
+        self, conv: nn.Module, x: torch.Tensor, slots: torch.Tensor, read: torch.Tensor
     ) -> torch.Tensor:
-        """A causal conv over [its kept input history, x]: x [Bd, C, L] → [Bd, C', L]."""
+        """A causal conv over [its kept input history (rows `read`), x]: x [Bd, C, L] → [Bd, C', L];
+        the history's next rows go to `slots`."""
         history = self.state.get(conv)
         if history is None:  # kernel 1: no history
             return conv.conv(x)
-        full = torch.cat([torch.where(keep, history.index_select(0, slots), 0), x], dim=2)
+        full = torch.cat([history.index_select(0, read), x], dim=2)
         history.index_copy_(0, slots, full[..., -history.shape[2] :])
         return conv.conv(full)
 
     def _conv_transpose(
-        self, conv: nn.Module, x: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor
+        self, conv: nn.Module, x: torch.Tensor, slots: torch.Tensor, read: torch.Tensor
     ) -> torch.Tensor:
         """A causal transposed conv: x [Bd, C, L] → [Bd, C', L * stride]. Each input step spreads
         `kernel = m * stride` samples over m output blocks of `stride`; blocks past the L-th still
@@ -184,66 +199,66 @@ class MimiStreamDecoder:
         y = y.flatten(2)  # [Bd, C', (L + m - 1) * stride]
         pending = self.state.get(conv)
         n = length * stride
-        if pending is not None:
-            overlap = pending.shape[2]
-            y = torch.cat(
-                [y[..., :overlap] + torch.where(keep, pending.index_select(0, slots), 0), y[..., overlap:]],
-                dim=2,
-            )
+        if pending is not None:  # y is this call's own tensor: the overlap adds in place
+            y[..., : pending.shape[2]] += pending.index_select(0, read)
             pending.index_copy_(0, slots, y[..., n:])
         y = y[..., :n]
         return y if c.bias is None else y + c.bias[:, None]
 
-    def _resnet_block(self, block: nn.Module, x: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor):
+    def _resnet_block(self, block: nn.Module, x: torch.Tensor, slots: torch.Tensor, read: torch.Tensor):
         h = x
         for layer in block.block:
-            h = self._conv(layer, h, slots, keep) if type(layer).__name__ == "MimiConv1d" else layer(h)
+            h = self._conv(layer, h, slots, read) if type(layer).__name__ == "MimiConv1d" else layer(h)
         return block.shortcut(x) + h  # Mimi's shortcut is the identity (use_conv_shortcut false)
 
     def _transformer(self, x: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
-        """x [Bd, S, D] (S new steps) → [Bd, S, D], attending to the slot's ring of past keys."""
-        bd, s, _ = x.shape
-        w, dev = self.window, x.device
+        """x [Bd, S, D] (S new steps) → [Bd, S, D], attending to the slot's ring of past keys; the
+        layers run in passes of at most the ring's PASS_STEPS spare steps."""
+        step = self.keys.shape[3] - (self.window - 1)
         start = torch.where(fresh, 0, self.steps.index_select(0, slots))  # [Bd] steps before x
+        out = [
+            self._transformer_pass(x[:, first : first + step], slots, start + first)
+            for first in range(0, x.shape[1], step)
+        ]
+        self.steps.index_copy_(0, slots, start + x.shape[1])
+        return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+
+    def _transformer_pass(self, x: torch.Tensor, slots: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """x [Bd, S, D] at steps start [Bd] + 0..S-1, S ≤ the ring's spare steps → [Bd, S, D]."""
+        s, w, ring, dev = x.shape[1], self.window, self.keys.shape[3], x.device
         q_pos = start[:, None] + torch.arange(s, device=dev)  # [Bd, S]
-        # ring entry i holds the step p ≡ i (mod w) among the last w steps; p < 0: never written
-        ring = torch.arange(w, device=dev)[None]
-        ring_pos = start[:, None] - w + torch.remainder(ring - start[:, None], w)  # [Bd, w]
-        k_pos = torch.cat([ring_pos, q_pos], dim=1)  # [Bd, w + S]
-        dist = q_pos[:, :, None] - k_pos[:, None, :]  # [Bd, S, w + S]
-        mask = (dist >= 0) & (dist < w) & (k_pos >= 0)[:, None, :]
+        end = q_pos[:, -1:] + 1
+        # once x's steps are in, ring entry i holds the step p < end, p ≡ i (mod ring), nearest
+        # end; p < 0 is no step of this stream (zeros, or another stream's)
+        k_pos = end - ring + torch.remainder(torch.arange(ring, device=dev) - end, ring)  # [Bd, ring]
+        dist = q_pos[:, :, None] - k_pos[:, None, :]  # [Bd, S, ring]
+        mask = ((dist >= 0) & (dist < w) & (k_pos >= 0)[:, None, :])[:, None]
         freqs = q_pos[..., None].float() * self.inv_freq.to(dev)  # [Bd, S, head_dim / 2]
         emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [Bd, 1, S, head_dim]
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        n_write = min(s, w)  # a window longer than the ring keeps only its last w steps
-        write_at = torch.remainder(q_pos[:, s - n_write :], w)  # [Bd, n_write]
+        rope = (emb.cos().to(x.dtype), emb.sin().to(x.dtype), torch.remainder(q_pos, ring)[:, None], mask)
         for i, layer in enumerate(self.layers):
             h = layer.input_layernorm(x)
-            x = x + layer.self_attn_layer_scale(
-                self._attention(layer.self_attn, h, i, slots, write_at, cos, sin, mask)
-            )
+            x = x + layer.self_attn_layer_scale(self._attention(layer.self_attn, h, i, slots, rope))
             x = x + layer.mlp_layer_scale(layer.mlp(layer.post_attention_layernorm(x)))
-        self.steps.index_copy_(0, slots, start + s)
         return x
 
-    def _attention(self, attn, h, i, slots, write_at, cos, sin, mask) -> torch.Tensor:
-        """h [Bd, S, D] → [Bd, S, D]; writes the new keys and values into layer i's ring."""
+    def _attention(self, attn, h: torch.Tensor, i: int, slots: torch.Tensor, rope: tuple) -> torch.Tensor:
+        """h [Bd, S, D] → [Bd, S, D]: scatters the S new keys and values into layer i's rings (at
+        rope's ring positions [Bd, 1, S]), then attends over each entry's ring (one gather)."""
         bd, s, _ = h.shape
+        cos, sin, at, mask = rope
         q = attn.q_proj(h).view(bd, s, self.num_heads, self.head_dim).transpose(1, 2)
         k = attn.k_proj(h).view(bd, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = attn.v_proj(h).view(bd, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)  # [Bd, H, S, hd]
-        past_k = self.keys[i].index_select(0, slots).transpose(1, 2)  # [Bd, Hkv, w, hd]
-        past_v = self.values[i].index_select(0, slots).transpose(1, 2)
-        keys, values = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
-        n = write_at.shape[1]
-        self.keys[i].index_put_((slots[:, None], write_at), k[:, :, s - n :].transpose(1, 2))
-        self.values[i].index_put_((slots[:, None], write_at), v[:, :, s - n :].transpose(1, 2))
+        where = (slots[:, None, None], torch.arange(self.num_kv_heads, device=h.device)[:, None], at)
+        self.keys[i].index_put_(where, k)
+        self.values[i].index_put_(where, v)
         out = F.scaled_dot_product_attention(
             q,
-            keys,
-            values,
-            attn_mask=mask[:, None],
+            self.keys[i].index_select(0, slots),  # [Bd, Hkv, ring, hd]
+            self.values[i].index_select(0, slots),
+            attn_mask=mask,
             scale=self.scaling,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )

@@ -11,12 +11,15 @@ Every layer is causal, so a whole utterance decodes a window of frames at a time
 where each stateful layer keeps what it needs of the past: a causal conv its last
 (kernel - 1) · dilation input samples (its left padding); a transposed conv of kernel 2r its last
 input, whose second half-kernel overlaps the next input's outputs; attention the rotated keys and
-values of the last `sliding_window - 1` frames, with the stream's frame position. `init_streams`
-allocates it per slot; `decode_stream` gathers, resets (`fresh`), advances and writes back each
-entry's slot with device tensors (graph-safe). `decode_all` runs a whole utterance as one window
-from zero state: the reference's `forward`, which its `decode` (`chunked_decode`) is up to 300
-frames; longer utterances it decodes in 300-frame chunks with 25 frames of left context, an
-approximation of that whole decode.
+values of its last `sliding_window - 1 + PASS_FRAMES` frames in a ring, with the stream's frame
+position. `init_streams` allocates it per slot, in the codec's dtype; `decode_stream` moves only
+what each layer reads and writes, with device tensors (graph-safe): a conv gathers its past (a
+fresh entry's from a row kept at zero) and scatters its next; an attention scatters the new keys and
+values into the ring in place and gathers the ring, masked by position (frames before a fresh
+stream's start, or older than the window), so a fresh stream resets its position alone.
+`decode_all` runs a whole utterance as one window from zero state: the reference's `forward`,
+which its `decode` (`chunked_decode`) is up to 300 frames; longer utterances it decodes in
+300-frame chunks with 25 frames of left context, an approximation of that whole decode.
 
 configs/qwen3-tts-tokenizer-12hz.json holds the published config.json's values (top level and
 `decoder_config`; the encoder's left out), as several independent public copies of
@@ -40,6 +43,7 @@ from torch import nn
 
 from programs.blocks.weights import checkpoint_dir, copy_weights, load_safetensors
 from programs.qwen3_tts.codec_layers import (
+    Attention,
     CausalConvNet,
     CausalTransConvNet,
     Contexts,
@@ -49,6 +53,8 @@ from programs.qwen3_tts.codec_layers import (
     SplitResidualVectorQuantizer,
     Transformer,
 )
+
+PASS_FRAMES = 2  # frames a stream's attention ring holds beyond the window's past: one pass's
 
 
 class Qwen3TtsCodec(nn.Module):
@@ -78,13 +84,12 @@ class Qwen3TtsCodec(nn.Module):
         self.stateful = [m for m in self.modules() if getattr(m, "state_shape", None)]
         for i, m in enumerate(self.stateful):
             m.state_index = i
-        self.states: list[torch.Tensor] = []  # per stateful layer [n_slots, *state_shape]
+        self.states: list[torch.Tensor] = []  # per stateful layer, `_zero_states`
         self.positions: torch.Tensor | None = None  # [n_slots] int64, frames a slot has decoded
 
-    def run(self, codes: torch.Tensor, start: torch.Tensor, past: list[torch.Tensor]):
-        """codes [B, R, C] int64, start [B] int64 (frames before them), past (one per stateful layer,
-        [B, *state_shape]) → (audio [B, R * samples_per_frame] in [-1, 1], the new states)."""
-        ctx = Contexts(past)
+    def run(self, codes: torch.Tensor, start: torch.Tensor, ctx: Contexts) -> torch.Tensor:
+        """codes [B, R, C] int64, start [B] int64 (frames before them), ctx (the state, advanced
+        in place) → audio [B, R * samples_per_frame] in [-1, 1]."""
         h = self.pre_conv(self.quantizer.decode(codes).transpose(1, 2), ctx)
         h = self.pre_transformer(h.transpose(1, 2), start, ctx).transpose(1, 2)
         for trans, block in self.upsample:
@@ -93,41 +98,57 @@ class Qwen3TtsCodec(nn.Module):
         for block in self.decoder[1:-2]:
             h = block(h, ctx)
         h = self.decoder[-1](self.decoder[-2](h), ctx)
-        return h[:, 0].clamp(-1.0, 1.0), ctx.new
+        return h[:, 0].clamp(-1.0, 1.0)
 
-    def _zero_states(self, n: int) -> list[torch.Tensor]:
+    def _row_shapes(self, ring_frames: int) -> list[tuple[int, ...]]:
+        """One slot's state per stateful layer: a conv's `state_shape`, an attention's ring of
+        `window - 1 + ring_frames` frames [2, kv_heads, ring, head_dim]."""
+        return [
+            (2, m.kv_heads, m.window - 1 + ring_frames, m.head_dim)
+            if isinstance(m, Attention)
+            else m.state_shape
+            for m in self.stateful
+        ]
+
+    def _zero_states(self, n: int, ring_frames: int) -> list[torch.Tensor]:
+        """Zeroed state of n slots in the codec's dtype: the rings [n, ...], each conv's [n + 1, ...]
+        (its last row stays zero: what fresh entries read)."""
         p = self.pre_conv.conv.weight
-        return [p.new_zeros((n, *m.state_shape)) for m in self.stateful]
+        return [
+            p.new_zeros((n if isinstance(m, Attention) else n + 1, *shape))
+            for m, shape in zip(self.stateful, self._row_shapes(ring_frames), strict=True)
+        ]
 
     @torch.no_grad()
     def decode_all(self, codes: torch.Tensor) -> torch.Tensor:
         """The whole utterance in one window from a fresh state: codes [T, C] → [T * 1920] float32."""
-        start = torch.zeros(1, dtype=torch.int64, device=codes.device)
-        return self.run(codes[None], start, self._zero_states(1))[0][0].float()
+        first = torch.zeros(1, dtype=torch.int64, device=codes.device)
+        ctx = Contexts(self._zero_states(1, codes.shape[0]), first, first)
+        return self.run(codes[None], first, ctx)[0].float()
 
     def init_streams(self, n_slots: int) -> None:
-        """Allocate (zeroed) the state of `n_slots` streams on the codec's device."""
-        self.states = self._zero_states(n_slots)
+        """Allocate (zeroed) the state of `n_slots` streams on the codec's device, in its dtype."""
+        self.states = self._zero_states(n_slots, PASS_FRAMES)
         self.positions = torch.zeros(n_slots, dtype=torch.int64, device=self.pre_conv.conv.weight.device)
 
     def slot_bytes(self) -> int:
         """Bytes of state one slot holds (its position included)."""
-        values = sum(math.prod(m.state_shape) for m in self.stateful)
+        values = sum(math.prod(shape) for shape in self._row_shapes(PASS_FRAMES))
         return values * self.pre_conv.conv.weight.element_size() + 8
 
     @torch.no_grad()
     def decode_stream(self, codes: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
         """Entry b decodes its next R frames, codes [Bd, R, C] int64, continuing the stream in slot
         `slots[b]` ([Bd] int64; a slot appears once per call, but for a padding slot), whose state
-        is reset first where `fresh[b]` ([Bd] bool); → audio [Bd, R * 1920] float32. Graph-safe."""
-        past = []
-        for state in self.states:
-            gathered = state.index_select(0, slots)
-            past.append(gathered.masked_fill(fresh.view(-1, *[1] * (state.dim() - 1)), 0))
-        start = self.positions.index_select(0, slots).masked_fill(fresh, 0)
-        audio, new = self.run(codes, start, past)
-        for state, update in zip(self.states, new, strict=True):
-            state.index_copy_(0, slots, update)
+        is reset first where `fresh[b]` ([Bd] bool); → audio [Bd, R * 1920] float32. Graph-safe.
+
+        State moves per layer: a conv gathers its past ([Bd, C, context], from the zero row where
+        fresh) and scatters its next; an attention scatters the R new keys and values into the
+        slots' rings and gathers the rings, whose frames from before a fresh start its mask hides
+        (a fresh entry's position restarts at 0)."""
+        start = torch.where(fresh, 0, self.positions.index_select(0, slots))
+        read = torch.where(fresh, self.positions.shape[0], slots)  # conv states' zero row
+        audio = self.run(codes, start, Contexts(self.states, slots, read))
         self.positions.index_copy_(0, slots, start + codes.shape[1])
         return audio.float()
 

@@ -1,6 +1,7 @@
 """The layers of Qwen3-TTS-Tokenizer-12Hz's decoder (programs/qwen3_tts/codec.py), under the reference's
-names: each stateful layer (`state_shape`) reads its past from, and leaves its next past in, the
-decode's `Contexts`, so one code path decodes a whole utterance (zero past) and a stream's window.
+names: each stateful layer (`state_shape`) reads its past from, and writes its next past into, the
+state buffers of the decode's `Contexts` in place, so one code path decodes a whole utterance (from
+a zero state of one row) and a stream's window (slots of the streams' state).
 """
 
 from __future__ import annotations
@@ -13,26 +14,22 @@ from torch import nn
 
 
 class Contexts:
-    """One decode's state: each stateful layer reads its past (`get`, [B, *state_shape]) and leaves
-    what the next window needs (`put`), by its `state_index`."""
+    """One decode's state, read and written in place by each stateful layer (by its `state_index`):
+    states (one per stateful layer: a conv's [rows, *state_shape], an attention's ring
+    [n_slots, 2, kv_heads, ring, head_dim]), slots [B] (the rows entries write) and read [B] (the
+    rows their conv states come from: a fresh entry reads a row kept at zero)."""
 
-    def __init__(self, past: list[torch.Tensor]) -> None:
-        self.past = past
-        self.new: list[torch.Tensor | None] = [None] * len(past)
-
-    def get(self, layer: nn.Module) -> torch.Tensor:
-        return self.past[layer.state_index]
-
-    def put(self, layer: nn.Module, state: torch.Tensor) -> None:
-        self.new[layer.state_index] = state
+    def __init__(self, states: list[torch.Tensor], slots: torch.Tensor, read: torch.Tensor) -> None:
+        self.states, self.slots, self.read = states, slots, read
 
     def extend(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """x [B, C, T] after the layer's past [B, C, context], whose last `context` samples are its
-        next past."""
+        """x [B, C, T] after the layer's past [B, C, context] (one gather); its last `context`
+        samples go back to the slots as their next past (one scatter)."""
         if not layer.context:
             return x
-        x = torch.cat([self.get(layer), x], dim=-1)
-        self.put(layer, x[..., -layer.context :])
+        history = self.states[layer.state_index]
+        x = torch.cat([history.index_select(0, self.read), x], dim=-1)
+        history.index_copy_(0, self.slots, x[..., -layer.context :])
         return x
 
 
@@ -176,8 +173,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class Attention(nn.Module):
-    """Causal attention over the last `window` frames. Its past: the keys (rotated) and values of
-    the `window - 1` frames before the window, [B, 2, kv_heads, window - 1, head_dim]."""
+    """Causal attention over the last `window` frames. Its state: a ring per slot of the rotated
+    keys and values of its last `ring` frames, frame p at ring position p % ring,
+    [n_slots, 2, kv_heads, ring, head_dim]; `state_shape` is what a slot needs at the least."""
 
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__()
@@ -188,25 +186,27 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(dim, self.kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(dim, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, dim, bias=bias)
-        self.state_shape = (2, self.kv_heads, cfg["sliding_window"] - 1, self.head_dim)
+        self.window = cfg["sliding_window"]
+        self.state_shape = (2, self.kv_heads, self.window - 1, self.head_dim)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, ctx: Contexts
-    ):
-        """x [B, R, dim], cos/sin [B, 1, R, head_dim], mask [B, 1, R, window - 1 + R] bool."""
+    def forward(self, x: torch.Tensor, rope: tuple, ctx: Contexts) -> torch.Tensor:
+        """x [B, R, dim]; rope = (cos, sin [B, 1, R, head_dim], at [B, 1, 1, R] int64: the
+        ring positions of the R frames, mask [B, 1, R, ring] bool over the ring once they are in).
+        Writes the R new keys and values into the slots' rings, then attends over each ring."""
         b, r, _ = x.shape
+        cos, sin, at, mask = rope
         q = self.q_proj(x).view(b, r, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, r, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, r, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        past = ctx.get(self)
-        keys = torch.cat([past[:, 0], k], dim=2)
-        values = torch.cat([past[:, 1], v], dim=2)
-        ctx.put(self, torch.stack([keys[:, :, r:], values[:, :, r:]], dim=1))
-        groups = self.heads // self.kv_heads
-        keys = keys.repeat_interleave(groups, dim=1)
-        values = values.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        ring = ctx.states[self.state_index]
+        part = torch.arange(2, device=x.device)[:, None, None]
+        heads = torch.arange(self.kv_heads, device=x.device)[:, None]
+        ring.index_put_((ctx.slots[:, None, None, None], part, heads, at), torch.stack([k, v], dim=1))
+        past = ring.index_select(0, ctx.slots)  # [B, 2, kv_heads, ring, head_dim]
+        out = F.scaled_dot_product_attention(
+            q, past[:, 0], past[:, 1], attn_mask=mask, enable_gqa=self.heads != self.kv_heads
+        )
         return self.o_proj(out.transpose(1, 2).reshape(b, r, -1))
 
 
@@ -221,16 +221,16 @@ class TransformerLayer(nn.Module):
         self.self_attn_layer_scale = Named(scale=nn.Parameter(torch.full((dim,), scale)))
         self.mlp_layer_scale = Named(scale=nn.Parameter(torch.full((dim,), scale)))
 
-    def forward(self, x: torch.Tensor, cos, sin, mask, ctx: Contexts) -> torch.Tensor:
-        x = x + self.self_attn_layer_scale.scale * self.self_attn(
-            self.input_layernorm(x), cos, sin, mask, ctx
-        )
+    def forward(self, x: torch.Tensor, rope: tuple, ctx: Contexts) -> torch.Tensor:
+        x = x + self.self_attn_layer_scale.scale * self.self_attn(self.input_layernorm(x), rope, ctx)
         return x + self.mlp_layer_scale.scale * self.mlp(self.post_attention_layernorm(x))
 
 
 class Transformer(nn.Module):
     """latent → hidden, sliding-window layers (RoPE by stream position), norm, → latent:
-    x [B, R, latent], start [B] int64 (the stream position of x's first frame) → [B, R, latent]."""
+    x [B, R, latent], start [B] int64 (the stream position of x's first frame) → [B, R, latent].
+    A ring of `ring` frames holds the window's `window - 1` frames before a frame and up to
+    `ring - window + 1` frames of one pass; longer windows run their layers in passes of that many."""
 
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__()
@@ -243,20 +243,33 @@ class Transformer(nn.Module):
         self.head_dim = self.layers[0].self_attn.head_dim
 
     def forward(self, x: torch.Tensor, start: torch.Tensor, ctx: Contexts) -> torch.Tensor:
-        r, dev = x.shape[1], x.device
+        h = self.input_proj(x)
+        ring = ctx.states[self.layers[0].self_attn.state_index].shape[3]
+        step = ring - (self.window - 1)  # frames per pass
+        out = []
+        for first in range(0, h.shape[1], step):
+            part = h[:, first : first + step]
+            rope = self._rope(start + first, part.shape[1], ring, part.dtype)
+            for layer in self.layers:
+                part = layer(part, rope, ctx)
+            out.append(part)
+        return self.output_proj(self.norm(out[0] if len(out) == 1 else torch.cat(out, dim=1)))
+
+    def _rope(self, start: torch.Tensor, r: int, ring: int, dtype: torch.dtype) -> tuple:
+        """start [B] int64, r frames → (cos, sin, ring positions, mask) of Attention.forward."""
+        dev, d = start.device, self.head_dim
         pos = start[:, None] + torch.arange(r, device=dev)  # [B, R]
-        d = self.head_dim
         inv_freq = 1.0 / self.rope_theta ** (torch.arange(0, d, 2, device=dev, dtype=torch.float32) / d)
         freqs = pos.float()[..., None] * inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, R, D]
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        keys = start[:, None] - (self.window - 1) + torch.arange(self.window - 1 + r, device=dev)  # [B, K]
-        gap = pos[:, :, None] - keys[:, None, :]  # [B, R, K]
+        end = (start + r)[:, None]
+        # ring entry j holds frame end - ring + ((j - end) mod ring): the latest p < end with p ≡ j;
+        # p < 0 is no frame of this stream (zeros or another stream's), as the window's bound masks
+        keys = end - ring + torch.remainder(torch.arange(ring, device=dev) - end, ring)  # [B, ring]
+        gap = pos[:, :, None] - keys[:, None, :]  # [B, R, ring]
         mask = ((keys[:, None, :] >= 0) & (gap >= 0) & (gap < self.window))[:, None]
-        h = self.input_proj(x)
-        for layer in self.layers:
-            h = layer(h, cos, sin, mask, ctx)
-        return self.output_proj(self.norm(h))
+        at = torch.remainder(pos, ring)[:, None, None, :]
+        return emb.cos().to(dtype), emb.sin().to(dtype), at, mask
 
 
 class ResidualVectorQuantizer(nn.Module):
