@@ -19,8 +19,8 @@
 #   load | load-mps | load-adaptive   `voxpipe bench ttfa` then the load curve on the same server
 #   csm-load       the same for CSM
 #   qwen3-rate     Qwen3-TTS (VOXPIPE_QWEN3_MODEL, default the 1.7B CustomVoice): `voxpipe bench ttfa`,
-#                  then open-loop Poisson arrivals (VOXPIPE_RATES) of 8-15-word sentences, 60-100 frames
-#                  each (about 5-8 s of audio: random weights rarely end a stream themselves)
+#                  then open-loop Poisson arrivals (VOXPIPE_RATES) of 8-15-word sentences, 60-75 frames
+#                  each (4.8-6 s of audio: random weights rarely end a stream themselves)
 #
 # Environment: OUT (default /tmp/out), VOXPIPE_STAGE_S (per-stage timeout, default 300 s),
 # VOXPIPE_LOAD / VOXPIPE_LOAD_S (load levels and seconds per level), VOXPIPE_SERVE_EXTRA (more
