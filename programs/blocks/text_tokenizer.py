@@ -165,7 +165,11 @@ def load_text_tokenizer(spec: dict[str, Any], weights: str | None, load_format: 
 
     try:
         path = _find_tokenizer_json(weights)
-    except (FileNotFoundError, EntryNotFoundError) as missing:  # no tokenizer.json: its vocab files?
+    except (FileNotFoundError, EntryNotFoundError) as missing:
+        # No tokenizer.json in a local directory, or on a hub that answered: its vocab files? (A hub
+        # id not in the cache while offline is no such case: asking again would only wait.)
+        if isinstance(missing, FileNotFoundError) and not os.path.isdir(weights):
+            return _unavailable(weights, load_format, missing, bos_id)
         try:
             return TextTokenizer(_from_vocab_files(weights), bos_id, weights, is_real=True)
         except Exception:

@@ -116,7 +116,7 @@ _COMMON = {
     "stop_tokens": [CODEC_EOS],
     "audio_tokens": [0, CODE_VOCAB],
     "languages": [name.capitalize() for name in LANGUAGES if "dialect" not in name],
-    "max_tokens": 4096,  # prompt + frames: the reference wrapper's 2048 frames and a long text
+    "max_tokens": 2400,  # prompt + frames: the reference wrapper's 2048 frames (164 s) and a long prompt
     "sampling": {
         "temperature": TALKER_SAMPLING["temperature"],
         "top_k": TALKER_SAMPLING["top_k"],
