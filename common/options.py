@@ -291,6 +291,14 @@ OPTIONS: tuple[Option, ...] = (
         path="gateway.body_timeout",
     ),
     Option(
+        "heartbeat_timeout",
+        "seconds without a heartbeat before a process's requests fail where the gateway cannot see "
+        "that it exited (on another host or container); on this host an exited process fails them at once",
+        ("serve", "gateway"),
+        float,
+        path="gateway.heartbeat_timeout",
+    ),
+    Option(
         "api_key_file",
         "file holding the Bearer key the HTTP API requires (or set VOXPIPE_API_KEY; never a flag)",
         ("serve", "gateway"),

@@ -30,6 +30,52 @@ REFUSED = 2  # the exit status of a process that cannot start for a reason a res
 log = logging.getLogger(__name__)
 
 
+def _read_host_id() -> str:
+    """This host's boot and PID namespace ("" where there is no /proc): two processes with the same
+    one see each other's pids, so the gateway can tell a worker that exited from one that is slow."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return ""
+
+
+HOST_ID = _read_host_id()
+_HAS_PROC = os.path.isdir("/proc/self")
+
+
+def process_start(pid: int) -> str | None:
+    """An opaque mark of process `pid`'s start (its start time in clock ticks), "" where there is no
+    /proc to read it from; None when no such process runs (gone, or exited and not yet reaped). A
+    pid reused by another process gives another mark."""
+    if pid <= 0:
+        return None
+    if not _HAS_PROC:
+        return _kill_check(pid)
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return _kill_check(pid)
+    fields = stat[stat.rfind(b")") + 2 :].split()  # after "pid (comm) ": state, ppid, ...
+    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
+        return None
+    return fields[19].decode()
+
+
+def _kill_check(pid: int) -> str | None:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass
+    return ""
+
+
 def setup_logging(name: str, level: str = "INFO") -> None:
     logging.basicConfig(
         level=getattr(logging, level.upper(), logging.INFO),
@@ -106,6 +152,7 @@ class StatusReporter:
                 load=self._load,
                 capacity=self._capacity,
                 metrics=dict(self._metrics),
+                host=HOST_ID,
             )
             try:
                 chan.send(status)

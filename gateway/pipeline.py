@@ -87,7 +87,11 @@ class Pipeline:
         self.spec_error = ""  # why an announced spec cannot be served with these settings
         self.idle_timeout_s = idle_timeout_s
         self.submit_timeout_s = submit_timeout_s
-        self.procs = ProcessTable(cfg.tokenizer.workers, gpu_workers=cfg.gpu_workers)
+        self.procs = ProcessTable(
+            cfg.tokenizer.workers,
+            gpu_workers=cfg.gpu_workers,
+            heartbeat_timeout_s=cfg.gateway.heartbeat_timeout,
+        )
         self.admission = Admission(self._stream_capacity, cfg.gateway.max_queue, cfg.gateway.queue_timeout)
         self.metrics = GatewayMetrics(self.procs, self.admission)
         self.created = int(time.time())

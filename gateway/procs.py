@@ -4,6 +4,14 @@
 Every process sends a `ProcStatus` on each state change and every 0.25 s. Ages are measured on the
 gateway's own monotonic clock at receipt, not from the sender's `time`, so clock skew between hosts
 cannot make a live process look dead (or a dead one alive).
+
+Dead or slow: a heartbeat late by more than `stale_after_s` makes a process "unresponsive" in
+/ready, but costs none of its requests: a stall under heavy CPU load, a long garbage collection or a
+SIGSTOP ends, and its streams go on. A process on this host and PID namespace (its status's `host`
+is the gateway's) is dead the moment its pid is gone (exited, killed, or a zombie not yet reaped):
+its requests fail at once. One whose pid the gateway cannot see (another host or container) is
+dead after `heartbeat_timeout_s` without a heartbeat, and so is a local one that stays silent that
+long (hung). A status saying FAILED, or a new pid under a known name, ends the old one at once.
 """
 
 from __future__ import annotations
@@ -15,22 +23,39 @@ import time
 from typing import Any
 
 from common.messages import ProcState, ProcStatus
+from common.proc import HOST_ID, process_start
 
-# Four missed heartbeats (0.25 s apart) and a process counts as not ready.
+# Four missed heartbeats (0.25 s apart) and a process counts as not ready (but not dead).
 STALE_AFTER_S = 1.0
+# A process silent this long is dead even where its pid seems alive (`--heartbeat-timeout`).
+HEARTBEAT_TIMEOUT_S = 10.0
+
+
+REMOTE = "remote"  # the start mark of a process whose pid the gateway cannot see
 
 
 @dataclasses.dataclass
 class _Entry:
     status: ProcStatus
     received: float  # time.monotonic() at receipt
+    # On this host: the process's start mark (`process_start`) when first heard from, None if it
+    # was already gone; elsewhere (its pid means nothing here) `REMOTE`.
+    start: str | None
+
+    def exited(self) -> bool:
+        """Its pid is gone or belongs to another process now (only known on this host)."""
+        return self.start != REMOTE and (self.start is None or process_start(self.status.pid) != self.start)
 
 
 class ProcessTable:
     """Last status of every process that reported, and which ones a ready deployment needs."""
 
     def __init__(
-        self, tokenizer_workers: int, stale_after_s: float = STALE_AFTER_S, gpu_workers: int = 1
+        self,
+        tokenizer_workers: int,
+        stale_after_s: float = STALE_AFTER_S,
+        gpu_workers: int = 1,
+        heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
     ) -> None:
         # role → how many READY processes of that role a ready deployment needs
         self.required = {
@@ -39,6 +64,7 @@ class ProcessTable:
             "tokenizer_worker": tokenizer_workers,
         }
         self.stale_after_s = stale_after_s
+        self.heartbeat_timeout_s = max(heartbeat_timeout_s, stale_after_s)
         self._entries: dict[str, _Entry] = {}
         self._dead: set[str] = set()  # reported dead, not heard from since
 
@@ -49,23 +75,37 @@ class ProcessTable:
         replaced = old is not None and old.status.pid != status.pid and status.name not in self._dead
         if old is not None and old.status.pid != status.pid:
             self._dead.discard(status.name)
-        self._entries[status.name] = _Entry(status, time.monotonic())
+        if old is not None and old.status.pid == status.pid and old.status.host == status.host:
+            start = old.start
+        elif status.host and status.host == HOST_ID:
+            start = process_start(status.pid)
+        else:
+            start = REMOTE
+        self._entries[status.name] = _Entry(status, time.monotonic(), start)
         return replaced
 
     def newly_dead(self) -> list[str]:
-        """Processes that died since the last call: gone quiet without saying goodbye, or FAILED.
-        Each death is reported once (again only after the process was heard from alive)."""
+        """Processes that died since the last call: FAILED, exited (on this host), or silent for
+        `heartbeat_timeout_s` without saying goodbye. Each death is reported once (again only after
+        the process was heard from alive)."""
         now = time.monotonic()
         dead: set[str] = set()
         for name, e in self._entries.items():
-            quiet = now - e.received > self.stale_after_s and e.status.state != ProcState.STOPPING
-            if quiet or e.status.state == ProcState.FAILED:
+            gone = e.status.state != ProcState.STOPPING and (
+                now - e.received > self.heartbeat_timeout_s or e.exited()
+            )
+            if gone or e.status.state == ProcState.FAILED:
                 if name not in self._dead:
                     dead.add(name)
                     self._dead.add(name)
             else:
                 self._dead.discard(name)
         return sorted(dead)
+
+    def exited(self, name: str) -> bool:
+        """Whether the last process heard from under `name` is known to have exited (on this host)."""
+        e = self._entries.get(name)
+        return e is not None and e.exited()
 
     def fresh_metrics(self) -> list[tuple[str, str, dict[str, float]]]:
         """(name, role, metrics) of every process heard from within `stale_after_s`: a process
@@ -109,11 +149,12 @@ class ProcessTable:
         for name, entry in list(self._entries.items()):
             st, age = entry.status, now - entry.received
             stale = age > self.stale_after_s
-            if stale and st.state == ProcState.STOPPING:
+            exited = entry.exited()
+            if (stale or exited) and st.state == ProcState.STOPPING:
                 # It said goodbye (a tokenizer worker leaving the pool): forget it.
                 del self._entries[name]
                 continue
-            state = "unresponsive" if stale else st.state.name.lower()
+            state = "exited" if exited else "unresponsive" if stale else st.state.name.lower()
             if st.role in n_seen:
                 n_seen[st.role] += 1
                 n_ready[st.role] += state == "ready"
