@@ -209,6 +209,9 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     # serve: gpu_worker + codec_worker pairs to start; gateway: how many of each /ready expects
     gpu_workers: int = 1
     zmq_curve_dir: str = ""  # every process: CURVE keys for tcp:// sockets (`voxpipe keys DIR`)
+    # Accept tcp:// peers without CURVE where addresses reach beyond this host (a trusted network);
+    # without it such a process refuses to start with no keys (common.ipc.secure_sockets).
+    zmq_insecure: bool = False
     log_level: str = "INFO"
     # CPU threads of each process's compute (torch, OpenMP, MKL); 0 = by role and host (common/threads.py)
     threads: int = 0

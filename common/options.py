@@ -309,6 +309,14 @@ OPTIONS: tuple[Option, ...] = (
         "CURVE keys (from `voxpipe keys DIR`) that encrypt and authenticate every tcp:// socket",
         _ALL,
     ),
+    Option(
+        "zmq_insecure",
+        "accept tcp:// peers without CURVE keys although an address reaches beyond this host (only on a "
+        "network you trust; without keys such a process refuses to start)",
+        _ALL,
+        _parse_bool,
+        negatable=False,
+    ),
     Option("log_level", "DEBUG, INFO, WARNING, ERROR", _ALL),
     Option(
         "threads",

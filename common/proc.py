@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from common.config import ServeConfig
-from common.ipc import PushChannel, install_tap, use_curve
+from common.ipc import ROLE_SOCKETS, PushChannel, install_tap, secure_sockets
 from common.messages import ProcState, ProcStatus
 from common.options import RoleSettings, parse_role
 from common.threads import apply_threads
@@ -227,6 +227,19 @@ def refusal(e: BaseException, cfg: ServeConfig) -> str:
     return ""
 
 
+def secure(role: str, cfg: ServeConfig) -> str:
+    """Set up CURVE for this process's sockets (`common.ipc.secure_sockets`) before it makes any;
+    "" when done, else one line saying why it cannot start and what to set."""
+    assert cfg.addresses is not None, "config has no addresses"
+    binds, connects = ROLE_SOCKETS[role]
+    addrs = [getattr(cfg.addresses, f) for f in (*binds, *connects)]
+    try:
+        secure_sockets(cfg.zmq_curve_dir, addrs, cfg.zmq_insecure)
+    except (ValueError, OSError) as e:
+        return str(e)
+    return ""
+
+
 def run_worker(
     role: str,
     build: Callable[[ServeConfig, StatusReporter], Any],
@@ -241,8 +254,10 @@ def run_worker(
     assert cfg.addresses is not None, "config has no addresses"
     if settings.tap:
         install_tap(settings.tap, name)
-    if cfg.zmq_curve_dir:
-        use_curve(cfg.zmq_curve_dir)  # before any socket: the heartbeat's too
+    why = secure(role, cfg)  # before any socket: the heartbeat's too
+    if why:
+        log.error("%s cannot start: %s", name, why)
+        sys.exit(REFUSED)
     status = StatusReporter(cfg.addresses.gateway_in, name, role)
     try:
         status.set(ProcState.LOADING, "starting")
