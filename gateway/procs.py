@@ -17,8 +17,10 @@ long (hung). A status saying FAILED, or a new pid under a known name, ends the o
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
+import re
 import time
 from typing import Any
 
@@ -29,6 +31,21 @@ from common.proc import HOST_ID, process_start
 STALE_AFTER_S = 1.0
 # A process silent this long is dead even where its pid seems alive (`--heartbeat-timeout`).
 HEARTBEAT_TIMEOUT_S = 10.0
+# A dead process's row leaves /ready after this long without a word (or 6 heartbeat timeouts).
+FORGET_AFTER_S = 120.0
+
+# What a status may claim. Peers are authenticated (ipc:// in a private directory, CURVE on tcp://),
+# but a status is still bounded, so one bad claim cannot take the gateway's numbers with it:
+ROLES = ("tokenizer_worker", "gpu_worker", "codec_worker")
+MAX_SLOTS = 65_536  # capacity and load: above any gpu_worker's batch
+MAX_PROCESSES = 1_024  # rows in the table
+MAX_METRICS = 64
+MAX_METRIC = 1e15
+MAX_DETAIL = 500  # characters of `detail` kept
+_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+_METRIC_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
+
+log = logging.getLogger(__name__)
 
 
 REMOTE = "remote"  # the start mark of a process whose pid the gateway cannot see
@@ -67,10 +84,40 @@ class ProcessTable:
         self.heartbeat_timeout_s = max(heartbeat_timeout_s, stale_after_s)
         self._entries: dict[str, _Entry] = {}
         self._dead: set[str] = set()  # reported dead, not heard from since
+        self._refused: set[str] = set()  # names whose status was dropped (logged once each)
+        self.forget_after_s = max(FORGET_AFTER_S, 6 * self.heartbeat_timeout_s)
+
+    def refusal(self, st: ProcStatus) -> str:
+        """Why the table does not take `st` ("" when it does): a role it does not know, a name or
+        a number no real process sends."""
+        if st.role not in ROLES:
+            return f"role {st.role!r} is none of {', '.join(ROLES)}"
+        if not _NAME.fullmatch(st.name):
+            return "a name outside [A-Za-z0-9_.:-]{1,128}"
+        if not (0 < st.pid < 2**31 and 0 <= st.capacity <= MAX_SLOTS and 0 <= st.load <= MAX_SLOTS):
+            return f"pid {st.pid}, capacity {st.capacity}, load {st.load} out of range"
+        if len(st.metrics) > MAX_METRICS:
+            return f"{len(st.metrics)} metrics (at most {MAX_METRICS})"
+        for key, value in st.metrics.items():
+            if not _METRIC_NAME.fullmatch(key) or not (math.isfinite(value) and abs(value) <= MAX_METRIC):
+                return f"metric {key[:70]!r} = {value!r}"
+        if st.name not in self._entries and len(self._entries) >= MAX_PROCESSES:
+            return f"{MAX_PROCESSES} processes reported already"
+        return ""
 
     def update(self, status: ProcStatus) -> bool:
         """Record a status; True when it comes from a new instance that replaced one whose death
-        was not noticed yet (a restart faster than the heartbeat timeout)."""
+        was not noticed yet (a restart faster than the heartbeat timeout). A status `refusal`
+        names is dropped (and logged once per name)."""
+        why = self.refusal(status)
+        if why:
+            key = status.name[:128]
+            if key not in self._refused and len(self._refused) < MAX_PROCESSES:
+                self._refused.add(key)
+                log.warning("dropped a status from %r: %s", key, why)
+            return False
+        if len(status.detail) > MAX_DETAIL:
+            status.detail = status.detail[:MAX_DETAIL] + "…"
         old = self._entries.get(status.name)
         replaced = old is not None and old.status.pid != status.pid and status.name not in self._dead
         if old is not None and old.status.pid != status.pid:
@@ -122,11 +169,13 @@ class ProcessTable:
         (heartbeat metrics), else its max batch size; None while no gpu_worker has said. A worker
         that went quiet still counts (it is usually being restarted, and its requests fail anyway)."""
         total, known = 0.0, False
-        for e in list(self._entries.values()):
-            st = e.status
-            if st.role != "gpu_worker" or st.state == ProcState.STOPPING:
-                continue
+        workers = [e.status for e in self._entries.values() if e.status.role == "gpu_worker"]
+        # No more gpu_workers than the deployment has (the ones heard from last), none claiming
+        # more streams than its slots.
+        workers.sort(key=lambda st: -self._entries[st.name].received)
+        for st in [st for st in workers if st.state != ProcState.STOPPING][: self.required["gpu_worker"]]:
             cap = float(st.metrics.get("stream_capacity", 0.0)) or float(st.capacity)
+            cap = min(cap, float(st.capacity or MAX_SLOTS))
             if cap > 0 and math.isfinite(cap):
                 total, known = total + cap, True
         return total if known else None
@@ -150,9 +199,10 @@ class ProcessTable:
             st, age = entry.status, now - entry.received
             stale = age > self.stale_after_s
             exited = entry.exited()
-            if (stale or exited) and st.state == ProcState.STOPPING:
-                # It said goodbye (a tokenizer worker leaving the pool): forget it.
+            if (stale or exited) and st.state == ProcState.STOPPING or age > self.forget_after_s:
+                # It said goodbye (a tokenizer worker leaving the pool), or died long ago: forget it.
                 del self._entries[name]
+                self._dead.discard(name)
                 continue
             state = "exited" if exited else "unresponsive" if stale else st.state.name.lower()
             if st.role in n_seen:
