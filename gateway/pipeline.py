@@ -62,6 +62,7 @@ SUBMIT_TIMEOUT_S = 30.0  # no tokenizer worker connected for this long → 503
 # Building a prompt is idempotent: one whose tokenizer worker died is handed to another (or to the
 # restarted one), up to this many tries in all; a text that kills every worker it meets then fails.
 PROMPT_TRIES = 3
+SPEC_RETRY_AFTER_S = 1  # the tokenizer workers announce the model's spec every second
 DISCONNECT_POLL_S = 1.0  # how often a waiting handler checks that its client is still there
 _RID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:-")
 # The gateway's own ids for a request's parts (its text segments, its sizing) are
@@ -164,6 +165,11 @@ class Pipeline:
             503,
             "no tokenizer worker has announced the model yet (the workers are starting); retry, see /ready",
         )
+
+    def spec_retry(self) -> dict[str, str]:
+        """Retry-After for a 503 while no tokenizer worker has announced the model (they announce
+        every second: a restarted gateway learns it that soon); none when the settings refuse it."""
+        return {} if self.spec is not None or self.spec_error else {"Retry-After": str(SPEC_RETRY_AFTER_S)}
 
     @property
     def sample_rate(self) -> int:
