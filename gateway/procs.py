@@ -119,10 +119,13 @@ class ProcessTable:
         if len(status.detail) > MAX_DETAIL:
             status.detail = status.detail[:MAX_DETAIL] + "…"
         old = self._entries.get(status.name)
-        replaced = old is not None and old.status.pid != status.pid and status.name not in self._dead
-        if old is not None and old.status.pid != status.pid:
+        # Another instance: another pid, or another PID namespace (a restarted container's first
+        # process has the pid its predecessor had).
+        new = old is not None and (old.status.pid, old.status.host) != (status.pid, status.host)
+        replaced = new and status.name not in self._dead
+        if new:
             self._dead.discard(status.name)
-        if old is not None and old.status.pid == status.pid and old.status.host == status.host:
+        if old is not None and not new:
             start = old.start
         elif status.host and status.host == HOST_ID:
             start = process_start(status.pid)

@@ -13,6 +13,8 @@ import time
 import aiohttp
 import pytest
 
+from common.messages import ProcState, ProcStatus
+from gateway.procs import ProcessTable
 from tests.conftest import Server, get_json, wait_ready
 
 # min_tokens = max_tokens: every run of a body has one length, whatever the batches sampled
@@ -104,3 +106,18 @@ def test_a_stalled_worker_that_is_killed_fails_its_requests_at_once(server):
     assert all(o.startswith("503") or o == "broken stream" for o, _ in outcomes), outcomes
     assert took < 3, f"the requests ended {took:.1f} s after the kill: the death went unnoticed"
     wait_ready(server.base, server.proc, timeout=60)  # the supervisor restarted it
+
+
+def test_a_process_elsewhere_is_dead_only_after_the_heartbeat_timeout_or_a_restart() -> None:
+    """Where the gateway cannot see the pid (another host or container), silence is death only after
+    `heartbeat_timeout_s`; a restarted container's process, whose pid is often its predecessor's,
+    is told apart by its PID namespace and ends the old one's requests at once."""
+    table = ProcessTable(tokenizer_workers=1, stale_after_s=0.05, heartbeat_timeout_s=0.3)
+    table.update(ProcStatus("gpu_worker", "gpu_worker", 7, ProcState.READY, host="boot:1"))
+    time.sleep(0.1)
+    assert table.newly_dead() == [] and table.report()[1][1]["state"] == "unresponsive"
+    time.sleep(0.25)
+    assert table.newly_dead() == ["gpu_worker"]
+    table.update(ProcStatus("gpu_worker", "gpu_worker", 7, ProcState.READY, host="boot:1"))
+    assert table.newly_dead() == []
+    assert table.update(ProcStatus("gpu_worker", "gpu_worker", 7, ProcState.READY, host="boot:2"))
