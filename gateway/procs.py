@@ -11,7 +11,8 @@ SIGSTOP ends, and its streams go on. A process on this host and PID namespace (i
 is the gateway's) is dead the moment its pid is gone (exited, killed, or a zombie not yet reaped):
 its requests fail at once. One whose pid the gateway cannot see (another host or container) is
 dead after `heartbeat_timeout_s` without a heartbeat, and so is a local one that stays silent that
-long (hung). A status saying FAILED, or a new pid under a known name, ends the old one at once.
+long (hung). A status saying FAILED, or another instance under a known name (another pid or PID
+namespace), ends the old one at once.
 """
 
 from __future__ import annotations
