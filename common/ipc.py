@@ -16,9 +16,10 @@ one address book serves every process of a deployment.
 CURVE: with `use_curve(DIR)` (`--zmq-curve-dir`, keys from `voxpipe keys DIR`) every tcp:// socket
 this factory makes is encrypted, binding sockets admit only clients whose public key is in
 DIR/authorized, and connecting sockets pin the server's public key (ipc:// stays as it is, guarded by
-its 0700 directory; taps are not covered: keep `--tap` on ipc:// or 127.0.0.1). It is on by default
-where it matters: `secure_sockets` refuses a process whose addresses reach beyond this host (not
-ipc://, not loopback) unless it has keys, or is told `--zmq-insecure`.
+its 0700 directory). Taps on tcp:// are CURVE servers too (`voxpipe tap --zmq-curve-dir DIR`). It is
+on by default where it matters: `secure_sockets` refuses a process whose addresses (its tap's
+among them) reach beyond this host (not ipc://, not loopback) unless it has keys, or is told
+`--zmq-insecure`.
 
 Taps: `install_tap(addr, proc)` gives the process an XPUB socket on which every send of every
 channel (and every `publish_stage` event) is mirrored as [TapHeader, message bytes]. Mirroring
@@ -215,9 +216,12 @@ class Tap:
     def __init__(self, addr: str, proc: str, ctx: zmq.Context | None = None) -> None:
         self.addr = addr
         self.proc = proc
-        self._sock = (ctx or zmq.Context.instance()).socket(zmq.XPUB)
+        ctx = ctx or zmq.Context.instance()
+        self._sock = ctx.socket(zmq.XPUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, _TAP_HWM)
+        if addr.startswith("tcp://"):
+            curve.apply(ctx, self._sock, bind=True)  # a tap shows every request's text
         self._sock.bind(bind_address(addr))
         self._enc = msgspec.msgpack.Encoder()
         self._topics: set[bytes] = set()

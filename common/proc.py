@@ -227,12 +227,12 @@ def refusal(e: BaseException, cfg: ServeConfig) -> str:
     return ""
 
 
-def secure(role: str, cfg: ServeConfig) -> str:
-    """Set up CURVE for this process's sockets (`common.ipc.secure_sockets`) before it makes any;
-    "" when done, else one line saying why it cannot start and what to set."""
+def secure(role: str, cfg: ServeConfig, tap: str = "") -> str:
+    """Set up CURVE for this process's sockets, its tap's among them (`common.ipc.secure_sockets`),
+    before it makes any; "" when done, else one line saying why it cannot start and what to set."""
     assert cfg.addresses is not None, "config has no addresses"
     binds, connects = ROLE_SOCKETS[role]
-    addrs = [getattr(cfg.addresses, f) for f in (*binds, *connects)]
+    addrs = [getattr(cfg.addresses, f) for f in (*binds, *connects)] + ([tap] if tap else [])
     try:
         secure_sockets(cfg.zmq_curve_dir, addrs, cfg.zmq_insecure)
     except (ValueError, OSError) as e:
@@ -252,12 +252,12 @@ def run_worker(
     setup_logging(name, cfg.log_level)
     log.debug("%s computes with %d CPU threads", name, apply_threads(role, cfg))
     assert cfg.addresses is not None, "config has no addresses"
-    if settings.tap:
-        install_tap(settings.tap, name)
-    why = secure(role, cfg)  # before any socket: the heartbeat's too
+    why = secure(role, cfg, settings.tap)  # before any socket: the tap's and the heartbeat's too
     if why:
         log.error("%s cannot start: %s", name, why)
         sys.exit(REFUSED)
+    if settings.tap:
+        install_tap(settings.tap, name)
     status = StatusReporter(cfg.addresses.gateway_in, name, role)
     try:
         status.set(ProcState.LOADING, "starting")

@@ -46,12 +46,12 @@ def main(argv: list[str] | None = None, settings: RoleSettings | None = None) ->
     try:
         setup_logging(settings.name, cfg.log_level)  # the format every process logs in
         apply_threads("gateway", cfg)  # its imports never load torch: the variables, for any library
-        if settings.tap:
-            install_tap(settings.tap, settings.name)
-        why = secure("gateway", cfg)
+        why = secure("gateway", cfg, settings.tap)  # before any socket, the tap's too
         if why:
             log.error("%s cannot start: %s", settings.name, why)
             return REFUSED
+        if settings.tap:
+            install_tap(settings.tap, settings.name)
         log.info("event loop: %s", "uvloop" if use_uvloop() else "asyncio")
         from gateway.server import build_app  # after logging is set up: imports may log
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -197,3 +198,35 @@ async def test_an_unauthenticated_peer_gets_no_request_and_forges_no_status(
     finally:
         evil.close(linger=0)
         forger.close(linger=0)
+
+
+def test_a_tap_on_tcp_shows_nothing_to_a_peer_without_the_keys(keys: Path) -> None:
+    """A tap mirrors every request's text: on tcp:// it is a CURVE server like the other sockets."""
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    tap = ipc.Tap(addr, "gateway")
+    ctx = zmq.Context.instance()
+    friend, stranger = ctx.socket(zmq.SUB), ctx.socket(zmq.SUB)
+    ipc.curve.apply(ctx, friend, bind=False)  # the deployment's client keys, as `voxpipe tap` uses them
+    for sock in (friend, stranger):
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(addr)
+    try:
+        deadline = time.monotonic() + 10
+        while not friend.poll(50):  # subscriptions take a moment to reach the tap
+            assert time.monotonic() < deadline, "the tap never reached a subscriber with the keys"
+            tap.poll()
+            tap.stage("r1", "submitted")
+        assert not stranger.poll(500), "a subscriber without the keys saw the tap"
+    finally:
+        friend.close(linger=0)
+        stranger.close(linger=0)
+        tap.close()
+
+
+def test_a_tap_reachable_from_other_hosts_needs_keys_too() -> None:
+    from common.proc import secure
+
+    cfg = ServeConfig(model="orpheus-tiny", addresses=Addresses.tcp())
+    assert secure("gpu_worker", cfg) == ""
+    assert "--zmq-curve-dir" in secure("gpu_worker", cfg, tap="tcp://*:5570")
