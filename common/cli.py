@@ -35,9 +35,10 @@ def _validate(cfg: ServeConfig) -> None:
     check_model_settings(cfg, get_spec(cfg.model))  # get_spec raises with the list of models
     cfg.check()
     if cfg.zmq_curve_dir:
-        from common.ipc import CurveKeys
+        from common.ipc import CurveKeys, ensure_curve_keys
 
-        CurveKeys(cfg.zmq_curve_dir)  # missing keys fail here, naming `voxpipe keys`
+        ensure_curve_keys(cfg.zmq_curve_dir)  # a directory that does not exist gets fresh keys
+        CurveKeys(cfg.zmq_curve_dir)  # a directory without them fails here, naming `voxpipe keys`
     if cfg.gateway.api_key_file:
         from gateway.auth import load_api_key
 

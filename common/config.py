@@ -51,6 +51,10 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     max_streams: int = 0  # active streams admitted at once (0 = what the gpu_workers measure)
     body_timeout: float = 30.0  # seconds a client may take to send a request body before a 408
     api_key_file: str = ""  # file holding the HTTP API's Bearer key (or VOXPIPE_API_KEY)
+    # Seconds a process may send no heartbeat before its requests fail, where the gateway cannot
+    # see that it exited (another host or container; a hung one). Slow is not dead: a stall under
+    # load or a long GC shorter than this costs no request (gateway/procs.py).
+    heartbeat_timeout: float = 10.0
 
     def check(self) -> None:
         if not 1 <= self.port <= 65535:
@@ -61,6 +65,8 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
             )
         if not 0 < self.body_timeout < float("inf"):
             raise ValueError(f"--body-timeout must be a positive number of seconds, got {self.body_timeout}")
+        if not 1 <= self.heartbeat_timeout < float("inf"):
+            raise ValueError(f"--heartbeat-timeout must be at least 1 second, got {self.heartbeat_timeout}")
         if not 1 <= self.max_text_chars <= MAX_TEXT_CHARS:
             raise ValueError(f"--max-text-chars must be in 1..{MAX_TEXT_CHARS}, got {self.max_text_chars}")
 
@@ -221,6 +227,9 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     # serve: gpu_worker + codec_worker pairs to start; gateway: how many of each /ready expects
     gpu_workers: int = 1
     zmq_curve_dir: str = ""  # every process: CURVE keys for tcp:// sockets (`voxpipe keys DIR`)
+    # Accept tcp:// peers without CURVE where addresses reach beyond this host (a trusted network);
+    # without it such a process refuses to start with no keys (common.ipc.secure_sockets).
+    zmq_insecure: bool = False
     log_level: str = "INFO"
     # CPU threads of each process's compute (torch, OpenMP, MKL); 0 = by role and host (common/threads.py)
     threads: int = 0

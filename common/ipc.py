@@ -16,7 +16,10 @@ one address book serves every process of a deployment.
 CURVE: with `use_curve(DIR)` (`--zmq-curve-dir`, keys from `voxpipe keys DIR`) every tcp:// socket
 this factory makes is encrypted, binding sockets admit only clients whose public key is in
 DIR/authorized, and connecting sockets pin the server's public key (ipc:// stays as it is, guarded by
-its 0700 directory; taps are not covered: keep `--tap` on ipc:// or 127.0.0.1).
+its 0700 directory). Taps on tcp:// are CURVE servers too (`voxpipe tap --zmq-curve-dir DIR`). It is
+on by default where it matters: `secure_sockets` refuses a process whose addresses (its tap's
+among them) reach beyond this host (not ipc://, not loopback) unless it has keys, or is told
+`--zmq-insecure`.
 
 Taps: `install_tap(addr, proc)` gives the process an XPUB socket on which every send of every
 channel (and every `publish_stage` event) is mirrored as [TapHeader, message bytes]. Mirroring
@@ -37,6 +40,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from common import curve
+from common.curve import CurveKeys, create_curve_keys, ensure_curve_keys, use_curve  # noqa: F401 (re-exported)
 from common.messages import StageEvent, TapHeader
 
 log = logging.getLogger(__name__)
@@ -129,97 +134,47 @@ def bind_address(addr: str) -> str:
         return f"tcp://*:{port}"
 
 
-# --- CURVE: encryption and authentication for tcp:// between hosts ----------------------------------
-
-CURVE_SERVER, CURVE_CLIENT, CURVE_AUTHORIZED = "server", "client", "authorized"
+# --- CURVE: whether this process needs it ---------------------------------------------------------
 
 
-class CurveKeys:
-    """The keys `voxpipe keys DIR` writes: every binding socket is a CURVE server with the
-    deployment's server keypair and admits only clients whose public key is in DIR/authorized;
-    every connecting socket is a client with DIR/client.key_secret and pins the server's public key."""
+def is_loopback(addr: str) -> bool:
+    """Whether only this host can reach `addr`: ipc:// and inproc://, or tcp:// on a loopback
+    address (127.0.0.0/8, ::1, localhost). A wildcard or any other host is reachable from others."""
+    if not addr.startswith("tcp://"):
+        return addr.startswith(("ipc://", "inproc://"))
+    host = _split_tcp(addr)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
-    def __init__(self, key_dir: str) -> None:
-        from zmq.auth import load_certificate
 
-        p = os.path.join
-        try:
-            self.server_public, self.server_secret = load_certificate(
-                p(key_dir, CURVE_SERVER + ".key_secret")
-            )
-            self.client_public, self.client_secret = load_certificate(
-                p(key_dir, CURVE_CLIENT + ".key_secret")
-            )
-        except (OSError, ValueError) as e:
+def secure_sockets(key_dir: str, addrs: list[str], insecure: bool = False) -> None:
+    """CURVE for this process's tcp:// sockets as the deployment needs it: on with `key_dir`
+    (created with fresh keys when it does not exist, so processes sharing a volume agree on the
+    first one's); without keys, a process any of whose `addrs` other hosts can reach is refused,
+    unless `insecure`. Raises ValueError saying what to set."""
+    if key_dir:
+        if not zmq.has("curve"):
             raise ValueError(
-                f"--zmq-curve-dir {key_dir!r}: cannot load its keys ({e}); create them with `voxpipe keys {key_dir}`"
-            ) from None
-        self.authorized = p(key_dir, CURVE_AUTHORIZED)
-        if not os.path.isdir(self.authorized):
-            raise ValueError(f"--zmq-curve-dir {key_dir!r} has no {CURVE_AUTHORIZED}/ of client public keys")
-        self._auths: dict[int, Any] = {}  # underlying context → its ZAP authenticator thread
-
-    def apply(self, ctx: zmq.Context, sock: zmq.Socket, bind: bool) -> None:
-        sock.curve_secretkey = self.server_secret if bind else self.client_secret
-        sock.curve_publickey = self.server_public if bind else self.client_public
-        if bind:
-            self._authenticate(ctx)
-            sock.curve_server = True
-        else:
-            sock.curve_serverkey = self.server_public
-
-    def _authenticate(self, ctx: zmq.Context) -> None:
-        """One ZAP handler per context (asyncio contexts share theirs through a sync shadow)."""
-        if ctx.underlying in self._auths:
-            return
-        from zmq.auth.thread import ThreadAuthenticator
-
-        auth = ThreadAuthenticator(zmq.Context.shadow(ctx.underlying))
-        auth.start()
-        auth.configure_curve(domain="*", location=self.authorized)
-        self._auths[ctx.underlying] = auth
-
-    def close(self) -> None:
-        for auth in self._auths.values():
-            auth.stop()
-        self._auths.clear()
-
-
-_curve: CurveKeys | None = None
-
-
-def use_curve(key_dir: str) -> None:
-    """Encrypt and authenticate every tcp:// socket made from now on with the keys in `key_dir`
-    (`--zmq-curve-dir`); "" turns it off. ipc:// sockets are unaffected (the 0700 run directory
-    guards them). Raises ValueError naming the setting when the keys are missing."""
-    global _curve
-    if _curve is not None:
-        _curve.close()
-    _curve = CurveKeys(key_dir) if key_dir else None
-    if _curve is not None:
-        log.info("tcp:// sockets use CURVE keys from %s", key_dir)
-
-
-def create_curve_keys(key_dir: str) -> list[str]:
-    """`voxpipe keys DIR`: the server and client keypairs, and the client's public key authorized.
-    Existing keys are kept. Returns the files written."""
-    import shutil
-
-    from zmq.auth import create_certificates
-
-    os.makedirs(os.path.join(key_dir, CURVE_AUTHORIZED), mode=0o700, exist_ok=True)
-    os.chmod(key_dir, 0o700)
-    written = []
-    for name in (CURVE_SERVER, CURVE_CLIENT):
-        if not os.path.exists(os.path.join(key_dir, name + ".key_secret")):
-            public, secret = create_certificates(key_dir, name)
-            os.chmod(secret, 0o600)
-            written += [public, secret]
-    allowed = os.path.join(key_dir, CURVE_AUTHORIZED, CURVE_CLIENT + ".key")
-    if not os.path.exists(allowed):
-        shutil.copyfile(os.path.join(key_dir, CURVE_CLIENT + ".key"), allowed)
-        written.append(allowed)
-    return written
+                f"--zmq-curve-dir {key_dir}: this libzmq ({zmq.zmq_version()}) has no CURVE support; "
+                "install a pyzmq wheel (bundled libzmq with libsodium)"
+            )
+        if ensure_curve_keys(key_dir):
+            log.warning("created CURVE keys in %s: processes on other hosts need a copy of it", key_dir)
+        use_curve(key_dir)
+        return
+    exposed = [a for a in addrs if not is_loopback(a)]
+    if exposed and not insecure:
+        raise ValueError(
+            f"{exposed[0]} is reachable from other hosts, so its ZeroMQ peers must authenticate: create "
+            "keys with `voxpipe keys DIR` and give every process --zmq-curve-dir DIR "
+            "(VOXPIPE_ZMQ_CURVE_DIR), or --zmq-insecure (VOXPIPE_ZMQ_INSECURE=1) on a network you trust"
+        )
+    if exposed:
+        log.warning("tcp:// sockets on %s without CURVE (--zmq-insecure): any peer is trusted", exposed[0])
 
 
 def make_socket(
@@ -236,8 +191,7 @@ def make_socket(
         # a dispatcher stops counting on it and a reconnect starts cleanly.
         sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
-        if _curve is not None:
-            _curve.apply(ctx, sock, bind)
+        curve.apply(ctx, sock, bind)
     for opt, value in (options or {}).items():
         sock.setsockopt(opt, value)
     if bind:
@@ -262,9 +216,12 @@ class Tap:
     def __init__(self, addr: str, proc: str, ctx: zmq.Context | None = None) -> None:
         self.addr = addr
         self.proc = proc
-        self._sock = (ctx or zmq.Context.instance()).socket(zmq.XPUB)
+        ctx = ctx or zmq.Context.instance()
+        self._sock = ctx.socket(zmq.XPUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, _TAP_HWM)
+        if addr.startswith("tcp://"):
+            curve.apply(ctx, self._sock, bind=True)  # a tap shows every request's text
         self._sock.bind(bind_address(addr))
         self._enc = msgspec.msgpack.Encoder()
         self._topics: set[bytes] = set()

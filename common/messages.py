@@ -209,6 +209,9 @@ class ProcStatus(msgspec.Struct, tag="status", **_STRUCT):
     # Gauges and counters for /metrics, e.g. gpu_worker: kv_pages_used, kv_pages_total,
     # decode_batch_size, queue_depth, generated_tokens_total, steps_total.
     metrics: dict[str, float] = {}
+    # The sender's host and PID namespace (`common.proc.host_id`): a gateway with the same one can
+    # look at `pid` itself, so a process that exited fails its requests at once and a slow one never.
+    host: str = ""
 
 
 class ModelSpec(msgspec.Struct, tag="spec", **_STRUCT):

@@ -308,6 +308,14 @@ OPTIONS: tuple[Option, ...] = (
         path="gateway.body_timeout",
     ),
     Option(
+        "heartbeat_timeout",
+        "seconds without a heartbeat before a process's requests fail where the gateway cannot see "
+        "that it exited (on another host or container); on this host an exited process fails them at once",
+        ("serve", "gateway"),
+        float,
+        path="gateway.heartbeat_timeout",
+    ),
+    Option(
         "api_key_file",
         "file holding the Bearer key the HTTP API requires (or set VOXPIPE_API_KEY; never a flag)",
         ("serve", "gateway"),
@@ -317,6 +325,14 @@ OPTIONS: tuple[Option, ...] = (
         "zmq_curve_dir",
         "CURVE keys (from `voxpipe keys DIR`) that encrypt and authenticate every tcp:// socket",
         _ALL,
+    ),
+    Option(
+        "zmq_insecure",
+        "accept tcp:// peers without CURVE keys although an address reaches beyond this host (only on a "
+        "network you trust; without keys such a process refuses to start)",
+        _ALL,
+        _parse_bool,
+        negatable=False,
     ),
     Option("log_level", "DEBUG, INFO, WARNING, ERROR", _ALL),
     Option(

@@ -23,8 +23,9 @@ a worker announces again whenever its credit or seq changes (`CreditWorkChannel.
 outside the pool protocol (`broadcast`: the gateway's Aborts) are not counted.
 
 A worker killed (SIGKILL, crash) while holding a message loses it here; the gateway, which records
-which worker took each request, fails those requests with an explicit 503 once the worker's
-heartbeat stops (`gateway.server.Gateway._fail_held_by`).
+which worker took each request, learns of the death (`gateway.procs`) and sends a dead tokenizer
+worker's requests again, or fails a gpu_worker's with an explicit 503
+(`gateway.pipeline.Pipeline._fail_held_by`).
 """
 
 from __future__ import annotations

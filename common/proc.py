@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from common.config import ServeConfig
-from common.ipc import PushChannel, install_tap, use_curve
+from common.ipc import ROLE_SOCKETS, PushChannel, install_tap, secure_sockets
 from common.messages import ProcState, ProcStatus
 from common.options import RoleSettings, parse_role
 from common.threads import apply_threads
@@ -28,6 +28,52 @@ HEARTBEAT_S = 0.25
 REFUSED = 2  # the exit status of a process that cannot start for a reason a restart cannot mend
 
 log = logging.getLogger(__name__)
+
+
+def _read_host_id() -> str:
+    """This host's boot and PID namespace ("" where there is no /proc): two processes with the same
+    one see each other's pids, so the gateway can tell a worker that exited from one that is slow."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return ""
+
+
+HOST_ID = _read_host_id()
+_HAS_PROC = os.path.isdir("/proc/self")
+
+
+def process_start(pid: int) -> str | None:
+    """An opaque mark of process `pid`'s start (its start time in clock ticks), "" where there is no
+    /proc to read it from; None when no such process runs (gone, or exited and not yet reaped). A
+    pid reused by another process gives another mark."""
+    if pid <= 0:
+        return None
+    if not _HAS_PROC:
+        return _kill_check(pid)
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return _kill_check(pid)
+    fields = stat[stat.rfind(b")") + 2 :].split()  # after "pid (comm) ": state, ppid, ...
+    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
+        return None
+    return fields[19].decode()
+
+
+def _kill_check(pid: int) -> str | None:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass
+    return ""
 
 
 def setup_logging(name: str, level: str = "INFO") -> None:
@@ -106,6 +152,7 @@ class StatusReporter:
                 load=self._load,
                 capacity=self._capacity,
                 metrics=dict(self._metrics),
+                host=HOST_ID,
             )
             try:
                 chan.send(status)
@@ -180,6 +227,19 @@ def refusal(e: BaseException, cfg: ServeConfig) -> str:
     return ""
 
 
+def secure(role: str, cfg: ServeConfig, tap: str = "") -> str:
+    """Set up CURVE for this process's sockets, its tap's among them (`common.ipc.secure_sockets`),
+    before it makes any; "" when done, else one line saying why it cannot start and what to set."""
+    assert cfg.addresses is not None, "config has no addresses"
+    binds, connects = ROLE_SOCKETS[role]
+    addrs = [getattr(cfg.addresses, f) for f in (*binds, *connects)] + ([tap] if tap else [])
+    try:
+        secure_sockets(cfg.zmq_curve_dir, addrs, cfg.zmq_insecure)
+    except (ValueError, OSError) as e:
+        return str(e)
+    return ""
+
+
 def run_worker(
     role: str,
     build: Callable[[ServeConfig, StatusReporter], Any],
@@ -192,10 +252,12 @@ def run_worker(
     setup_logging(name, cfg.log_level)
     log.debug("%s computes with %d CPU threads", name, apply_threads(role, cfg))
     assert cfg.addresses is not None, "config has no addresses"
+    why = secure(role, cfg, settings.tap)  # before any socket: the tap's and the heartbeat's too
+    if why:
+        log.error("%s cannot start: %s", name, why)
+        sys.exit(REFUSED)
     if settings.tap:
         install_tap(settings.tap, name)
-    if cfg.zmq_curve_dir:
-        use_curve(cfg.zmq_curve_dir)  # before any socket: the heartbeat's too
     status = StatusReporter(cfg.addresses.gateway_in, name, role)
     try:
         status.set(ProcState.LOADING, "starting")

@@ -251,6 +251,11 @@ def add_tap_args(p: argparse.ArgumentParser) -> None:
         help="a process's tap address (repeat for several); default: every tap of the local `voxpipe serve`",
     )
     p.add_argument("--port", type=int, default=None, help="which local `voxpipe serve` (when several run)")
+    p.add_argument(
+        "--zmq-curve-dir",
+        default=os.environ.get("VOXPIPE_ZMQ_CURVE_DIR", ""),
+        help="the deployment's CURVE keys, for taps on tcp:// [env VOXPIPE_ZMQ_CURVE_DIR]",
+    )
     p.add_argument("--rid", action="append", default=[], help="only this request id (repeatable)")
     p.add_argument("--stage", action="append", default=[], help="only this stage (repeatable)")
     p.add_argument("--all-chunks", action="store_true", help="an event for every chunk, not only the first")
@@ -274,6 +279,11 @@ def run_tap(args: argparse.Namespace) -> int:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, 100_000)
     sock.setsockopt(zmq.SUBSCRIBE, b"")
+    if args.zmq_curve_dir and any(a.startswith("tcp://") for a in addrs):
+        from common import curve
+
+        curve.use_curve(args.zmq_curve_dir)
+        curve.apply(ctx, sock, bind=False)  # taps on tcp:// admit only the deployment's keys
     monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
     for addr in addrs:
         sock.connect(addr)

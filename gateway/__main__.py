@@ -17,9 +17,9 @@ from aiohttp.web_log import AccessLogger
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import StreamResponse
 
-from common.ipc import install_tap, use_curve
+from common.ipc import install_tap
 from common.options import RoleSettings, parse_role
-from common.proc import freeze_startup_objects, setup_logging, use_uvloop
+from common.proc import REFUSED, freeze_startup_objects, secure, setup_logging, use_uvloop
 from common.threads import apply_threads
 
 log = logging.getLogger("gateway")
@@ -46,10 +46,12 @@ def main(argv: list[str] | None = None, settings: RoleSettings | None = None) ->
     try:
         setup_logging(settings.name, cfg.log_level)  # the format every process logs in
         apply_threads("gateway", cfg)  # its imports never load torch: the variables, for any library
+        why = secure("gateway", cfg, settings.tap)  # before any socket, the tap's too
+        if why:
+            log.error("%s cannot start: %s", settings.name, why)
+            return REFUSED
         if settings.tap:
             install_tap(settings.tap, settings.name)
-        if cfg.zmq_curve_dir:
-            use_curve(cfg.zmq_curve_dir)
         log.info("event loop: %s", "uvloop" if use_uvloop() else "asyncio")
         from gateway.server import build_app  # after logging is set up: imports may log
 
@@ -71,7 +73,7 @@ def main(argv: list[str] | None = None, settings: RoleSettings | None = None) ->
         if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:
             port = cfg.gateway.port
             log.error("cannot listen on %s:%d: %s; choose another --port", cfg.gateway.host, port, e.strerror)
-            return 2  # a restart cannot free the port: the supervisor stops (common.launcher.REFUSED)
+            return REFUSED  # a restart cannot free the port: the supervisor stops
         if not logging.getLogger().handlers:
             setup_logging(settings.name)
         log.exception("gateway failed")

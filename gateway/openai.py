@@ -82,7 +82,7 @@ class OpenAIRoutes:
         spec = gateway.model_spec()
         if isinstance(spec, Failed):
             gateway.metrics.finished("speech", outcome_of(spec.status))
-            return openai_error(spec.status, spec.message, headers)
+            return openai_error(spec.status, spec.message, {**headers, **gateway.spec_retry()})
         try:
             params = parse_speech(
                 await read_fields(request, gateway.cfg.gateway.body_timeout), spec, gateway.cfg

@@ -59,6 +59,10 @@ log = logging.getLogger(__name__)
 IDLE_TIMEOUT_S = 120.0  # no event for this long → 504 and Abort: nothing hangs forever
 WATCH_INTERVAL_S = 0.2  # how often the gateway looks for processes that died
 SUBMIT_TIMEOUT_S = 30.0  # no tokenizer worker connected for this long → 503
+# Building a prompt is idempotent: one whose tokenizer worker died is handed to another (or to the
+# restarted one), up to this many tries in all; a text that kills every worker it meets then fails.
+PROMPT_TRIES = 3
+SPEC_RETRY_AFTER_S = 1  # the tokenizer workers announce the model's spec every second
 DISCONNECT_POLL_S = 1.0  # how often a waiting handler checks that its client is still there
 _RID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:-")
 # The gateway's own ids for a request's parts (its text segments, its sizing) are
@@ -87,7 +91,11 @@ class Pipeline:
         self.spec_error = ""  # why an announced spec cannot be served with these settings
         self.idle_timeout_s = idle_timeout_s
         self.submit_timeout_s = submit_timeout_s
-        self.procs = ProcessTable(cfg.tokenizer.workers, gpu_workers=cfg.gpu_workers)
+        self.procs = ProcessTable(
+            cfg.tokenizer.workers,
+            gpu_workers=cfg.gpu_workers,
+            heartbeat_timeout_s=cfg.gateway.heartbeat_timeout,
+        )
         self.admission = Admission(self._stream_capacity, cfg.gateway.max_queue, cfg.gateway.queue_timeout)
         self.metrics = GatewayMetrics(self.procs, self.admission)
         self.created = int(time.time())
@@ -103,6 +111,9 @@ class Pipeline:
         self._send_to_gpu: AsyncDispatchChannel[GpuInMsg] | None = None
         self._routing: dict[str, asyncio.Task[Any]] = {}  # rid → prompt waiting for a gpu_worker
         self._holder: dict[str, str] = {}  # rid → the process holding it (tokenizer, then gpu_worker)
+        # rid → (its request, tries so far) from its submission until a tokenizer worker answers it:
+        # what a dead worker's requests are built again from; an answer for a rid not here is late.
+        self._building: dict[str, tuple[GenerateRequest, int]] = {}
         self._recv_from_workers: AsyncPullChannel[GatewayInMsg] | None = None
         if cfg.gateway.max_text_chars > MAX_TEXT_CHARS_LIMIT:
             log.warning(
@@ -155,6 +166,11 @@ class Pipeline:
             "no tokenizer worker has announced the model yet (the workers are starting); retry, see /ready",
         )
 
+    def spec_retry(self) -> dict[str, str]:
+        """Retry-After for a 503 while no tokenizer worker has announced the model (they announce
+        every second: a restarted gateway learns it that soon); none when the settings refuse it."""
+        return {} if self.spec is not None or self.spec_error else {"Retry-After": str(SPEC_RETRY_AFTER_S)}
+
     @property
     def sample_rate(self) -> int:
         assert self.spec is not None, "the sample rate is known once the spec is"
@@ -188,11 +204,36 @@ class Pipeline:
         # A codec_worker's requests are those its gpu_worker (same suffix) was given.
         holders = {name, name.replace("codec_worker", "gpu_worker", 1)}
         rids = [rid for rid, holder in self._holder.items() if holder in holders and rid in self._pending]
+        if name.startswith("tokenizer_worker"):
+            rids = self._build_again(name, rids)
+        if not rids:
+            return
         log.error("%s stopped; failing the %d requests it held", name, len(rids))
         for rid in rids:
             self._put(rid, Failed(503, f"{name} stopped while handling this request; retry"))
         if rids and not name.startswith("tokenizer_worker"):
             self.abort(rids)  # a dead codec's gpu_worker may still be generating for them
+
+    def _build_again(self, name: str, rids: list[str]) -> list[str]:
+        """Hand the prompts a dead tokenizer worker was building to the pool again (ahead of new
+        requests); returns the rids that are out of tries, to fail."""
+        out = []
+        for rid in rids:
+            req, tries = self._building.get(rid, (None, PROMPT_TRIES))
+            if req is None or tries >= PROMPT_TRIES:
+                out.append(rid)
+                continue
+            log.warning("[%s] %s stopped while building its prompt; building it again", rid, name)
+            self._holder.pop(rid, None)
+            task = asyncio.create_task(self._resubmit(req))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return out
+
+    async def _resubmit(self, req: GenerateRequest) -> None:
+        failed = await self.submit(msgspec.structs.replace(req, urgent=True))
+        if failed is not None:
+            self._put(req.rid, failed)
 
     async def stop(self, app: web.Application) -> None:
         for task in (self._inbox_task, self._watch_task):
@@ -227,6 +268,7 @@ class Pipeline:
                 for fin in finished:
                     self._put(fin.rid, finished_event(fin))
             case RequestError(rid=rid, status=status, message=message):
+                self._building.pop(rid, None)
                 self._put(rid, Failed(error_status(status), message))
             case ProcStatus(name=name):
                 # A restart noticed here, in inbox order, fails only what the old instance held:
@@ -234,9 +276,11 @@ class Pipeline:
                 if self.procs.update(msg):
                     self._fail_held_by(name)
             case Prompt(rid=rid):
-                self._route(msg)
+                if self._built(rid):
+                    self._route(msg)
             case PromptSize(rid=rid, rows=rows):
-                self._put(rid, Sized(rows))
+                if self._built(rid):
+                    self._put(rid, Sized(rows))
             case ModelSpec():
                 try:
                     self.learn(msg)
@@ -246,6 +290,14 @@ class Pipeline:
                     self.spec_error = str(e)
             case _:
                 raise TypeError(f"unexpected message type {type(msg).__name__} on the gateway inbox")
+
+    def _built(self, rid: str) -> bool:
+        """A tokenizer worker answered `rid`: True for the first answer, False for a second one (a
+        dead worker's prompt that was on its way when it was built again) or a stranger's."""
+        if self._building.pop(rid, None) is None:
+            log.debug("[%s] dropped a prompt that was already built, or never asked for", rid)
+            return False
+        return True
 
     def _route(self, prompt: Prompt) -> None:
         """Hand a built prompt to a gpu_worker with free capacity (waits here while all are full)."""
@@ -294,6 +346,7 @@ class Pipeline:
 
     def release(self, rid: str) -> None:
         self._holder.pop(rid, None)
+        self._building.pop(rid, None)
         if self._pending.pop(rid, None) is not None:
             publish_stage(rid, "response_done")
 
@@ -319,11 +372,16 @@ class Pipeline:
     async def submit(self, req: GenerateRequest) -> Failed | None:
         """Hand `req` to the tokenizer pool; a Failed(503) when no worker takes it in time."""
         assert self._send_to_tokenizers is not None
+        if req.rid in self._pending:  # recorded before the send: the answer may come first
+            self._building[req.rid] = (req, self._building.get(req.rid, (req, 0))[1] + 1)
         try:
             send = self._send_to_tokenizers.send(req, urgent=req.urgent)
             ident = await asyncio.wait_for(send, self.submit_timeout_s)
+            name = self._send_to_tokenizers.workers.get(ident, "")
             if req.rid in self._pending:
-                self._holder.setdefault(req.rid, self._send_to_tokenizers.workers.get(ident, ""))
+                self._holder.setdefault(req.rid, name)
+                if self.procs.exited(name):  # handed over as it died, its death maybe seen already
+                    self._fail_held_by(name)
         except asyncio.TimeoutError:
             return Failed(
                 503, f"no tokenizer worker took the request within {self.submit_timeout_s:g} s; see /ready"

@@ -48,7 +48,7 @@ class Routes:
         spec = pipeline.model_spec()
         if isinstance(spec, Failed):
             pipeline.metrics.finished("generate", outcome_of(spec.status))
-            return _error(spec.status, spec.message, headers)
+            return _error(spec.status, spec.message, {**headers, **pipeline.spec_retry()})
         try:
             params = parse_generate(
                 await read_fields(request, pipeline.cfg.gateway.body_timeout), spec, pipeline.cfg

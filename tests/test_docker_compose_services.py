@@ -7,9 +7,11 @@ from __future__ import annotations
 import io
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -140,6 +142,7 @@ class Topology:
             return f"tcp://localhost:{ports[f'{host}:{port}']}"
 
         self.http_port = free_port()
+        self.keys = tempfile.mkdtemp(prefix="vpkeys-")
         self.procs: list[subprocess.Popen] = []
         self.env: dict[str, dict[str, str]] = {}
         overrides = {"VOXPIPE_MODEL": "orpheus-tiny", "VOXPIPE_DEVICE": "cpu", "VOXPIPE_LOAD_FORMAT": "auto"}
@@ -150,6 +153,7 @@ class Topology:
                 if key in env:
                     env[key] = local(env[key])
             env["VOXPIPE_TAP"] = ""  # every process would bind 5570 on this one host
+            env["VOXPIPE_ZMQ_CURVE_DIR"] = os.path.join(self.keys, "curve")  # the `keys` volume
             if name == "gateway":
                 env["VOXPIPE_HOST"], env["VOXPIPE_PORT"] = "127.0.0.1", str(self.http_port)
             self.env[name] = env
@@ -173,6 +177,7 @@ class Topology:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
+        shutil.rmtree(self.keys, ignore_errors=True)
 
 
 @pytest.fixture
