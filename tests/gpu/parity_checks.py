@@ -16,6 +16,8 @@ from common.config import GpuWorkerSettings
 from common.messages import Prompt, SamplingParams
 from gpu_worker.engine import Engine
 from gpu_worker.runner.batch import StepBatch
+from gpu_worker.runner.sampler import SamplingRows
+from programs.base import Rows
 
 PAGE = 16
 
@@ -166,3 +168,51 @@ def parity_header() -> dict:
         "model": "orpheus-3b dummy bf16",
         "date": time.strftime("%F"),
     }
+
+
+def rows_for(n: int, temperature: float, seed: int) -> SamplingRows:
+    """Sampling settings of n depth-step rows: top-k 50, seeds seed.., 7 tokens sampled before."""
+    f = dict(device="cuda")
+    return SamplingRows(
+        temperature=torch.full((n,), temperature, dtype=torch.float32, **f),
+        top_k=torch.full((n,), 50, dtype=torch.int64, **f),
+        top_p=torch.ones(n, dtype=torch.float32, **f),
+        min_p=torch.zeros(n, dtype=torch.float32, **f),
+        rep_penalty=torch.ones(n, dtype=torch.float32, **f),
+        seed=torch.arange(seed, seed + n, dtype=torch.int64, **f),
+        counter=torch.full((n,), 7, dtype=torch.int64, **f),
+        history=None,
+        block_stop=torch.zeros(n, dtype=torch.bool, **f),
+    )
+
+
+def where_for(n: int, n_codebooks: int) -> Rows:
+    """Slots 0..n-1 at step 7, previous rows zero."""
+    i64 = dict(dtype=torch.int64, device="cuda")
+    return Rows(torch.arange(n, **i64), torch.full((n,), 7, **i64), torch.zeros(n, n_codebooks, **i64))
+
+
+def decode_step_ms(engine, n_codebooks: int, sizes=(1, 8, 16, 32, 64), n_ctx: int = 300) -> dict[int, float]:
+    """A decode step with graphs (backbone, then the depth step) per batch size, at context n_ctx."""
+    runner, step_ms = engine.runner.forward_runner, {}
+    for bs in sizes:
+        tables = [list(range(1 + i * 20, 1 + (i + 1) * 20)) for i in range(bs)]
+        b = StepBatch(
+            np.zeros((bs, n_codebooks), dtype=np.int64), np.full(bs, n_ctx, dtype=np.int64), list(range(bs + 1)),
+            [n_ctx + 1] * bs, tables, 0,
+        )  # fmt: skip
+        rows, where = rows_for(bs, 0.9, 0), where_for(bs, n_codebooks)
+
+        def one_step(b=b, rows=rows, where=where) -> None:
+            logits, _, hidden = runner.forward(b)
+            runner.decode_tokens(hidden, logits[:, 0].argmax(-1), rows, where)
+
+        for _ in range(3):
+            one_step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            one_step()
+        torch.cuda.synchronize()
+        step_ms[bs] = (time.perf_counter() - t0) * 1000 / 20
+    return step_ms

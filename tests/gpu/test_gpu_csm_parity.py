@@ -12,11 +12,10 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 import torch
+from parity_checks import decode_step_ms, rows_for, where_for
 
 from codec_worker.worker import Codec
 from common.config import GpuWorkerSettings
@@ -25,33 +24,10 @@ from gpu_worker.engine import Engine
 from gpu_worker.runner.batch import StepBatch
 from gpu_worker.runner.kv_cache import allocate_kv_cache
 from gpu_worker.runner.model_runner import make_runner
-from gpu_worker.runner.sampler import SamplingRows
 from programs import get_spec, load_program_class
-from programs.base import Rows
 
 PAGE = 16
 FRAME_MS = 80.0
-
-
-def rows_for(n: int, temperature: float, seed: int) -> SamplingRows:
-    f = dict(device="cuda")
-    return SamplingRows(
-        temperature=torch.full((n,), temperature, dtype=torch.float32, **f),
-        top_k=torch.full((n,), 50, dtype=torch.int64, **f),
-        top_p=torch.ones(n, dtype=torch.float32, **f),
-        min_p=torch.zeros(n, dtype=torch.float32, **f),
-        rep_penalty=torch.ones(n, dtype=torch.float32, **f),
-        seed=torch.arange(seed, seed + n, dtype=torch.int64, **f),
-        counter=torch.full((n,), 7, dtype=torch.int64, **f),
-        history=None,
-        block_stop=torch.zeros(n, dtype=torch.bool, **f),
-    )
-
-
-def where_for(n: int, n_codebooks: int) -> Rows:
-    """Slots 0..n-1 at step 7, previous rows zero (CSM's depth step reads none of them)."""
-    i64 = dict(dtype=torch.int64, device="cuda")
-    return Rows(torch.arange(n, **i64), torch.full((n,), 7, **i64), torch.zeros(n, n_codebooks, **i64))
 
 
 def forced_steps(prompts: list[np.ndarray], frames: np.ndarray) -> list[StepBatch]:
@@ -183,28 +159,7 @@ def test_codec_stream_graphs_match_the_eager_codec(csm, gpu_report):
 
 def test_one_streams_decode_step_fits_in_a_frame(csm, gpu_report):
     _, eng, _ = csm
-    step_ms = {}
-    for bs in (1, 8, 16, 32, 64):
-        n_ctx = 300
-        tables = [list(range(1 + i * 20, 1 + (i + 1) * 20)) for i in range(bs)]
-        b = StepBatch(
-            np.zeros((bs, 32), dtype=np.int64), np.full(bs, n_ctx, dtype=np.int64), list(range(bs + 1)),
-            [n_ctx + 1] * bs, tables, 0,
-        )  # fmt: skip
-        rows, where = rows_for(bs, 0.9, 0), where_for(bs, 32)
-
-        def one_step(b=b, rows=rows, where=where) -> None:
-            logits, _, hidden = eng.runner.forward_runner.forward(b)
-            eng.runner.forward_runner.decode_tokens(hidden, logits[:, 0].argmax(-1), rows, where)
-
-        for _ in range(3):
-            one_step()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(20):
-            one_step()
-        torch.cuda.synchronize()
-        step_ms[bs] = (time.perf_counter() - t0) * 1000 / 20
+    step_ms = decode_step_ms(eng, 32)
     res = gpu_report("csm-parity")
     res["decode_step_ms_context_300"] = step_ms
     res["lm_bound_streams_real_time"] = max((bs for bs, ms in step_ms.items() if ms < FRAME_MS), default=0)

@@ -14,12 +14,12 @@ against the reference's where it imports, one engine for every check.
 from __future__ import annotations
 
 import sys
-import time
 import types
 
 import numpy as np
 import pytest
 import torch
+from parity_checks import decode_step_ms, rows_for, where_for
 
 from common.config import GpuWorkerSettings
 from common.messages import Prompt, SamplingParams
@@ -27,7 +27,6 @@ from gpu_worker.engine import Engine
 from gpu_worker.runner.batch import StepBatch
 from gpu_worker.runner.kv_cache import allocate_kv_cache
 from gpu_worker.runner.model_runner import make_runner
-from gpu_worker.runner.sampler import SamplingRows
 from programs import get_spec, load_program_class
 from programs.base import Rows
 from tokenizer_worker.worker import wire_array
@@ -35,26 +34,6 @@ from tokenizer_worker.worker import wire_array
 PAGE = 16
 FRAME_MS = 80.0
 MODEL = "qwen3-tts"
-
-
-def rows_for(n: int, temperature: float, seed: int) -> SamplingRows:
-    f = dict(device="cuda")
-    return SamplingRows(
-        temperature=torch.full((n,), temperature, dtype=torch.float32, **f),
-        top_k=torch.full((n,), 50, dtype=torch.int64, **f),
-        top_p=torch.ones(n, dtype=torch.float32, **f),
-        min_p=torch.zeros(n, dtype=torch.float32, **f),
-        rep_penalty=torch.ones(n, dtype=torch.float32, **f),
-        seed=torch.arange(seed, seed + n, dtype=torch.int64, **f),
-        counter=torch.full((n,), 7, dtype=torch.int64, **f),
-        history=None,
-        block_stop=torch.zeros(n, dtype=torch.bool, **f),
-    )
-
-
-def where_for(n: int) -> Rows:
-    i64 = dict(dtype=torch.int64, device="cuda")
-    return Rows(torch.arange(n, **i64), torch.full((n,), 7, **i64), torch.zeros(n, 16, **i64))
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +58,7 @@ def test_code_predictor_graphs_give_the_eager_frames(qwen, gpu_report):
         hidden = torch.randn(bs, prog.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
         c0 = torch.randint(0, 2048, (bs,), generator=gen, device="cuda")
         for temp in (0.0, 0.9):
-            rows, where = rows_for(bs, temp, 100 * bs), where_for(bs)
+            rows, where = rows_for(bs, temp, 100 * bs), where_for(bs, 16)
             g = eng.runner.forward_runner.decode_tokens(hidden, c0, rows, where).clone()
             e = eager.decode_tokens(hidden, c0, rows, where)
             differ[f"batch {bs} temperature {temp}"] = int((g != e).sum())
@@ -206,28 +185,7 @@ def test_greedy_frames_alone_equal_those_among_others(qwen, gpu_report):
 
 def test_decode_step_time(qwen, gpu_report):
     prog, eng, _ = qwen
-    step_ms = {}
-    for bs in (1, 8, 16, 32, 64):
-        n_ctx = 300
-        tables = [list(range(1 + i * 20, 1 + (i + 1) * 20)) for i in range(bs)]
-        b = StepBatch(
-            np.zeros((bs, 16), dtype=np.int64), np.full(bs, n_ctx, dtype=np.int64), list(range(bs + 1)),
-            [n_ctx + 1] * bs, tables, 0,
-        )  # fmt: skip
-        rows, where = rows_for(bs, 0.9, 0), where_for(bs)
-
-        def one_step(b=b, rows=rows, where=where) -> None:
-            logits, _, hidden = eng.runner.forward_runner.forward(b)
-            eng.runner.forward_runner.decode_tokens(hidden, logits[:, 0].argmax(-1), rows, where)
-
-        for _ in range(3):
-            one_step()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(20):
-            one_step()
-        torch.cuda.synchronize()
-        step_ms[bs] = (time.perf_counter() - t0) * 1000 / 20
+    step_ms = decode_step_ms(eng, 16)
     res = gpu_report("qwen3-tts-parity")
     res["decode_step_ms_context_300"] = step_ms
     assert step_ms[1] < FRAME_MS
