@@ -5,7 +5,9 @@ Regular window j holds audio rows [j*s, j*s + detok_interval) (s = detok_interva
 and goes out when its last row exists. Before it, a request may send one *lead window* of R rows
 (a `detok_lead` size) when the engine's step rate (its pessimistic estimate,
 `StepClock.rows_time_high`) says the next regular window will arrive before the lead has played
-out; the regular windows whose audio the lead covers are then skipped.
+out, and at the largest lead size in any case (a lead carries the audio before the first regular
+window's, so a request's audio does not depend on the step rate); the regular windows whose audio
+the lead covers are then skipped.
 
 Progressive mode (`--first-chunk progressive`, programs with `detok_tail`): the first chunk goes
 out after one frame when, at that step rate, the next frame will reach the listener before that
@@ -78,7 +80,7 @@ class AudioWindows:
                 return None  # covered by the lead window
             chunk = DetokChunk(req.rid, req.n_chunks, req.sp.seed, req.audio[n - interval : n].tobytes(), j)
             audio_rows = self.stride
-        elif req.n_chunks == 0 and n in self.leads and self.lead_now(n):
+        elif req.n_chunks == 0 and n in self.leads and (n == max(self.leads) or self.lead_now(n)):
             chunk = DetokChunk(req.rid, 0, req.sp.seed, req.audio[:n].tobytes(), LEAD_NOISE_BASE + n)
             req.first_window = self.first_window_after(n)
             audio_rows = n
@@ -144,7 +146,9 @@ class AudioWindows:
 
     def lead_now(self, lead_rows: int) -> bool:
         """Send a lead window of `lead_rows` now? Only when the next regular window will arrive
-        before the lead's audio has played out, at the rate steps go now."""
+        before the lead's audio has played out, at the rate steps go now. (At the largest lead size
+        the lead always goes: it is what carries the audio before the first regular window's, so
+        every request's audio is the same whatever the step rate was.)"""
         if self.fastest:
             return True
         gap = self._rows_to_next_window(lead_rows)

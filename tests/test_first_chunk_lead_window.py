@@ -51,6 +51,21 @@ def test_reference_mode_sends_no_lead(program):
     assert [c.noise_id for c in ref] == list(range(len(ref)))
 
 
+def test_slow_steps_still_send_the_largest_lead_so_the_audio_is_the_same(program, monkeypatch):
+    """Adaptive mode on steps too slow for any smaller lead: the 21-row lead goes anyway, so the
+    request's audio (the rows its chunks keep) is what a fast run sends, frame 0 included."""
+    from gpu_worker.windows import AudioWindows
+
+    def kept_rows(chunks) -> int:  # a lead keeps its R rows, a regular window its newest 7
+        return sum(len(c.tokens) // 4 if c.noise_id >= LEAD_NOISE_BASE else 7 for c in chunks)
+
+    fast = chunks_of(program, "fastest")
+    monkeypatch.setattr(AudioWindows, "lead_now", lambda self, rows: False)
+    slow = chunks_of(program, "adaptive")
+    assert len(slow[0].tokens) == 21 * 4 and slow[0].noise_id == LEAD_NOISE_BASE + 21
+    assert kept_rows(slow) == kept_rows(fast) == kept_rows(chunks_of(program, "reference")) + 7
+
+
 def test_a_longer_lead_replaces_the_regular_windows_it_covers(program):
     eng = Engine(program, GpuWorkerSettings(max_batch_size=4, max_context=200, first_chunk="fastest"))
     # Window j's audio starts at row 7j + 7: a 14-row lead covers window 0, a 21-row lead 0 and 1.
