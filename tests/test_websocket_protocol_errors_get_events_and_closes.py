@@ -83,6 +83,11 @@ async def test_what_the_server_cannot_read_ends_the_session_with_1003_or_1008(cl
     assert code == 1008 and error["param"] == "type" and "session" in error["message"]
     error, code = await _fatal(client, b"\x00")
     assert code == 1003
+    async with client.ws_connect(PATH, headers=AUTH) as ws:
+        await ws.send_json(SESSION)
+        await ws.send_json({"type": "append", "text": "x" * (1 << 20)})  # over 1 MiB
+        events, close = await _events_until_close(ws)
+    assert [e["type"] for e in events] == ["session.started"] and close.data == 1009, close
 
 
 @pytest.mark.parametrize(
