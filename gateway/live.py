@@ -76,7 +76,7 @@ class LiveSynthesis:
         self.n_samples = 0  # sent over the session
         self.n_tokens = 0
         self.n_prompt_tokens = 0
-        self.started = time.monotonic()
+        self.quiet_since = time.monotonic()  # when the session last had nothing to generate or send
         self._joiner = Joiner(round(FADE_S * pipeline.sample_rate))
         self._playing = False  # audio of the current utterance went out (until a clear)
         self._joining = -1  # the segment the joiner is on
@@ -131,6 +131,7 @@ class LiveSynthesis:
             await self._audio(seg, self._joiner.end())
             self.segments.popleft()
             self.pipeline.release(seg.rid)
+            self.quiet_since = time.monotonic()
             self._submit_due()
             seconds = round(seg.n_samples / self.pipeline.sample_rate, 4)
             await self.send_event(
@@ -141,6 +142,7 @@ class LiveSynthesis:
         """Abort and forget every segment (the caller has stopped `play` first); returns how many."""
         n = len(self.segments)
         self._abort_all()
+        self.quiet_since = time.monotonic()
         self._joiner = Joiner(self._joiner.fade)
         self._joining = -1
         self._playing = False

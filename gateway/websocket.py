@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from typing import Any
 
 from aiohttp import WSMsgType, web
@@ -54,6 +55,7 @@ log = logging.getLogger(__name__)
 
 PATH = "/v1/audio/speech/stream"
 HEARTBEAT_S = 20.0  # the server pings this often; a client that does not answer is gone
+BUSY_POLL_S = 1.0  # while a session generates, how often its reader looks whether it has gone quiet
 CLOSE_NORMAL, CLOSE_UNSUPPORTED, CLOSE_POLICY, CLOSE_ERROR, CLOSE_TRY_LATER = 1000, 1003, 1008, 1011, 1013
 MESSAGE_FIELDS = {"append": ("text",), "flush": (), "end": (), "clear": ()}  # besides "type"
 
@@ -170,17 +172,23 @@ class Session:
             raise ProtocolError(str(e), True, param=e.param) from None
 
     async def _receive(self, opening: bool = False) -> str | None:
-        """The next text message; None when the client closed or left, or the session idled out."""
+        """The next text message; None when the client closed or left, or the session idled out:
+        no message for idle_s while nothing was generating or waiting to be sent."""
+        heard = time.monotonic()
         while True:
-            try:
-                msg = await self.ws.receive(timeout=self.idle_s)
-            except asyncio.TimeoutError:
-                if not opening and self.live is not None and self.live.busy:
-                    continue
+            live = None if opening else self.live
+            busy = live is not None and live.busy and not (self._player is None or self._player.done())
+            quiet = heard if live is None else max(heard, live.quiet_since)
+            left = min(BUSY_POLL_S, self.idle_s) if busy else quiet + self.idle_s - time.monotonic()
+            if left <= 0:
                 what = "no session message" if opening else "no message and nothing to speak"
                 await self.ws.close(code=CLOSE_NORMAL, message=f"{what} for {self.idle_s:g} s".encode())
-                self.outcome = "ok" if not opening else "client_error"
+                self.outcome = "client_error" if opening else "ok"
                 return None
+            try:
+                msg = await self.ws.receive(timeout=left)
+            except asyncio.TimeoutError:
+                continue
             if msg.type == WSMsgType.TEXT:
                 return msg.data
             if msg.type == WSMsgType.BINARY:
@@ -281,6 +289,10 @@ class Session:
         except (ConnectionError, ClientGone):
             log.info("[%s] client disconnected", self.sid)
             self.outcome = "cancelled"
+        except Exception:
+            log.exception("[%s] the session's player failed", self.sid)
+            self.outcome = "server_error"
+            await self._refuse(ProtocolError("internal error", True, CLOSE_ERROR))
 
     # -- sending ----------------------------------------------------------------------------------
 

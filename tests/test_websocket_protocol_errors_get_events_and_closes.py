@@ -6,7 +6,9 @@ of this needs audio."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from pathlib import Path
 
 import aiohttp
@@ -170,6 +172,22 @@ async def test_an_idle_session_is_closed_with_1000(client: TestClient) -> None:
         assert close.type == aiohttp.WSMsgType.CLOSE and close.data == 1000
         assert f"for {IDLE_S:g} s" in close.extra, close
         assert [e["type"] for e in events] == ["session.started"] * len(opening)
+
+
+async def test_a_session_with_text_to_speak_is_not_idle(client: TestClient) -> None:
+    async with client.ws_connect(PATH, headers=AUTH) as ws:
+        await ws.send_json(SESSION)
+        assert json.loads((await ws.receive()).data)["type"] == "session.started"
+        await ws.send_json({"type": "append", "text": "Waits for a tokenizer worker"})
+        await ws.send_json({"type": "flush"})  # a segment is pending: the session is busy
+        assert json.loads((await ws.receive()).data)["type"] == "ack"
+        with pytest.raises(asyncio.TimeoutError):
+            await ws.receive(timeout=3 * IDLE_S)  # no close while it waits
+        await ws.send_json({"type": "clear"})
+        t0 = time.monotonic()
+        events, close = await _events_until_close(ws)
+    assert [e["type"] for e in events] == ["cleared"] and close.data == 1000
+    assert IDLE_S * 0.9 <= time.monotonic() - t0 < IDLE_S + 1.5  # quiet from the clear on
 
 
 def test_the_idle_timeout_is_a_setting_with_a_default() -> None:
