@@ -73,6 +73,9 @@ class LiveSynthesis:
         self.segments: collections.deque[Segment] = collections.deque()  # not yet fully sent
         self.next_index = 0
         self.ended = False  # the client sent `end`
+        # Set by `stop` before `play`'s task is cancelled: Python 3.11's wait_for may swallow a
+        # cancellation that meets a ready event, so `play` also looks at this before each step.
+        self.stopped = False
         self.n_samples = 0  # sent over the session
         self.n_tokens = 0
         self.n_prompt_tokens = 0
@@ -102,10 +105,15 @@ class LiveSynthesis:
         self.ended = True
         self._changed.set()
 
-    async def play(self) -> Done | Failed:
+    def stop(self) -> None:
+        """Make `play` return (None) at its next step; the caller cancels its task too."""
+        self.stopped = True
+        self._changed.set()
+
+    async def play(self) -> Done | Failed | None:
         """Send each segment's audio in order until the input has ended and all of it is sent
-        (Done with the session's token counts), or the first failure."""
-        while True:
+        (Done with the session's token counts), or the first failure; None once stopped."""
+        while not self.stopped:
             if not self.segments:
                 if self.ended:
                     return Done(self._reason, self.n_tokens, self.n_prompt_tokens)
@@ -118,6 +126,8 @@ class LiveSynthesis:
                 self._joining = seg.index
                 self._joiner.start(last=False)  # whether more text follows is unknown: fade it out
             event = await self.pipeline.next_event(self.request, seg.pending)
+            if self.stopped:
+                break
             if isinstance(event, bytes):
                 await self._audio(seg, self._joiner.feed(event))
                 continue
@@ -137,11 +147,13 @@ class LiveSynthesis:
             await self.send_event(
                 {"type": "segment.done", "index": seg.index, "text": seg.text, "audio_seconds": seconds}
             )
+        return None
 
     def clear(self) -> int:
         """Abort and forget every segment (the caller has stopped `play` first); returns how many."""
         n = len(self.segments)
         self._abort_all()
+        self.stopped = False
         self.quiet_since = time.monotonic()
         self._joiner = Joiner(self._joiner.fade)
         self._joining = -1

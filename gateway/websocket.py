@@ -255,6 +255,7 @@ class Session:
     async def _clear(self, live: LiveSynthesis) -> None:
         """Barge-in: stop the audio, abort every generation, drop the buffered text."""
         if self._player is not None:
+            live.stop()
             self._player.cancel()
             await asyncio.gather(self._player, return_exceptions=True)
         n = live.clear()
@@ -268,6 +269,8 @@ class Session:
         """Send the audio until the session's end, then `done` (or a fatal `error`) and close."""
         try:
             result = await live.play()
+            if result is None:
+                return  # stopped by a clear
             if isinstance(result, Done):
                 seconds = live.n_samples / self.pipeline.sample_rate
                 usage = {
@@ -298,6 +301,8 @@ class Session:
 
     async def _send_bytes(self, pcm: bytes) -> None:
         async with self._lock:
+            if self.live is not None and self.live.stopped:
+                return  # a clear came while this frame waited: none of its audio follows `cleared`
             await self.ws.send_bytes(pcm)
 
     async def _error(self, message: str, param: str | None, fatal: bool) -> None:
