@@ -3,8 +3,9 @@
 Endpoints: `POST /generate`, `GET /metrics`, `GET /health`, `GET /ready` (here), `POST
 /v1/audio/speech` and `GET /v1/models` (OpenAI's API, in `gateway.openai`), `GET
 /v1/audio/speech/stream` (a WebSocket for text that arrives in pieces, `gateway.websocket`), `GET
-/openapi.json` (`gateway.openapi`). Every handler talks to the workers through one `Pipeline`; imports go one way:
-server → openai, openapi, respond → synthesis → pipeline.
+/openapi.json` (`gateway.openapi`). Every handler talks to the workers through one `Pipeline`;
+imports go one way: server → openai, openapi, respond → synthesis → pipeline, and server →
+websocket → live → pipeline.
 """
 
 from __future__ import annotations
