@@ -56,7 +56,8 @@ log = logging.getLogger(__name__)
 PATH = "/v1/audio/speech/stream"
 HEARTBEAT_S = 20.0  # the server pings this often; a client that does not answer is gone
 BUSY_POLL_S = 1.0  # while a session generates, how often its reader looks whether it has gone quiet
-CLOSE_NORMAL, CLOSE_UNSUPPORTED, CLOSE_POLICY, CLOSE_ERROR, CLOSE_TRY_LATER = 1000, 1003, 1008, 1011, 1013
+CLOSE_NORMAL, CLOSE_GOING_AWAY, CLOSE_UNSUPPORTED = 1000, 1001, 1003
+CLOSE_POLICY, CLOSE_ERROR, CLOSE_TRY_LATER = 1008, 1011, 1013
 MESSAGE_FIELDS = {"append": ("text",), "flush": (), "end": (), "clear": ()}  # besides "type"
 
 
@@ -136,6 +137,14 @@ class Session:
             self._player.cancel()
         if self.live is not None:
             self.live.close()
+
+    async def going_away(self) -> None:
+        """The gateway is shutting down: stop the audio, say so and close with 1001."""
+        if self.live is not None:
+            self.live.stop()
+        if self._player is not None:
+            self._player.cancel()
+        await self._refuse(ProtocolError("the server is shutting down; reconnect", True, CLOSE_GOING_AWAY))
 
     async def send(self, event: dict[str, Any]) -> None:
         async with self._lock:
@@ -337,7 +346,13 @@ def _parse(data: str) -> dict[str, Any]:
 
 
 def add_routes(app: web.Application, pipeline: Pipeline, key: str | None) -> None:
+    """The route, and a shutdown hook that closes the open sessions (before the pipeline fails
+    their generations: build_app registers the pipeline's hook after this one)."""
     expected = key.encode() if key is not None else None
+    sessions: set[Session] = set()
+
+    async def close_sessions(app: web.Application) -> None:
+        await asyncio.gather(*(s.going_away() for s in list(sessions)), return_exceptions=True)
 
     async def handle(request: web.Request) -> web.StreamResponse:
         sid, clash = pipeline.request_id(request)
@@ -353,6 +368,7 @@ def add_routes(app: web.Application, pipeline: Pipeline, key: str | None) -> Non
             )
         await ws.prepare(request)
         session = Session(pipeline, request, ws, sid, expected)
+        sessions.add(session)
         metrics = pipeline.metrics
         metrics.in_flight.labels("websocket").inc()
         outcome = "cancelled"
@@ -361,6 +377,7 @@ def add_routes(app: web.Application, pipeline: Pipeline, key: str | None) -> Non
         except ClientGone:
             log.info("[%s] client disconnected", sid)
         finally:
+            sessions.discard(session)
             session.close()
             if session.admitted:
                 pipeline.admission.release()
@@ -369,3 +386,4 @@ def add_routes(app: web.Application, pipeline: Pipeline, key: str | None) -> Non
         return ws
 
     app.router.add_get(PATH, handle)
+    app.on_shutdown.append(close_sessions)

@@ -190,6 +190,15 @@ async def test_a_session_with_text_to_speak_is_not_idle(client: TestClient) -> N
     assert IDLE_S * 0.9 <= time.monotonic() - t0 < IDLE_S + 1.5  # quiet from the clear on
 
 
+async def test_a_shutdown_closes_the_open_sessions_with_1001(client: TestClient) -> None:
+    async with client.ws_connect(PATH, headers=AUTH) as ws:
+        await ws.send_json(SESSION)
+        assert json.loads((await ws.receive()).data)["type"] == "session.started"
+        await client.app.shutdown()
+        events, close = await _events_until_close(ws)
+    assert close.data == 1001 and events[0]["fatal"] and "shutting down" in events[0]["message"], events
+
+
 def test_the_idle_timeout_is_a_setting_with_a_default() -> None:
     assert ServeConfig().gateway.ws_idle_timeout == 60.0
     assert parse_role("gateway", ["--ws-idle-timeout", "5"], {}).cfg.gateway.ws_idle_timeout == 5.0
