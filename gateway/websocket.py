@@ -374,7 +374,7 @@ def add_routes(app: web.Application, pipeline: Pipeline, key: str | None) -> Non
         outcome = "cancelled"
         try:
             outcome = await session.run()
-        except ClientGone:
+        except (ClientGone, ConnectionError):  # gone, or closed while a frame was going out
             log.info("[%s] client disconnected", sid)
         finally:
             sessions.discard(session)
