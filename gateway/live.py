@@ -82,6 +82,7 @@ class LiveSynthesis:
         self.quiet_since = time.monotonic()  # when the session last had nothing to generate or send
         self._joiner = Joiner(round(FADE_S * pipeline.sample_rate))
         self._playing = False  # audio of the current utterance went out (until a clear)
+        self.first_text: float | None = None  # monotonic time of the utterance's first append
         self._joining = -1  # the segment the joiner is on
         self._reason = FinishReason.STOP  # the last segment's finish reason
         self._changed = asyncio.Event()
@@ -158,6 +159,7 @@ class LiveSynthesis:
         self._joiner = Joiner(self._joiner.fade)
         self._joining = -1
         self._playing = False
+        self.first_text = None
         return n
 
     def close(self) -> None:
@@ -201,6 +203,8 @@ class LiveSynthesis:
             return
         if not self._playing:
             self._playing = True
+            if self.first_text is not None:
+                self.pipeline.metrics.text_to_first_audio.observe(time.monotonic() - self.first_text)
             await self.send_event({"type": "audio.started", "index": seg.index})
         seg.n_samples += len(pcm) // 2
         self.n_samples += len(pcm) // 2

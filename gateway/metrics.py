@@ -109,6 +109,13 @@ class GatewayMetrics:
             buckets=GAP_BUCKETS,
             registry=self.registry,
         )
+        self.text_to_first_audio = Histogram(
+            "voxpipe_websocket_text_to_first_audio_seconds",
+            "WebSocket sessions: from the first text of an utterance (after the session opens or a "
+            "clear) to its first audio leaving the gateway.",
+            buckets=TTFA_BUCKETS,
+            registry=self.registry,
+        )
         self.requests = Counter(
             "voxpipe_requests",
             "Speech requests by endpoint and outcome (ok, client_error, server_error, cancelled).",

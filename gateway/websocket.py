@@ -259,6 +259,8 @@ class Session:
             )
         self.n_chars += len(text)
         self.seq += 1
+        if live.first_text is None and text.strip():
+            live.first_text = time.monotonic()
         live.add(self.segmenter.append(text))
 
     async def _clear(self, live: LiveSynthesis) -> None:

@@ -93,7 +93,15 @@ async def _nothing_held_within(s: aiohttp.ClientSession, base: str, seconds: flo
 
 
 async def test_audio_arrives_before_the_input_ends(server):
-    async with aiohttp.ClientSession() as s, s.ws_connect(server.base + PATH) as ws:
+    first_audio = ("voxpipe_websocket_text_to_first_audio_seconds_count", ())
+    async with aiohttp.ClientSession() as s:
+        before = (await _metrics(s, server.base))[first_audio]
+        await _speak_two_sentences(s, server.base)
+        assert (await _metrics(s, server.base))[first_audio] == before + 1
+
+
+async def _speak_two_sentences(s: aiohttp.ClientSession, base: str) -> None:
+    async with s.ws_connect(base + PATH) as ws:
         await ws.send_json(_open(7, **SHORT))
         started = await _next_event(ws, [])
         assert started["type"] == "session.started" and started["sample_rate"] == 24000
