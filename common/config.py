@@ -55,6 +55,9 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     # see that it exited (another host or container; a hung one). Slow is not dead: a stall under
     # load or a long GC shorter than this costs no request (gateway/procs.py).
     heartbeat_timeout: float = 10.0
+    # Seconds a WebSocket session may stay silent (no client message) with nothing to generate or
+    # send before the gateway closes it (code 1000).
+    ws_idle_timeout: float = 60.0
 
     def check(self) -> None:
         if not 1 <= self.port <= 65535:
@@ -65,6 +68,10 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
             )
         if not 0 < self.body_timeout < float("inf"):
             raise ValueError(f"--body-timeout must be a positive number of seconds, got {self.body_timeout}")
+        if not 0 < self.ws_idle_timeout < float("inf"):
+            raise ValueError(
+                f"--ws-idle-timeout must be a positive number of seconds, got {self.ws_idle_timeout}"
+            )
         if not 1 <= self.heartbeat_timeout < float("inf"):
             raise ValueError(f"--heartbeat-timeout must be at least 1 second, got {self.heartbeat_timeout}")
         if not 1 <= self.max_text_chars <= MAX_TEXT_CHARS:

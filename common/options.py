@@ -308,6 +308,13 @@ OPTIONS: tuple[Option, ...] = (
         path="gateway.body_timeout",
     ),
     Option(
+        "ws_idle_timeout",
+        "seconds a WebSocket session may send nothing while nothing is generating before it is closed",
+        ("serve", "gateway"),
+        float,
+        path="gateway.ws_idle_timeout",
+    ),
+    Option(
         "heartbeat_timeout",
         "seconds without a heartbeat before a process's requests fail where the gateway cannot see "
         "that it exited (on another host or container); on this host an exited process fails them at once",

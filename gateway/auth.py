@@ -7,6 +7,11 @@ the gateway alone. `/health` and `/ready` stay open for load balancers and orche
 nothing about requests); `/metrics` needs the key (request counts and worker state are the
 operator's business: Prometheus sends it with `authorization: {credentials_file: ...}`).
 
+A WebSocket client cannot always set headers (a browser's `WebSocket` cannot), so on the paths in
+`KEY_IN_FIRST_MESSAGE` a request without an `Authorization` header is let through marked
+`UNVERIFIED`, and the handler takes the key from the session's first message (`key_matches`); a
+header that is there must hold the key. The key never goes in a URL: URLs end up in access logs.
+
 Comparison is constant-time (`hmac.compare_digest`), so the time a refusal takes says nothing
 about how much of a guess was right.
 """
@@ -28,6 +33,16 @@ log = logging.getLogger(__name__)
 
 ENV = "VOXPIPE_API_KEY"
 OPEN_PATHS = frozenset({"/health", "/ready"})
+KEY_IN_FIRST_MESSAGE = frozenset({"/v1/audio/speech/stream"})
+# Set on a request let through without a header: its handler must check the key itself.
+UNVERIFIED: Any = (
+    web.RequestKey("voxpipe_key_unverified", bool) if hasattr(web, "RequestKey") else "voxpipe_key_unverified"
+)
+
+
+def key_matches(token: str, expected: bytes) -> bool:
+    """`token` is the key (constant-time)."""
+    return hmac.compare_digest(token.strip().encode("utf-8", "replace"), expected)
 
 
 def load_api_key(cfg: ServeConfig, environ: Mapping[str, str] | None = None) -> str | None:
@@ -62,10 +77,11 @@ def middleware(key: str, error_body: Any) -> Any:
     async def require_key(request: web.Request, handler: Any) -> web.StreamResponse:
         if request.path in OPEN_PATHS:
             return await handler(request)
+        if request.path in KEY_IN_FIRST_MESSAGE and "Authorization" not in request.headers:
+            request[UNVERIFIED] = True
+            return await handler(request)
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(
-            token.strip().encode("utf-8", "replace"), expected
-        ):
+        if scheme.lower() == "bearer" and key_matches(token, expected):
             return await handler(request)
         given = bool(token.strip()) and scheme.lower() == "bearer"
         message = (

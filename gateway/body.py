@@ -75,11 +75,11 @@ def _json_object(raw: bytes) -> dict[str, Any]:
         raise BodyError(
             400, f'request body must be a JSON object such as {{"text": "Hello"}}, got a {_json_kind(value)}'
         )
-    _check_unicode(value)
+    check_unicode(value)
     return value
 
 
-def _check_unicode(value: dict[str, Any]) -> None:
+def check_unicode(value: dict[str, Any], what: str = "request body") -> None:
     """A 400 for a string holding a lone UTF-16 surrogate (JSON's "\ud800" escapes decode to one):
     it is no Unicode text, has no UTF-8 form, and replacing it would speak something the client
     did not send, so the client is told to fix its encoder."""
@@ -94,7 +94,7 @@ def _check_unicode(value: dict[str, Any]) -> None:
                 except UnicodeEncodeError as e:
                     raise BodyError(
                         400,
-                        f"request body holds a lone UTF-16 surrogate ({ascii(x[e.start])}) at character "
+                        f"{what} holds a lone UTF-16 surrogate ({ascii(x[e.start])}) at character "
                         f"{e.start} of a string; send valid Unicode (a pair \\ud83d\\ude00 is fine)",
                     ) from None
             elif isinstance(x, dict | list):

@@ -11,7 +11,7 @@ several apps in one process.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -21,7 +21,7 @@ from gateway.admission import Admission
 from gateway.procs import ProcessTable
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-ENDPOINTS = ("generate", "speech")
+ENDPOINTS = ("generate", "speech", "websocket")
 # ok: complete audio; client_error: 4xx; server_error: 5xx, or a stream broken by a failure;
 # cancelled: the client went away first; rejected: refused by admission (503 with Retry-After).
 OUTCOMES = ("ok", "client_error", "server_error", "cancelled", "rejected")
@@ -109,6 +109,13 @@ class GatewayMetrics:
             buckets=GAP_BUCKETS,
             registry=self.registry,
         )
+        self.text_to_first_audio = Histogram(
+            "voxpipe_websocket_text_to_first_audio_seconds",
+            "WebSocket sessions: from the first text of an utterance (after the session opens or a "
+            "clear) to its first audio leaving the gateway.",
+            buckets=TTFA_BUCKETS,
+            registry=self.registry,
+        )
         self.requests = Counter(
             "voxpipe_requests",
             "Speech requests by endpoint and outcome (ok, client_error, server_error, cancelled).",
@@ -154,6 +161,15 @@ class GatewayMetrics:
         )
         for name, doc, fn in gauges:
             Gauge(name, doc, registry=self.registry).set_function(fn)
+
+    def watch_registry(self, size: Callable[[], int]) -> None:
+        """The pipeline's request registry, read at scrape time: a generation no handler waits on
+        any more and still counted here is a leak."""
+        Gauge(
+            "voxpipe_gateway_requests_registered",
+            "Generations the gateway routes worker events for (its registry of requests in flight).",
+            registry=self.registry,
+        ).set_function(size)
 
     def finished(self, endpoint: str, outcome: str) -> None:
         self.requests.labels(endpoint, outcome).inc()

@@ -18,6 +18,7 @@ from common.messages import ModelSpec
 from gateway.encoders import available_formats, content_type
 from gateway.events import Failed
 from gateway.fields import schema_of
+from gateway.incremental import session_fields
 from gateway.validation import generate_fields, speech_fields
 
 if TYPE_CHECKING:
@@ -108,6 +109,28 @@ def _paths(spec: ModelSpec) -> dict[str, Any]:
                 },
             }
         },
+        "/v1/audio/speech/stream": {
+            "get": {
+                "summary": "Input streaming over a WebSocket: text appended in pieces, PCM16 frames back.",
+                "description": (
+                    "Upgrade to a WebSocket. The client's first message is a WebSocketSession (JSON "
+                    'text); then {"type": "append", "text"} (answered with {"type": "ack", "seq"}), '
+                    '{"type": "flush"}, {"type": "end"} and {"type": "clear"} (barge-in: abort every '
+                    'generation, answered with {"type": "cleared"}). The server sends binary frames of '
+                    "PCM16 mono at the model's sample rate, in order, and JSON events: session.started, "
+                    "audio.started, segment.done, done (usage), error (message, param, fatal). The API "
+                    'key goes in the Authorization header or as "api_key" in the session message. See '
+                    "docs/api.md for the whole protocol."
+                ),
+                "responses": {
+                    "101": {"description": "Switching to the WebSocket protocol."},
+                    **_errors(
+                        "OpenAIError",
+                        {400: "Not a WebSocket upgrade.", 503: "The model is not known yet (see /ready)."},
+                    ),
+                },
+            }
+        },
         "/v1/models": {
             "get": {
                 "summary": "The served model, its voices and sample rate.",
@@ -153,6 +176,7 @@ def _components(spec: ModelSpec, cfg: ServeConfig) -> dict[str, Any]:
         "schemas": {
             "GenerateRequest": schema_of(generate_fields(spec, cfg)),
             "SpeechRequest": schema_of(speech_fields(spec, cfg)),
+            "WebSocketSession": _session_schema(spec, cfg),
             "Error": _object({"error": {"type": "string", "description": "What to change."}}),
             "OpenAIError": _object(
                 {
@@ -204,6 +228,18 @@ def _components(spec: ModelSpec, cfg: ServeConfig) -> dict[str, Any]:
             ),
         }
     }
+
+
+def _session_schema(spec: ModelSpec, cfg: ServeConfig) -> dict[str, Any]:
+    """The first message of a WebSocket session: its fields, `type` and the optional `api_key`."""
+    schema = schema_of(session_fields(spec, cfg))
+    schema["properties"] = {
+        "type": {"const": "session"},
+        **schema["properties"],
+        "api_key": {"type": "string", "description": "The API key, for clients that cannot set headers."},
+    }
+    schema["required"] = ["type", *schema.get("required", [])]
+    return schema
 
 
 def _secure(doc: dict[str, Any]) -> dict[str, Any]:

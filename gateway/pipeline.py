@@ -101,6 +101,7 @@ class Pipeline:
         self.created = int(time.time())
         self.closing = False  # set on shutdown: no new segments are submitted
         self._pending: dict[str, Pending] = {}
+        self.metrics.watch_registry(lambda: len(self._pending))
         # Request ids claimed by HTTP requests, from their arrival (before the body is read) until
         # their handler returns: an id is unique among requests in flight whatever their stage.
         self._claimed: dict[str, web.Request] = {}

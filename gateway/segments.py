@@ -41,12 +41,12 @@ FADE_S = 0.010
 # A sentence ends after . ! ? … (and closing quotes/brackets) before whitespace, after CJK full
 # stops, or at a line break.
 _CLOSE = "[\"'”’»)\\]]"  # closing quotes and brackets that may follow the full stop
-_SENTENCE_END = re.compile(
+SENTENCE_END = re.compile(
     rf"(?:(?<=[.!?…])|(?<=[.!?…]{_CLOSE})|(?<=[.!?…]{_CLOSE}{{2}}))\s+|(?<=[。！？])\s*|\n\s*"
 )
-_CLAUSE_END = re.compile(r"(?<=[,;:—–])\s+|(?<=[，；：、])\s*")
+CLAUSE_END = re.compile(r"(?<=[,;:—–])\s+|(?<=[，；：、])\s*")
 _SPACE = re.compile(r"\s+")
-_LEVELS = [_SENTENCE_END, _CLAUSE_END, _SPACE]  # then between characters
+_LEVELS = [SENTENCE_END, CLAUSE_END, _SPACE]  # then between characters
 
 
 def text_limit(cfg: ServeConfig) -> int:

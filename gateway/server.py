@@ -1,9 +1,11 @@
 """The gateway's HTTP app: aiohttp routes in front of the pipeline client (`gateway.pipeline`).
 
 Endpoints: `POST /generate`, `GET /metrics`, `GET /health`, `GET /ready` (here), `POST
-/v1/audio/speech` and `GET /v1/models` (OpenAI's API, in `gateway.openai`), `GET /openapi.json`
-(`gateway.openapi`). Every handler talks to the workers through one `Pipeline`; imports go one way:
-server → openai, openapi, respond → synthesis → pipeline.
+/v1/audio/speech` and `GET /v1/models` (OpenAI's API, in `gateway.openai`), `GET
+/v1/audio/speech/stream` (a WebSocket for text that arrives in pieces, `gateway.websocket`), `GET
+/openapi.json` (`gateway.openapi`). Every handler talks to the workers through one `Pipeline`;
+imports go one way: server → openai, openapi, respond → synthesis → pipeline, and server →
+websocket → live → pipeline.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from aiohttp import web
 
 from common.config import ServeConfig
 from common.ipc import Addresses
-from gateway import auth, openai, openapi
+from gateway import auth, openai, openapi, websocket
 from gateway.body import MAX_BODY_BYTES, BodyError, read_fields
 from gateway.encoders import WavEncoder
 from gateway.events import Failed
@@ -29,7 +31,10 @@ from gateway.validation import BadRequest, parse_generate
 log = logging.getLogger(__name__)
 
 GATEWAY = web.AppKey("gateway", Pipeline)
-ENDPOINTS = "POST /generate, POST /v1/audio/speech, GET /v1/models, GET /openapi.json, GET /metrics, GET /health, GET /ready"
+ENDPOINTS = (
+    "POST /generate, POST /v1/audio/speech, GET /v1/audio/speech/stream (WebSocket), GET /v1/models, "
+    "GET /openapi.json, GET /metrics, GET /health, GET /ready"
+)
 
 
 class Routes:
@@ -174,6 +179,7 @@ def build_app(
     app.router.add_get("/ready", routes.ready)
     app.router.add_get("/metrics", routes.metrics)
     openai.add_routes(app, pipeline)
+    websocket.add_routes(app, pipeline, key)
     openapi.add_routes(app, pipeline, requires_key=key is not None)
     app.on_startup.append(pipeline.start)
     app.on_shutdown.append(pipeline.shutdown)

@@ -108,7 +108,7 @@ def voice_aliases(spec: ModelSpec) -> dict[str, str]:
     return {name: voices[i % len(voices)] for i, name in enumerate(OPENAI_VOICES) if name not in voices}
 
 
-def _voice_field(spec: ModelSpec, aliases: bool = False) -> Field:
+def voice_field(spec: ModelSpec, aliases: bool = False) -> Field:
     voices = tuple(spec.voices)
     extra = tuple(voice_aliases(spec)) if aliases else ()
     return Field(
@@ -230,7 +230,7 @@ def generate_fields(spec: ModelSpec, cfg: ServeConfig) -> list[Field]:
     )
     return [
         _text_field("text", cfg),
-        _voice_field(spec),
+        voice_field(spec),
         streaming,
         *sampling_fields(spec, cfg),
         *option_fields(spec),
@@ -280,7 +280,7 @@ def speech_fields(spec: ModelSpec, cfg: ServeConfig) -> list[Field]:
             choices=models,
         ),
         _text_field("input", cfg),
-        _voice_field(spec, aliases=True),
+        voice_field(spec, aliases=True),
         Field(
             "response_format",
             "string",
@@ -322,10 +322,10 @@ def parse_generate(body: Mapping[str, Any], spec: ModelSpec, cfg: ServeConfig) -
     """
     fields = generate_fields(spec, cfg)
     v = parse_fields(body, fields)
-    sampling = _sampling(v, fields, spec, cfg)
+    sampling = sampling_params(v, fields, spec, cfg)
     return GenerateParams(
         text=v["text"],
-        voice=v["voice"] or _default(fields, "voice"),
+        voice=v["voice"] or field_default(fields, "voice"),
         sampling=sampling,
         streaming=True if v["streaming"] is None else v["streaming"],
         segments=plan_segments(v["text"], sampling.max_tokens, spec, cfg),
@@ -378,8 +378,8 @@ def parse_speech(body: Mapping[str, Any], spec: ModelSpec, cfg: ServeConfig) -> 
             "stream_format 'sse' always streams; drop streaming: false or use stream_format 'audio'",
             param="streaming",
         )
-    sampling = _sampling(v, fields, spec, cfg)
-    voice = v["voice"] or _default(fields, "voice")
+    sampling = sampling_params(v, fields, spec, cfg)
+    voice = v["voice"] or field_default(fields, "voice")
     return SpeechParams(
         text=v["input"],
         voice=voice_aliases(spec).get(voice, voice),
@@ -387,7 +387,7 @@ def parse_speech(body: Mapping[str, Any], spec: ModelSpec, cfg: ServeConfig) -> 
         segments=plan_segments(v["input"], sampling.max_tokens, spec, cfg),
         options=_options(v, spec, extra=("speed", "instructions")) + language_option(v),
         streaming=streaming,
-        response_format=v["response_format"] or _default(fields, "response_format"),
+        response_format=v["response_format"] or field_default(fields, "response_format"),
         stream_format=stream_format,
     )
 
@@ -417,7 +417,7 @@ def plan_segments(
     return segments
 
 
-def _default(fields: list[Field], name: str) -> Any:
+def field_default(fields: list[Field], name: str) -> Any:
     return next(f.default for f in fields if f.name == name)
 
 
@@ -425,7 +425,9 @@ def _default_choices(fields: list[Field], name: str) -> tuple[str, ...]:
     return next(f.choices or () for f in fields if f.name == name)
 
 
-def _sampling(v: Mapping[str, Any], fields: list[Field], spec: ModelSpec, cfg: ServeConfig) -> SamplingParams:
+def sampling_params(
+    v: Mapping[str, Any], fields: list[Field], spec: ModelSpec, cfg: ServeConfig
+) -> SamplingParams:
     """SamplingParams from the parsed values, the spec's defaults filling the gaps."""
     sampling: dict[str, Any] = msgspec.structs.asdict(spec.sampling)
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):

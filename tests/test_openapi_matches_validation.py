@@ -107,6 +107,7 @@ def test_document_lists_every_route_with_its_error_responses(doc: dict[str, Any]
     assert set(paths) == {
         "/generate",
         "/v1/audio/speech",
+        "/v1/audio/speech/stream",
         "/v1/models",
         "/v1/models/{model}",
         "/health",
