@@ -192,9 +192,10 @@ def hf_baseline(n_tokens: int) -> dict:
     from snac import SNAC
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from programs.orpheus.program import _read_config
+    from programs import get_spec, load_program_class
 
-    cfg = LlamaConfig(**_read_config("orpheus-3b.json"))
+    program = load_program_class("orpheus")(get_spec("orpheus"), load_format="dummy")
+    cfg = LlamaConfig(**program.read_config("lm_config"))
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()

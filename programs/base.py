@@ -44,6 +44,7 @@ Attributes a program sets (defaults on LMProgram; any model may use each):
 | `uses_repetition_penalty` | False: the model has none; requests' repetition_penalty is ignored |
 | `mixed_prefill` | every GEMM of `backbone` goes through `programs.blocks.fp8.linear`, so a prompt may ride in one forward pass with a decode step |
 | `sized_options` | request options whose value adds prompt rows, counted by `option_rows` |
+| `config_dir` | the folder of the shipped configs the spec names (`lm_config`, `codec_config`): `lm_weights(cls)` and `codec_model(cls)` build random weights from them (`--load-format dummy`) or load the checkpoint; `load_prompts()` loads the text tokenizer |
 | `codec_streams` | the codec keeps per-request state and decodes each audio row once (see Codec streams) |
 
 Multi-codebook rows (C > 1): a row is one frame of C codebook ids (a program may also encode
@@ -132,9 +133,11 @@ attention over its request's context. Padding rows write to page 0 and their out
 from __future__ import annotations
 
 import enum
+import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -143,6 +146,7 @@ import programs
 from common.messages import ModelSpec, SamplingParams
 
 CODEC_DTYPES = ("float32", "bfloat16", "float16")
+T = TypeVar("T")
 
 
 class TokenKind(enum.IntEnum):
@@ -221,6 +225,7 @@ class LMProgram:
     mixed_prefill: bool = False
     # Request options whose value adds prompt rows (`option_rows` counts them), e.g. a context.
     sized_options: tuple[str, ...] = ()
+    config_dir: str = ""  # the folder of the configs the spec names (`lm_config`, `codec_config`)
     # True: the codec decodes each request's rows once, keeping its state in codec slots (see
     # Codec streams): `init_codec_streams`, and `detokenize` takes `streams`.
     codec_streams: bool = False
@@ -291,6 +296,34 @@ class LMProgram:
 
     def load_codec(self) -> None:
         raise NotImplementedError
+
+    def config_path(self, key: str) -> str:
+        """The shipped config file the spec names under `key`, in the program's `config_dir`."""
+        return os.path.join(self.config_dir, self.spec[key])
+
+    def read_config(self, key: str) -> dict[str, Any]:
+        with open(self.config_path(key)) as f:
+            return json.load(f)
+
+    def lm_weights(self, cls: type[T]) -> T:
+        """The LM class `cls` with random weights of the spec's `lm_config` (`--load-format dummy`, or
+        no checkpoint), else from the checkpoint (`cls.dummy` / `cls.from_pretrained`)."""
+        if self.load_format == "dummy" or self.weights is None:
+            return cls.dummy(self.read_config("lm_config"), self.dtype, self.device)
+        return cls.from_pretrained(self.weights, self.dtype, self.device)
+
+    def codec_model(self, cls: type[T]) -> T:
+        """The codec class `cls` with random weights of the spec's `codec_config`, else from the codec
+        checkpoint (`cls.from_config` / `cls.from_pretrained`), in `codec_dtype`."""
+        if self.load_format == "dummy" or self.codec_weights is None:
+            return cls.from_config(self.config_path("codec_config"), self.codec_dtype, self.device)
+        return cls.from_pretrained(self.codec_weights, self.codec_dtype, self.device)
+
+    def load_prompts(self) -> None:
+        """The text tokenizer `preprocess` uses (programs.blocks.text_tokenizer)."""
+        from programs.blocks.text_tokenizer import load_text_tokenizer
+
+        self._tokenizer = load_text_tokenizer(self.spec, self.weights, self.load_format)
 
     # --- LM step (graph) -----------------------------------------------------------------------
     def embed(self, ids: torch.Tensor, rows: Rows) -> torch.Tensor:

@@ -35,12 +35,8 @@ CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 _MAX_CONTEXT_TURNS = 16
 
 
-def _read_config(name: str) -> dict[str, Any]:
-    with open(os.path.join(CONFIG_DIR, name)) as f:
-        return json.load(f)
-
-
 class CsmProgram(LMProgram):
+    config_dir = CONFIG_DIR
     name = "csm"
     codec_dtype: torch.dtype = torch.float32
     uses_repetition_penalty = False
@@ -52,7 +48,7 @@ class CsmProgram(LMProgram):
         self.lm: CsmLM | None = None
         self.codec: MimiCodec | None = None
         self._tokenizer: TextTokenizer | None = None
-        self._set_lm_constants(_read_config(spec["lm_config"]))
+        self._set_lm_constants(self.read_config("lm_config"))
 
     def _set_lm_constants(self, cfg: dict[str, Any]) -> None:
         self.vocab_size = cfg["vocab_size"]
@@ -76,25 +72,13 @@ class CsmProgram(LMProgram):
         # lm_head "audio" is what CSM's head is already (2051 codes); fp8 is not implemented here.
         if self.quantization != "none":
             raise ValueError(f"{self.name} runs with --quantization none (got {self.quantization!r})")
-        if self.load_format == "dummy" or self.weights is None:
-            self.lm = CsmLM.dummy(_read_config(self.spec["lm_config"]), self.dtype, self.device)
-        else:
-            self.lm = CsmLM.from_pretrained(self.weights, self.dtype, self.device)
+        self.lm = self.lm_weights(CsmLM)
         self._set_lm_constants(self.lm.config)
 
     def load_codec(self) -> None:
         from programs.csm.codec import MimiCodec
 
-        if self.load_format == "dummy" or self.codec_weights is None:
-            path = os.path.join(CONFIG_DIR, self.spec["codec_config"])
-            self.codec = MimiCodec.from_config(path, self.codec_dtype, self.device)
-        else:
-            self.codec = MimiCodec.from_pretrained(self.codec_weights, self.codec_dtype, self.device)
-
-    def load_prompts(self) -> None:
-        from programs.blocks.text_tokenizer import load_text_tokenizer
-
-        self._tokenizer = load_text_tokenizer(self.spec, self.weights, self.load_format)
+        self.codec = self.codec_model(MimiCodec)
 
     # --- LM step (graph) -----------------------------------------------------------------------
     def embed(self, ids: torch.Tensor, rows: Rows) -> torch.Tensor:

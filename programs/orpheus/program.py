@@ -19,7 +19,6 @@ token, so every window it produces is decodable.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -37,12 +36,8 @@ if TYPE_CHECKING:  # torch modules load only in the process that needs them
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 
 
-def _read_config(name: str) -> dict[str, Any]:
-    with open(os.path.join(CONFIG_DIR, name)) as f:
-        return json.load(f)
-
-
 class OrpheusProgram(LMProgram):
+    config_dir = CONFIG_DIR
     name = "orpheus"
     # SNAC is small (20 M parameters) and tanh-saturating; fp32 keeps it faithful to the reference
     # (--codec-dtype bfloat16/float16 trade that for speed; tests/test_codec_precision.py: SNR).
@@ -57,7 +52,7 @@ class OrpheusProgram(LMProgram):
         self._candidate_table: torch.Tensor | None = None  # [7, 4096] candidates per frame slot
         # Shapes from the shipped config, so weight-free programs know them too; load_lm rereads
         # them from the checkpoint actually loaded.
-        self._set_lm_constants(_read_config(spec["lm_config"]))
+        self._set_lm_constants(self.read_config("lm_config"))
 
     def _set_lm_constants(self, cfg: dict[str, Any]) -> None:
         self.vocab_size = cfg["vocab_size"]
@@ -71,10 +66,7 @@ class OrpheusProgram(LMProgram):
     def load_lm(self) -> None:
         from programs.orpheus.model import LlamaLM
 
-        if self.load_format == "dummy" or self.weights is None:
-            self.lm = LlamaLM.dummy(_read_config(self.spec["lm_config"]), self.dtype, self.device)
-        else:
-            self.lm = LlamaLM.from_pretrained(self.weights, self.dtype, self.device)
+        self.lm = self.lm_weights(LlamaLM)
         self._set_lm_constants(self.lm.config)
         if self.device.type == "cuda" and importlib.util.find_spec("flashinfer") is not None:
             self.lm.fuse(max_positions=max(self.spec["max_tokens"], 4096))
@@ -94,16 +86,7 @@ class OrpheusProgram(LMProgram):
     def load_codec(self) -> None:
         from programs.orpheus.codec import SnacCodec
 
-        if self.load_format == "dummy" or self.codec_weights is None:
-            path = os.path.join(CONFIG_DIR, self.spec["codec_config"])
-            self.codec = SnacCodec.from_config(path, self.codec_dtype, self.device)
-        else:
-            self.codec = SnacCodec.from_pretrained(self.codec_weights, self.codec_dtype, self.device)
-
-    def load_prompts(self) -> None:
-        from programs.blocks.text_tokenizer import load_text_tokenizer
-
-        self._tokenizer = load_text_tokenizer(self.spec, self.weights, self.load_format)
+        self.codec = self.codec_model(SnacCodec)
 
     # --- LM step (graph) -----------------------------------------------------------------------
     def embed(self, ids: torch.Tensor, rows: Rows) -> torch.Tensor:

@@ -18,7 +18,6 @@ frame, as its streaming text mode).
 
 from __future__ import annotations
 
-import json
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -36,12 +35,8 @@ CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 _OPTIONS = ("voice", "language", "instructions", "non_streaming_mode")
 
 
-def _read_config(name: str) -> dict[str, Any]:
-    with open(os.path.join(CONFIG_DIR, name)) as f:
-        return json.load(f)
-
-
 class Qwen3TtsProgram(LMProgram):
+    config_dir = CONFIG_DIR
     name = "qwen3_tts"
     codec_dtype: torch.dtype = torch.float32
     codec_streams = True  # each frame decoded once, with state per request (programs/base.py)
@@ -54,7 +49,7 @@ class Qwen3TtsProgram(LMProgram):
         self._tokenizer: TextTokenizer | None = None
         self._text: torch.Tensor | None = None  # [S, T] int64 each slot's text ids (streaming text)
         self._n_text: torch.Tensor | None = None  # [S] int64 how many
-        self._set_lm_constants(_read_config(spec["lm_config"]))
+        self._set_lm_constants(self.read_config("lm_config"))
         self.head_ids = torch.tensor([*range(q.CODE_VOCAB), q.CODEC_EOS], device=self.device)
 
     def _set_lm_constants(self, cfg: dict[str, Any]) -> None:
@@ -81,26 +76,14 @@ class Qwen3TtsProgram(LMProgram):
 
         if self.quantization != "none":
             raise ValueError(f"{self.name} runs with --quantization none (got {self.quantization!r})")
-        if self.load_format == "dummy" or self.weights is None:
-            self.lm = Qwen3TtsLM.dummy(_read_config(self.spec["lm_config"]), self.dtype, self.device)
-        else:
-            self.lm = Qwen3TtsLM.from_pretrained(self.weights, self.dtype, self.device)
+        self.lm = self.lm_weights(Qwen3TtsLM)
         self._set_lm_constants(self.lm.config)
         self.head_weight = self.lm.codec_head.weight[self.head_ids]  # [V', H]
 
     def load_codec(self) -> None:
         from programs.qwen3_tts.codec import Qwen3TtsCodec
 
-        if self.load_format == "dummy" or self.codec_weights is None:
-            path = os.path.join(CONFIG_DIR, self.spec["codec_config"])
-            self.codec = Qwen3TtsCodec.from_config(path, self.codec_dtype, self.device)
-        else:
-            self.codec = Qwen3TtsCodec.from_pretrained(self.codec_weights, self.codec_dtype, self.device)
-
-    def load_prompts(self) -> None:
-        from programs.blocks.text_tokenizer import load_text_tokenizer
-
-        self._tokenizer = load_text_tokenizer(self.spec, self.weights, self.load_format)
+        self.codec = self.codec_model(Qwen3TtsCodec)
 
     # --- per-request state ---------------------------------------------------------------------
     def init_state(self, num_slots: int) -> None:
