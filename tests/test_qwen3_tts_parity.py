@@ -19,7 +19,7 @@ import torch
 
 from codec_worker.worker import Codec
 from common.config import GpuWorkerSettings
-from common.messages import Array, FinishReason, Prompt, SamplingParams
+from common.messages import FinishReason, Prompt, SamplingParams
 from gpu_worker.engine import Engine
 from programs import get_spec, load_program_class
 from programs.base import pcm16
@@ -27,6 +27,7 @@ from programs.qwen3_tts import spec as q
 from programs.qwen3_tts.codec import Qwen3TtsCodec
 from programs.qwen3_tts.model import Qwen3TtsLM
 from tests.qwen3_tts_reference import reference_decoder, reference_module
+from tokenizer_worker.worker import wire_array
 
 SPEC = get_spec("qwen3-tts-tiny")
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "programs", "qwen3_tts", "configs", SPEC["lm_config"])
@@ -107,7 +108,7 @@ def ref_generate(ref, program, text: str, new: int, **kw) -> np.ndarray:
 def make_prompt(program, rid: str, text: str, new: int, options: dict, **sp) -> Prompt:
     built = program.preprocess(text, options)
     rows = np.asarray(built.rows, dtype="<i4")
-    state = {k: Array("<i4", list(v.shape), v.astype("<i4").tobytes()) for k, v in built.state.items()}
+    state = {k: wire_array(v) for k, v in built.state.items()}
     sampling = SamplingParams(max_tokens=len(rows) + new, min_tokens=q.MIN_FRAMES, **sp)
     return Prompt(rid, rows.tobytes(), len(rows), sampling, state=state)
 

@@ -87,8 +87,7 @@ class Qwen3TtsProgram(LMProgram):
 
     # --- per-request state ---------------------------------------------------------------------
     def init_state(self, num_slots: int) -> None:
-        max_text = int(self.spec["max_tokens"])
-        self._text = torch.zeros(num_slots, max_text, dtype=torch.int64, device=self.device)
+        self._text = torch.zeros(num_slots, self._max_text, dtype=torch.int64, device=self.device)
         self._n_text = torch.zeros(num_slots, dtype=torch.int64, device=self.device)
 
     def check_prompt(self, rows: np.ndarray, state: dict[str, np.ndarray]) -> str:
