@@ -27,7 +27,9 @@ apart from N/B/Bd, state only in buffers, randomness only from the keys passed i
 | `detokenize(tokens, keys, tail_rows=0, streams=None)` | codec_worker | yes | [Bd, R, C] int64 (R = detok_interval, or one of `detok_lead`), keys [Bd] int64 → audio [Bd, S] float in [-1, 1] (S = detok_samples for a regular window, R / s * detok_samples for a lead window, tail_rows / s * detok_samples for a tail window), valid [Bd] bool; `streams` (a `CodecStreams`) only with `codec_streams` |
 | `init_codec_streams(n_slots)` | codec_worker | no | with `codec_streams`: allocates the state of n_slots codec slots on the codec's device (see Codec streams) |
 | `compiled_detokenize()` | codec_worker | — | optional: a function equal to `detokenize(tokens, keys)` for regular windows, compiled (`torch.compile`, any batch size), or None (the default): the codec_worker captures it in the regular windows' graphs (`--codec-compile`) |
-| `preprocess(text, model_kwargs)` | tokenizer_worker | no | → prompt rows [R, C] int32, or `PromptRows` (rows and state arrays); ValueError → HTTP 400 |
+| `load_encoders()` | codec_worker | no | with `reference_sample_rate`: loads what `encode_references` needs (see Reference audio) |
+| `encode_references(clips)` | codec_worker | no | `Reference`s (mono float32 audio at `reference_sample_rate`, its text) → one `Voice.features` dict per clip, batched |
+| `preprocess(text, model_kwargs, voice=None)` | tokenizer_worker | no | → prompt rows [R, C] int32, or `PromptRows` (rows and state arrays); `voice` a `Voice` (a cloned voice) or None; ValueError → HTTP 400 |
 | `prompt_overhead()` | tokenizer_worker | no | → prompt rows besides the text's tokens (no options) |
 | `option_rows(model_kwargs)` | tokenizer_worker | no | → prompt rows the `sized_options` add; ValueError → HTTP 400 |
 | `model_spec(served)` | tokenizer_worker | no | → `ModelSpec`, the facts the gateway serves the model by |
@@ -124,6 +126,17 @@ audio equals the codec's decode of the whole utterance. The codec keeps each str
   at the request's end. A later chunk of a request without a slot (its state is lost: a restarted
   codec worker, a slot reclaimed from a stream idle too long) ends that request with an error.
 
+Reference audio (voice cloning): a program that clones a voice from a reference clip sets
+`reference_sample_rate` > 0 (0: it takes no audio; a request with a clip gets a 400). The clip's
+encoders (a speaker embedding, the codec's encoder for reference codes, mel features) run in the
+codec_worker, never in the LM's step loop: `load_encoders()` loads them after `load_codec`, and
+`encode_references(clips)` encodes a batch of `Reference(audio [S] float32 mono at
+reference_sample_rate, text)` into one `features` dict per clip (name → int32/float32 array). The
+runtime caches them by content, stores saved voices as them, and hands them to `preprocess` as
+`Voice(features, text)`, which builds the prompt from them: rows, and per-request state for what
+rows cannot hold (float vectors, reference codes wider than a row). Encoders are deterministic and
+depend on the audio alone; everything that depends on the request is `preprocess`'s.
+
 Attention: `attn` is an `Attention` planned by the runtime for this step. Each layer calls
 `attn.forward(layer, q, k, v)`: it writes the step's keys/values into the paged cache
 [num_layers, num_pages, 2, page_size, num_kv_heads, head_dim] and returns each row's causal
@@ -170,6 +183,22 @@ class PromptRows:
 
     rows: np.ndarray  # [R, C] int32
     state: dict[str, np.ndarray] = field(default_factory=dict)  # name → int32 or float32 array
+
+
+@dataclass
+class Reference:
+    """A reference clip to encode (see Reference audio)."""
+
+    audio: np.ndarray  # [S] float32 mono in [-1, 1] at the program's reference_sample_rate
+    text: str = ""  # what the clip says ("" when unknown)
+
+
+@dataclass
+class Voice:
+    """A cloned voice as `preprocess` receives it: the encoders' features and the clip's text."""
+
+    features: dict[str, np.ndarray]  # name → int32 or float32 array (`encode_references`)
+    text: str = ""
 
 
 class Attention(Protocol):
@@ -229,6 +258,8 @@ class LMProgram:
     # True: the codec decodes each request's rows once, keeping its state in codec slots (see
     # Codec streams): `init_codec_streams`, and `detokenize` takes `streams`.
     codec_streams: bool = False
+    # > 0: the program clones voices from reference clips at this sample rate (see Reference audio).
+    reference_sample_rate: int = 0
 
     def __init__(
         self,
@@ -403,8 +434,19 @@ class LMProgram:
         when this program has no compiled codec."""
         return None
 
+    # --- reference audio (codec_worker) --------------------------------------------------------
+    def load_encoders(self) -> None:
+        """Load the reference-audio encoders (reference_sample_rate > 0 only)."""
+        raise NotImplementedError(f"{self.name or type(self).__name__} takes no reference audio")
+
+    def encode_references(self, clips: list[Reference]) -> list[dict[str, np.ndarray]]:
+        """Each clip's features (name → int32/float32 array), computed as one batch."""
+        raise NotImplementedError(f"{self.name or type(self).__name__} takes no reference audio")
+
     # --- prompts (tokenizer_worker) ------------------------------------------------------------
-    def preprocess(self, text: str, model_kwargs: dict[str, str]) -> np.ndarray | PromptRows:
+    def preprocess(
+        self, text: str, model_kwargs: dict[str, str], voice: Voice | None = None
+    ) -> np.ndarray | PromptRows:
         raise NotImplementedError
 
     def prompt_overhead(self) -> int:
