@@ -1,10 +1,11 @@
 """The program's detokenizer over batches of wire chunks: `Codec` (no sockets: testable alone).
 
 Chunks of one kind (row count, tail rows) decode together. A request's audio does not depend on
-how its windows are batched: on a GPU each batch bucket is its own captured graph, and the eager
-path (a CPU, or --disable-cuda-graph) decodes in calls of one fixed size (`eager_batch`), padded,
-since CPU convolutions round by batch size (a batch of 1, of 2-15 and of 16+ differ in the last
-bit on oneDNN).
+how its windows are batched: every decode call has one fixed size (`call_batch` windows, padded),
+in the captured graphs of each batch bucket (a GPU) and on the eager path (a CPU, or
+--disable-cuda-graph) alike, since convolutions round by batch size (oneDNN: a batch of 1, of 2-15
+and of 16+ differ in the last bit; cuDNN on the H200: SNAC's windows differ in a batch of 1, 2
+and 8 in float16).
 
 A failure fails only the requests whose windows cause it: a chunk of no known kind ends its own
 request, and a batch whose decode raises is decoded again window by window, so its good windows
@@ -33,9 +34,10 @@ from programs.blocks import rng
 log = logging.getLogger(__name__)
 
 LEAD_MAX_BATCH = 16  # lead windows are first chunks only: few per pass; graphs up to this batch
-# Windows per eager decode call (a call of fewer is padded): on a CPU 4 costs a lone window ~1.8x
-# a call of 1, and 16 windows take no longer than in one call of 16.
-EAGER_BATCH = {"cpu": 4, "cuda": 16}
+# Windows per decode call (a call of fewer is padded): on a CPU 4 costs a lone window ~1.8x a call
+# of 1, and 16 windows take no longer than in one call of 16; on a GPU, 16 costs a window ~8 % more
+# than calls of 64 (SNAC on the H200) and a lone window the time of 16.
+CALL_BATCH = {"cpu": 4, "cuda": 16}
 DEAD_KEPT = 4096  # failed requests remembered, to drop their later chunks and their own end
 
 
@@ -65,11 +67,14 @@ class Codec:
         compile_fallback: bool = False,
         streams: int = 0,
         idle_s: float = IDLE_S,
-        eager_batch: int = 0,
+        call_batch: int | None = None,
     ) -> None:
         self.program = program
         self.device = program.device
-        self.eager_batch = eager_batch or EAGER_BATCH.get(self.device.type, 16)
+        # Windows per decode call (None: CALL_BATCH for the device; 0: graphs decode a bucket in
+        # one call, faster in large buckets but a window's bits then depend on its bucket).
+        self.call_batch = CALL_BATCH.get(self.device.type, 16) if call_batch is None else call_batch
+        self.eager_batch = self.call_batch or CALL_BATCH.get(self.device.type, 16)
         self.slots: Slots | None = None
         if program.codec_streams:
             if streams < 1:
@@ -120,14 +125,24 @@ class Codec:
             graphs = None
             try:  # a compile happens in the warm-up before the first capture
                 graphs = DetokGraphs(
-                    p, limit, progress, rows=rows, tail=tail, pool=pool, detokenize=fn, scratch=scratch
-                )
+                    p, limit, progress, rows=rows, tail=tail, pool=pool, detokenize=fn, scratch=scratch,
+                    call_batch=self.call_batch,
+                )  # fmt: skip
             except Exception as e:
                 if fn is None:
                     raise
                 self._compile_failed(e)
             if graphs is None:  # captured again uncompiled, the failed attempt released
-                graphs = DetokGraphs(p, limit, progress, rows=rows, tail=tail, pool=pool, scratch=scratch)
+                graphs = DetokGraphs(
+                    p,
+                    limit,
+                    progress,
+                    rows=rows,
+                    tail=tail,
+                    pool=pool,
+                    scratch=scratch,
+                    call_batch=self.call_batch,
+                )
             self.graphs[rows, tail] = graphs
 
     def _compile_failed(self, error: Exception) -> None:

@@ -7,8 +7,11 @@ valid flags, read back with one copy into pinned host buffers. Padding entries h
 invalid window that the program clamps and decodes harmlessly; their output is dropped. With codec
 streams they decode in the scratch slot (not fresh), so no request's state is touched.
 
-A row's audio does not depend on the bucket it is replayed in (tests/gpu/, and the eager path's
-fixed call size in codec_worker/worker.py for the same on CPUs).
+A row's audio does not depend on the bucket it is replayed in: with `call_batch` (the codec
+worker's default on a GPU) a bucket's graph decodes its windows in calls of exactly that many
+windows, so every convolution sees one shape whatever the bucket (cuDNN picks a convolution's
+algorithm by its shape, and SNAC's windows round differently in a batch of 1, 2 or 8 on the H200;
+a window's place within a call changes nothing). `call_batch` 0 decodes a bucket in one call.
 
 `launch` only queues that work and returns a `Pending`: the codec_worker queues every kind of
 window of a pass (and the urgent and the gathered windows) before it waits once. Each wait for
@@ -32,16 +35,20 @@ from programs.base import CodecStreams, LMProgram, pcm16
 log = logging.getLogger(__name__)
 
 
-def codec_buckets(max_batch: int) -> list[int]:
+def codec_buckets(max_batch: int, call_batch: int = 0) -> list[int]:
     """Batch sizes with a graph: doubling to 32, then 1.5x steps between (48, 96, 192, …), so a
-    gathered batch pads by at most a third above 32."""
+    gathered batch pads by at most a third above 32. With `call_batch` c, the multiples of c among
+    them (c itself the smallest; max_batch rounded up to one)."""
     sizes, b = [], 1
     while b < max_batch:
         sizes.append(b)
         if b >= 32 and b * 3 // 2 < max_batch:
             sizes.append(b * 3 // 2)
         b *= 2
-    return sizes + [max_batch]
+    sizes.append(max_batch)
+    if call_batch:
+        sizes = sorted({-(-s // call_batch) * call_batch for s in sizes})
+    return sizes
 
 
 class DetokGraphs:
@@ -55,9 +62,12 @@ class DetokGraphs:
         tail: int = 0,
         detokenize: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
         scratch: int | None = None,
+        call_batch: int = 0,
     ) -> None:
-        """`scratch`: the program's scratch slot, for a program with codec streams (None: none)."""
+        """`scratch`: the program's scratch slot, for a program with codec streams (None: none).
+        `call_batch`: windows per detokenize call inside a graph (0: the whole bucket)."""
         self.program = program
+        self.call_batch = call_batch
         self.scratch = scratch
         # What the graphs capture: the program's detokenize, or a compiled one (regular windows).
         self.detokenize = detokenize or (
@@ -66,7 +76,7 @@ class DetokGraphs:
         compiling = (
             " (compiling first: torch.compile, cached on disk after the first start)" if detokenize else ""
         )
-        self.sizes = codec_buckets(max_batch)
+        self.sizes = codec_buckets(max_batch, call_batch)
         self.max_batch = self.sizes[-1]
         p, dev = program, program.device
         self.rows = rows or p.detok_interval  # token rows per window
@@ -109,12 +119,17 @@ class DetokGraphs:
 
     @torch.inference_mode()
     def _capture(self, bs: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
-        def step() -> tuple[torch.Tensor, torch.Tensor]:
+        def call(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
             if self.scratch is None:
-                audio, valid = self.detokenize(self.tokens[:bs], self.keys[:bs])
-            else:
-                streams = CodecStreams(self.slots[:bs], self.fresh[:bs] != 0)
-                audio, valid = self.detokenize(self.tokens[:bs], self.keys[:bs], streams=streams)
+                return self.detokenize(self.tokens[lo:hi], self.keys[lo:hi])
+            streams = CodecStreams(self.slots[lo:hi], self.fresh[lo:hi] != 0)
+            return self.detokenize(self.tokens[lo:hi], self.keys[lo:hi], streams=streams)
+
+        def step() -> tuple[torch.Tensor, torch.Tensor]:
+            c = self.call_batch or bs
+            parts = [call(lo, lo + c) for lo in range(0, bs, c)]
+            audio = torch.cat([a for a, _ in parts]) if len(parts) > 1 else parts[0][0]
+            valid = torch.cat([v for _, v in parts]) if len(parts) > 1 else parts[0][1]
             return pcm16(audio), valid
 
         graph, (pcm, valid) = capture(step, self.pool)

@@ -199,6 +199,9 @@ class CodecSettings(msgspec.Struct, kw_only=True):
     dtype: str = "auto"  # auto = the model's choice (its program's codec_dtype)
     compile: str = "auto"  # auto | on | off (torch.compile of regular windows)
     max_batch: int = 0  # windows per decode call (0 = 128 on GPU, 64 on CPU)
+    # Windows per codec call inside a decode: -1 = by device (16 GPU, 4 CPU), 0 = a whole batch
+    # (codec_worker/codec.py: a window's bits then depend on its batch bucket).
+    call_batch: int = -1
     gather_ms: float = 30.0  # longest a window waits to share a decode call
     cuda_graphs: bool = True  # GPU only: replay captured decode graphs (--disable-cuda-graph: eager)
     gpu_share: int = 0  # serve with MPS: percent of the GPU's SMs the codec_worker may use (0 = all)
@@ -215,6 +218,8 @@ class CodecSettings(msgspec.Struct, kw_only=True):
     def check(self) -> None:
         if self.max_streams < 0:
             raise ValueError(f"--codec-streams must be >= 0 (0 = by the batch size), got {self.max_streams}")
+        if self.call_batch < -1:
+            raise ValueError(f"--codec-call-batch must be -1 (by device), 0 or more, got {self.call_batch}")
         if self.max_batch < 0 or not 0 <= self.gather_ms <= 1000:
             raise ValueError("--codec-max-batch must be >= 0 and --codec-gather-ms in 0..1000")
         if not 0 <= self.gpu_share <= 100:

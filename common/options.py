@@ -172,6 +172,15 @@ OPTIONS: tuple[Option, ...] = (
         path="codec.max_batch",
     ),
     Option(
+        "codec_call_batch",
+        "windows per codec call inside a decode (padded): one shape for every call, so a window's "
+        "audio is the same bits however it is batched (-1 = 16 on GPU, 4 on CPU; 0 = a graph's whole "
+        "batch in one call: faster in large batches, but a window's bits then depend on its batch)",
+        ("serve", "codec_worker"),
+        int,
+        path="codec.call_batch",
+    ),
+    Option(
         "codec_gather_ms",
         "longest a codec window waits for others to share its decode call, within its listener's "
         "buffered audio (first chunks never wait; 0 = decode on arrival)",

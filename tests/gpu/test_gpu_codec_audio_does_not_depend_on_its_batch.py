@@ -1,6 +1,6 @@
 """On a GPU, a window's PCM is the same bits decoded alone or batched with 1 to 40 other windows
-(other graph buckets), wherever it sits, through the codec graphs and the eager path (its calls of
-one fixed size), for orpheus-tiny and csm-tiny in float32."""
+(other graph buckets), wherever it sits, through the codec graphs and the eager path (calls of one
+fixed size in both), for orpheus-tiny and csm-tiny in float32 and float16."""
 
 from __future__ import annotations
 
@@ -24,22 +24,22 @@ def windows(program, n: int, seed: int) -> list[DetokChunk]:
     return [DetokChunk(f"r{seed}-{i}", index, 7 + i, out[i].tobytes(), 3) for i in range(n)]
 
 
-# On the H200 (commit 5423d80) orpheus-tiny's SNAC graphs in float32 give a window other bits in
-# other batch buckets: cuDNN picks each convolution's algorithm by its shape.
-BUCKET_BITS = pytest.mark.xfail(reason="SNAC graphs round by batch bucket on the H200 (cuDNN algorithms)")
-
-
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize(
     "model, graphs",
     [
-        pytest.param("orpheus-tiny", True, marks=BUCKET_BITS),
+        ("orpheus-tiny", True),
         ("orpheus-tiny", False),
         ("csm-tiny", True),
         ("csm-tiny", False),
     ],
 )
-def test_a_window_decodes_to_the_same_bits_in_any_bucket(model: str, graphs: bool, gpu_report) -> None:
-    program = load_program_class(model)(get_spec(model), load_format="dummy", device="cuda")
+def test_a_window_decodes_to_the_same_bits_in_any_bucket(
+    model: str, graphs: bool, dtype: str, gpu_report
+) -> None:
+    program = load_program_class(model)(
+        get_spec(model), load_format="dummy", device="cuda", codec_dtype=dtype
+    )
     program.load_codec()
     codec = Codec(program, max_batch=64, graphs=graphs, streams=32 if program.codec_streams else 0)
     [mine] = windows(program, 1, seed=0)
@@ -51,5 +51,5 @@ def test_a_window_decodes_to_the_same_bits_in_any_bucket(model: str, graphs: boo
             out = codec.decode(others[:pos] + [mine] + others[pos:])
             if out[pos].pcm != alone.pcm:
                 differ.append((n, pos))
-    gpu_report(f"codec_batch_bits_{model}_{'graphs' if graphs else 'eager'}")["differ"] = differ
+    gpu_report(f"codec_batch_bits_{model}_{dtype}_{'graphs' if graphs else 'eager'}")["differ"] = differ
     assert not differ, f"batched (others, position) whose PCM differs from the window alone: {differ}"
