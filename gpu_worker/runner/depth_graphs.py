@@ -41,7 +41,7 @@ def depth_step(
     """The program's `decode_tokens` from plain tensors (`fields`: SamplingRows' _FIELDS, in order),
     so that torch.compile sees one function whatever the bucket."""
     rows = SamplingRows(**dict(zip(_FIELDS, fields, strict=True)), history=None, candidates=None)
-    return program.decode_tokens(hidden, c0, depth_sampler(rows), Rows(slot, step, prev))
+    return program.decode_tokens(hidden, c0, depth_sampler(rows, program.n_codebooks), Rows(slot, step, prev))
 
 
 def compiled_step(program: LMProgram, choice: str, graphs: bool) -> Callable[..., torch.Tensor] | None:

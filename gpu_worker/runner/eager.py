@@ -50,4 +50,4 @@ class EagerRunner:
         self, hidden: torch.Tensor, c0: torch.Tensor, rows: SamplingRows, where: Rows
     ) -> torch.Tensor:
         """The program's depth step: [B, H], [B] → rows [B, C] int64."""
-        return self.program.decode_tokens(hidden, c0, depth_sampler(rows), where)
+        return self.program.decode_tokens(hidden, c0, depth_sampler(rows, self.program.n_codebooks), where)

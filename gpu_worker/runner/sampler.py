@@ -55,8 +55,11 @@ def row_cumsum(x: torch.Tensor) -> torch.Tensor:
     return x.cumsum(dim=-1)
 
 
-def sample_rows(logits: torch.Tensor, rows: SamplingRows, stop_ids: torch.Tensor) -> torch.Tensor:
-    """logits [B, V] float32 (modified in place) → token ids [B] int64."""
+def sample_rows(
+    logits: torch.Tensor, rows: SamplingRows, stop_ids: torch.Tensor, u: torch.Tensor | None = None
+) -> torch.Tensor:
+    """logits [B, V] float32 (modified in place) → token ids [B] int64. `u` [B]: the draws'
+    uniform numbers when the caller has them already (`rng.uniform(rows.seed, rows.counter)`)."""
     if rows.history is not None:
         apply_repetition_penalty(logits, rows.history, rows.rep_penalty)
     if stop_ids.numel():
@@ -80,7 +83,9 @@ def sample_rows(logits: torch.Tensor, rows: SamplingRows, stop_ids: torch.Tensor
     drop |= probs < rows.min_p[:, None] * probs[:, :1]
     probs = probs.masked_fill(drop, 0.0)
     cdf = row_cumsum(probs)  # [B, V']
-    u = rng.uniform(rows.seed, rows.counter)[:, None] * cdf[:, -1:]
+    if u is None:
+        u = rng.uniform(rows.seed, rows.counter)
+    u = u[:, None] * cdf[:, -1:]
     pick = torch.searchsorted(cdf, u).clamp_max(cdf.shape[-1] - 1)  # [B, 1]
     sampled = order.gather(1, pick)[:, 0]
     choice = torch.where(rows.temperature > 0, sampled, greedy)
@@ -89,14 +94,24 @@ def sample_rows(logits: torch.Tensor, rows: SamplingRows, stop_ids: torch.Tensor
     return choice
 
 
-def depth_sampler(rows: SamplingRows):
+def depth_sampler(rows: SamplingRows, salts: int = 0):
     """The `sample(logits, salt)` handed to a program's `decode_tokens`: the request's temperature,
     top-k/p and min-p, no penalty or stop masking, and a random stream keyed by (seed, salt) at the
-    same counter, so each salt draws independently of codebook 0 and of the batch."""
+    same counter, so each salt draws independently of codebook 0 and of the batch. The uniform
+    numbers of salts 0..salts-1 are computed up front in one [B, salts] pass (the same integer
+    arithmetic, so the same numbers): per salt, the key mixing is a few dozen tiny kernels, which
+    dominate a depth step's launches."""
     no_stop = torch.empty(0, dtype=torch.int64, device=rows.seed.device)
+    plain = dataclasses.replace(rows, history=None, candidates=None)
+    drawn = None
+    if salts:
+        salt = torch.arange(salts, dtype=torch.int64, device=rows.seed.device)[None, :]
+        drawn = rng.uniform(rng.mix_keys(rows.seed[:, None], salt), rows.counter[:, None])  # [B, salts]
 
     def sample(logits: torch.Tensor, salt: int) -> torch.Tensor:
-        salted = dataclasses.replace(rows, seed=rng.mix_keys(rows.seed, salt), history=None, candidates=None)
+        if drawn is not None and 0 <= salt < salts:
+            return sample_rows(logits.float(), plain, no_stop, drawn[:, salt])
+        salted = dataclasses.replace(plain, seed=rng.mix_keys(rows.seed, salt))
         return sample_rows(logits.float(), salted, no_stop)
 
     return sample

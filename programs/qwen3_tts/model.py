@@ -30,7 +30,7 @@ from torch import nn
 from programs.base import Attention, Sampler
 from programs.blocks.llama import Embedding, Linear, RMSNorm, decoder_stack
 from programs.blocks.qwen3 import Qwen3DecoderLayer, mrope_cos_sin, mrope_rows
-from programs.blocks.rope import llama3_inv_freq, rope_cos_sin, rope_settings, rotate_half
+from programs.blocks.rope import llama3_inv_freq, rope_cos_sin, rope_settings
 from programs.blocks.weights import checkpoint_dir, copy_weights, load_safetensors, random_weights
 
 
@@ -130,7 +130,11 @@ class Qwen3TtsLM(nn.Module):
         inv = llama3_inv_freq(pc, self.code_predictor.model.head_dim).to(dev)
         cos, sin = rope_cos_sin(inv, torch.arange(self.n_codebooks, device=dev), dtype)
         self.register_buffer("predictor_cos", cos, persistent=False)  # [C, Dp]
-        self.register_buffer("predictor_sin", sin, persistent=False)
+        # rotate_half(x) * sin == x.roll(D/2) * signed (the first half of sin negated): one kernel
+        # where rotate_half takes two (a negation and a concatenation), bit for bit the same.
+        half = sin.shape[-1] // 2
+        signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+        self.register_buffer("predictor_sin_signed", signed, persistent=False)  # [C, Dp]
         self._qkv: list[torch.Tensor] | None = None  # fuse_predictor's weights, built at first use
         self._gate_up: list[torch.Tensor] = []
 
@@ -193,7 +197,7 @@ class Qwen3TtsLM(nn.Module):
         GEMMs (q/k/v together, gate/up together: `fuse_predictor`) and attention with grouped KV."""
         m = self.code_predictor.model
         b, dh = x.shape[0], m.head_dim
-        cos, sin = self.predictor_cos[t], self.predictor_sin[t]  # [D]
+        cos, sin = self.predictor_cos[t], self.predictor_sin_signed[t]  # [D]
         h = x
         for i, layer in enumerate(m.layers):
             a = layer.self_attn
@@ -202,8 +206,8 @@ class Qwen3TtsLM(nn.Module):
             q, k, v = qkv.split((hq * dh, hkv * dh, hkv * dh), dim=-1)
             q = _norm(a.q_norm, q.view(b, hq, dh))
             k = _norm(a.k_norm, k.view(b, hkv, dh))
-            q = q * cos + rotate_half(q) * sin
-            keys[i, :, :, t] = k * cos + rotate_half(k) * sin
+            q = q * cos + q.roll(dh // 2, dims=-1) * sin
+            keys[i, :, :, t] = k * cos + k.roll(dh // 2, dims=-1) * sin
             values[i, :, :, t] = v.view(b, hkv, dh)
             kk, vv = keys[i, :, :, : t + 1], values[i, :, :, : t + 1]  # [B, Hkv, t+1, D]
             o = F.scaled_dot_product_attention(
