@@ -34,6 +34,8 @@ from programs.base import CodecStreams, LMProgram, pcm16
 
 log = logging.getLogger(__name__)
 
+SIDE_STREAMS = 8  # a bucket's calls of `call_batch` windows run on up to this many streams at once
+
 
 def codec_buckets(max_batch: int, call_batch: int = 0) -> list[int]:
     """Batch sizes with a graph: doubling to 32, then 1.5x steps between (48, 96, 192, …), so a
@@ -97,6 +99,8 @@ class DetokGraphs:
         # replay's outputs are copied out before the next.
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         self.pending: Pending | None = None  # the last launch, until its results are read
+        calls = -(-self.sizes[-1] // call_batch) if call_batch else 1
+        self._side_streams = [torch.cuda.Stream() for _ in range(min(calls, SIDE_STREAMS))]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         t0 = time.monotonic()
         for i, bs in enumerate(reversed(self.sizes)):
@@ -127,9 +131,23 @@ class DetokGraphs:
 
         def step() -> tuple[torch.Tensor, torch.Tensor]:
             c = self.call_batch or bs
-            parts = [call(lo, lo + c) for lo in range(0, bs, c)]
-            audio = torch.cat([a for a, _ in parts]) if len(parts) > 1 else parts[0][0]
-            valid = torch.cat([v for _, v in parts]) if len(parts) > 1 else parts[0][1]
+            if c >= bs:
+                audio, valid = call(0, bs)
+                return pcm16(audio), valid
+            # The calls are independent (their own windows and slots; padding entries share only
+            # the scratch slot, whose state is garbage anyway): each on a side stream, forked from
+            # and joined to the capturing stream, so the graph runs them side by side. A call of 16
+            # leaves most of the GPU idle (launch-bound small kernels).
+            main = torch.cuda.current_stream()
+            parts = []
+            for j, lo in enumerate(range(0, bs, c)):
+                side = self._side_streams[j % len(self._side_streams)]
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    parts.append(call(lo, lo + c))
+            for side in self._side_streams:
+                main.wait_stream(side)
+            audio, valid = torch.cat([a for a, _ in parts]), torch.cat([v for _, v in parts])
             return pcm16(audio), valid
 
         graph, (pcm, valid) = capture(step, self.pool)
