@@ -11,7 +11,9 @@
   streaming and non-streaming text;
 - greedy frames equal the reference's, alone and in a batch of staggered requests with different
   voices and modes, through the gpu_worker engine with the speaker vector and the clip's frames as
-  per-request state; sampled frames do not depend on the batch.
+  per-request state; sampled frames do not depend on the batch;
+- the audio: a codec stream primed with the clip's frames gives `generate_voice_clone`'s audio
+  (the clip and the frames decoded as one, the clip's samples cut off).
 Bad voices and states are refused with reasons. Skips where the reference is missing.
 """
 
@@ -29,7 +31,7 @@ from common.config import GpuWorkerSettings
 from common.messages import Prompt, SamplingParams
 from gpu_worker.engine import Engine
 from programs import get_spec, load_program_class
-from programs.base import Reference, Rows, Voice
+from programs.base import CodecStreams, Reference, Rows, Voice
 from programs.csm.codec import random_codebooks
 from programs.qwen3_tts import spec as q
 from programs.qwen3_tts.model import Qwen3TtsLM
@@ -335,3 +337,40 @@ def test_bad_voices_and_states_are_refused(program, voices):
     }
     for name, state in bad.items():
         assert program.check_prompt(built.rows, state), name
+
+
+def test_a_primed_codec_stream_gives_the_references_cloned_audio(program, voices):
+    """`generate_voice_clone` decodes the clip's frames and the generated ones as one utterance
+    and cuts the clip's samples off; a codec stream primed with the clip's frames
+    (`prime_codec_stream`) and then fed the generated frames a window at a time gives that audio
+    within 1e-4; a fresh stream does not."""
+    from programs.qwen3_tts.codec import Qwen3TtsCodec
+    from tests.qwen3_tts_reference import reference_decoder
+
+    path = os.path.join(CONFIGS, SPEC["codec_config"])
+    program.codec = Qwen3TtsCodec.from_config(path, torch.float32, "cpu")
+    ref = reference_decoder(path)
+    ref.load_state_dict(program.codec.state_dict(), strict=True)
+    program.init_codec_streams(3)
+    clip = torch.from_numpy(voices["long"].features["codes"]).long()  # [24, 16]
+    gen = torch.randint(0, q.CODE_VOCAB, (9, q.N_CODEBOOKS), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        whole = ref.chunked_decode(torch.cat([clip, gen]).T[None])[0, 0]
+    want = whole[len(clip) * q.SAMPLES_PER_FRAME :]  # the wrapper's cut: ref_len / total_len of the audio
+    slot = torch.tensor([1])
+
+    def stream(primed: bool) -> torch.Tensor:
+        if primed:
+            program.prime_codec_stream(1, voices["long"].features)
+        out = []
+        for i in range(0, len(gen), 3):
+            fresh = torch.tensor([not primed and i == 0])
+            audio, _ = program.detokenize(
+                gen[None, i : i + 3], torch.zeros(1), streams=CodecStreams(slot, fresh)
+            )
+            out.append(audio[0])
+        return torch.cat(out)
+
+    err = (stream(True) - want).abs().max().item()
+    assert err < TOL, f"primed stream off by {err:.2e}"
+    assert (stream(False) - want).abs().max().item() > 100 * TOL

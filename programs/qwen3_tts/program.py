@@ -212,6 +212,21 @@ class Qwen3TtsProgram(LMProgram):
     def init_codec_streams(self, n_slots: int) -> None:
         self.codec.init_streams(n_slots)
 
+    def prime_codec_stream(self, slot: int, features: dict[str, np.ndarray]) -> None:
+        """Start codec slot `slot`'s stream with a cloned voice's clip frames ("codes" [T, 16]),
+        their audio dropped, so that the request's frames decode after them: the reference's
+        `generate_voice_clone` decodes the clip's and the generated frames as one utterance and
+        cuts the clip's audio off. The request's first window then continues the stream (not
+        fresh). Eager, once per request (codec_worker, before its first window); no-op without codes."""
+        codes = features.get("codes")
+        if codes is None or not len(codes):
+            return
+        dev = self.codec.positions.device
+        frames = torch.from_numpy(np.asarray(codes, dtype=np.int64)).to(dev)[None]  # [1, T, 16]
+        self.codec.decode_stream(
+            frames, torch.tensor([slot], device=dev), torch.ones(1, dtype=torch.bool, device=dev)
+        )
+
     def detokenize(
         self,
         tokens: torch.Tensor,
