@@ -118,7 +118,7 @@ def clone_rows(
     speaker = _speaker(program, voice)
     codec = program.language_prefix(model_kwargs)  # think / language ids
     rows = [_row(q.CODEC_PAD, i, q.PROMPT_TEXT) for i in program.role_ids()]
-    rows += [_row(c, q.TTS_PAD_ID) for c in codec] + [[0, q.TTS_PAD_ID, q.PROMPT_SPEAKER] + [0] * 13]
+    rows += [_row(c, q.TTS_PAD_ID) for c in codec] + [_row(0, q.TTS_PAD_ID, q.PROMPT_SPEAKER)]
     rows.append(_row(q.CODEC_PAD, q.TTS_BOS_ID))
     state: dict[str, np.ndarray] = {"speaker": speaker}
     if xvec_only:  # the CustomVoice layout after the speaker
@@ -144,11 +144,11 @@ def clone_rows(
     state["codes"] = codes
     if not streaming:
         rows += [_row(q.CODEC_PAD, t) for t in [*text, q.TTS_EOS_ID]] + [_row(q.CODEC_BOS, q.TTS_PAD_ID)]
-        rows += [[j, q.TTS_PAD_ID, q.PROMPT_REF] + [0] * 13 for j in range(len(codes))]
+        rows += [_row(j, q.TTS_PAD_ID, q.PROMPT_REF) for j in range(len(codes))]
         return PromptRows(np.asarray(rows, dtype=np.int32), state)
     column = [*text, q.TTS_EOS_ID] + [q.TTS_PAD_ID] * max(0, t2 - t1)
     rows.append(_row(q.CODEC_BOS, column[0]))
-    rows += [[j, column[j + 1], q.PROMPT_REF] + [0] * 13 for j in range(len(codes))]
+    rows += [_row(j, column[j + 1], q.PROMPT_REF) for j in range(len(codes))]
     if t1 > t2:  # frame j's text column: text[t2 + j], then tts eos (`embed` reads index j + 1)
         state["text"] = np.asarray(text[t2 - 1 :], dtype=np.int32)
     return PromptRows(np.asarray(rows, dtype=np.int32), state)
