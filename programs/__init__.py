@@ -27,6 +27,12 @@ _MODELS: dict[str, tuple[str, str]] = {
     "qwen3-tts-voicedesign": ("qwen3_tts", "qwen3-tts-voicedesign"),
     "qwen/qwen3-tts-12hz-1.7b-voicedesign": ("qwen3_tts", "qwen3-tts-voicedesign"),
     "qwen3-tts-tiny": ("qwen3_tts", "qwen3-tts-tiny"),
+    "qwen3-tts-base": ("qwen3_tts", "qwen3-tts-base"),
+    "qwen3-tts-base-1.7b": ("qwen3_tts", "qwen3-tts-base"),
+    "qwen/qwen3-tts-12hz-1.7b-base": ("qwen3_tts", "qwen3-tts-base"),
+    "qwen3-tts-base-0.6b": ("qwen3_tts", "qwen3-tts-base-0.6b"),
+    "qwen/qwen3-tts-12hz-0.6b-base": ("qwen3_tts", "qwen3-tts-base-0.6b"),
+    "qwen3-tts-base-tiny": ("qwen3_tts", "qwen3-tts-base-tiny"),
 }
 
 DEFAULT_MODEL = "orpheus-tiny"  # what --model "" (the default) serves: random weights, no download

@@ -7,5 +7,6 @@
 - `fp8`: float8 linear layers and `rows_apart` (GEMM row groups of a mixed step);
 - `weights`: finding a checkpoint and copying named weights into a module;
 - `text_tokenizer`: the checkpoint's `tokenizer.json`, or an offline byte-level BPE stand-in;
-- `rng`: counter-based random numbers for the sampler and codec noise.
+- `rng`: counter-based random numbers for the sampler and codec noise;
+- `mimi_encoder`: Kyutai Mimi's encoder (audio → codes), batched clips of different lengths.
 """

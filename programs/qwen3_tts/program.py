@@ -1,7 +1,8 @@
-"""Qwen3-TTS program (Qwen/Qwen3-TTS-12Hz-*-CustomVoice, -VoiceDesign): a Qwen3 talker over frames of
-16 codebooks, the code predictor for codebooks 1..15 inside the step, and the 12 Hz speech
+"""Qwen3-TTS program (Qwen/Qwen3-TTS-12Hz-*-CustomVoice, -VoiceDesign, -Base): a Qwen3 talker over
+frames of 16 codebooks, the code predictor for codebooks 1..15 inside the step, and the 12 Hz speech
 tokenizer's decoder streamed with state per request. See programs/qwen3_tts/spec.py for the facts
-and the row layout, model.py for the LM, codec.py for the codec.
+and the row layout, model.py for the LM, codec.py for the codec, clone.py for the Base models'
+voice cloning (reference audio: encoders, the cloned prompt, its speaker and clip state).
 
 The contract pieces it uses (programs/base.py): prompt rows with two tracks (text and codec, told
 apart by column 2), per-request state (the text that enters as the audio goes, in the streaming
@@ -13,7 +14,9 @@ Request options (model_kwargs): `voice` (a CustomVoice speaker), `language` (one
 languages; none: "auto"), `instructions` (CustomVoice's instruction, VoiceDesign's voice
 description) and `non_streaming_mode` ("true", the default: the whole text in the prompt, as the
 reference's `generate_custom_voice`; "false": the first text token in the prompt, then one per
-frame, as its streaming text mode).
+frame, as its streaming text mode). Base models take a `Voice` (a cloned voice) and the options
+`language`, `non_streaming_mode` (default false, as the reference's `generate_voice_clone`) and
+`x_vector_only_mode` (clone.py); a Base model without a voice, or another model with one, is a 400.
 """
 
 from __future__ import annotations
@@ -24,7 +27,18 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from programs.base import Attention, CodecStreams, LMProgram, PromptRows, Rows, Sampler, TokenKind
+from programs.base import (
+    Attention,
+    CodecStreams,
+    LMProgram,
+    PromptRows,
+    Reference,
+    Rows,
+    Sampler,
+    TokenKind,
+    Voice,
+)
+from programs.qwen3_tts import clone
 from programs.qwen3_tts import spec as q
 
 if TYPE_CHECKING:
@@ -49,6 +63,11 @@ class Qwen3TtsProgram(LMProgram):
         self._tokenizer: TextTokenizer | None = None
         self._text: torch.Tensor | None = None  # [S, T] int64 each slot's text ids (streaming text)
         self._n_text: torch.Tensor | None = None  # [S] int64 how many
+        # Base: cloning from reference clips at 24 kHz (0: a preset or described voice)
+        self.reference_sample_rate = int(spec.get("reference_sample_rate", 0))
+        self.max_ref_frames = int(spec.get("max_ref_frames", 0))
+        self._clone: clone.CloneState | None = None  # each slot's speaker vector and clip frames
+        self._encoders: clone.Encoders | None = None
         self._set_lm_constants(self.read_config("lm_config"))
         self.head_ids = torch.tensor([*range(q.CODE_VOCAB), q.CODEC_EOS], device=self.device)
 
@@ -85,20 +104,42 @@ class Qwen3TtsProgram(LMProgram):
 
         self.codec = self.codec_model(Qwen3TtsCodec)
 
+    def load_encoders(self) -> None:
+        if not self.reference_sample_rate:
+            return super().load_encoders()
+        self._encoders = clone.Encoders(self)
+
+    def encode_references(self, clips: list[Reference]) -> list[dict[str, np.ndarray]]:
+        """Each clip's {"speaker": [D] float32, "codes": [T, 16] int32} (clone.py), as one batch."""
+        if self._encoders is None:
+            return super().encode_references(clips)
+        return self._encoders.encode(clips)
+
     # --- per-request state ---------------------------------------------------------------------
     def init_state(self, num_slots: int) -> None:
         self._text = torch.zeros(num_slots, self._max_text, dtype=torch.int64, device=self.device)
         self._n_text = torch.zeros(num_slots, dtype=torch.int64, device=self.device)
+        if self.reference_sample_rate:
+            dtype = self.lm.model.codec_embedding.weight.dtype if self.lm is not None else self.dtype
+            self._clone = clone.CloneState(
+                num_slots, self.hidden_size, self.max_ref_frames, dtype, self.device
+            )
 
     def check_prompt(self, rows: np.ndarray, state: dict[str, np.ndarray]) -> str:
         prompt = rows[:, 2] >= q.PROMPT_TEXT
         frames = rows[~prompt]
-        if (rows[prompt, 2] > q.PROMPT_BOTH).any() or (rows[prompt, 0] >= q.TALKER_VOCAB).any():
+        last_kind = q.PROMPT_REF if self.reference_sample_rate else q.PROMPT_BOTH
+        if (rows[prompt, 2] > last_kind).any() or (rows[prompt, 0] >= q.TALKER_VOCAB).any():
             return "a prompt row's kind or codec id is out of range"
         if (frames[:, 0] >= q.TALKER_VOCAB).any() or (frames[:, 1:] >= q.CODE_VOCAB).any():
             return "a frame's code is out of range"
-        if set(state) - {"text"}:
-            return f"{self.name} prompts carry only 'text' state; got {sorted(state)}"
+        names = {"text", "speaker", "codes"} if self.reference_sample_rate else {"text"}
+        if set(state) - names:
+            return f"{self.spec['name']} prompts carry only {sorted(names)} state; got {sorted(state)}"
+        if self.reference_sample_rate:
+            why = clone.check_state(self, rows, state)
+            if why:
+                return why
         text = state.get("text")
         if text is not None and (
             text.ndim != 1
@@ -123,23 +164,32 @@ class Qwen3TtsProgram(LMProgram):
         self._n_text[slot : slot + 1] = to_device(n, self.device)
         if len(text):
             self._text[slot, : len(text)] = to_device(torch.from_numpy(text), self.device)
+        if self._clone is not None:
+            self._clone.admit(slot, state)
 
     # --- LM step (graph) -----------------------------------------------------------------------
     def embed(self, ids: torch.Tensor, rows: Rows) -> torch.Tensor:
-        """[N, 16] rows → [N, H]: a prompt row is its text row (+ its codec row); a frame is its
-        codebooks' embeddings plus its text column: text id step + 1 of the request's streaming
-        text, the tts eos id right after it, else the tts pad id."""
+        """[N, 16] rows → [N, H]: a prompt row is its text row (+ its codec row, or the request's
+        speaker vector, or a frame of its clip: clone.py); a frame is its codebooks' embeddings plus
+        its text column: text id step + 1 of the request's streaming text, the tts eos id right
+        after it, else the tts pad id."""
         lm = self.lm
         kind = ids[:, 2]
-        prompt = kind >= q.PROMPT_TEXT
+        codes, speaker = ids, None
+        if self._clone is not None:
+            speaker, codes = self._clone.rows(ids, rows.slot)
+        prompt = kind >= q.PROMPT_TEXT  # its text id in column 1
+        framed = ~prompt | (kind == q.PROMPT_REF)  # its codec track a frame of 16 codes
         nxt = rows.step + 1
         n = self._n_text[rows.slot]
         held = self._text[rows.slot, nxt.clamp(0, self._text.shape[1] - 1)]
         column = torch.where(nxt < n, held, torch.where(nxt == n, q.TTS_EOS_ID, q.TTS_PAD_ID))
         text = lm.text_rows(torch.where(prompt, ids[:, 1], column))  # [N, H]
-        frames = lm.frame_rows(torch.where(prompt[:, None], 0, ids))  # [N, H]
+        frames = lm.frame_rows(torch.where(framed[:, None], codes, 0))  # [N, H]
         codec = lm.codec_rows(ids[:, 0]) * (kind == q.PROMPT_BOTH)[:, None].to(text.dtype)
-        return torch.where(prompt[:, None], text + codec, frames + text)
+        if speaker is not None:
+            codec = codec + speaker
+        return torch.where(framed[:, None], frames + text, text + codec)
 
     def backbone(self, hidden: torch.Tensor, pos: torch.Tensor, attn: Attention) -> torch.Tensor:
         return self.lm.backbone(hidden, pos, attn)
@@ -161,6 +211,21 @@ class Qwen3TtsProgram(LMProgram):
     # --- codec (graph) -------------------------------------------------------------------------
     def init_codec_streams(self, n_slots: int) -> None:
         self.codec.init_streams(n_slots)
+
+    def prime_codec_stream(self, slot: int, features: dict[str, np.ndarray]) -> None:
+        """Start codec slot `slot`'s stream with a cloned voice's clip frames ("codes" [T, 16]),
+        their audio dropped, so that the request's frames decode after them: the reference's
+        `generate_voice_clone` decodes the clip's and the generated frames as one utterance and
+        cuts the clip's audio off. The request's first window then continues the stream (not
+        fresh). Eager, once per request (codec_worker, before its first window); no-op without codes."""
+        codes = features.get("codes")
+        if codes is None or not len(codes):
+            return
+        dev = self.codec.positions.device
+        frames = torch.from_numpy(np.asarray(codes, dtype=np.int64)).to(dev)[None]  # [1, T, 16]
+        self.codec.decode_stream(
+            frames, torch.tensor([slot], device=dev), torch.ones(1, dtype=torch.bool, device=dev)
+        )
 
     def detokenize(
         self,
@@ -193,6 +258,8 @@ class Qwen3TtsProgram(LMProgram):
     def prompt_overhead(self) -> int:
         """3 role rows, at most 4 think/language rows and a speaker row, pad+bos rows, the tts eos
         row and the last bos row."""
+        if self.reference_sample_rate:  # and an in-context clip: its frames and transcript
+            return 3 + 5 + 1 + 2 + self.max_ref_frames + int(self.spec["max_ref_text"])
         return 3 + 5 + 1 + 2
 
     def _codec_prefix(self, model_kwargs: dict[str, str]) -> list[int]:
@@ -203,25 +270,46 @@ class Qwen3TtsProgram(LMProgram):
             raise ValueError(f"voice {speaker!r} is not one of {', '.join(voices)}")
         if not voices and model_kwargs.get("voice"):
             raise ValueError(f"{self.spec['name']} has no preset voices: describe the voice in instructions")
+        ids = self.language_prefix(model_kwargs, q.SPEAKER_DIALECT.get(speaker) if voices else None)
+        if voices:
+            ids.append(q.SPEAKERS[speaker])
+        return [*ids, q.CODEC_PAD, q.CODEC_BOS]
+
+    def language_prefix(self, model_kwargs: dict[str, str], dialect: str | None = None) -> list[int]:
+        """The think / language codec ids: `NOTHINK, THINK_BOS, THINK_EOS` for "auto", else
+        `THINK, THINK_BOS, language, THINK_EOS` (a speaker's `dialect` for chinese or auto)."""
         language = (model_kwargs.get("language") or "auto").lower()
         if language != "auto" and (language not in q.LANGUAGES or "dialect" in language):
             raise ValueError(
                 f"language {language!r} is not one of {', '.join(self.spec['languages'])} or auto"
             )
         lang_id = None if language == "auto" else q.LANGUAGES[language]
-        dialect = q.SPEAKER_DIALECT.get(speaker) if voices else None
         if dialect and language in ("chinese", "auto"):
             lang_id = q.LANGUAGES[dialect]
-        ids = (
-            [q.NOTHINK, q.THINK_BOS, q.THINK_EOS]
-            if lang_id is None
-            else [q.THINK, q.THINK_BOS, lang_id, q.THINK_EOS]
-        )
-        if voices:
-            ids.append(q.SPEAKERS[speaker])
-        return [*ids, q.CODEC_PAD, q.CODEC_BOS]
+        if lang_id is None:
+            return [q.NOTHINK, q.THINK_BOS, q.THINK_EOS]
+        return [q.THINK, q.THINK_BOS, lang_id, q.THINK_EOS]
 
-    def preprocess(self, text: str, model_kwargs: dict[str, str]) -> PromptRows:
+    def text_ids(self, text: str) -> list[int]:
+        """`text`'s ids as text (no control token from a client)."""
+        if self._tokenizer is None:
+            self.load_prompts()
+        return self._tokenizer.text_ids(text)
+
+    def role_ids(self) -> list[int]:
+        """The assistant role's text ids: `<|im_start|>assistant\n`."""
+        return [q.IM_START_ID, q.ASSISTANT_ID, *self.text_ids("\n")]
+
+    def preprocess(self, text: str, model_kwargs: dict[str, str], voice: Voice | None = None) -> PromptRows:
+        if not text or not text.strip():
+            raise ValueError("text is empty; give the text to speak")
+        if self.reference_sample_rate:
+            return clone.clone_rows(self, self.text_ids(text), model_kwargs, voice)
+        if voice is not None:
+            raise ValueError(
+                f"{self.spec['name']} takes no reference audio; its voices are "
+                + (", ".join(self.spec["voices"]) or "described in instructions")
+            )
         unknown = sorted(set(model_kwargs) - set(_OPTIONS))
         if unknown:
             raise ValueError(
@@ -230,11 +318,7 @@ class Qwen3TtsProgram(LMProgram):
         mode = (model_kwargs.get("non_streaming_mode") or "true").lower()
         if mode not in ("true", "false"):
             raise ValueError(f"non_streaming_mode is true or false, not {mode!r}")
-        if not text or not text.strip():
-            raise ValueError("text is empty; give the text to speak")
-        if self._tokenizer is None:
-            self.load_prompts()
-        body = self._tokenizer.text_ids(text)  # as text: no control token from a client
+        body = self.text_ids(text)
         codec = self._codec_prefix(model_kwargs)
         rows = self._instruction_rows(model_kwargs)
         rows += [_row(q.CODEC_PAD, i, q.PROMPT_TEXT) for i in (q.IM_START_ID, q.ASSISTANT_ID)]

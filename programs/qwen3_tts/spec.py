@@ -101,6 +101,9 @@ PREDICTOR_SAMPLING = {"temperature": 0.9, "top_k": 50, "top_p": 1.0}
 # Prompt rows (see the row layout above): column 2 says which tracks a prompt row holds.
 PROMPT_TEXT = CODE_VOCAB  # the text track alone
 PROMPT_BOTH = CODE_VOCAB + 1  # text track + codec track
+# Base (voice cloning, programs/qwen3_tts/clone.py): rows whose codec track is per-request state.
+PROMPT_SPEAKER = CODE_VOCAB + 2  # text track + the request's speaker vector ("speaker" state)
+PROMPT_REF = CODE_VOCAB + 3  # text track + frame `column 0` of the request's clip ("codes" state)
 SAMPLES_PER_FRAME = 1920  # 24 kHz / 12.5 Hz
 
 _COMMON = {
@@ -139,6 +142,27 @@ _CUSTOM_VOICE = {
     },
 }
 
+# Base: a voice cloned from a reference clip (x-vector, and in-context the clip's frames and words).
+_BASE = {
+    **_COMMON,
+    "voices": [],  # the voice is the request's clip, or a saved voice
+    "instructions": False,
+    "refused": {
+        **_COMMON["refused"],
+        "instructions": "the Base model clones a voice and takes no instructions",
+    },
+    "reference_sample_rate": SAMPLE_RATE,  # the encoders' rate (speaker encoder and 12 Hz encoder)
+    "max_ref_frames": 375,  # an in-context clip of at most 30 s
+    "max_ref_text": 256,  # its transcript's text ids
+    "max_tokens": 3072,  # the wrapper's 2048 frames, a long text and an in-context clip
+    "model_options": {
+        "x_vector_only_mode": "false (default): the clip's frames and transcript are in context "
+        "(ICL, needs ref_text); true: the speaker's x-vector alone",
+        "non_streaming_mode": "false (default, the reference's for cloning): the text enters as the "
+        "audio goes; true: the whole text is in the prompt",
+    },
+}
+
 SPECS = {
     "qwen3-tts": {
         **_CUSTOM_VOICE,
@@ -169,6 +193,33 @@ SPECS = {
         "voices": [],  # the voice is the instructions' description
         "instructions": True,
         "model_options": dict(_CUSTOM_VOICE["model_options"]),
+    },
+    "qwen3-tts-base": {
+        **_BASE,
+        "name": "qwen3-tts-base",
+        "hf_id": "Qwen/Qwen3-TTS-12Hz-1.7B-Base",
+        "codec_id": "Qwen/Qwen3-TTS-Tokenizer-12Hz",
+        "lm_config": "qwen3-tts-12hz-1.7b-base.json",
+        "codec_config": "qwen3-tts-tokenizer-12hz.json",
+    },
+    "qwen3-tts-base-0.6b": {
+        **_BASE,
+        "name": "qwen3-tts-base-0.6b",
+        "hf_id": "Qwen/Qwen3-TTS-12Hz-0.6B-Base",
+        "codec_id": "Qwen/Qwen3-TTS-Tokenizer-12Hz",
+        "lm_config": "qwen3-tts-12hz-0.6b-base.json",
+        "codec_config": "qwen3-tts-tokenizer-12hz.json",
+    },
+    "qwen3-tts-base-tiny": {
+        **_BASE,
+        "name": "qwen3-tts-base-tiny",
+        "hf_id": None,  # always random weights: built on the spot, no download
+        "codec_id": None,
+        "lm_config": "qwen3-tts-base-tiny.json",
+        "codec_config": "qwen3-tts-tokenizer-tiny.json",
+        "max_tokens": 800,
+        "max_ref_frames": 40,
+        "max_ref_text": 64,
     },
     "qwen3-tts-tiny": {
         **_CUSTOM_VOICE,
