@@ -35,8 +35,9 @@ log = logging.getLogger(__name__)
 
 LEAD_MAX_BATCH = 16  # lead windows are first chunks only: few per pass; graphs up to this batch
 # Windows per decode call (a call of fewer is padded): on a CPU 4 costs a lone window ~1.8x a call
-# of 1, and 16 windows take no longer than in one call of 16; on a GPU, 16 costs a window ~8 % more
-# than calls of 64 (SNAC on the H200) and a lone window the time of 16.
+# of 1, and 16 windows take no longer than in one call of 16. On a GPU a graph runs its calls of 16
+# side by side (codec_worker/graphs.py): large batches cost a tenth to a fifth more than one call
+# (SNAC, float16, H200), a lone window the time of 16.
 CALL_BATCH = {"cpu": 4, "cuda": 16}
 DEAD_KEPT = 4096  # failed requests remembered, to drop their later chunks and their own end
 

@@ -145,7 +145,7 @@ class DetokGraphs:
                 side.wait_stream(main)
                 with torch.cuda.stream(side):
                     parts.append(call(lo, lo + c))
-            for side in self._side_streams:
+            for side in self._side_streams[: len(parts)]:  # joins only the streams forked here
                 main.wait_stream(side)
             audio, valid = torch.cat([a for a, _ in parts]), torch.cat([v for _, v in parts])
             return pcm16(audio), valid
