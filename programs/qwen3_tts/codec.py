@@ -22,9 +22,11 @@ which its `decode` (`chunked_decode`) is up to 300 frames; longer utterances it 
 300-frame chunks with 25 frames of left context, an approximation of that whole decode.
 
 configs/qwen3-tts-tokenizer-12hz.json holds the published config.json's values (top level and
-`decoder_config`; the encoder's left out), as several independent public copies of
-Qwen/Qwen3-TTS-Tokenizer-12Hz/config.json agree (ports' test fixtures, a build check running the
-reference on it); the checkpoint itself is not read here. The reference ignores
+`decoder_config`), as several independent public copies of Qwen/Qwen3-TTS-Tokenizer-12Hz/config.json
+agree (ports' test fixtures, a build check running the reference on it); the checkpoint itself is
+not read here. Its `encoder_config` (the reference clips' encoder, programs/blocks/mimi_encoder.py)
+is Mimi's published config (kyutai/mimi) with `_frame_rate` 12.5, the values public ports' parsers
+of that file list; the tiny one is CSM's mimi-tiny. The reference ignores
 `semantic_codebook_size` (4096) and `vector_quantization_hidden_dimension` (512): every codebook
 has `codebook_size` × `codebook_dim // 2` entries (public ports report 2048 × 256 in the
 checkpoint; unverified). qwen3-tts-tokenizer-tiny.json keeps every structural feature (GQA, all
