@@ -493,6 +493,7 @@ class LMProgram:
             n_codebooks=int(self.n_codebooks),
             sized_options=list(self.sized_options),
             languages=[str(x) for x in spec.get("languages", ())],
+            reference_sample_rate=int(self.reference_sample_rate),
         )
 
 
