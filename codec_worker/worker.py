@@ -9,8 +9,9 @@ complete before its end. For a program with codec streams that end also frees th
 slot (codec_worker/streams.py; `--codec-streams` slots). The decoding itself: codec_worker/codec.py.
 
 A program that clones voices (`reference_sample_rate` > 0) also gets its reference encoders loaded
-here, and the gateway's `EncodeRequest`s are encoded in bounded batches between codec passes, never
-while a pass is due (codec_worker/encode.py).
+here, and the gateway's `EncodeRequest`s are encoded in bounded batches between codec passes: the
+windows gathered go first, so a window waits for at most one bounded encode pass
+(codec_worker/encode.py).
 """
 
 from __future__ import annotations
@@ -111,16 +112,24 @@ class CodecWorker:
     def run(self) -> None:
         drained = time.monotonic()
         while True:
-            wait = 0 if self.encodes.waiting else self.gather.wait_ms(time.monotonic())
-            msgs = self.inbox.drain(timeout_ms=wait)
-            # These were queued after the last drain emptied the socket: count from then (a
-            # message that waited out a decode pass has that much less slack left).
-            arrived, drained = drained, time.monotonic()
-            self.receive(msgs, arrived)
-            if self.gather.due(time.monotonic()):
-                self.decode_pass()
-            elif self.encodes.waiting:  # between passes: the windows gathered can wait this long
-                self.encode_pass()
+            drained = self.turn(drained)
+
+    def turn(self, drained: float) -> float:
+        """One turn of the loop: take what arrived, decode what is due, else encode one bounded
+        batch of waiting clips; → when the inbox was last emptied. With clips waiting, the windows
+        gathered so far are decoded at once rather than left to wait out an encode: a window
+        waits for at most the one encode pass running when it arrives."""
+        wait = 0 if self.encodes.waiting else self.gather.wait_ms(time.monotonic())
+        msgs = self.inbox.drain(timeout_ms=wait)
+        # These were queued after the last drain emptied the socket: count from then (a message
+        # that waited out a decode pass has that much less slack left).
+        arrived, drained = drained, time.monotonic()
+        self.receive(msgs, arrived)
+        if self.gather.due(time.monotonic()) or (self.encodes.waiting and self.gather.chunks):
+            self.decode_pass()
+        elif self.encodes.waiting:
+            self.encode_pass()
+        return drained
 
     def receive(self, msgs: list[CodecInMsg], arrived: float) -> None:
         """Gather the batches' windows (the ends of requests with no window waiting go at once) and
