@@ -185,9 +185,11 @@ async def _multipart(request: web.Request, clip_bytes: int, limit: int) -> dict[
         cap = clip_bytes if clip else limit - plain
         data = await _read_part(part, cap)
         if data is None:
-            if clip:
+            if clip:  # a clip over its limit is the clip's fault, as one in a field is (gateway.clips)
                 raise BodyError(
-                    413, f"the reference clip is larger than {clip_bytes} bytes (--max-reference-bytes)"
+                    400,
+                    f"field {key!r}: the reference clip is larger than {clip_bytes} bytes "
+                    "(--max-reference-bytes); send a shorter clip",
                 )
             raise _too_large(limit)
         if clip:
