@@ -284,3 +284,29 @@ async def test_a_slow_encode_does_not_hold_up_another_requests_stream(clone_rig)
     await rig.workers.audio(req.rid, finish=FinishReason.STOP)
     [cloned] = await answer(rig, 1)
     assert cloned.voice is not None and (await cloning).status == 200
+
+
+async def test_the_openapi_document_of_a_cloning_model_has_the_clip_and_voices(clone_rig) -> None:
+    rig, _ = clone_rig
+    doc = await (await rig.client.get("/openapi.json")).json()
+    paths = doc["paths"]
+    assert set(paths["/v1/audio/voices"]) == {"post", "get"} and "delete" in paths["/v1/audio/voices/{name}"]
+    form = paths["/generate"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
+    assert form["allOf"][1]["properties"]["audio"]["format"] == "binary"
+    gen = doc["components"]["schemas"]["GenerateRequest"]["properties"]
+    speech = doc["components"]["schemas"]["SpeechRequest"]["properties"]
+    assert "ref_text" in gen and {"ref_audio", "ref_text"} <= set(speech)
+    assert "Base" in speech["task_type"]["enum"]
+    refs = {v for v in _walk(doc) if isinstance(v, str) and v.startswith("#/components/schemas/")}
+    assert {r.rsplit("/", 1)[1] for r in refs} <= set(doc["components"]["schemas"])
+
+
+def _walk(x: Any):
+    if isinstance(x, dict):
+        for v in x.values():
+            yield from _walk(v)
+    elif isinstance(x, list):
+        for v in x:
+            yield from _walk(v)
+    else:
+        yield x
