@@ -107,7 +107,7 @@ class Pipeline:
         self.references = References(
             addresses.codec_in,
             cfg.gpu_workers,
-            self.procs.ready,
+            lambda: self.procs.ready_names("codec_worker"),
             g.reference_cache_mb << 20,
             g.encode_timeout,
         )

@@ -6,8 +6,8 @@ audio"), which the codec_worker computes (codec_worker/encode.py). `References.e
 - a clip encoded before comes from the cache, keyed by the hash of its resampled audio (an LRU
   bounded in bytes, --reference-cache-mb), so a repeated voice costs nothing;
 - a clip being encoded for another request is waited for with it: one encode per clip at a time;
-- otherwise an `EncodeRequest` goes to a ready codec_worker (round robin over the pairs), and the
-  request waits for its `EncodeReply` (the inbox task routes it here: `resolve`) without blocking
+- otherwise an `EncodeRequest` goes to a ready codec_worker (in turn among them), and the request
+  waits for its `EncodeReply` (the inbox task routes it here: `resolve`) without blocking
   anything else. No ready codec_worker is a 503 at once; one that dies with clips in hand fails
   them with a 503 (`fail_worker`); no reply within --encode-timeout is a 504.
 
@@ -44,17 +44,15 @@ class References:
         self,
         codec_in: str,
         pairs: int,
-        ready: Callable[[str], bool],
+        ready: Callable[[], list[str]],
         cache_bytes: int,
         timeout_s: float,
     ) -> None:
-        # One channel per gpu_worker/codec_worker pair, named as the pair's codec_worker reports.
-        names = ["codec_worker"] if pairs == 1 else [f"codec_worker.{i}" for i in range(pairs)]
-        addrs = [codec_in] if pairs == 1 else [numbered(codec_in, i) for i in range(pairs)]
-        self._addrs = dict(zip(names, addrs, strict=True))
-        self._channels: dict[str, PushChannel[EncodeRequest]] = {}
-        self._turn = itertools.cycle(names)
-        self._ready = ready
+        self._codec_in = codec_in
+        self._pairs = pairs
+        self._channels: dict[str, PushChannel[EncodeRequest]] = {}  # by address
+        self._turn = itertools.count()
+        self._ready = ready  # the names of the codec_workers ready now
         self.cache_bytes = cache_bytes
         self.timeout_s = timeout_s
         self._cache: OrderedDict[str, Features] = OrderedDict()
@@ -87,24 +85,31 @@ class References:
 
     def _send(self, clip: Clip, text: str) -> tuple[asyncio.Future[Features | Failed], str] | Failed:
         """Send the clip to a ready codec_worker → (the future its reply settles, the worker)."""
-        name = self._pick()
-        if name is None:
+        picked = self._pick()
+        if picked is None:
             return Failed(503, "no codec_worker is ready to encode the reference clip; retry, see /ready")
-        chan = self._channels.get(name)
+        name, addr = picked
+        chan = self._channels.get(addr)
         if chan is None:
-            chan = self._channels[name] = PushChannel(self._addrs[name])
+            chan = self._channels[addr] = PushChannel(addr)
         audio = Array("<f4", [len(clip.audio)], clip.audio.tobytes())
         chan.send(EncodeRequest(clip.key, audio, text))
         self.encodes_sent += 1
         return asyncio.get_running_loop().create_future(), name
 
-    def _pick(self) -> str | None:
-        """The next ready codec_worker in turn, or None when none is."""
-        for _ in range(len(self._addrs)):
-            name = next(self._turn)
-            if self._ready(name):
-                return name
-        return None
+    def _pick(self) -> tuple[str, str] | None:
+        """The next ready codec_worker in turn and its codec_in address, or None when none is. With
+        several pairs, pair i's codec_worker is `<name>.i` and binds the i-th codec_in (as `voxpipe
+        serve` numbers them)."""
+        ready = []
+        for name in self._ready():
+            if self._pairs == 1:
+                ready.append((name, self._codec_in))
+                continue
+            index = name.rpartition(".")[2]
+            if index.isdigit() and int(index) < self._pairs:
+                ready.append((name, numbered(self._codec_in, int(index))))
+        return ready[next(self._turn) % len(ready)] if ready else None
 
     def resolve(self, reply: EncodeReply) -> None:
         """A codec_worker's reply: cache the features and wake the requests waiting for them."""
