@@ -101,17 +101,9 @@ class Pipeline:
         )
         self.admission = Admission(self._stream_capacity, cfg.gateway.max_queue, cfg.gateway.queue_timeout)
         self.metrics = GatewayMetrics(self.procs, self.admission)
-        # Reference clips go to the codec_workers to be encoded (gateway.references); saved voices
-        # are kept by name (gateway.voices).
-        g = cfg.gateway
-        self.references = References(
-            addresses.codec_in,
-            cfg.gpu_workers,
-            lambda: self.procs.ready_names("codec_worker"),
-            g.reference_cache_mb << 20,
-            g.encode_timeout,
-        )
-        self.voices = VoiceStore(g.voices_dir)
+        # Clips to encode go to the ready codec_workers (gateway.references); saved voices by name.
+        self.references = References(addresses.codec_in, cfg, lambda: self.procs.ready_names("codec_worker"))
+        self.voices = VoiceStore(cfg.gateway.voices_dir)
         self.created = int(time.time())
         self.closing = False  # set on shutdown: no new segments are submitted
         self._pending: dict[str, Pending] = {}

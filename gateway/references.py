@@ -23,6 +23,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable
 
+from common.config import ServeConfig
 from common.ipc import PushChannel, numbered
 from common.messages import Array, EncodeReply, EncodeRequest
 from gateway.clips import Clip
@@ -40,21 +41,14 @@ def features_bytes(features: Features) -> int:
 class References:
     """Encodes clips through the codec_workers, sharing and caching the results."""
 
-    def __init__(
-        self,
-        codec_in: str,
-        pairs: int,
-        ready: Callable[[], list[str]],
-        cache_bytes: int,
-        timeout_s: float,
-    ) -> None:
+    def __init__(self, codec_in: str, cfg: ServeConfig, ready: Callable[[], list[str]]) -> None:
         self._codec_in = codec_in
-        self._pairs = pairs
+        self._pairs = cfg.gpu_workers
         self._channels: dict[str, PushChannel[EncodeRequest]] = {}  # by address
         self._turn = itertools.count()
         self._ready = ready  # the names of the codec_workers ready now
-        self.cache_bytes = cache_bytes
-        self.timeout_s = timeout_s
+        self.cache_bytes = cfg.gateway.reference_cache_mb << 20  # --reference-cache-mb
+        self.timeout_s = cfg.gateway.encode_timeout
         self._cache: OrderedDict[str, Features] = OrderedDict()
         self._cached_bytes = 0
         # key → (the future every request with this clip awaits, the codec_worker encoding it)

@@ -116,13 +116,12 @@ def voice_field(spec: ModelSpec, aliases: bool = False, saved: tuple[str, ...] =
     for the model (`saved`, POST /v1/audio/voices)."""
     voices = tuple(spec.voices)
     extra = tuple(voice_aliases(spec)) if aliases else ()
+    aka = ", or one of OpenAI's voice names, each an alias of one of them (GET /v1/models)" if extra else ""
     return Field(
         "voice",
         "string",
-        "One of the model's voices"
-        + (", or one of OpenAI's voice names, each an alias of one of them" if extra else "")
-        + (", or a saved voice (GET /v1/audio/voices)" if spec.reference_sample_rate > 0 else "")
-        + ("." if not extra else " (GET /v1/models)."),
+        f"One of the model's voices{aka}"
+        + (", or a saved voice." if spec.reference_sample_rate > 0 else "."),
         default=spec.default_voice or None,
         choices=voices + extra + tuple(n for n in saved if n not in voices + extra),
         choice_error="unknown voice {value}; this model's voices are: {choices}",
