@@ -7,6 +7,11 @@ chunks go at once. A pass decodes everything gathered together (in batches of at
 each request's `Finished` is forwarded after its chunks, so the gateway sees a request's audio
 complete before its end. For a program with codec streams that end also frees the request's codec
 slot (codec_worker/streams.py; `--codec-streams` slots). The decoding itself: codec_worker/codec.py.
+
+A program that clones voices (`reference_sample_rate` > 0) also gets its reference encoders loaded
+here, and the gateway's `EncodeRequest`s are encoded in bounded batches between codec passes: the
+windows gathered go first, so a window waits for at most one bounded encode pass
+(codec_worker/encode.py).
 """
 
 from __future__ import annotations
@@ -17,10 +22,20 @@ import time
 import torch
 
 from codec_worker.codec import LEAD_MAX_BATCH, Codec, Launched
+from codec_worker.encode import Encodes
 from codec_worker.gather import Gather
 from common.config import ServeConfig, program_kwargs, resolve_device
 from common.ipc import PullChannel, PushChannel
-from common.messages import AudioChunks, CodecInMsg, DetokBatch, DetokChunk, Finished, GatewayInMsg, ProcState
+from common.messages import (
+    AudioChunks,
+    CodecInMsg,
+    DetokBatch,
+    DetokChunk,
+    EncodeRequest,
+    Finished,
+    GatewayInMsg,
+    ProcState,
+)
 from common.proc import StatusReporter
 from programs import get_spec, load_program_class
 from programs.base import LMProgram
@@ -62,6 +77,10 @@ class CodecWorker:
         dtype = str(program.codec_dtype).removeprefix("torch.")
         status.set(ProcState.LOADING, f"loading {spec['name']} codec ({dtype}) on {device}")
         program.load_codec()
+        if program.reference_sample_rate > 0:
+            status.set(ProcState.LOADING, f"loading {spec['name']} reference encoders on {device}")
+            program.load_encoders()
+        self.encodes = Encodes(program)
         self.codec = Codec(
             program,
             # 128: a full call's fixed cost is already spread thin (~1 ms over ~7 ms of windows on the
@@ -82,26 +101,63 @@ class CodecWorker:
         regular = (program.detok_interval, 0)
         self.gather = Gather(cfg.codec.gather_ms / 1000, self.codec.limits[regular])
         # Heartbeat metrics: windows per call and the busy share show what gathering buys.
-        self.counters = {"codec_calls_total": 0, "codec_windows_total": 0, "codec_busy_seconds_total": 0.0}
+        self.counters = {
+            "codec_calls_total": 0,
+            "codec_windows_total": 0,
+            "codec_busy_seconds_total": 0.0,
+            "encode_clips_total": 0,
+            "encode_busy_seconds_total": 0.0,
+        }
         status.set_load(0, 0, dict(self.counters))
 
     def run(self) -> None:
         drained = time.monotonic()
         while True:
-            batches = self.inbox.drain(timeout_ms=self.gather.wait_ms(time.monotonic()))
-            # These were queued after the last drain emptied the socket: count from then (a
-            # message that waited out a decode pass has that much less slack left).
-            arrived, drained = drained, time.monotonic()
-            self.receive(batches, arrived)
-            if self.gather.due(time.monotonic()):
-                self.decode_pass()
+            drained = self.turn(drained)
 
-    def receive(self, batches: list[DetokBatch], arrived: float) -> None:
-        """Gather the batches' windows; the ends of requests with no window waiting go at once."""
-        for b in batches:
-            ends = self.codec.ended(self.gather.add(b, arrived))
-            if ends:
-                self.to_gateway.send(AudioChunks(chunks=[], finished=ends))
+    def turn(self, drained: float) -> float:
+        """One turn of the loop: take what arrived, decode what is due, else encode one bounded
+        batch of waiting clips; → when the inbox was last emptied. With clips waiting, the windows
+        gathered so far are decoded at once rather than left to wait out an encode: a window
+        waits for at most the one encode pass running when it arrives."""
+        wait = 0 if self.encodes.waiting else self.gather.wait_ms(time.monotonic())
+        msgs = self.inbox.drain(timeout_ms=wait)
+        # These were queued after the last drain emptied the socket: count from then (a message
+        # that waited out a decode pass has that much less slack left).
+        arrived, drained = drained, time.monotonic()
+        self.receive(msgs, arrived)
+        if self.gather.due(time.monotonic()) or (self.encodes.waiting and self.gather.chunks):
+            self.decode_pass()
+        elif self.encodes.waiting:
+            self.encode_pass()
+        return drained
+
+    def receive(self, msgs: list[CodecInMsg], arrived: float) -> None:
+        """Gather the batches' windows (the ends of requests with no window waiting go at once) and
+        queue the clips to encode."""
+        for msg in msgs:
+            match msg:
+                case DetokBatch():
+                    ends = self.codec.ended(self.gather.add(msg, arrived))
+                    if ends:
+                        self.to_gateway.send(AudioChunks(chunks=[], finished=ends))
+                case EncodeRequest():
+                    refused = self.encodes.add(msg)
+                    if refused is not None:
+                        self.to_gateway.send(refused)
+                case _:
+                    raise TypeError(f"unexpected message type {type(msg).__name__} on the codec inbox")
+
+    def encode_pass(self) -> None:
+        """Encode one bounded batch of the waiting clips and send each its reply."""
+        t0 = time.perf_counter()
+        batch = self.encodes.take()
+        for reply in self.encodes.encode(batch):
+            self.to_gateway.send(reply)
+        c = self.counters
+        c["encode_clips_total"] += len(batch)
+        c["encode_busy_seconds_total"] += time.perf_counter() - t0
+        self.status.set_load(0, 0, dict(c))
 
     def decode_pass(self) -> None:
         """Decode and send everything gathered: the urgent group, then the rest."""

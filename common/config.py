@@ -58,6 +58,14 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     # Seconds a WebSocket session may stay silent (no client message) with nothing to generate or
     # send before the gateway closes it (code 1000).
     ws_idle_timeout: float = 60.0
+    # Reference clips (voice cloning): the largest audio file a request may carry, its longest
+    # duration, the bytes of encoded clips kept to serve a repeated clip without encoding it, and
+    # how long a request waits for its clip's encoding before a 504.
+    max_reference_bytes: int = 10 << 20
+    max_reference_seconds: float = 30.0
+    reference_cache_mb: int = 256
+    encode_timeout: float = 60.0
+    voices_dir: str = ""  # where saved voices are kept ("" = in memory: lost on a restart)
 
     def check(self) -> None:
         if not 1 <= self.port <= 65535:
@@ -74,6 +82,13 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
             )
         if not 1 <= self.heartbeat_timeout < float("inf"):
             raise ValueError(f"--heartbeat-timeout must be at least 1 second, got {self.heartbeat_timeout}")
+        if self.max_reference_bytes < 1 or not 0 < self.max_reference_seconds <= 600:
+            raise ValueError(
+                "--max-reference-bytes must be >= 1 and --max-reference-seconds in (0, 600], got "
+                f"{self.max_reference_bytes} and {self.max_reference_seconds}"
+            )
+        if self.reference_cache_mb < 0 or not 0 < self.encode_timeout < float("inf"):
+            raise ValueError("--reference-cache-mb must be >= 0 and --encode-timeout a positive number")
         if not 1 <= self.max_text_chars <= MAX_TEXT_CHARS:
             raise ValueError(f"--max-text-chars must be in 1..{MAX_TEXT_CHARS}, got {self.max_text_chars}")
 

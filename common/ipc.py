@@ -58,7 +58,7 @@ DEFAULT_PORTS = {"requests": 5557, "gateway_in": 5558, "gpu_in": 5559, "codec_in
 
 # Which side of each address a role holds: it binds the streams it receives, connects to the rest.
 ROLE_SOCKETS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "gateway": (("requests", "gateway_in", "gpu_in"), ()),
+    "gateway": (("requests", "gateway_in", "gpu_in"), ("codec_in",)),  # codec_in: clips to encode
     "tokenizer_worker": ((), ("requests", "gateway_in")),
     "gpu_worker": ((), ("gpu_in", "codec_in", "gateway_in")),
     "codec_worker": (("codec_in",), ("gateway_in",)),
@@ -71,7 +71,7 @@ class Addresses(msgspec.Struct, frozen=True):
 
     requests: str  # gateway ROUTER (bind) ↔ tokenizer workers DEALER (connect), see common.pool
     gpu_in: str  # gateway ROUTER (bind) ↔ gpu_workers DEALER (connect): prompts, aborts
-    codec_in: str  # codec_worker PULL (bind) ← its gpu_worker (one codec_in per pair, `numbered`)
+    codec_in: str  # codec_worker PULL (bind) ← its gpu_worker, the gateway's clips (one per pair, `numbered`)
     gateway_in: str  # gateway PULL (bind) ← codec_workers, tokenizer workers (prompts), status of all
 
     @classmethod

@@ -60,8 +60,11 @@ class GenerateRequest(msgspec.Struct, tag="gen", **_STRUCT):
     urgent: bool = False
     # Size the prompt instead of building it: the tokenizer worker answers with the `PromptSize` of
     # this request's model options (the gateway asks before it cuts a long text into segments, for
-    # options that add prompt rows: ModelSpec.sized_options).
+    # options that add prompt rows: ModelSpec.sized_options, or a cloned voice).
     size_only: bool = False
+    # A cloned voice (a reference clip's features, or a saved voice): the program's preprocess
+    # receives it as `Voice(features, text)`.
+    voice: VoiceFeatures | None = None
 
 
 STATE_DTYPES = ("<i4", "<f4")  # what a prompt's state arrays may hold: int32, float32
@@ -83,6 +86,41 @@ class Array(msgspec.Struct, **_STRUCT):
         for n in self.shape:
             size *= n
         return "" if len(self.data) == size else f"{len(self.data)} bytes for shape {self.shape}"
+
+
+class VoiceFeatures(msgspec.Struct, **_STRUCT):
+    """An encoded reference clip: the program's `encode_references` features by name (int32 or
+    float32 arrays), and what the clip says ("" when unknown)."""
+
+    features: dict[str, Array]
+    text: str = ""
+
+    def error(self) -> str:
+        """Why an entry is not an array ("" when all are)."""
+        for name, array in self.features.items():
+            error = array.error()
+            if error:
+                return f"feature {name!r}: {error}"
+        return ""
+
+
+class EncodeRequest(msgspec.Struct, tag="enc", **_STRUCT):
+    """gateway → codec_worker: encode a reference clip (the program's `encode_references`). `key`
+    names the clip (the hash of its audio), which the reply carries back."""
+
+    key: str
+    audio: Array  # "<f4" [S] mono in [-1, 1] at the model's reference_sample_rate
+    text: str = ""
+
+
+class EncodeReply(msgspec.Struct, tag="encd", **_STRUCT):
+    """codec_worker → gateway: the clip `key`'s features, or why it could not be encoded
+    (`status` the HTTP status: 400 for a clip the encoders refuse, 500 for their failure)."""
+
+    key: str
+    features: dict[str, Array] = {}
+    error: str = ""
+    status: int = 0
 
 
 class Prompt(msgspec.Struct, tag="prompt", **_STRUCT):
@@ -250,12 +288,15 @@ class ModelSpec(msgspec.Struct, tag="spec", **_STRUCT):
     # spells them; the program receives a named one as model_kwargs["language"]. Empty: the model
     # takes no language, and a request may only say "auto".
     languages: list[str] = []
+    # > 0: the model clones voices from reference clips resampled to this rate (the program's
+    # reference_sample_rate); 0: a request with a clip or a saved voice gets a 400.
+    reference_sample_rate: int = 0
 
 
 # One union per receiving socket.
 GpuInMsg = Prompt | Abort
-CodecInMsg = DetokBatch
-GatewayInMsg = AudioChunks | RequestError | ProcStatus | Prompt | ModelSpec | PromptSize
+CodecInMsg = DetokBatch | EncodeRequest
+GatewayInMsg = AudioChunks | RequestError | ProcStatus | Prompt | ModelSpec | PromptSize | EncodeReply
 
 
 # --- Pool control and taps --------------------------------------------------------------------
@@ -320,4 +361,6 @@ TapMsg = (
     | ProcStatus
     | StageEvent
     | ModelSpec
+    | EncodeRequest
+    | EncodeReply
 )

@@ -324,6 +324,40 @@ OPTIONS: tuple[Option, ...] = (
         path="gateway.ws_idle_timeout",
     ),
     Option(
+        "max_reference_bytes",
+        "the largest reference clip (an audio file, for voice cloning) a request may carry, in bytes",
+        ("serve", "gateway"),
+        int,
+        path="gateway.max_reference_bytes",
+    ),
+    Option(
+        "max_reference_seconds",
+        "the longest reference clip a request may carry, in seconds",
+        ("serve", "gateway"),
+        float,
+        path="gateway.max_reference_seconds",
+    ),
+    Option(
+        "reference_cache_mb",
+        "MiB of encoded reference clips the gateway keeps, so a repeated clip is not encoded again",
+        ("serve", "gateway"),
+        int,
+        path="gateway.reference_cache_mb",
+    ),
+    Option(
+        "encode_timeout",
+        "seconds a request waits for its reference clip's encoding before it gets 504",
+        ("serve", "gateway"),
+        float,
+        path="gateway.encode_timeout",
+    ),
+    Option(
+        "voices_dir",
+        "directory of the saved voices (POST /v1/audio/voices), read at start; empty = kept in memory only",
+        ("serve", "gateway"),
+        path="gateway.voices_dir",
+    ),
+    Option(
         "heartbeat_timeout",
         "seconds without a heartbeat before a process's requests fail where the gateway cannot see "
         "that it exited (on another host or container); on this host an exited process fails them at once",

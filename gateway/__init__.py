@@ -9,7 +9,10 @@ Modules: `pipeline` (the pipeline client: sockets, inbox, requests in flight, th
 (/v1/audio/speech, /v1/models), `openapi` (/openapi.json), `fields` + `validation` (the request
 field tables and their checks), `segments` (long text: splitting and joining), `synthesis` (one
 request's segments as one event stream), `respond` (streamed, whole or SSE responses), `encoders`
-(wav, pcm, flac, mp3, opus), `metrics` (Prometheus), `procs` (/ready), `body`, `events`, `wav`.
+(wav, pcm, flac, mp3, opus), `metrics` (Prometheus), `procs` (/ready), `body`, `events`, `wav`;
+voice cloning: `clips` (a reference clip decoded and resampled), `references` (its encoding by the
+codec_workers, cached and shared), `cloning` (a request's cloned voice), `voices` + `voice_api`
+(saved voices, /v1/audio/voices).
 """
 
 from gateway.pipeline import IDLE_TIMEOUT_S, Pipeline

@@ -9,8 +9,10 @@ Those servers extend OpenAI's `POST /v1/audio/speech` with `stream`, `language`,
   a named language reaches the program as the model option `language`, "auto" as no option. A
   model without a list of languages takes only "auto".
 - `task_type`: "CustomVoice" for a model with preset voices, "VoiceDesign" for one without (its
-  voice is described in `instructions`). Voice cloning ("Base", `ref_audio`/`ref_text`) is refused
-  with a 400 that names the model.
+  voice is described in `instructions`), and "Base" (voice cloning) for a model that clones.
+- `ref_audio`, `ref_text`: voice cloning, a reference clip (base64 of an audio file, or a data URL
+  holding it; gateway.clips) and what it says. A model that does not clone (`ModelSpec.
+  reference_sample_rate` 0) refuses them with a 400 that names the model.
 - `non_streaming_mode` (the omni servers' prompt mode): true, the prompt holds the whole text before the
   first audio token; false, for a model that lists it among its options, the text enters as the
   audio goes. It reaches the program as the model option of that name.
@@ -32,6 +34,8 @@ def omni_fields(spec: ModelSpec) -> list[Field]:
     """The fields, as `gateway.validation.speech_fields` lists them after OpenAI's."""
     languages = ("auto", *spec.languages)
     task = "CustomVoice" if spec.voices else "VoiceDesign"
+    clones = spec.reference_sample_rate > 0
+    tasks = (task, "Base") if clones else (task,)
     both_modes = "non_streaming_mode" in spec.options
     return [
         Field(
@@ -51,12 +55,15 @@ def omni_fields(spec: ModelSpec) -> list[Field]:
         Field(
             "task_type",
             "string",
-            f"{task}: the only task model {spec.name} serves"
-            + (" (one of its voices)." if spec.voices else " (the voice described in instructions)."),
+            f"{task}: "
+            + ("a task" if clones else "the only task")
+            + f" model {spec.name} serves"
+            + (" (one of its voices)" if spec.voices else " (the voice described in instructions)")
+            + ("; Base: voice cloning (ref_audio)." if clones else "."),
             task,
-            choices=(task,),
-            choice_error=f"task_type {{value}} is not served by model {spec.name}: its task is {task}; "
-            "voice cloning (Base) is not available",
+            choices=tasks,
+            choice_error=f"task_type {{value}} is not served by model {spec.name}: its task is {task}"
+            + ("" if clones else "; voice cloning (Base) is not available"),
         ),
         Field(
             "non_streaming_mode",
@@ -68,22 +75,61 @@ def omni_fields(spec: ModelSpec) -> list[Field]:
             choice_error=f"non_streaming_mode {{value}} is not available for model {spec.name}: its "
             "prompt holds the whole text before the first audio token (non_streaming_mode true)",
         ),
-        *(
-            Field(
-                name,
-                "string",
-                f"Voice cloning; model {spec.name} does not clone voices, so it must be empty.",
-                max_length=0,
-                max_length_hint="voice cloning is not served: leave the field out",
-            )
-            for name in CLONING_FIELDS
-        ),
+        *(_cloning_fields(spec) if clones else _no_cloning_fields(spec)),
     ]
 
 
+def _cloning_fields(spec: ModelSpec) -> list[Field]:
+    return [
+        Field(
+            "ref_audio",
+            "string",
+            "Voice cloning: a reference clip, base64 of an audio file (wav, flac, ogg, mp3) or a data "
+            "URL holding it (data:audio/wav;base64,...); the voice speaks as the clip does.",
+        ),
+        ref_text_field(spec),
+    ]
+
+
+def _no_cloning_fields(spec: ModelSpec) -> list[Field]:
+    return [
+        Field(
+            name,
+            "string",
+            f"Voice cloning; model {spec.name} does not clone voices, so it must be empty.",
+            max_length=0,
+            max_length_hint="voice cloning is not served: leave the field out",
+        )
+        for name in CLONING_FIELDS
+    ]
+
+
+REF_TEXT_MAX_CHARS = 4000
+
+
+def ref_text_field(spec: ModelSpec) -> Field:
+    """`ref_text`, what a reference clip says (the model's cloning takes it; empty when unknown)."""
+    if spec.reference_sample_rate > 0:
+        return Field(
+            "ref_text",
+            "string",
+            "Voice cloning: what the reference clip says (empty: unknown).",
+            max_length=REF_TEXT_MAX_CHARS,
+            max_length_hint="send a shorter clip and its text",
+        )
+    return Field(
+        "ref_text",
+        "string",
+        f"Voice cloning; model {spec.name} does not clone voices, so it must be empty.",
+        max_length=0,
+        max_length_hint="voice cloning is not served: leave the field out",
+    )
+
+
 def check_omni(body: Mapping[str, Any], spec: ModelSpec) -> Mapping[str, Any]:
-    """Refuse voice cloning naming the model, and spell `language` as the model does."""
-    for name in CLONING_FIELDS:
+    """Refuse voice cloning where the model does not clone (naming it), and spell `language` as the
+    model does."""
+    for name in CLONING_FIELDS if spec.reference_sample_rate <= 0 else ():
         if body.get(name) not in (None, ""):
             voices = ", ".join(spec.voices)
             raise BadRequest(
@@ -99,8 +145,9 @@ def check_omni(body: Mapping[str, Any], spec: ModelSpec) -> Mapping[str, Any]:
         if match is not None:
             body["language"] = match
     task = body.get("task_type")
-    if isinstance(task, str) and task.lower() in ("customvoice", "voicedesign"):
-        body["task_type"] = "CustomVoice" if task.lower() == "customvoice" else "VoiceDesign"
+    spelled = {t.lower(): t for t in TASK_TYPES}
+    if isinstance(task, str) and task.lower() in spelled:
+        body["task_type"] = spelled[task.lower()]
     return body
 
 

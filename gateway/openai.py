@@ -20,6 +20,7 @@ from aiohttp import web
 
 from common.messages import ModelSpec
 from gateway.body import BodyError, read_fields
+from gateway.cloning import clone_voice
 from gateway.encoders import available_formats, make_encoder
 from gateway.events import Failed
 from gateway.metrics import outcome_of
@@ -48,13 +49,16 @@ def openai_error(
 
 def model_card(pipeline: Pipeline, spec: ModelSpec) -> dict[str, Any]:
     """The served model as an OpenAI model object, with what a speech client needs to know."""
+    saved = pipeline.voices.names(spec.name)
     return {
         "id": spec.name,
         "object": "model",
         "created": pipeline.created,
         "owned_by": "voxpipe",
         "aliases": accepted_models(spec)[1:],
-        "voices": list(spec.voices),
+        "voices": [*spec.voices, *saved],
+        "saved_voices": saved,
+        "voice_cloning": spec.reference_sample_rate > 0,
         "default_voice": spec.default_voice,
         "voice_aliases": voice_aliases(spec),
         "languages": ["auto", *spec.languages],
@@ -84,10 +88,17 @@ class OpenAIRoutes:
             gateway.metrics.finished("speech", outcome_of(spec.status))
             return openai_error(spec.status, spec.message, {**headers, **gateway.spec_retry()})
         try:
-            params = parse_speech(
-                await read_fields(request, gateway.cfg.gateway.body_timeout), spec, gateway.cfg
-            )
+            g = gateway.cfg.gateway
+            clip_bytes = g.max_reference_bytes if spec.reference_sample_rate > 0 else 0
+            body = await read_fields(request, g.body_timeout, clip_bytes, inline=clip_bytes > 0)
+            saved = tuple(gateway.voices.names(spec.name))
+            params = parse_speech(body, spec, gateway.cfg, saved)
             encoder = make_encoder(params.response_format, spec.sample_rate, params.streaming)
+            cloned = await clone_voice(gateway, spec, params)
+            if isinstance(cloned, Failed):
+                gateway.metrics.finished("speech", outcome_of(cloned.status))
+                return openai_error(cloned.status, cloned.message, headers, "ref_audio")
+            params = cloned
         except BadRequest as e:
             gateway.metrics.finished("speech", outcome_of(e.status))
             return openai_error(e.status, str(e), headers, e.param, e.code)

@@ -65,8 +65,12 @@ def document(spec: ModelSpec, cfg: ServeConfig) -> dict[str, Any]:
 
 
 def _paths(spec: ModelSpec) -> dict[str, Any]:
-    """Every endpoint with its request and responses."""
+    """Every endpoint with its request and responses (the saved voices' where the model clones)."""
     generate_body = {"schema": _ref("GenerateRequest")}
+    generate_form = generate_body
+    if spec.reference_sample_rate > 0:
+        clip = {"audio": {**_BINARY, "description": "The reference clip (wav, flac, ogg, mp3)."}}
+        generate_form = {"schema": {"allOf": [_ref("GenerateRequest"), {"properties": clip}]}}
     speech_audio = {content_type(f): {"schema": _BINARY} for f in available_formats(spec.sample_rate)}
     return {
         "/generate": {
@@ -78,7 +82,7 @@ def _paths(spec: ModelSpec) -> dict[str, Any]:
                     "content": {
                         "application/json": generate_body,
                         "application/x-www-form-urlencoded": generate_body,
-                        "multipart/form-data": generate_body,
+                        "multipart/form-data": generate_form,
                     },
                 },
                 "responses": {
@@ -109,6 +113,7 @@ def _paths(spec: ModelSpec) -> dict[str, Any]:
                 },
             }
         },
+        **(_voice_paths() if spec.reference_sample_rate > 0 else {}),
         "/v1/audio/speech/stream": {
             "get": {
                 "summary": "Input streaming over a WebSocket: text appended in pieces, PCM16 frames back.",
@@ -170,6 +175,54 @@ def _paths(spec: ModelSpec) -> dict[str, Any]:
     }
 
 
+def _voice_paths() -> dict[str, Any]:
+    """The saved voices' endpoints (docs/api.md, "Voice cloning")."""
+    new_voice = _object(
+        {
+            "name": {"type": "string", "pattern": "^[A-Za-z0-9]([A-Za-z0-9_.-]{0,62}[A-Za-z0-9_-])?$"},
+            "audio": {**_BINARY, "description": "The reference clip (JSON: base64 or a data URL)."},
+            "ref_text": {"type": "string", "description": "What the clip says."},
+        }
+    )
+    new_voice["required"] = ["name", "audio"]
+    errors = {**_REQUEST_ERRORS, 409: "The name is a voice of the model's or a saved voice's."}
+    return {
+        "/v1/audio/voices": {
+            "post": {
+                "summary": "Save a voice: a reference clip encoded once, usable by name as voice.",
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        t: {"schema": new_voice} for t in ("multipart/form-data", "application/json")
+                    },
+                },
+                "responses": {
+                    "201": _json("The saved voice.", _ref("Voice")),
+                    **_errors("OpenAIError", errors),
+                },
+            },
+            "get": {
+                "summary": "The voices saved for the served model.",
+                "responses": {"200": _json("The saved voices.", _ref("VoiceList"))},
+            },
+        },
+        "/v1/audio/voices/{name}": {
+            "delete": {
+                "summary": "Delete a saved voice.",
+                "parameters": [
+                    {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
+                ],
+                "responses": {
+                    "200": _json(
+                        "Deleted.", _object({"name": {"type": "string"}, "deleted": {"const": True}})
+                    ),
+                    **_errors("OpenAIError", {404: "No saved voice has the name."}),
+                },
+            }
+        },
+    }
+
+
 def _components(spec: ModelSpec, cfg: ServeConfig) -> dict[str, Any]:
     """The request, error, event and model schemas the paths refer to."""
     return {
@@ -213,6 +266,8 @@ def _components(spec: ModelSpec, cfg: ServeConfig) -> dict[str, Any]:
                     "owned_by": {"type": "string"},
                     "aliases": {"type": "array", "items": {"type": "string"}},
                     "voices": {"type": "array", "items": {"type": "string"}},
+                    "saved_voices": {"type": "array", "items": {"type": "string"}},
+                    "voice_cloning": {"type": "boolean"},
                     "default_voice": {"type": "string"},
                     "voice_aliases": {"type": "object", "additionalProperties": {"type": "string"}},
                     "languages": {"type": "array", "items": {"type": "string"}},
@@ -221,6 +276,22 @@ def _components(spec: ModelSpec, cfg: ServeConfig) -> dict[str, Any]:
                     "response_formats": {"type": "array", "items": {"type": "string"}},
                     "max_input_chars": {"type": "integer"},
                     "max_tokens": {"type": "integer"},
+                }
+            ),
+            "Voice": _object(
+                {
+                    "name": {"type": "string"},
+                    "object": {"const": "voice"},
+                    "model": {"type": "string"},
+                    "ref_text": {"type": "string"},
+                    "created": {"type": "integer"},
+                }
+            ),
+            "VoiceList": _object(
+                {
+                    "object": {"const": "list"},
+                    "data": {"type": "array", "items": _ref("Voice")},
+                    "builtin": {"type": "array", "items": {"type": "string"}},
                 }
             ),
             "ModelList": _object(

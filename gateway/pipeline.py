@@ -38,6 +38,7 @@ from common.ipc import Addresses, AsyncPullChannel, publish_stage
 from common.messages import (
     Abort,
     AudioChunks,
+    EncodeReply,
     GatewayInMsg,
     GenerateRequest,
     GpuInMsg,
@@ -52,7 +53,9 @@ from gateway.admission import Admission
 from gateway.events import ClientGone, Event, Failed, Pending, Sized, error_status, finished_event
 from gateway.metrics import GatewayMetrics
 from gateway.procs import ProcessTable
+from gateway.references import References
 from gateway.segments import MAX_TEXT_CHARS_LIMIT
+from gateway.voices import VoiceStore
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +101,9 @@ class Pipeline:
         )
         self.admission = Admission(self._stream_capacity, cfg.gateway.max_queue, cfg.gateway.queue_timeout)
         self.metrics = GatewayMetrics(self.procs, self.admission)
+        # Clips to encode go to the ready codec_workers (gateway.references); saved voices by name.
+        self.references = References(addresses.codec_in, cfg, lambda: self.procs.ready_names("codec_worker"))
+        self.voices = VoiceStore(cfg.gateway.voices_dir)
         self.created = int(time.time())
         self.closing = False  # set on shutdown: no new segments are submitted
         self._pending: dict[str, Pending] = {}
@@ -205,6 +211,8 @@ class Pipeline:
         # A codec_worker's requests are those its gpu_worker (same suffix) was given.
         holders = {name, name.replace("codec_worker", "gpu_worker", 1)}
         rids = [rid for rid, holder in self._holder.items() if holder in holders and rid in self._pending]
+        if name.startswith("codec_worker"):
+            self.references.fail_worker(name)  # the clips it was encoding
         if name.startswith("tokenizer_worker"):
             rids = self._build_again(name, rids)
         if not rids:
@@ -248,6 +256,7 @@ class Pipeline:
                 await chan.aclose()
         if self._recv_from_workers is not None:
             self._recv_from_workers.close()
+        self.references.close()
 
     # -- inbox -----------------------------------------------------------------------------------
 
@@ -282,6 +291,8 @@ class Pipeline:
             case PromptSize(rid=rid, rows=rows):
                 if self._built(rid):
                     self._put(rid, Sized(rows))
+            case EncodeReply():
+                self.references.resolve(msg)
             case ModelSpec():
                 try:
                     self.learn(msg)

@@ -153,6 +153,17 @@ class ProcessTable:
                 self._dead.discard(name)
         return sorted(dead)
 
+    def ready(self, name: str) -> bool:
+        """Whether the process last heard from under `name` is READY and not known to be gone."""
+        e = self._entries.get(name)
+        return (
+            e is not None and e.status.state == ProcState.READY and name not in self._dead and not e.exited()
+        )
+
+    def ready_names(self, role: str) -> list[str]:
+        """The processes of `role` that are READY and not known to be gone, by name."""
+        return sorted(n for n, e in self._entries.items() if e.status.role == role and self.ready(n))
+
     def exited(self, name: str) -> bool:
         """Whether the last process heard from under `name` is known to have exited (on this host)."""
         e = self._entries.get(name)

@@ -1,10 +1,11 @@
 """The gateway's HTTP app: aiohttp routes in front of the pipeline client (`gateway.pipeline`).
 
 Endpoints: `POST /generate`, `GET /metrics`, `GET /health`, `GET /ready` (here), `POST
-/v1/audio/speech` and `GET /v1/models` (OpenAI's API, in `gateway.openai`), `GET
+/v1/audio/speech` and `GET /v1/models` (OpenAI's API, in `gateway.openai`), the saved voices under
+`/v1/audio/voices` (`gateway.voice_api`), `GET
 /v1/audio/speech/stream` (a WebSocket for text that arrives in pieces, `gateway.websocket`), `GET
 /openapi.json` (`gateway.openapi`). Every handler talks to the workers through one `Pipeline`;
-imports go one way: server → openai, openapi, respond → synthesis → pipeline, and server →
+imports go one way: server → voice_api → openai, openapi, respond → synthesis → pipeline, and server →
 websocket → live → pipeline.
 """
 
@@ -19,8 +20,9 @@ from aiohttp import web
 
 from common.config import ServeConfig
 from common.ipc import Addresses
-from gateway import auth, openai, openapi, websocket
-from gateway.body import MAX_BODY_BYTES, BodyError, read_fields
+from gateway import auth, openai, openapi, voice_api, websocket
+from gateway.body import CLIP_FIELD, BodyError, Upload, body_limit, read_fields
+from gateway.cloning import clone_voice
 from gateway.encoders import WavEncoder
 from gateway.events import Failed
 from gateway.metrics import CONTENT_TYPE, outcome_of
@@ -33,7 +35,8 @@ log = logging.getLogger(__name__)
 GATEWAY = web.AppKey("gateway", Pipeline)
 ENDPOINTS = (
     "POST /generate, POST /v1/audio/speech, GET /v1/audio/speech/stream (WebSocket), GET /v1/models, "
-    "GET /openapi.json, GET /metrics, GET /health, GET /ready"
+    "POST|GET /v1/audio/voices, DELETE /v1/audio/voices/{name}, GET /openapi.json, GET /metrics, "
+    "GET /health, GET /ready"
 )
 
 
@@ -55,9 +58,18 @@ class Routes:
             pipeline.metrics.finished("generate", outcome_of(spec.status))
             return _error(spec.status, spec.message, {**headers, **pipeline.spec_retry()})
         try:
-            params = parse_generate(
-                await read_fields(request, pipeline.cfg.gateway.body_timeout), spec, pipeline.cfg
-            )
+            g = pipeline.cfg.gateway
+            # A clip is read for any model, so that one which does not clone says so (below).
+            fields = await read_fields(request, g.body_timeout, clip_bytes=g.max_reference_bytes)
+            upload = fields.pop(CLIP_FIELD, None)
+            if upload is not None and not isinstance(upload, Upload):
+                raise BadRequest("field 'audio' is the reference clip: send it as a file in a multipart form")
+            params = parse_generate(fields, spec, pipeline.cfg, tuple(pipeline.voices.names(spec.name)))
+            cloned = await clone_voice(pipeline, spec, params, upload)
+            if isinstance(cloned, Failed):
+                pipeline.metrics.finished("generate", outcome_of(cloned.status))
+                return _error(cloned.status, cloned.message, headers)
+            params = cloned
         except (BodyError, BadRequest) as e:
             status = e.status
             pipeline.metrics.finished("generate", outcome_of(status))
@@ -171,7 +183,11 @@ def build_app(
     if key is not None:
         middlewares.append(auth.middleware(key, error_body))
         log.info("the HTTP API requires a Bearer key (except /health and /ready)")
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
+    # aiohttp's own cap is the largest body an endpoint reads (one with a reference clip);
+    # gateway.body holds each endpoint to its own.
+    app = web.Application(
+        client_max_size=body_limit(cfg.gateway.max_reference_bytes), middlewares=middlewares
+    )
     app[GATEWAY] = pipeline
     routes = Routes(pipeline)
     app.router.add_post("/generate", routes.generate)
@@ -179,6 +195,7 @@ def build_app(
     app.router.add_get("/ready", routes.ready)
     app.router.add_get("/metrics", routes.metrics)
     openai.add_routes(app, pipeline)
+    voice_api.add_routes(app, pipeline)
     websocket.add_routes(app, pipeline, key)
     openapi.add_routes(app, pipeline, requires_key=key is not None)
     app.on_startup.append(pipeline.start)

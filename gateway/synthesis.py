@@ -9,7 +9,7 @@ one `Done` (or the first `Failed`). A single-segment request keeps the HTTP requ
 audio passes through untouched.
 
 A request that sets a model option which adds prompt rows (ModelSpec.sized_options, e.g. a
-conversation context) is first sized by the tokenizer pool (`GenerateRequest.size_only`: the
+conversation context), or carries a cloned voice, is first sized by the tokenizer pool (`GenerateRequest.size_only`: the
 program counts the rows), and its text is cut for the budget those rows leave.
 
 `close()` must run when the handler ends for any reason: it aborts the segment in flight on the
@@ -105,6 +105,7 @@ class Synthesis:
             model_kwargs={"voice": self.params.voice, **dict(self.params.options)},
             arrival=time.time(),
             urgent=k > 0,  # the stream is already playing segment k - 1
+            voice=self.params.clone,
         )
         return await self.gateway.submit(req)  # on failure close() aborts it, in case it got through
 
@@ -114,8 +115,14 @@ class Synthesis:
         self.rids = [self.rid] if n == 1 else [f"{self.rid}{PART_SEP}{k}" for k in range(n)]
 
     def _sized_options(self) -> bool:
+        """Whether the request's options or its cloned voice add prompt rows the text must leave
+        room for (a cloned voice may be a context of reference frames)."""
         spec = self.gateway.spec
-        return spec is not None and any(name in spec.sized_options for name, _ in self.params.options)
+        if spec is None:
+            return False
+        return self.params.clone is not None or any(
+            name in spec.sized_options for name, _ in self.params.options
+        )
 
     async def _size(self) -> Failed | None:
         """Ask the tokenizer pool how many prompt rows the request's options add, and cut the text
@@ -130,6 +137,7 @@ class Synthesis:
                 model_kwargs={"voice": self.params.voice, **dict(self.params.options)},
                 arrival=time.time(),
                 size_only=True,
+                voice=self.params.clone,
             )
             failed = await self.gateway.submit(req)
             event = failed or await self.gateway.next_event(self.request, pending)

@@ -17,10 +17,10 @@ from typing import Any
 import msgspec
 
 from common.config import ServeConfig
-from common.messages import ModelSpec, SamplingParams
+from common.messages import ModelSpec, SamplingParams, VoiceFeatures
 from gateway.encoders import available_formats, default_format
 from gateway.fields import BadRequest, Field, FormFields, parse_fields, show
-from gateway.omni_fields import check_omni, language_option, omni_fields, streaming_choice
+from gateway.omni_fields import check_omni, language_option, omni_fields, ref_text_field, streaming_choice
 from gateway.segments import MAX_TEXT_CHARS_LIMIT, segment_budget, split_text, text_limit
 
 SEED_MAX = 2**63 - 1
@@ -44,6 +44,9 @@ class GenerateParams:
     streaming: bool
     segments: tuple[str, ...] = ()  # the text as generations (see gateway.segments)
     options: tuple[tuple[str, str], ...] = ()  # the model's own request options (ModelSpec.options)
+    ref_audio: str = ""  # a reference clip as sent in a field: base64 or a data URL (gateway.clips)
+    ref_text: str = ""  # what the reference clip says
+    clone: VoiceFeatures | None = None  # the encoded clip or saved voice (gateway.cloning fills it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,20 +111,19 @@ def voice_aliases(spec: ModelSpec) -> dict[str, str]:
     return {name: voices[i % len(voices)] for i, name in enumerate(OPENAI_VOICES) if name not in voices}
 
 
-def voice_field(spec: ModelSpec, aliases: bool = False) -> Field:
+def voice_field(spec: ModelSpec, aliases: bool = False, saved: tuple[str, ...] = ()) -> Field:
+    """`voice`: one of the model's voices, OpenAI's aliases of them (`aliases`), or a voice saved
+    for the model (`saved`, POST /v1/audio/voices)."""
     voices = tuple(spec.voices)
     extra = tuple(voice_aliases(spec)) if aliases else ()
+    aka = ", or one of OpenAI's voice names, each an alias of one of them (GET /v1/models)" if extra else ""
     return Field(
         "voice",
         "string",
-        "One of the model's voices"
-        + (
-            ", or one of OpenAI's voice names, each an alias of one of them (GET /v1/models)."
-            if extra
-            else "."
-        ),
+        f"One of the model's voices{aka}"
+        + (", or a saved voice." if spec.reference_sample_rate > 0 else "."),
         default=spec.default_voice or None,
-        choices=voices + extra,
+        choices=voices + extra + tuple(n for n in saved if n not in voices + extra),
         choice_error="unknown voice {value}; this model's voices are: {choices}",
     )
 
@@ -220,8 +222,9 @@ def sampling_fields(spec: ModelSpec, cfg: ServeConfig) -> list[Field]:
     ]
 
 
-def generate_fields(spec: ModelSpec, cfg: ServeConfig) -> list[Field]:
-    """The fields of `POST /generate`, in the order error messages list them."""
+def generate_fields(spec: ModelSpec, cfg: ServeConfig, saved: tuple[str, ...] = ()) -> list[Field]:
+    """The fields of `POST /generate`, in the order error messages list them (the reference clip,
+    a multipart file `audio`, is read apart: gateway.body)."""
     streaming = Field(
         "streaming",
         "boolean",
@@ -230,10 +233,11 @@ def generate_fields(spec: ModelSpec, cfg: ServeConfig) -> list[Field]:
     )
     return [
         _text_field("text", cfg),
-        voice_field(spec),
+        voice_field(spec, saved=saved),
         streaming,
         *sampling_fields(spec, cfg),
-        *option_fields(spec),
+        *([ref_text_field(spec)] if spec.reference_sample_rate > 0 else []),
+        *option_fields(spec, skip={"ref_text"}),
     ]
 
 
@@ -266,7 +270,7 @@ def _instructions_field(spec: ModelSpec) -> Field:
     )
 
 
-def speech_fields(spec: ModelSpec, cfg: ServeConfig) -> list[Field]:
+def speech_fields(spec: ModelSpec, cfg: ServeConfig, saved: tuple[str, ...] = ()) -> list[Field]:
     """The fields of `POST /v1/audio/speech`: OpenAI's, then voxpipe's extras."""
     formats = tuple(available_formats(spec.sample_rate))
     models = tuple(accepted_models(spec))
@@ -280,7 +284,7 @@ def speech_fields(spec: ModelSpec, cfg: ServeConfig) -> list[Field]:
             choices=models,
         ),
         _text_field("input", cfg),
-        voice_field(spec, aliases=True),
+        voice_field(spec, aliases=True, saved=saved),
         Field(
             "response_format",
             "string",
@@ -315,12 +319,15 @@ def speech_fields(spec: ModelSpec, cfg: ServeConfig) -> list[Field]:
 # -- parsing -------------------------------------------------------------------------------------------
 
 
-def parse_generate(body: Mapping[str, Any], spec: ModelSpec, cfg: ServeConfig) -> GenerateParams:
-    """Check every field of a /generate `body` against the model `spec` and the deployment `cfg`.
+def parse_generate(
+    body: Mapping[str, Any], spec: ModelSpec, cfg: ServeConfig, saved: tuple[str, ...] = ()
+) -> GenerateParams:
+    """Check every field of a /generate `body` against the model `spec` and the deployment `cfg`
+    (`saved`: the voices saved for the model, which `voice` may name).
 
     A field given as JSON `null` counts as absent (its default applies), except `text`.
     """
-    fields = generate_fields(spec, cfg)
+    fields = generate_fields(spec, cfg, saved)
     v = parse_fields(body, fields)
     sampling = sampling_params(v, fields, spec, cfg)
     return GenerateParams(
@@ -330,13 +337,17 @@ def parse_generate(body: Mapping[str, Any], spec: ModelSpec, cfg: ServeConfig) -
         streaming=True if v["streaming"] is None else v["streaming"],
         segments=plan_segments(v["text"], sampling.max_tokens, spec, cfg),
         options=_options(v, spec),
+        ref_text=v.get("ref_text") or "",
     )
 
 
-def parse_speech(body: Mapping[str, Any], spec: ModelSpec, cfg: ServeConfig) -> SpeechParams:
-    """Check an OpenAI speech `body`. A model that is not served is a 404 (`model_not_found`)."""
+def parse_speech(
+    body: Mapping[str, Any], spec: ModelSpec, cfg: ServeConfig, saved: tuple[str, ...] = ()
+) -> SpeechParams:
+    """Check an OpenAI speech `body` (`saved` as in parse_generate). A model that is not served is
+    a 404 (`model_not_found`)."""
     form = isinstance(body, FormFields)
-    fields = speech_fields(spec, cfg)
+    fields = speech_fields(spec, cfg, saved)
     models = _default_choices(fields, "model")
     model = body.get("model")
     if isinstance(model, str):
@@ -389,6 +400,8 @@ def parse_speech(body: Mapping[str, Any], spec: ModelSpec, cfg: ServeConfig) -> 
         streaming=streaming,
         response_format=v["response_format"] or field_default(fields, "response_format"),
         stream_format=stream_format,
+        ref_audio=v["ref_audio"] or "",
+        ref_text=v["ref_text"] or "",
     )
 
 

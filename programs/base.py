@@ -31,7 +31,7 @@ apart from N/B/Bd, state only in buffers, randomness only from the keys passed i
 | `encode_references(clips)` | codec_worker | no | `Reference`s (mono float32 audio at `reference_sample_rate`, its text) → one `Voice.features` dict per clip, batched |
 | `preprocess(text, model_kwargs, voice=None)` | tokenizer_worker | no | → prompt rows [R, C] int32, or `PromptRows` (rows and state arrays); `voice` a `Voice` (a cloned voice) or None; ValueError → HTTP 400 |
 | `prompt_overhead()` | tokenizer_worker | no | → prompt rows besides the text's tokens (no options) |
-| `option_rows(model_kwargs)` | tokenizer_worker | no | → prompt rows the `sized_options` add; ValueError → HTTP 400 |
+| `option_rows(model_kwargs, voice=None)` | tokenizer_worker | no | → prompt rows the `sized_options` (and a cloned `voice`) add; ValueError → HTTP 400 |
 | `model_spec(served)` | tokenizer_worker | no | → `ModelSpec`, the facts the gateway serves the model by |
 
 Attributes a program sets (defaults on LMProgram; any model may use each):
@@ -459,9 +459,11 @@ class LMProgram:
         around = max(len(template.format(voice=v, text="").encode()) for v in voices)
         return len(self.spec.get("prefix_ids", ())) + len(self.spec.get("suffix_ids", ())) + 1 + around
 
-    def option_rows(self, model_kwargs: dict[str, str]) -> int:
+    def option_rows(self, model_kwargs: dict[str, str], voice: Voice | None = None) -> int:
         """Prompt rows the request's model options add beyond `prompt_overhead()`, for the options
-        named in `sized_options` (a conversation context); 0 by default. ValueError → HTTP 400."""
+        named in `sized_options` (a conversation context) and a cloned `voice` (its reference
+        rows); 0 by default. ValueError → HTTP 400. The runtime asks whenever a request sets a
+        sized option or carries a voice, so that a long text is cut for the budget they leave."""
         return 0
 
     def model_spec(self, served: str) -> ModelSpec:
@@ -491,6 +493,7 @@ class LMProgram:
             n_codebooks=int(self.n_codebooks),
             sized_options=list(self.sized_options),
             languages=[str(x) for x in spec.get("languages", ())],
+            reference_sample_rate=int(self.reference_sample_rate),
         )
 
 

@@ -22,10 +22,10 @@ import time
 
 import numpy as np
 
+from common.arrays import np_array, wire_array
 from common.config import ServeConfig, program_kwargs
 from common.ipc import PushChannel
 from common.messages import (
-    Array,
     GatewayInMsg,
     GenerateRequest,
     ModelSpec,
@@ -33,22 +33,27 @@ from common.messages import (
     Prompt,
     PromptSize,
     RequestError,
+    VoiceFeatures,
 )
 from common.pool import WorkChannel
 from common.proc import StatusReporter
 from programs import get_spec, load_program_class, served_name
-from programs.base import LMProgram, PromptRows
+from programs.base import LMProgram, PromptRows, Voice
 
 log = logging.getLogger(__name__)
 
 SPEC_EVERY_S = 1.0  # how often the model's spec is announced again (a restarted gateway waits this long)
 
 
-def wire_array(a: np.ndarray) -> Array:
-    """A state array as it travels (common.messages.Array): int32 or float32, little-endian."""
-    a = np.asarray(a)
-    dtype = "<f4" if a.dtype.kind == "f" else "<i4"
-    return Array(dtype, list(a.shape), np.ascontiguousarray(a, dtype=dtype).tobytes())
+__all__ = ["PromptBuilder", "TokenizerWorker", "program_voice", "wire_array"]
+
+
+def program_voice(voice: VoiceFeatures | None) -> Voice | None:
+    """A request's cloned voice as the program takes it. Raises ValueError for arrays that are not
+    what they say."""
+    if voice is None:
+        return None
+    return Voice({name: np_array(a) for name, a in voice.features.items()}, voice.text)
 
 
 class PromptBuilder:
@@ -63,7 +68,11 @@ class PromptBuilder:
         if req.size_only:
             return self.size(req)
         try:
-            built = self.program.preprocess(req.text, req.model_kwargs)
+            voice = program_voice(req.voice)
+            if voice is None:  # a program without cloning keeps its two-argument preprocess
+                built = self.program.preprocess(req.text, req.model_kwargs)
+            else:
+                built = self.program.preprocess(req.text, req.model_kwargs, voice=voice)
             built = built if isinstance(built, PromptRows) else PromptRows(built)
             rows = np.ascontiguousarray(built.rows, dtype="<i4")
             state = {name: wire_array(a) for name, a in built.state.items()}
@@ -89,7 +98,10 @@ class PromptBuilder:
     def size(self, req: GenerateRequest) -> PromptSize | RequestError:
         """The prompt rows `req`'s model options add (the program's `option_rows`)."""
         try:
-            return PromptSize(req.rid, int(self.program.option_rows(req.model_kwargs)))
+            voice = program_voice(req.voice)
+            if voice is None:
+                return PromptSize(req.rid, int(self.program.option_rows(req.model_kwargs)))
+            return PromptSize(req.rid, int(self.program.option_rows(req.model_kwargs, voice=voice)))
         except ValueError as e:
             return RequestError(req.rid, 400, str(e))
         except Exception as e:

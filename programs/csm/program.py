@@ -12,6 +12,12 @@ turns `[{"speaker": 1, "text": "…", "codes": [[32 codes] per frame]}]`: each b
 `[speaker]text` turn followed by its audio frames and the all-zero end frame. `codes` are Mimi codes
 (for instance of an earlier reply, or `MimiModel.encode` of a recording); the reference's chat
 template requires audio on every turn but the last, so a context turn without codes is refused.
+
+Voice cloning (programs/base.py, "Reference audio"): a reference clip at 24 kHz is encoded with
+Mimi's encoder (programs/blocks/mimi_encoder.py, the codec's own weights) into its 32-codebook
+frames, the feature `codes` [T, 32] int32; the cloned voice is one context turn in the request's
+speaker, `[speaker]ref_text` and those frames, ahead of any `context` turns, so the model continues
+the conversation in that voice, as the reference does with the clip as an audio turn.
 """
 
 from __future__ import annotations
@@ -23,10 +29,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from programs.base import Attention, CodecStreams, LMProgram, Rows, Sampler, TokenKind
+from programs.base import Attention, CodecStreams, LMProgram, Reference, Rows, Sampler, TokenKind, Voice
 from programs.csm.spec import EOS_ID, N_CODEBOOKS, TEXT_MARK
 
 if TYPE_CHECKING:
+    from programs.blocks.mimi_encoder import MimiEncoder
     from programs.blocks.text_tokenizer import TextTokenizer
     from programs.csm.codec import MimiCodec
     from programs.csm.model import CsmLM
@@ -42,11 +49,13 @@ class CsmProgram(LMProgram):
     uses_repetition_penalty = False
     sized_options = ("context",)  # context turns are prompt rows (option_rows)
     codec_streams = True  # each frame decoded once, with state per request (programs/base.py)
+    reference_sample_rate = 24000  # Mimi's rate: a clip becomes frames of the codec's own codes
 
     def __init__(self, spec: dict[str, Any], **kwargs: Any) -> None:
         super().__init__(spec, **kwargs)
         self.lm: CsmLM | None = None
         self.codec: MimiCodec | None = None
+        self.encoder: MimiEncoder | None = None
         self._tokenizer: TextTokenizer | None = None
         self._set_lm_constants(self.read_config("lm_config"))
 
@@ -79,6 +88,28 @@ class CsmProgram(LMProgram):
         from programs.csm.codec import MimiCodec
 
         self.codec = self.codec_model(MimiCodec)
+
+    def load_encoders(self) -> None:
+        """Mimi's encoder with the loaded codec's weights (fp32: the nearest code is chosen exactly)."""
+        from programs.blocks.mimi_encoder import MimiEncoder
+
+        model = self.codec.model
+        encoder = MimiEncoder(model.config.to_dict(), n_q=N_CODEBOOKS).to(self.device)
+        loaded = encoder.load_weights(model.state_dict().items())
+        missing = {n for n, _ in encoder.named_parameters()} - loaded
+        if missing:
+            raise ValueError(f"the codec lacks {len(missing)} encoder weights, e.g. {sorted(missing)[:3]}")
+        self.encoder = encoder.eval()
+
+    def encode_references(self, clips: list[Reference]) -> list[dict[str, np.ndarray]]:
+        """Clips at 24 kHz → {"codes": [T, 32] int32} each (T = ceil(S / 1920)), in one padded batch."""
+        lengths = torch.tensor([len(c.audio) for c in clips], dtype=torch.int64)
+        audio = torch.zeros(len(clips), int(lengths.max()))
+        for b, c in enumerate(clips):
+            audio[b, : len(c.audio)] = torch.from_numpy(np.asarray(c.audio, dtype=np.float32))
+        codes, frames = self.encoder.encode(audio.to(self.device), lengths.to(self.device))
+        codes, frames = codes.cpu().numpy(), frames.cpu().tolist()
+        return [{"codes": codes[b, : frames[b]].astype(np.int32)} for b in range(len(clips))]
 
     # --- LM step (graph) -----------------------------------------------------------------------
     def embed(self, ids: torch.Tensor, rows: Rows) -> torch.Tensor:
@@ -129,26 +160,50 @@ class CsmProgram(LMProgram):
         ids = [self.spec["bos_id"], *body, EOS_ID]
         return [[i] + [TEXT_MARK] * (N_CODEBOOKS - 1) for i in ids]
 
-    def option_rows(self, model_kwargs: dict[str, str]) -> int:
-        """The context turns' rows: each turn's text rows, its frames and the end frame."""
+    def option_rows(self, model_kwargs: dict[str, str], voice: Voice | None = None) -> int:
+        """The rows of the cloned voice's turn and of the context turns: each turn's text rows, its
+        frames and the end frame."""
         if self._tokenizer is None:
             self.load_prompts()
         turns = _parse_context(model_kwargs.get("context") or "[]")
-        return sum(len(self._turn(str(t["speaker"]), t["text"])) + len(t["codes"]) + 1 for t in turns)
+        rows = sum(len(self._turn(str(t["speaker"]), t["text"])) + len(t["codes"]) + 1 for t in turns)
+        if voice is not None:
+            rows += len(self._voice_rows(self._speaker(model_kwargs), voice))
+        return rows
 
-    def preprocess(self, text: str, model_kwargs: dict[str, str]) -> np.ndarray:
-        """Context turns, then `[speaker]text` → rows [R, 32] int32 (see the module docstring)."""
-        unknown = sorted(set(model_kwargs) - {"voice", "context"})
-        if unknown:
-            raise ValueError(f"csm takes the model options 'voice' and 'context'; got {', '.join(unknown)}")
+    def _speaker(self, model_kwargs: dict[str, str]) -> str:
         speaker = model_kwargs.get("voice") or self.spec["default_voice"]
         if not speaker.isdigit():
             raise ValueError(f"voice is a CSM speaker id (a non-negative integer); got {speaker!r}")
+        return speaker
+
+    def _voice_rows(self, speaker: str, voice: Voice) -> list[list[int]]:
+        """A cloned voice as a context turn in `speaker`: its text's rows, its frames, the end frame."""
+        codes = voice.features.get("codes")
+        if (
+            codes is None
+            or codes.ndim != 2
+            or codes.shape[1] != N_CODEBOOKS
+            or not len(codes)
+            or codes.dtype.kind not in "iu"
+            or codes.min() < 0
+            or codes.max() >= 2048
+        ):
+            raise ValueError(f"a csm voice is 'codes', frames of {N_CODEBOOKS} Mimi codes in [0, 2048)")
+        return self._turn(speaker, voice.text) + codes.tolist() + [[0] * N_CODEBOOKS]
+
+    def preprocess(self, text: str, model_kwargs: dict[str, str], voice: Voice | None = None) -> np.ndarray:
+        """The cloned voice's turn, context turns, then `[speaker]text` → rows [R, 32] int32 (see the
+        module docstring)."""
+        unknown = sorted(set(model_kwargs) - {"voice", "context"})
+        if unknown:
+            raise ValueError(f"csm takes the model options 'voice' and 'context'; got {', '.join(unknown)}")
+        speaker = self._speaker(model_kwargs)
         if not text or not text.strip():
             raise ValueError("text is empty; give the text to speak")
         if self._tokenizer is None:
             self.load_prompts()
-        rows: list[list[int]] = []
+        rows: list[list[int]] = [] if voice is None else self._voice_rows(speaker, voice)
         for turn in _parse_context(model_kwargs.get("context") or "[]"):
             rows += self._turn(str(turn["speaker"]), turn["text"])
             rows += [list(f) for f in turn["codes"]] + [[0] * N_CODEBOOKS]  # frames, then the end frame

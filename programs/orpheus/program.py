@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from programs.base import Attention, LMProgram, Rows, TokenKind
+from programs.base import Attention, LMProgram, Rows, TokenKind, Voice
 from programs.orpheus.spec import AUDIO_BASE, CODEBOOK, FRAME, STOP_TOKEN
 
 if TYPE_CHECKING:  # torch modules load only in the process that needs them
@@ -138,8 +138,13 @@ class OrpheusProgram(LMProgram):
         return self.codec.compiled(backend) if self.codec.crop else None
 
     # --- prompts (tokenizer_worker) ------------------------------------------------------------
-    def preprocess(self, text: str, model_kwargs: dict[str, str]) -> np.ndarray:
-        """`[128259] + encode(f"{voice}: {text}") + [128009, 128260, 128261, 128257]` → [R, 1] int32."""
+    def preprocess(self, text: str, model_kwargs: dict[str, str], voice: Voice | None = None) -> np.ndarray:
+        """`[128259] + encode(f"{voice}: {text}") + [128009, 128260, 128261, 128257]` → [R, 1] int32.
+        Orpheus clones no voice (reference_sample_rate 0): a cloned `voice` is refused."""
+        if voice is not None:
+            raise ValueError(
+                f"{self.name} does not clone voices; choose one of: {', '.join(self.spec['voices'])}"
+            )
         unknown = sorted(set(model_kwargs) - {"voice"})
         if unknown:
             raise ValueError(f"orpheus takes only the model option 'voice'; got {', '.join(unknown)}")
