@@ -4,7 +4,7 @@ Chunks of one kind (row count, tail rows) decode together. A request's audio doe
 how its windows are batched: every decode call has one fixed size (`call_batch` windows, padded),
 in the captured graphs of each batch bucket (a GPU) and on the eager path (a CPU, or
 --disable-cuda-graph) alike, since convolutions round by batch size (oneDNN: a batch of 1, of 2-15
-and of 16+ differ in the last bit; cuDNN on the H200: SNAC's windows differ in a batch of 1, 2
+and of 16+ differ in the last bit; cuDNN on the H200: a convolutional codec's windows differ in a batch of 1, 2
 and 8 in float16).
 
 A failure fails only the requests whose windows cause it: a chunk of no known kind ends its own
@@ -37,7 +37,7 @@ LEAD_MAX_BATCH = 16  # lead windows are first chunks only: few per pass; graphs 
 # Windows per decode call (a call of fewer is padded): on a CPU 4 costs a lone window ~1.8x a call
 # of 1, and 16 windows take no longer than in one call of 16. On a GPU a graph runs its calls of 16
 # side by side (codec_worker/graphs.py): large batches cost a tenth to a fifth more than one call
-# (SNAC, float16, H200), a lone window the time of 16.
+# (a convolutional codec, float16, H200), a lone window the time of 16.
 CALL_BATCH = {"cpu": 4, "cuda": 16}
 DEAD_KEPT = 4096  # failed requests remembered, to drop their later chunks and their own end
 

@@ -10,8 +10,8 @@ streams they decode in the scratch slot (not fresh), so no request's state is to
 A row's audio does not depend on the bucket it is replayed in: with `call_batch` (the codec
 worker's default on a GPU) a bucket's graph decodes its windows in calls of exactly that many
 windows, so every convolution sees one shape whatever the bucket (cuDNN picks a convolution's
-algorithm by its shape, and SNAC's windows round differently in a batch of 1, 2 or 8 on the H200;
-a window's place within a call changes nothing). `call_batch` 0 decodes a bucket in one call.
+algorithm by its shape: a convolutional codec's windows round differently in a batch of 1, 2 or 8
+on the H200; a window's place within a call changes nothing). `call_batch` 0 decodes a bucket in one call.
 
 `launch` only queues that work and returns a `Pending`: the codec_worker queues every kind of
 window of a pass (and the urgent and the gathered windows) before it waits once. Each wait for

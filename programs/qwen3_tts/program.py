@@ -252,7 +252,8 @@ class Qwen3TtsProgram(LMProgram):
         ids = [*head, *self._tokenizer.text_ids(instruct), q.IM_END_ID, *self._tokenizer.text_ids("\n")]
         return [_row(q.CODEC_PAD, i, q.PROMPT_TEXT) for i in ids]
 
-    def option_rows(self, model_kwargs: dict[str, str]) -> int:
+    def option_rows(self, model_kwargs: dict[str, str], voice: Voice | None = None) -> int:
+        """The instruction's rows; a voice's clip and transcript are within `prompt_overhead`."""
         return len(self._instruction_rows(model_kwargs))
 
     def prompt_overhead(self) -> int:
