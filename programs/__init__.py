@@ -27,6 +27,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     "qwen3-tts-voicedesign": ("qwen3_tts", "qwen3-tts-voicedesign"),
     "qwen/qwen3-tts-12hz-1.7b-voicedesign": ("qwen3_tts", "qwen3-tts-voicedesign"),
     "qwen3-tts-tiny": ("qwen3_tts", "qwen3-tts-tiny"),
+    "higgs-tts": ("higgs_tts", "higgs-tts"),
+    "higgs-audio-v2": ("higgs_tts", "higgs-tts"),
+    "bosonai/higgs-audio-v2-generation-3b-base": ("higgs_tts", "higgs-tts"),
+    "higgs-tts-tiny": ("higgs_tts", "higgs-tts-tiny"),
 }
 
 DEFAULT_MODEL = "orpheus-tiny"  # what --model "" (the default) serves: random weights, no download
