@@ -193,6 +193,11 @@ class HiggsTtsProgram(LMProgram):
         return _OFFLINE_MARKERS[token]
 
     def preprocess(self, text: str, model_kwargs: dict[str, str], voice: Voice | None = None) -> PromptRows:
+        if model_kwargs.get("voice"):
+            raise ValueError(
+                f"{self.spec['name']} has no preset voices: describe the voice in the scene option"
+            )
+        model_kwargs = {k: v for k, v in model_kwargs.items() if k != "voice"}
         unknown = sorted(set(model_kwargs) - set(_OPTIONS))
         if unknown:
             raise ValueError(
