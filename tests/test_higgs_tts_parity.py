@@ -156,8 +156,10 @@ def test_bad_prompts_are_refused_by_the_program(program):
     bad[3, 2] = 5
     assert "column 0" in program.check_prompt(bad, {})
     assert program.check_prompt(rows, {"speaker": np.zeros(4, np.float32)})
-    with pytest.raises(ValueError, match="model options"):
+    with pytest.raises(ValueError, match="preset voices"):
         program.preprocess("Hello.", {"voice": "nobody"})
+    with pytest.raises(ValueError, match="model options"):
+        program.preprocess("Hello.", {"voice": "", "emotion": "happy"})
     with pytest.raises(ValueError, match="empty"):
         program.preprocess("  ", {})
 

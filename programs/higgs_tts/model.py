@@ -12,7 +12,8 @@ built from programs/blocks.
 - A text row's input is `embed_tokens[id]`; an audio row's the sum of its 8 codebooks'
   `embed_audio_tokens[code + 1026 k]`. `audio_lm_head` gives all 8 codebooks' logits from one hidden
   state ([8 · 1026, H]).
-- On a GPU each layer runs q/k/v as one GEMM and each feed-forward's gate/up as one (`fuse`); both
+- On a GPU each layer runs q/k/v as one GEMM and each feed-forward's gate/up as one (`fuse`, at
+  load); both
   feed-forward paths run on every row and `torch.where` keeps each row's own, so a step's shapes
   never depend on which rows are audio (graph-safe, and a row's result does not depend on its batch).
 """
@@ -113,8 +114,6 @@ class HiggsLM(nn.Module):
         cos, sin = rope_cos_sin(self.inv_freq, pos, hidden.dtype)
         cos, sin = cos[:, None, :], sin[:, None, :]  # [N, 1, D]
         a = audio[:, None]
-        if hidden.is_cuda and not self._qkv:
-            self.fuse()
         for i, layer in enumerate(self.model.layers):
             x = torch.where(a, layer.audio_input_layernorm(hidden), layer.input_layernorm(hidden))
             hidden = hidden + self._attention(i, layer.self_attn, x, cos, sin, attn)
@@ -141,7 +140,8 @@ class HiggsLM(nn.Module):
         return mlp(x)
 
     def fuse(self) -> None:
-        """Each layer's q/k/v weights and each feed-forward's gate/up weights, concatenated."""
+        """Each layer's q/k/v weights and each feed-forward's gate/up weights as one tensor, the
+        projections' own weights becoming views of it (no second copy; loading writes through)."""
         layers = self.model.layers
         if any(
             layer.self_attn.q_proj.bias is not None or layer.mlp.gate_proj.bias is not None
@@ -149,14 +149,10 @@ class HiggsLM(nn.Module):
         ):
             raise ValueError("the fused projections assume no biases")
         self._qkv = [
-            torch.cat(
-                [layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight]
-            )
-            for layer in layers
+            _join(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj) for layer in layers
         ]
         self._gate_up = [
-            tuple(torch.cat([m.gate_proj.weight, m.up_proj.weight]) for m in (layer.mlp, layer.audio_mlp))
-            for layer in layers
+            tuple(_join(m.gate_proj, m.up_proj) for m in (layer.mlp, layer.audio_mlp)) for layer in layers
         ]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -168,7 +164,6 @@ class HiggsLM(nn.Module):
     def load_weights(self, weights) -> set[str]:
         """(name, tensor) pairs in transformers' names or bosonai's original ones (ORIGINAL_NAMES;
         the halves of a partially frozen `embed_tokens` or `audio_lm_head` are concatenated)."""
-        self._qkv, self._gate_up = [], []
         halves: dict[str, dict[str, torch.Tensor]] = {}
         named = []
         for name, t in weights:
@@ -204,6 +199,17 @@ class HiggsLM(nn.Module):
         lm = cls(config, dtype, device)
         random_weights(lm, device, seed)
         return lm.eval()
+
+
+def _join(*linears: Linear) -> torch.Tensor:
+    """The weights of `linears` concatenated by rows; each linear's weight becomes its rows' view."""
+    joined = torch.cat([lin.weight for lin in linears])
+    lo = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight.data = joined[lo : lo + n]
+        lo += n
+    return joined
 
 
 def _rename(name: str) -> str:

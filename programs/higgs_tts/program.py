@@ -79,6 +79,8 @@ class HiggsTtsProgram(LMProgram):
         if self.quantization != "none":
             raise ValueError(f"{self.name} runs with --quantization none (got {self.quantization!r})")
         self.lm = self.lm_weights(HiggsLM)
+        if self.device.type == "cuda":
+            self.lm.fuse()
         self._set_lm_constants(self.lm.config)
 
     def load_codec(self) -> None:
