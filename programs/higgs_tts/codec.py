@@ -7,18 +7,21 @@ summed), `fc2` to the acoustic width, and the DAC decoder (`acoustic_decoder`: a
 blocks of Snake + transposed conv (kernel 2s, stride s) + residual units of dilations 1, 3, 9, then
 Snake and a kernel-7 conv; no tanh), 960 samples per frame (8·5·4·2·3).
 
-The decoder's convolutions are centered, so a frame's audio depends on `lookahead_frames` (left,
-right) latent frames around it (10 and 10 with the published ratios). A stream therefore decodes
-frame f once frame f + right exists (or the utterance has ended), from a window of
-left + 1 + right latent frames around it, each layer's input zeroed outside the utterance (frames
-before 0 and from its end on): exactly what the whole utterance's zero padding gives, so the
-streamed audio equals `decode_all` to float rounding.
+Every convolution of the decoder is centered, so a stream runs it with a lag: each layer keeps the
+inputs its kernel still needs (a conv of kernel 7 and dilation d its last 6d inputs, a transposed
+conv its last input, a residual unit its last 3d inputs to add to the conv's lagged output), and
+each call feeds one latent frame through every layer, which returns the samples it can now
+complete: `decoder_lag` (spec.py) behind, rounded up to whole frames by a last delay line. Each
+layer's input is zeroed outside the utterance (positions before 0, and from its end on once the
+all-eos row came), which is what the whole utterance's zero padding gives, so the streamed audio
+equals `decode_all` to float rounding, for one frame's compute a frame.
 
 A stream takes the LM's rows in the delay pattern (programs/higgs_tts/spec.py) and undoes it
 itself: row c (counted from the last all-bos row) carries codebook k of frame c - k - 1; frame
-c - 8 is complete at row c. Per codec slot it keeps the row count, the utterance's frame count once
-its all-eos row arrived, the 8 frames being assembled and a ring of the last window's latents;
-`decode_stream` gathers and scatters them with device tensors (graph-safe).
+c - 8 is complete at row c and goes into the decoder, which emits frame c - 8 - lag. Per codec slot
+it keeps the row count, the utterance's frame count once its all-eos row arrived, the 8 frames
+being assembled and every layer's inputs; `decode_stream` gathers and scatters them with device
+tensors (graph-safe).
 """
 
 from __future__ import annotations
@@ -97,6 +100,63 @@ class AcousticDecoder(nn.Module):
                 h = unit(h * m)
         return self.conv2(self.snake1(h * m))[:, 0]
 
+    def state_shapes(self, lag: int) -> list[tuple[int, int]]:
+        """(channels, samples) of each input a stream keeps, in `step`'s order."""
+        shapes = [(self.conv1.in_channels, 6)]
+        for block in self.block:
+            shapes.append((block.conv_t1.in_channels, 1))
+            c = block.conv_t1.out_channels
+            shapes += [shape for d in (1, 3, 9) for shape in ((c, 6 * d), (c, 3 * d))]
+        shapes.append((self.conv2.in_channels, 6))
+        hop = math.prod(b.stride for b in self.block)
+        delay = -(-lag // hop) * hop - lag
+        return shapes + ([(1, delay)] if delay else [])
+
+    def step(
+        self, x: torch.Tensor, frame: torch.Tensor, n_end: torch.Tensor, held: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One latent frame of each stream through every layer: x [B, D, 1] latent frame `frame`
+        [B] of utterances of n_end [B] frames, held the kept inputs (`state_shapes`) → (audio
+        [B, hop] of the frame `decoder_lag` frames back, the inputs to keep)."""
+        kept: list[torch.Tensor] = []
+        old = iter(held)
+
+        def inside(h: torch.Tensor, rate: int, lag: int) -> torch.Tensor:
+            pos = frame[:, None] * rate - lag + torch.arange(h.shape[-1], device=h.device)[None]
+            return h * ((pos >= 0) & (pos < n_end[:, None] * rate))[:, None, :].to(h.dtype)
+
+        def conv(mod: nn.Conv1d, h: torch.Tensor, keep: int) -> torch.Tensor:
+            full = torch.cat([next(old), h], dim=-1)
+            kept.append(full[..., -keep:])
+            return F.conv1d(full, mod.weight, mod.bias, dilation=mod.dilation)
+
+        rate, lag = 1, 0
+        h = conv(self.conv1, inside(x, rate, lag), 6)
+        lag += 3
+        for block in self.block:
+            s = block.stride
+            h = block.snake1(inside(h, rate, lag))
+            full = torch.cat([next(old), h], dim=-1)
+            kept.append(h[..., -1:])
+            # the outputs every input of which is here: rate * s of them, from the previous input on
+            h = F.conv_transpose1d(full, block.conv_t1.weight, block.conv_t1.bias, stride=s)[
+                ..., s : s + rate * s
+            ]
+            rate, lag = rate * s, lag * s + math.ceil(s / 2)
+            for unit, d in zip((block.res_unit1, block.res_unit2, block.res_unit3), (1, 3, 9), strict=True):
+                h = inside(h, rate, lag)
+                y = unit.conv2(unit.snake2(conv(unit.conv1, unit.snake1(h), 6 * d)))
+                late = torch.cat([next(old), h], dim=-1)  # the input, 3d samples late as conv1's output
+                kept.append(late[..., -3 * d :])
+                h = late[..., :rate] + y
+                lag += 3 * d
+        h = conv(self.conv2, self.snake1(inside(h, rate, lag)), 6)
+        if len(kept) < len(held):  # the delay line that rounds the lag up to whole frames
+            full = torch.cat([next(old), h], dim=-1)
+            kept.append(full[..., -held[-1].shape[-1] :])
+            h = full[..., :rate]
+        return h[:, 0], kept
+
 
 class _Codebook(nn.Module):
     def __init__(self, size: int, dim: int) -> None:
@@ -129,12 +189,12 @@ class HiggsCodec(nn.Module):
         self.fc2 = nn.Linear(width, acoustic["hidden_size"])
         self.acoustic_decoder = AcousticDecoder(acoustic)
         self.samples_per_frame = math.prod(acoustic["upsampling_ratios"])
-        self.left, self.right = h.lookahead_frames(acoustic)
-        self.window = self.left + 1 + self.right
+        lag, self.lag_frames = h.decoder_lag(acoustic)
+        self.shapes = self.acoustic_decoder.state_shapes(lag)
         self.count: torch.Tensor | None = None  # [n] int64 index of the slot's last row (-1: none)
         self.n_end = torch.empty(0)  # [n] int64 frames of the slot's utterance, NO_END until known
         self.pending = torch.empty(0)  # [n, 8, 8] int64 frames being assembled, by frame % 8
-        self.latents = torch.empty(0)  # [n, window, D] the last `window` frames' latents, by frame % window
+        self.held: list[torch.Tensor] = []  # [n, C, S] each decoder layer's kept inputs
 
     def latent(self, codes: torch.Tensor) -> torch.Tensor:
         """Frames' codes [..., 8] in [0, 1024) → latents [..., D] (the quantizer's sum, then fc2)."""
@@ -155,7 +215,7 @@ class HiggsCodec(nn.Module):
         self.count = torch.full((n_slots,), -1, dtype=torch.int64, device=dev)
         self.n_end = torch.full((n_slots,), NO_END, dtype=torch.int64, device=dev)
         self.pending = torch.zeros(n_slots, h.N_CODEBOOKS, h.N_CODEBOOKS, dtype=torch.int64, device=dev)
-        self.latents = torch.zeros(n_slots, self.window, self.fc2.out_features, dtype=dtype, device=dev)
+        self.held = [torch.zeros(n_slots, c, k, dtype=dtype, device=dev) for c, k in self.shapes]
 
     @torch.no_grad()
     def decode_stream(self, rows: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
@@ -164,21 +224,23 @@ class HiggsCodec(nn.Module):
         bool: whether each row's frame of audio exists). Graph-safe."""
         count = torch.where(fresh, -1, self.count.index_select(0, slots))
         n_end = torch.where(fresh, NO_END, self.n_end.index_select(0, slots))
-        pending, latents = self.pending.index_select(0, slots), self.latents.index_select(0, slots)
+        pending = self.pending.index_select(0, slots)
+        held = [torch.where(fresh[:, None, None], 0, t.index_select(0, slots)) for t in self.held]
         audio, valid = [], []
         for r in range(rows.shape[1]):
-            count, n_end, out, ok = self._row(rows[:, r], count, n_end, pending, latents)
+            count, n_end, held, out, ok = self._row(rows[:, r], count, n_end, pending, held)
             audio.append(out)
             valid.append(ok)
         self.count.index_copy_(0, slots, count)
         self.n_end.index_copy_(0, slots, n_end)
         self.pending.index_copy_(0, slots, pending)
-        self.latents.index_copy_(0, slots, latents)
+        for t, new in zip(self.held, held, strict=True):
+            t.index_copy_(0, slots, new)
         return torch.cat(audio, dim=1).float(), torch.stack(valid, dim=1)
 
-    def _row(self, row, count, n_end, pending, latents):
-        """One row of each entry: de-delay it into `pending`, store the frame it completes in
-        `latents` (both [Bd, ...], in place), and decode the frame `right` frames back."""
+    def _row(self, row, count, n_end, pending, held):
+        """One row of each entry: de-delay it into `pending` (in place), feed the frame it
+        completes to the decoder, and return the frame `lag_frames` back."""
         c = torch.where((row == h.STREAM_BOS).all(1), 0, count + 1)  # [Bd]
         ended = (row >= h.STREAM_EOS).all(1) & (n_end == NO_END)
         n_end = torch.where(ended, c - 8, n_end)
@@ -186,24 +248,15 @@ class HiggsCodec(nn.Module):
         frame = (c[:, None] - 1 - k[None]) % h.N_CODEBOOKS  # [Bd, 8] the frame each code belongs to
         pending.scatter_(1, frame[:, None, :], row[:, None, :])
         done = c - 8  # the frame this row completes
-        codes = pending.gather(1, (done % h.N_CODEBOOKS)[:, None, None].expand(-1, 1, h.N_CODEBOOKS))[:, 0]
-        w = self.window
-        latents.scatter_(
-            1,
-            (done % w)[:, None, None].expand(-1, 1, latents.shape[2]),
-            self.latent(codes.clamp(0, h.CODES - 1))[:, None],
-        )
-        f = done - self.right  # the frame this row emits
-        idx = f[:, None] - self.left + torch.arange(w, device=row.device)[None]  # [Bd, W]
-        keep = (idx >= 0) & (idx < n_end[:, None])
-        x = latents.gather(1, (idx % w)[:, :, None].expand(-1, -1, latents.shape[2]))  # [Bd, W, D]
-        spf = self.samples_per_frame
-        out = self.acoustic_decoder(x.transpose(1, 2), keep)[:, self.left * spf : (self.left + 1) * spf]
-        return c, n_end, out, (f >= 0) & (f < n_end)
+        index = (done % h.N_CODEBOOKS)[:, None, None].expand(-1, 1, h.N_CODEBOOKS)
+        latent = self.latent(pending.gather(1, index)[:, 0].clamp(0, h.CODES - 1))  # [Bd, D]
+        out, held = self.acoustic_decoder.step(latent[:, :, None], done, n_end, held)
+        f = done - self.lag_frames  # the frame it emits
+        return c, n_end, held, out, (f >= 0) & (f < n_end)
 
     def slot_bytes(self) -> int:
         """Bytes of state one slot holds."""
-        return 16 + 64 * 8 + self.window * self.fc2.out_features * self.fc2.weight.element_size()
+        return 16 + 64 * 8 + sum(c * k for c, k in self.shapes) * self.fc2.weight.element_size()
 
     @classmethod
     def from_config(cls, path: str, dtype: torch.dtype, device, seed: int = 0) -> HiggsCodec:

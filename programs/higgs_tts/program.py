@@ -53,7 +53,7 @@ class HiggsTtsProgram(LMProgram):
         self._audio: torch.Tensor | None = None  # [N] bool, this step's DualFFN audio rows (embed → backbone)
         self._set_lm_constants(self.read_config("lm_config"))
         acoustic = self.read_config("codec_config")["acoustic_model_config"]
-        self.flush_rows = h.lookahead_frames(acoustic)[1]  # rows past the all-eos row (spec.py)
+        self.flush_rows = h.decoder_lag(acoustic)[1]  # rows past the all-eos row (spec.py)
 
     def _set_lm_constants(self, cfg: dict[str, Any]) -> None:
         if cfg["num_codebooks"] != h.N_CODEBOOKS or cfg["codebook_size"] != h.CODEBOOK_IDS:

@@ -20,7 +20,7 @@ config.json (configs/, see docs/models/higgs-tts.md for where each value comes f
 Row values the program adds (never sampled; `embed` reads them as stream eos, the codec clips them):
 FORCED_EOS marks an eos the delay pattern forced (so a row's forced prefix is counted exactly from
 the previous row alone), and FLUSH_BASE + j (column 0) marks the j-th row after the all-eos row:
-the codec's decoder looks `lookahead_frames` frames ahead, so the request runs that many rows past
+the codec's decoder runs `decoder_lag` frames behind its input, so the request runs that many rows past
 the reference's stop (rows that only flush the codec; the LM's codes are the reference's), and the
 row with j = lookahead is the stop.
 """
@@ -54,22 +54,19 @@ SCENE_START = "<|scene_desc_start|>"
 SCENE_END = "<|scene_desc_end|>"
 
 
-def lookahead_frames(acoustic: dict[str, Any]) -> tuple[int, int]:
-    """(left, right): how many latent frames before and after a frame the DAC decoder's output for
-    that frame depends on (every convolution is centered): the first conv (kernel 7), each block's
-    transposed conv (kernel 2s, stride s, padding ceil(s/2)) and residual units (kernel 7,
-    dilations 1, 3, 9), the last conv (kernel 7), walked back from the frame's first and last
-    samples."""
+def decoder_lag(acoustic: dict[str, Any]) -> tuple[int, int]:
+    """(samples, frames): how far the DAC decoder's output runs behind its input when it decodes a
+    stream (programs/higgs_tts/codec.py), every convolution being centered: a conv of kernel k and
+    dilation d waits for (k - 1) d / 2 inputs past its output, a transposed conv (kernel 2s,
+    stride s, padding ceil(s/2)) turns a lag of m inputs into m s + ceil(s/2) outputs; the frames
+    are the samples rounded up to whole frames (9458 samples, 10 frames with the published ratios)."""
     ratios = list(acoustic["upsampling_ratios"])
+    lag = 3  # the first conv (kernel 7), in latent frames
+    for s in ratios:
+        lag = lag * s + math.ceil(s / 2) + 3 * (1 + 3 + 9)  # transposed conv, residual units
+    lag += 3  # the last conv
     hop = math.prod(ratios)
-    f = 1000  # any frame far from the start: the context is periodic in frames
-    lo, hi = f * hop - 3, (f + 1) * hop - 1 + 3  # the last conv
-    for s in reversed(ratios):
-        p = math.ceil(s / 2)
-        lo, hi = lo - 39, hi + 39  # residual units: 3 * (1 + 3 + 9) each side
-        # out[n] sums in[m] * w[n + p - m*s] for 0 <= n + p - m*s < 2s
-        lo, hi = -((-(lo + p - 2 * s + 1)) // s), (hi + p) // s
-    return f - (lo - 3), (hi + 3) - f
+    return lag, -(-lag // hop)
 
 
 _COMMON = {
