@@ -75,7 +75,7 @@ class DecoderBlock(nn.Module):
 
 
 class AcousticDecoder(nn.Module):
-    """The DAC decoder; `forward` zeroes each convolution's input outside `keep`."""
+    """The DAC decoder: `forward` decodes a whole utterance, `step` one frame of streams."""
 
     def __init__(self, acoustic: dict[str, Any]) -> None:
         super().__init__()
@@ -88,17 +88,13 @@ class AcousticDecoder(nn.Module):
         self.snake1 = Snake(out)
         self.conv2 = nn.Conv1d(out, 1, 7, padding=3)
 
-    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        """x [B, D, T] latent frames, keep [B, T] bool (the frames inside the utterance) → audio
-        [B, T * 960]. Snake keeps zeros zero, so masking each unit's input covers its conv."""
-        m = keep[:, None, :].to(x.dtype)
-        h = self.conv1(x * m)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, D, T] latent frames → audio [B, T * hop] (the whole utterance: zero padding)."""
+        h = self.conv1(x)
         for block in self.block:
-            h = block.conv_t1(block.snake1(h * m))
-            m = m.repeat_interleave(block.stride, dim=-1)
-            for unit in (block.res_unit1, block.res_unit2, block.res_unit3):
-                h = unit(h * m)
-        return self.conv2(self.snake1(h * m))[:, 0]
+            h = block.conv_t1(block.snake1(h))
+            h = block.res_unit3(block.res_unit2(block.res_unit1(h)))
+        return self.conv2(self.snake1(h))[:, 0]
 
     def state_shapes(self, lag: int) -> list[tuple[int, int]]:
         """(channels, samples) of each input a stream keeps, in `step`'s order."""
@@ -207,8 +203,7 @@ class HiggsCodec(nn.Module):
     def decode_all(self, codes: torch.Tensor) -> torch.Tensor:
         """Frames [T, 8] of codes → the whole utterance's audio [T * 960] float32."""
         x = self.latent(codes.clamp(0, h.CODES - 1))[None].transpose(1, 2)
-        keep = torch.ones(1, codes.shape[0], dtype=torch.bool, device=codes.device)
-        return self.acoustic_decoder(x, keep)[0].float()
+        return self.acoustic_decoder(x)[0].float()
 
     def init_streams(self, n_slots: int) -> None:
         dev, dtype = self.fc2.weight.device, self.fc2.weight.dtype
