@@ -1,7 +1,7 @@
 """Higgs Audio v2 through the gpu_worker engine equals transformers' `HiggsAudioV2ForConditionalGeneration.generate`
 for the same random weights (higgs-tts-tiny, CPU fp32), from the prompt the program builds: greedy
 rows (8 codebooks from one hidden state, the delay pattern's forced stream bos and eos, the stop at
-the all-eos row) alone and inside a batch of staggered requests; sampled rows that do not depend on
+the all-eos row, or at max_tokens) alone and inside a batch of staggered requests; sampled rows that do not depend on
 the batch; and the audio the codec_worker streams, one row at a time with state per request and
 requests interleaved in its decodes, equal within 1 LSB of PCM16 to the reference tokenizer's
 whole-utterance decode (`HiggsAudioV2Processor.batch_decode`'s steps: between the bos and eos rows,
@@ -103,14 +103,18 @@ CASES = {
 BUDGET = 80  # rows a request may generate (the flush rows included)
 
 
+CUT = 25  # rows of request "f", case b's text cut by max_tokens before its end
+
+
 @pytest.fixture(scope="module")
 def wanted(ref, program) -> dict:
-    return {rid: ref_generate(ref, program, t, o, BUDGET) for rid, (t, o) in CASES.items()}
+    rows = {rid: ref_generate(ref, program, t, o, BUDGET) for rid, (t, o) in CASES.items()}
+    return {**rows, "f": ref_generate(ref, program, *CASES["b"], CUT)}
 
 
 def test_greedy_rows_equal_the_reference_alone_and_in_a_batch(program, wanted):
     ended = [rid for rid, want in wanted.items() if (want[-1] == h.STREAM_EOS).all()]
-    assert len(ended) >= 3, "these weights end most utterances within the budget"
+    assert len(ended) >= 3 and "f" not in ended, "these weights end most utterances within the budget"
     assert len({len(w) for w in wanted.values()}) >= 3, "of different lengths"
     flush = program.flush_rows
     sp = dict(temperature=0.0)
@@ -119,8 +123,9 @@ def test_greedy_rows_equal_the_reference_alone_and_in_a_batch(program, wanted):
         alone = run(program, [p])
         rows = np.array(alone.outputs[p.rid][0])
         np.testing.assert_array_equal(as_reference(rows[: len(wanted[p.rid])]), wanted[p.rid], err_msg=p.rid)
+    cut = make_prompt(program, "f", *CASES["b"][:1], CUT, CASES["b"][1], **sp)
     batched = run(program, prompts[:4], stagger=True)
-    batched.outputs.update(run(program, prompts[4:]).outputs)
+    batched.outputs.update(run(program, [*prompts[4:], cut]).outputs)
     for rid, want in wanted.items():
         rows, reason = batched.outputs[rid]
         rows = np.array(rows)
