@@ -16,12 +16,14 @@ import types
 import torch
 
 
-def reference_lm(lm) -> torch.nn.Module:
-    """HiggsAudioV2ForConditionalGeneration with the config and weights of `lm` (a HiggsLM)."""
+def reference_lm(lm, device: str = "cpu", dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """HiggsAudioV2ForConditionalGeneration with the config and weights of `lm` (a HiggsLM), built
+    on `device` in `dtype`."""
     from transformers import HiggsAudioV2Config, HiggsAudioV2ForConditionalGeneration
 
     cfg = {k: v for k, v in lm.config.items() if k not in ("architectures", "model_type")}
-    ref = HiggsAudioV2ForConditionalGeneration(HiggsAudioV2Config(**cfg)).eval()
+    with torch.device(device):
+        ref = HiggsAudioV2ForConditionalGeneration._from_config(HiggsAudioV2Config(**cfg), dtype=dtype).eval()
     missing, unexpected = ref.load_state_dict(lm.state_dict(), strict=False)
     assert not unexpected and not [m for m in missing if "rotary" not in m], (missing, unexpected)
     return ref

@@ -113,7 +113,7 @@ def _reference(prog):
     try:
         from tests.higgs_tts_reference import reference_lm
 
-        return reference_lm(prog.lm).to(device="cuda", dtype=torch.bfloat16).eval()
+        return reference_lm(prog.lm, "cuda", torch.bfloat16)
     except (ImportError, TypeError, ValueError) as e:
         return f"transformers' Higgs Audio v2 does not build here: {e}"
 
