@@ -93,7 +93,7 @@ class HiggsLM(nn.Module):
         self.register_buffer("inv_freq", llama3_inv_freq(cfg, self.head_dim).to(dev), persistent=False)
         offsets = torch.arange(self.n_codebooks, device=dev) * self.codebook_size
         self.register_buffer("offsets", offsets, persistent=False)
-        self._qkv: list[torch.Tensor] = []  # `fuse`'s weights, built at the first GPU step
+        self._qkv: list[torch.Tensor] = []  # `fuse`'s weights (a GPU program fuses at load)
         self._gate_up: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     # --- inputs (graph-safe) ---------------------------------------------------------------------
@@ -102,9 +102,8 @@ class HiggsLM(nn.Module):
 
     def audio_rows(self, codes: torch.Tensor) -> torch.Tensor:
         """Rows [N, 8] of ids in [0, 1026) → the sum of their codebooks' embeddings [N, H]."""
-        return F.embedding(codes + self.offsets, self.model.embed_audio_tokens.embed_audio_tokens.weight).sum(
-            1
-        )
+        table = self.model.embed_audio_tokens.embed_audio_tokens.weight
+        return F.embedding(codes + self.offsets, table).sum(1)
 
     # --- backbone (graph-safe) -------------------------------------------------------------------
     def backbone(
