@@ -14,6 +14,7 @@
 #   xqa            tests/gpu/test_gpu_xqa_parity.py, then `voxpipe bench options` for the XQA configs
 #   csm            tests/gpu/test_gpu_csm_parity.py
 #   qwen3          tests/gpu/test_gpu_qwen3_tts_parity.py
+#   higgs          tests/gpu/test_gpu_higgs_tts_parity.py
 #   step | speed | offline | options | profile | attention | op-invariance | codec | codec-profile
 #                  `voxpipe bench STAGE` with the serving flags below
 #   load | load-mps | load-adaptive   `voxpipe bench ttfa` then the load curve on the same server
@@ -21,6 +22,8 @@
 #   qwen3-rate     Qwen3-TTS (VOXPIPE_QWEN3_MODEL, default the 1.7B CustomVoice): `voxpipe bench ttfa`,
 #                  then open-loop Poisson arrivals (VOXPIPE_RATES) of 8-15-word sentences, 60-75 frames
 #                  each (4.8-6 s of audio: random weights rarely end a stream themselves)
+#   higgs-load     Higgs Audio v2 3B: `voxpipe bench ttfa`, then the load curve (VOXPIPE_LOAD), streams
+#                  of 250 rows (10 s of audio; random weights never end one themselves)
 #
 # Environment: OUT (default /tmp/out), VOXPIPE_STAGE_S (per-stage timeout, default 300 s),
 # VOXPIPE_LOAD / VOXPIPE_LOAD_S (load levels and seconds per level), VOXPIPE_SERVE_EXTRA (more
@@ -60,6 +63,7 @@ for stage in "$@"; do
     invariance) gpu_tests invariance tests/gpu/test_gpu_batch_invariance.py tests/gpu/test_gpu_op_invariance.py ;;
     csm) gpu_tests csm tests/gpu/test_gpu_csm_parity.py ;;
     qwen3) gpu_tests qwen3 tests/gpu/test_gpu_qwen3_tts_parity.py ;;
+    higgs) gpu_tests higgs tests/gpu/test_gpu_higgs_tts_parity.py ;;
     xqa)
         gpu_tests xqa-parity tests/gpu/test_gpu_xqa_parity.py
         run xqa-speed $bench options --configs bf16+audio_head,audio_head+fp8kv,audio_head+fp8kv+flashinfer,audio_head+xqa \
@@ -107,6 +111,11 @@ for stage in "$@"; do
         run csm-load $bench ttfa --model csm --reps 5 --tokens 40 --load "${VOXPIPE_LOAD:-16,32,64,96}" \
             --load-duration 15 --load-tokens 150 --ramp 4 --label "$LABEL" --load-out "$OUT/csm-load.json" \
             --out "$OUT/csm-ttfa.json" -- --max-batch-size 128 --codec-dtype float16
+        ;;
+    higgs-load)
+        run higgs-load $bench ttfa --model higgs-tts --reps 10 --tokens 150 --load "${VOXPIPE_LOAD:-16,32,64,128}" \
+            --load-duration 15 --load-tokens 250 --ramp 4 --label "$LABEL" --load-out "$OUT/higgs-load.json" \
+            --out "$OUT/higgs-ttfa.json" -- --max-batch-size 256
         ;;
     *) echo "unknown stage $stage (see the head of bench/gpu.sh)" ;;
     esac

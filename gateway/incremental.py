@@ -136,7 +136,7 @@ def parse_session(body: Mapping[str, Any], spec: ModelSpec, cfg: ServeConfig) ->
         body = {**body, "model": match}
     v = parse_fields(body, fields)
     sampling = sampling_params(v, fields, spec, cfg)
-    voice = v["voice"] or field_default(fields, "voice")
+    voice = v["voice"] or field_default(fields, "voice") or ""
     names = [f.name for f in option_fields(spec, skip=set(spec.sized_options))]
     return SessionParams(
         model=spec.name,

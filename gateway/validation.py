@@ -332,7 +332,7 @@ def parse_generate(
     sampling = sampling_params(v, fields, spec, cfg)
     return GenerateParams(
         text=v["text"],
-        voice=v["voice"] or field_default(fields, "voice"),
+        voice=v["voice"] or field_default(fields, "voice") or "",
         sampling=sampling,
         streaming=True if v["streaming"] is None else v["streaming"],
         segments=plan_segments(v["text"], sampling.max_tokens, spec, cfg),
@@ -390,7 +390,7 @@ def parse_speech(
             param="streaming",
         )
     sampling = sampling_params(v, fields, spec, cfg)
-    voice = v["voice"] or field_default(fields, "voice")
+    voice = v["voice"] or field_default(fields, "voice") or ""
     return SpeechParams(
         text=v["input"],
         voice=voice_aliases(spec).get(voice, voice),

@@ -33,6 +33,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     "qwen3-tts-base-0.6b": ("qwen3_tts", "qwen3-tts-base-0.6b"),
     "qwen/qwen3-tts-12hz-0.6b-base": ("qwen3_tts", "qwen3-tts-base-0.6b"),
     "qwen3-tts-base-tiny": ("qwen3_tts", "qwen3-tts-base-tiny"),
+    "higgs-tts": ("higgs_tts", "higgs-tts"),
+    "higgs-audio-v2": ("higgs_tts", "higgs-tts"),
+    "bosonai/higgs-audio-v2-generation-3b-base": ("higgs_tts", "higgs-tts"),
+    "higgs-tts-tiny": ("higgs_tts", "higgs-tts-tiny"),
 }
 
 DEFAULT_MODEL = "orpheus-tiny"  # what --model "" (the default) serves: random weights, no download
