@@ -17,8 +17,9 @@ at 82.03 rows a second). `StepClock` keeps an exponential average of the interva
 - `row_period()`: the recent interval at the current load, and `row_period_high()` a pessimistic
   one (plus twice the recent spread);
 - `rows_time_high(n)`: how long the next n steps may take, from the last steps' own n-step spans
-  (a high percentile of them), which decides whether a request's first audio can come from a short
-  lead window and when it may switch to regular windows (see `lead_fits`).
+  (a high percentile of them), and no less than the scheduler expects while prompts wait
+  (`expect`), which decides whether a request's first audio can come from a short lead window and
+  when it may switch to regular windows (see `lead_fits`).
 
 Intervals are wall-clock and include everything that shares the GPU and the host loop (the codec,
 prefill steps, message handling): what a stream actually experiences.
@@ -236,6 +237,8 @@ class StepClock:
         self._pace_n, self._pace_batch, self._pace_dt = 0, 0.0, 0.0
         self._pace_rows = 0.0  # rows per step over the same steps (streams sitting out excluded)
         self.cost = StepCost()
+        # Seconds a step may take over the next steps whatever the steps before took (`expect`)
+        self._expected = 0.0
         # `tick`'s costs of the last steps launched, the latest last
         self._launched: deque[tuple[int, int, int] | None] = deque(maxlen=3)
 
@@ -310,7 +313,18 @@ class StepClock:
         ones."""
         return self._recent + 2.0 * self._spread
 
+    def expect(self, step_s: float) -> None:
+        """The next steps may each take up to `step_s` seconds, whatever the last ones took (0: as
+        they went): the scheduler says so while prompts wait, since it admits them up to its step
+        budget. A burst from idle otherwise has its first streams promised audio on the light steps
+        before it (`rows_time_high`), and the heavier steps that start the rest make them late."""
+        self._expected = step_s
+
     def rows_time_high(self, rows: int) -> float:
+        """Seconds the next `rows` steps may take: `_rows_time_high`, and no less than `expect` says."""
+        return max(self._rows_time_high(rows), rows * self._expected)
+
+    def _rows_time_high(self, rows: int) -> float:
         """Seconds the next `rows` steps may take: the SPAN_QUANTILE of the times of every `rows`
         consecutive steps among the last RECENT_STEPS, or the latest such span if slower (the load
         just grew). A slow step (a prefill, a codec pass beside it) counts once in the spans it

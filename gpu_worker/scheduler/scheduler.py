@@ -1,7 +1,8 @@
 """The scheduler: which requests run when. It alone decides
 
 - admission: which waiting requests start this step (free slots, KV pages for their whole budget,
-  the prefill row cap, the runner's lanes), and rejection of those that never could;
+  the caps on prompts and prompt rows per step, and as many prompts as the fitted step cost leaves
+  room for beside the running streams' rows), and rejection of those that never could;
 - abort and finish: a request's end, its slot and pages given back;
 - consistency: a prompt whose id is already held is refused (never run in another's place), and a
   step in a state the scheduler knows is broken (a slot or KV page that no request holds) raises
@@ -87,6 +88,7 @@ class Scheduler:
         # rid → (generated rows as in Request.generated, stop excluded; reason) when kept (tests, benches).
         self.outputs: dict[str, tuple[list, FinishReason]] | None = None
         self.last_batch_size = 0
+        self.admitted_last = 0  # prompts the last step admitted
         self.sit_out = None
         check_sit_out(limits.sit_out_lead_s)
         if limits.sit_out_lead_s > 0:
@@ -250,28 +252,69 @@ class Scheduler:
         return batch
 
     def admit(self, max_prefills: int) -> None:
-        """Waiting requests into slots while slots, KV pages, the prefill row cap and
-        `max_prefills` (the runner's lanes; 0: no limit) last, in order."""
+        """Waiting requests into slots, in arrival order, while slots, KV pages and this step's room
+        for prompts last: at most `prefill_cap` prompts and `max_prefill_rows` prompt rows, and no
+        more than the fitted step cost lets the running streams keep real time (`prompt_room`);
+        the first waiting prompt always starts (a step never admits none while slots and pages last).
+        Then tells the clock what the next steps may take while prompts still wait (`StepClock.expect`)."""
+        cap, limits = self.prefill_cap(max_prefills), self.limits
+        room, per_prompt, per_token = self.prompt_room()
         prefill_rows = admitted = 0
-        while self.waiting and len(self.running) < self.limits.max_batch_size and self.slots.num_free:
+        spent = 0.0
+        while self.waiting and len(self.running) < limits.max_batch_size and self.slots.num_free:
             req = self.waiting[0]
-            if prefill_rows and prefill_rows + len(req.prompt) > self.limits.max_prefill_rows:
+            rows = len(req.prompt)
+            cost = per_prompt + per_token * rows
+            if admitted and (
+                admitted >= cap or prefill_rows + rows > limits.max_prefill_rows or spent + cost > room
+            ):
                 break
-            if max_prefills and admitted >= max_prefills:
-                break
-            admitted += 1
-            pages = self.allocator.alloc(pages_for(req.budget + 1, self.limits.page_size))
+            pages = self.allocator.alloc(pages_for(req.budget + 1, limits.page_size))
             if pages is None:
                 break  # wait for a running request to finish and free its pages
             self.waiting.popleft()
-            req.pages = pages
-            p = self.program
-            req.slot = self.slots.admit(req.sp, req.prompt[:, 0], p.uses_repetition_penalty, req.prompt[-1])
-            p.admit(req.slot, req.state)
-            req.audio = np.zeros((req.budget, p.n_codebooks), dtype="<i4")
-            req.admitted_at = time.time()
-            self.running[req.rid] = req
-            prefill_rows += len(req.prompt)
+            self.start(req, pages)
+            admitted += 1
+            prefill_rows += rows
+            spent += cost
+        self.admitted_last = admitted
+        # Prompts still waiting fill the next steps up to the budget: a first chunk promised on the
+        # steps just measured (lighter ones, before the burst) would come late (gpu_worker/windows.py).
+        self.clock.expect(self.step_budget() if self.waiting else 0.0)
+
+    def start(self, req: Request, pages: list[int]) -> None:
+        """A waiting request into a sampling slot with its KV pages: it runs from the next step."""
+        req.pages = pages
+        p = self.program
+        req.slot = self.slots.admit(req.sp, req.prompt[:, 0], p.uses_repetition_penalty, req.prompt[-1])
+        p.admit(req.slot, req.state)
+        req.audio = np.zeros((req.budget, p.n_codebooks), dtype="<i4")
+        req.admitted_at = time.time()
+        self.running[req.rid] = req
+
+    def prefill_cap(self, max_prefills: int) -> float:
+        """Prompts one step may start: `--max-prefills` within the runner's own bound
+        (`max_prefills`, its prefill graphs); 0 in both: any number."""
+        caps = [n for n in (self.limits.max_prefills, max_prefills) if n > 0]
+        return min(caps) if caps else math.inf
+
+    def step_budget(self) -> float:
+        """Seconds a step may take while its streams stay real time: `realtime_headroom` of the row
+        period."""
+        return self.limits.realtime_headroom * self.clock.period
+
+    def prompt_room(self) -> tuple[float, float, float]:
+        """(seconds this step leaves for prompts, seconds a prompt costs, seconds per prompt token):
+        the step budget less the fitted time of the running streams' decode rows at their contexts
+        (`StepCost`), and each prompt at the fitted cost per prompt and per token. Unbounded where
+        no stream runs, nothing is paced (CPU) or the cost is not fitted yet (the caps alone)."""
+        fit = self.clock.cost.coefficients() if self.real_time and self.running else None
+        if fit is None:
+            return math.inf, 0.0, 0.0
+        a, b, c, d = fit
+        rows = len(self.running)
+        context = sum(r.n_ctx for r in self.running.values())
+        return self.step_budget() - (a + b * rows + c * context / 1000.0), d, b
 
     def leave_out_streams_ahead(self, batch: list[Request], prompts: int) -> list[Request]:
         """The batch (`prompts` of its requests new) less the streams sitting this step out
