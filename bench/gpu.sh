@@ -17,6 +17,9 @@
 #   step | speed | offline | options | profile | attention | op-invariance | codec | codec-profile
 #                  `voxpipe bench STAGE` with the serving flags below
 #   load | load-mps | load-adaptive   `voxpipe bench ttfa` then the load curve on the same server
+#   burst          Orpheus, the settings of record (docs/performance.md): `voxpipe bench ttfa`, then
+#                  closed-loop levels (VOXPIPE_LOAD, default 32..512) whose clients all start at once
+#                  (`--burst`), each level from an idle server; result burst.json
 #   csm-load       the same for CSM
 #   qwen3-rate     Qwen3-TTS (VOXPIPE_QWEN3_MODEL, default the 1.7B CustomVoice): `voxpipe bench ttfa`,
 #                  then open-loop Poisson arrivals (VOXPIPE_RATES) of 8-15-word sentences, 60-75 frames
@@ -36,6 +39,8 @@ STAGE_S=${VOXPIPE_STAGE_S:-300}
 LABEL=${VOXPIPE_LABEL:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)}
 export PYTHONUNBUFFERED=1
 serve_flags="--max-batch-size 512 --lm-head audio --codec-dtype float16"
+# the rest of the settings of record (docs/performance.md, "Results of record")
+record_flags="--first-chunk progressive --mps on --kv-cache-dtype fp8 --quantization fp8 --codec-gpu-share 50"
 bench="python -m common.cli bench"
 
 run() {  # run NAME CMD...: timed, logged, never stops the other stages
@@ -95,6 +100,11 @@ for stage in "$@"; do
             --out "$OUT/$stage-ttfa.json" ${VOXPIPE_TAP_LEVEL:+--tap-level $VOXPIPE_TAP_LEVEL --tap-out $OUT/$stage-tap.jsonl.gz} \
             ${VOXPIPE_PROFILE_LEVEL:+--profile-level $VOXPIPE_PROFILE_LEVEL --profile-out $OUT/$stage-py-spy} \
             -- $serve_flags --first-chunk $first $extra ${VOXPIPE_SERVE_EXTRA:-}
+        ;;
+    burst)
+        run burst $bench ttfa --reps 15 --tokens 200 --load "${VOXPIPE_LOAD:-32,64,128,256,384,448,512}" \
+            --load-duration "${VOXPIPE_LOAD_S:-20}" --burst --label "$LABEL" --load-out "$OUT/burst.json" \
+            --out "$OUT/burst-ttfa.json" -- $serve_flags $record_flags ${VOXPIPE_SERVE_EXTRA:-}
         ;;
     qwen3-rate)
         run qwen3-rate $bench ttfa --model "${VOXPIPE_QWEN3_MODEL:-qwen3-tts}" --reps 15 --tokens 60 \
