@@ -24,6 +24,7 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 
@@ -233,12 +234,12 @@ class Scheduler:
         return len(self.running) + len(self.waiting)
 
     # --- one step ------------------------------------------------------------------------------
-    def schedule(self, max_prefills: int) -> list[Request]:
+    def schedule(self, max_prefills: int, takes: Callable[[list[int]], bool] | None = None) -> list[Request]:
         """This step's batch: admit what may start (at most `max_prefills` new requests, 0: no
         limit), leave out the streams sitting this step out, new requests first (the runners split
         prefill from decode); and tell the clock. Raises BrokenState (see `check`)."""
         self.check()
-        self.admit(max_prefills)
+        self.admit(max_prefills, takes)
         # Requests whose budget is used up by launched steps wait for their last results.
         batch = [r for r in self.running.values() if len(r.prompt) + r.n_launched < r.budget]
         served = len(batch)
@@ -251,22 +252,26 @@ class Scheduler:
         self.clock.tick(len(batch), served, cost)
         return batch
 
-    def admit(self, max_prefills: int) -> None:
+    def admit(self, max_prefills: int, takes: Callable[[list[int]], bool] | None = None) -> None:
         """Waiting requests into slots, in arrival order, while slots, KV pages and this step's room
         for prompts last: at most `prefill_cap` prompts and `max_prefill_rows` prompt rows, and no
-        more than the fitted step cost lets the running streams keep real time (`prompt_room`);
-        the first waiting prompt always starts (a step never admits none while slots and pages last).
+        more than the fitted step cost lets the running streams keep real time (`prompt_room`),
+        and only prompts the runner `takes` together into its graphs (each rounding as alone); the
+        first waiting prompt always starts (a step never admits none while slots and pages last).
         Then tells the clock what the next steps may take while prompts still wait (`StepClock.expect`)."""
         cap, limits = self.prefill_cap(max_prefills), self.limits
         room, per_prompt, per_token = self.prompt_room()
         prefill_rows = admitted = 0
-        spent = 0.0
+        spent, lengths = 0.0, []
         while self.waiting and len(self.running) < limits.max_batch_size and self.slots.num_free:
             req = self.waiting[0]
             rows = len(req.prompt)
             cost = per_prompt + per_token * rows
             if admitted and (
-                admitted >= cap or prefill_rows + rows > limits.max_prefill_rows or spent + cost > room
+                admitted >= cap
+                or prefill_rows + rows > limits.max_prefill_rows
+                or spent + cost > room
+                or (takes is not None and not takes([*lengths, rows]))
             ):
                 break
             pages = self.allocator.alloc(pages_for(req.budget + 1, limits.page_size))
@@ -277,6 +282,7 @@ class Scheduler:
             admitted += 1
             prefill_rows += rows
             spent += cost
+            lengths.append(rows)
         self.admitted_last = admitted
         # Prompts still waiting fill the next steps up to the budget: a first chunk promised on the
         # steps just measured (lighter ones, before the burst) would come late (gpu_worker/windows.py).
