@@ -284,9 +284,17 @@ class Scheduler:
             spent += cost
             lengths.append(rows)
         self.admitted_last = admitted
-        # Prompts still waiting fill the next steps up to the budget: a first chunk promised on the
-        # steps just measured (lighter ones, before the burst) would come late (gpu_worker/windows.py).
-        self.clock.expect(self.step_budget() if self.waiting else 0.0)
+        # Prompts still waiting make the next steps as heavy as this one (by the fit, else up to the
+        # budget): a first chunk promised on the lighter steps before them would come late
+        # (gpu_worker/windows.py).
+        expected = 0.0
+        if self.waiting:
+            expected = (
+                self.step_budget()
+                if math.isinf(room)
+                else min(self.step_budget(), self.step_budget() - room + spent)
+            )
+        self.clock.expect(expected)
 
     def start(self, req: Request, pages: list[int]) -> None:
         """A waiting request into a sampling slot with its KV pages: it runs from the next step."""
