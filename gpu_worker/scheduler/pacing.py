@@ -136,6 +136,7 @@ class StepCost:
         self._yy = 0.0  # average of dt^2
         self._fit: tuple[float, ...] | None = None
         self._fit_at = 0  # self.n when last fitted
+        self.seeded = False  # steps measured at startup among its own: it fits before COST_MIN_STEPS
         # `calibrate`'s differences, their moments weighted and held apart from the decaying ones
         self._cal_xx, self._cal_xy, self._cal_yy = np.zeros((k, k)), np.zeros(k), 0.0
 
@@ -154,6 +155,13 @@ class StepCost:
         self._cal_xx, self._cal_xy, self._cal_yy = w * x.T @ x, w * x.T @ y, w * float(y @ y)
         self._fit = None  # fit again with them
 
+    def seed(self, tokens: int, context: int, dt: float) -> None:
+        """A whole step measured at startup, as a first step served (the startup differences tell
+        the parts apart, this their sum): with it the fit counts at once. The steps served soon
+        outweigh it (each weighs 1 / n)."""
+        self.add(tokens, context, 0, dt)
+        self.seeded, self._fit = True, None
+
     def add(self, tokens: int, context: int, prompts: int, dt: float) -> None:
         """One step's time `dt` and what it computed (prompt tokens among the `tokens`)."""
         x = np.array([1.0, float(tokens), context / 1000.0, float(prompts)])
@@ -165,9 +173,9 @@ class StepCost:
 
     def coefficients(self) -> tuple[float, ...] | None:
         """(a s, b s per token, c s per thousand tokens of context, d s per prompt), or None before
-        COST_MIN_STEPS steps: of the fits on every subset of the terms whose coefficients are all
+        COST_MIN_STEPS steps (unless `seed`ed): of the fits on every subset of the terms whose coefficients are all
         nonnegative, the one with the least squared error. Fitted again every REFIT_STEPS steps."""
-        if self.n < COST_MIN_STEPS:
+        if self.n < COST_MIN_STEPS and not self.seeded:
             return None
         if self._fit is None or self.n - self._fit_at >= REFIT_STEPS:
             prior = np.array(self._fit or (0.0,) * self.TERMS)
@@ -189,6 +197,15 @@ class StepCost:
                     best, least = tuple(float(v) for v in full), err
             self._fit, self._fit_at = best, self.n
         return self._fit
+
+    def prompt_room(self, budget: float, rows: int, context: int) -> tuple[float, float, float] | None:
+        """(seconds a step of `rows` decode rows attending over `context` tokens leaves for prompts
+        within `budget`, seconds a prompt costs, seconds per prompt token) by the fit; None before it."""
+        fit = self.coefficients()
+        if fit is None:
+            return None
+        a, b, c, d = fit
+        return budget - (a + b * rows + c * context / 1000.0), d, b
 
     def capacity(self, budget: float, lives: Lives) -> float | None:
         """Streams whose step, all of them in it at `lives.context` tokens of context each and a
@@ -313,6 +330,24 @@ class StepClock:
         ones."""
         return self._recent + 2.0 * self._spread
 
+    def seed(self, steps: dict[tuple[int, int], float], now: float | None = None) -> None:
+        """Steps measured at startup ((rows, context of each) → seconds, the largest batches at a
+        long context), taken as measured: as the first points of their batch buckets (stale in time
+        as any), and as the first steps of `StepCost` (`StepCost.seed`). So a fresh worker's
+        capacity comes from what its GPU takes, not from its largest batch, and a first burst past
+        capacity is held where the streams stay real time; the steps served take over."""
+        now = time.perf_counter() if now is None else now
+        for (rows, context), dt in steps.items():
+            if dt > 0 and math.isfinite(dt):
+                key = _bucket(rows)
+                self._ema[key], self._size[key], self._count[key], self._seen[key] = (
+                    dt,
+                    rows,
+                    _MIN_SAMPLES,
+                    now,
+                )
+                self.cost.seed(rows, rows * (context - 1), dt)
+
     def expect(self, step_s: float) -> None:
         """The next steps may each take up to `step_s` seconds, whatever the last ones took (0: as
         they went): the scheduler says so while prompts wait, since it admits them up to its step
@@ -376,8 +411,12 @@ class StepClock:
             if life is not None:
                 # No further than PROBE beyond the load served lately: a fit made at a light load
                 # says little of a much larger one (a step's time is flat at small batches), and
-                # admission reaches it by measuring its way there.
+                # admission reaches it by measuring its way there. A fit that holds the startup
+                # steps of the largest batches (`seed`) has measured there: a burst from idle is
+                # admitted up to it at once, not in probes of half the load again.
                 reach = max(PROBE * self._pace_batch, self._pace_batch + PROBE_MIN)
+                if self.cost.seeded:
+                    reach = self.max_batch
                 return float(min(self.max_batch, life, reach))
         return max(self._model_capacity(now), self.paced_capacity())
 

@@ -322,13 +322,11 @@ class Scheduler:
         the step budget less the fitted time of the running streams' decode rows at their contexts
         (`StepCost`), and each prompt at the fitted cost per prompt and per token. Unbounded where
         no stream runs, nothing is paced (CPU) or the cost is not fitted yet (the caps alone)."""
-        fit = self.clock.cost.coefficients() if self.real_time and self.running else None
-        if fit is None:
+        if not self.real_time or not self.running:
             return math.inf, 0.0, 0.0
-        a, b, c, d = fit
-        rows = len(self.running)
         context = sum(r.n_ctx for r in self.running.values())
-        return self.step_budget() - (a + b * rows + c * context / 1000.0), d, b
+        room = self.clock.cost.prompt_room(self.step_budget(), len(self.running), context)
+        return (math.inf, 0.0, 0.0) if room is None else room
 
     def leave_out_streams_ahead(self, batch: list[Request], prompts: int) -> list[Request]:
         """The batch (`prompts` of its requests new) less the streams sitting this step out
@@ -400,14 +398,16 @@ class Scheduler:
 
     def calibrate(self, runner, progress=None) -> None:
         """Steps that differ in one part, timed on `runner` (a GraphRunner) before any request
-        (gpu_worker/scheduler/calibrate.py), for the fit behind admission. A failure leaves the fit
-        to the steps served."""
+        (gpu_worker/scheduler/calibrate.py), for the fit behind admission; and the largest batches'
+        steps at a long context as the clock's first measurements (`StepClock.seed`). A failure
+        leaves both to the steps served."""
         from gpu_worker.scheduler.calibrate import step_differences
 
+        steps: dict[int, float] = {}
         try:
             diffs = step_differences(
                 runner, self.allocator.num_pages, self.limits.page_size, self.limits.max_context,
-                self.program.n_codebooks, progress,
+                self.program.n_codebooks, progress, steps=steps,
             )  # fmt: skip
         except Exception:
             log.exception(
@@ -415,3 +415,4 @@ class Scheduler:
             )
             return
         self.clock.cost.calibrate(diffs)
+        self.clock.seed(steps)
