@@ -10,7 +10,8 @@
 # Stages (each writes $OUT/NAME.log and its JSON to $OUT):
 #   tests          python -m pytest tests/gpu (every GPU test; its reports to $OUT)
 #   parity         tests/gpu/test_gpu_parity.py: logits, prefill graphs, greedy alone vs batched, codec graphs
-#   invariance     tests/gpu batch and op invariance (fp8 weights and cache, what `load` serves)
+#   invariance     tests/gpu batch and op invariance, a burst through batched prefill graphs (fp8 weights and
+#                  cache, what `load` serves)
 #   xqa            tests/gpu/test_gpu_xqa_parity.py, then `voxpipe bench options` for the XQA configs
 #   csm            tests/gpu/test_gpu_csm_parity.py
 #   qwen3          tests/gpu/test_gpu_qwen3_tts_parity.py
@@ -62,7 +63,7 @@ for stage in "$@"; do
     case $stage in
     tests) gpu_tests tests tests/gpu ;;
     parity) gpu_tests parity tests/gpu/test_gpu_parity.py ;;
-    invariance) gpu_tests invariance tests/gpu/test_gpu_batch_invariance.py tests/gpu/test_gpu_op_invariance.py ;;
+    invariance) gpu_tests invariance tests/gpu/test_gpu_batch_invariance.py tests/gpu/test_gpu_op_invariance.py tests/gpu/test_gpu_burst_prefill_invariance.py ;;
     csm) gpu_tests csm tests/gpu/test_gpu_csm_parity.py ;;
     qwen3) gpu_tests qwen3 tests/gpu/test_gpu_qwen3_tts_parity.py ;;
     xqa)
