@@ -12,7 +12,7 @@ its context, a part per prompt, and some noise. The load is bench/load's: `clien
 clients started over `ramp_s`, each sending its next request when the last one has finished
 generating, until `duration_s`.
 
-    voxpipe bench sim --clients 400,480 [--h200 [--calibrate]] --out /tmp/sim.json
+    voxpipe bench sim --clients 400,480 [--h200 [--calibrate]] [--ramp 0] --out /tmp/sim.json
 
 It reports, per policy and load, what bench/load reports (TTFA p50/p99, the share of requests on
 time) and the streams admitted. The step model's constants are fitted to the H200 runs (fp8 weights
@@ -215,10 +215,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--out", default=None)
     ap.add_argument("--h200", action="store_true", help="the curved GPU of the session-12 H200 runs (H200)")
-    ap.add_argument("--calibrate", action="store_true", help="the fit starts from the startup differences")
+    ap.add_argument("--calibrate", action="store_true", help="the fit starts from the startup steps")
+    ap.add_argument("--ramp", type=float, default=8.0, help="seconds the clients start over (0: a burst)")
     args = ap.parse_args(argv)
     rows = []
-    common = dict(gpu=H200 if args.h200 else None, calibrate=args.calibrate)
+    common = dict(gpu=H200 if args.h200 else None, calibrate=args.calibrate, ramp_s=args.ramp)
     for name, kw in (("pace", dict(life=False, **common)), ("life", dict(life=True, **common))):
         for n in (int(x) for x in args.clients.split(",")):
             runs = [simulate(n, seed=s, **kw) for s in range(args.seeds)]
