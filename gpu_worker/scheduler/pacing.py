@@ -156,9 +156,8 @@ class StepCost:
         self._fit = None  # fit again with them
 
     def seed(self, tokens: int, context: int, dt: float) -> None:
-        """A whole step measured at startup, as a first step served (the startup differences tell
-        the parts apart, this their sum): with it the fit counts at once. The steps served soon
-        outweigh it (each weighs 1 / n)."""
+        """A whole step timed at startup, as a step served: the fit counts at once (the steps
+        served soon outweigh it, each weighing 1 / n)."""
         self.add(tokens, context, 0, dt)
         self.seeded, self._fit = True, None
 
@@ -173,8 +172,9 @@ class StepCost:
 
     def coefficients(self) -> tuple[float, ...] | None:
         """(a s, b s per token, c s per thousand tokens of context, d s per prompt), or None before
-        COST_MIN_STEPS steps (unless `seed`ed): of the fits on every subset of the terms whose coefficients are all
-        nonnegative, the one with the least squared error. Fitted again every REFIT_STEPS steps."""
+        COST_MIN_STEPS steps (but `seed`ed): of the fits on every subset of the terms whose
+        coefficients are all nonnegative, the one with the least squared error. Fitted again every
+        REFIT_STEPS steps."""
         if self.n < COST_MIN_STEPS and not self.seeded:
             return None
         if self._fit is None or self.n - self._fit_at >= REFIT_STEPS:
@@ -331,11 +331,9 @@ class StepClock:
         return self._recent + 2.0 * self._spread
 
     def seed(self, steps: dict[tuple[int, int], float], now: float | None = None) -> None:
-        """Steps measured at startup ((rows, context of each) → seconds, the largest batches at a
-        long context), taken as measured: as the first points of their batch buckets (stale in time
-        as any), and as the first steps of `StepCost` (`StepCost.seed`). So a fresh worker's
-        capacity comes from what its GPU takes, not from its largest batch, and a first burst past
-        capacity is held where the streams stay real time; the steps served take over."""
+        """Steps timed at startup ((rows, context of each) → seconds: the largest batches at a long
+        context) as measured ones, in their buckets and in `StepCost`: a fresh worker's capacity
+        is what its GPU keeps real time, not its largest batch, until the steps served take over."""
         now = time.perf_counter() if now is None else now
         for (rows, context), dt in steps.items():
             if dt > 0 and math.isfinite(dt):
@@ -349,10 +347,9 @@ class StepClock:
                 self.cost.seed(rows, rows * (context - 1), dt)
 
     def expect(self, step_s: float) -> None:
-        """The next steps may each take up to `step_s` seconds, whatever the last ones took (0: as
-        they went): the scheduler says so while prompts wait, since it admits them up to its step
-        budget. A burst from idle otherwise has its first streams promised audio on the light steps
-        before it (`rows_time_high`), and the heavier steps that start the rest make them late."""
+        """The next steps may each take `step_s` seconds, whatever the last ones took (0: as they
+        went): the scheduler says so while prompts wait, so that first audio is not promised on
+        lighter steps than those that start them (`rows_time_high`)."""
         self._expected = step_s
 
     def rows_time_high(self, rows: int) -> float:
@@ -411,9 +408,8 @@ class StepClock:
             if life is not None:
                 # No further than PROBE beyond the load served lately: a fit made at a light load
                 # says little of a much larger one (a step's time is flat at small batches), and
-                # admission reaches it by measuring its way there. A fit that holds the startup
-                # steps of the largest batches (`seed`) has measured there: a burst from idle is
-                # admitted up to it at once, not in probes of half the load again.
+                # admission reaches it by measuring its way there; one `seed`ed with the largest
+                # batches' steps has measured there, and a burst is admitted up to it at once.
                 reach = max(PROBE * self._pace_batch, self._pace_batch + PROBE_MIN)
                 if self.cost.seeded:
                     reach = self.max_batch
