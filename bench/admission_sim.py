@@ -12,7 +12,7 @@ its context, a part per prompt, and some noise. The load is bench/load's: `clien
 clients started over `ramp_s`, each sending its next request when the last one has finished
 generating, until `duration_s`.
 
-    voxpipe bench sim --clients 400,480 [--h200 [--calibrate]] --out /tmp/sim.json
+    voxpipe bench sim --clients 400,480 [--h200 [--calibrate]] [--ramp 0] --out /tmp/sim.json
 
 It reports, per policy and load, what bench/load reports (TTFA p50/p99, the share of requests on
 time) and the streams admitted. The step model's constants are fitted to the H200 runs (fp8 weights
@@ -50,6 +50,9 @@ class GPU:
     row_us: float = 11.0  # per decode row
     row_us_per_1k_ctx: float = 18.0  # per row, per thousand tokens of its context (attention)
     prompt_ms: float = 0.3  # per prompt prefilled in the step
+    # each prompt of a step beyond its first, where more than prompt_ms (a prefill pass of its own,
+    # a lane's: ~3.3 ms on the H200 where the first rides the decode step for 1.6); 0 = prompt_ms
+    extra_prompt_ms: float = 0.0
     noise: float = 0.06  # relative spread of a step's time
     # A curved GPU: the first `knee` rows cost `row_us_below_knee` each (the GEMMs read the weights
     # whatever the rows), the rest `row_us`; 0 = linear.
@@ -59,7 +62,8 @@ class GPU:
     def step_s(self, ctx: np.ndarray, prompts: int, rng: np.random.Generator | None) -> float:
         """A step of len(ctx) decode rows (each at its context) and `prompts` prompts; without `rng`
         the noiseless time."""
-        ms = self.fixed_ms + self.prompt_ms * prompts
+        extra = self.extra_prompt_ms or self.prompt_ms
+        ms = self.fixed_ms + self.prompt_ms * min(prompts, 1) + extra * max(0, prompts - 1)
         below = min(len(ctx), self.knee)
         rows_us = self.row_us_below_knee * below + self.row_us * (len(ctx) - below)
         ms += (rows_us + self.row_us_per_1k_ctx * ctx.sum() / 1000) / 1000
@@ -75,8 +79,9 @@ class GPU:
 H200 = GPU(fixed_ms=3.0, row_us=15.5, row_us_per_1k_ctx=11.0, prompt_ms=1.6, knee=128, row_us_below_knee=2.0)
 
 
-def startup_differences(gpu: GPU) -> list:
-    """What the engine measures at startup (gpu_worker.scheduler.calibrate), on the simulated GPU."""
+def startup_differences(gpu: GPU, steps: dict[int, float] | None = None) -> list:
+    """What the engine measures at startup (gpu_worker.scheduler.calibrate), on the simulated GPU
+    (`steps`: the startup steps' times, as `step_differences` gives them)."""
 
     class Runner:
         sizes = decode_buckets(512)
@@ -85,7 +90,7 @@ def startup_differences(gpu: GPU) -> list:
         decode = np.array(b.kv_lens[b.num_prefill :], dtype=float) - 1  # context before the step
         return gpu.step_s(decode, b.num_prefill, None)
 
-    return step_differences(Runner(), 1 + 512 * 70, 16, 1200, 1, timer=timer)
+    return step_differences(Runner(), 1 + 512 * 70, 16, 1200, 1, timer=timer, steps=steps)
 
 
 def simulate(
@@ -100,13 +105,20 @@ def simulate(
     duration_s: float = 20.0,
     seed: int = 0,
     calibrate: bool = False,
+    prompts_a_step: int = 4,
+    room: bool = True,
 ) -> dict:
+    """`clients` closed-loop clients (all at once where `ramp_s` is 0: a burst) on `gpu`; a step
+    starts at most `prompts_a_step` prompts, and with `room` no more than the fitted step cost leaves
+    room for beside the running streams (`StepCost.prompt_room`, as the scheduler; at least one)."""
     gpu = gpu or GPU()
     rng = np.random.default_rng(seed)
     period = 1 / ROWS_PER_S
     clock = StepClock(ROWS_PER_S, 512)
     if calibrate:
-        clock.cost.calibrate(startup_differences(gpu))
+        steps: dict[int, float] = {}
+        clock.cost.calibrate(startup_differences(gpu, steps))
+        clock.seed(steps, now=0.0)
     sit = SitOut(clock, decode_buckets(512), GpuWorkerSettings().sit_out_lead_s) if sit_out else None
     t, cap, cap_at = 0.0, float(512), -1.0
     next_send = [i * ramp_s / clients for i in range(clients)]
@@ -127,7 +139,14 @@ def simulate(
             cap_at = t
         while queue and len(run) + len(waiting) < cap:
             waiting.append(queue.pop(0))
-        new, waiting = waiting[:4], waiting[4:]  # gpu_worker.runner.graphs.PREFILL_LANES
+        k = prompts_a_step
+        fit = clock.cost.prompt_room(
+            clock.headroom * period, len(run), sum(prompt_len + r["gen"] for r in run.values())
+        )
+        if room and run and fit is not None:
+            spare, per_prompt, per_token = fit
+            k = max(1, min(k, int(spare // (per_prompt + per_token * prompt_len))))
+        new, waiting = waiting[:k], waiting[k:]
         for c, sent in new:
             run[c] = dict(sent=sent, gen=0, first=None, late=0.0, admitted=t, prompt=True, cap=cap)
         admitted_max = max(admitted_max, len(run) + len(waiting))
@@ -196,10 +215,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--out", default=None)
     ap.add_argument("--h200", action="store_true", help="the curved GPU of the session-12 H200 runs (H200)")
-    ap.add_argument("--calibrate", action="store_true", help="the fit starts from the startup differences")
+    ap.add_argument("--calibrate", action="store_true", help="the fit starts from the startup steps")
+    ap.add_argument("--ramp", type=float, default=8.0, help="seconds the clients start over (0: a burst)")
     args = ap.parse_args(argv)
     rows = []
-    common = dict(gpu=H200 if args.h200 else None, calibrate=args.calibrate)
+    common = dict(gpu=H200 if args.h200 else None, calibrate=args.calibrate, ramp_s=args.ramp)
     for name, kw in (("pace", dict(life=False, **common)), ("life", dict(life=True, **common))):
         for n in (int(x) for x in args.clients.split(",")):
             runs = [simulate(n, seed=s, **kw) for s in range(args.seeds)]

@@ -10,7 +10,8 @@
 # Stages (each writes $OUT/NAME.log and its JSON to $OUT):
 #   tests          python -m pytest tests/gpu (every GPU test; its reports to $OUT)
 #   parity         tests/gpu/test_gpu_parity.py: logits, prefill graphs, greedy alone vs batched, codec graphs
-#   invariance     tests/gpu batch and op invariance (fp8 weights and cache, what `load` serves)
+#   invariance     tests/gpu batch and op invariance, a burst through batched prefill graphs (fp8 weights and
+#                  cache, what `load` serves)
 #   xqa            tests/gpu/test_gpu_xqa_parity.py, then `voxpipe bench options` for the XQA configs
 #   csm            tests/gpu/test_gpu_csm_parity.py
 #   qwen3          tests/gpu/test_gpu_qwen3_tts_parity.py
@@ -18,6 +19,9 @@
 #   step | speed | offline | options | profile | attention | op-invariance | codec | codec-profile
 #                  `voxpipe bench STAGE` with the serving flags below
 #   load | load-mps | load-adaptive   `voxpipe bench ttfa` then the load curve on the same server
+#   burst          Orpheus, the settings of record (docs/performance.md): `voxpipe bench ttfa`, then
+#                  closed-loop levels (VOXPIPE_LOAD, default 32..512) whose clients all start at once
+#                  (`--burst`), each level from an idle server; result burst.json
 #   csm-load       the same for CSM
 #   qwen3-rate     Qwen3-TTS (VOXPIPE_QWEN3_MODEL, default the 1.7B CustomVoice): `voxpipe bench ttfa`,
 #                  then open-loop Poisson arrivals (VOXPIPE_RATES) of 8-15-word sentences, 60-75 frames
@@ -39,6 +43,8 @@ STAGE_S=${VOXPIPE_STAGE_S:-300}
 LABEL=${VOXPIPE_LABEL:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)}
 export PYTHONUNBUFFERED=1
 serve_flags="--max-batch-size 512 --lm-head audio --codec-dtype float16"
+# the rest of the settings of record (docs/performance.md, "Results of record")
+record_flags="--first-chunk progressive --mps on --kv-cache-dtype fp8 --quantization fp8 --codec-gpu-share 50"
 bench="python -m common.cli bench"
 
 run() {  # run NAME CMD...: timed, logged, never stops the other stages
@@ -60,7 +66,7 @@ for stage in "$@"; do
     case $stage in
     tests) gpu_tests tests tests/gpu ;;
     parity) gpu_tests parity tests/gpu/test_gpu_parity.py ;;
-    invariance) gpu_tests invariance tests/gpu/test_gpu_batch_invariance.py tests/gpu/test_gpu_op_invariance.py ;;
+    invariance) gpu_tests invariance tests/gpu/test_gpu_batch_invariance.py tests/gpu/test_gpu_op_invariance.py tests/gpu/test_gpu_burst_prefill_invariance.py ;;
     csm) gpu_tests csm tests/gpu/test_gpu_csm_parity.py ;;
     qwen3) gpu_tests qwen3 tests/gpu/test_gpu_qwen3_tts_parity.py ;;
     higgs) gpu_tests higgs tests/gpu/test_gpu_higgs_tts_parity.py ;;
@@ -99,6 +105,11 @@ for stage in "$@"; do
             --out "$OUT/$stage-ttfa.json" ${VOXPIPE_TAP_LEVEL:+--tap-level $VOXPIPE_TAP_LEVEL --tap-out $OUT/$stage-tap.jsonl.gz} \
             ${VOXPIPE_PROFILE_LEVEL:+--profile-level $VOXPIPE_PROFILE_LEVEL --profile-out $OUT/$stage-py-spy} \
             -- $serve_flags --first-chunk $first $extra ${VOXPIPE_SERVE_EXTRA:-}
+        ;;
+    burst)
+        run burst $bench ttfa --reps 15 --tokens 200 --load "${VOXPIPE_LOAD:-32,64,128,256,384,448,512}" \
+            --load-duration "${VOXPIPE_LOAD_S:-20}" --burst --label "$LABEL" --load-out "$OUT/burst.json" \
+            --out "$OUT/burst-ttfa.json" -- $serve_flags $record_flags ${VOXPIPE_SERVE_EXTRA:-}
         ;;
     qwen3-rate)
         run qwen3-rate $bench ttfa --model "${VOXPIPE_QWEN3_MODEL:-qwen3-tts}" --reps 15 --tokens 60 \

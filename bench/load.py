@@ -1,10 +1,13 @@
-"""Load benchmark over the HTTP API: fixed concurrency or Poisson arrivals, bounded in time.
+"""Load benchmark over the HTTP API: fixed concurrency (its clients started over a ramp, or all at
+once: a burst) or Poisson arrivals, bounded in time.
 
 Each request streams `POST /generate` with `min_tokens` = `max_tokens` - prompt allowance, so random
 weights produce a fixed amount of audio. Per request it records the time to first audio (first PCM
 byte after the WAV header) and every chunk's arrival. A chunk is *on time* when the audio received
 before it covers the playback time elapsed since the first chunk (a player that started at the
-first byte would not have run dry); a request is on time when all its chunks are.
+first byte would not have run dry); a request is on time when all its chunks are. A request the
+server refuses at admission (503 with Retry-After: past capacity, the bounded wait over) is
+*rejected*, not failed: its client waits the Retry-After (within the level) and sends the next.
 
 For each load level it reports TTFA p50/p90/p99, the share of requests fully on time (and how late
 the late ones were), aggregate × real time (audio seconds delivered per wall second) and errors,
@@ -71,6 +74,7 @@ class Result:
     chunks: list[tuple[float, int]] = field(default_factory=list)  # (time since send, bytes so far)
     sent_at: float = float("nan")  # seconds into its load level when it was sent
     rid: str = ""  # the X-Request-Id it was sent with (joins it to a `voxpipe tap` recording)
+    retry_after_s: float = 0.0  # > 0: refused at admission (503 with Retry-After), come back then
 
     def on_time(self, sample_rate: int, slack_s: float = 0.0) -> bool:
         """Every chunk came before the audio received ahead of it had played out (give or take
@@ -139,6 +143,8 @@ async def one_request(
         async with session.post(url, json=body, headers=headers) as r:
             if r.status != 200:
                 res.error = f"HTTP {r.status}: {(await r.text())[:200]}"
+                if r.status == 503 and r.headers.get("Retry-After", "").isdigit():
+                    res.retry_after_s = max(1.0, float(r.headers["Retry-After"]))
                 return res
             async for data in r.content.iter_any():
                 got += len(data)
@@ -275,6 +281,7 @@ def measure_level(base: str, sample_rate: int, ttfa_by_rid: dict | None = None, 
 
 def summarize(results: list[Result], wall_s: float, sample_rate: int, ramp_s: float = 0.0) -> dict:
     ok = [r for r in results if r.ok]
+    rejected = [r for r in results if r.retry_after_s > 0]
     ttfa = [r.ttfa * 1000 for r in ok if r.chunks]
     # Requests sent after the ramp (the closed loop's steady state) apart, and when the slowest
     # first audio was asked for: tells a start-up burst from a steady tail.
@@ -285,8 +292,10 @@ def summarize(results: list[Result], wall_s: float, sample_rate: int, ramp_s: fl
     per_stream = [r.x_realtime(sample_rate) for r in ok if r.chunks]
     return {
         "requests": len(results),
-        "errors": len(results) - len(ok),
-        "error_examples": sorted({r.error for r in results if not r.ok})[:3],
+        "errors": len(results) - len(ok) - len(rejected),
+        "error_examples": sorted({r.error for r in results if not r.ok and not r.retry_after_s})[:3],
+        # refused at admission with 503 and Retry-After (the wait for a stream bounded), not errors
+        "rejected": len(rejected),
         "ttfa_p50_ms": round(percentile(ttfa, 50), 2),
         "ttfa_p90_ms": round(percentile(ttfa, 90), 2),
         "ttfa_p95_ms": round(percentile(ttfa, 95), 2),
@@ -294,6 +303,10 @@ def summarize(results: list[Result], wall_s: float, sample_rate: int, ramp_s: fl
         "ttfa_p99_ms_after_ramp": round(percentile(steady, 99), 2) if steady else None,
         "ttfa_worst_sent_at_s": round(worst.sent_at, 2) if worst is not None else None,
         "on_time_share": round(sum(r.on_time(sample_rate) for r in results) / max(1, len(results)), 4),
+        # of the requests admitted (served, or failed once admitted): past capacity, what admission kept
+        "on_time_share_admitted": round(
+            sum(r.on_time(sample_rate) for r in results) / max(1, len(results) - len(rejected)), 4
+        ),
         "x_realtime": round(sum(r.audio_s(sample_rate) for r in ok) / wall_s, 2),
         # Each stream's own pace (audio seconds over its seconds from sending to its last chunk):
         # >= 1.0 keeps up with a listener. The median and the slowest stream.
@@ -343,9 +356,10 @@ async def run_level(
     texts: str = "mixed",
 ) -> tuple[list[Result], float]:
     """Closed loop (`concurrency` clients, each sending back to back, their first requests spread
-    evenly over `ramp` seconds) or open loop (Poisson `rate`). With `max_errors` > 0 the level ends
-    early once that many requests failed; with `progress_s` > 0 a line on stderr every that many
-    seconds says how far it got."""
+    evenly over `ramp` seconds: 0, a burst, every one at once) or open loop (Poisson `rate`). A
+    client refused at admission waits its Retry-After, within the level. With `max_errors` > 0 the
+    level ends early once that many requests failed (rejections are not failures); with
+    `progress_s` > 0 a line on stderr every that many seconds says how far it got."""
     rng = random.Random(seed)
     url = base + "/generate"
     timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
@@ -367,7 +381,7 @@ async def run_level(
         deadline = t0 + duration
 
         def going() -> bool:
-            failed = max_errors > 0 and sum(not r.ok for r in results) >= max_errors
+            failed = max_errors > 0 and sum(not r.ok and not r.retry_after_s for r in results) >= max_errors
             return not failed and time.perf_counter() < deadline
 
         ticker = (
@@ -378,7 +392,10 @@ async def run_level(
             async def client(i: int) -> None:
                 await asyncio.sleep(ramp * i / concurrency)
                 while going():
-                    results.append(await one_request(s, url, body(), t0, next(rids)))
+                    res = await one_request(s, url, body(), t0, next(rids))
+                    results.append(res)
+                    if res.retry_after_s:  # as a well-behaved client does, within the level
+                        await asyncio.sleep(min(res.retry_after_s, max(0.0, deadline - time.perf_counter())))
 
             await asyncio.gather(*(client(i) for i in range(concurrency)))
         else:
@@ -405,7 +422,36 @@ async def _report_progress(results: list[Result], t0: float, duration: float, ev
 
 
 def meets_target(point: dict) -> bool:
-    return point["errors"] == 0 and point["on_time_share"] >= 0.99 and point["ttfa_p99_ms"] <= 250
+    """No errors, none refused at admission, >= 99 % of requests on time and TTFA p99 <= 250 ms."""
+    return (
+        point["errors"] == 0
+        and point.get("rejected", 0) == 0
+        and point["on_time_share"] >= 0.99
+        and point["ttfa_p99_ms"] <= 250
+    )
+
+
+def arrivals(rate: bool, ramp_s: float) -> str:
+    """How a level's requests arrive: poisson (open loop), else a closed loop's ramp or burst."""
+    return "poisson" if rate else "ramp" if ramp_s > 0 else "burst"
+
+
+def device_label() -> str:
+    """This machine's GPU as nvidia-smi names it (the first), else its CPU: for result files run on
+    the machine that serves (`voxpipe bench ttfa`, or `--device` not given)."""
+    import platform
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    return out.splitlines()[0].strip() if out else f"cpu ({platform.processor() or platform.machine()})"
 
 
 def plot(curve: list[dict], key: str, path: str) -> bool:

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 import urllib.request
 from typing import Any
 
-from bench.load import TEXT_SETS, auth_headers, measure_level, meets_target, plot
+from bench.load import TEXT_SETS, arrivals, auth_headers, device_label, measure_level, meets_target, plot
 
 DEFAULT_TOKENS = 1024
 
@@ -58,11 +59,15 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prompt-allowance", type=int, default=100, help="max_tokens = tokens + this")
     ap.add_argument("--sample-rate", type=int, default=0, help="Hz of the audio (default: the model's)")
     ap.add_argument("--model", default="", help="label for the results (default: the served model)")
-    ap.add_argument("--device", default="", help="label for the results")
+    ap.add_argument("--device", default="", help="label for the results (default: this machine's GPU)")
     ap.add_argument("--out", default="bench_load.json")
     ap.add_argument("--plot", default="", help="PNG path (needs matplotlib)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--ramp", type=float, default=0.0, help="closed loop: spread client starts over S s")
+    starts = ap.add_mutually_exclusive_group()
+    starts.add_argument("--ramp", type=float, default=0.0, help="closed loop: spread client starts over S s")
+    starts.add_argument(
+        "--burst", action="store_true", help="closed loop: every client of a level starts at once (--ramp 0)"
+    )
     ap.add_argument(
         "--max-errors", type=int, default=5, help="end the run once a level has this many failures"
     )
@@ -87,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     if not levels and not rates:
         levels = [1]
     key = "concurrency" if levels else "rate"
+    if args.burst:
+        args.ramp = 0.0
+    how = arrivals(bool(rates), args.ramp)
     try:
         card = server_model(args.url)
         tokens = fit_tokens(args.tokens, args.prompt_allowance, int(card.get("max_tokens", 0)))
@@ -101,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"level {i + 1}/{len(levels or rates)}: {key} {level} for {args.duration:.0f} s")
         point = {
             key: level,
+            "arrivals": how,
             **measure_level(
                 args.url,
                 sample_rate,
@@ -128,13 +137,15 @@ def main(argv: list[str] | None = None) -> int:
             break
     passing = [p[key] for p in curve if meets_target(p)]
     out = {
-        "device": args.device,
+        "command": shlex.join(["voxpipe bench", *(sys.argv[1:] if argv is None else argv)]),
+        "device": args.device or device_label(),
+        "arrivals": how,
         "model": args.model or card.get("id", ""),
         "date": time.strftime("%F"),
         "tokens_per_request": tokens,
         "duration_s_per_level": args.duration,
         "ramp_s": args.ramp,
-        "target": "no errors, >= 99% of requests fully on time, p99 TTFA <= 250 ms",
+        "target": "no errors or rejections, >= 99% of requests fully on time, p99 TTFA <= 250 ms",
         "max_streams_meeting_target": max(passing) if passing else 0,
         "failed": failed,
         "curve": curve,

@@ -15,6 +15,7 @@ import asyncio
 import gzip
 import json
 import os
+import shlex
 import signal
 import statistics
 import subprocess
@@ -55,14 +56,16 @@ async def measure(base: str, reps: int, tokens: int) -> list[tuple[float, float,
 
 
 def load_curve(base: str, args) -> None:
-    from bench.load import measure_level, meets_target, plot, server_gauges
+    from bench.load import arrivals, device_label, measure_level, meets_target, plot, server_gauges
     from bench.tap_stats import read, stats
 
     curve = []
     levels = [("concurrency", int(c)) for c in args.load.split(",") if c]
     levels += [("rate", float(r)) for r in args.rate.split(",") if r]
+    closed = arrivals(False, args.ramp)  # the concurrency levels': ramp or burst
+    device = args.label or device_label()
     for i, (key, level) in enumerate(levels):
-        point = {key: level}
+        point = {key: level, "arrivals": arrivals(key == "rate", args.ramp)}
         tap = start_tap(args, delay_s=args.ramp + 2) if level == args.tap_level else None
         spies = start_py_spy(args, delay_s=args.ramp + 2) if level == args.profile_level else []
         client_ttfa: dict[str, float] = {}
@@ -78,14 +81,16 @@ def load_curve(base: str, args) -> None:
         curve.append(point)
         print(json.dumps(point), flush=True)
         out = {
-            "device": args.label,
+            "command": shlex.join(["voxpipe bench ttfa", *args.argv]),
+            "device": device,
+            "arrivals": closed if any(k == "concurrency" for k, _ in levels) else "poisson",
             "model": f"{args.model} dummy",
             "date": time.strftime("%F"),
             "serve_args": args.serve_args,
             "tokens_per_request": args.load_tokens,
             "duration_s_per_level": args.load_duration,
             "ramp_s": args.ramp,
-            "target": "no errors, >= 99% of requests fully on time, p99 TTFA <= 250 ms",
+            "target": "no errors or rejections, >= 99% of requests fully on time, p99 TTFA <= 250 ms",
             "max_streams_meeting_target": max(
                 [p["concurrency"] for p in curve if "concurrency" in p and meets_target(p)], default=0
             ),
@@ -157,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         "--prompt-allowance", type=int, default=100, help="load requests' max_tokens = --load-tokens + this"
     )
     ap.add_argument("--load-tokens", type=int, default=1024)
-    ap.add_argument("--ramp", type=float, default=0.0)
+    starts = ap.add_mutually_exclusive_group()
+    starts.add_argument("--ramp", type=float, default=0.0, help="closed loop: spread client starts over S s")
+    starts.add_argument("--burst", action="store_true", help="closed loop: every client of a level at once")
     ap.add_argument("--load-out", default="load.json")
     ap.add_argument("--plot", default="")
     ap.add_argument("--label", default="", help="device label for the load results")
@@ -169,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-out", default="py-spy")
     ap.add_argument("serve_args", nargs="*", help="extra `voxpipe serve` flags (after --)")
     args = ap.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv
+    if args.burst:
+        args.ramp = 0.0
     cmd = [sys.executable, "-m", "common.cli", "serve", "--model", args.model, "--port", str(args.port)]
     from programs import get_spec
 

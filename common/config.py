@@ -113,6 +113,9 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     page_size: int = 16  # tokens per KV page
     num_pages: int = 0  # 0 = room for max_batch_size full contexts
     max_prefill_rows: int = 8192  # prompt rows per step, so one step never grows unbounded
+    # Prompts one step may start (within the GPU runner's own bound, its prefill graphs); 0 = as many
+    # as the fitted step cost leaves room for beside the running streams' rows (at least one a step).
+    max_prefills: int = 0
     cuda_graphs: bool = True  # GPU only: replay captured graphs (--disable-cuda-graph: eager steps)
     min_decode_batch: int = 1  # smallest decode graph: smaller batches are padded up to it
     # FlashInfer: one KV split per request, so attention reduces in the same order at any batch
@@ -176,6 +179,8 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
             raise ValueError(
                 "--page-size must be positive; --max-batch-size, --max-context, --num-pages >= 0"
             )
+        if self.max_prefills < 0 or self.max_prefill_rows < 1:
+            raise ValueError("--max-prefills must be >= 0 (0 = by the step cost); --max-prefill-rows >= 1")
         check_headroom(self.realtime_headroom)
         check_headroom(self.capacity_headroom, "--capacity-headroom")
         check_sit_out(self.sit_out_lead_s)

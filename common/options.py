@@ -208,6 +208,21 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("page_size", "tokens per KV page", ("serve", "gpu_worker"), int, path="gpu.page_size"),
     Option(
+        "max_prefills",
+        "prompts one engine step may start (within its prefill graphs); 0 = as many as the fitted step "
+        "cost leaves room for beside the running streams, at least one a step",
+        ("serve", "gpu_worker"),
+        int,
+        path="gpu.max_prefills",
+    ),
+    Option(
+        "max_prefill_rows",
+        "prompt rows one engine step may start (a longer prompt still starts, alone)",
+        ("serve", "gpu_worker"),
+        int,
+        path="gpu.max_prefill_rows",
+    ),
+    Option(
         "num_pages", "0 = max-batch-size full contexts", ("serve", "gpu_worker"), int, path="gpu.num_pages"
     ),
     Option(

@@ -184,7 +184,7 @@ class Engine:
 
     def _step(self) -> DetokBatch | None:
         # 1. schedule: who runs this step
-        batch = self.scheduler.schedule(self.runner.max_prefills_per_step)
+        batch = self.scheduler.schedule(self.runner.max_prefills_per_step, self.runner.takes)
         # 2. run: launch it on the device
         if not batch:
             self.runner.idle()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,6 +29,15 @@ from gpu_worker.attention.interface import GraphAttention, SplitRows
 from gpu_worker.attention.select import graph_attention
 from gpu_worker.runner.arena import InputArena
 from gpu_worker.runner.batch import StepBatch, rows_of
+from gpu_worker.runner.batched_prefill import (
+    MAX_BATCHED,
+    BatchedPrefill,
+    Placement,
+    batched_prefill_enabled,
+    batched_spans,
+    in_request_order,
+    segment_prefix,
+)
 from gpu_worker.runner.eager import EagerRunner
 from gpu_worker.runner.kv_cache import pages_for
 from gpu_worker.runner.prefill_graphs import (
@@ -37,6 +46,7 @@ from gpu_worker.runner.prefill_graphs import (
     fill_prefill,
     lane_prefix,
     max_prefill_pages,
+    pick_bucket,
     prefill_buckets,
     prefill_spans,
 )
@@ -108,6 +118,9 @@ class _Parts:
     dec: StepBatch | None
     pres: list[StepBatch]
     lays: list[PrefillLayout]
+    order: list[int] = field(default_factory=list)  # the request each lane runs
+    # batched prefill graphs: bucket rows → (request indices, their layouts), in replay order
+    batched: dict[int, tuple[list[int], list[PrefillLayout]]] = field(default_factory=dict)
     bs: int = 0
     kv: Any = None
     kv_indices: np.ndarray | None = None
@@ -123,7 +136,8 @@ class GraphRunner:
     no graph) and a decode graph for its fed-back rows, from one input arena sent with one
     host→device copy."""
 
-    max_prefills_per_step = PREFILL_LANES  # one new request per lane; the engine admits no more
+    # one new request per lane, more with batched prefill graphs; the engine admits no more (`takes`)
+    max_prefills_per_step = PREFILL_LANES
 
     def __init__(
         self,
@@ -150,6 +164,14 @@ class GraphRunner:
         spans = decode_spans(bmax, c, self.attn.decode_index_span(max_pages))
         for lane in range(PREFILL_LANES):
             spans |= prefill_spans(rows, reqs, c, p_pages, lane)
+        # Prompts of one small bucket share a forward pass where the GEMMs allow (float8): up to
+        # --max-prefills of them (MAX_BATCHED by default) in one batched graph.
+        max_k = limits.max_prefills or MAX_BATCHED
+        batched_rows = [r for r, _ in buckets if r <= MIXED_PREFILL_ROWS]
+        batched = batched_prefill_enabled(program, limits) and max_k >= 2
+        b_pages = max_prefill_pages(MIXED_PREFILL_ROWS, 1, limits.max_context, self.page_size)
+        if batched:
+            spans |= batched_spans(batched_rows, max_k, c, b_pages)
         self.arena = InputArena(spans, dev)
         # One memory pool for all graphs. Prefill graphs are captured first, lane by lane: a step
         # replays its prefill graphs in lane order, then its decode graph, and graphs sharing a pool
@@ -163,6 +185,12 @@ class GraphRunner:
             for lane in range(PREFILL_LANES)
         ]
         self.prefill = self.prefills[0]
+        self.batched: BatchedPrefill | None = None  # captured after the lanes, replayed after them
+        if batched:
+            self.batched = BatchedPrefill(
+                program, kv_cache, self.arena, self.attn, self.pool, batched_rows, max_k, b_pages, progress
+            )
+            self.max_prefills_per_step = PREFILL_LANES + len(batched_rows) * max_k
         # bucket → (graph, attention wrapper, (logits [bs, C', V], hidden [bs, H]))
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._capture_decode(progress)
@@ -283,12 +311,21 @@ class GraphRunner:
         n_pre, n_dec = b.num_prefill, b.batch_size - b.num_prefill
         pre = b.part(0, n_pre) if n_pre else None
         dec = b.part(n_pre, b.batch_size) if n_dec else None
-        # Each new request in a graph of its own lane; all eagerly when one fits no graph.
-        pres = [b.part(i, i + 1) for i in range(n_pre)] if n_pre <= len(self.prefills) else []
+        # Each new request in a graph of its own lane, or in a batched graph with others of its
+        # bucket; all eagerly when they fit no graphs.
+        singles = [b.part(i, i + 1) for i in range(n_pre)]
+        place = self.place([p.qo_indptr[-1] for p in singles])
+        order = [] if place is None else place.lanes
+        pres = [singles[i] for i in order]
         lays = [lane.layout(p) for lane, p in zip(self.prefills, pres, strict=False)]
-        if pre is not None and (not lays or any(lay is None for lay in lays)):
-            pres, lays = [], []
-        parts = _Parts(n_pre, n_dec, pre, dec, pres, lays)
+        batched = {}
+        if place is not None and self.batched is not None:
+            batched = {
+                r: (ix, self.batched.layouts([singles[i] for i in ix], r)) for r, ix in place.groups.items()
+            }
+        if pre is not None and (place is None or any(lay is None for lay in lays)):
+            pres, lays, order, batched = [], [], [], {}
+        parts = _Parts(n_pre, n_dec, pre, dec, pres, lays, order, batched)
         a = self.arena
         if dec is not None:
             parts.bs = next(s for s in self.sizes if s >= n_dec)
@@ -299,7 +336,23 @@ class GraphRunner:
             parts.upto = sum(a.spans[lane_prefix(len(lays) - 1) + "kv"])
         else:
             parts.upto = a.spans["d_kv"][0] + parts.n_kv
+        for r, (ix, _) in batched.items():  # the segments' spans follow the lanes'
+            parts.upto = max(parts.upto, a.end(segment_prefix(r, len(ix) - 1) + "kv"))
         return parts
+
+    def place(self, rows: list[int]) -> Placement | None:
+        """Where a step's prompts (of `rows` rows each, in order) run: each in a lane of its own,
+        or with batched graphs `BatchedPrefill.place`; None: not all in graphs (then eagerly)."""
+        lanes = len(self.prefills)
+        if self.batched is not None and len(rows) > 1:
+            return self.batched.place(rows, self.prefill.buckets, lanes)
+        if len(rows) > lanes or any(pick_bucket(self.prefill.buckets, 1, n) is None for n in rows):
+            return None
+        return Placement(lanes=list(range(len(rows))))
+
+    def takes(self, rows: list[int]) -> bool:
+        """Whether prompts of `rows` rows each start together in graphs (each rounding as alone)."""
+        return self.place(rows) is not None
 
     def _fill(self, b: StepBatch, parts: _Parts) -> torch.Tensor | None:
         """One copy of the arena: decode rows, meta, and the prefill rows when a graph runs them →
@@ -323,6 +376,8 @@ class GraphRunner:
             meta = a.dev_view("meta", b.meta.size).view(3, -1)
         for lane, (p, lay) in enumerate(zip(parts.pres, parts.lays, strict=True)):
             fill_prefill(a, p, lay, lane)
+        for r, (ix, lays) in parts.batched.items():
+            self.batched.fill([b.part(i, i + 1) for i in ix], lays, r)
         a.send(parts.upto)
         return meta
 
@@ -330,6 +385,8 @@ class GraphRunner:
         """Plan every graph's attention (their own buffers), then mark the copies done."""
         for graphs, lay in zip(self.prefills, parts.lays, strict=False):
             graphs.plan(lay)
+        for r, (_, lays) in parts.batched.items():
+            self.batched.plan(lays, r)
         if parts.dec is not None:
             _, wrapper, _ = self.graphs[parts.bs]
             rows = (parts.dec.page_tables, parts.dec.kv_lens) if b.meta is None else None
@@ -340,22 +397,23 @@ class GraphRunner:
     def _replay(
         self, b: StepBatch, parts: _Parts, meta: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Prefill first (the capture order), then decode; the first new request with the decode
-        rows in a mixed graph when one holds them (captured last, so replayed last)."""
+        """Prefill first (the capture order: lanes, then batched graphs), then decode; the first
+        new request with the decode rows in a mixed graph when one holds them (captured last, so
+        replayed last)."""
         lays, n_pre, n_dec = parts.lays, parts.n_pre, parts.n_dec
         mixed = self.mixed.get((parts.bs, lays[0].rows)) if lays and parts.dec is not None else None
-        logits, hiddens = [], []
-        for graphs, lay in zip(self.prefills, lays, strict=False):
+        pre: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []  # (requests, logits, hidden)
+        for graphs, lay, i in zip(self.prefills, lays, parts.order, strict=False):
             if mixed is not None and graphs is self.prefill:
                 continue
-            lg, hidden = graphs.replay(lay)
-            logits.append(lg)
-            hiddens.append(hidden)
+            pre.append(([i], *graphs.replay(lay)))
+        for r, (ix, _) in parts.batched.items():
+            pre.append((ix, *self.batched.replay(len(ix), r)))
         if parts.pre is not None and not lays:
             parts.pre.meta = None  # already on the device, in the arena
             lg, _, hidden = self.eager.forward(parts.pre)
-            logits.append(lg)
-            hiddens.append(hidden)
+            pre.append((list(range(n_pre)), lg, hidden))
+        dec: list[tuple[torch.Tensor, torch.Tensor]] = []
         if parts.dec is not None:
             a = self.arena
             if meta is not None:
@@ -368,15 +426,14 @@ class GraphRunner:
             if mixed is not None:
                 graph, out = mixed
                 graph.replay()
-                logits.insert(0, out[0])
-                hiddens.insert(0, out[1])
-                logits.append(out[2][:n_dec])
-                hiddens.append(out[3][:n_dec])
+                pre.insert(0, ([parts.order[0]], out[0], out[1]))
+                dec.append((out[2][:n_dec], out[3][:n_dec]))
             else:
                 graph, _, out = self.graphs[parts.bs]
                 graph.replay()
-                logits.append(out[0][:n_dec])
-                hiddens.append(out[1][:n_dec])
+                dec.append((out[0][:n_dec], out[1][:n_dec]))
+        logits, hiddens = in_request_order(pre)
+        logits, hiddens = logits + [lg for lg, _ in dec], hiddens + [h for _, h in dec]
         hidden = None
         if self.program.n_codebooks > 1:
             hidden = hiddens[0] if len(hiddens) == 1 else torch.cat(hiddens)

@@ -106,6 +106,12 @@ class ModelRunner:
         """New requests one step may start (one per prefill lane); 0: any number."""
         return self.forward_runner.max_prefills_per_step
 
+    def takes(self, rows: list[int]) -> bool:
+        """Whether prompts of `rows` rows each may start in one step, each rounding as it would
+        alone (`GraphRunner.takes`; the eager runner takes any)."""
+        takes = getattr(self.forward_runner, "takes", None)
+        return True if takes is None else takes(rows)
+
     # --- a step --------------------------------------------------------------------------------
     def layout(self, batch: list[Request]) -> StepBatch:
         """The step's rows: new requests' whole prompts, then one fed-back row per running one."""

@@ -105,12 +105,17 @@ def prefill_layout(pre: StepBatch, rows: int, reqs: int, page_size: int) -> Pref
     return PrefillLayout(rows, reqs, qo, kv_indptr, kv_indices, kv_last, page, pos % page_size, last)
 
 
-def lane_prefix(lane: int) -> str:
-    """Arena span names of a lane of prefill graphs: p_ids, … for lane 0; p1_ids, … for lane 1."""
+def lane_prefix(lane: int | str) -> str:
+    """Arena span names of a lane of prefill graphs: p_ids, … for lane 0; p1_ids, … for lane 1 (a
+    string: that prefix, a batched graph's segment: gpu_worker.runner.batched_prefill)."""
+    if isinstance(lane, str):
+        return lane
     return "p_" if lane == 0 else f"p{lane}_"
 
 
-def prefill_spans(rows: int, reqs: int, n_codebooks: int, max_pages: int, lane: int = 0) -> dict[str, int]:
+def prefill_spans(
+    rows: int, reqs: int, n_codebooks: int, max_pages: int, lane: int | str = 0
+) -> dict[str, int]:
     """Arena spans one lane of prefill graphs reads (after the decode spans)."""
     p = lane_prefix(lane)
     return {
@@ -124,7 +129,7 @@ def prefill_spans(rows: int, reqs: int, n_codebooks: int, max_pages: int, lane: 
     }
 
 
-def fill_prefill(arena: InputArena, pre: StepBatch, lay: PrefillLayout, lane: int = 0) -> None:
+def fill_prefill(arena: InputArena, pre: StepBatch, lay: PrefillLayout, lane: int | str = 0) -> None:
     """Write the real rows into the (zeroed) host arena; padding rows stay zero."""
     r, p = pre.qo_indptr[-1], lane_prefix(lane)
     arena.host_view(p + "ids", pre.ids.size).copy_(

@@ -67,10 +67,18 @@ def _seconds(runner, b: StepBatch) -> float:
 
 
 def step_differences(
-    runner, num_pages: int, page_size: int, max_context: int, n_codebooks: int, progress=None, timer=_seconds
+    runner,
+    num_pages: int,
+    page_size: int,
+    max_context: int,
+    n_codebooks: int,
+    progress=None,
+    timer=_seconds,
+    steps: dict[tuple[int, int], float] | None = None,
 ) -> list[tuple[tuple[float, float, float], float]]:
     """Time the startup steps on `runner` (a GraphRunner; `timer(runner, batch)` → seconds) →
-    `StepCost.calibrate`'s differences."""
+    `StepCost.calibrate`'s differences; `steps`, when given, gets the largest batches' times at the
+    long context ((rows, context of each) → seconds: `StepClock.seed`)."""
     if progress:
         progress("measuring what a step's parts cost")
     t0 = time.monotonic()
@@ -97,6 +105,8 @@ def step_differences(
             diffs.append(
                 ((big - small, (big - small) * (ctx - 1) / 1000, 0.0), at[big, ctx] - at[small, ctx])
             )
+    if steps is not None:
+        steps.update({(n, long): at[n, long] for n in {big, small}})
     mid = (short + long) // 2
     if prompt > 0:
         diffs.append(((float(prompt), 0.0, 1.0), t(small, mid, prompt) - t(small, mid)))

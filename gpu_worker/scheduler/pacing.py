@@ -17,8 +17,9 @@ at 82.03 rows a second). `StepClock` keeps an exponential average of the interva
 - `row_period()`: the recent interval at the current load, and `row_period_high()` a pessimistic
   one (plus twice the recent spread);
 - `rows_time_high(n)`: how long the next n steps may take, from the last steps' own n-step spans
-  (a high percentile of them), which decides whether a request's first audio can come from a short
-  lead window and when it may switch to regular windows (see `lead_fits`).
+  (a high percentile of them), and no less than the scheduler expects while prompts wait
+  (`expect`), which decides whether a request's first audio can come from a short lead window and
+  when it may switch to regular windows (see `lead_fits`).
 
 Intervals are wall-clock and include everything that shares the GPU and the host loop (the codec,
 prefill steps, message handling): what a stream actually experiences.
@@ -135,6 +136,7 @@ class StepCost:
         self._yy = 0.0  # average of dt^2
         self._fit: tuple[float, ...] | None = None
         self._fit_at = 0  # self.n when last fitted
+        self.seeded = False  # steps measured at startup among its own: it fits before COST_MIN_STEPS
         # `calibrate`'s differences, their moments weighted and held apart from the decaying ones
         self._cal_xx, self._cal_xy, self._cal_yy = np.zeros((k, k)), np.zeros(k), 0.0
 
@@ -153,6 +155,12 @@ class StepCost:
         self._cal_xx, self._cal_xy, self._cal_yy = w * x.T @ x, w * x.T @ y, w * float(y @ y)
         self._fit = None  # fit again with them
 
+    def seed(self, tokens: int, context: int, dt: float) -> None:
+        """A whole step timed at startup, as a step served: the fit counts at once (the steps
+        served soon outweigh it, each weighing 1 / n)."""
+        self.add(tokens, context, 0, dt)
+        self.seeded, self._fit = True, None
+
     def add(self, tokens: int, context: int, prompts: int, dt: float) -> None:
         """One step's time `dt` and what it computed (prompt tokens among the `tokens`)."""
         x = np.array([1.0, float(tokens), context / 1000.0, float(prompts)])
@@ -164,9 +172,10 @@ class StepCost:
 
     def coefficients(self) -> tuple[float, ...] | None:
         """(a s, b s per token, c s per thousand tokens of context, d s per prompt), or None before
-        COST_MIN_STEPS steps: of the fits on every subset of the terms whose coefficients are all
-        nonnegative, the one with the least squared error. Fitted again every REFIT_STEPS steps."""
-        if self.n < COST_MIN_STEPS:
+        COST_MIN_STEPS steps (but `seed`ed): of the fits on every subset of the terms whose
+        coefficients are all nonnegative, the one with the least squared error. Fitted again every
+        REFIT_STEPS steps."""
+        if self.n < COST_MIN_STEPS and not self.seeded:
             return None
         if self._fit is None or self.n - self._fit_at >= REFIT_STEPS:
             prior = np.array(self._fit or (0.0,) * self.TERMS)
@@ -188,6 +197,15 @@ class StepCost:
                     best, least = tuple(float(v) for v in full), err
             self._fit, self._fit_at = best, self.n
         return self._fit
+
+    def prompt_room(self, budget: float, rows: int, context: int) -> tuple[float, float, float] | None:
+        """(seconds a step of `rows` decode rows attending over `context` tokens leaves for prompts
+        within `budget`, seconds a prompt costs, seconds per prompt token) by the fit; None before it."""
+        fit = self.coefficients()
+        if fit is None:
+            return None
+        a, b, c, d = fit
+        return budget - (a + b * rows + c * context / 1000.0), d, b
 
     def capacity(self, budget: float, lives: Lives) -> float | None:
         """Streams whose step, all of them in it at `lives.context` tokens of context each and a
@@ -236,6 +254,8 @@ class StepClock:
         self._pace_n, self._pace_batch, self._pace_dt = 0, 0.0, 0.0
         self._pace_rows = 0.0  # rows per step over the same steps (streams sitting out excluded)
         self.cost = StepCost()
+        # Seconds a step may take over the next steps whatever the steps before took (`expect`)
+        self._expected = 0.0
         # `tick`'s costs of the last steps launched, the latest last
         self._launched: deque[tuple[int, int, int] | None] = deque(maxlen=3)
 
@@ -310,7 +330,33 @@ class StepClock:
         ones."""
         return self._recent + 2.0 * self._spread
 
+    def seed(self, steps: dict[tuple[int, int], float], now: float | None = None) -> None:
+        """Steps timed at startup ((rows, context of each) → seconds: the largest batches at a long
+        context) as measured ones, in their buckets and in `StepCost`: a fresh worker's capacity
+        is what its GPU keeps real time, not its largest batch, until the steps served take over."""
+        now = time.perf_counter() if now is None else now
+        for (rows, context), dt in steps.items():
+            if dt > 0 and math.isfinite(dt):
+                key = _bucket(rows)
+                self._ema[key], self._size[key], self._count[key], self._seen[key] = (
+                    dt,
+                    rows,
+                    _MIN_SAMPLES,
+                    now,
+                )
+                self.cost.seed(rows, rows * (context - 1), dt)
+
+    def expect(self, step_s: float) -> None:
+        """The next steps may each take `step_s` seconds, whatever the last ones took (0: as they
+        went): the scheduler says so while prompts wait, so that first audio is not promised on
+        lighter steps than those that start them (`rows_time_high`)."""
+        self._expected = step_s
+
     def rows_time_high(self, rows: int) -> float:
+        """Seconds the next `rows` steps may take: `_rows_time_high`, and no less than `expect` says."""
+        return max(self._rows_time_high(rows), rows * self._expected)
+
+    def _rows_time_high(self, rows: int) -> float:
         """Seconds the next `rows` steps may take: the SPAN_QUANTILE of the times of every `rows`
         consecutive steps among the last RECENT_STEPS, or the latest such span if slower (the load
         just grew). A slow step (a prefill, a codec pass beside it) counts once in the spans it
@@ -362,8 +408,11 @@ class StepClock:
             if life is not None:
                 # No further than PROBE beyond the load served lately: a fit made at a light load
                 # says little of a much larger one (a step's time is flat at small batches), and
-                # admission reaches it by measuring its way there.
+                # admission reaches it by measuring its way there; one `seed`ed with the largest
+                # batches' steps has measured there, and a burst is admitted up to it at once.
                 reach = max(PROBE * self._pace_batch, self._pace_batch + PROBE_MIN)
+                if self.cost.seeded:
+                    reach = self.max_batch
                 return float(min(self.max_batch, life, reach))
         return max(self._model_capacity(now), self.paced_capacity())
 

@@ -1,7 +1,8 @@
 """The scheduler: which requests run when. It alone decides
 
 - admission: which waiting requests start this step (free slots, KV pages for their whole budget,
-  the prefill row cap, the runner's lanes), and rejection of those that never could;
+  the caps on prompts and prompt rows per step, and as many prompts as the fitted step cost leaves
+  room for beside the running streams' rows), and rejection of those that never could;
 - abort and finish: a request's end, its slot and pages given back;
 - consistency: a prompt whose id is already held is refused (never run in another's place), and a
   step in a state the scheduler knows is broken (a slot or KV page that no request holds) raises
@@ -23,6 +24,7 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 
@@ -87,6 +89,7 @@ class Scheduler:
         # rid → (generated rows as in Request.generated, stop excluded; reason) when kept (tests, benches).
         self.outputs: dict[str, tuple[list, FinishReason]] | None = None
         self.last_batch_size = 0
+        self.admitted_last = 0  # prompts the last step admitted
         self.sit_out = None
         check_sit_out(limits.sit_out_lead_s)
         if limits.sit_out_lead_s > 0:
@@ -231,12 +234,12 @@ class Scheduler:
         return len(self.running) + len(self.waiting)
 
     # --- one step ------------------------------------------------------------------------------
-    def schedule(self, max_prefills: int) -> list[Request]:
+    def schedule(self, max_prefills: int, takes: Callable[[list[int]], bool] | None = None) -> list[Request]:
         """This step's batch: admit what may start (at most `max_prefills` new requests, 0: no
         limit), leave out the streams sitting this step out, new requests first (the runners split
         prefill from decode); and tell the clock. Raises BrokenState (see `check`)."""
         self.check()
-        self.admit(max_prefills)
+        self.admit(max_prefills, takes)
         # Requests whose budget is used up by launched steps wait for their last results.
         batch = [r for r in self.running.values() if len(r.prompt) + r.n_launched < r.budget]
         served = len(batch)
@@ -249,29 +252,81 @@ class Scheduler:
         self.clock.tick(len(batch), served, cost)
         return batch
 
-    def admit(self, max_prefills: int) -> None:
-        """Waiting requests into slots while slots, KV pages, the prefill row cap and
-        `max_prefills` (the runner's lanes; 0: no limit) last, in order."""
+    def admit(self, max_prefills: int, takes: Callable[[list[int]], bool] | None = None) -> None:
+        """Waiting requests into slots, in arrival order, while slots, KV pages and this step's room
+        for prompts last: at most `prefill_cap` prompts and `max_prefill_rows` prompt rows, and no
+        more than the fitted step cost lets the running streams keep real time (`prompt_room`),
+        and only prompts the runner `takes` together into its graphs (each rounding as alone); the
+        first waiting prompt always starts (a step never admits none while slots and pages last).
+        Then tells the clock what the next steps may take while prompts still wait (`StepClock.expect`)."""
+        cap, limits = self.prefill_cap(max_prefills), self.limits
+        room, per_prompt, per_token = self.prompt_room()
         prefill_rows = admitted = 0
-        while self.waiting and len(self.running) < self.limits.max_batch_size and self.slots.num_free:
+        spent, lengths = 0.0, []
+        while self.waiting and len(self.running) < limits.max_batch_size and self.slots.num_free:
             req = self.waiting[0]
-            if prefill_rows and prefill_rows + len(req.prompt) > self.limits.max_prefill_rows:
+            rows = len(req.prompt)
+            cost = per_prompt + per_token * rows
+            if admitted and (
+                admitted >= cap
+                or prefill_rows + rows > limits.max_prefill_rows
+                or spent + cost > room
+                or (takes is not None and not takes([*lengths, rows]))
+            ):
                 break
-            if max_prefills and admitted >= max_prefills:
-                break
-            admitted += 1
-            pages = self.allocator.alloc(pages_for(req.budget + 1, self.limits.page_size))
+            pages = self.allocator.alloc(pages_for(req.budget + 1, limits.page_size))
             if pages is None:
                 break  # wait for a running request to finish and free its pages
             self.waiting.popleft()
-            req.pages = pages
-            p = self.program
-            req.slot = self.slots.admit(req.sp, req.prompt[:, 0], p.uses_repetition_penalty, req.prompt[-1])
-            p.admit(req.slot, req.state)
-            req.audio = np.zeros((req.budget, p.n_codebooks), dtype="<i4")
-            req.admitted_at = time.time()
-            self.running[req.rid] = req
-            prefill_rows += len(req.prompt)
+            self.start(req, pages)
+            admitted += 1
+            prefill_rows += rows
+            spent += cost
+            lengths.append(rows)
+        self.admitted_last = admitted
+        # Prompts still waiting make the next steps as heavy as this one (by the fit, else up to the
+        # budget): a first chunk promised on the lighter steps before them would come late
+        # (gpu_worker/windows.py).
+        expected = 0.0
+        if self.waiting:
+            expected = (
+                self.step_budget()
+                if math.isinf(room)
+                else min(self.step_budget(), self.step_budget() - room + spent)
+            )
+        self.clock.expect(expected)
+
+    def start(self, req: Request, pages: list[int]) -> None:
+        """A waiting request into a sampling slot with its KV pages: it runs from the next step."""
+        req.pages = pages
+        p = self.program
+        req.slot = self.slots.admit(req.sp, req.prompt[:, 0], p.uses_repetition_penalty, req.prompt[-1])
+        p.admit(req.slot, req.state)
+        req.audio = np.zeros((req.budget, p.n_codebooks), dtype="<i4")
+        req.admitted_at = time.time()
+        self.running[req.rid] = req
+
+    def prefill_cap(self, max_prefills: int) -> float:
+        """Prompts one step may start: `--max-prefills` within the runner's own bound
+        (`max_prefills`, its prefill graphs); 0 in both: any number."""
+        caps = [n for n in (self.limits.max_prefills, max_prefills) if n > 0]
+        return min(caps) if caps else math.inf
+
+    def step_budget(self) -> float:
+        """Seconds a step may take while its streams stay real time: `realtime_headroom` of the row
+        period."""
+        return self.limits.realtime_headroom * self.clock.period
+
+    def prompt_room(self) -> tuple[float, float, float]:
+        """(seconds this step leaves for prompts, seconds a prompt costs, seconds per prompt token):
+        the step budget less the fitted time of the running streams' decode rows at their contexts
+        (`StepCost`), and each prompt at the fitted cost per prompt and per token. Unbounded where
+        no stream runs, nothing is paced (CPU) or the cost is not fitted yet (the caps alone)."""
+        if not self.real_time or not self.running:
+            return math.inf, 0.0, 0.0
+        context = sum(r.n_ctx for r in self.running.values())
+        room = self.clock.cost.prompt_room(self.step_budget(), len(self.running), context)
+        return (math.inf, 0.0, 0.0) if room is None else room
 
     def leave_out_streams_ahead(self, batch: list[Request], prompts: int) -> list[Request]:
         """The batch (`prompts` of its requests new) less the streams sitting this step out
@@ -343,14 +398,16 @@ class Scheduler:
 
     def calibrate(self, runner, progress=None) -> None:
         """Steps that differ in one part, timed on `runner` (a GraphRunner) before any request
-        (gpu_worker/scheduler/calibrate.py), for the fit behind admission. A failure leaves the fit
-        to the steps served."""
+        (gpu_worker/scheduler/calibrate.py), for the fit behind admission; and the largest batches'
+        steps at a long context as the clock's first measurements (`StepClock.seed`). A failure
+        leaves both to the steps served."""
         from gpu_worker.scheduler.calibrate import step_differences
 
+        steps: dict[int, float] = {}
         try:
             diffs = step_differences(
                 runner, self.allocator.num_pages, self.limits.page_size, self.limits.max_context,
-                self.program.n_codebooks, progress,
+                self.program.n_codebooks, progress, steps=steps,
             )  # fmt: skip
         except Exception:
             log.exception(
@@ -358,3 +415,4 @@ class Scheduler:
             )
             return
         self.clock.cost.calibrate(diffs)
+        self.clock.seed(steps)

@@ -1,0 +1,115 @@
+"""A burst of N prompts starts k a step (`--max-prefills k`): admitted in ceil(N / k) steps, in
+arrival order, and each request generates the tokens it generates alone, greedy and sampled, on
+Orpheus, CSM and Qwen3-TTS (tiny, CPU). Where streams run, the fitted step cost decides how many
+prompts a step takes beside them (at least one), whatever the cap allows."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from common.config import GpuWorkerSettings
+from common.messages import Prompt, SamplingParams
+from gpu_worker.engine import Engine
+from tests.conftest import tiny_lm_on_one_thread
+from tokenizer_worker.worker import wire_array
+
+TEXTS = ["Hello there.", "A longer sentence, to speak slowly.", "Yes.", "One more, please.", "Fine.",
+         "What a day it was.", "No."]  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=["orpheus-tiny", "csm-tiny", "qwen3-tts-tiny"])
+def program(request):
+    """float64: on the CPU a GEMM of one row rounds otherwise than that row among others (in float32
+    a sampled token can flip); float64 keeps that far below any sampling boundary, so the test sees
+    what the engine does with the rows (the GPU's float8 GEMMs give a row the same bits at any
+    row count: bench/op_invariance.py)."""
+    kw = {"lm_head": "audio"} if request.param == "orpheus-tiny" else {}
+    yield from tiny_lm_on_one_thread(request.param, dtype=torch.float64, **kw)
+
+
+def prompts(program, n: int) -> list[Prompt]:
+    """n prompts, every other one greedy, the rest sampled with their own seeds."""
+    out = []
+    for i in range(n):
+        built = program.preprocess(TEXTS[i % len(TEXTS)], {})
+        rows = np.asarray(getattr(built, "rows", built)).astype("<i4")
+        state = {k: wire_array(v) for k, v in getattr(built, "state", {}).items()}
+        sp = dict(temperature=0.0) if i % 2 else dict(temperature=0.9, top_k=50, seed=100 + i)
+        if program.can_constrain:
+            sp["constrained"] = True
+        sampling = SamplingParams(max_tokens=len(rows) + 12, **sp)
+        out.append(Prompt(f"r{i}", rows.tobytes(), len(rows), sampling, state=state))
+    return out
+
+
+def limits(**kw) -> GpuWorkerSettings:
+    return GpuWorkerSettings(max_batch_size=8, max_context=200, first_chunk="reference", **kw)
+
+
+@pytest.mark.parametrize("n, k", [(7, 3), (5, 5)])
+def test_a_burst_of_n_starts_k_a_step_and_each_request_samples_what_it_samples_alone(program, n, k):
+    alone = {}
+    for p in prompts(program, n):
+        eng = Engine(program, limits())
+        eng.outputs = {}
+        eng.add(p)
+        eng.run_until_idle()
+        alone |= eng.outputs
+
+    eng = Engine(program, limits(max_prefills=k))
+    eng.outputs = {}
+    for p in prompts(program, n):
+        eng.add(p)
+    running, order = [], []
+    while eng.waiting:
+        eng.step()
+        running.append(len(eng.running))
+        order += [rid for rid in eng.running if rid not in order]
+    steps = math.ceil(n / k)
+    assert len(running) == steps and running == [min(n, k * (s + 1)) for s in range(steps)]
+    assert order == [f"r{i}" for i in range(n)]  # in arrival order
+    eng.run_until_idle()
+    assert sorted(eng.outputs) == sorted(alone)
+    for rid, (tokens, reason) in alone.items():
+        assert eng.outputs[rid][1] == reason
+        assert eng.outputs[rid][0] == tokens, rid
+    assert eng.allocator.num_used == 0
+
+
+def test_beside_running_streams_the_step_cost_sets_how_many_prompts_start(program):
+    """Streams running, a fitted cost of 2 ms a prompt and 6 ms of decode: the 10.7 ms budget (0.88
+    of Orpheus' 12.19 ms row) leaves room for two prompts a step, though the cap allows five; where
+    the decode rows alone fill the budget, one prompt a step still starts."""
+    if program.name != "orpheus-tiny":
+        pytest.skip("the row period of record is Orpheus'")
+    eng = Engine(program, limits(max_prefills=5))
+    s = eng.scheduler
+    s.real_time = True  # paced as on a GPU
+    cost = s.clock.cost
+    first, rest = prompts(program, 1), prompts(program, 8)[1:]
+    eng.add(first[0])
+    eng.step()  # one stream running
+
+    def fit(a: float, d: float) -> None:
+        """A step cost of `a` s fixed and `d` s a prompt, nothing per token or context."""
+        cost.__init__()
+        rng = np.random.default_rng(0)
+        for _ in range(400):
+            x = (int(rng.integers(1, 300)), int(rng.integers(0, 50_000)), int(rng.integers(0, 4)))
+            cost.add(*x, a + d * x[2])
+
+    fit(0.006, 0.002)
+    assert cost.coefficients() == pytest.approx((0.006, 0.0, 0.0, 0.002), abs=1e-9)
+    for p in rest:
+        eng.add(p)
+    eng.step()
+    assert len(eng.running) == 3 and s.admitted_last == 2  # (10.7 - 6) / 2 ms: two prompts
+    fit(0.011, 0.002)  # decode alone over the budget: one a step
+    eng.step()
+    assert s.admitted_last == 1 and len(eng.running) == 4
+    # prompts still wait: the next steps may take the whole budget (`StepClock.expect`)
+    assert s.clock.rows_time_high(7) >= 7 * 0.88 / program.rows_per_second

@@ -1,0 +1,148 @@
+"""Batched prefill graphs (gpu_worker/runner/batched_prefill.py): a step's prompts of one small
+bucket share a forward pass, each in a segment of its own, the rest in lanes and the first with the
+decode rows in a mixed graph; the step gives the eager runner's logits and KV pages, and through
+the engine each request of a burst generates the tokens it generates alone. On CPU with the
+stand-ins for FlashInfer and CUDA graphs of test_graph_runner_replays_match_eager_on_cpu (the
+graphs exist for float8 weights, which only a GPU runs: enabled here by hand)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from common.config import GpuWorkerSettings
+from common.messages import Prompt, SamplingParams
+from gpu_worker.attention.torch_paged import TorchPagedAttention
+from gpu_worker.engine import Engine
+from gpu_worker.runner.batch import StepBatch
+from gpu_worker.runner.eager import EagerRunner
+from gpu_worker.runner.kv_cache import allocate_kv_cache, pages_for
+from tests.conftest import tiny_lm_on_one_thread
+from tests.test_graph_runner_replays_match_eager_on_cpu import (  # noqa: F401 (fixture)
+    _capture,
+    graph_runner_cls,
+    program,
+)
+
+PAGE, MAX_CONTEXT = 16, 400
+
+
+@pytest.fixture
+def batched(monkeypatch):
+    monkeypatch.setattr("gpu_worker.runner.batched_prefill.capture", _capture)
+    monkeypatch.setattr("gpu_worker.runner.graphs.batched_prefill_enabled", lambda *a: True)
+
+
+def test_a_steps_prompts_run_in_lanes_batched_and_mixed_graphs_as_eagerly(
+    program,  # noqa: F811
+    graph_runner_cls,  # noqa: F811
+    batched,
+):
+    n_seq, per = 12, pages_for(MAX_CONTEXT + 1, PAGE)
+    shape = (program.num_layers, 1 + n_seq * per, PAGE, program.num_kv_heads, program.head_dim)
+    kv_g = allocate_kv_cache(*shape, torch.float32, "cpu")
+    kv_e = allocate_kv_cache(*shape, torch.float32, "cpu")
+    limits = GpuWorkerSettings(max_batch_size=16, max_context=MAX_CONTEXT, max_prefills=3)
+    graphs = graph_runner_cls(program, kv_g, limits)
+    eager = EagerRunner(program, TorchPagedAttention(kv_e, program.num_qo_heads))
+    assert sorted(graphs.batched.graphs) == [(k, r) for k in (2, 3) for r in (32, 64, 128)]
+    replayed = []
+    for key, (graph, _) in graphs.batched.graphs.items():
+        graph.replay = lambda key=key, replay=graph.replay: replayed.append(key) or replay()
+    # Step 0 (nothing decoding): 7 rows in lane 0; 20 and 25 (bucket 32) batched; 40 (bucket 64)
+    # alone in its bucket: lane 1; 300 rows: lane 2. Step 2 (5 decoding): 10 rows with them in a
+    # mixed graph; 12, 15 and 30 batched in bucket 32; 50 and 60 batched in bucket 64.
+    lens = [7, 20, 25, 40, 300, 10, 12, 50, 15, 60, 30]
+    joins = [0] * 5 + [2] * 6
+    assert not graphs.takes([7, 20, 25, 28, 31])  # 4 of bucket 32 beside the first: more than 3
+    rng = np.random.default_rng(0)
+    tables = [list(range(1 + i * per, 1 + (i + 1) * per))[::-1] for i in range(n_seq)]
+    seqs = [rng.integers(0, 1000, size=n + 10) for n in lens]
+    last_rows = torch.zeros(n_seq, 1, dtype=torch.int64)
+    for t in range(4):
+        pre = [i for i in range(len(lens)) if joins[i] == t]
+        dec = [i for i in range(len(lens)) if joins[i] < t]
+        ids, pos, rows, kv_lens = [], [], [], []
+        for i in pre:
+            ids += seqs[i][: lens[i]].tolist()
+            pos += list(range(lens[i]))
+            rows.append(lens[i])
+            kv_lens.append(lens[i])
+        for i in dec:
+            k = lens[i] + t - joins[i] - 1
+            ids.append(0)
+            last_rows[i, 0] = int(seqs[i][k])
+            pos.append(k)
+            rows.append(1)
+            kv_lens.append(k + 1)
+        order = pre + dec
+        meta = np.array([order, [t - joins[i] for i in order], [lens[i] for i in order]], dtype=np.int64)
+        b = StepBatch(np.array(ids, dtype=np.int64)[:, None], np.array(pos, dtype=np.int64),
+                      [0, *np.cumsum(rows).tolist()], kv_lens, [tables[i] for i in order], len(pre), meta=meta,
+                      last_rows=last_rows)  # fmt: skip
+        assert graphs.takes([lens[i] for i in pre])
+        got, got_meta, _ = graphs.forward(b)
+        want, want_meta, _ = eager.forward(b)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"step {t}")
+        assert got_meta.tolist() == want_meta.tolist()
+        torch.testing.assert_close(kv_g[:, 1:], kv_e[:, 1:], rtol=1e-4, atol=1e-4, msg=f"step {t}")
+    assert replayed == [(2, 32), (2, 64), (3, 32)]  # each step's in capture order: 64 rows first
+
+
+@pytest.fixture(scope="module")
+def tiny64():
+    """orpheus-tiny in float64 with the audio head: a GEMM's rounding at another row count stays far
+    below any sampling boundary (tests/test_streams_ahead_sit_out_slow_steps.py)."""
+    yield from tiny_lm_on_one_thread("orpheus-tiny", dtype=torch.float64, lm_head="audio")
+
+
+def test_a_burst_through_batched_graphs_samples_what_each_request_samples_alone(
+    tiny64,
+    graph_runner_cls,  # noqa: F811
+    batched,
+):
+    limits = GpuWorkerSettings(max_batch_size=8, max_context=120, first_chunk="reference", max_prefills=4)
+    texts = [
+        "Hi.",
+        "Hello there, how are you?",
+        "Yes.",
+        "No, not today.",
+        "A sentence.",
+        "Well.",
+        "Go!",
+        "Ok.",
+    ]
+    prompts = []
+    for i, text in enumerate(texts):
+        rows = np.asarray(tiny64.preprocess(text, {})).astype("<i4")
+        sp = dict(temperature=0.0) if i % 2 else dict(temperature=0.9, top_k=50, seed=7 + i)
+        prompts.append(
+            Prompt(f"r{i}", rows.tobytes(), len(rows), SamplingParams(max_tokens=60, constrained=True, **sp))
+        )
+
+    def engine() -> Engine:
+        eng = Engine(tiny64, limits)
+        eng.runner.forward_runner = graph_runner_cls(tiny64, eng.kv_cache, limits)
+        eng.outputs = {}
+        return eng
+
+    alone = {}
+    for p in prompts:
+        eng = engine()
+        eng.add(p)
+        eng.run_until_idle()
+        alone |= eng.outputs
+    eng = engine()
+    replayed = []
+    for key, (graph, _) in eng.runner.forward_runner.batched.graphs.items():
+        graph.replay = lambda key=key, replay=graph.replay: replayed.append(key) or replay()
+    for p in prompts:
+        eng.add(p)
+    running = []
+    while eng.waiting:
+        eng.step()
+        running.append(len(eng.running))
+    assert running == [4, 8] and replayed == [(3, 32), (3, 32)]  # the first of each step alone
+    eng.run_until_idle()
+    assert eng.outputs == alone
