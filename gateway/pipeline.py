@@ -102,7 +102,9 @@ class Pipeline:
         self.admission = Admission(self._stream_capacity, cfg.gateway.max_queue, cfg.gateway.queue_timeout)
         self.metrics = GatewayMetrics(self.procs, self.admission)
         # Clips to encode go to the ready codec_workers (gateway.references); saved voices by name.
-        self.references = References(addresses.codec_in, cfg, lambda: self.procs.ready_names("codec_worker"))
+        # (A pipeline built without addresses, to check settings, never sends one.)
+        codec_in = addresses.codec_in if addresses is not None else ""
+        self.references = References(codec_in, cfg, lambda: self.procs.ready_names("codec_worker"))
         self.voices = VoiceStore(cfg.gateway.voices_dir)
         self.created = int(time.time())
         self.closing = False  # set on shutdown: no new segments are submitted
