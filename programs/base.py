@@ -19,6 +19,7 @@ apart from N/B/Bd, state only in buffers, randomness only from the keys passed i
 | `backbone(hidden, pos, attn)` | gpu_worker | yes | [N, H], pos [N] int64 → [N, H]; attention through `attn` |
 | `head(hidden)` | gpu_worker | yes | [B, H] → logits [B, C', V] float32 (V' columns when `head_ids` is set); the runtime samples codebook 0 |
 | `decode_tokens(hidden, c0, sample, rows)` | gpu_worker | yes | [B, H], [B] int64, `Rows` (slot, step, prev [B, C]) → row [B, C] int64 (only when C > 1) |
+| `compile_depth(enabled)` | gpu_worker | no | optional: put `decode_tokens`' compilable pieces under torch.compile (--depth-compile) → whether it has any |
 | `init_state(num_slots)` | gpu_worker | no | optional: allocate per-request state buffers [num_slots, …] (see Per-request state) |
 | `check_prompt(rows, state)` | gpu_worker | no | a prompt's rows [R, C] and state arrays → "" or why they are not what `preprocess` builds |
 | `admit(slot, state)` | gpu_worker | no | write a starting request's state into its slot's buffers |
@@ -372,6 +373,12 @@ class LMProgram:
         """hidden [B, H] (backbone, last row of each request), c0 [B] int64 sampled codebook 0 →
         the full row [B, C] int64. Needed when n_codebooks > 1."""
         raise NotImplementedError(f"{self.name} has {self.n_codebooks} codebooks and no decode_tokens")
+
+    def compile_depth(self, enabled: bool = True) -> bool:
+        """Put the compilable pieces of `decode_tokens` under torch.compile (--depth-compile), or
+        (enabled False) take them off again; False when the program has none, and the runtime then
+        compiles the whole depth step."""
+        return False
 
     # --- per-request state (gpu_worker, host) --------------------------------------------------
     def init_state(self, num_slots: int) -> None:

@@ -6,10 +6,13 @@ reads static buffers: the backbone's hidden states, the sampled codebook 0 and t
 settings, copied in on the device (no host round trip); padding entries repeat the last step's
 values, compute garbage and are dropped.
 
-With `compiled` (--depth-compile), the step runs under torch.compile (dynamic batch, one compile
-for every bucket; Inductor's fused kernels are what each graph captures), and so does the eager
-step of a batch past the largest bucket, so that a row rounds the same way in either. On a GPU
-where compiling fails, "auto" captures the step uncompiled, with a warning.
+With --depth-compile, a program that has compilable pieces puts them under torch.compile itself
+(`compile_depth`: e.g. one function for every position of a depth transformer, compiled in
+seconds); for any other the whole step runs under torch.compile (dynamic batch, one compile for
+every bucket, slow for a long unrolled step). Inductor's fused kernels are what each graph
+captures, and the eager step of a batch past the largest bucket runs them too, so that a row
+rounds the same way in either. On a GPU where compiling fails, "auto" captures the step
+uncompiled, with a warning.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ def compiled_step(program: LMProgram, choice: str, graphs: bool) -> Callable[...
 
         if not (program.device.type == "cuda" and graphs and has_triton()):
             return None
+    if program.compile_depth(True):
+        return depth_step  # the program compiles its own pieces (one small function, quick)
     return torch.compile(depth_step, dynamic=True)
 
 
@@ -69,6 +74,7 @@ class DepthGraphs:
         self.program = program
         self.sizes = sizes
         self.step = compiled or depth_step
+        self.compiled = compiled is not None
         bmax, dev = sizes[-1], program.device
         f32 = dict(dtype=torch.float32, device=dev)
         i64 = dict(dtype=torch.int64, device=dev)
@@ -102,17 +108,18 @@ class DepthGraphs:
             try:
                 self.graphs[bs] = self._capture(bs, pool)
             except Exception as e:  # a compile failure shows at the first capture's warm-up
-                if self.step is depth_step or not fallback or isinstance(e, torch.cuda.OutOfMemoryError):
+                if not self.compiled or not fallback or isinstance(e, torch.cuda.OutOfMemoryError):
                     raise
                 log.warning(
                     "depth step: compiling failed (%s: %s); capturing it uncompiled", type(e).__name__, e
                 )
-                self.step = depth_step
+                program.compile_depth(False)
+                self.step, self.compiled = depth_step, False
                 self.graphs[bs] = self._capture(bs, pool)
         log.info(
             "captured %d depth graphs (%s) in %.1f s",
             len(sizes),
-            "compiled" if self.step is not depth_step else "uncompiled",
+            "compiled" if self.compiled else "uncompiled",
             time.monotonic() - t0,
         )
 

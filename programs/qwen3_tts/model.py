@@ -135,6 +135,10 @@ class Qwen3TtsLM(nn.Module):
         half = sin.shape[-1] // 2
         signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
         self.register_buffer("predictor_sin_signed", signed, persistent=False)  # [C, Dp]
+        self.register_buffer(
+            "predictor_positions", torch.arange(self.n_codebooks, device=dev), persistent=False
+        )
+        self._position = None  # fused.position_step (compiled) once compile_predictor is called
         self._qkv: list[torch.Tensor] | None = None  # fuse_predictor's weights, built at first use
         self._gate_up: list[torch.Tensor] = []
 
@@ -171,8 +175,10 @@ class Qwen3TtsLM(nn.Module):
         m, heads = cp.model, cp.lm_head
         b, c, dh = hidden.shape[0], self.n_codebooks, m.head_dim
         hkv = m.layers[0].self_attn.num_kv_heads
-        keys = hidden.new_empty(len(m.layers), b, hkv, c, dh)  # [L, B, Hkv, C, D] local KV cache
-        values = torch.empty_like(keys)
+        shape = (len(m.layers), b, hkv, c, dh)  # [L, B, Hkv, C, D] local KV cache
+        # The one-shape step reads every slot (masked): zeros, never uninitialized memory.
+        keys = hidden.new_zeros(shape) if self._position is not None else hidden.new_empty(shape)
+        values = torch.empty_like(keys) if self._position is None else torch.zeros_like(keys)
         codes = [c0]
         if self._qkv is None:
             self.fuse_predictor()
@@ -183,7 +189,10 @@ class Qwen3TtsLM(nn.Module):
                 x = cp.project(self.model.codec_embedding(c0))
             else:
                 x = cp.project(m.codec_embedding[t - 2](codes[-1]))
-            h = self._predictor_position(x, t, keys, values)
+            if self._position is None:
+                h = self._predictor_position(x, t, keys, values)
+            else:  # positions as device tensors: one function for all (fused.py)
+                h, keys, values = self._position(self, x, self.predictor_positions[t], keys, values)
             if t > 0:
                 logits = heads[t - 1](m.norm(h)).float()  # [B, V]
                 codes.append(sample(logits, t))
@@ -217,6 +226,17 @@ class Qwen3TtsLM(nn.Module):
             gate, up = F.linear(_norm(layer.post_attention_layernorm, h), self._gate_up[i]).chunk(2, dim=-1)
             h = h + layer.mlp.down_proj(F.silu(gate) * up)
         return h
+
+    def compile_predictor(self, enabled: bool = True, compiler=None) -> None:
+        """Run the predictor's positions through `fused.position_step` under `compiler` (default:
+        torch.compile with a dynamic batch), or (enabled False) through the eager step again."""
+        from programs.qwen3_tts.fused import position_step
+
+        if not enabled:
+            self._position = None
+            return
+        compiler = compiler or (lambda fn: torch.compile(fn, dynamic=True))
+        self._position = compiler(position_step)
 
     def fuse_predictor(self) -> None:
         """The predictor's q/k/v and gate/up weights, concatenated (after loading; biases: none)."""

@@ -203,6 +203,11 @@ class Qwen3TtsProgram(LMProgram):
     ) -> torch.Tensor:
         return self.lm.predict(hidden, c0, sample)  # [B, 16]
 
+    def compile_depth(self, enabled: bool = True) -> bool:
+        """The predictor's positions as one compiled function (fused.py)."""
+        self.lm.compile_predictor(enabled)
+        return True
+
     # --- tokens → meaning ----------------------------------------------------------------------
     def classify(self, tokens: torch.Tensor, n_audio: torch.Tensor) -> torch.Tensor:
         stop = tokens[:, 0] == q.CODEC_EOS
