@@ -89,9 +89,15 @@ class AudioWindows:
         return self._sent(req, chunk, audio_rows)
 
     def _sent(self, req, chunk: DetokChunk, audio_rows: int) -> DetokChunk:
-        """Count `chunk` (of `audio_rows` rows of audio) as sent, stamped with its listener's slack."""
+        """Count `chunk` (of `audio_rows` rows of audio) as sent, stamped with its listener's slack.
+        A stream's first `detok_silent` windows yield no audio: they count nothing and go as first
+        chunks do (slack 0); the listener's clock starts at the window after them."""
         now = self.now()
-        if req.n_chunks == 0:
+        silent = self.program.detok_silent
+        if req.n_chunks < silent:
+            req.n_chunks += 1
+            return chunk
+        if req.n_chunks == silent:
             req.t_first = now
         else:
             chunk.slack_ms = max(0.0, 1000 * (req.sent_s - (now - req.t_first)))

@@ -49,6 +49,7 @@ Attributes a program sets (defaults on LMProgram; any model may use each):
 | `sized_options` | request options whose value adds prompt rows, counted by `option_rows` |
 | `config_dir` | the folder of the shipped configs the spec names (`lm_config`, `codec_config`): `lm_weights(cls)` and `codec_model(cls)` build random weights from them (`--load-format dummy`) or load the checkpoint; `load_prompts()` loads the text tokenizer |
 | `codec_streams` | the codec keeps per-request state and decodes each audio row once (see Codec streams) |
+| `detok_silent` | a stream's first windows that yield no audio (a look-ahead, a delay pattern): sent at once, the listener's clock starts after them |
 
 Multi-codebook rows (C > 1): a row is one frame of C codebook ids (a program may also encode
 non-audio rows in it, e.g. a text token, as long as `embed` tells them apart; prompt ids must lie
@@ -259,6 +260,9 @@ class LMProgram:
     # True: the codec decodes each request's rows once, keeping its state in codec slots (see
     # Codec streams): `init_codec_streams`, and `detokenize` takes `streams`.
     codec_streams: bool = False
+    # A stream's first windows that yield no audio (codec streams: a decoder's look-ahead, a delay
+    # pattern's lead-in): the runtime sends them at once and starts the listener's clock after them.
+    detok_silent: int = 0
     # > 0: the program clones voices from reference clips at this sample rate (see Reference audio).
     reference_sample_rate: int = 0
 

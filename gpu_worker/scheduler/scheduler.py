@@ -338,7 +338,9 @@ class Scheduler:
             return batch
         now, progressive = self.windows.now(), self.windows.progressive
         leads = [
-            r.sent_s - (now - r.t_first) if (r.switched if progressive else r.n_chunks > 1) else -np.inf
+            r.sent_s - (now - r.t_first)
+            if (r.switched if progressive else r.n_chunks > 1 + self.windows.program.detok_silent)
+            else -np.inf
             for r in batch
         ]
         out = self.sit_out.choose(leads, prompts)

@@ -54,6 +54,9 @@ class HiggsTtsProgram(LMProgram):
         self._set_lm_constants(self.read_config("lm_config"))
         acoustic = self.read_config("codec_config")["acoustic_model_config"]
         self.flush_rows = h.decoder_lag(acoustic)[1]  # rows past the all-eos row (spec.py)
+        # Frame f is whole at row f + 8 (the delay pattern) and leaves the decoder flush_rows later:
+        # the first 8 + flush_rows windows of a stream yield no audio.
+        self.detok_silent = h.N_CODEBOOKS + self.flush_rows
 
     def _set_lm_constants(self, cfg: dict[str, Any]) -> None:
         if cfg["num_codebooks"] != h.N_CODEBOOKS or cfg["codebook_size"] != h.CODEBOOK_IDS:
