@@ -12,6 +12,7 @@ from common.config import GpuWorkerSettings
 from common.messages import Prompt, SamplingParams
 from gpu_worker.engine import Engine
 from tests.conftest import tiny_lm_on_one_thread
+from tests.engine_runs import graph_engine, staggered
 from tests.test_graph_runner_replays_match_eager_on_cpu import graph_runner_cls  # noqa: F401 (fixture)
 
 LIMITS = dict(max_batch_size=4, max_context=200)
@@ -36,21 +37,10 @@ def prompts(program) -> list[Prompt]:
     return out
 
 
-def run(eng: Engine, batch: list[Prompt]) -> dict:
-    eng.outputs = {}
-    for i, p in enumerate(batch):
-        eng.add(p)
-        for _ in range(i):
-            eng.step()  # later requests join a batch that is already decoding
-    eng.run_until_idle()
-    return eng.outputs
-
-
 def test_graph_runner_frames_equal_the_eager_runner(program, graph_runner_cls):  # noqa: F811
-    eager = run(Engine(program, GpuWorkerSettings(**LIMITS)), prompts(program))
-    eng = Engine(program, GpuWorkerSettings(**LIMITS))
-    eng.runner.forward_runner = graph_runner_cls(program, eng.kv_cache, GpuWorkerSettings(**LIMITS))
+    eager = staggered(Engine(program, GpuWorkerSettings(**LIMITS)), prompts(program))
+    eng = graph_engine(program, graph_runner_cls, LIMITS)
     assert eng.runner.forward_runner.depth is not None and eng.runner.forward_runner.depth.sizes == [1, 2, 4]
-    graphs = run(eng, prompts(program))
+    graphs = staggered(eng, prompts(program))
     assert graphs == eager
     assert all(np.array(frames).shape == (7, 32) for frames, _ in graphs.values())

@@ -16,6 +16,7 @@ from common.messages import FinishReason, Prompt, SamplingParams
 from gpu_worker.engine import Engine
 from programs.higgs_tts import spec as h
 from tests.conftest import tiny_lm_on_one_thread
+from tests.engine_runs import graph_engine, staggered
 from tests.test_graph_runner_replays_match_eager_on_cpu import graph_runner_cls  # noqa: F401 (fixture)
 
 LIMITS = dict(max_batch_size=4, max_context=300)
@@ -46,21 +47,10 @@ def prompts(program) -> list[Prompt]:
     return out
 
 
-def run(eng: Engine, batch: list[Prompt]) -> dict:
-    eng.outputs = {}
-    for i, p in enumerate(batch):
-        eng.add(p)
-        for _ in range(i):
-            eng.step()  # later requests join a batch that is already decoding
-    eng.run_until_idle()
-    return eng.outputs
-
-
 def test_graph_runner_rows_equal_the_eager_runner(program, graph_runner_cls):  # noqa: F811
-    eager = run(Engine(program, GpuWorkerSettings(**LIMITS)), prompts(program))
-    eng = Engine(program, GpuWorkerSettings(**LIMITS))
-    eng.runner.forward_runner = graph_runner_cls(program, eng.kv_cache, GpuWorkerSettings(**LIMITS))
-    graphs = run(eng, prompts(program))
+    eager = staggered(Engine(program, GpuWorkerSettings(**LIMITS)), prompts(program))
+    eng = graph_engine(program, graph_runner_cls, LIMITS)
+    graphs = staggered(eng, prompts(program))
     assert graphs == eager
     stopped = [rows for rows, reason in graphs.values() if reason == FinishReason.STOP]
     assert stopped, "an utterance ends within the budget"

@@ -16,6 +16,7 @@ from common.config import GpuWorkerSettings
 from common.messages import Prompt, SamplingParams
 from gpu_worker.engine import Engine
 from tests.conftest import tiny_lm_on_one_thread
+from tests.engine_runs import staggered
 from tests.test_graph_runner_replays_match_eager_on_cpu import graph_runner_cls  # noqa: F401 (fixture)
 
 LIMITS = dict(max_batch_size=12, max_context=120, first_chunk="reference")
@@ -49,16 +50,6 @@ def prompts(constrained: list[bool]) -> list[Prompt]:
     return out
 
 
-def run(eng: Engine, batch: list[Prompt]) -> dict:
-    eng.outputs = {}
-    for i, p in enumerate(batch):
-        eng.add(p)
-        for _ in range(i % 3):
-            eng.step()  # later requests join a batch that is already decoding
-    eng.run_until_idle()
-    return eng.outputs
-
-
 @pytest.mark.parametrize("graph_runner_cls", ["xqa"], indirect=True)  # the H200's decode path
 @pytest.mark.parametrize(
     "constrained, head",
@@ -76,7 +67,7 @@ def test_sampling_graphs_give_the_eager_tokens(request, graph_runner_cls, constr
 
     # Against the same runner sampling eagerly: the stand-in attention rounds differently from
     # the eager runner's, and over the whole vocabulary that changes a draw now and then.
-    eager = run(engine(), prompts(constrained))
+    eager = staggered(engine(), prompts(constrained), every=3)
     eng = engine()
     eng.runner.capture_sampling()
     assert set(eng.runner.sample_graphs.graphs) == {
@@ -85,7 +76,7 @@ def test_sampling_graphs_give_the_eager_tokens(request, graph_runner_cls, constr
     replays = []
     replay = eng.runner.sample_graphs.replay
     eng.runner.sample_graphs.replay = lambda bs, c: replays.append((bs, c)) or replay(bs, c)
-    got = run(eng, prompts(constrained))
+    got = staggered(eng, prompts(constrained), every=3)
     assert got == eager
     assert all(len(rows) >= 40 for rows, _ in got.values())
     # Decode-only steps of one mode ran in graphs, padded batches (7 of 8) among them; a mixed
