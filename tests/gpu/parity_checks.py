@@ -216,3 +216,21 @@ def decode_step_ms(engine, n_codebooks: int, sizes=(1, 8, 16, 32, 64), n_ctx: in
         torch.cuda.synchronize()
         step_ms[bs] = (time.perf_counter() - t0) * 1000 / 20
     return step_ms
+
+
+def forced_steps(prompts: list[np.ndarray], rows: np.ndarray) -> list[StepBatch]:
+    """Step 0 prefills every prompt; step t feeds row t-1 to every request (slot i, step t-1)."""
+    n = len(prompts)
+    per = 1 + (max(len(p) for p in prompts) + len(rows)) // PAGE
+    tables = [list(range(1 + i * per, 1 + (i + 1) * per)) for i in range(n)]
+    lens = [len(p) for p in prompts]
+    ids = np.concatenate(prompts).astype(np.int64)
+    pos = np.concatenate([np.arange(k) for k in lens])
+    where = np.stack([np.repeat(np.arange(n), lens), np.concatenate([np.arange(-k, 0) for k in lens])], 1)
+    steps = [StepBatch(ids, pos, [0, *np.cumsum(lens).tolist()], list(lens), tables, n, where=where)]
+    for t in range(1, len(rows) + 1):
+        ids = np.repeat(rows[t - 1][None].astype(np.int64), n, axis=0)
+        pos = np.array([k + t - 1 for k in lens], dtype=np.int64)
+        where = np.stack([np.arange(n), np.full(n, t - 1)], 1)
+        steps.append(StepBatch(ids, pos, list(range(n + 1)), [k + t for k in lens], tables, 0, where=where))
+    return steps

@@ -21,13 +21,12 @@ import time
 import numpy as np
 import pytest
 import torch
-from parity_checks import decode_step_ms, rows_for
+from parity_checks import decode_step_ms, forced_steps, rows_for
 
 from codec_worker.worker import Codec
 from common.config import GpuWorkerSettings
 from common.messages import DetokChunk, Finished, FinishReason, Prompt, SamplingParams
 from gpu_worker.engine import Engine
-from gpu_worker.runner.batch import StepBatch
 from gpu_worker.runner.kv_cache import allocate_kv_cache
 from gpu_worker.runner.model_runner import make_runner
 from programs import get_spec, load_program_class
@@ -88,24 +87,6 @@ def test_decode_tokens_graphs_give_the_eager_rows(higgs, gpu_report):
             differ[f"batch {bs} temperature {temp}"] = int((g != e).sum())
     gpu_report("higgs-tts-parity")["decode_tokens_graph_vs_eager_differing_codes"] = differ
     assert differ == dict.fromkeys(differ, 0)
-
-
-def forced_steps(prompts: list[np.ndarray], rows: np.ndarray) -> list[StepBatch]:
-    """Step 0 prefills every prompt; step t feeds row t-1 to every request (slot i, step t-1)."""
-    n = len(prompts)
-    per = 1 + (max(len(p) for p in prompts) + len(rows)) // PAGE
-    tables = [list(range(1 + i * per, 1 + (i + 1) * per)) for i in range(n)]
-    lens = [len(p) for p in prompts]
-    ids = np.concatenate(prompts).astype(np.int64)
-    pos = np.concatenate([np.arange(k) for k in lens])
-    where = np.stack([np.repeat(np.arange(n), lens), np.concatenate([np.arange(-k, 0) for k in lens])], 1)
-    steps = [StepBatch(ids, pos, [0, *np.cumsum(lens).tolist()], list(lens), tables, n, where=where)]
-    for t in range(1, len(rows) + 1):
-        ids = np.repeat(rows[t - 1][None].astype(np.int64), n, axis=0)
-        pos = np.array([k + t - 1 for k in lens], dtype=np.int64)
-        where = np.stack([np.arange(n), np.full(n, t - 1)], 1)
-        steps.append(StepBatch(ids, pos, list(range(n + 1)), [k + t for k in lens], tables, 0, where=where))
-    return steps
 
 
 def _reference(prog):

@@ -19,12 +19,11 @@ import types
 import numpy as np
 import pytest
 import torch
-from parity_checks import decode_step_ms, rows_for, where_for
+from parity_checks import decode_step_ms, forced_steps, rows_for, where_for
 
 from common.config import GpuWorkerSettings
 from common.messages import Prompt, SamplingParams
 from gpu_worker.engine import Engine
-from gpu_worker.runner.batch import StepBatch
 from gpu_worker.runner.kv_cache import allocate_kv_cache
 from gpu_worker.runner.model_runner import make_runner
 from programs import get_spec, load_program_class
@@ -64,24 +63,6 @@ def test_code_predictor_graphs_give_the_eager_frames(qwen, gpu_report):
             differ[f"batch {bs} temperature {temp}"] = int((g != e).sum())
     gpu_report("qwen3-tts-parity")["predictor_graph_vs_eager_differing_codes"] = differ
     assert differ == dict.fromkeys(differ, 0)
-
-
-def forced_steps(prompts: list[np.ndarray], frames: np.ndarray) -> list[StepBatch]:
-    """Step 0 prefills every prompt; step t feeds frame t-1 to every request (slot i, step t-1)."""
-    n = len(prompts)
-    per = 1 + (max(len(p) for p in prompts) + len(frames)) // PAGE
-    tables = [list(range(1 + i * per, 1 + (i + 1) * per)) for i in range(n)]
-    lens = [len(p) for p in prompts]
-    ids = np.concatenate(prompts).astype(np.int64)
-    pos = np.concatenate([np.arange(k) for k in lens])
-    where = np.stack([np.repeat(np.arange(n), lens), np.concatenate([np.arange(-k, 0) for k in lens])], 1)
-    steps = [StepBatch(ids, pos, [0, *np.cumsum(lens).tolist()], list(lens), tables, n, where=where)]
-    for t in range(1, len(frames) + 1):
-        ids = np.repeat(frames[t - 1][None].astype(np.int64), n, axis=0)
-        pos = np.array([k + t - 1 for k in lens], dtype=np.int64)
-        where = np.stack([np.arange(n), np.full(n, t - 1)], 1)
-        steps.append(StepBatch(ids, pos, list(range(n + 1)), [k + t for k in lens], tables, 0, where=where))
-    return steps
 
 
 def _reference_talker(prog):
