@@ -13,6 +13,7 @@ clients started over `ramp_s`, each sending its next request when the last one h
 generating, until `duration_s`.
 
     voxpipe bench sim --clients 400,480 [--h200 [--calibrate]] [--ramp 0] --out /tmp/sim.json
+    voxpipe bench sim --clients 64,256,448 --batched --calibrate --ramp 0 --duration 12   # bursts
 
 It reports, per policy and load, what bench/load reports (TTFA p50/p99, the share of requests on
 time) and the streams admitted. The step model's constants are fitted to the H200 runs (fp8 weights
@@ -251,11 +252,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--h200", action="store_true", help="the curved GPU of the session-12 H200 runs (H200)")
     ap.add_argument("--calibrate", action="store_true", help="the fit starts from the startup steps")
+    ap.add_argument(
+        "--batched",
+        action="store_true",
+        help="the H200 with batched prefill graphs (1 + 8 prompts a step), its startup steps the forward "
+        "pass alone (H200_BATCHED, H200_FORWARD)",
+    )
     ap.add_argument("--ramp", type=float, default=8.0, help="seconds the clients start over (0: a burst)")
+    ap.add_argument("--duration", type=float, default=20.0, help="seconds the clients send requests")
     args = ap.parse_args(argv)
     rows = []
     common = dict(gpu=H200 if args.h200 else None, calibrate=args.calibrate, ramp_s=args.ramp)
-    for name, kw in (("pace", dict(life=False, **common)), ("life", dict(life=True, **common))):
+    if args.batched:
+        common |= dict(gpu=H200_BATCHED, startup=H200_FORWARD, prompts_a_step=9)
+    common["duration_s"] = args.duration
+    policies = (
+        ("pace", dict(life=False, **common)),
+        ("life, budget", dict(life=True, burst=False, **common)),
+        ("life, burst room", dict(life=True, **common)),
+    )
+    for name, kw in policies:
         for n in (int(x) for x in args.clients.split(",")):
             runs = [simulate(n, seed=s, **kw) for s in range(args.seeds)]
             row = {"policy": name, **{k: max(r[k] for r in runs) for k in runs[0] if k != "on_time_share"}}
