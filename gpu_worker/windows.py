@@ -90,11 +90,16 @@ class AudioWindows:
 
     def _sent(self, req, chunk: DetokChunk, audio_rows: int) -> DetokChunk:
         """Count `chunk` (of `audio_rows` rows of audio) as sent, stamped with its listener's slack.
-        A stream's first `detok_silent` windows yield no audio: they count nothing and go as first
-        chunks do (slack 0); the listener's clock starts at the window after them."""
+        A stream's first `detok_silent` windows yield no audio and count nothing; the listener's
+        clock starts at the window after them. Each may wait (be gathered with others) until about
+        when the first window with audio comes, its rows still to be generated: decoding them alone
+        as they come would cost a codec call per stream per step, and leaving them all to the first
+        audible window would queue them before it (a stream's windows decode in order)."""
         now = self.now()
         silent = self.program.detok_silent
         if req.n_chunks < silent:
+            rows_left = silent - req.n_chunks
+            chunk.slack_ms = 1000 * rows_left * self.clock.row_period()  # 0 before a step is measured
             req.n_chunks += 1
             return chunk
         if req.n_chunks == silent:
