@@ -13,7 +13,6 @@ clients started over `ramp_s`, each sending its next request when the last one h
 generating, until `duration_s`.
 
     voxpipe bench sim --clients 400,480 [--h200 [--calibrate]] [--ramp 0] --out /tmp/sim.json
-    voxpipe bench sim --clients 64,256,448 --batched --calibrate --ramp 0 --duration 12   # bursts
 
 It reports, per policy and load, what bench/load reports (TTFA p50/p99, the share of requests on
 time) and the streams admitted. The step model's constants are fitted to the H200 runs (fp8 weights
@@ -26,7 +25,6 @@ decides.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -37,7 +35,7 @@ from common.config import GpuWorkerSettings
 from gpu_worker.runner.graphs import decode_buckets
 from gpu_worker.scheduler.calibrate import step_differences
 from gpu_worker.scheduler.pacing import Lives, StepClock, lead_fits
-from gpu_worker.scheduler.sit_out import SitOut, burst_step_s
+from gpu_worker.scheduler.sit_out import SitOut
 
 ROWS_PER_S = 82.03  # Orpheus: a row is 1/82.03 s of audio; a frame is 7 rows
 FRAME, LEADS = 7, (7, 14, 21)
@@ -55,9 +53,6 @@ class GPU:
     # each prompt of a step beyond its first, where more than prompt_ms (a prefill pass of its own,
     # a lane's: ~3.3 ms on the H200 where the first rides the decode step for 1.6); 0 = prompt_ms
     extra_prompt_ms: float = 0.0
-    # once per step whose prompts beyond its first share a pass (a batched prefill graph: the pass
-    # costs this, each of its prompts extra_prompt_ms more); 0: each prompt a pass of its own
-    pass_ms: float = 0.0
     noise: float = 0.06  # relative spread of a step's time
     # A curved GPU: the first `knee` rows cost `row_us_below_knee` each (the GEMMs read the weights
     # whatever the rows), the rest `row_us`; 0 = linear.
@@ -69,7 +64,6 @@ class GPU:
         the noiseless time."""
         extra = self.extra_prompt_ms or self.prompt_ms
         ms = self.fixed_ms + self.prompt_ms * min(prompts, 1) + extra * max(0, prompts - 1)
-        ms += self.pass_ms * (prompts > 1)
         below = min(len(ctx), self.knee)
         rows_us = self.row_us_below_knee * below + self.row_us * (len(ctx) - below)
         ms += (rows_us + self.row_us_per_1k_ctx * ctx.sum() / 1000) / 1000
@@ -83,17 +77,6 @@ class GPU:
 # every stream with or without the startup differences, where the H200's fit (after single-stream
 # requests, with the codec) held some back without them.
 H200 = GPU(fixed_ms=3.0, row_us=15.5, row_us_per_1k_ctx=11.0, prompt_ms=1.6, knee=128, row_us_below_knee=2.0)
-# ... whose prompts beyond a step's first share a batched prefill graph (one bucket: up to
-# MAX_BATCHED of them, so 1 + 8 a step): a pass of 2.7 ms and 0.6 ms a prompt. On the H200's burst
-# of 256 (bench/results/h200-orpheus-burst.json) the fit read 2.0-2.2 ms a prompt at 2-3 prompts a
-# step: 1.6 + 2.7 + 0.6 (k - 1) over k prompts is 2.2 ms at k = 2.5.
-H200_BATCHED = dataclasses.replace(H200, extra_prompt_ms=0.6, pass_ms=2.7)
-# The H200's startup steps (gpu_worker/scheduler/calibrate.py: the forward pass alone, no codec
-# beside it, no sampling, no host), fitted to the serve log's four: 256 rows at 128 and 1024 tokens
-# of context 4.18 and 7.27 ms, 512 rows 6.24 and 12.12 ms. A served step at 352 rows takes ~1.3x
-# what they say (step_gpu_forward_ms 9.08 in the burst of 448), so a fit seeded from them alone
-# puts a fresh worker's capacity past the ~420 streams its served steps keep real time.
-H200_FORWARD = GPU(fixed_ms=2.28, row_us=5.94, row_us_per_1k_ctx=13.1, prompt_ms=1.6, noise=0.0)
 
 
 def startup_differences(gpu: GPU, steps: dict[int, float] | None = None) -> list:
@@ -122,23 +105,19 @@ def simulate(
     duration_s: float = 20.0,
     seed: int = 0,
     calibrate: bool = False,
-    startup: GPU | None = None,
     prompts_a_step: int = 4,
     room: bool = True,
-    burst: bool = True,
 ) -> dict:
-    """`clients` closed-loop clients (all at once where `ramp_s` is 0: a burst) on `gpu` (its startup
-    steps, with `calibrate`, timed on `startup`, default `gpu`); a step starts at most
-    `prompts_a_step` prompts, and with `room` no more than the fitted step cost leaves room for
-    beside the running streams (`StepCost.prompt_room`, as the scheduler; at least one), past the
-    budget while more wait by what the streams playing spare where `burst` (`burst_step_s`)."""
+    """`clients` closed-loop clients (all at once where `ramp_s` is 0: a burst) on `gpu`; a step
+    starts at most `prompts_a_step` prompts, and with `room` no more than the fitted step cost leaves
+    room for beside the running streams (`StepCost.prompt_room`, as the scheduler; at least one)."""
     gpu = gpu or GPU()
     rng = np.random.default_rng(seed)
     period = 1 / ROWS_PER_S
     clock = StepClock(ROWS_PER_S, 512)
     if calibrate:
         steps: dict[int, float] = {}
-        clock.cost.calibrate(startup_differences(startup or gpu, steps))
+        clock.cost.calibrate(startup_differences(gpu, steps))
         clock.seed(steps, now=0.0)
     sit = SitOut(clock, decode_buckets(512), GpuWorkerSettings().sit_out_lead_s) if sit_out else None
     t, cap, cap_at = 0.0, float(512), -1.0
@@ -160,28 +139,14 @@ def simulate(
             cap_at = t
         while queue and len(run) + len(waiting) < cap:
             waiting.append(queue.pop(0))
-        k, budget = prompts_a_step, clock.headroom * period
-        fit = clock.cost.prompt_room(budget, len(run), sum(prompt_len + r["gen"] for r in run.values()))
-        cost = math.nan
+        k = prompts_a_step
+        fit = clock.cost.prompt_room(
+            clock.headroom * period, len(run), sum(prompt_len + r["gen"] for r in run.values())
+        )
         if room and run and fit is not None:
             spare, per_prompt, per_token = fit
-            cost = per_prompt + per_token * prompt_len
-            over = 0.0
-            if burst and len(waiting) > 1:  # the scheduler's `burst_room`
-                held = [
-                    r["sent_audio"] - (t - r["first"] + CODEC_S)
-                    for r in run.values()
-                    if r["first"] is not None
-                ]
-                over = burst_step_s(budget, period, min(held, default=math.inf)) - budget
-            k = max(1, min(k, int((spare + over) // cost)))
+            k = max(1, min(k, int(spare // (per_prompt + per_token * prompt_len))))
         new, waiting = waiting[:k], waiting[k:]
-        # as the scheduler: while prompts wait, the next steps are expected as heavy as this one
-        expected = budget if math.isnan(cost) else budget - fit[0] + len(new) * cost
-        if waiting and not math.isnan(cost):  # ... and as the load the waiting prompts make
-            ctx = sum(prompt_len + r["gen"] for r in run.values()) + prompt_len * len(waiting)
-            expected = max(expected, budget - clock.cost.prompt_room(budget, len(run) + len(waiting), ctx)[0])
-        clock.expect(expected if waiting else 0.0)
         for c, sent in new:
             run[c] = dict(sent=sent, gen=0, first=None, late=0.0, admitted=t, prompt=True, cap=cap)
         admitted_max = max(admitted_max, len(run) + len(waiting))
@@ -234,7 +199,6 @@ def simulate(
         "ttfa_p50_ms": round(1000 * float(np.percentile(ttfa, 50)), 1),
         "ttfa_p99_ms": round(1000 * float(np.percentile(ttfa, 99)), 1),
         "ttfa_max_ms": round(1000 * float(ttfa.max()), 1),
-        "wait_p50_ms": round(1000 * float(np.percentile(wait, 50)), 1),
         "wait_p99_ms": round(1000 * float(np.percentile(wait, 99)), 1),
         "on_time_share": round(float((late <= 0.0).mean()), 4),
         "worst_late_ms": round(1000 * float(late.max()), 1),
@@ -252,26 +216,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--h200", action="store_true", help="the curved GPU of the session-12 H200 runs (H200)")
     ap.add_argument("--calibrate", action="store_true", help="the fit starts from the startup steps")
-    ap.add_argument(
-        "--batched",
-        action="store_true",
-        help="the H200 with batched prefill graphs (1 + 8 prompts a step), its startup steps the forward "
-        "pass alone (H200_BATCHED, H200_FORWARD)",
-    )
     ap.add_argument("--ramp", type=float, default=8.0, help="seconds the clients start over (0: a burst)")
-    ap.add_argument("--duration", type=float, default=20.0, help="seconds the clients send requests")
     args = ap.parse_args(argv)
     rows = []
     common = dict(gpu=H200 if args.h200 else None, calibrate=args.calibrate, ramp_s=args.ramp)
-    if args.batched:
-        common |= dict(gpu=H200_BATCHED, startup=H200_FORWARD, prompts_a_step=9)
-    common["duration_s"] = args.duration
-    policies = (
-        ("pace", dict(life=False, **common)),
-        ("life, budget", dict(life=True, burst=False, **common)),
-        ("life, burst room", dict(life=True, **common)),
-    )
-    for name, kw in policies:
+    for name, kw in (("pace", dict(life=False, **common)), ("life", dict(life=True, **common))):
         for n in (int(x) for x in args.clients.split(",")):
             runs = [simulate(n, seed=s, **kw) for s in range(args.seeds)]
             row = {"policy": name, **{k: max(r[k] for r in runs) for k in runs[0] if k != "on_time_share"}}

@@ -9,8 +9,8 @@ lighter steps than those that start the rest of the burst (on the H200, 1.6 % an
 of bursts of 32 and 64 from idle were late at a chunk, by up to 11 and 29 ms). The clock's
 pessimistic pace (`StepClock.rows_time_high`: the latest span, twice the spread) and, while prompts
 wait, the scheduler's word that the next steps are as heavy (`StepClock.expect`) keep the promise;
-once the step cost is fitted the scheduler starts no more prompts a step than leave the streams
-playing real time. (On this model of the steps no chunk comes late even without `expect`: what
+once the step cost is fitted the scheduler starts no more prompts a step than leave the running
+streams real time. (On this model of the steps no chunk comes late even without `expect`: what
 made the H200's late chunks, the codec's passes or prompts reaching the worker over several steps,
 is not modelled here.)"""
 
@@ -84,7 +84,5 @@ def test_no_chunk_of_a_burst_from_idle_comes_late(program, monkeypatch, warm):
     lateness, steps = burst(program, monkeypatch, 32, warm)
     assert len(lateness) > 32 * 5
     assert max(lateness) <= 0.0, f"a chunk {1000 * max(lateness):.1f} ms late"
-    # Four a step (the lanes) either way: warm, the fitted step budget leaves room for fewer beside
-    # the streams running, and no stream plays yet whose audio in hand it would take
-    # (`burst_step_s`); the first chunks are promised on those heavier steps.
-    assert steps == 8
+    # fresh: four a step (the lanes); warm: as many as the step budget leaves room for
+    assert steps == 8 if not warm else 8 < steps < 32

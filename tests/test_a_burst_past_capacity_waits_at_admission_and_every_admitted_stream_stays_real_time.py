@@ -16,10 +16,8 @@ import dataclasses
 
 import pytest
 
-import gpu_worker.scheduler.sit_out as sit_out
-from bench.admission_sim import GPU, H200, H200_BATCHED, H200_FORWARD, simulate, startup_differences
+from bench.admission_sim import GPU, H200, simulate, startup_differences
 from gpu_worker.scheduler.pacing import Lives, StepClock
-from gpu_worker.scheduler.sit_out import burst_step_s
 
 # A GPU a quarter of the H200's size whose prompts beyond a step's first cost a prefill pass each
 # (the prefill lanes): ~115 streams keep real time at their life-average context.
@@ -59,34 +57,3 @@ def test_the_steps_that_start_a_burst_leave_the_running_streams_real_time():
     assert roomy["on_time_share"] >= 0.99 and roomy["worst_late_ms"] <= 2.0
     lanes = simulate(384, gpu=LANES, ramp_s=0.0, duration_s=12.0, calibrate=True, room=False)
     assert lanes["on_time_share"] < 0.8
-
-
-def test_a_step_runs_past_the_budget_by_what_the_listeners_playing_spare():
-    period = 1 / 82.03
-    budget = 0.88 * period
-    # at the reserve, a row period (which takes nothing from a listener); short of it, the budget
-    assert burst_step_s(budget, period, sit_out.LEAD_RESERVE_S) == pytest.approx(period)
-    assert burst_step_s(budget, period, 0.0) == budget
-    lead = sit_out.LEAD_RESERVE_S + 0.032
-    assert burst_step_s(budget, period, lead) == pytest.approx(period + 0.032 / sit_out.LEAD_STEPS)
-    top = budget + sit_out.BURST_OVER * period
-    assert burst_step_s(budget, period, 5.0) == burst_step_s(budget, period, float("inf")) == top
-    # Steps of that length leave the least lead at the reserve or above, however many there are.
-    for _ in range(200):
-        lead -= burst_step_s(budget, period, lead) - period
-    assert sit_out.LEAD_RESERVE_S <= lead < sit_out.LEAD_RESERVE_S + 1e-4
-
-
-def test_a_burst_starts_faster_past_the_budget_and_every_stream_stays_on_time():
-    """256 at once on the H200 whose prompts beyond a step's first share a batched pass (1 + 8 a
-    step), its fit seeded by startup steps of the forward pass alone: held to the budget, the
-    prompts wait p99 595 ms (on the H200, TTFA p50 / p99 588 / 1,349 ms); past it by what the
-    streams playing spare, 395 ms, TTFA p99 within 500 ms; every request on time both ways."""
-    kw = dict(
-        gpu=H200_BATCHED, startup=H200_FORWARD, calibrate=True, ramp_s=0.0, duration_s=6.0, prompts_a_step=9
-    )
-    held = simulate(256, burst=False, **kw)
-    fast = simulate(256, **kw)
-    assert held["on_time_share"] == fast["on_time_share"] == 1.0
-    assert fast["wait_p99_ms"] < 0.75 * held["wait_p99_ms"]
-    assert fast["ttfa_p99_ms"] <= 500.0 < held["ttfa_p99_ms"]

@@ -352,11 +352,6 @@ class StepClock:
         lighter steps than those that start them (`rows_time_high`)."""
         self._expected = step_s
 
-    @property
-    def expected(self) -> float:
-        """What `expect` said the next steps may each take (seconds; 0: as they went)."""
-        return self._expected
-
     def rows_time_high(self, rows: int) -> float:
         """Seconds the next `rows` steps may take: `_rows_time_high`, and no less than `expect` says."""
         return max(self._rows_time_high(rows), rows * self._expected)

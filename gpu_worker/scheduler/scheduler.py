@@ -2,8 +2,7 @@
 
 - admission: which waiting requests start this step (free slots, KV pages for their whole budget,
   the caps on prompts and prompt rows per step, and as many prompts as the fitted step cost leaves
-  room for beside the running streams' rows, past the budget by what the streams playing spare
-  while more wait), and rejection of those that never could;
+  room for beside the running streams' rows), and rejection of those that never could;
 - abort and finish: a request's end, its slot and pages given back;
 - consistency: a prompt whose id is already held is refused (never run in another's place), and a
   step in a state the scheduler knows is broken (a slot or KV page that no request holds) raises
@@ -35,7 +34,7 @@ from gpu_worker.runner.kv_cache import PageAllocator, pages_for
 from gpu_worker.runner.slots import SlotState
 from gpu_worker.scheduler.pacing import Lives, StepClock
 from gpu_worker.scheduler.request import Request
-from gpu_worker.scheduler.sit_out import SitOut, burst_step_s
+from gpu_worker.scheduler.sit_out import SitOut
 from gpu_worker.windows import AudioWindows
 from programs.base import LMProgram
 
@@ -256,15 +255,12 @@ class Scheduler:
     def admit(self, max_prefills: int, takes: Callable[[list[int]], bool] | None = None) -> None:
         """Waiting requests into slots, in arrival order, while slots, KV pages and this step's room
         for prompts last: at most `prefill_cap` prompts and `max_prefill_rows` prompt rows, and no
-        more than the fitted step cost lets the running streams keep real time (`prompt_room`), or
-        while more wait, what the streams playing can spare beyond (`burst_room`); and only prompts
-        the runner `takes` together into its graphs (each rounding as alone); the first waiting
-        prompt always starts (a step never admits none while slots and pages last). Then tells the
-        clock what the next steps may take while prompts still wait (`StepClock.expect`)."""
+        more than the fitted step cost lets the running streams keep real time (`prompt_room`),
+        and only prompts the runner `takes` together into its graphs (each rounding as alone); the
+        first waiting prompt always starts (a step never admits none while slots and pages last).
+        Then tells the clock what the next steps may take while prompts still wait (`StepClock.expect`)."""
         cap, limits = self.prefill_cap(max_prefills), self.limits
         room, per_prompt, per_token = self.prompt_room()
-        # more prompts than the budget's room wait: the step may run longer by what listeners spare
-        over = self.burst_room() if len(self.waiting) > 1 and math.isfinite(room) else 0.0
         prefill_rows = admitted = 0
         spent, lengths = 0.0, []
         while self.waiting and len(self.running) < limits.max_batch_size and self.slots.num_free:
@@ -274,7 +270,7 @@ class Scheduler:
             if admitted and (
                 admitted >= cap
                 or prefill_rows + rows > limits.max_prefill_rows
-                or spent + cost > room + over
+                or spent + cost > room
                 or (takes is not None and not takes([*lengths, rows]))
             ):
                 break
@@ -288,17 +284,16 @@ class Scheduler:
             spent += cost
             lengths.append(rows)
         self.admitted_last = admitted
-        # Prompts still waiting make the next steps as heavy as this one (by the fit: the running
-        # streams' rows and the prompts started, past the budget too; else the budget): a first
-        # chunk promised on the lighter steps before them would come late (gpu_worker/windows.py).
-        # Once started, the waiting prompts' rows join every step: a first chunk promised now is
-        # made on the steps of that load too (a burst's steps grow as it is admitted).
+        # Prompts still waiting make the next steps as heavy as this one (by the fit, else up to the
+        # budget): a first chunk promised on the lighter steps before them would come late
+        # (gpu_worker/windows.py).
         expected = 0.0
         if self.waiting:
-            budget = self.step_budget()
-            expected = budget if math.isinf(room) else budget - room + spent
-            full, _, _ = self.prompt_room(len(self.waiting), sum(len(r.prompt) for r in self.waiting))
-            expected = max(expected, budget - full) if math.isfinite(full) else expected
+            expected = (
+                self.step_budget()
+                if math.isinf(room)
+                else min(self.step_budget(), self.step_budget() - room + spent)
+            )
         self.clock.expect(expected)
 
     def start(self, req: Request, pages: list[int]) -> None:
@@ -322,26 +317,16 @@ class Scheduler:
         period."""
         return self.limits.realtime_headroom * self.clock.period
 
-    def prompt_room(self, rows: int = 0, context: int = 0) -> tuple[float, float, float]:
+    def prompt_room(self) -> tuple[float, float, float]:
         """(seconds this step leaves for prompts, seconds a prompt costs, seconds per prompt token):
         the step budget less the fitted time of the running streams' decode rows at their contexts
-        (and `rows` more decode rows over `context` more tokens), and each prompt at the fitted cost
-        per prompt and per token. Unbounded where no stream runs, nothing is paced (CPU) or the
-        cost is not fitted yet (the caps alone)."""
+        (`StepCost`), and each prompt at the fitted cost per prompt and per token. Unbounded where
+        no stream runs, nothing is paced (CPU) or the cost is not fitted yet (the caps alone)."""
         if not self.real_time or not self.running:
             return math.inf, 0.0, 0.0
-        context += sum(r.n_ctx for r in self.running.values())
-        room = self.clock.cost.prompt_room(self.step_budget(), len(self.running) + rows, context)
+        context = sum(r.n_ctx for r in self.running.values())
+        room = self.clock.cost.prompt_room(self.step_budget(), len(self.running), context)
         return (math.inf, 0.0, 0.0) if room is None else room
-
-    def burst_room(self) -> float:
-        """Seconds a step may run past the budget to start prompts while more wait: what the
-        streams playing can spare (`burst_step_s` at the least audio in hand among them)."""
-        now = self.windows.now()
-        least = min(
-            (r.sent_s - (now - r.t_first) for r in self.running.values() if r.n_chunks), default=math.inf
-        )
-        return burst_step_s(self.step_budget(), self.clock.period, least) - self.step_budget()
 
     def leave_out_streams_ahead(self, batch: list[Request], prompts: int) -> list[Request]:
         """The batch (`prompts` of its requests new) less the streams sitting this step out

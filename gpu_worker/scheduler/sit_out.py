@@ -1,6 +1,4 @@
-"""Spending the audio listeners have in hand: streams well ahead of their listeners leave steps out while
-steps run over budget (`SitOut`), and while prompts wait a step may run past the budget by what the
-streams playing spare (`burst_step_s`)."""
+"""Sit-out: streams well ahead of their listeners leave steps out while steps run over budget."""
 
 from __future__ import annotations
 
@@ -17,12 +15,6 @@ SIT_OUT_TARGET = 0.97
 # excess over the target (a step 10 % over adds half a percent of the streams).
 SIT_OUT_GAIN = 0.05
 SIT_OUT_MAX = 0.5  # of the streams a step serves (its rows and those sitting out)
-
-# While prompts wait, a step may start more of them than the budget leaves room for, running past
-# the row period by what the streams playing can spare (`burst_step_s`): the least audio any of them
-# has in hand beyond LEAD_RESERVE_S (a chunk's trip and a step's misestimate), spread over
-# LEAD_STEPS steps, and at most BURST_OVER of a row period past the budget.
-LEAD_RESERVE_S, LEAD_STEPS, BURST_OVER = 0.06, 16, 0.5
 
 
 class SitOut:
@@ -88,18 +80,3 @@ class SitOut:
             return []
         ahead.sort(key=lambda i: leads[i], reverse=True)
         return ahead[:out]
-
-
-def burst_step_s(budget: float, period: float, least_lead: float) -> float:
-    """The longest step that starts prompts while more wait: `budget`, or longer by what the streams
-    playing can spare (`least_lead`: the least audio in hand among them, seconds; inf where none
-    plays). A step of `period` + x takes x from every listener's audio in hand; at x = (lead -
-    LEAD_RESERVE_S) / LEAD_STEPS the least lead decays towards the reserve and never below it, so a
-    burst starts in fewer, fuller steps (a batched graph's prompts cost a fraction of a pass each)
-    while the streams already playing stay on time. On the simulated H200 (bench/admission_sim.py,
-    H200_BATCHED) a burst of 256 from idle waits p99 595 ms for its prompts to start within the
-    budget alone and 395 ms this way (TTFA p99 690 and 490 ms), every request on time both ways.
-    What the first streams can lend is their lead once (~0.2 s in all), so a burst of ~400 still
-    takes ~0.8 s to start: faster needs cheaper prompts, not longer steps."""
-    spare = (least_lead - LEAD_RESERVE_S) / LEAD_STEPS
-    return max(budget, min(period + spare, budget + BURST_OVER * period))
