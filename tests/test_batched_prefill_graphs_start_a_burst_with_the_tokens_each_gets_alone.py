@@ -146,3 +146,19 @@ def test_a_burst_through_batched_graphs_samples_what_each_request_samples_alone(
     assert running == [4, 8] and replayed == [(3, 32), (3, 32)]  # the first of each step alone
     eng.run_until_idle()
     assert eng.outputs == alone
+
+
+def test_the_batched_graphs_follow_the_programs_weights_not_the_settings():
+    """float8 weights are the program's (its loader quantizes them): a runner built with settings
+    that do not repeat `--quantization` (a test's, a bench's) still batches their prompts, and bf16
+    weights never do, whatever the settings say."""
+    from gpu_worker.runner.batched_prefill import batched_prefill_enabled
+    from programs import get_spec, load_program_class
+
+    cls = load_program_class("orpheus")
+    fp8, bf16 = cls(get_spec("orpheus"), quantization="fp8"), cls(get_spec("orpheus"))
+    assert batched_prefill_enabled(fp8, GpuWorkerSettings())
+    assert batched_prefill_enabled(fp8, GpuWorkerSettings(quantization="fp8"))
+    assert not batched_prefill_enabled(fp8, GpuWorkerSettings(mixed_prefill=False))
+    assert not batched_prefill_enabled(bf16, GpuWorkerSettings(quantization="fp8"))
+    assert not batched_prefill_enabled(bf16, GpuWorkerSettings())

@@ -48,8 +48,10 @@ MAX_BATCHED = 8
 
 
 def batched_prefill_enabled(program: LMProgram, limits) -> bool:
-    """Whether prompts may share a forward pass: every GEMM of the backbone float8 (row-invariant)."""
-    return bool(program.mixed_prefill and limits.mixed_prefill and limits.quantization == "fp8")
+    """Whether prompts may share a forward pass: every GEMM of the backbone float8 (row-invariant).
+    Read from the program, whose weights the GEMMs use (`program.quantization`), not from the
+    settings: a runner built with other settings than the program's loader runs the same weights."""
+    return bool(program.mixed_prefill and limits.mixed_prefill and program.quantization == "fp8")
 
 
 def segment_prefix(rows: int, j: int) -> str:

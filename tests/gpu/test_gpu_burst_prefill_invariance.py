@@ -39,7 +39,8 @@ def test_a_burst_started_in_batched_graphs_samples_what_each_request_samples_alo
     greedy, gpu_report, temperature
 ):
     prompt, engine = greedy
-    kw = {"kv_cache_dtype": "fp8"}
+    # the serve settings of the program's weights (the runner reads float8 from the program itself)
+    kw = {"kv_cache_dtype": "fp8", "quantization": "fp8"}
     prompts = [prompt(f"r{i}", TEXTS[i % len(TEXTS)], 10 + i, 200, temperature) for i in range(16)]
     alone = {}
     for p in prompts:
@@ -75,4 +76,5 @@ def test_a_burst_started_in_batched_graphs_samples_what_each_request_samples_alo
     for graph, _ in runner.batched.graphs.values():
         vars(graph).pop("replay", None)  # the class's own again (the engine serves the next test)
     assert replayed, "several prompts of one bucket started in a batched graph"
+    assert steps < len(prompts), "the burst started several prompts a step"
     assert differ == dict.fromkeys(alone, None)
