@@ -277,17 +277,15 @@ class Codec:
 
     @torch.inference_mode()
     def _prime(self, chunk: DetokChunk, slot: int) -> None:
-        """Start `slot`'s stream with chunk 0's prefix rows (programs/base.py, "Codec streams"): one
-        eager `detokenize` of them, [1, P, C] and fresh, its audio dropped. It is queued on the
-        device's current stream now, so it runs after every decode queued before and before the
+        """Start `slot`'s stream with chunk 0's prefix rows (programs/base.py, "Codec streams"): the
+        program's eager `prime_codec_streams` of them, [1, P, C], the audio dropped. It is queued on
+        the device's current stream now, so it runs after every decode queued before and before the
         chunk's own window (a graph replay on that stream, or an eager decode run later)."""
         p, dev = self.program, self.device
         rows = np.frombuffer(chunk.prefix, dtype="<i4").reshape(1, -1, p.n_codebooks).astype(np.int64)
         key = rng.mix_keys(torch.tensor([chunk.seed]), torch.tensor([chunk.noise_id]))
-        streams = CodecStreams(
-            torch.tensor([slot], dtype=torch.int64, device=dev), torch.ones(1, dtype=torch.bool, device=dev)
-        )
-        p.detokenize(torch.from_numpy(rows).to(dev), key.to(dev), streams=streams)
+        slots = torch.tensor([slot], dtype=torch.int64, device=dev)
+        p.prime_codec_streams(torch.from_numpy(rows).to(dev), key.to(dev), slots)
 
     def _launch_part(
         self, chunks: list[DetokChunk], kind: tuple[int, int], entries: list[tuple[int, int, bool]]

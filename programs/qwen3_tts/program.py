@@ -220,6 +220,10 @@ class Qwen3TtsProgram(LMProgram):
     def init_codec_streams(self, n_slots: int) -> None:
         self.codec.init_streams(n_slots)
 
+    def prime_codec_streams(self, tokens: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor) -> None:
+        """The clip's frames [B, P, 16] in one pass (`Qwen3TtsCodec.prime`), not P / 2 of them."""
+        self.codec.prime(tokens, slots)
+
     def detokenize(
         self,
         tokens: torch.Tensor,
