@@ -8,6 +8,9 @@
    speaker vector and the clip's frames are read from per-request state inside the graphs. Where
    a case differs, the report says where its keys and values first differ; engines without one
    suspect each (one decode bucket; XQA decode attention) tell which one rounds by batch.
+3. A codec stream primed with a clip's frames (3 s and 30 s), then decoded a window at a time
+   through the codec graphs, equals the whole decode of clip and frames, the clip cut off; the
+   report has the first chunk's time (the prime's cost).
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ import numpy as np
 import pytest
 import torch
 
+from codec_worker.codec import Codec
 from common.config import GpuWorkerSettings
-from common.messages import Prompt, SamplingParams
+from common.messages import DetokChunk, Finished, FinishReason, Prompt, SamplingParams
 from gpu_worker.engine import Engine
 from programs import get_spec, load_program_class
-from programs.base import Reference, Voice
+from programs.base import Reference, Voice, pcm16
 from tokenizer_worker.worker import wire_array
 
 MODEL = "qwen3-tts-base"
@@ -49,6 +53,39 @@ def base():
     clips = [_clip(3 + i, i) for i in range(8)]
     voices = [Voice(f, c.text) for f, c in zip(prog.encode_references(clips), clips, strict=True)]
     return prog, Engine(prog, GpuWorkerSettings(max_batch_size=64, max_context=1024)), voices
+
+
+def test_a_primed_codec_stream_continues_its_clip_on_the_gpu(base, gpu_report):
+    """Chunk 0 with a clip's frames as its prefix (3 s and 30 s: 38 and 375 frames), then 12 frames
+    a window each through the codec graphs (the prime eager before them, on the same stream):
+    the PCM equals `decode_all` of clip + frames with the clip's samples cut, within 2 LSB (float32
+    codec). The report has each first chunk's time (the prime and its window)."""
+    prog, _, _ = base
+    prog.load_codec()
+    codec = Codec(prog, max_batch=16, graphs=True, streams=17)
+    rng = np.random.default_rng(3)
+    res = {}
+    for seconds in (3, 30):
+        clip = rng.integers(0, 2048, size=(int(seconds * 12.5), 16)).astype("<i4")
+        frames = rng.integers(0, 2048, size=(12, 16)).astype("<i4")
+        rid = f"clip-{seconds}s"
+        chunks = [DetokChunk(rid, i, 0, frames[i : i + 1].tobytes(), i) for i in range(len(frames))]
+        chunks[0].prefix = clip.tobytes()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        audio = codec.decode(chunks[:1])
+        first_ms = 1000 * (time.perf_counter() - start)
+        audio += codec.decode(chunks[1:])  # a round per window: one request's chunks in order
+        codec.ended([Finished(rid, FinishReason.STOP)])
+        got = np.concatenate([np.frombuffer(a.pcm, dtype="<i2") for a in audio]).astype(np.int32)
+        whole = prog.codec.decode_all(torch.from_numpy(np.concatenate([clip, frames])).long().cuda())
+        want = pcm16(whole).cpu().numpy().astype(np.int32)[len(clip) * 1920 :]
+        res[f"{seconds} s clip"] = {
+            "first_chunk_ms": first_ms,
+            "max_pcm_diff_vs_whole_decode": int(np.abs(got - want).max()),
+        }
+    gpu_report(REPORT)["primed_codec_stream"] = res
+    assert all(r["max_pcm_diff_vs_whole_decode"] <= 2 for r in res.values()), res
 
 
 def test_gpu_encoders_equal_the_cpu_encoders(base, gpu_report):
