@@ -281,11 +281,16 @@ class Codec:
         program's eager `prime_codec_streams` of them, [1, P, C], the audio dropped. It is queued on
         the device's current stream now, so it runs after every decode queued before and before the
         chunk's own window (a graph replay on that stream, or an eager decode run later)."""
-        p, dev = self.program, self.device
+        p = self.program
         rows = np.frombuffer(chunk.prefix, dtype="<i4").reshape(1, -1, p.n_codebooks).astype(np.int64)
         key = rng.mix_keys(torch.tensor([chunk.seed]), torch.tensor([chunk.noise_id]))
-        slots = torch.tensor([slot], dtype=torch.int64, device=dev)
-        p.prime_codec_streams(torch.from_numpy(rows).to(dev), key.to(dev), slots)
+        slots = torch.tensor([slot], dtype=torch.int64)
+        p.prime_codec_streams(*(self._to_device(t) for t in (torch.from_numpy(rows), key, slots)))
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """Host → the codec's device without waiting for its stream (a copy from pageable memory
+        would wait for every decode queued before it)."""
+        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
     def _launch_part(
         self, chunks: list[DetokChunk], kind: tuple[int, int], entries: list[tuple[int, int, bool]]

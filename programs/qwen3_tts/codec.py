@@ -171,9 +171,9 @@ class Qwen3TtsCodec(nn.Module):
             # frame f sits at f in the wide ring, at f % ring in a slot's; frames before the last
             # `ring` are past every window, and slots' entries for frames < 0 are masked
             ring = state.shape[3]
-            frames = torch.arange(max(0, p - ring), p, device=codes.device)
-            for i, slot in enumerate(slots.tolist()):  # eager: the slots on the host
-                state[slot][:, :, frames % ring] = temp[i][:, :, frames]
+            frames = torch.arange(max(0, p - ring), p, device=codes.device)  # [F]
+            # [B, F] (slot, ring entry) pairs, each once: [B, F, 2, kv_heads, head_dim] values
+            state[slots[:, None], :, :, (frames % ring)[None]] = temp[:, :, :, frames].permute(0, 3, 1, 2, 4)
         self.positions.index_fill_(0, slots, p)
 
     @classmethod
