@@ -158,8 +158,9 @@ class Qwen3TtsCodec(nn.Module):
     def prime(self, codes: torch.Tensor, slots: torch.Tensor) -> None:
         """Start the streams in `slots` [B] int64 with codes [B, P, C] from a fresh state, their audio
         dropped: one pass over all P frames (rings that hold them all, as `decode_all`), then each
-        stateful layer's end state into the slots: what `decode_stream` leaves after them, without
-        its pass per PASS_FRAMES frames (a clip of 375 frames: 188 passes of 8 layers, eager)."""
+        stateful layer's end state into the slots: what `decode_stream` leaves after them (up to
+        rounding), without its pass per PASS_FRAMES frames (a clip of 375 frames: 188 passes of 8
+        layers, eager). Eager, with device indices only (no host read)."""
         b, p = codes.shape[:2]
         rows = torch.arange(b, device=codes.device)
         wide = self._zero_states(b, p)

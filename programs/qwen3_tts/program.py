@@ -221,7 +221,7 @@ class Qwen3TtsProgram(LMProgram):
         self.codec.init_streams(n_slots)
 
     def prime_codec_streams(self, tokens: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor) -> None:
-        """The clip's frames [B, P, 16] in one pass (`Qwen3TtsCodec.prime`), not P / 2 of them."""
+        """The clip's frames [B, P, 16] in one pass (`Qwen3TtsCodec.prime`), not in P / 2 passes."""
         self.codec.prime(tokens, slots)
 
     def detokenize(
