@@ -12,7 +12,9 @@ request, and a batch whose decode raises is decoded again window by window, so i
 keep their audio. Programs with codec streams (programs/base.py, "Codec streams") decode in
 rounds: round k holds each request's k-th waiting chunk, each chunk in its request's slot
 (codec_worker/streams.py). Their failed batch fails all of its requests: how far it advanced
-their state is unknown.
+their state is unknown. A chunk 0 with a prefix (a primed stream: the program's `codec_prefix`)
+first decodes the prefix in its fresh slot, in an eager call of its own outside the graphs, and
+then its window continues the stream; a prefix that fails fails its request alone.
 """
 
 from __future__ import annotations
@@ -224,6 +226,9 @@ class Codec:
             if kind not in self.limits or len(c.tokens) % (4 * p.n_codebooks):
                 self.fail(out, c.rid, self._bad_kind(c, kind))
                 continue
+            if c.prefix and (self.slots is None or c.index or len(c.prefix) % (4 * p.n_codebooks)):
+                self.fail(out, c.rid, self._bad_prefix(c))
+                continue
             kinds[i] = kind
         live = [i for i in kinds if chunks[i].rid not in out.failed]
         for where in rounds(chunks, live) if self.slots is not None else [live]:
@@ -236,6 +241,14 @@ class Codec:
                     except StreamError as e:
                         self.fail(out, chunks[i].rid, str(e), e.status)
                         continue
+                    if fresh and chunks[i].prefix:
+                        try:
+                            self._prime(chunks[i], slot)
+                        except Exception as e:  # fails this request, not the others of its round
+                            log.exception("codec failed priming the stream of %s", chunks[i].rid)
+                            self.fail(out, chunks[i].rid, f"codec error: {type(e).__name__}: {e}")
+                            continue
+                        fresh = False  # its window continues the primed stream
                 groups.setdefault(kinds[i], []).append((i, slot, fresh))
             for kind, entries in groups.items():
                 limit = self.limits[kind]
@@ -250,6 +263,34 @@ class Codec:
             f"(tail {kind[1]}); {p.name} windows have {p.detok_interval} (lead windows: "
             f"{list(p.detok_lead)}; tail windows: {sorted(t for t in self.limits if t[1])})"
         )
+
+    def _bad_prefix(self, c: DetokChunk) -> str:
+        p = self.program
+        if self.slots is None:
+            return f"codec error: chunk {c.index} of {c.rid} has a prefix; {p.name} has no codec streams"
+        if c.index:
+            return f"codec error: chunk {c.index} of {c.rid} has a prefix; only a chunk 0 may"
+        return (
+            f"codec error: chunk 0 of {c.rid} has a prefix of {len(c.prefix)} bytes, not rows of "
+            f"{p.n_codebooks} int32 ids"
+        )
+
+    @torch.inference_mode()
+    def _prime(self, chunk: DetokChunk, slot: int) -> None:
+        """Start `slot`'s stream with chunk 0's prefix rows (programs/base.py, "Codec streams"): the
+        program's eager `prime_codec_streams` of them, [1, P, C], the audio dropped. It is queued on
+        the device's current stream now, so it runs after every decode queued before and before the
+        chunk's own window (a graph replay on that stream, or an eager decode run later)."""
+        p = self.program
+        rows = np.frombuffer(chunk.prefix, dtype="<i4").reshape(1, -1, p.n_codebooks).astype(np.int64)
+        key = rng.mix_keys(torch.tensor([chunk.seed]), torch.tensor([chunk.noise_id]))
+        slots = torch.tensor([slot], dtype=torch.int64)
+        p.prime_codec_streams(*(self._to_device(t) for t in (torch.from_numpy(rows), key, slots)))
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """Host → the codec's device without waiting for its stream (a copy from pageable memory
+        would wait for every decode queued before it)."""
+        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
     def _launch_part(
         self, chunks: list[DetokChunk], kind: tuple[int, int], entries: list[tuple[int, int, bool]]

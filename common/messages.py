@@ -188,6 +188,10 @@ class DetokChunk(msgspec.Struct, **_STRUCT):
     # before it minus audio played since the first chunk (0: a first chunk, or a stream running
     # late). The codec worker gathers windows for one batch within it (codec_worker/gather.py).
     slack_ms: float = 0.0
+    # Chunk 0 of a primed stream: int32 little-endian [P, n_codebooks], the rows its codec stream
+    # decodes first, their audio dropped (the program's `codec_prefix`; programs/base.py, "Codec
+    # streams"). Empty: the stream starts fresh.
+    prefix: bytes = b""
 
 
 LEAD_NOISE_BASE = 1 << 40  # noise ids of lead windows start here, far above any regular window

@@ -24,6 +24,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from common.messages import LEAD_NOISE_BASE, DetokChunk
 from gpu_worker.scheduler.pacing import StepClock, lead_fits
 from programs.base import LMProgram
@@ -104,11 +106,17 @@ class AudioWindows:
             return chunk
         if req.n_chunks == silent:
             req.t_first = now
+            chunk.prefix = self._prefix(req)
         else:
             chunk.slack_ms = max(0.0, 1000 * (req.sent_s - (now - req.t_first)))
         req.sent_s += self._audio_s(audio_rows)
         req.n_chunks += 1
         return chunk
+
+    def _prefix(self, req) -> bytes:
+        """The rows `req`'s codec stream starts with (the program's `codec_prefix`), as wire bytes."""
+        rows = self.program.codec_prefix(req.state)
+        return b"" if rows is None else np.ascontiguousarray(rows, dtype="<i4").tobytes()
 
     def _first_now(self, n: int) -> bool:
         """Progressive mode: may the first chunk go out with the n rows there are? Yes when the

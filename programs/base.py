@@ -23,10 +23,12 @@ apart from N/B/Bd, state only in buffers, randomness only from the keys passed i
 | `init_state(num_slots)` | gpu_worker | no | optional: allocate per-request state buffers [num_slots, …] (see Per-request state) |
 | `check_prompt(rows, state)` | gpu_worker | no | a prompt's rows [R, C] and state arrays → "" or why they are not what `preprocess` builds |
 | `admit(slot, state)` | gpu_worker | no | write a starting request's state into its slot's buffers |
+| `codec_prefix(state)` | gpu_worker | no | a request's state arrays → rows [P, C] int32 its codec stream starts with, or None (the default; see Codec streams) |
 | `candidates(n_audio)` | gpu_worker | yes | [B] int64 → [B, K] int64 token ids (constrained sampling) |
 | `classify(tokens, n_audio)` | gpu_worker | yes | [B, C] int64, [B] int64 → kinds [B] int64 (TokenKind) |
-| `detokenize(tokens, keys, tail_rows=0, streams=None)` | codec_worker | yes | [Bd, R, C] int64 (R = detok_interval, or one of `detok_lead`), keys [Bd] int64 → audio [Bd, S] float in [-1, 1] (S = detok_samples for a regular window, R / s * detok_samples for a lead window, tail_rows / s * detok_samples for a tail window), valid [Bd] bool; `streams` (a `CodecStreams`) only with `codec_streams` |
+| `detokenize(tokens, keys, tail_rows=0, streams=None)` | codec_worker | yes | [Bd, R, C] int64 (R = detok_interval, or one of `detok_lead`, or a codec prefix's P), keys [Bd] int64 → audio [Bd, S] float in [-1, 1] (S = detok_samples for a regular window, R / s * detok_samples for a lead window, tail_rows / s * detok_samples for a tail window), valid [Bd] bool; `streams` (a `CodecStreams`) only with `codec_streams` |
 | `init_codec_streams(n_slots)` | codec_worker | no | with `codec_streams`: allocates the state of n_slots codec slots on the codec's device (see Codec streams) |
+| `prime_codec_streams(tokens, keys, slots)` | codec_worker | no | with `codec_streams` and a `codec_prefix`: [B, P, C] int64 rows, keys [B], slots [B] int64 → None; starts each slot's stream with its rows, audio dropped (default: one fresh `detokenize` call; see Codec streams) |
 | `compiled_detokenize()` | codec_worker | — | optional: a function equal to `detokenize(tokens, keys)` for regular windows, compiled (`torch.compile`, any batch size), or None (the default): the codec_worker captures it in the regular windows' graphs (`--codec-compile`) |
 | `load_encoders()` | codec_worker | no | with `reference_sample_rate`: loads what `encode_references` needs (see Reference audio) |
 | `encode_references(clips)` | codec_worker | no | `Reference`s (mono float32 audio at `reference_sample_rate`, its text) → one `Voice.features` dict per clip, batched |
@@ -127,6 +129,19 @@ audio equals the codec's decode of the whole utterance. The codec keeps each str
   same slot, decodes a request's chunks strictly in index order, one per call, and frees the slot
   at the request's end. A later chunk of a request without a slot (its state is lost: a restarted
   codec worker, a slot reclaimed from a stream idle too long) ends that request with an error.
+- Primed streams (`codec_prefix(state)`, gpu_worker, host side): rows [P, C] int32 that a request's
+  stream decodes before its own audio rows, their audio dropped, or None (the default: a stream
+  starts from the codec's initial state). It is for a reference whose codec decodes something
+  before the generated rows as one utterance and cuts that audio off (a cloned voice's clip
+  frames); it reads only the request's state (`preprocess`'s arrays, vetted by `check_prompt`).
+  The gpu_worker sends the rows with the request's chunk 0 (`DetokChunk.prefix`); the codec_worker
+  decodes them in the chunk's fresh slot first, `prime_codec_streams` [1, P, C], an eager call
+  outside the graphs, before the chunk's own window, which then continues the stream (not fresh).
+  The default is one fresh `detokenize` call of the P rows (so a program that keeps it takes any
+  R ≥ 1 there); a program overrides it where that call is slow (a codec whose windows run in
+  passes of a few rows). Each stream primes alone: a prefix costs its whole audio's decode, so a
+  batch would share only the launch overhead, and alone the call's shape depends on P only, so a
+  stream's audio does not depend on the streams primed with it.
 
 Reference audio (voice cloning): a program that clones a voice from a reference clip sets
 `reference_sample_rate` > 0 (0: it takes no audio; a request with a clip gets a 400). The clip's
@@ -396,6 +411,11 @@ class LMProgram:
     def admit(self, slot: int, state: dict[str, np.ndarray]) -> None:
         """Write a request's state (vetted by `check_prompt`) into `slot` as it starts."""
 
+    def codec_prefix(self, state: dict[str, np.ndarray]) -> np.ndarray | None:
+        """Rows [P, C] int32 that a request's codec stream decodes before its audio rows, their
+        audio dropped (see Codec streams: primed streams), from its state; None: none (default)."""
+        return None
+
     @property
     def can_constrain(self) -> bool:
         """Whether this program has a constrained sampling mode (it overrides `candidates`; its spec
@@ -437,6 +457,13 @@ class LMProgram:
         """Allocate the state of `n_slots` codec slots on the codec's device (codec_streams only;
         see Codec streams). Called once, after `load_codec`."""
         raise NotImplementedError(f"{self.name or type(self).__name__} has no codec streams")
+
+    def prime_codec_streams(self, tokens: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor) -> None:
+        """Start the streams in `slots` [B] int64 with the rows tokens [B, P, C] (keys [B] int64) from
+        the codec's initial state, their audio dropped (see Codec streams: primed streams). Eager,
+        outside the graphs. Default: one `detokenize` call of them, fresh."""
+        fresh = torch.ones(len(slots), dtype=torch.bool, device=slots.device)
+        self.detokenize(tokens, keys, streams=CodecStreams(slots, fresh))
 
     def compiled_detokenize(
         self, backend: str = "inductor"

@@ -87,9 +87,13 @@ def worker(slots: int, idle_s: float = 60.0, clock=None, device: str = "cpu") ->
     return w
 
 
-def chunk(rid: str, index: int, codes: np.ndarray) -> DetokChunk:
+def chunk(rid: str, index: int, codes: np.ndarray, prefix: np.ndarray | None = None) -> DetokChunk:
+    """Window `index` of `codes` (rows of one code), with `prefix`'s rows as a primed stream's."""
     rows = codes[index * ROWS : (index + 1) * ROWS].astype("<i4")
-    return DetokChunk(rid, index, 0, rows.tobytes(), index, slack_ms=0 if index == 0 else 1000)
+    c = DetokChunk(rid, index, 0, rows.tobytes(), index, slack_ms=0 if index == 0 else 1000)
+    if prefix is not None:
+        c.prefix = prefix.astype("<i4").tobytes()
+    return c
 
 
 def played(w: CodecWorker) -> tuple[dict[str, bytes], dict[str, Finished]]:
@@ -243,3 +247,63 @@ def test_codec_slots_come_from_the_flag_or_the_gpu_batch() -> None:
     assert CodecSettings().streams_for(256) == 2 * 256 + 16
     with pytest.raises(ValueError, match="codec-streams"):
         CodecSettings(max_streams=-1).check()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_primed_stream_continues_its_prefix_and_its_slot_serves_the_next_request_clean(device: str) -> None:
+    """Chunk 0's prefix (programs/base.py, "Codec streams": primed streams) decodes first in the
+    request's slot, its audio dropped: the request's audio is the tail of the whole decode of prefix
+    and codes. Prefixes of any length, two primed in one round, and a request in a slot a primed
+    one used starts fresh. On a GPU the windows replay graphs after the eager prime."""
+    w = worker(slots=2, device=device)
+    c = {rid: np.random.default_rng(i).integers(1, 5000, 3 * ROWS) for i, rid in enumerate("pqrs")}
+    prefix = {"p": np.arange(7, 14), "r": np.array([4000])}  # 7 rows (not a window's 3) and 1
+    w.receive([DetokBatch(chunks=[chunk("p", 0, c["p"], prefix["p"]), chunk("q", 0, c["q"])])], 0.0)
+    w.decode_pass()
+    ended = [Finished("q", FinishReason.STOP)]
+    w.receive([DetokBatch(chunks=[chunk(r, j, c[r]) for r in "pq" for j in (1, 2)], finished=ended)], 0.0)
+    w.decode_pass()  # "q"'s slot is free: "r" primes in it
+    w.receive(
+        [
+            DetokBatch(
+                chunks=[chunk("r", 0, c["r"], prefix["r"])], finished=[Finished("p", FinishReason.STOP)]
+            )
+        ],
+        0.0,
+    )
+    w.decode_pass()  # "p"'s slot is free: "s" starts fresh in it
+    rest = [chunk("r", j, c["r"]) for j in (1, 2)] + [chunk("s", j, c["s"]) for j in range(3)]
+    w.receive([DetokBatch(chunks=rest, finished=[Finished(r, FinishReason.STOP) for r in "rs"])], 0.0)
+    w.decode_pass()
+    pcm, ends = played(w)
+    assert set(ends) == set("pqrs") and all(f.reason == FinishReason.STOP for f in ends.values())
+    for rid in "pr":  # the whole decode of prefix + codes, the prefix's samples cut off
+        whole = expected(w, np.concatenate([prefix[rid], c[rid]]))
+        assert pcm[rid] == whole[2 * SPF * len(prefix[rid]) :], rid
+        assert pcm[rid] != expected(w, c[rid]), f"{rid}: the prefix changes the audio"
+    for rid in "qs":
+        assert pcm[rid] == expected(w, c[rid]), rid
+    assert sorted(w.codec.slots.free) == [0, 1]
+
+
+def test_a_bad_prefix_fails_only_its_request() -> None:
+    """A prefix on a later chunk, one not of whole rows, or one the codec fails on, ends its own
+    request with an error; the others in its pass keep their audio, and every slot comes back."""
+    w = worker(slots=4)
+    c = np.arange(1, 10)
+    later = chunk("later", 1, c, np.arange(3))
+    torn = chunk("torn", 0, c, np.arange(3))
+    torn.prefix = torn.prefix[:-2]
+    failing = chunk("failing", 0, c, np.array([1, -5]))  # the program raises on a negative code
+    firsts = [chunk("later", 0, c), torn, failing, chunk("ok", 0, c)]
+    w.receive([DetokBatch(chunks=firsts + [later, chunk("ok", 1, c), chunk("ok", 2, c)])], 0.0)
+    w.decode_pass()
+    ends = [Finished(r, FinishReason.STOP) for r in ("later", "torn", "failing", "ok")]
+    w.receive([DetokBatch(chunks=[], finished=ends)], 0.0)
+    w.decode_pass()
+    pcm, ends = played(w)
+    assert pcm["ok"] == expected(w, c) and ends["ok"].reason == FinishReason.STOP
+    for rid, why in (("later", "only a chunk 0"), ("torn", "not rows"), ("failing", "negative code")):
+        assert ends[rid].reason == FinishReason.ERROR and ends[rid].status == 500, rid
+        assert why in ends[rid].message, ends[rid].message
+    assert sorted(w.codec.slots.free) == [0, 1, 2, 3] and not w.codec.dead

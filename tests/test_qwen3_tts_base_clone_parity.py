@@ -12,8 +12,9 @@
 - greedy frames equal the reference's, alone and in a batch of staggered requests with different
   voices and modes, through the gpu_worker engine with the speaker vector and the clip's frames as
   per-request state; sampled frames do not depend on the batch;
-- the audio: a codec stream primed with the clip's frames gives `generate_voice_clone`'s audio
-  (the clip and the frames decoded as one, the clip's samples cut off).
+- the audio: served through the engine and the codec (whose stream the clip's frames prime), it
+  equals `generate_voice_clone`'s within 1e-4 (the clip and the frames decoded as one, the clip's
+  samples cut off), alone, batched, and in a codec slot another request used.
 Bad voices and states are refused with reasons. Skips where the reference is missing.
 """
 
@@ -22,16 +23,18 @@ from __future__ import annotations
 import json
 import os
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 from transformers import MimiConfig, MimiModel
 
+from codec_worker.codec import Codec
 from common.config import GpuWorkerSettings
 from common.messages import Prompt, SamplingParams
 from gpu_worker.engine import Engine
 from programs import get_spec, load_program_class
-from programs.base import CodecStreams, Reference, Rows, Voice
+from programs.base import Reference, Rows, Voice
 from programs.csm.codec import random_codebooks
 from programs.qwen3_tts import spec as q
 from programs.qwen3_tts.model import Qwen3TtsLM
@@ -339,38 +342,107 @@ def test_bad_voices_and_states_are_refused(program, voices):
         assert program.check_prompt(built.rows, state), name
 
 
-def test_a_primed_codec_stream_gives_the_references_cloned_audio(program, voices):
-    """`generate_voice_clone` decodes the clip's frames and the generated ones as one utterance
-    and cuts the clip's samples off; a codec stream primed with the clip's frames
-    (`prime_codec_stream`) and then fed the generated frames a window at a time gives that audio
-    within 1e-4; a fresh stream does not."""
+@pytest.fixture(scope="module")
+def cloner(ref, program):
+    """The reference's `generate_voice_clone` whose codec has the program's codec weights (random,
+    random codebooks), and that codec loaded in the program."""
     from programs.qwen3_tts.codec import Qwen3TtsCodec
-    from tests.qwen3_tts_reference import reference_decoder
+    from tests.qwen3_tts_reference import TextIdsProcessor, reference_speech_tokenizer, voice_clone_wrapper
 
     path = os.path.join(CONFIGS, SPEC["codec_config"])
     program.codec = Qwen3TtsCodec.from_config(path, torch.float32, "cpu")
-    ref = reference_decoder(path)
-    ref.load_state_dict(program.codec.state_dict(), strict=True)
-    program.init_codec_streams(3)
-    clip = torch.from_numpy(voices["long"].features["codes"]).long()  # [24, 16]
-    gen = torch.randint(0, q.CODE_VOCAB, (9, q.N_CODEBOOKS), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        whole = ref.chunked_decode(torch.cat([clip, gen]).T[None])[0, 0]
-    want = whole[len(clip) * q.SAMPLES_PER_FRAME :]  # the wrapper's cut: ref_len / total_len of the audio
-    slot = torch.tensor([1])
+    speech = reference_speech_tokenizer(path, program.codec.state_dict())
+    processor = TextIdsProcessor(program.text_ids, q.IM_START_ID, q.ASSISTANT_ID, q.IM_END_ID)
+    return voice_clone_wrapper(ref, speech, processor)
 
-    def stream(primed: bool) -> torch.Tensor:
-        if primed:
-            program.prime_codec_stream(1, voices["long"].features)
-        out = []
-        for i in range(0, len(gen), 3):
-            fresh = torch.tensor([not primed and i == 0])
-            audio, _ = program.detokenize(
-                gen[None, i : i + 3], torch.zeros(1), streams=CodecStreams(slot, fresh)
-            )
-            out.append(audio[0])
-        return torch.cat(out)
 
-    err = (stream(True) - want).abs().max().item()
-    assert err < TOL, f"primed stream off by {err:.2e}"
-    assert (stream(False) - want).abs().max().item() > 100 * TOL
+def _cloned(cloner, voices, rid: str) -> np.ndarray:
+    """`generate_voice_clone`'s audio for case `rid`, greedy: [S] float32."""
+    wrapper, item = cloner
+    text, voice, opts, new = CASES[rid]
+    v, xvec = voices[voice], opts.get("x_vector_only_mode") == "true"
+    prompt = item(
+        ref_code=None if xvec else torch.from_numpy(v.features["codes"]).long(),
+        ref_spk_embedding=torch.from_numpy(v.features["speaker"]),
+        x_vector_only_mode=xvec,
+        icl_mode=not xvec,
+        ref_text=None if xvec else v.text,
+    )
+    wavs, rate = wrapper.generate_voice_clone(
+        text,
+        language=opts.get("language", "auto"),
+        voice_clone_prompt=[prompt],
+        non_streaming_mode=opts.get("non_streaming_mode") == "true",
+        do_sample=False,
+        subtalker_dosample=False,
+        max_new_tokens=new + 1,
+    )
+    assert rate == 24000
+    return wavs[0]
+
+
+def _serve(
+    program, prompts: list[Prompt], codec: Codec, stagger: bool = False, primed: bool = True
+) -> dict[str, np.ndarray]:
+    """The prompts through the engine and `codec` (several requests' windows in each decode, in
+    arrival order), as the workers pass them (`primed` False: the chunks' prefixes left out):
+    → each request's PCM16."""
+    eng = Engine(program, GpuWorkerSettings(max_batch_size=4, max_context=400))
+    batches = []
+    for i, p in enumerate(prompts):
+        eng.add(p)
+        for _ in range(i + 1 if stagger else 0):
+            batches.append(eng.step())
+    batches += eng.run_until_idle()
+    chunks = [c for b in batches if b is not None for c in b.chunks]
+    assert [c.index for c in chunks if c.prefix] == [0] * sum(
+        p.state.get("codes") is not None for p in prompts
+    )
+    if not primed:
+        chunks = [msgspec.structs.replace(c, prefix=b"") for c in chunks]
+    audio: dict[str, list[np.ndarray]] = {}
+    for lo in range(0, len(chunks), 5):
+        for a in codec.decode(chunks[lo : lo + 5]):
+            audio.setdefault(a.rid, []).append(np.frombuffer(a.pcm, dtype="<i2"))
+    ends = codec.ended([f for b in batches if b is not None for f in b.finished])
+    assert {f.rid for f in ends} == {p.rid for p in prompts} and not any(f.message for f in ends)
+    return {rid: np.concatenate(pcm) for rid, pcm in audio.items()}
+
+
+def _off(pcm: np.ndarray, want: np.ndarray) -> float:
+    assert len(pcm) == len(want) and len(want) % q.SAMPLES_PER_FRAME == 0
+    return float(np.abs(pcm / 32767.0 - want).max())
+
+
+AUDIO_CASES = ["icl-stream-short", "icl-stream-long", "icl-whole", "xvec-stream"]
+GREEDY = dict(temperature=0.0, repetition_penalty=1.05)
+
+
+def test_served_cloned_audio_equals_generate_voice_clone_alone_and_batched(program, voices, cloner):
+    """`generate_voice_clone` decodes an in-context clone's clip frames and its generated ones as
+    one utterance and cuts the clip's audio off: served through the engine and the codec, whose
+    stream the clip's frames prime (`codec_prefix`, sent with chunk 0), the audio equals it within
+    1e-4, alone and among staggered requests of other voices and modes; x-vector-only requests
+    decode their frames alone, as the reference does. Without the priming the audio differs."""
+    wanted = {rid: _cloned(cloner, voices, rid) for rid in AUDIO_CASES}
+    prompts = {rid: _prompt(program, rid, CASES[rid][3], voices, **GREEDY) for rid in AUDIO_CASES}
+    alone = _serve(program, [prompts["icl-stream-long"]], Codec(program, graphs=False, streams=4))
+    err = _off(alone["icl-stream-long"], wanted["icl-stream-long"])
+    assert err < TOL, f"alone: off by {err:.2e}"
+    batched = _serve(program, list(prompts.values()), Codec(program, graphs=False, streams=4), stagger=True)
+    for rid, want in wanted.items():
+        err = _off(batched[rid], want)
+        assert err < TOL, f"{rid} in a batch: off by {err:.2e}"
+    fresh = _serve(program, list(prompts.values()), Codec(program, graphs=False, streams=4), True, False)
+    for rid in AUDIO_CASES[:3]:
+        assert _off(fresh[rid], wanted[rid]) > 100 * TOL, f"{rid}: the clip's frames change the audio"
+
+
+def test_a_primed_slot_serves_the_next_request_clean(program, voices, cloner):
+    """One codec slot serves an in-context clone (primed), then an x-vector-only one (fresh), then
+    another in-context clone: each request's audio is its own reference's."""
+    codec = Codec(program, graphs=False, streams=1)
+    for rid in ["icl-stream-long", "xvec-stream", "icl-stream-short"]:
+        got = _serve(program, [_prompt(program, rid, CASES[rid][3], voices, **GREEDY)], codec)[rid]
+        err = _off(got, _cloned(cloner, voices, rid))
+        assert err < TOL, f"{rid} after another request in its slot: off by {err:.2e}"

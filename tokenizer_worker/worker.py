@@ -136,7 +136,7 @@ class TokenizerWorker:
         spec = get_spec(cfg.model)
         program = load_program_class(cfg.model)(spec, device="cpu", **program_kwargs(cfg))
         status.set(ProcState.LOADING, "loading the text tokenizer")
-        program.preprocess("warm up", {})  # loads the tokenizer now rather than on the first request
+        program.load_prompts()  # the text tokenizer now rather than at the first request
         self.builder = PromptBuilder(
             program, min(cfg.gpu.max_context or spec["max_tokens"], spec["max_tokens"])
         )

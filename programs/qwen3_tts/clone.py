@@ -23,7 +23,9 @@ rows and its frames, as the reference lays them out:
 Rows cannot hold a float vector or a 16-code frame beside a text id, so both travel as per-request
 state (programs/base.py): "speaker" [D] float32, "codes" [T, 16] int32. A speaker row is
 `[0, TTS_PAD_ID, PROMPT_SPEAKER, 0…]`, a clip frame row `[j, text id, PROMPT_REF, 0…]` (frame j of
-"codes"); `embed` reads both from the request's slot.
+"codes"); `embed` reads both from the request's slot. The "codes" also prime the request's codec
+stream (`codec_prefix`): the reference decodes the clip's frames and the generated ones as one
+utterance and cuts the clip's audio off.
 """
 
 from __future__ import annotations

@@ -154,6 +154,29 @@ class Qwen3TtsCodec(nn.Module):
         self.positions.index_copy_(0, slots, start + codes.shape[1])
         return audio.float()
 
+    @torch.no_grad()
+    def prime(self, codes: torch.Tensor, slots: torch.Tensor) -> None:
+        """Start the streams in `slots` [B] int64 with codes [B, P, C] from a fresh state, their audio
+        dropped: one pass over all P frames (rings that hold them all, as `decode_all`), then each
+        stateful layer's end state into the slots: what `decode_stream` leaves after them (up to
+        rounding), without its pass per PASS_FRAMES frames (a clip of 375 frames: 188 passes of 8
+        layers, eager). Eager, with device indices only (no host read)."""
+        b, p = codes.shape[:2]
+        rows = torch.arange(b, device=codes.device)
+        wide = self._zero_states(b, p)
+        self.run(codes, torch.zeros_like(rows), Contexts(wide, rows, torch.full_like(rows, b)))
+        for m, state, temp in zip(self.stateful, self.states, wide, strict=True):
+            if not isinstance(m, Attention):
+                state.index_copy_(0, slots, temp[:b])
+                continue
+            # frame f sits at f in the wide ring, at f % ring in a slot's; frames before the last
+            # `ring` are past every window, and slots' entries for frames < 0 are masked
+            ring = state.shape[3]
+            frames = torch.arange(max(0, p - ring), p, device=codes.device)  # [F]
+            # [B, F] (slot, ring entry) pairs, each once: [B, F, 2, kv_heads, head_dim] values
+            state[slots[:, None], :, :, (frames % ring)[None]] = temp[:, :, :, frames].permute(0, 3, 1, 2, 4)
+        self.positions.index_fill_(0, slots, p)
+
     @classmethod
     def from_config(cls, path: str, dtype: torch.dtype, device, seed: int = 0) -> Qwen3TtsCodec:
         """Random weights and random codebooks (`random_init`) for a shipped config."""

@@ -8,7 +8,8 @@ The contract pieces it uses (programs/base.py): prompt rows with two tracks (tex
 apart by column 2), per-request state (the text that enters as the audio goes, in the streaming
 text mode), `Rows` (each frame's text column comes from its request's slot and step),
 `decode_tokens` (the code predictor), an output head over the sampleable ids only (`head_ids`: the
-2048 codes and the end id, as the reference's suppressed tokens leave them) and codec streams.
+2048 codes and the end id, as the reference's suppressed tokens leave them) and codec streams, primed
+with an in-context clone's clip frames (`codec_prefix`).
 
 Request options (model_kwargs): `voice` (a CustomVoice speaker), `language` (one of the spec's
 languages; none: "auto"), `instructions` (CustomVoice's instruction, VoiceDesign's voice
@@ -167,6 +168,13 @@ class Qwen3TtsProgram(LMProgram):
         if self._clone is not None:
             self._clone.admit(slot, state)
 
+    def codec_prefix(self, state: dict[str, np.ndarray]) -> np.ndarray | None:
+        """An in-context clone's clip frames ("codes" [T, 16] int32), which its codec stream decodes
+        first: the reference's `generate_voice_clone` decodes the clip's and the generated frames as
+        one utterance and cuts the clip's audio off. None for every other prompt (x-vector-only
+        cloning too: the reference decodes its frames alone)."""
+        return state.get("codes")
+
     # --- LM step (graph) -----------------------------------------------------------------------
     def embed(self, ids: torch.Tensor, rows: Rows) -> torch.Tensor:
         """[N, 16] rows → [N, H]: a prompt row is its text row (+ its codec row, or the request's
@@ -217,20 +225,9 @@ class Qwen3TtsProgram(LMProgram):
     def init_codec_streams(self, n_slots: int) -> None:
         self.codec.init_streams(n_slots)
 
-    def prime_codec_stream(self, slot: int, features: dict[str, np.ndarray]) -> None:
-        """Start codec slot `slot`'s stream with a cloned voice's clip frames ("codes" [T, 16]),
-        their audio dropped, so that the request's frames decode after them: the reference's
-        `generate_voice_clone` decodes the clip's and the generated frames as one utterance and
-        cuts the clip's audio off. The request's first window then continues the stream (not
-        fresh). Eager, once per request (codec_worker, before its first window); no-op without codes."""
-        codes = features.get("codes")
-        if codes is None or not len(codes):
-            return
-        dev = self.codec.positions.device
-        frames = torch.from_numpy(np.asarray(codes, dtype=np.int64)).to(dev)[None]  # [1, T, 16]
-        self.codec.decode_stream(
-            frames, torch.tensor([slot], device=dev), torch.ones(1, dtype=torch.bool, device=dev)
-        )
+    def prime_codec_streams(self, tokens: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor) -> None:
+        """The clip's frames [B, P, 16] in one pass (`Qwen3TtsCodec.prime`), not in P / 2 passes."""
+        self.codec.prime(tokens, slots)
 
     def detokenize(
         self,
