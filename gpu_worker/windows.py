@@ -98,6 +98,8 @@ class AudioWindows:
         as they come would cost a codec call per stream per step, and leaving them all to the first
         audible window would queue them before it (a stream's windows decode in order)."""
         now = self.now()
+        if req.n_chunks == 0:
+            chunk.prefix = self._prefix(req)  # what the stream's fresh codec slot starts from
         silent = self.program.detok_silent
         if req.n_chunks < silent:
             rows_left = silent - req.n_chunks
@@ -106,7 +108,6 @@ class AudioWindows:
             return chunk
         if req.n_chunks == silent:
             req.t_first = now
-            chunk.prefix = self._prefix(req)
         else:
             chunk.slack_ms = max(0.0, 1000 * (req.sent_s - (now - req.t_first)))
         req.sent_s += self._audio_s(audio_rows)
