@@ -15,6 +15,8 @@ import time
 import aiohttp
 import pytest
 
+from bench.load_cli import server_model
+from bench.websocket import _args, run_level
 from tests.conftest import Server
 from tests.test_websocket_input_streaming import _held, _metrics, _next_event, _nothing_held_within, _until
 
@@ -177,3 +179,13 @@ async def test_a_client_that_vanishes_while_its_text_runs_out_leaves_nothing_hel
             await _started(ws, 3)
             await ws.send_json({"type": "end"})
             assert (await _until(ws, [], "done"))["usage"]["segments"] == 0  # nothing to speak
+
+
+async def test_bench_ws_appends_word_by_word_over_concurrent_sessions(qwen_server):
+    args = _args(["--sentences", "1", "--max-tokens", "70", "--min-tokens", "40"])
+    model = await asyncio.to_thread(server_model, qwen_server.base)
+    level = await run_level(qwen_server.base, 3, 5.0, args, model)
+    assert level["mode"] == ["native"] and level["ok"] == 3 and level["n_errors"] == 0, level
+    assert 0 < level["first_audio_ms"]["p50"] <= level["first_audio_ms"]["p99"]
+    assert level["end_to_done_ms"]["p50"] == level["end_to_done_ms"]["p50"]  # measured (not nan)
+    assert level["audio_s"] >= 3 * 40 / 12.5 * 0.99
