@@ -4,7 +4,9 @@ requests' input to the tokenizer pool, and their state rows to the gpu_worker ho
 Both hops carry one message per gateway tick, whatever the number of sessions: pieces and appends
 collect while the event loop runs the handlers and go out together on its next turn (`AppendText`
 to one tokenizer worker, one `Appends` per gpu_worker). A tokenizer worker's answer
-(`AppendedText`) is handed piece by piece to the session that asked (`listen`). Appends for a
+(`AppendedText`) is handed piece by piece to the session that asked (`listen`); the pieces a
+tokenizer worker held when it died are tokenized again (`worker_died`: tokenizing is pure), and a
+second answer for a piece is dropped. Appends for a
 request whose prompt has not reached a gpu_worker yet wait here until it has (`routed`), so they
 follow the prompt on that worker's socket.
 """
@@ -33,6 +35,7 @@ class TextRouter:
         self.submit_timeout_s = submit_timeout_s
         self._listeners: dict[str, Callable[[TextRows], None]] = {}
         self._pieces: list[TextPiece] = []
+        self._asked: dict[tuple[str, int], tuple[TextPiece, str]] = {}  # (rid, seq) → piece, worker
         self._gpu_of: dict[str, bytes] = {}  # rid → the gpu_worker holding its prompt
         self._early: dict[str, list[Append]] = {}  # appends for prompts not yet on a gpu_worker
         self._appends: dict[bytes, list[Append]] = {}  # gpu_worker → appends of this tick
@@ -46,21 +49,37 @@ class TextRouter:
         self._listeners[rid] = took
 
     def tokenize(self, piece: TextPiece) -> None:
+        self._asked[piece.rid, piece.seq] = (piece, "")
         self._pieces.append(piece)
         self._soon()
 
     def took(self, msg: AppendedText) -> None:
         for rows in msg.items:
+            if self._asked.pop((rows.rid, rows.seq), None) is None:
+                continue  # answered already (by a worker that died after answering)
             took = self._listeners.get(rows.rid)
             if took is not None:  # else the session moved on (a clear, its end): late news
                 took(rows)
+
+    def worker_died(self, name: str) -> None:
+        """Tokenize again the pieces the tokenizer worker `name` held."""
+        for key, (piece, holder) in list(self._asked.items()):
+            if holder == name:
+                del self._asked[key]
+                if piece.rid in self._listeners:
+                    log.warning("[%s] %s stopped while tokenizing its text; again", piece.rid, name)
+                    self.tokenize(piece)
 
     async def _send_pieces(self, pieces: list[TextPiece]) -> None:
         chan = self._tokenizers()
         try:
             if chan is None:
                 raise ConnectionError("the gateway is not started")
-            await asyncio.wait_for(chan.send(AppendText(pieces), urgent=True), self.submit_timeout_s)
+            ident = await asyncio.wait_for(chan.send(AppendText(pieces), urgent=True), self.submit_timeout_s)
+            name = chan.workers.get(ident, "")
+            for p in pieces:
+                if (p.rid, p.seq) in self._asked:
+                    self._asked[p.rid, p.seq] = (p, name)
         except (asyncio.TimeoutError, ConnectionError) as e:
             why = f"no tokenizer worker took the text within {self.submit_timeout_s:g} s; see /ready"
             log.warning("appended text not tokenized: %s", e or why)
@@ -70,6 +89,8 @@ class TextRouter:
 
     def append(self, item: Append) -> None:
         """Deliver `item` to the gpu_worker holding its request (once its prompt is there)."""
+        if item.rid not in self._listeners:
+            return  # the session moved on (a clear, its end): the request is aborted
         ident = self._gpu_of.get(item.rid)
         if ident is None:
             self._early.setdefault(item.rid, []).append(item)
@@ -89,6 +110,8 @@ class TextRouter:
         self._listeners.pop(rid, None)
         self._gpu_of.pop(rid, None)
         self._early.pop(rid, None)
+        for key in [k for k in self._asked if k[0] == rid]:  # one piece at a time per session
+            del self._asked[key]
 
     # -- one message per tick --------------------------------------------------------------------
 

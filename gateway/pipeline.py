@@ -222,6 +222,7 @@ class Pipeline:
         if name.startswith("codec_worker"):
             self.references.fail_worker(name)  # the clips it was encoding
         if name.startswith("tokenizer_worker"):
+            self.appends.worker_died(name)  # the appended text it was tokenizing
             rids = self._build_again(name, rids)
         if not rids:
             return
