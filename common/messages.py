@@ -354,6 +354,9 @@ class ModelSpec(msgspec.Struct, tag="spec", **_STRUCT):
     # > 0: the model takes text appended to a running request (native input streaming, the
     # program's `appends_text`), at most this many state rows of it per request; 0: it does not.
     append_rows: int = 0
+    # The model options that put a request in the mode that takes appended text (a session whose
+    # options say otherwise is served by segmentation).
+    append_options: dict[str, str] = {}
 
 
 # One union per receiving socket.

@@ -1,6 +1,5 @@
 """A WebSocket session's speech by native input streaming, for a model that takes text appended to
-a running generation (ModelSpec.append_rows > 0: a program with `appends_text`, in a text mode
-that speaks the text as it goes).
+a running generation (ModelSpec.append_rows > 0, in the mode its `append_options` set).
 
 An utterance is one generation (rid `<session id>/<k>`, seed `seed + k`; k counts the utterances,
 clears included) opened once its first words are tokenized and fed the rest as it comes:
@@ -55,6 +54,7 @@ class NativeSynthesis:
         spec = pipeline.spec
         assert spec is not None and spec.append_rows > 0, "a model that takes appended text"
         self.capacity = spec.append_rows
+        self.append_options = dict(spec.append_options)  # the model options of its appending mode
         self.next_index = 0  # generations opened (the usage's segments)
         self._k = 0  # utterances started, clears included
         self.ended = False  # the client sent `end`
@@ -177,11 +177,7 @@ class NativeSynthesis:
             rid=self.rid,
             text=self._opening,
             sampling=msgspec.structs.replace(sampling, seed=(sampling.seed + self.index) % (SEED_MAX + 1)),
-            model_kwargs={
-                "voice": self.params.voice,
-                **dict(self.params.options),
-                "non_streaming_mode": "false",
-            },
+            model_kwargs={"voice": self.params.voice, **dict(self.params.options), **self.append_options},
             arrival=time.time(),
             open_input=not ended,
         )

@@ -15,11 +15,11 @@ the model's sample rate) in order, and JSON events. The protocol (docs/api.md ha
              {"type": "done", "usage": {…}}           then a close with 1000
              {"type": "error", "message", "param", "fatal"}
 
-A model that takes text appended to a running generation (ModelSpec.append_rows > 0: a program
-with `appends_text`, in a text mode that speaks the text as it goes) is served natively: one generation takes the text as it comes
-(`gateway.native`); every other model by incremental segmentation (`gateway.incremental` cuts the
-text, `gateway.live` generates and plays the segments). `mode` in `session.started` says which;
-the messages are the same.
+A model that takes text appended to a running generation (ModelSpec.append_rows > 0, in the mode
+its `append_options` set) is served natively: one generation takes the text as it comes
+(`gateway.native`); every other model, or a session whose options set another mode, by incremental
+segmentation (`gateway.incremental` cuts the text, `gateway.live` generates and plays the
+segments). `mode` in `session.started` says which; the messages are the same.
 
 A message the server cannot read as the protocol (a binary frame: close 1003; not a JSON object,
 a first message that is no valid `session`, a wrong API key: close 1008) ends the session after an
@@ -245,8 +245,11 @@ class Session:
             await self.send({"type": "ack", "seq": self.seq, "characters": self.n_chars})
             return
         if isinstance(live, NativeSynthesis):
-            live.end() if kind == "end" else live.flush()
-            self.ended = kind == "end"
+            if kind == "end":
+                self.ended = True
+                live.end()
+            else:
+                live.flush()
             return
         live.add(self.segmenter.flush())
         if kind == "end":
@@ -344,10 +347,12 @@ class Session:
 
 def native_mode(params: SessionParams, pipeline: Pipeline) -> bool:
     """Whether the session appends its text to one running generation: the model takes appended
-    text, in a text mode that speaks the text as it goes (not one the session's options turn off)."""
+    text, and the session's options leave it in the mode that does (ModelSpec.append_options)."""
     spec = pipeline.spec
-    whole = dict(params.options).get("non_streaming_mode", "false").lower() == "true"
-    return spec is not None and spec.append_rows > 0 and not whole
+    if spec is None or spec.append_rows <= 0:
+        return False
+    options = dict(params.options)
+    return all(options.get(k, v).lower() == v.lower() for k, v in spec.append_options.items())
 
 
 def _parse(data: str) -> dict[str, Any]:

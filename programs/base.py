@@ -157,6 +157,8 @@ first; a request's rows never exceed `append_capacity`. While the input is open,
 has launched `open_steps(n)` steps with n rows sits out of the batch (no frames, no text column
 read past what it has) and resumes when rows arrive; once the input has ended it runs as a request
 whose whole text came with its prompt, so the same text gives the same tokens however it arrived.
+`append_options` names the model options of the mode that takes appended text (the runtime sets
+them on such requests; a client that asks for another mode is served otherwise).
 
 Attention: `attn` is an `Attention` planned by the runtime for this step. Each layer calls
 `attn.forward(layer, q, k, v)`: it writes the step's keys/values into the paged cache
@@ -281,8 +283,10 @@ class LMProgram:
     codec_streams: bool = False
     # > 0: the program clones voices from reference clips at this sample rate (see Reference audio).
     reference_sample_rate: int = 0
-    # True: a request may take text appended while it runs (see Appended text).
+    # True: a request may take text appended while it runs (see Appended text), in the mode these
+    # model options set (the runtime sets them on such requests).
     appends_text: bool = False
+    append_options: dict[str, str] = {}
 
     def __init__(
         self,
@@ -550,6 +554,7 @@ class LMProgram:
             languages=[str(x) for x in spec.get("languages", ())],
             reference_sample_rate=int(self.reference_sample_rate),
             append_rows=int(self.append_capacity) if self.appends_text else 0,
+            append_options=dict(self.append_options) if self.appends_text else {},
         )
 
 

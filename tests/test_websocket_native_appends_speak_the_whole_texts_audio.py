@@ -167,6 +167,14 @@ async def test_clear_frees_the_generation_and_the_session_speaks_on(qwen_server)
             assert await r.read() == b"".join(after)
 
 
+async def test_a_session_that_asks_for_the_whole_text_mode_is_segmented(qwen_server):
+    async with aiohttp.ClientSession() as s:
+        async with s.ws_connect(qwen_server.base + PATH) as ws:
+            await ws.send_json(_open(2, non_streaming_mode="true"))
+            started = await _next_event(ws, [])
+    assert started["type"] == "session.started" and started["mode"] == "segmented", started
+
+
 async def test_a_client_that_vanishes_while_its_text_runs_out_leaves_nothing_held(qwen_server):
     async with aiohttp.ClientSession() as s:
         ws = await s.ws_connect(qwen_server.base + PATH)

@@ -143,11 +143,11 @@ class Scheduler:
         if self._aborted.pop(prompt.rid, False):
             self.finished.append(Finished(prompt.rid, FinishReason.ABORT))
             return
-        if prompt.open_input and not self.program.appends_text:
-            self.reject(prompt.rid, f"{self.program.name} takes no appended text")
-            return
         req = Request(prompt.rid, rows, prompt.sampling, prompt.arrival, budget, prompt.urgent, state=state)
         req.input_open, req.n_text = prompt.open_input, self.program.appended_rows(state)
+        if req.input_open and not (self.program.appends_text and self.program.open_steps(req.n_text)):
+            self.reject(prompt.rid, f"{self.program.name} takes no appended text in this prompt's mode")
+            return
         if prompt.urgent:  # ahead of every request that has nothing playing yet
             self.waiting.insert(sum(r.urgent for r in self.waiting), req)
         else:

@@ -57,6 +57,7 @@ class Qwen3TtsProgram(LMProgram):
     codec_dtype: torch.dtype = torch.float32
     codec_streams = True  # each frame decoded once, with state per request (programs/base.py)
     sized_options = ("instructions",)  # an instruction's rows come before the text's
+    append_options = {"non_streaming_mode": "false"}  # appended text: the streaming text mode
 
     def __init__(self, spec: dict[str, Any], **kwargs: Any) -> None:
         super().__init__(spec, **kwargs)
