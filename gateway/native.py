@@ -80,6 +80,8 @@ class NativeSynthesis:
         self._opening = ""  # taken text before the generation opens
         self._text = ""  # the taken text, all of it
         self._opened = self._finished = self._playing = False
+        self._failed_here = False  # the gateway ended it (a refused text): the workers may hold it
+        self._upstream_over = False  # the workers ended it: nothing to abort
         self._rows = 0
 
     @property
@@ -191,14 +193,16 @@ class NativeSynthesis:
             self.pending.queue.put_nowait(failed)
 
     def _fail(self, failed: Failed) -> None:
-        self._last_sent = True  # nothing more goes upstream
+        self._last_sent = self._failed_here = True  # nothing more goes upstream
         self.pending.queue.put_nowait(failed)
 
     def _abort(self) -> None:
+        """Forget the utterance; abort its generation unless the workers ended it (a generation
+        waiting for text would hold its slot and pages for good)."""
         self.pipeline.release(self.rid)
-        if self._opened and not self._finished:
+        if self._opened and not self._upstream_over:
             self.pipeline.abort([self.rid])
-        self._finished = True
+        self._finished = self._upstream_over = True
 
     # -- the audio ----------------------------------------------------------------------------------
 
@@ -216,11 +220,11 @@ class NativeSynthesis:
                 if event.status == 504 and not self.ended:
                     continue  # waiting for text: the client's silence is the session's idle timeout
                 self._finished = True
+                self._upstream_over = event.status != 504 and not self._failed_here
                 return event
+            self._finished = self._upstream_over = True
             if not isinstance(event, Done) or not event.complete:
-                self._finished = True
                 return Failed(503, "the workers cancelled this session's generation; retry")
-            self._finished = True
             self.n_tokens += event.n_tokens
             self.n_prompt_tokens += event.n_prompt_tokens
             if self._opened:

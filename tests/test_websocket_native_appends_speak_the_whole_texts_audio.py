@@ -123,6 +123,8 @@ async def test_text_past_one_generations_capacity_closes_with_1008_and_frees_all
     async with aiohttp.ClientSession() as s:
         async with s.ws_connect(qwen_server.base + PATH) as ws:
             await _started(ws, 1)
+            await ws.send_json({"type": "append", "text": "Hello there, how are"})
+            await _first_audio(ws, [])  # running, waiting for text
             for _ in range(8):  # unknown words: several tokens each, past the 600 a slot holds
                 await ws.send_json({"type": "append", "text": " zqxv plughj wvbk" * 60})
             events: list[dict] = []
