@@ -120,6 +120,8 @@ class NativeSynthesis:
         self.quiet_since = time.monotonic()
         self.first_text = None
         self._start()
+        if self.ended:  # a clear after `end`: nothing more to speak, the session is done
+            self._ask()
         return had
 
     def close(self) -> None:
@@ -190,6 +192,7 @@ class NativeSynthesis:
     async def _submit(self, req: GenerateRequest) -> None:
         failed = await self.pipeline.submit(req)
         if failed is not None:
+            self._failed_here = True  # it may have got through: abort it at the end
             self.pending.queue.put_nowait(failed)
 
     def _fail(self, failed: Failed) -> None:

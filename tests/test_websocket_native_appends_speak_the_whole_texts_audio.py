@@ -169,6 +169,20 @@ async def test_clear_frees_the_generation_and_the_session_speaks_on(qwen_server)
             assert await r.read() == b"".join(after)
 
 
+async def test_a_clear_after_the_end_stops_the_audio_and_the_session_is_done(qwen_server):
+    async with aiohttp.ClientSession() as s:
+        async with s.ws_connect(qwen_server.base + PATH) as ws:
+            await _started(ws, 4)
+            await ws.send_json({"type": "append", "text": TEXT})
+            await ws.send_json({"type": "end"})
+            await _first_audio(ws, [])
+            await ws.send_json({"type": "clear"})
+            assert (await _until(ws, [], "cleared"))["segments"] == 1
+            done = await _until(ws, [], "done")
+            assert done["usage"]["segments"] == 1, done
+        assert not any((await _nothing_held_within(s, qwen_server.base, 10)).values())
+
+
 async def test_a_session_that_asks_for_the_whole_text_mode_is_segmented(qwen_server):
     async with aiohttp.ClientSession() as s:
         async with s.ws_connect(qwen_server.base + PATH) as ws:
