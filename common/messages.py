@@ -65,6 +65,9 @@ class GenerateRequest(msgspec.Struct, tag="gen", **_STRUCT):
     # A cloned voice (a reference clip's features, or a saved voice): the program's preprocess
     # receives it as `Voice(features, text)`.
     voice: VoiceFeatures | None = None
+    # Native input streaming (ModelSpec.append_rows > 0): `text` is the input's first part, more
+    # follows as `Appends` to the gpu_worker holding the request, until one with `end`.
+    open_input: bool = False
 
 
 STATE_DTYPES = ("<i4", "<f4")  # what a prompt's state arrays may hold: int32, float32
@@ -135,6 +138,7 @@ class Prompt(msgspec.Struct, tag="prompt", **_STRUCT):
     urgent: bool = False  # as GenerateRequest.urgent
     # The program's per-request state besides the rows (PromptRows.state), by name.
     state: dict[str, Array] = {}
+    open_input: bool = False  # as GenerateRequest.open_input: more text follows as Appends
 
     def shape_error(self, n_codebooks: int) -> str:
         """Why `tokens` is not `n_rows` rows of n_codebooks int32 ids, or a state entry not an
@@ -148,6 +152,62 @@ class Prompt(msgspec.Struct, tag="prompt", **_STRUCT):
             if error:
                 return f"state {name!r}: {error}"
         return ""
+
+
+class TextPiece(msgspec.Struct, **_STRUCT):
+    """A part of an open request's input to tokenize: `text` is the piece held back last time and
+    what the client appended since; `final`: nothing may follow it (the input ended, or a flush),
+    so none of it is held back."""
+
+    rid: str
+    seq: int
+    text: str
+    final: bool = False
+
+
+class AppendText(msgspec.Struct, tag="appt", **_STRUCT):
+    """gateway → tokenizer_worker: the pieces of open requests' input that arrived since the last
+    such message (one per gateway tick, whatever the number of sessions)."""
+
+    pieces: list[TextPiece]
+
+
+class TextRows(msgspec.Struct, **_STRUCT):
+    """A tokenized `TextPiece`: `taken` (the piece's text whose tokens are final) as the program's
+    state rows (`append`), and `held`, the text held back until more follows (its tokens may
+    change). `error` and `status` (an HTTP status) when the program refused the piece."""
+
+    rid: str
+    seq: int
+    state: dict[str, Array] = {}
+    n_rows: int = 0
+    taken: str = ""
+    held: str = ""
+    error: str = ""
+    status: int = 0
+
+
+class AppendedText(msgspec.Struct, tag="appd", **_STRUCT):
+    """tokenizer_worker → gateway: the answer to one `AppendText`, piece by piece."""
+
+    items: list[TextRows]
+
+
+class Append(msgspec.Struct, **_STRUCT):
+    """State rows appended to an open request (`n_rows` of them in `state`); `end`: its input has
+    ended with these."""
+
+    rid: str
+    state: dict[str, Array] = {}
+    n_rows: int = 0
+    end: bool = False
+
+
+class Appends(msgspec.Struct, tag="apnd", **_STRUCT):
+    """gateway → the gpu_worker holding the requests: every append for it since the last such
+    message (one per gateway tick), in arrival order."""
+
+    items: list[Append]
 
 
 class PromptSize(msgspec.Struct, tag="psize", **_STRUCT):
@@ -295,12 +355,21 @@ class ModelSpec(msgspec.Struct, tag="spec", **_STRUCT):
     # > 0: the model clones voices from reference clips resampled to this rate (the program's
     # reference_sample_rate); 0: a request with a clip or a saved voice gets a 400.
     reference_sample_rate: int = 0
+    # > 0: the model takes text appended to a running request (native input streaming, the
+    # program's `appends_text`), at most this many state rows of it per request; 0: it does not.
+    append_rows: int = 0
+    # The model options that put a request in the mode that takes appended text (a session whose
+    # options say otherwise is served by segmentation).
+    append_options: dict[str, str] = {}
 
 
 # One union per receiving socket.
-GpuInMsg = Prompt | Abort
+GpuInMsg = Prompt | Abort | Appends
+TokenizerInMsg = GenerateRequest | AppendText
 CodecInMsg = DetokBatch | EncodeRequest
-GatewayInMsg = AudioChunks | RequestError | ProcStatus | Prompt | ModelSpec | PromptSize | EncodeReply
+GatewayInMsg = (
+    AudioChunks | RequestError | ProcStatus | Prompt | ModelSpec | PromptSize | EncodeReply | AppendedText
+)
 
 
 # --- Pool control and taps --------------------------------------------------------------------
@@ -367,4 +436,7 @@ TapMsg = (
     | ModelSpec
     | EncodeRequest
     | EncodeReply
+    | AppendText
+    | AppendedText
+    | Appends
 )

@@ -161,6 +161,18 @@ class AsyncDispatchChannel(Generic[T]):
                 sent += 1
         return sent
 
+    def send_to(self, ident: bytes, msg: Any) -> bool:
+        """Send `msg` to one known worker, outside the pool protocol (not counted against credit,
+        as `broadcast`); False when it is gone."""
+        name = self._known.get(ident)
+        if name is None:
+            return False
+        data = self._enc.encode(msg)
+        if not self._send_now(ident, data):
+            return False
+        mirror(data, self._addr, peer=name)
+        return True
+
     def _send_now(self, ident: bytes, data: bytes) -> bool:
         # NOBLOCK sends resolve at once (pyzmq tries them before queueing), and never queue
         # behind one another, so the future is always done here.

@@ -37,6 +37,7 @@ from common.config import ServeConfig, check_model_settings
 from common.ipc import Addresses, AsyncPullChannel, publish_stage
 from common.messages import (
     Abort,
+    AppendedText,
     AudioChunks,
     EncodeReply,
     GatewayInMsg,
@@ -50,6 +51,7 @@ from common.messages import (
 )
 from common.pool import AsyncDispatchChannel
 from gateway.admission import Admission
+from gateway.appending import TextRouter
 from gateway.events import ClientGone, Event, Failed, Pending, Sized, error_status, finished_event
 from gateway.metrics import GatewayMetrics
 from gateway.procs import ProcessTable
@@ -124,6 +126,10 @@ class Pipeline:
         # what a dead worker's requests are built again from; an answer for a rid not here is late.
         self._building: dict[str, tuple[GenerateRequest, int]] = {}
         self._recv_from_workers: AsyncPullChannel[GatewayInMsg] | None = None
+        # Appended text of open requests (native input streaming): to tokenize, then to their gpu_worker.
+        self.appends = TextRouter(
+            lambda: self._send_to_tokenizers, lambda: self._send_to_gpu, submit_timeout_s
+        )
         if cfg.gateway.max_text_chars > MAX_TEXT_CHARS_LIMIT:
             log.warning(
                 "--max-text-chars %d is above the gateway's limit; texts are capped at %d characters",
@@ -216,6 +222,7 @@ class Pipeline:
         if name.startswith("codec_worker"):
             self.references.fail_worker(name)  # the clips it was encoding
         if name.startswith("tokenizer_worker"):
+            self.appends.worker_died(name)  # the appended text it was tokenizing
             rids = self._build_again(name, rids)
         if not rids:
             return
@@ -295,6 +302,8 @@ class Pipeline:
                     self._put(rid, Sized(rows))
             case EncodeReply():
                 self.references.resolve(msg)
+            case AppendedText():
+                self.appends.took(msg)
             case ModelSpec():
                 try:
                     self.learn(msg)
@@ -345,6 +354,7 @@ class Pipeline:
         elif rid in self._pending:
             assert self._send_to_gpu is not None
             self._holder[rid] = self._send_to_gpu.workers.get(task.result(), "")
+            self.appends.routed(rid, task.result())
 
     def _put(self, rid: str, event: Event) -> None:
         pending = self._pending.get(rid)
@@ -359,6 +369,7 @@ class Pipeline:
         return pending
 
     def release(self, rid: str) -> None:
+        self.appends.forget(rid)
         self._holder.pop(rid, None)
         self._building.pop(rid, None)
         if self._pending.pop(rid, None) is not None:

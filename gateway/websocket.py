@@ -10,15 +10,16 @@ the model's sample rate) in order, and JSON events. The protocol (docs/api.md ha
              {"type": "flush"}                        speak what is buffered now
              {"type": "end"}                          no more text: speak the rest, then `done`
              {"type": "clear"}                        barge-in: abort it all → {"type": "cleared"}
-    server → {"type": "session.started", "session", "model", "sample_rate", "mode": "segmented"}
+    server → {"type": "session.started", "session", "model", "sample_rate", "mode": "native" | "segmented"}
              {"type": "audio.started", "index"}, {"type": "segment.done", "index", "text", …}
              {"type": "done", "usage": {…}}           then a close with 1000
              {"type": "error", "message", "param", "fatal"}
 
-Every model is served by incremental segmentation (`gateway.incremental` cuts the text,
-`gateway.live` generates and plays the segments): `mode` in `session.started` says so, and a model
-that takes appended text into a running generation can announce another mode there with the
-same messages.
+A model that takes text appended to a running generation (ModelSpec.append_rows > 0, in the mode
+its `append_options` set) is served natively: one generation takes the text as it comes
+(`gateway.native`); every other model, or a session whose options set another mode, by incremental
+segmentation (`gateway.incremental` cuts the text, `gateway.live` generates and plays the
+segments). `mode` in `session.started` says which; the messages are the same.
 
 A message the server cannot read as the protocol (a binary frame: close 1003; not a JSON object,
 a first message that is no valid `session`, a wrong API key: close 1008) ends the session after an
@@ -47,6 +48,7 @@ from gateway.fields import BadRequest
 from gateway.incremental import Segmenter, SessionParams, parse_session
 from gateway.live import LiveSynthesis
 from gateway.metrics import outcome_of
+from gateway.native import NativeSynthesis
 from gateway.openai import openai_error
 from gateway.pipeline import Pipeline
 from gateway.segments import text_limit
@@ -84,7 +86,7 @@ class Session:
         self.key = key if request.get(UNVERIFIED) else None  # None: no key to check here
         self.idle_s = pipeline.cfg.gateway.ws_idle_timeout
         self.limit = text_limit(pipeline.cfg)
-        self.live: LiveSynthesis | None = None
+        self.live: LiveSynthesis | NativeSynthesis | None = None
         self.segmenter = Segmenter(1)
         self.n_chars = 0
         self.seq = 0
@@ -109,9 +111,9 @@ class Session:
             await self._refuse(ProtocolError(rejected.message, True, CLOSE_TRY_LATER))
             return "rejected"
         self.admitted = True
-        live = self.live = LiveSynthesis(
-            self.pipeline, self.request, self.sid, params, self._send_bytes, self.send
-        )
+        mode = "native" if native_mode(params, self.pipeline) else "segmented"
+        kind = NativeSynthesis if mode == "native" else LiveSynthesis
+        live = self.live = kind(self.pipeline, self.request, self.sid, params, self._send_bytes, self.send)
         self.segmenter = Segmenter(params.budget)
         await self.send(
             {
@@ -120,7 +122,7 @@ class Session:
                 "model": params.model,
                 "sample_rate": self.pipeline.sample_rate,
                 "format": "pcm_s16le",
-                "mode": "segmented",
+                "mode": mode,
             }
         )
         self._player = asyncio.create_task(self._play(live))
@@ -208,7 +210,7 @@ class Session:
                 )
             return None  # CLOSE, CLOSING, CLOSED, ERROR
 
-    async def _read(self, live: LiveSynthesis) -> None:
+    async def _read(self, live: LiveSynthesis | NativeSynthesis) -> None:
         while not self.ws.closed:
             data = await self._receive()
             if data is None:
@@ -220,7 +222,7 @@ class Session:
                     raise
                 await self._error(str(e), e.param, fatal=False)
 
-    async def _handle(self, live: LiveSynthesis, msg: dict[str, Any]) -> None:
+    async def _handle(self, live: LiveSynthesis | NativeSynthesis, msg: dict[str, Any]) -> None:
         kind = msg.get("type")
         if kind == "session":
             raise ProtocolError("the session is already open", False, param="type")
@@ -242,12 +244,19 @@ class Session:
             self._append(live, msg.get("text"))
             await self.send({"type": "ack", "seq": self.seq, "characters": self.n_chars})
             return
+        if isinstance(live, NativeSynthesis):
+            if kind == "end":
+                self.ended = True
+                live.end()
+            else:
+                live.flush()
+            return
         live.add(self.segmenter.flush())
         if kind == "end":
             self.ended = True
             live.end()
 
-    def _append(self, live: LiveSynthesis, text: Any) -> None:
+    def _append(self, live: LiveSynthesis | NativeSynthesis, text: Any) -> None:
         if not isinstance(text, str):
             raise ProtocolError(f"field 'text' must be a string, got {json.dumps(text)}", False, param="text")
         if self.n_chars + len(text) > self.limit:
@@ -259,11 +268,14 @@ class Session:
             )
         self.n_chars += len(text)
         self.seq += 1
+        if isinstance(live, NativeSynthesis):
+            live.append(text)
+            return
         if live.first_text is None and text.strip():
             live.first_text = time.monotonic()
         live.add(self.segmenter.append(text))
 
-    async def _clear(self, live: LiveSynthesis) -> None:
+    async def _clear(self, live: LiveSynthesis | NativeSynthesis) -> None:
         """Barge-in: stop the audio, abort every generation, drop the buffered text."""
         if self._player is not None:
             live.stop()
@@ -276,7 +288,7 @@ class Session:
 
     # -- the player -------------------------------------------------------------------------------
 
-    async def _play(self, live: LiveSynthesis) -> None:
+    async def _play(self, live: LiveSynthesis | NativeSynthesis) -> None:
         """Send the audio until the session's end, then `done` (or a fatal `error`) and close."""
         try:
             result = await live.play()
@@ -299,7 +311,8 @@ class Session:
             assert isinstance(result, Failed)
             log.warning("[%s] a segment failed: %d %s", self.sid, result.status, result.message)
             self.outcome = outcome_of(result.status)
-            await self._refuse(ProtocolError(result.message, True, CLOSE_ERROR))
+            code = CLOSE_POLICY if 400 <= result.status < 500 else CLOSE_ERROR  # the client's text
+            await self._refuse(ProtocolError(result.message, True, code))
         except (ConnectionError, ClientGone):
             log.info("[%s] client disconnected", self.sid)
             self.outcome = "cancelled"
@@ -330,6 +343,16 @@ class Session:
 
     def _client_gone(self) -> bool:
         return self.ws.closed or self.request.transport is None or self.request.transport.is_closing()
+
+
+def native_mode(params: SessionParams, pipeline: Pipeline) -> bool:
+    """Whether the session appends its text to one running generation: the model takes appended
+    text, and the session's options leave it in the mode that does (ModelSpec.append_options)."""
+    spec = pipeline.spec
+    if spec is None or spec.append_rows <= 0:
+        return False
+    options = dict(params.options)
+    return all(options.get(k, v).lower() == v.lower() for k, v in spec.append_options.items())
 
 
 def _parse(data: str) -> dict[str, Any]:

@@ -22,7 +22,8 @@ from collections import deque
 import torch
 
 from common.config import GpuWorkerSettings
-from common.messages import DetokBatch, DetokChunk, FinishReason, Prompt
+from common.messages import Appends, DetokBatch, DetokChunk, FinishReason, Prompt
+from gpu_worker.appends import take_appends
 from gpu_worker.runner.kv_cache import PageAllocator
 from gpu_worker.runner.model_runner import InFlight, ModelRunner
 from gpu_worker.runner.slots import SlotState
@@ -119,6 +120,10 @@ class Engine:
     def abort(self, rid: str) -> None:
         self.scheduler.abort(rid)
 
+    def append(self, msg: Appends) -> None:
+        """Appended text into its requests' state (gpu_worker/appends.py)."""
+        take_appends(self.scheduler, msg)
+
     def abort_all(self) -> None:
         """Stop every request this engine holds (their gateway is gone)."""
         self.scheduler.end_all(FinishReason.ABORT)
@@ -145,7 +150,9 @@ class Engine:
 
     def has_work(self) -> bool:
         s = self.scheduler
-        return bool(s.running or s.waiting or s.finished or self._inflight)
+        # A request waiting for appended text is no work until its text comes (the worker blocks).
+        runnable = any(not s.waits(r) for r in s.running.values())
+        return bool(runnable or s.waiting or s.finished or self._inflight)
 
     def metrics(self) -> dict[str, float]:
         s, r = self.scheduler, self.runner

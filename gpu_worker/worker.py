@@ -14,7 +14,7 @@ import torch
 
 from common.config import GpuWorkerSettings, ServeConfig, program_kwargs, resolve_device
 from common.ipc import PushChannel
-from common.messages import Abort, CodecInMsg, GpuInMsg, ProcState, Prompt
+from common.messages import Abort, Appends, CodecInMsg, GpuInMsg, ProcState, Prompt
 from common.pool import CreditWorkChannel
 from common.proc import StatusReporter
 from gpu_worker.engine import Engine
@@ -70,7 +70,7 @@ class GpuWorker:
         )
         self.status = status
         self.inbox: CreditWorkChannel[GpuInMsg] = CreditWorkChannel(
-            cfg.addresses.gpu_in, GpuInMsg, name=status.name, uncounted=(Abort,)
+            cfg.addresses.gpu_in, GpuInMsg, name=status.name, uncounted=(Abort, Appends)
         )
         self.to_codec: PushChannel[CodecInMsg] = PushChannel(cfg.addresses.codec_in)
         self.stages = StageReporter()  # tap-only events: admitted, first token
@@ -87,6 +87,8 @@ class GpuWorker:
                     match msg:
                         case Prompt():
                             engine.add(msg)
+                        case Appends():
+                            engine.append(msg)
                         case Abort(rids=rids, everything=everything):
                             if everything:
                                 engine.abort_all()

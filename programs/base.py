@@ -36,6 +36,12 @@ apart from N/B/Bd, state only in buffers, randomness only from the keys passed i
 | `prompt_overhead()` | tokenizer_worker | no | → prompt rows besides the text's tokens (no options) |
 | `option_rows(model_kwargs, voice=None)` | tokenizer_worker | no | → prompt rows the `sized_options` (and a cloned `voice`) add; ValueError → HTTP 400 |
 | `model_spec(served)` | tokenizer_worker | no | → `ModelSpec`, the facts the gateway serves the model by |
+| `take_text(text, final)` | tokenizer_worker | no | with `appends_text`: → (the part of `text` whose tokens are final, the rest held back) |
+| `append(text)` | tokenizer_worker | no | with `appends_text`: taken text → state rows (name → [k, …] array) |
+| `appended_rows(state)` | both | no | with `appends_text`: how many appendable rows a prompt's or an append's state holds |
+| `check_append(state)` | gpu_worker | no | with `appends_text`: "" or why an append's state is not what `append` builds |
+| `extend(slot, state, start)` | gpu_worker | no | with `appends_text`: write an append's rows into the slot at rows [start, start + k) |
+| `open_steps(n_rows)` | gpu_worker | no | with `appends_text`: steps a request with n_rows appended rows may launch while its input is open |
 
 Attributes a program sets (defaults on LMProgram; any model may use each):
 
@@ -153,6 +159,23 @@ runtime caches them by content, stores saved voices as them, and hands them to `
 `Voice(features, text)`, which builds the prompt from them: rows, and per-request state for what
 rows cannot hold (float vectors, reference codes wider than a row). Encoders are deterministic and
 depend on the audio alone; everything that depends on the request is `preprocess`'s.
+
+Appended text (native input streaming, `appends_text = True`): a request may open with the first
+part of its text and take the rest while it generates, as the text arrives (a voice agent's LLM
+writing it). The program keeps the text as per-request state rows (its `preprocess` builds the
+opening prompt, with the text so far as state); each appended part goes through the
+tokenizer_worker: `take_text(text, final)` splits it into the part whose tokens are final and the
+rest, held back until more follows (text that ends mid-word tokenizes differently once the word
+goes on; `final` holds nothing back), and `append(taken)` turns the taken part into state rows
+(name → array of k rows along axis 0; `appended_rows` counts them). In the gpu_worker, `extend`
+writes them into the request's slot between steps (host side, graph-safe: copies queued on the
+stream after the step in flight, rows the step in flight never reads) and `check_append` vets them
+first; a request's rows never exceed `append_capacity`. While the input is open, a request that
+has launched `open_steps(n)` steps with n rows sits out of the batch (no frames, no text column
+read past what it has) and resumes when rows arrive; once the input has ended it runs as a request
+whose whole text came with its prompt, so the same text gives the same tokens however it arrived.
+`append_options` names the model options of the mode that takes appended text (the runtime sets
+them on such requests; a client that asks for another mode is served otherwise).
 
 Attention: `attn` is an `Attention` planned by the runtime for this step. Each layer calls
 `attn.forward(layer, q, k, v)`: it writes the step's keys/values into the paged cache
@@ -280,6 +303,10 @@ class LMProgram:
     detok_silent: int = 0
     # > 0: the program clones voices from reference clips at this sample rate (see Reference audio).
     reference_sample_rate: int = 0
+    # True: a request may take text appended while it runs (see Appended text), in the mode these
+    # model options set (the runtime sets them on such requests).
+    appends_text: bool = False
+    append_options: dict[str, str] = {}
 
     def __init__(
         self,
@@ -426,6 +453,38 @@ class LMProgram:
         """Token ids a constrained request may sample next, given its audio rows so far."""
         raise NotImplementedError(f"{self.name} has no constrained sampling mode")
 
+    # --- appended text (see Appended text) -----------------------------------------------------
+    @property
+    def append_capacity(self) -> int:
+        """Appendable rows one request holds (0: the program takes no appended text)."""
+        return 0
+
+    def take_text(self, text: str, final: bool) -> tuple[str, str]:
+        """(the part of `text` whose tokens are final, the rest held back until more text follows);
+        `final`: nothing follows, nothing is held back."""
+        raise NotImplementedError(f"{self.name} takes no appended text")
+
+    def append(self, text: str) -> dict[str, np.ndarray]:
+        """Taken text → state rows, name → [k, …] int32/float32 array (k = `appended_rows`)."""
+        raise NotImplementedError(f"{self.name} takes no appended text")
+
+    def appended_rows(self, state: dict[str, np.ndarray]) -> int:
+        """Appendable rows a prompt's or an append's state holds."""
+        return 0
+
+    def check_append(self, state: dict[str, np.ndarray]) -> str:
+        """Why an append's state is not what `append` builds ("" when it is)."""
+        return f"{self.name} takes no appended text"
+
+    def extend(self, slot: int, state: dict[str, np.ndarray], start: int) -> None:
+        """Write an append's rows into `slot` at rows [start, start + k) (host side, between steps)."""
+        raise NotImplementedError(f"{self.name} takes no appended text")
+
+    def open_steps(self, n_rows: int) -> int:
+        """Steps (the prompt's included) a request holding `n_rows` appended rows may launch while
+        its input is open."""
+        return 0
+
     # --- tokens → meaning (host) ---------------------------------------------------------------
     def stop_tokens(self) -> list[int]:
         return list(self.spec["stop_tokens"])
@@ -532,6 +591,8 @@ class LMProgram:
             sized_options=list(self.sized_options),
             languages=[str(x) for x in spec.get("languages", ())],
             reference_sample_rate=int(self.reference_sample_rate),
+            append_rows=int(self.append_capacity) if self.appends_text else 0,
+            append_options=dict(self.append_options) if self.appends_text else {},
         )
 
 

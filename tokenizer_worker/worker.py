@@ -6,7 +6,8 @@ its weights), it is the one that evaluates the program's prompt hooks, and the g
 a request without one anyway. It sends the spec once it is ready and every `SPEC_EVERY_S` after, so
 a gateway that restarts learns it again.
 
-Any number of these take GenerateRequests from the gateway's dispatcher, one at a time and only
+Any number of these take GenerateRequests (and the text appended to open requests, `AppendText`:
+the program's `take_text` and `append`) from the gateway's dispatcher, one at a time and only
 when free (`common.pool`), so they can join and leave while serving. Built prompts go back to the
 gateway, which hands each to a gpu_worker with free capacity. On SIGTERM a worker stops
 asking for work, finishes what was already on its way, and exits. A request the program rejects
@@ -26,6 +27,8 @@ from common.arrays import np_array, wire_array
 from common.config import ServeConfig, program_kwargs
 from common.ipc import PushChannel
 from common.messages import (
+    AppendedText,
+    AppendText,
     GatewayInMsg,
     GenerateRequest,
     ModelSpec,
@@ -33,6 +36,9 @@ from common.messages import (
     Prompt,
     PromptSize,
     RequestError,
+    TextPiece,
+    TextRows,
+    TokenizerInMsg,
     VoiceFeatures,
 )
 from common.pool import WorkChannel
@@ -93,7 +99,32 @@ class PromptBuilder:
                 f"the prompt is {len(rows)} tokens but max_tokens (which counts the prompt) allows "
                 f"{budget}: shorten the text or raise max_tokens",
             )
-        return Prompt(req.rid, rows.tobytes(), len(rows), req.sampling, req.arrival, req.urgent, state)
+        return Prompt(
+            req.rid, rows.tobytes(), len(rows), req.sampling, req.arrival, req.urgent, state, req.open_input
+        )
+
+    def append(self, msg: AppendText) -> AppendedText:
+        """Each piece of open requests' input as state rows (the program's `take_text` and
+        `append`), or why the program refused it (400: ValueError, 500: anything else)."""
+        return AppendedText([self._piece(p) for p in msg.pieces])
+
+    def _piece(self, piece: TextPiece) -> TextRows:
+        program = self.program
+        if not program.appends_text:
+            return TextRows(piece.rid, piece.seq, error=f"{program.name} takes no appended text", status=400)
+        try:
+            taken, held = program.take_text(piece.text, piece.final)
+            state = program.append(taken) if taken else {}
+            n = program.appended_rows(state)
+            wire = {name: wire_array(a) for name, a in state.items()}
+        except ValueError as e:
+            return TextRows(piece.rid, piece.seq, error=str(e), status=400)
+        except Exception as e:
+            log.exception("append failed for %s", piece.rid)
+            return TextRows(
+                piece.rid, piece.seq, error=f"prompt builder error: {type(e).__name__}: {e}", status=500
+            )
+        return TextRows(piece.rid, piece.seq, wire, n, taken, held)
 
     def size(self, req: GenerateRequest) -> PromptSize | RequestError:
         """The prompt rows `req`'s model options add (the program's `option_rows`)."""
@@ -142,8 +173,8 @@ class TokenizerWorker:
         )
         self.spec: ModelSpec = program.model_spec(served_name(cfg.model))
         self.status = status
-        self.inbox: WorkChannel[GenerateRequest] = WorkChannel(
-            cfg.addresses.requests, GenerateRequest, name=status.name
+        self.inbox: WorkChannel[TokenizerInMsg] = WorkChannel(
+            cfg.addresses.requests, TokenizerInMsg, name=status.name
         )
         self.to_gateway: PushChannel[GatewayInMsg] = PushChannel(cfg.addresses.gateway_in)
         self._stopping = False
@@ -168,7 +199,10 @@ class TokenizerWorker:
         log.info("left the pool (%d prompts finished after the stop)", len(handed))
         self.inbox.close()
 
-    def handle(self, req: GenerateRequest) -> None:
+    def handle(self, req: TokenizerInMsg) -> None:
+        if isinstance(req, AppendText):
+            self.to_gateway.send(self.builder.append(req))
+            return
         self.status.set_load(1, 1)
         if self._delay is not None and req.text.startswith(self._delay[0]):
             time.sleep(self._delay[1])

@@ -35,6 +35,8 @@ class Request:
     sent_s: float = 0.0  # seconds of audio in the chunks sent so far
     admitted_at: float = 0.0
     gen_budget: int = 0  # rows it may generate: budget less the prompt
+    input_open: bool = False  # more text may be appended (gpu_worker/appends.py)
+    n_text: int = 0  # appendable rows its state holds (the program's `appended_rows`)
 
     def __post_init__(self) -> None:
         self.gen_budget = self.budget - len(self.prompt)

@@ -144,6 +144,10 @@ class Scheduler:
             self.finished.append(Finished(prompt.rid, FinishReason.ABORT))
             return
         req = Request(prompt.rid, rows, prompt.sampling, prompt.arrival, budget, prompt.urgent, state=state)
+        req.input_open, req.n_text = prompt.open_input, self.program.appended_rows(state)
+        if req.input_open and not (self.program.appends_text and self.program.open_steps(req.n_text)):
+            self.reject(prompt.rid, f"{self.program.name} takes no appended text in this prompt's mode")
+            return
         if prompt.urgent:  # ahead of every request that has nothing playing yet
             self.waiting.insert(sum(r.urgent for r in self.waiting), req)
         else:
@@ -240,8 +244,11 @@ class Scheduler:
         prefill from decode); and tell the clock. Raises BrokenState (see `check`)."""
         self.check()
         self.admit(max_prefills, takes)
-        # Requests whose budget is used up by launched steps wait for their last results.
-        batch = [r for r in self.running.values() if len(r.prompt) + r.n_launched < r.budget]
+        # Requests whose budget is used up by launched steps wait for their last results; those
+        # whose input is open and whose text runs out wait for more (gpu_worker/appends.py).
+        batch = [
+            r for r in self.running.values() if len(r.prompt) + r.n_launched < r.budget and not self.waits(r)
+        ]
         served = len(batch)
         n_pre = sum(r.n_ctx == 0 for r in batch)  # prompts, which never sit out
         batch = self.leave_out_streams_ahead(batch, n_pre)
@@ -251,6 +258,10 @@ class Scheduler:
         cost = (len(batch) - n_pre + prompt_tokens, sum(r.n_ctx for r in batch[n_pre:]), n_pre)
         self.clock.tick(len(batch), served, cost)
         return batch
+
+    def waits(self, req: Request) -> bool:
+        """Whether `req`'s input is open and its text has run out (it sits out until more comes)."""
+        return req.input_open and req.n_launched >= self.program.open_steps(req.n_text)
 
     def admit(self, max_prefills: int, takes: Callable[[list[int]], bool] | None = None) -> None:
         """Waiting requests into slots, in arrival order, while slots, KV pages and this step's room

@@ -8,8 +8,9 @@ The contract pieces it uses (programs/base.py): prompt rows with two tracks (tex
 apart by column 2), per-request state (the text that enters as the audio goes, in the streaming
 text mode), `Rows` (each frame's text column comes from its request's slot and step),
 `decode_tokens` (the code predictor), an output head over the sampleable ids only (`head_ids`: the
-2048 codes and the end id, as the reference's suppressed tokens leave them) and codec streams, primed
-with an in-context clone's clip frames (`codec_prefix`).
+2048 codes and the end id, as the reference's suppressed tokens leave them), codec streams, primed
+with an in-context clone's clip frames (`codec_prefix`), and appended text (the streaming text
+mode's text ids grow while the request runs; Base models, whose requests carry a clip, take none).
 
 Request options (model_kwargs): `voice` (a CustomVoice speaker), `language` (one of the spec's
 languages; none: "auto"), `instructions` (CustomVoice's instruction, VoiceDesign's voice
@@ -56,6 +57,7 @@ class Qwen3TtsProgram(LMProgram):
     codec_dtype: torch.dtype = torch.float32
     codec_streams = True  # each frame decoded once, with state per request (programs/base.py)
     sized_options = ("instructions",)  # an instruction's rows come before the text's
+    append_options = {"non_streaming_mode": "false"}  # appended text: the streaming text mode
 
     def __init__(self, spec: dict[str, Any], **kwargs: Any) -> None:
         super().__init__(spec, **kwargs)
@@ -69,6 +71,7 @@ class Qwen3TtsProgram(LMProgram):
         self.max_ref_frames = int(spec.get("max_ref_frames", 0))
         self._clone: clone.CloneState | None = None  # each slot's speaker vector and clip frames
         self._encoders: clone.Encoders | None = None
+        self.appends_text = not self.reference_sample_rate  # a session carries no clip
         self._set_lm_constants(self.read_config("lm_config"))
         self.head_ids = torch.tensor([*range(q.CODE_VOCAB), q.CODEC_EOS], device=self.device)
 
@@ -174,6 +177,57 @@ class Qwen3TtsProgram(LMProgram):
         one utterance and cuts the clip's audio off. None for every other prompt (x-vector-only
         cloning too: the reference decodes its frames alone)."""
         return state.get("codes")
+
+    # --- appended text (programs/base.py, Appended text) -----------------------------------------
+    @property
+    def append_capacity(self) -> int:
+        return self._max_text if self.appends_text else 0
+
+    def take_text(self, text: str, final: bool) -> tuple[str, str]:
+        """Split before the text's last pre-token (a word and the space before it, a run of spaces):
+        the pre-tokens before it are whole whatever follows, and the BPE never merges across them,
+        so the taken part's ids followed by those of the rest and what comes next are the ids of
+        the whole text. The text comes back normalized (the tokenizer's normalizer, if any)."""
+        if self._tokenizer is None:
+            self.load_prompts()
+        tok = self._tokenizer.tokenizer
+        if tok.normalizer is not None:
+            text = tok.normalizer.normalize_str(text)
+        if final or not text:
+            return text, ""
+        pieces = tok.pre_tokenizer.pre_tokenize_str(text) if tok.pre_tokenizer is not None else []
+        cut = pieces[-1][1][0] if pieces else 0
+        return text[:cut], text[cut:]
+
+    def append(self, text: str) -> dict[str, np.ndarray]:
+        """Taken text → {"text": [k] int32 its ids} (the streaming text mode's state)."""
+        return {"text": np.asarray(self.text_ids(text) if text else [], dtype=np.int32)}
+
+    def appended_rows(self, state: dict[str, np.ndarray]) -> int:
+        text = state.get("text")
+        return 0 if text is None else len(text)
+
+    def check_append(self, state: dict[str, np.ndarray]) -> str:
+        if set(state) - {"text"}:
+            return f"an append carries only 'text' state; got {sorted(state)}"
+        return self.check_prompt(np.zeros((0, q.N_CODEBOOKS), np.int64), state)
+
+    def extend(self, slot: int, state: dict[str, np.ndarray], start: int) -> None:
+        """The ids into the slot's text at [start, start + k), and its length (host → device copies
+        queued after the step in flight, which reads only ids below `start`)."""
+        from gpu_worker.runner.slots import to_device
+
+        text = state.get("text", np.zeros(0, np.int64)).astype(np.int64)
+        if not len(text):
+            return
+        end = start + len(text)
+        self._text[slot, start:end] = to_device(torch.from_numpy(text), self.device)
+        self._n_text[slot : slot + 1] = to_device(torch.tensor([end], dtype=torch.int64), self.device)
+
+    def open_steps(self, n_rows: int) -> int:
+        """Step k (k = 0 the prompt) feeds frame k - 1, whose text column is text id k: it needs
+        n_rows > k while more text may come (at n_rows == k the column would read tts eos)."""
+        return n_rows
 
     # --- LM step (graph) -----------------------------------------------------------------------
     def embed(self, ids: torch.Tensor, rows: Rows) -> torch.Tensor:
