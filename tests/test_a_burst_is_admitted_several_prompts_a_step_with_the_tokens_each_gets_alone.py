@@ -84,7 +84,7 @@ def test_beside_running_streams_the_step_cost_sets_how_many_prompts_start(progra
     """Streams running, a fitted cost of 2 ms a prompt and 6 ms of decode: the 10.7 ms budget (0.88
     of Orpheus' 12.19 ms row) leaves room for two prompts a step, though the cap allows five; where
     the decode rows alone fill the budget, one prompt a step still starts."""
-    if program.name != "orpheus-tiny":
+    if program.name != "orpheus":  # orpheus-tiny's program
         pytest.skip("the row period of record is Orpheus'")
     eng = Engine(program, limits(max_prefills=5))
     s = eng.scheduler
@@ -103,7 +103,7 @@ def test_beside_running_streams_the_step_cost_sets_how_many_prompts_start(progra
             cost.add(*x, a + d * x[2])
 
     fit(0.006, 0.002)
-    assert cost.coefficients() == pytest.approx((0.006, 0.0, 0.0, 0.002), abs=1e-9)
+    assert cost.coefficients() == pytest.approx((0.006, 0.0, 0.0, 0.002), abs=2e-5)  # the fit's ridge
     for p in rest:
         eng.add(p)
     eng.step()
