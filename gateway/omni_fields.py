@@ -9,7 +9,8 @@ Those servers extend OpenAI's `POST /v1/audio/speech` with `stream`, `language`,
   a named language reaches the program as the model option `language`, "auto" as no option. A
   model without a list of languages takes only "auto".
 - `task_type`: "CustomVoice" for a model with preset voices, "VoiceDesign" for one without (its
-  voice is described in `instructions`), and "Base" (voice cloning) for a model that clones.
+  voice is described in `instructions`), and "Base" (voice cloning) for a model that clones (the
+  only one of a cloning model without preset voices).
 - `ref_audio`, `ref_text`: voice cloning, a reference clip (base64 of an audio file, or a data URL
   holding it; gateway.clips) and what it says. A model that does not clone (`ModelSpec.
   reference_sample_rate` 0) refuses them with a 400 that names the model.
@@ -33,9 +34,10 @@ CLONING_FIELDS = ("ref_audio", "ref_text")
 def omni_fields(spec: ModelSpec) -> list[Field]:
     """The fields, as `gateway.validation.speech_fields` lists them after OpenAI's."""
     languages = ("auto", *spec.languages)
-    task = "CustomVoice" if spec.voices else "VoiceDesign"
     clones = spec.reference_sample_rate > 0
-    tasks = (task, "Base") if clones else (task,)
+    # A cloning model without preset voices (Qwen3-TTS Base) serves "Base" alone.
+    task = "CustomVoice" if spec.voices else ("Base" if clones else "VoiceDesign")
+    tasks = (task, "Base") if clones and task != "Base" else (task,)
     both_modes = "non_streaming_mode" in spec.options
     return [
         Field(
@@ -56,10 +58,14 @@ def omni_fields(spec: ModelSpec) -> list[Field]:
             "task_type",
             "string",
             f"{task}: "
-            + ("a task" if clones else "the only task")
+            + ("a task" if len(tasks) > 1 else "the only task")
             + f" model {spec.name} serves"
-            + (" (one of its voices)" if spec.voices else " (the voice described in instructions)")
-            + ("; Base: voice cloning (ref_audio)." if clones else "."),
+            + {
+                "CustomVoice": " (one of its voices)",
+                "VoiceDesign": " (the voice described in instructions)",
+                "Base": " (voice cloning: ref_audio or a saved voice)",
+            }[task]
+            + ("; Base: voice cloning (ref_audio)." if len(tasks) > 1 else "."),
             task,
             choices=tasks,
             choice_error=f"task_type {{value}} is not served by model {spec.name}: its task is {task}"
