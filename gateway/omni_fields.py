@@ -35,7 +35,7 @@ def omni_fields(spec: ModelSpec) -> list[Field]:
     """The fields, as `gateway.validation.speech_fields` lists them after OpenAI's."""
     languages = ("auto", *spec.languages)
     clones = spec.reference_sample_rate > 0
-    # A cloning model without preset voices (Qwen3-TTS Base) serves "Base" alone.
+    # A cloning model without preset voices serves "Base" alone.
     task = "CustomVoice" if spec.voices else ("Base" if clones else "VoiceDesign")
     tasks = (task, "Base") if clones and task != "Base" else (task,)
     both_modes = "non_streaming_mode" in spec.options
