@@ -234,3 +234,21 @@ def forced_steps(prompts: list[np.ndarray], rows: np.ndarray) -> list[StepBatch]
         where = np.stack([np.arange(n), np.full(n, t - 1)], 1)
         steps.append(StepBatch(ids, pos, list(range(n + 1)), [k + t for k in lens], tables, 0, where=where))
     return steps
+
+
+def bf16_engines(model: str):
+    """(program, Engine with graphs, eager runner over a KV cache of its own) for `model`'s dummy
+    weights in bf16 on the GPU: what the per-model parity tests compare."""
+    from gpu_worker.runner.kv_cache import allocate_kv_cache
+    from gpu_worker.runner.model_runner import make_runner
+    from programs import get_spec, load_program_class
+
+    prog = load_program_class(model)(
+        get_spec(model), load_format="dummy", device="cuda", dtype=torch.bfloat16
+    )
+    prog.load_lm()
+    kv = allocate_kv_cache(
+        prog.num_layers, 1 + 64 * 65, PAGE, prog.num_kv_heads, prog.head_dim, torch.bfloat16, "cuda"
+    )
+    eng = Engine(prog, GpuWorkerSettings(max_batch_size=64, max_context=1024))
+    return prog, eng, make_runner(prog, kv, GpuWorkerSettings(cuda_graphs=False))

@@ -15,16 +15,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from parity_checks import decode_step_ms, rows_for, where_for
+from parity_checks import bf16_engines, decode_step_ms, rows_for, where_for
 
 from codec_worker.worker import Codec
-from common.config import GpuWorkerSettings
 from common.messages import DetokChunk, Prompt, SamplingParams
-from gpu_worker.engine import Engine
 from gpu_worker.runner.batch import StepBatch
-from gpu_worker.runner.kv_cache import allocate_kv_cache
-from gpu_worker.runner.model_runner import make_runner
-from programs import get_spec, load_program_class
 
 PAGE = 16
 FRAME_MS = 80.0
@@ -49,18 +44,7 @@ def forced_steps(prompts: list[np.ndarray], frames: np.ndarray) -> list[StepBatc
 @pytest.fixture(scope="module")
 def csm():
     """(program, engine, eager runner)."""
-    prog = load_program_class("csm")(
-        get_spec("csm"), load_format="dummy", device="cuda", dtype=torch.bfloat16
-    )
-    prog.load_lm()
-    kv = allocate_kv_cache(
-        prog.num_layers, 1 + 64 * 65, PAGE, prog.num_kv_heads, prog.head_dim, torch.bfloat16, "cuda"
-    )
-    return (
-        prog,
-        Engine(prog, GpuWorkerSettings(max_batch_size=64, max_context=1024)),
-        make_runner(prog, kv, GpuWorkerSettings(cuda_graphs=False)),
-    )
+    return bf16_engines("csm")
 
 
 def test_depth_graphs_give_the_eager_frames(csm, gpu_report):

@@ -21,19 +21,13 @@ import time
 import numpy as np
 import pytest
 import torch
-from parity_checks import decode_step_ms, forced_steps, rows_for
+from parity_checks import bf16_engines, decode_step_ms, forced_steps, rows_for
 
 from codec_worker.worker import Codec
-from common.config import GpuWorkerSettings
 from common.messages import DetokChunk, Finished, FinishReason, Prompt, SamplingParams
-from gpu_worker.engine import Engine
-from gpu_worker.runner.kv_cache import allocate_kv_cache
-from gpu_worker.runner.model_runner import make_runner
-from programs import get_spec, load_program_class
 from programs.base import Rows
 from programs.higgs_tts import spec as h
 
-PAGE = 16
 FRAME_MS = 40.0
 MODEL = "higgs-tts"
 
@@ -41,15 +35,7 @@ MODEL = "higgs-tts"
 @pytest.fixture(scope="module")
 def higgs():
     """(program, engine, eager runner)."""
-    prog = load_program_class(MODEL)(
-        get_spec(MODEL), load_format="dummy", device="cuda", dtype=torch.bfloat16
-    )
-    prog.load_lm()
-    kv = allocate_kv_cache(
-        prog.num_layers, 1 + 64 * 65, PAGE, prog.num_kv_heads, prog.head_dim, torch.bfloat16, "cuda"
-    )
-    eng = Engine(prog, GpuWorkerSettings(max_batch_size=64, max_context=1024))
-    return prog, eng, make_runner(prog, kv, GpuWorkerSettings(cuda_graphs=False))
+    return bf16_engines(MODEL)
 
 
 def delayed(frames: np.ndarray, end: bool, flush: int) -> np.ndarray:

@@ -19,18 +19,12 @@ import types
 import numpy as np
 import pytest
 import torch
-from parity_checks import decode_step_ms, forced_steps, rows_for, where_for
+from parity_checks import bf16_engines, decode_step_ms, forced_steps, rows_for, where_for
 
-from common.config import GpuWorkerSettings
 from common.messages import Prompt, SamplingParams
-from gpu_worker.engine import Engine
-from gpu_worker.runner.kv_cache import allocate_kv_cache
-from gpu_worker.runner.model_runner import make_runner
-from programs import get_spec, load_program_class
 from programs.base import Rows
 from tokenizer_worker.worker import wire_array
 
-PAGE = 16
 FRAME_MS = 80.0
 MODEL = "qwen3-tts"
 
@@ -38,15 +32,7 @@ MODEL = "qwen3-tts"
 @pytest.fixture(scope="module")
 def qwen():
     """(program, engine, eager runner)."""
-    prog = load_program_class(MODEL)(
-        get_spec(MODEL), load_format="dummy", device="cuda", dtype=torch.bfloat16
-    )
-    prog.load_lm()
-    kv = allocate_kv_cache(
-        prog.num_layers, 1 + 64 * 65, PAGE, prog.num_kv_heads, prog.head_dim, torch.bfloat16, "cuda"
-    )
-    eng = Engine(prog, GpuWorkerSettings(max_batch_size=64, max_context=1024))
-    return prog, eng, make_runner(prog, kv, GpuWorkerSettings(cuda_graphs=False))
+    return bf16_engines(MODEL)
 
 
 def test_code_predictor_graphs_give_the_eager_frames(qwen, gpu_report):
