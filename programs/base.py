@@ -375,6 +375,15 @@ class LMProgram:
     def load_codec(self) -> None:
         raise NotImplementedError
 
+    def set_decoder_shapes(self, cfg: dict[str, Any]) -> None:
+        """The LM constants of a Hugging Face-style decoder config: `num_layers`, `num_qo_heads`,
+        `num_kv_heads`, `hidden_size`, `head_dim` (the config's, else hidden / heads)."""
+        self.num_layers = cfg["num_hidden_layers"]
+        self.num_qo_heads = cfg["num_attention_heads"]
+        self.num_kv_heads = cfg["num_key_value_heads"]
+        self.hidden_size = cfg["hidden_size"]
+        self.head_dim = cfg.get("head_dim") or self.hidden_size // self.num_qo_heads
+
     def config_path(self, key: str) -> str:
         """The shipped config file the spec names under `key`, in the program's `config_dir`."""
         return os.path.join(self.config_dir, self.spec[key])

@@ -62,11 +62,7 @@ class CsmProgram(LMProgram):
     def _set_lm_constants(self, cfg: dict[str, Any]) -> None:
         self.vocab_size = cfg["vocab_size"]
         self.text_vocab_size = cfg["text_vocab_size"]
-        self.num_layers = cfg["num_hidden_layers"]
-        self.num_qo_heads = cfg["num_attention_heads"]
-        self.num_kv_heads = cfg["num_key_value_heads"]
-        self.hidden_size = cfg["hidden_size"]
-        self.head_dim = cfg.get("head_dim") or self.hidden_size // self.num_qo_heads
+        self.set_decoder_shapes(cfg)
         if cfg["num_codebooks"] != N_CODEBOOKS:
             raise ValueError(f"CSM rows hold {N_CODEBOOKS} codebooks; the config has {cfg['num_codebooks']}")
 

@@ -65,11 +65,7 @@ class HiggsTtsProgram(LMProgram):
             )
         self.vocab_size = cfg["codebook_size"]
         self.text_vocab_size = cfg["vocab_size"]
-        self.num_layers = cfg["num_hidden_layers"]
-        self.num_qo_heads = cfg["num_attention_heads"]
-        self.num_kv_heads = cfg["num_key_value_heads"]
-        self.hidden_size = cfg["hidden_size"]
-        self.head_dim = cfg.get("head_dim") or self.hidden_size // self.num_qo_heads
+        self.set_decoder_shapes(cfg)
 
     @property
     def input_vocab_size(self) -> int:

@@ -79,11 +79,7 @@ class Qwen3TtsProgram(LMProgram):
         tc = cfg["talker_config"]
         self.vocab_size = tc["vocab_size"]
         self.text_vocab_size = tc["text_vocab_size"]
-        self.num_layers = tc["num_hidden_layers"]
-        self.num_qo_heads = tc["num_attention_heads"]
-        self.num_kv_heads = tc["num_key_value_heads"]
-        self.hidden_size = tc["hidden_size"]
-        self.head_dim = tc.get("head_dim") or self.hidden_size // self.num_qo_heads
+        self.set_decoder_shapes(tc)
         if tc["num_code_groups"] != q.N_CODEBOOKS or tc["vocab_size"] != q.TALKER_VOCAB:
             raise ValueError(
                 f"{self.spec['name']}: frames of {q.N_CODEBOOKS} codebooks over {q.TALKER_VOCAB} ids"
