@@ -22,6 +22,18 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Torch on one thread for a module (`pytestmark = pytest.mark.usefixtures(...)`): the parity
+    tests' tiny matrices run faster on one, and far faster on a loaded 2-core machine."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @contextlib.contextmanager
 def gpu_dispatch(*names: str, greeting=None) -> Iterator[tuple]:
     """The gateway's dispatcher to gpu_workers and one worker-side credit channel per name, in a

@@ -27,12 +27,7 @@ LENGTHS = [24000, 9601, 1919, 13440]  # whole frames, a sample past a frame, und
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _config(path: str) -> tuple[dict, int]:

@@ -46,12 +46,7 @@ CONFIGS = os.path.join(os.path.dirname(__file__), "..", "programs", "qwen3_tts",
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _loud(module: torch.nn.Module, seed: int) -> None:

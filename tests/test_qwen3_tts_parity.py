@@ -33,12 +33,7 @@ SPEC = get_spec("qwen3-tts-tiny")
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "programs", "qwen3_tts", "configs", SPEC["lm_config"])
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
