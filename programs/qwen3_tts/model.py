@@ -177,8 +177,8 @@ class Qwen3TtsLM(nn.Module):
         hkv = m.layers[0].self_attn.num_kv_heads
         shape = (len(m.layers), b, hkv, c, dh)  # [L, B, Hkv, C, D] local KV cache
         # The one-shape step reads every slot (masked): zeros, never uninitialized memory.
-        keys = hidden.new_zeros(shape) if self._position is not None else hidden.new_empty(shape)
-        values = torch.empty_like(keys) if self._position is None else torch.zeros_like(keys)
+        alloc = hidden.new_empty if self._position is None else hidden.new_zeros
+        keys, values = alloc(shape), alloc(shape)
         codes = [c0]
         if self._qkv is None:
             self.fuse_predictor()
