@@ -2,8 +2,8 @@
 
 The eager step (`Qwen3TtsLM._predictor_position`) attends over positions 0..t through a cache
 sliced to t + 1, so each of the 15 positions has shapes of its own, and each layer is some twenty
-small kernels: a depth step of 15 positions is ~2,900 launches, which bound the decode step on a
-GPU (~7.6 ms of a 12.6 ms step at batch 1 on the H200). Here every position has the same shapes: a
+small kernels: a depth step of 15 positions is thousands of launches, which bound the decode step
+on a GPU (7.6 ms of a 12.6 ms step at batch 1 on the H200, bench/results/h200-qwen3-tts-depth-compile.json). Here every position has the same shapes: a
 local cache of all C slots, position t's keys and values blended in where a one-hot of t is set,
 attention under a mask of the slots ≤ t, and t a device tensor. One compiled function (dynamic
 batch) then serves every position, and Inductor fuses each layer's norms, RoPE, softmax and
