@@ -19,9 +19,12 @@ import torch
 from gateway.clips import ClipLimits, decode_clip
 from programs.base import Reference, Voice
 from programs.csm.spec import EOS_ID, TEXT_MARK
-from tests.test_csm_parity import AUDIO, AUDIO_EOS, hf, make_prompt, one_thread, program, run  # noqa: F401
+from tests.test_csm_parity import AUDIO, AUDIO_EOS, hf, make_prompt, program, run  # noqa: F401
 
 LIMITS = ClipLimits(1 << 20, 30.0)
+
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def wav_bytes(rate: int, seconds: float, seed: int) -> bytes:
