@@ -229,6 +229,7 @@ def test_cloned_greedy_frames_alone_equal_those_among_others(base, gpu_report):
 SUSPECTS = {
     "one decode bucket (--min-decode-batch 32)": dict(min_decode_batch=32),
     "XQA decode attention (--decode-attention xqa)": dict(decode_attention="xqa"),
+    "FlashInfer decode on CUDA cores": dict(decode_tensor_cores=False),
 }
 
 
