@@ -58,6 +58,7 @@ Attributes a program sets (defaults on LMProgram; any model may use each):
 | `config_dir` | the folder of the shipped configs the spec names (`lm_config`, `codec_config`): `lm_weights(cls)` and `codec_model(cls)` build random weights from them (`--load-format dummy`) or load the checkpoint; `load_prompts()` loads the text tokenizer |
 | `codec_streams` | the codec keeps per-request state and decodes each audio row once (see Codec streams) |
 | `detok_silent` | a stream's first windows that yield no audio (a look-ahead, a delay pattern): sent at once, the listener's clock starts after them |
+| `detok_first_windows` | a stream's first audible windows held and sent together (short windows: the listener starts with their audio in hand) |
 
 Multi-codebook rows (C > 1): a row is one frame of C codebook ids (a program may also encode
 non-audio rows in it, e.g. a text token, as long as `embed` tells them apart; prompt ids must lie
@@ -301,6 +302,9 @@ class LMProgram:
     # A stream's first windows that yield no audio (codec streams: a decoder's look-ahead, a delay
     # pattern's lead-in): the runtime sends them at once and starts the listener's clock after them.
     detok_silent: int = 0
+    # A stream's first audible windows that go out together (> 1 for programs of short windows): the
+    # listener's clock starts with all of their audio in hand rather than one window's.
+    detok_first_windows: int = 1
     # > 0: the program clones voices from reference clips at this sample rate (see Reference audio).
     reference_sample_rate: int = 0
     # True: a request may take text appended while it runs (see Appended text), in the mode these

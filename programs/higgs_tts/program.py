@@ -42,6 +42,9 @@ class HiggsTtsProgram(LMProgram):
     name = "higgs_tts"
     codec_dtype: torch.dtype = torch.float32
     codec_streams = True  # each row decoded once, with state per request (programs/base.py)
+    # One-row windows carry 40 ms each: the first four audible ones go together, so a listener starts
+    # with 160 ms in hand while the next window comes (3 rows more before the first audio).
+    detok_first_windows = 4
     uses_repetition_penalty = False  # the reference refuses penalties on audio logits
     sized_options = _OPTIONS
 
