@@ -145,7 +145,7 @@ def load_curve(base: str, args) -> None:
         with open(args.load_out, "w") as f:
             json.dump(out, f, indent=1)
     if args.plot and curve:  # the curve of the first clone share
-        plot([p for p in curve if p.get("clone_share") == (shares or [None])[0]], levels[0][0], args.plot)
+        plot([p for p in curve if p.get("clone_share", 0) == (shares or [0])[0]], levels[0][0], args.plot)
 
 
 def start_tap(args, delay_s: float) -> threading.Thread:
