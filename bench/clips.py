@@ -83,13 +83,13 @@ async def save_voice(session: aiohttp.ClientSession, base: str, name: str, wav: 
         return await r.json()
 
 
-async def plain_voice(session: aiohttp.ClientSession, base: str, card: dict) -> str:
+async def plain_voice(session: aiohttp.ClientSession, base: str, card: dict, seconds: float = 3.0) -> str:
     """The voice of plain requests: none (the model's default) where the model has preset voices,
-    else a voice saved here (`PLAIN_VOICE`)."""
+    else a voice saved here (`PLAIN_VOICE`, from a clip of `seconds`)."""
     preset = set(card.get("voices", [])) - set(card.get("saved_voices", []))
     if preset or not card.get("voice_cloning"):
         return ""
-    await save_voice(session, base, PLAIN_VOICE, clip_wav(0))
+    await save_voice(session, base, PLAIN_VOICE, clip_wav(0, seconds))
     return PLAIN_VOICE
 
 

@@ -96,10 +96,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-async def _plain_voice(base: str, card: dict[str, Any]) -> str:
+async def _plain_voice(base: str, card: dict[str, Any], seconds: float) -> str:
     """The plain requests' voice: a voice saved here for a model without preset voices, else none."""
     async with aiohttp.ClientSession(headers=auth_headers()) as s:
-        return await plain_voice(s, base, card)
+        return await plain_voice(s, base, card, seconds)
 
 
 def _say(text: str) -> None:
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     if tokens < args.tokens:
         _say(f"{card.get('id')}: max_tokens {card.get('max_tokens')}, so {tokens} tokens per request")
     sample_rate = args.sample_rate or int(card.get("sample_rate", 24000))
-    voice = asyncio.run(_plain_voice(args.url, card))
+    voice = asyncio.run(_plain_voice(args.url, card, args.clip_seconds))
     shares = [float(x) for x in args.clone_share.split(",") if x] or [None]
     runs = [(level, share) for level in levels or rates for share in shares]
     curve, failed = [], False

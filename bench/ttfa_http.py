@@ -65,7 +65,7 @@ async def measure(base: str, reps: int, tokens: int, clone_reps: int, clip_s: fl
 
     url = base + "/generate"
     async with aiohttp.ClientSession(headers=auth_headers()) as s:
-        plain = Cloning(voice=await plain_voice(s, base, server_model(base)), seconds=clip_s)
+        plain = Cloning(voice=await plain_voice(s, base, server_model(base), clip_s), seconds=clip_s)
         await one(s, url, plain.request(request_body(tokens, 1), False))  # warm-up
         out = {
             "plain": [await one(s, url, plain.request(request_body(tokens, i), False)) for i in range(reps)]
@@ -277,6 +277,8 @@ def start_server(model: str, port: int, serve_args: list[str]) -> tuple[subproce
     RuntimeError (the process stopped) when it does not become ready within 400 s."""
     from programs import get_spec
 
+    # a SIGTERM (gpu.sh's stage timeout) ends this process through its `finally`, which stops the server
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cmd = [sys.executable, "-m", "common.cli", "serve", "--model", model, "--port", str(port)]
     constrained = ["--constrained"] if get_spec(model).get("constrainable") else []
     server = subprocess.Popen([*cmd, "--load-format", "dummy", *constrained, *serve_args], cwd=ROOT)
