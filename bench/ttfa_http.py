@@ -6,12 +6,20 @@ times the first PCM byte after the WAV header. Writes JSON with the samples and 
 `--load 64,128,…` it then runs `voxpipe bench` levels (closed loop) against the same server and
 writes the curve (`--load-out`, `--plot`), with the server's own gauges (measured stream capacity,
 row period) read from /metrics after each level.
+
+For a model that clones voices, `--clone-reps N` also times N requests with a new reference clip
+each (`clip_ttfa_ms`: the clip decoded and encoded every time) and N by a voice saved once
+(`voice_ttfa_ms`), and `--clone-share 0,0.25` runs each load level once per share of its streams
+sending a new clip per request, the cloned and plain requests reported apart (bench.clips). A model
+without preset voices speaks the plain requests by a voice saved first. `served` starts and stops
+the server (`voxpipe bench ws --serve` uses it too).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gzip
 import json
 import os
@@ -22,6 +30,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 
 import aiohttp
 
@@ -235,8 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = sys.argv[1:] if argv is None else argv
     if args.burst:
         args.ramp = 0.0
-    server, base, startup = start_server(args.model, args.port, args.serve_args)
-    try:
+    with served(args.model, args.port, args.serve_args) as (base, startup):
         res, args.plain_voice = asyncio.run(
             measure(base, args.reps, args.tokens, args.clone_reps, args.clip_seconds)
         )
@@ -259,9 +267,6 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out), flush=True)
         if args.load or args.rate:
             load_curve(base, args)
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(30)
     return 0
 
 
@@ -271,31 +276,39 @@ def ttfa_of(res: list[tuple[float, float, int]]) -> dict:
     return {**quantiles(ms), "samples": [round(t, 2) for t in ms]}
 
 
-def start_server(model: str, port: int, serve_args: list[str]) -> tuple[subprocess.Popen, str, float]:
-    """`voxpipe serve --model MODEL` on dummy weights (constrained where the model can be), with
-    `serve_args`; returns once it is ready: (the process, its base URL, seconds to ready). Raises
-    RuntimeError (the process stopped) when it does not become ready within 400 s."""
+@contextlib.contextmanager
+def served(model: str, port: int, serve_args: list[str]) -> Iterator[tuple[str, float]]:
+    """`voxpipe serve --model MODEL` on dummy weights (constrained where the model can be) with
+    `serve_args`, ready: yields (its base URL, seconds to ready) and stops it on the way out. A
+    SIGTERM meanwhile (gpu.sh's stage timeout) exits through here too, so the server never outlives
+    its bench. RuntimeError when it stops or is not ready within 400 s."""
     from programs import get_spec
 
-    # a SIGTERM (gpu.sh's stage timeout) ends this process through its `finally`, which stops the server
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cmd = [sys.executable, "-m", "common.cli", "serve", "--model", model, "--port", str(port)]
     constrained = ["--constrained"] if get_spec(model).get("constrainable") else []
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     server = subprocess.Popen([*cmd, "--load-format", "dummy", *constrained, *serve_args], cwd=ROOT)
     base = f"http://127.0.0.1:{port}"
+    try:
+        yield base, wait_ready(server, base)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(30)
+        signal.signal(signal.SIGTERM, previous)
+
+
+def wait_ready(server: subprocess.Popen, base: str, limit_s: float = 400) -> float:
+    """Seconds until `base`/ready answers 200; RuntimeError when `server` stops or `limit_s` passes."""
     t0 = time.monotonic()
-    while True:
+    while server.poll() is None and time.monotonic() - t0 < limit_s:
         try:
             with urllib.request.urlopen(base + "/ready", timeout=2) as r:
                 if r.status == 200:
-                    return server, base, time.monotonic() - t0
+                    return time.monotonic() - t0
         except OSError:
             pass
-        if server.poll() is not None or time.monotonic() - t0 > 400:
-            server.send_signal(signal.SIGTERM)
-            server.wait(30)
-            raise RuntimeError("server did not become ready")
         time.sleep(0.5)
+    raise RuntimeError("server did not become ready")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 import time
 from typing import Any
 
@@ -168,14 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
     if not args.serve:
         return measure(args, args.url.rstrip("/"))
-    from bench.ttfa_http import start_server
+    from bench.ttfa_http import served
 
-    server, base, _ = start_server(args.serve, args.port, args.serve_args)
-    try:
+    with served(args.serve, args.port, args.serve_args) as (base, _):
         return measure(args, base)
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(30)
 
 
 def measure(args: argparse.Namespace, base: str) -> int:
