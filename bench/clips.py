@@ -96,7 +96,7 @@ async def plain_voice(session: aiohttp.ClientSession, base: str, card: dict, sec
 @dataclasses.dataclass
 class Cloning:
     """Which requests of a load level clone, and how: `share` of the closed loop's clients (the
-    first round(share × concurrency)) or of the open loop's requests send a new clip each request of
+    first share × concurrency, rounded half up) or of the open loop's requests send a new clip each request of
     `seconds`; the others are plain (with `voice` when set)."""
 
     share: float = 0.0
@@ -106,7 +106,7 @@ class Cloning:
     _count: itertools.count = dataclasses.field(default_factory=itertools.count)
 
     def client_clones(self, client: int, concurrency: int) -> bool:
-        return client < round(self.share * concurrency)
+        return client < int(self.share * concurrency + 0.5)  # half up: 0.25 of 2 clients is one
 
     def request_clones(self, rng: random.Random) -> bool:
         return self.share > 0 and rng.random() < self.share
@@ -132,4 +132,6 @@ def split(cloning: Cloning, results: list, summarize: Callable[[list], dict]) ->
     for kind, cloned in (("cloned", True), ("plain", False)):
         summary = summarize([r for r in results if r.cloned == cloned])
         out[kind] = {k: None if summary[k] != summary[k] else summary[k] for k in KEPT}  # NaN: none
+        if not summary["requests"]:
+            out[kind]["on_time_share"] = None  # no request, no share of them
     return out

@@ -31,6 +31,7 @@ def test_each_cloned_request_carries_a_clip_no_other_request_had():
     fields = {p[0]["name"]: p[2] for p in forms[0]._fields}
     assert fields["min_tokens"] == "5" and fields["stream"] == "true" and fields["ref_text"]
     assert [cloning.client_clones(i, 4) for i in range(4)] == [True, True, False, False]
+    assert [Cloning(share=0.25).client_clones(i, 2) for i in range(2)] == [True, False]  # half up
     assert Cloning(voice="v").request({"text": "Hi."}, False) == {"text": "Hi.", "voice": "v"}
 
 
@@ -53,7 +54,7 @@ def test_a_levels_cloned_and_plain_requests_are_summarized_apart():
     assert out["plain"]["requests"] == 3 and out["plain"]["ttfa_p99_ms"] == 50.0
     assert out["plain"]["on_time_share"] == 1.0
     empty = split(Cloning(), fast, lambda part: summarize(part, 1.0, sr))["cloned"]
-    assert empty["requests"] == 0 and empty["ttfa_p50_ms"] is None  # no NaN in the JSON
+    assert empty["requests"] == 0 and empty["ttfa_p50_ms"] is None and empty["on_time_share"] is None
 
 
 def check_levels(curve: list[dict], shares: list[float]) -> None:
@@ -66,7 +67,7 @@ def check_levels(curve: list[dict], shares: list[float]) -> None:
         assert cloned["requests"] + plain["requests"] == point["requests"]
         assert plain["requests"] >= 1 and plain["ttfa_p50_ms"] > 0
         if point["clone_share"] == 0:
-            assert cloned["requests"] == 0
+            assert cloned["requests"] == 0 and cloned["on_time_share"] is None
         else:
             assert cloned["requests"] >= 1 and cloned["ttfa_p50_ms"] > 0 and 0 <= cloned["on_time_share"] <= 1
 
