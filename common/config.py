@@ -159,11 +159,11 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     # The decode steps' attention: "flashinfer", "xqa" (gpu_worker.attention.xqa) or "auto" (xqa for
     # an fp8 cache on Hopper). Prefill rows always run on FlashInfer.
     decode_attention: str = "auto"
-    # FlashInfer's decode kernel: the CUDA-core decode kernel, or on tensor cores (its FA2 prefill
-    # kernel; 0.85-0.89x the time for a 3B Llama's bf16 cache on the H200, bench/attention_kv.py). The
-    # tensor-core kernel rounds a request's attention by its batch's graph bucket past 128 tokens of
-    # context (tests/gpu/test_gpu_qwen3_tts_base_clone.py): greedy frames then change with the batch.
-    decode_tensor_cores: bool = False
+    # FlashInfer's decode kernel: on tensor cores (its FA2 prefill kernel; 0.85-0.89x the time of the
+    # CUDA-core kernel for a 3B Llama's bf16 cache on the H200), or the CUDA-core decode kernel
+    # (bench/attention_kv.py compares them; with an fp8 cache it is not measured). Neither is batch
+    # invariant on the H200 in every case (tests/gpu/test_gpu_qwen3_tts_base_clone.py); XQA is.
+    decode_tensor_cores: bool = True
     # A step's first new prompt runs in one graph with its decode rows (gpu_worker.runner.graphs, mixed
     # graphs) when the program allows it; False: in a prefill graph of its own.
     mixed_prefill: bool = True
