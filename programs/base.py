@@ -87,6 +87,15 @@ starts (host side, before its first step, without waiting for the device: copy f
 memory). `embed` and `decode_tokens` only read the state, indexed by `rows.slot`, so a captured
 step reads each request's own. A program without state keeps the defaults (no buffers, no arrays).
 
+Prompt rows first: a step lays its new requests' whole prompts first, then one fed-back row per
+decoding request, and `embed` sees where the prompt rows end as a plain int, `rows.prompt_rows`:
+rows [0, prompt_rows) are prompt rows, the rest generated rows (padding rows of a captured step
+count with their part: a prefill graph's as prompt rows, a decode graph's as generated rows). It is
+fixed when the step is built or captured (0 in decode graphs and eager decode-only steps, N in
+prefill graphs), so a program may run work that only one kind of row needs on static slices (e.g.
+separate feed-forward weights for prompt and generated rows: a decode step then reads only the
+generated rows'); None where the caller does not say (`step` alone tells the rows apart).
+
 Audio chunks: the runtime counts the rows classified AUDIO per request (`n_audio`). Chunk j holds
 audio rows [j*s, j*s + detok_interval) with s = detok_interval - detok_overlap and is sent to the
 codec as soon as row j*s + detok_interval - 1 exists; each chunk returns only the samples it adds
@@ -215,6 +224,7 @@ class Rows:
     slot: torch.Tensor  # [N] int64 the request's slot
     step: torch.Tensor  # [N] int64 prompt rows -R..-1, generated rows 0, 1, …
     prev: torch.Tensor | None = None  # [B, C] int64 the request's previous row (decode_tokens only)
+    prompt_rows: int | None = None  # rows [0, prompt_rows) are prompt rows, the rest generated (embed only)
 
 
 @dataclass
