@@ -97,7 +97,6 @@ def with_decode_rows(pre: StepBatch | None, ctx: list[int], seed: int) -> StepBa
     dec = dict(
         ids=codes,
         pos=np.asarray(ctx),
-        rows=[1] * n,
         kv=[c + 1 for c in ctx],
         tables=[[1 + 8 * s + j for j in range(8)] for s in range(n)],
         where=np.stack([np.arange(n), np.full(n, 3)], axis=1),
