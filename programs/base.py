@@ -15,7 +15,7 @@ apart from N/B/Bd, state only in buffers, randomness only from the keys passed i
 |---|---|---|---|
 | `load_lm()` | gpu_worker | no | sets the LM constants below |
 | `load_codec()` | codec_worker | no | sets the codec constants below |
-| `embed(ids, rows)` | gpu_worker | yes | ids [N, C] int64, rows `Rows` (slot, step [N]) → [N, H] |
+| `embed(ids, rows)` | gpu_worker | yes | ids [N, C] int64, rows `Rows` (slot, step [N]; prompt_rows) → [N, H] |
 | `backbone(hidden, pos, attn)` | gpu_worker | yes | [N, H], pos [N] int64 → [N, H]; attention through `attn` |
 | `head(hidden)` | gpu_worker | yes | [B, H] → logits [B, C', V] float32 (V' columns when `head_ids` is set); the runtime samples codebook 0 |
 | `decode_tokens(hidden, c0, sample, rows)` | gpu_worker | yes | [B, H], [B] int64, `Rows` (slot, step, prev [B, C]) → row [B, C] int64 (only when C > 1) |
@@ -87,6 +87,17 @@ fails the request with a 400), and `admit(slot, state)` writes them into the slo
 starts (host side, before its first step, without waiting for the device: copy from pinned
 memory). `embed` and `decode_tokens` only read the state, indexed by `rows.slot`, so a captured
 step reads each request's own. A program without state keeps the defaults (no buffers, no arrays).
+
+Prompt rows first: a step lays its new requests' whole prompts first, then one fed-back row per
+decoding request, and `embed` sees where the prompt rows end as a plain int, `rows.prompt_rows`:
+rows [0, prompt_rows) are prompt rows, the rest generated rows (padding rows of a captured step
+count with their part: a prefill graph's as prompt rows, a decode graph's as generated rows). It is
+fixed when the step is built or captured (0 in decode graphs and eager decode-only steps, N in
+prefill graphs, the prefill bucket's rows in mixed graphs), so a program may run work that only one
+kind of row needs on static slices (e.g. separate feed-forward weights for prompt and generated
+rows: a decode step then reads only the generated rows'); `backbone` runs in the same forward pass
+right after `embed`, so a program may keep it for `backbone`. None where the caller does not say
+(`step` alone tells the rows apart).
 
 Audio chunks: the runtime counts the rows classified AUDIO per request (`n_audio`). Chunk j holds
 audio rows [j*s, j*s + detok_interval) with s = detok_interval - detok_overlap and is sent to the
@@ -216,6 +227,7 @@ class Rows:
     slot: torch.Tensor  # [N] int64 the request's slot
     step: torch.Tensor  # [N] int64 prompt rows -R..-1, generated rows 0, 1, …
     prev: torch.Tensor | None = None  # [B, C] int64 the request's previous row (decode_tokens only)
+    prompt_rows: int | None = None  # rows [0, prompt_rows) are prompt rows, the rest generated (embed only)
 
 
 @dataclass
