@@ -161,9 +161,9 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     decode_attention: str = "auto"
     # FlashInfer's decode kernel: on tensor cores (its FA2 prefill kernel; 0.85-0.89x the time of the
     # CUDA-core kernel for a 3B Llama's bf16 cache on the H200), or the CUDA-core decode kernel
-    # (bench/attention_kv.py compares them; with an fp8 cache it is not measured). Neither is batch
-    # invariant on the H200 in every case (a cloned request alone and among 17 others); XQA gives
-    # equal frames in the case measured.
+    # (bench/attention_kv.py compares them; with an fp8 cache it is not measured). Only the
+    # tensor-core kernel honours `no_split_kv`: the CUDA-core one splits a small batch's KV in chunks
+    # sized by the batch (FlashInfer's decode work estimation), so its rows round by batch.
     decode_tensor_cores: bool = True
     # A step's first new prompt runs in one graph with its decode rows (gpu_worker.runner.graphs, mixed
     # graphs) when the program allows it; False: in a prefill graph of its own.

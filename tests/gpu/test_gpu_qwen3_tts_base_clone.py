@@ -193,9 +193,9 @@ def _first_difference(alone: tuple, got: tuple, prompt_rows: int) -> dict | None
 
 
 @pytest.mark.xfail(
-    reason="FlashInfer's decode kernels round a row by its batch's graph bucket on the H200: on tensor "
-    "cores the non-streaming ICL request among 17 others differs from frame 57 on, on CUDA cores the "
-    "streaming ICL one from frame 24; XQA or one decode bucket make the first equal",
+    reason="bf16 GEMMs round a row by their row count (bench/results/h200-op-invariance.json): on the "
+    "H200 the non-streaming ICL request among 17 others (decode bucket 32, alone 1) differs from frame "
+    "57 on; with every step in one bucket of 32 it is equal",
     strict=False,
 )
 def test_cloned_greedy_frames_alone_equal_those_among_others(base, gpu_report):
