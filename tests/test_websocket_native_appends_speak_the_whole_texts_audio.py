@@ -276,3 +276,6 @@ async def test_bench_ws_appends_word_by_word_over_concurrent_sessions(qwen_serve
     assert 0 < level["first_audio_ms"]["p50"] <= level["first_audio_ms"]["p99"]
     assert level["end_to_done_ms"]["p50"] == level["end_to_done_ms"]["p50"]  # measured (not nan)
     assert level["audio_s"] >= 3 * 40 / 12.5 * 0.99
+    lag = level["client_lag_ms"]  # the client's own loop: a client-bound result shows here
+    assert 0 <= lag["p50"] <= lag["p99"] <= lag["max"] < 1000 * level["wall_s"], level
+    assert 0 < level["client_cpu"] < 2, level
