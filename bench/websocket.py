@@ -10,7 +10,10 @@ For each level (N concurrent sessions × a word interval) it reports, over the s
 - `no_underrun`: the share of sessions whose every frame after the first came before a player that
   started at the first frame would have run dry (`bench.load.Result.lateness`);
 - errors (an `error` event, a close other than 1000, a session that never finished), the mode the
-  server chose (`native` or `segmented`) and the audio seconds.
+  server chose (`native` or `segmented`) and the audio seconds;
+- `client_lag_ms` and `client_cpu`: the client's own event-loop lag (how late a 5 ms timer fires,
+  p50/p99/max) and its CPU seconds per wall second. A client that lags (tens of ms, or a CPU share
+  near 1) times its own queue, not the server's: split the sessions over several clients.
 One JSON file (`--out`) holds the levels.
 """
 
