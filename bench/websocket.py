@@ -14,7 +14,10 @@ For each level (N concurrent sessions × a word interval) it reports, over the s
 - `no_underrun`: the share of sessions whose every frame after the first came before a player that
   started at the first frame would have run dry (`bench.load.Result.lateness`);
 - errors (an `error` event, a close other than 1000, a session that never finished), the mode the
-  server chose (`native` or `segmented`) and the audio seconds.
+  server chose (`native` or `segmented`) and the audio seconds;
+- `client_lag_ms` and `client_cpu`: the client's own event-loop lag (how late a 5 ms timer fires,
+  p50/p99/max) and its CPU seconds per wall second. A client that lags (tens of ms, or a CPU share
+  near 1) times its own queue, not the server's: split the sessions over several clients.
 One JSON file (`--out`) holds the levels.
 """
 
@@ -32,6 +35,7 @@ from bench.load import SENTENCES, Result, auth_headers, device_label, percentile
 from bench.load_cli import server_model
 
 PATH = "/v1/audio/speech/stream"
+ACK = '{"type":"ack"'  # the server's acks, as it writes them (compact JSON): skipped unparsed
 
 
 async def one_session(
@@ -51,14 +55,16 @@ async def one_session(
                 res.error = f"no session: {started}"
                 return res, info
             info["mode"] = started.get("mode", "")
+            appends = [json.dumps({"type": "append", "text": word}) for word in words]
             t0 = time.perf_counter()
 
             async def feed() -> None:
+                # Word k goes at t0 + k * word_s (a late wake-up does not delay the words after it).
                 nonlocal ended
-                for word in words:
-                    await ws.send_json({"type": "append", "text": word})
-                    await asyncio.sleep(word_s)
-                await ws.send_json({"type": "end"})
+                for k, message in enumerate(appends):
+                    await ws.send_str(message)
+                    await asyncio.sleep(max(0.0, t0 + (k + 1) * word_s - time.perf_counter()))
+                await ws.send_str('{"type": "end"}')
                 ended = time.perf_counter() - t0
 
             feeder = asyncio.create_task(feed())
@@ -70,7 +76,7 @@ async def one_session(
                         if not res.chunks:
                             res.ttfa = now
                         res.chunks.append((now, got))
-                    elif msg.type == aiohttp.WSMsgType.TEXT:
+                    elif msg.type == aiohttp.WSMsgType.TEXT and not msg.data.startswith(ACK):
                         event = json.loads(msg.data)
                         if event["type"] == "error":
                             res.error = event["message"][:200]
@@ -88,6 +94,34 @@ async def one_session(
     return res, info
 
 
+class LoopLag:
+    """The running event loop's lag while `run` runs: how much later than asked a PERIOD_S sleep
+    wakes (a loop busy with other callbacks delays every message it sends and reads as much)."""
+
+    PERIOD_S = 0.005
+
+    def __init__(self) -> None:
+        self.lags: list[float] = []
+        self.cpu0, self.wall0 = time.process_time(), time.perf_counter()
+
+    async def run(self) -> None:
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(self.PERIOD_S)
+            self.lags.append(time.perf_counter() - t - self.PERIOD_S)
+
+    def summary(self) -> dict[str, Any]:
+        """{client_lag_ms: {p50, p99, max}, client_cpu: CPU s per wall s} since construction."""
+        ms = [1000 * x for x in self.lags] or [0.0]
+        cpu = (time.process_time() - self.cpu0) / max(1e-9, time.perf_counter() - self.wall0)
+        lag = {
+            "p50": round(percentile(ms, 50), 1),
+            "p99": round(percentile(ms, 99), 1),
+            "max": round(max(ms), 1),
+        }
+        return {"client_lag_ms": lag, "client_cpu": round(cpu, 3)}
+
+
 def words_of(index: int, n_sentences: int) -> list[str]:
     """Session `index`'s text as word-by-word appends (each word with the space before it)."""
     text = " ".join(SENTENCES[(index + k) % len(SENTENCES)] for k in range(n_sentences))
@@ -101,6 +135,8 @@ async def run_level(base: str, sessions: int, word_ms: float, args: argparse.Nam
         if getattr(args, name):
             opening[name] = getattr(args, name)
     connector = aiohttp.TCPConnector(limit=0)
+    lag = LoopLag()
+    watch = asyncio.create_task(lag.run())
     async with aiohttp.ClientSession(connector=connector) as http:
         t0 = time.perf_counter()
         runs = await asyncio.gather(
@@ -117,6 +153,7 @@ async def run_level(base: str, sessions: int, word_ms: float, args: argparse.Nam
             )
         )
         wall = time.perf_counter() - t0
+    watch.cancel()
     rate = int(model.get("sample_rate") or 24000)
     ok = [(r, info) for r, info in runs if r.ok and r.chunks]
     first = [1000 * r.ttfa for r, _ in ok]
@@ -133,6 +170,7 @@ async def run_level(base: str, sessions: int, word_ms: float, args: argparse.Nam
         "no_underrun": round(sum(r.on_time(rate) for r, _ in ok) / max(1, len(ok)), 4),
         "audio_s": round(sum(r.audio_s(rate) for r, _ in ok), 2),
         "wall_s": round(wall, 2),
+        **lag.summary(),
     }
 
 

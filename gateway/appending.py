@@ -3,7 +3,10 @@ requests' input to the tokenizer pool, and their state rows to the gpu_worker ho
 
 Both hops carry one message per gateway tick, whatever the number of sessions: pieces and appends
 collect while the event loop runs the handlers and go out together on its next turn (`AppendText`
-to one tokenizer worker, one `Appends` per gpu_worker). A tokenizer worker's answer
+to one tokenizer worker, one `Appends` per gpu_worker). While an `AppendText` waits for a free
+tokenizer worker, the pieces that come after it collect here and follow as one message once a worker
+has taken it: at most one waits in the pool's queue, however many ticks pass (a queue of urgent
+messages would hold every prompt behind it). A tokenizer worker's answer
 (`AppendedText`) is handed piece by piece to the session that asked (`listen`); the pieces a
 tokenizer worker held when it died are tokenized again (`worker_died`: tokenizing is pure), and a
 second answer for a piece is dropped. Appends for a
@@ -40,6 +43,7 @@ class TextRouter:
         self._early: dict[str, list[Append]] = {}  # appends for prompts not yet on a gpu_worker
         self._appends: dict[bytes, list[Append]] = {}  # gpu_worker → appends of this tick
         self._flushing = False
+        self._queued = False  # an AppendText waits for a free tokenizer worker
         self._tasks: set[asyncio.Task[None]] = set()
 
     # -- tokenizing ------------------------------------------------------------------------------
@@ -84,6 +88,10 @@ class TextRouter:
             why = f"no tokenizer worker took the text within {self.submit_timeout_s:g} s; see /ready"
             log.warning("appended text not tokenized: %s", e or why)
             self.took(AppendedText([TextRows(p.rid, p.seq, error=why, status=503) for p in pieces]))
+        finally:
+            self._queued = False
+            if self._pieces:  # what came while it waited: the next message
+                self._soon()
 
     # -- appending -------------------------------------------------------------------------------
 
@@ -122,8 +130,8 @@ class TextRouter:
 
     def _flush(self) -> None:
         self._flushing = False
-        pieces, self._pieces = self._pieces, []
-        if pieces:
+        if self._pieces and not self._queued:
+            pieces, self._pieces, self._queued = self._pieces, [], True
             task = asyncio.create_task(self._send_pieces(pieces))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)

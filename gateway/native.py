@@ -73,6 +73,7 @@ class NativeSynthesis:
         self.pending = self.pipeline.register(self.rid)
         self.pipeline.appends.listen(self.rid, self._took)
         self._buffer = ""  # text not yet sent to the tokenizer (what it held back first)
+        self._fresh = False  # the buffer holds text the tokenizer has not seen yet
         self._seq = 0
         self._asking = False  # a piece is with the tokenizer pool
         self._flush = False
@@ -93,6 +94,7 @@ class NativeSynthesis:
 
     def append(self, text: str) -> None:
         self._buffer += text
+        self._fresh = self._fresh or bool(text)
         self.quiet_since = time.monotonic()
         if self.first_text is None and text.strip():
             self.first_text = self.quiet_since
@@ -133,15 +135,18 @@ class NativeSynthesis:
 
     def _ask(self) -> None:
         """Send the buffered text to the tokenizer pool, unless a piece is already there (its
-        held-back text must come back first) or the input's last piece has gone."""
+        held-back text must come back first), the input's last piece has gone, or nothing came
+        since the last piece: text held back alone is held back again (its last word may go on),
+        so it waits for more text, a flush or the end."""
         if self._asking or self._last_sent or self.stopped:
             return
         final = self.ended or self._flush
-        if not self._buffer and not final:
+        if not self._fresh and not final:
             return
         piece = TextPiece(self.rid, self._seq, self._buffer, final)
         self._seq += 1
         self._buffer, self._asking, self._flush, self._last_sent = "", True, False, self.ended
+        self._fresh = False
         self.pipeline.appends.tokenize(piece)
 
     def _took(self, rows: TextRows) -> None:

@@ -23,7 +23,7 @@ import torch
 
 from common.config import GpuWorkerSettings
 from common.messages import Appends, DetokBatch, DetokChunk, FinishReason, Prompt
-from gpu_worker.appends import take_appends
+from gpu_worker.appends import HeldAppends
 from gpu_worker.runner.kv_cache import PageAllocator
 from gpu_worker.runner.model_runner import InFlight, ModelRunner
 from gpu_worker.runner.slots import SlotState
@@ -53,6 +53,7 @@ class Engine:
             getattr(self.runner.forward_runner, "sizes", None), real_time=self.device.type == "cuda",
         )  # fmt: skip
         self._inflight: InFlight | None = None
+        self._appends = HeldAppends()  # written at the next step
         self.step_count = 0
         self.tokens_total = 0  # sampled rows consumed, all requests
         # Where a step's wall time goes (exponential averages, seconds): the host's own work (admit,
@@ -121,8 +122,8 @@ class Engine:
         self.scheduler.abort(rid)
 
     def append(self, msg: Appends) -> None:
-        """Appended text into its requests' state (gpu_worker/appends.py)."""
-        take_appends(self.scheduler, msg)
+        """Appended text into its requests' state at the next step (gpu_worker/appends.py)."""
+        self._appends.add(msg)
 
     def abort_all(self) -> None:
         """Stop every request this engine holds (their gateway is gone)."""
@@ -152,7 +153,7 @@ class Engine:
         s = self.scheduler
         # A request waiting for appended text is no work until its text comes (the worker blocks).
         runnable = any(not s.waits(r) for r in s.running.values())
-        return bool(runnable or s.waiting or s.finished or self._inflight)
+        return bool(runnable or s.waiting or s.finished or self._inflight or self._appends)
 
     def metrics(self) -> dict[str, float]:
         s, r = self.scheduler, self.runner
@@ -190,7 +191,8 @@ class Engine:
         return out
 
     def _step(self) -> DetokBatch | None:
-        # 1. schedule: who runs this step
+        # 1. schedule: who runs this step (with the text appended since the last)
+        self._appends.write(self.scheduler)
         batch = self.scheduler.schedule(self.runner.max_prefills_per_step, self.runner.takes)
         # 2. run: launch it on the device
         if not batch:

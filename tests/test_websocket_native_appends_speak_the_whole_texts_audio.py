@@ -9,14 +9,21 @@ leave nothing held."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import threading
 import time
+from collections.abc import Iterator
 
 import aiohttp
+import msgspec
 import pytest
+import zmq
 
 from bench.load_cli import server_model
 from bench.websocket import _args, run_level
+from common.messages import AppendText, TapHeader, TextPiece
+from common.tap import find_taps
 from tests.conftest import Server
 from tests.test_websocket_input_streaming import _held, _metrics, _next_event, _nothing_held_within, _until
 
@@ -205,6 +212,62 @@ async def test_a_client_that_vanishes_while_its_text_runs_out_leaves_nothing_hel
             assert (await _until(ws, [], "done"))["usage"]["segments"] == 0  # nothing to speak
 
 
+@contextlib.contextmanager
+def _pieces_sent(port: int) -> Iterator[list[TextPiece]]:
+    """The text pieces the gateway sends the tokenizer pool (its tap's AppendTexts) while open."""
+    pieces: list[TextPiece] = []
+    stop = threading.Event()
+    sock = zmq.Context.instance().socket(zmq.SUB)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.setsockopt(zmq.LINGER, 0)
+    for addr in find_taps(port):
+        sock.connect(addr)
+
+    def read() -> None:
+        while not stop.is_set():
+            if not sock.poll(50):
+                continue
+            header, payload = sock.recv_multipart()
+            if msgspec.msgpack.decode(header, type=TapHeader).proc != "gateway":
+                continue
+            try:
+                pieces.extend(msgspec.msgpack.decode(payload, type=AppendText).pieces)
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                pass  # another message
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    time.sleep(0.3)  # a tap reads new subscriptions every 50 ms
+    try:
+        yield pieces
+    finally:
+        stop.set()
+        reader.join(5)
+        sock.close()
+
+
+async def test_a_held_back_word_waits_for_more_text_and_goes_upstream_once(qwen_server):
+    """The tokenizer holds the last word back (it may go on); the session sends it again only with
+    more text, a flush or the end, so a session waiting for text sends nothing upstream."""
+    with _pieces_sent(qwen_server.port) as pieces:
+        async with aiohttp.ClientSession() as s:
+            async with s.ws_connect(qwen_server.base + PATH) as ws:
+                await ws.send_json(_open(6))
+                started = await _next_event(ws, [])
+                rid = started["session"] + "/0"
+                await ws.send_json({"type": "append", "text": "Hello there, how are"})
+                await _first_audio(ws, [])  # running, waiting for text; "are" held back
+                sent = len(pieces)
+                await asyncio.sleep(1.0)
+                assert len(pieces) == sent, "nothing goes upstream while the session waits"
+                await ws.send_json({"type": "append", "text": " you"})
+                await ws.send_json({"type": "end"})
+                await _until(ws, [], "done")
+        await asyncio.sleep(0.2)
+    mine = [(p.text, p.final) for p in pieces if p.rid == rid]
+    assert mine == [("Hello there, how are", False), (" are you", False), (" you", True)], mine
+
+
 async def test_bench_ws_appends_word_by_word_over_concurrent_sessions(qwen_server):
     args = _args(["--sentences", "1", "--max-tokens", "70", "--min-tokens", "40"])
     model = await asyncio.to_thread(server_model, qwen_server.base)
@@ -213,3 +276,6 @@ async def test_bench_ws_appends_word_by_word_over_concurrent_sessions(qwen_serve
     assert 0 < level["first_audio_ms"]["p50"] <= level["first_audio_ms"]["p99"]
     assert level["end_to_done_ms"]["p50"] == level["end_to_done_ms"]["p50"]  # measured (not nan)
     assert level["audio_s"] >= 3 * 40 / 12.5 * 0.99
+    lag = level["client_lag_ms"]  # the client's own loop: a client-bound result shows here
+    assert 0 <= lag["p50"] <= lag["p99"] <= lag["max"] < 1000 * level["wall_s"], level
+    assert 0 < level["client_cpu"] < 2, level
