@@ -18,6 +18,7 @@ apart from N/B/Bd, state only in buffers, randomness only from the keys passed i
 | `embed(ids, rows)` | gpu_worker | yes | ids [N, C] int64, rows `Rows` (slot, step [N]) → [N, H] |
 | `backbone(hidden, pos, attn)` | gpu_worker | yes | [N, H], pos [N] int64 → [N, H]; attention through `attn` |
 | `head(hidden)` | gpu_worker | yes | [B, H] → logits [B, C', V] float32 (V' columns when `head_ids` is set); the runtime samples codebook 0 |
+| `guide(logits, slot)` | gpu_worker | yes | [B, 2, C', V] float32 (conditional, unconditional), slot [B] int64 → [B, C', V] (only with `guidance`) |
 | `decode_tokens(hidden, c0, sample, rows)` | gpu_worker | yes | [B, H], [B] int64, `Rows` (slot, step, prev [B, C]) → row [B, C] int64 (only when C > 1) |
 | `init_state(num_slots)` | gpu_worker | no | optional: allocate per-request state buffers [num_slots, …] (see Per-request state) |
 | `check_prompt(rows, state)` | gpu_worker | no | a prompt's rows [R, C] and state arrays → "" or why they are not what `preprocess` builds |
@@ -48,6 +49,7 @@ Attributes a program sets (defaults on LMProgram; any model may use each):
 | `sized_options` | request options whose value adds prompt rows, counted by `option_rows` |
 | `config_dir` | the folder of the shipped configs the spec names (`lm_config`, `codec_config`): `lm_weights(cls)` and `codec_model(cls)` build random weights from them (`--load-format dummy`) or load the checkpoint; `load_prompts()` loads the text tokenizer |
 | `codec_streams` | the codec keeps per-request state and decodes each audio row once (see Codec streams) |
+| `guidance` | every request runs a conditional and an unconditional sequence (see Classifier-free guidance) |
 
 Multi-codebook rows (C > 1): a row is one frame of C codebook ids (a program may also encode
 non-audio rows in it, e.g. a text token, as long as `embed` tells them apart; prompt ids must lie
@@ -136,6 +138,18 @@ runtime caches them by content, stores saved voices as them, and hands them to `
 `Voice(features, text)`, which builds the prompt from them: rows, and per-request state for what
 rows cannot hold (float vectors, reference codes wider than a row). Encoders are deterministic and
 depend on the audio alone; everything that depends on the request is `preprocess`'s.
+
+Classifier-free guidance (`guidance = True`, for models that sample from a conditional and an
+unconditional sequence: Chatterbox, CosyVoice, Zonos): `preprocess` returns 2R rows, the conditional
+prompt's R rows then the unconditional prompt's R rows (`embed` tells the two apart by their ids).
+The runtime splits them when the prompt arrives and runs each request as two KV sequences of one
+slot: its pages split in half, the sequences side by side in every step (conditional first), both
+at the same positions 0..R-1 and steps -R..-1, and both fed the same sampled row. The request's
+token budget and repetition history are the conditional sequence's (max_tokens counts the 2R prompt
+rows, the unconditional half as spent). `guide(logits [B, 2, C', V], slot [B])` (graph) combines
+each request's pair into the logits it samples from, [B, C', V] (e.g. cond + w·(cond − uncond), w
+from per-request state); sampling then runs as for any request, so a request's rows do not depend
+on its batch. The forward runs eagerly (no CUDA graphs pair the sequences yet).
 
 Attention: `attn` is an `Attention` planned by the runtime for this step. Each layer calls
 `attn.forward(layer, q, k, v)`: it writes the step's keys/values into the paged cache
@@ -260,6 +274,8 @@ class LMProgram:
     codec_streams: bool = False
     # > 0: the program clones voices from reference clips at this sample rate (see Reference audio).
     reference_sample_rate: int = 0
+    # True: classifier-free guidance, two KV sequences per request and `guide` (see its section).
+    guidance: bool = False
 
     def __init__(
         self,
@@ -372,6 +388,11 @@ class LMProgram:
         """hidden [B, H] (backbone, last row of each request), c0 [B] int64 sampled codebook 0 →
         the full row [B, C] int64. Needed when n_codebooks > 1."""
         raise NotImplementedError(f"{self.name} has {self.n_codebooks} codebooks and no decode_tokens")
+
+    def guide(self, logits: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """logits [B, 2, C', V] float32 of each request's conditional and unconditional sequence,
+        slot [B] → the logits it samples from [B, C', V]. Needed when `guidance` is set."""
+        raise NotImplementedError(f"{self.name} sets guidance and has no guide")
 
     # --- per-request state (gpu_worker, host) --------------------------------------------------
     def init_state(self, num_slots: int) -> None:
