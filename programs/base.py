@@ -145,8 +145,9 @@ prompt's R rows then the unconditional prompt's R rows (`embed` tells the two ap
 The runtime splits them when the prompt arrives and runs each request as two KV sequences of one
 slot: its pages split in half, the sequences side by side in every step (conditional first), both
 at the same positions 0..R-1 and steps -R..-1, and both fed the same sampled row. The request's
-token budget and repetition history are the conditional sequence's (max_tokens counts the 2R prompt
-rows, the unconditional half as spent). `guide(logits [B, 2, C', V], slot [B])` (graph) combines
+token budget and repetition history are the conditional sequence's: max_tokens (and max_context)
+count R prompt rows and the rows generated, each sequence holds that many, and `prompt_overhead`
+and `option_rows` count the rows of one prompt. `guide(logits [B, 2, C', V], slot [B])` (graph) combines
 each request's pair into the logits it samples from, [B, C', V] (e.g. cond + w·(cond − uncond), w
 from per-request state); sampling then runs as for any request, so a request's rows do not depend
 on its batch. The forward runs eagerly (no CUDA graphs pair the sequences yet).

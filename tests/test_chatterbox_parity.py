@@ -93,7 +93,7 @@ def make_prompt(program, rid: str, text: str, new: int, options: dict, **sp) -> 
         rid,
         rows.tobytes(),
         len(rows),
-        SamplingParams(max_tokens=len(rows) + new, **sp),
+        SamplingParams(max_tokens=len(rows) // 2 + new, **sp),
         state={k: wire_array(v) for k, v in state.items()},
     )
 

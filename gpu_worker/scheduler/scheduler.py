@@ -127,7 +127,7 @@ class Scheduler:
                 f"holds ({self.allocator.num_pages - 1}); lower max_tokens or raise --num-pages",
             )
             return
-        if prompt.n_rows == 0 or prompt.n_rows >= budget:
+        if prompt.n_rows == 0 or prompt.n_rows // self.sequences >= budget:
             self.reject(
                 prompt.rid,
                 f"prompt is {prompt.n_rows} tokens, which leaves no room to generate within "
@@ -148,7 +148,7 @@ class Scheduler:
         unguided = None
         if self.program.guidance:  # the conditional prompt, then the unconditional one
             half = len(rows) // 2
-            rows, unguided, budget = rows[:half], rows[half:], budget - half
+            rows, unguided = rows[:half], rows[half:]
         req = Request(prompt.rid, rows, prompt.sampling, prompt.arrival, budget, prompt.urgent, state=state)
         req.unguided = unguided
         if prompt.urgent:  # ahead of every request that has nothing playing yet

@@ -244,9 +244,11 @@ class ChatterboxProgram(LMProgram):
         return PromptRows(self._rows(np.array(ids, np.int64))[:, None].astype(np.int32), state)
 
     def prompt_overhead(self) -> int:
-        """Both prompts' rows besides the text's: conditioning, start and stop of text, two starts
-        of speech, each twice; a text of b bytes adds up to 2b rows (both prompts)."""
-        return 2 * (c.COND_ROWS + 4)
+        """One prompt's rows besides the text's (the budget counts the conditional prompt's rows,
+        programs.base: Classifier-free guidance): conditioning, start and stop of text, two starts
+        of speech; a text of b bytes adds at most b rows (the tokenizer's ids span a character
+        or more)."""
+        return c.COND_ROWS + 4
 
     def option_rows(self, model_kwargs: dict[str, str], voice: Voice | None = None) -> int:
         return 0

@@ -73,7 +73,7 @@ SPECS = {
         "hf_id": "ResembleAI/chatterbox",
         "codec_id": "ResembleAI/chatterbox",
         "lm_config": "chatterbox-t3.json",
-        "max_tokens": 4096,  # both prompts + up to 1000 speech tokens (the reference's max_new_tokens)
+        "max_tokens": 2048,  # the conditional prompt + up to 1000 speech tokens (the reference's max_new_tokens)
     },
     "chatterbox-tiny": {
         **_COMMON,

@@ -49,7 +49,7 @@ def prompt(program, rid: str, i: int, new: int, **sp) -> Prompt:
     rows = np.asarray(p.rows, dtype="<i4")
     state = {k: wire_array(v) for k, v in p.state.items()}
     return Prompt(
-        rid, rows.tobytes(), len(rows), SamplingParams(max_tokens=len(rows) + new, **sp), state=state
+        rid, rows.tobytes(), len(rows), SamplingParams(max_tokens=len(rows) // 2 + new, **sp), state=state
     )
 
 
