@@ -3,7 +3,9 @@ same random weights (chatterbox-tiny, CPU fp32), from the voice and text the pro
 greedy speech tokens with classifier-free guidance (two KV sequences per request, cond + w·(cond −
 uncond) with the request's cfg_weight, the repetition penalty 1.2) alone and inside a batch of
 staggered requests with different weights and exaggerations; sampled tokens that do not depend on
-the batch.
+the batch; and a voice cloned from a clip (the program's `encode_references`: the voice encoder's
+speaker embedding, the S3 tokenizer's prompt tokens) equal to the reference's `prepare_conditionals`
+for T3 (the same random encoder weights), its conditioning rows equal, its tokens equal.
 
 The reference always samples (multinomial); with min_p = 1 only the most likely token survives,
 which is the greedy choice our temperature 0 makes. The stop row of the speech head is scaled up so
@@ -20,9 +22,10 @@ from common.config import GpuWorkerSettings
 from common.messages import FinishReason, Prompt, SamplingParams
 from gpu_worker.engine import Engine
 from programs import get_spec, load_program_class
+from programs.base import Reference, Voice
 from programs.chatterbox import spec as c
 from programs.chatterbox.model import T3LM
-from tests.chatterbox_reference import reference_t3
+from tests.chatterbox_reference import reference_encoders, reference_t3
 
 SPEC = get_spec("chatterbox-tiny")
 STOP_SCALE = 2.2
@@ -57,13 +60,13 @@ def ref(program):
     return reference_t3(program.lm)
 
 
-def ref_generate(ref, program, text: str, options: dict, new: int) -> np.ndarray:
+def ref_generate(ref, program, text: str, options: dict, new: int, voice=None) -> np.ndarray:
     """The reference's speech tokens (stop excluded) for the voice, options and text of the
     program's prompt."""
     from chatterbox.models.t3.modules.cond_enc import T3Cond
 
-    state = program.preprocess(text, options).state
-    rows = program.preprocess(text, options).rows[:, 0]
+    state = program.preprocess(text, options, voice).state
+    rows = program.preprocess(text, options, voice).rows[:, 0]
     n = int(state["text_rows"][0])
     text_ids = torch.tensor(rows[c.COND_ROWS : c.COND_ROWS + n] - c.TEXT, dtype=torch.long)
     cond = T3Cond(
@@ -85,8 +88,8 @@ def ref_generate(ref, program, text: str, options: dict, new: int) -> np.ndarray
     return out[:-1] if out[-1] == c.STOP_SPEECH else out
 
 
-def make_prompt(program, rid: str, text: str, new: int, options: dict, **sp) -> Prompt:
-    p = program.preprocess(text, options)
+def make_prompt(program, rid: str, text: str, new: int, options: dict, voice=None, **sp) -> Prompt:
+    p = program.preprocess(text, options, voice)
     rows = np.asarray(p.rows, dtype="<i4")
     state = {k: np.ascontiguousarray(v) for k, v in p.state.items()}
     return Prompt(
@@ -170,3 +173,63 @@ def test_bad_prompts_are_refused_by_the_program(program):
         program.preprocess("Hello.", {"emotion": "happy"})
     with pytest.raises(ValueError, match="empty"):
         program.preprocess("  ", {})
+
+
+def clip(seconds: float, seed: int) -> np.ndarray:
+    """A 16 kHz clip: a quarter second of silence, a voiced stretch (harmonics of a gliding pitch
+    under a syllable-rate envelope, plus noise), a quarter second of silence."""
+    gen = np.random.default_rng(seed)
+    t = np.arange(int(seconds * 16000)) / 16000
+    f0 = 120 + 30 * np.sin(2 * np.pi * 0.7 * t) + 10 * gen.standard_normal()
+    phase = 2 * np.pi * np.cumsum(f0) / 16000
+    voiced = sum(np.sin(k * phase) / k for k in range(1, 8)) * (0.6 + 0.4 * np.sin(2 * np.pi * 4 * t))
+    voiced = 0.2 * voiced + 0.01 * gen.standard_normal(len(t))
+    silence = np.zeros(4000)
+    return np.concatenate([silence, voiced, silence]).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def encoders(program):
+    program.load_encoders()
+    return reference_encoders(program._speaker_encoder, program._speech_tokenizer)
+
+
+def test_clip_features_equal_the_reference_encoders(program, encoders):
+    ve, tok = encoders
+    clips = [clip(s, i) for i, s in enumerate((0.3, 1.5, 4.0, 8.0))]
+    features = program.encode_references([Reference(w) for w in clips])
+    for wav, f in zip(clips, features, strict=True):
+        want = ve.embeds_from_wavs([wav], sample_rate=16000).mean(0)
+        np.testing.assert_allclose(f["speaker"], want, atol=2e-6, rtol=0)
+        tokens, _ = tok.forward([wav[:96000]], max_len=150)
+        np.testing.assert_array_equal(f["prompt_tokens"], tokens[0].numpy())
+    assert [len(f["prompt_tokens"]) for f in features] == [20, 50, 113, 150], "6 s at most, 25 a second"
+    assert len(set(features[2]["prompt_tokens"].tolist())) > 20, "the tokens vary"
+    assert np.abs(features[1]["speaker"] - features[2]["speaker"]).max() > 1e-3, "clips differ"
+
+
+def test_a_cloned_voice_speaks_as_the_reference_conditioned_on_the_clip(program, ref, encoders):
+    from chatterbox.models.t3.modules.cond_enc import T3Cond
+
+    ve, tok = encoders
+    wav = clip(4.0, 9)
+    voice = Voice(program.encode_references([Reference(wav)])[0])
+    cond = T3Cond(
+        speaker_emb=torch.from_numpy(ve.embeds_from_wavs([wav], sample_rate=16000)).mean(0, keepdim=True),
+        cond_prompt_speech_tokens=tok.forward([wav[:96000]], max_len=150)[0],
+        emotion_adv=0.5 * torch.ones(1, 1, 1),
+    )
+    with torch.inference_mode():
+        want = ref.prepare_conditioning(cond)[0]
+        state = program.preprocess("Hello.", {}, voice).state
+        got = program.lm.cond_rows(
+            torch.from_numpy(state["speaker"]),
+            torch.from_numpy(state["prompt_tokens"]).long(),
+            torch.from_numpy(state["exaggeration"]),
+        )
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    text, opts = CASES["a"]
+    tokens = ref_generate(ref, program, text, opts, BUDGET, voice)
+    assert not np.array_equal(tokens, ref_generate(ref, program, text, opts, BUDGET)), "the voice matters"
+    eng = run(program, [make_prompt(program, "v", text, BUDGET, opts, voice, temperature=0.0)])
+    np.testing.assert_array_equal(eng.outputs["v"][0], tokens)

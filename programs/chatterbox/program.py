@@ -14,8 +14,11 @@ The contract pieces it uses (programs/base.py):
   fall outside the repetition penalty, which sees the start of speech and the generated tokens, as
   the reference's.
 
+- reference audio: `encode_references` (clone.py) turns a 16 kHz clip into the speaker embedding
+  and prompt speech tokens that `preprocess` puts in the state in place of the default voice's.
+
 Request options (model_kwargs): `exaggeration` (default 0.5) and `cfg_weight` (default 0.5). The voice
-is the checkpoint's default (conds.pt; random for dummy weights).
+is the checkpoint's default (conds.pt; random for dummy weights) or a cloned one.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from programs.base import Attention, LMProgram, PromptRows, Rows, Voice
+from programs.base import Attention, LMProgram, PromptRows, Reference, Rows, Voice
 from programs.chatterbox import spec as c
 
 if TYPE_CHECKING:
@@ -78,6 +81,7 @@ class ChatterboxProgram(LMProgram):
     config_dir = CONFIG_DIR
     name = "chatterbox"
     guidance = True
+    reference_sample_rate = 16000  # the voice encoder's and the S3 tokenizer's rate (clone.py)
 
     def __init__(self, spec: dict[str, Any], **kwargs: Any) -> None:
         super().__init__(spec, **kwargs)
@@ -126,6 +130,46 @@ class ChatterboxProgram(LMProgram):
             "speaker": t3["speaker_emb"].reshape(-1).float().numpy(),
             "prompt_tokens": t3["cond_prompt_speech_tokens"].reshape(-1).numpy().astype(np.int32),
         }
+
+    def load_encoders(self) -> None:
+        """The voice encoder and the S3 tokenizer (clone.py): `ve.safetensors` and the `tokenizer.`
+        weights of `s3gen.safetensors`, or seeded random weights."""
+        from programs.chatterbox.clone import S3Tokenizer, VoiceEncoder
+
+        self._speaker_encoder = VoiceEncoder()
+        self._speech_tokenizer = S3Tokenizer(self.spec.get("s3_tokenizer"))
+        if self.load_format == "dummy" or self.codec_weights is None:
+            gen = torch.Generator().manual_seed(1)
+            with torch.no_grad():
+                for module in (self._speaker_encoder, self._speech_tokenizer):
+                    for name, t in module.named_parameters():
+                        fill = 1.0 if name.endswith("ln.weight") else 0.0
+                        t.copy_(torch.randn(t.shape, generator=gen) * 0.05 + fill)
+        else:
+            from huggingface_hub import snapshot_download
+            from safetensors.torch import load_file
+
+            path = self.codec_weights
+            if not os.path.isdir(path):
+                path = snapshot_download(path, allow_patterns=["ve.safetensors", "s3gen.safetensors"])
+            self._speaker_encoder.load_state_dict(load_file(os.path.join(path, "ve.safetensors")))
+            tok = load_file(os.path.join(path, "s3gen.safetensors"))
+            tok = {k[len("tokenizer.") :]: v for k, v in tok.items() if k.startswith("tokenizer.")}
+            tok = {k: v for k, v in tok.items() if k not in ("_mel_filters", "window")}
+            self._speech_tokenizer.load_state_dict(tok)
+        self._speaker_encoder.to(self.device).eval()
+        self._speech_tokenizer.to(self.device).eval()
+
+    def encode_references(self, clips: list[Reference]) -> list[dict[str, np.ndarray]]:
+        """Each 16 kHz clip's T3 conditioning: `speaker` [256] float32, `prompt_tokens` [<= 150] int32
+        (ChatterboxTTS.prepare_conditionals)."""
+        out = []
+        for clip in clips:
+            tokens = self._speech_tokenizer.tokens(clip.audio)
+            if not len(tokens):
+                raise ValueError("the reference clip is too short for a speech token (40 ms)")
+            out.append({"speaker": self._speaker_encoder.embed(clip.audio), "prompt_tokens": tokens})
+        return out
 
     # --- per-request state ---------------------------------------------------------------------
     def init_state(self, num_slots: int) -> None:
@@ -228,6 +272,7 @@ class ChatterboxProgram(LMProgram):
             )
         if model_kwargs.get("voice"):
             raise ValueError(f"{self.spec['name']} has no preset voices; it speaks in its default voice")
+        features = self._voice if voice is None else self._voice_features(voice)
         if not text.strip():
             raise ValueError("text is empty")
         exaggeration = _option(model_kwargs, "exaggeration", 0.5, 0.0, 2.0)
@@ -236,12 +281,22 @@ class ChatterboxProgram(LMProgram):
         if len(ids) > self.max_text_rows:
             raise ValueError(f"text is {len(ids)} tokens, more than {self.max_text_rows}")
         state = {
-            **self._voice,
+            **features,
             "exaggeration": np.array([exaggeration], np.float32),
             "cfg_weight": np.array([weight], np.float32),
             "text_rows": np.array([len(ids)], np.int32),
         }
         return PromptRows(self._rows(np.array(ids, np.int64))[:, None].astype(np.int32), state)
+
+    @staticmethod
+    def _voice_features(voice: Voice) -> dict[str, np.ndarray]:
+        """A cloned voice's `encode_references` features, checked: ValueError → HTTP 400."""
+        speaker, tokens = voice.features.get("speaker"), voice.features.get("prompt_tokens")
+        if speaker is None or tokens is None or speaker.shape != (c.SPEAKER_DIM,) or tokens.ndim != 1:
+            raise ValueError("the voice is not a Chatterbox voice (speaker [256], prompt_tokens)")
+        if not 1 <= len(tokens) <= c.PROMPT_TOKENS or tokens.min() < 0 or tokens.max() >= c.SPEECH_CODES:
+            raise ValueError(f"the voice's prompt tokens are 1 to {c.PROMPT_TOKENS} speech tokens")
+        return {"speaker": speaker.astype(np.float32), "prompt_tokens": tokens.astype(np.int32)}
 
     def prompt_overhead(self) -> int:
         """One prompt's rows besides the text's (the budget counts the conditional prompt's rows,

@@ -81,6 +81,8 @@ SPECS = {
         "hf_id": None,  # always random weights: built on the spot, no download
         "codec_id": None,
         "lm_config": "chatterbox-tiny-t3.json",
+        # the S3 tokenizer's sizes (clone.py; the published one is 128 mels, 1280 wide, 20 heads, 6 layers)
+        "s3_tokenizer": {"n_mels": 128, "n_state": 128, "n_head": 2, "n_layer": 2},
         "max_tokens": 1200,
     },
 }
