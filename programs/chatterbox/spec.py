@@ -49,7 +49,7 @@ _COMMON = {
     "audio_tokens": [0, SPEECH_CODES],
     "voices": [],  # the checkpoint's default voice (conds.pt), or a cloned one
     "model_options": {
-        "exaggeration": "emotion exaggeration, 0.25 to 2 (default 0.5)",
+        "exaggeration": "emotion exaggeration, 0 to 2 (default 0.5)",
         "cfg_weight": "classifier-free guidance weight w: cond + w (cond - uncond), 0 to 2 (default 0.5)",
     },
     "refused": {"speed": "Chatterbox cannot change its speaking rate"},
