@@ -82,3 +82,107 @@ def reference_encoders(speaker_encoder, tokenizer) -> tuple[torch.nn.Module, tor
     missing, unexpected = tok.load_state_dict(tokenizer.state_dict(), strict=False)
     assert not unexpected and set(missing) == {"_mel_filters", "window"}, (missing, unexpected)
     return ve, tok.eval()
+
+
+def import_s3gen() -> None:
+    """chatterbox's `models.s3gen` registered without its `__init__` (which imports the whole S3Gen,
+    torchaudio included), so its flow and HiFT modules import alone."""
+    import_t3()
+    name = "chatterbox.models.s3gen"
+    if name not in sys.modules:
+        importlib.import_module("chatterbox.models")  # the parent package (its __init__ is empty)
+
+        spec = importlib.util.find_spec(name)
+        pkg = types.ModuleType(name)
+        pkg.__path__ = list(spec.submodule_search_locations)
+        pkg.__spec__ = spec
+        sys.modules[name] = pkg
+
+
+def build_reference_s3gen(cfg: dict) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """chatterbox's CausalMaskedDiffWithXvec and HiFTGenerator (weight norms in place) built as
+    S3Token2Wav builds them, with the sizes of an S3Gen config (programs/chatterbox/configs)."""
+    import_s3gen()
+    from chatterbox.models.s3gen.configs import CFM_PARAMS
+    from chatterbox.models.s3gen.decoder import ConditionalDecoder
+    from chatterbox.models.s3gen.f0_predictor import ConvRNNF0Predictor
+    from chatterbox.models.s3gen.flow import CausalMaskedDiffWithXvec
+    from chatterbox.models.s3gen.flow_matching import CausalConditionalCFM
+    from chatterbox.models.s3gen.hifigan import HiFTGenerator
+    from chatterbox.models.s3gen.transformer.upsample_encoder import UpsampleConformerEncoder
+
+    f, h = cfg["flow"], cfg["hift"]
+    enc, est = f["encoder"], f["estimator"]
+    encoder = UpsampleConformerEncoder(
+        output_size=enc["width"], attention_heads=enc["heads"], linear_units=enc["hidden"],
+        num_blocks=enc["blocks"], input_layer="linear", pos_enc_layer_type="rel_pos_espnet",
+        selfattention_layer_type="rel_selfattn", input_size=enc["width"], use_cnn_module=False,
+        macaron_style=False,
+    )  # fmt: skip
+    estimator = ConditionalDecoder(
+        in_channels=320, out_channels=80, causal=True, channels=[est["channels"]],
+        attention_head_dim=est["head_dim"], n_blocks=est["n_blocks"], num_mid_blocks=est["mid_blocks"],
+        num_heads=est["heads"], act_fn="gelu",
+    )  # fmt: skip
+    decoder = CausalConditionalCFM(spk_emb_dim=80, cfm_params=CFM_PARAMS, estimator=estimator)
+    flow = CausalMaskedDiffWithXvec(encoder=encoder, decoder=decoder).eval()
+    hift = HiFTGenerator(
+        sampling_rate=h["sample_rate"], base_channels=h["base_channels"], nb_harmonics=h["harmonics"],
+        upsample_rates=h["upsample_rates"], upsample_kernel_sizes=h["upsample_kernels"],
+        resblock_kernel_sizes=h["resblock_kernels"], resblock_dilation_sizes=h["resblock_dilations"],
+        source_resblock_kernel_sizes=h["source_kernels"],
+        source_resblock_dilation_sizes=h["source_dilations"],
+        f0_predictor=ConvRNNF0Predictor(cond_channels=h["f0_channels"]),
+    ).eval()  # fmt: skip
+    return flow, hift
+
+
+def reference_s3gen(model) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """`build_reference_s3gen` of `model`'s config (our codec.S3Gen) with its weights (weight norms
+    removed, so that the weights are ours exactly)."""
+    from torch.nn.utils import parametrize
+
+    flow, hift = build_reference_s3gen(model.cfg)
+    for module in hift.modules():
+        if parametrize.is_parametrized(module, "weight"):
+            parametrize.remove_parametrizations(module, "weight")
+    own = model.state_dict()
+    flow.load_state_dict({k[len("flow.") :]: v for k, v in own.items() if k.startswith("flow.")})
+    hift.load_state_dict({k[len("mel2wav.") :]: v for k, v in own.items() if k.startswith("mel2wav.")})
+    return flow, hift
+
+
+def reference_decode(flow, hift, model, tokens: torch.Tensor, noise: dict[str, torch.Tensor]) -> torch.Tensor:
+    """S3Token2Wav.inference of `tokens` [T] with the voice of `model` (our S3Gen), its random
+    numbers replaced by ours: `noise` holds the flow's starting noise `flow` [1, 80, F], HiFT's
+    phases `phases` [1, 9] and its source noise `source` [1, 9, S]."""
+    from unittest import mock
+
+    import chatterbox.models.s3gen.hifigan as hifigan
+
+    def randn_like(t: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        for name in ("flow", "source"):
+            if noise[name].shape == t.shape:
+                return noise[name].clone()
+        return torch.zeros_like(t)  # the source module's own noise, which its output does not use
+
+    class Uniform:
+        def __init__(self, low, high) -> None:
+            pass
+
+        def sample(self, sample_shape):
+            return noise["phases"].reshape(sample_shape).clone()
+
+    p = len(model.prompt_tokens)
+    fade = torch.zeros(960)
+    fade[480:] = (torch.cos(torch.linspace(torch.pi, 0, 480)) + 1) / 2
+    with mock.patch("torch.randn_like", randn_like), mock.patch.object(hifigan, "Uniform", Uniform):
+        mel, _ = flow.inference(
+            token=tokens[None], token_len=torch.tensor([len(tokens)]), prompt_token=model.prompt_tokens[None],
+            prompt_token_len=torch.tensor([p]), prompt_feat=model.prompt_mel.T[None], prompt_feat_len=None,
+            embedding=model.xvector[None], finalize=True, n_timesteps=10,
+        )  # fmt: skip
+        wav, _ = hift.inference(speech_feat=mel, cache_source=torch.zeros(1, 1, 0))
+    wav = wav[0].clone()
+    wav[: len(fade)] *= fade[: len(wav)]
+    return wav
