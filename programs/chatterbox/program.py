@@ -29,10 +29,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from programs.base import Attention, LMProgram, PromptRows, Reference, Rows, Voice
+from programs.base import Attention, CodecStreams, LMProgram, PromptRows, Reference, Rows, Voice
 from programs.chatterbox import spec as c
 
 if TYPE_CHECKING:
+    from programs.chatterbox.codec import S3Gen
     from programs.chatterbox.model import T3LM
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
@@ -81,11 +82,13 @@ class ChatterboxProgram(LMProgram):
     config_dir = CONFIG_DIR
     name = "chatterbox"
     guidance = True
+    codec_streams = True  # S3Gen keeps each request's tokens so far (programs/chatterbox/codec.py)
     reference_sample_rate = 16000  # the voice encoder's and the S3 tokenizer's rate (clone.py)
 
     def __init__(self, spec: dict[str, Any], **kwargs: Any) -> None:
         super().__init__(spec, **kwargs)
         self.lm: T3LM | None = None
+        self.codec: S3Gen | None = None
         self._tokenizer = None
         self._voice: dict[str, np.ndarray] | None = None  # the default voice (load_prompts)
         cfg = self.read_config("lm_config")
@@ -106,6 +109,13 @@ class ChatterboxProgram(LMProgram):
             raise ValueError(f"{self.name} runs with --quantization none (got {self.quantization!r})")
         self.lm = self.lm_weights(T3LM)
         self.head_ids = torch.arange(c.SPEECH_VOCAB, device=self.device)
+
+    def load_codec(self) -> None:
+        """S3Gen (codec.py) in `codec_dtype` with the default voice's conditioning: the checkpoint's
+        `s3gen.safetensors` and `conds.pt`, or random weights and a seeded random voice."""
+        from programs.chatterbox.codec import S3Gen
+
+        self.codec = self.codec_model(S3Gen)
 
     def load_prompts(self) -> None:
         """The text tokenizer (the checkpoint's tokenizer.json; a byte-level stand-in for random
@@ -247,6 +257,23 @@ class ChatterboxProgram(LMProgram):
         cond, uncond = logits[:, 0], logits[:, 1]
         return cond + self._weight[slot][:, None, None] * (cond - uncond)
 
+    # --- codec (graph) -------------------------------------------------------------------------
+    def init_codec_streams(self, n_slots: int) -> None:
+        self.codec.init_streams(n_slots)
+
+    def detokenize(
+        self,
+        tokens: torch.Tensor,
+        keys: torch.Tensor,
+        tail_rows: int = 0,
+        streams: CodecStreams | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[Bd, R, 1] S3 tokens continuing each entry's stream → audio [Bd, 960 R], valid [Bd]
+        (always: every window has audio). The stream's noise comes from its first window's key."""
+        ids = tokens[:, :, 0].clamp(0, c.SPEECH_CODES - 1)
+        audio = self.codec.decode_stream(ids, keys, streams.slot, streams.fresh)
+        return audio.float().clamp(-1, 1), torch.ones(len(ids), dtype=torch.bool, device=ids.device)
+
     # --- prompts (tokenizer_worker) ------------------------------------------------------------
     def text_ids(self, text: str) -> list[int]:
         """The text's token ids (the reference's EnTokenizer: spaces as [SPACE]); the stand-in maps
@@ -272,6 +299,8 @@ class ChatterboxProgram(LMProgram):
             )
         if model_kwargs.get("voice"):
             raise ValueError(f"{self.spec['name']} has no preset voices; it speaks in its default voice")
+        if self._voice is None:
+            self.load_prompts()
         features = self._voice if voice is None else self._voice_features(voice)
         if not text.strip():
             raise ValueError("text is empty")

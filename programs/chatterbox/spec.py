@@ -41,7 +41,8 @@ _COMMON = {
     "n_codebooks": 1,
     "vocab_size": INPUT_VOCAB,
     "sample_rate": SAMPLE_RATE,
-    # Codec windows: 25 tokens (one second) per window.
+    # Codec windows: 25 tokens (one second) per window, each decoded once in its request's codec
+    # stream (programs/chatterbox/codec.py).
     "detok_interval": 25,
     "detok_overlap": 0,
     "detok_samples": SAMPLE_RATE,
@@ -73,6 +74,7 @@ SPECS = {
         "hf_id": "ResembleAI/chatterbox",
         "codec_id": "ResembleAI/chatterbox",
         "lm_config": "chatterbox-t3.json",
+        "codec_config": "chatterbox-s3gen.json",
         "max_tokens": 2048,  # the conditional prompt + up to 1000 speech tokens (the reference's max_new_tokens)
     },
     "chatterbox-tiny": {
@@ -81,6 +83,7 @@ SPECS = {
         "hf_id": None,  # always random weights: built on the spot, no download
         "codec_id": None,
         "lm_config": "chatterbox-tiny-t3.json",
+        "codec_config": "chatterbox-tiny-s3gen.json",
         # the S3 tokenizer's sizes (clone.py; the published one is 128 mels, 1280 wide, 20 heads, 6 layers)
         "s3_tokenizer": {"n_mels": 128, "n_state": 128, "n_head": 2, "n_layer": 2},
         "max_tokens": 1200,
