@@ -175,6 +175,18 @@ class HiFT(nn.Module):
         x = self.conv_post(F.leaky_relu(x))
         half = self.n_fft // 2 + 1
         mag, phase = torch.exp(x[:, :half]).clamp(max=1e2), torch.sin(x[:, half:])
-        spec = torch.complex(mag * torch.cos(phase), mag * torch.sin(phase))
-        audio = torch.istft(spec, self.n_fft, self.hop, self.n_fft, window=self.window)
-        return audio.clamp(-0.99, 0.99)
+        return self.istft(mag * torch.cos(phase), mag * torch.sin(phase)).clamp(-0.99, 0.99)
+
+    def istft(self, real: torch.Tensor, imag: torch.Tensor) -> torch.Tensor:
+        """torch.istft (centered, Hann window) of [B, n_fft / 2 + 1, F] → [B, hop (F - 1)], written
+        out (inverse FFTs, windowed overlap-add, the window's squared envelope divided out) so that
+        it holds no host-side check and can be captured in a CUDA graph."""
+        frames = torch.fft.irfft(torch.complex(real, imag), n=self.n_fft, dim=1) * self.window[:, None]
+        n = frames.shape[-1]
+        length = self.hop * (n - 1) + self.n_fft
+        fold = dict(output_size=(1, length), kernel_size=(1, self.n_fft), stride=(1, self.hop))
+        audio = F.fold(frames, **fold)[:, 0, 0]
+        square = self.window.pow(2)[None, :, None].expand(1, -1, n)
+        envelope = F.fold(square, **fold)[:, 0, 0]
+        half = self.n_fft // 2
+        return audio[:, half : length - half] / envelope[:, half : length - half]
