@@ -155,13 +155,13 @@ class Encoder(nn.Module):
         t, w = x.shape[1], x.shape[2]
         # Padded tokens enter the look-ahead as the zeros an unpadded sequence ends with.
         x = self.pre_lookahead_layer(self.embed(x) * valid[..., None], valid)
-        keep, pe = valid[:, None, None, :], rel_positions(t, w, x.device)
+        keep, pe = valid[:, None, None, :], rel_positions(t, w, x.device).to(x.dtype)
         for layer in self.encoders:
             x = layer(x, keep, pe)
         # Masked again: the upsampling convolution looks back into the padding.
         x = self.up_embed(self.up_layer(x * valid[..., None]))
         valid2 = valid.repeat_interleave(2, dim=1)
-        keep, pe = valid2[:, None, None, :], rel_positions(2 * t, w, x.device)
+        keep, pe = valid2[:, None, None, :], rel_positions(2 * t, w, x.device).to(x.dtype)
         for layer in self.up_encoders:
             x = layer(x, keep, pe)
         return self.after_norm(x)
@@ -347,6 +347,7 @@ class Flow(nn.Module):
         of the batch without mu, speaker and prompt mel)."""
         est, b = self.decoder.estimator, x.shape[0]
         span = 1 - torch.cos(torch.linspace(0, 1, self.steps + 1, device=x.device) * 0.5 * torch.pi)
+        span = span.to(x.dtype)  # the reference casts the schedule to the estimator's precision
         zero = torch.zeros_like
         mu2, spks2, cond2 = (
             torch.cat([mu, zero(mu)]),

@@ -131,19 +131,22 @@ class HiFT(nn.Module):
         excitation [B, 1, S] (S = 480 F) and the running phase in cycles [B, H, S]. A stream's
         window passes `theta0` [B, H], the running phase before sample `at` [B] int64 (else it is
         0 before sample 0)."""
+        dtype = f0.dtype  # the running phase in float32 whatever the codec's precision
+        f0, phases, noise = f0.float(), phases.float(), noise.float()
         f0 = f0.repeat_interleave(self.upsample, dim=1)[:, None]  # [B, 1, S]
         k = torch.arange(1, self.harmonics + 2, device=f0.device, dtype=f0.dtype)[None, :, None]
         cycles = torch.cumsum(f0 * k / self.rate, dim=-1)
         if theta0 is not None:
             idx = (at - 1).clamp(min=0)[:, None, None].expand(-1, cycles.shape[1], 1)
             before = cycles.gather(2, idx) * (at > 0)[:, None, None]
-            cycles = theta0[..., None] + (cycles - before)
+            cycles = theta0.float()[..., None] + (cycles - before)
         theta = 2 * torch.pi * (cycles % 1)
         sines = SINE_AMP * torch.sin(theta + phases[..., None])
         uv = (f0 > VOICED).to(f0.dtype)
         amp = uv * NOISE_STD + (1 - uv) * SINE_AMP / 3
         sines = sines * uv + amp * noise
-        return torch.tanh(self.m_source.l_linear(sines.transpose(1, 2))).transpose(1, 2), cycles
+        mixed = self.m_source.l_linear(sines.transpose(1, 2).to(dtype))
+        return torch.tanh(mixed).transpose(1, 2), cycles
 
     def forward(self, mel: torch.Tensor, phases: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         """mel [B, 80, F], phases [B, 9], noise [B, 9, 480 F] → audio [B, 480 F] in [-0.99, 0.99]."""
@@ -159,8 +162,10 @@ class HiFT(nn.Module):
 
     def decode(self, mel: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         """mel [B, 80, F], excitation [B, 1, 480 F] → audio [B, 480 F]."""
-        spec = torch.stft(s[:, 0], self.n_fft, self.hop, self.n_fft, window=self.window, return_complex=True)
-        s_stft = torch.cat([spec.real, spec.imag], dim=1)
+        spec = torch.stft(
+            s[:, 0].float(), self.n_fft, self.hop, self.n_fft, window=self.window, return_complex=True
+        )
+        s_stft = torch.cat([spec.real, spec.imag], dim=1).to(mel.dtype)
         x = self.conv_pre(mel)
         for i, up in enumerate(self.ups):
             x = up(F.leaky_relu(x, 0.1))
@@ -175,7 +180,8 @@ class HiFT(nn.Module):
         x = self.conv_post(F.leaky_relu(x))
         half = self.n_fft // 2 + 1
         mag, phase = torch.exp(x[:, :half]).clamp(max=1e2), torch.sin(x[:, half:])
-        return self.istft(mag * torch.cos(phase), mag * torch.sin(phase)).clamp(-0.99, 0.99)
+        mag, phase = mag.float(), phase.float()
+        return self.istft(mag * torch.cos(phase), mag * torch.sin(phase)).clamp(-0.99, 0.99).to(mel.dtype)
 
     def istft(self, real: torch.Tensor, imag: torch.Tensor) -> torch.Tensor:
         """torch.istft (centered, Hann window) of [B, n_fft / 2 + 1, F] → [B, hop (F - 1)], written
