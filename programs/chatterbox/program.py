@@ -15,7 +15,9 @@ The contract pieces it uses (programs/base.py):
   the reference's.
 
 - reference audio: `encode_references` (clone.py) turns a 16 kHz clip into the speaker embedding
-  and prompt speech tokens that `preprocess` puts in the state in place of the default voice's.
+  and prompt speech tokens that `preprocess` puts in the state in place of the default voice's;
+- codec streams: S3Gen (codec.py) decodes each request's windows of 25 speech tokens in its codec
+  slot, in the default voice's S3Gen conditioning, its noise from the request's key.
 
 Request options (model_kwargs): `exaggeration` (default 0.5) and `cfg_weight` (default 0.5). The voice
 is the checkpoint's default (conds.pt; random for dummy weights) or a cloned one.
