@@ -174,15 +174,22 @@ def reference_decode(flow, hift, model, tokens: torch.Tensor, noise: dict[str, t
             return noise["phases"].reshape(sample_shape).clone()
 
     p = len(model.prompt_tokens)
-    fade = torch.zeros(960)
-    fade[480:] = (torch.cos(torch.linspace(torch.pi, 0, 480)) + 1) / 2
+    dev = tokens.device
+    fade = torch.zeros(960, device=dev)
+    fade[480:] = (torch.cos(torch.linspace(torch.pi, 0, 480, device=dev)) + 1) / 2
     with mock.patch("torch.randn_like", randn_like), mock.patch.object(hifigan, "Uniform", Uniform):
         mel, _ = flow.inference(
-            token=tokens[None], token_len=torch.tensor([len(tokens)]), prompt_token=model.prompt_tokens[None],
-            prompt_token_len=torch.tensor([p]), prompt_feat=model.prompt_mel.T[None], prompt_feat_len=None,
-            embedding=model.xvector[None], finalize=True, n_timesteps=10,
-        )  # fmt: skip
-        wav, _ = hift.inference(speech_feat=mel, cache_source=torch.zeros(1, 1, 0))
+            token=tokens[None],
+            token_len=torch.tensor([len(tokens)], device=dev),
+            prompt_token=model.prompt_tokens[None],
+            prompt_token_len=torch.tensor([p], device=dev),
+            prompt_feat=model.prompt_mel.T[None],
+            prompt_feat_len=None,
+            embedding=model.xvector[None],
+            finalize=True,
+            n_timesteps=10,
+        )
+        wav, _ = hift.inference(speech_feat=mel, cache_source=torch.zeros(1, 1, 0, device=dev))
     wav = wav[0].clone()
     wav[: len(fade)] *= fade[: len(wav)]
     return wav

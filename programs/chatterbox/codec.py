@@ -40,6 +40,11 @@ SAMPLES_PER_FRAME = 480  # 24 kHz at 50 mel frames a second
 FADE = 480  # the reference's trim_fade: 20 ms of silence, then a 20 ms raised-cosine fade-in
 FLOW_NOISE, PHASE_NOISE, SOURCE_NOISE = 1, 2, 3  # salts of the request key
 SAMPLE_COUNTER = 1 << 32  # source noise counter: harmonic * SAMPLE_COUNTER + sample
+# A weight norm's (g, v) names in a checkpoint: torch's parametrizations, or the older hooks.
+WEIGHT_NORMS = (
+    (".parametrizations.weight.original0", ".parametrizations.weight.original1"),
+    (".weight_g", ".weight_v"),
+)
 
 
 def normal_at(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
@@ -223,8 +228,7 @@ def fold_weight_norm(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     as the plain `weight` they stand for: g · v / ‖v‖ over every dimension but the first."""
     out: dict[str, torch.Tensor] = {}
     for name, t in weights.items():
-        for g_suffix, v_suffix in ((".parametrizations.weight.original0", ".parametrizations.weight.original1"),
-                                   (".weight_g", ".weight_v")):  # fmt: skip
+        for g_suffix, v_suffix in WEIGHT_NORMS:
             if name.endswith(g_suffix):
                 base = name[: -len(g_suffix)]
                 out[base + ".weight"] = torch._weight_norm(weights[base + v_suffix], t, 0)
