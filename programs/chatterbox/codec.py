@@ -218,7 +218,8 @@ class S3Gen(nn.Module):
         model.load_state_dict(fold_weight_norm(weights))
         gen = torch.load(os.path.join(path, "conds.pt"), map_location="cpu", weights_only=True)["gen"]
         mel = gen["prompt_feat"].reshape(-1, model.mels).T  # [80, 2P]
-        tokens = gen["prompt_token"].reshape(-1)[: mel.shape[1] // 2]
+        tokens = gen["prompt_token"].reshape(-1)[: mel.shape[1] // 2]  # two frames a token, as embed_ref
+        mel = mel[:, : 2 * len(tokens)]
         model.set_voice(tokens, mel, gen["embedding"].reshape(-1))
         return model.to(device=device, dtype=dtype).eval()
 
