@@ -49,10 +49,9 @@ async def test_options_stream_whole_windows_side_by_side(chatterbox_server):
 
 
 async def test_a_seed_fixes_the_audio(chatterbox_server):
-    """One request at a time: T3's guided steps run eagerly, and its logits round by the batch on
-    the CPU (docs/models/chatterbox.md), so a request's tokens may part from its tokens alone late
-    in a crowded batch; the codec's windows do not depend on their batch
-    (tests/test_chatterbox_s3gen.py)."""
+    """One request at a time: on the CPU, T3's speech head rounds by its row count
+    (docs/models/chatterbox.md), so a request's tokens may part from its tokens alone late in a
+    crowded batch; the codec's windows do not depend on their batch (tests/test_chatterbox_s3gen.py)."""
     body = dict(BODY, seed=4, max_tokens=PROMPT + 55, min_tokens=50, cfg_weight="0.3")
     first = await speech(chatterbox_server.base, **body)
     assert first[0] == 200
