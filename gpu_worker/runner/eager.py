@@ -41,9 +41,13 @@ class EagerRunner:
         self.attn.plan(StepLayout(b.qo_indptr, b.kv_lens, b.page_tables, pos))
         hidden = self.program.backbone(self.program.embed(ids, rows_of(where)), pos, self.attn)  # [N, H]
         last = torch.tensor(b.qo_indptr[1:], device=dev) - 1
-        hidden = hidden[last]  # [B, H]
+        hidden = hidden[last]  # [B, H] ([S·B, H] with S sequences per request)
+        logits = self.program.head(hidden).float()
+        if b.sequences > 1:  # a guided program: each request's pair of sequences → its logits
+            logits = self.program.guide(logits.view(-1, b.sequences, *logits.shape[1:]), meta[0])
+            hidden = hidden[:: b.sequences]  # the conditional sequence's
         keep = hidden if self.program.n_codebooks > 1 else None
-        return self.program.head(hidden).float(), meta, keep
+        return logits, meta, keep
 
     @torch.inference_mode()
     def decode_tokens(
