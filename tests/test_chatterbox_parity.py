@@ -31,12 +31,7 @@ SPEC = get_spec("chatterbox-tiny")
 STOP_SCALE = 2.2
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +151,22 @@ def test_sampled_tokens_do_not_depend_on_the_batch(program):
     )
     assert alone.outputs["x"] == crowd.outputs["x"]
     assert len(set(alone.outputs["x"][0])) > 5, "sampled, not a constant"
+
+
+def test_guidance_combines_each_requests_pair_by_itself(program):
+    """`guide` is row-wise: a request's guided logits are cond + w·(cond − uncond) with its slot's
+    weight, the same bits in any batch (what a sampled request's rows depend on besides is the
+    backbone's GEMMs: docs/models/chatterbox.md)."""
+    program.init_state(5)
+    program._weight[:4] = torch.tensor([0.5, 0.0, 1.0, 0.3])
+    logits = torch.randn(4, 2, 1, c.SPEECH_VOCAB, generator=torch.Generator().manual_seed(3))
+    slots = torch.tensor([2, 0, 3, 1])
+    batch = program.guide(logits, slots)
+    for i in range(4):
+        assert torch.equal(program.guide(logits[i : i + 1], slots[i : i + 1])[0], batch[i])
+    cond, uncond = logits[:, 0].double(), logits[:, 1].double()
+    w = torch.tensor([1.0, 0.5, 0.3, 0.0], dtype=torch.float64)[:, None, None]
+    torch.testing.assert_close(batch.double(), cond + w * (cond - uncond), atol=1e-6, rtol=0)
 
 
 def test_bad_prompts_are_refused_by_the_program(program):

@@ -22,12 +22,7 @@ CONFIG = os.path.join(os.path.dirname(cd.__file__), "configs", "chatterbox-tiny-
 R = 25  # tokens a window (spec: detok_interval)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
