@@ -30,12 +30,25 @@
 #                  each (4.8-6 s of audio: random weights rarely end a stream themselves)
 #   higgs-load     Higgs Audio v2 3B: `voxpipe bench ttfa`, then the load curve (VOXPIPE_LOAD), streams
 #                  of 250 rows (10 s of audio; random weights never end one themselves)
+#   clone          voice cloning, Qwen3-TTS Base (VOXPIPE_CLONE_MODEL, default the 1.7B): `voxpipe bench ttfa`
+#                  with the time to first audio of requests by a saved voice (ttfa_ms: the Base model has
+#                  no preset voice), with a new 3 s clip each (clip_ttfa_ms: the clip decoded and encoded
+#                  every time) and by a voice saved once (voice_ttfa_ms), into clone-ttfa.json; then
+#                  closed-loop levels (VOXPIPE_LOAD, default 16,64), each twice: no stream cloning (the
+#                  baseline), then a quarter of the streams sending a new clip per request, the cloned and
+#                  plain requests' TTFA and on-time share apart (`cloned`, `plain`), into clone-load.json.
+#                  Streams of 60-210 rows, prompt included (a 3 s clip in context is ~40 of them)
+#   ws             input streaming over the WebSocket: `voxpipe bench ws --serve` starts Qwen3-TTS
+#                  (VOXPIPE_QWEN3_MODEL, default the 1.7B CustomVoice) on dummy weights with qwen3-rate's
+#                  flags, runs 1 and 100 sessions (VOXPIPE_WS_SESSIONS) appending a word every 10 and 33 ms,
+#                  streams of 60-150 rows (random weights rarely end a stream), stops the server; ws.json
 #
 # Environment: OUT (default /tmp/out), VOXPIPE_STAGE_S (per-stage timeout, default 300 s),
 # VOXPIPE_LOAD / VOXPIPE_LOAD_S (load levels and seconds per level), VOXPIPE_SERVE_EXTRA (more
 # `voxpipe serve` flags), VOXPIPE_LM_SIZES, VOXPIPE_LM_CONFIGS, VOXPIPE_ATTN_VARIANTS / _SIZES,
 # VOXPIPE_CODEC_BATCH / _OTHER, VOXPIPE_COMPILE_MODES, VOXPIPE_PROFILE_BATCH / _FLAGS,
-# VOXPIPE_TAP_LEVEL, VOXPIPE_PROFILE_LEVEL, VOXPIPE_LABEL (device label, default: nvidia-smi's).
+# VOXPIPE_TAP_LEVEL, VOXPIPE_PROFILE_LEVEL, VOXPIPE_CLONE_MODEL, VOXPIPE_QWEN3_MODEL, VOXPIPE_RATES,
+# VOXPIPE_WS_SESSIONS, VOXPIPE_LABEL (device label, default: nvidia-smi's).
 # bench/device.sh wraps this script for a bare machine that gets the packages carried with the tree.
 set -u
 cd "$(dirname "$0")/.."
@@ -130,6 +143,18 @@ for stage in "$@"; do
         run higgs-load $bench ttfa --model higgs-tts --reps 10 --tokens 150 --load "${VOXPIPE_LOAD:-16,32,64,128}" \
             --load-duration 15 --load-tokens 250 --ramp 4 --label "$LABEL" --load-out "$OUT/higgs-load.json" \
             --out "$OUT/higgs-ttfa.json" -- --max-batch-size 256
+        ;;
+    clone)
+        run clone $bench ttfa --model "${VOXPIPE_CLONE_MODEL:-qwen3-tts-base}" --reps 15 --tokens 60 --clone-reps 15 \
+            --load "${VOXPIPE_LOAD:-16,64}" --clone-share 0,0.25 --texts sentences --load-duration "${VOXPIPE_LOAD_S:-20}" \
+            --load-tokens 60 --prompt-allowance 150 --ramp 4 --label "$LABEL" --load-out "$OUT/clone-load.json" \
+            --out "$OUT/clone-ttfa.json" -- --max-batch-size 256 --codec-dtype float16 --mps on \
+            --codec-gpu-share 50 ${VOXPIPE_SERVE_EXTRA:-}
+        ;;
+    ws)
+        run ws $bench ws --serve "${VOXPIPE_QWEN3_MODEL:-qwen3-tts}" --sessions "${VOXPIPE_WS_SESSIONS:-1,100}" \
+            --word-ms 10,33 --min-tokens 60 --max-tokens 150 --out "$OUT/ws.json" -- --max-batch-size 256 \
+            --codec-dtype float16 --mps on --codec-gpu-share 50 ${VOXPIPE_SERVE_EXTRA:-}
         ;;
     *) echo "unknown stage $stage (see the head of bench/gpu.sh)" ;;
     esac

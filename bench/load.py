@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from bench.clips import Cloning, split
 from common.proc import use_uvloop
 
 HEADER = 44
@@ -75,6 +76,7 @@ class Result:
     sent_at: float = float("nan")  # seconds into its load level when it was sent
     rid: str = ""  # the X-Request-Id it was sent with (joins it to a `voxpipe tap` recording)
     retry_after_s: float = 0.0  # > 0: refused at admission (503 with Retry-After), come back then
+    cloned: bool = False  # sent with a new reference clip (bench.clips)
 
     def on_time(self, sample_rate: int, slack_s: float = 0.0) -> bool:
         """Every chunk came before the audio received ahead of it had played out (give or take
@@ -130,17 +132,18 @@ class Result:
 
 
 async def one_request(
-    session: aiohttp.ClientSession, url: str, body: dict, since: float = 0.0, rid: str = ""
+    session: aiohttp.ClientSession, url: str, body: dict | aiohttp.FormData, since: float = 0.0, rid: str = ""
 ) -> Result:
-    """One streamed request; `since`: when its load level began (perf_counter), for `sent_at`;
-    `rid`: sent as X-Request-Id when given."""
-    res = Result(rid=rid)
+    """One streamed request (a JSON body, or a form: a cloned one); `since`: when its load level
+    began (perf_counter), for `sent_at`; `rid`: sent as X-Request-Id when given."""
+    res = Result(rid=rid, cloned=isinstance(body, aiohttp.FormData))
     t0 = time.perf_counter()
     res.sent_at = t0 - since
     got = 0
     headers = {"X-Request-Id": rid} if rid else None
     try:
-        async with session.post(url, json=body, headers=headers) as r:
+        sent = {"json": body} if isinstance(body, dict) else {"data": body}
+        async with session.post(url, **sent, headers=headers) as r:
             if r.status != 200:
                 res.error = f"HTTP {r.status}: {(await r.text())[:200]}"
                 if r.status == 503 and r.headers.get("Retry-After", "").isdigit():
@@ -275,7 +278,9 @@ def measure_level(base: str, sample_rate: int, ttfa_by_rid: dict | None = None, 
     results, wall = asyncio.run(run_level(base, **level))
     if ttfa_by_rid is not None:
         ttfa_by_rid.update({r.rid: 1000 * r.ttfa for r in results if r.ok and r.chunks})
-    summary = summarize(results, wall, sample_rate, level.get("ramp", 0.0))
+    summary = summarize(results, wall, sample_rate, ramp := level.get("ramp", 0.0))
+    if level.get("cloning") is not None:  # the level's cloned and plain requests apart
+        summary |= split(level["cloning"], results, lambda part: summarize(part, wall, sample_rate, ramp))
     return {**summary, "server_during": sampler.summary()}
 
 
@@ -354,13 +359,16 @@ async def run_level(
     max_errors: int = 0,
     progress_s: float = 0.0,
     texts: str = "mixed",
+    cloning: Cloning | None = None,
 ) -> tuple[list[Result], float]:
     """Closed loop (`concurrency` clients, each sending back to back, their first requests spread
     evenly over `ramp` seconds: 0, a burst, every one at once) or open loop (Poisson `rate`). A
     client refused at admission waits its Retry-After, within the level. With `max_errors` > 0 the
     level ends early once that many requests failed (rejections are not failures); with
-    `progress_s` > 0 a line on stderr every that many seconds says how far it got."""
+    `progress_s` > 0 a line on stderr every that many seconds says how far it got. `cloning`: which
+    requests carry a new reference clip (bench.clips), and the plain ones' voice."""
     rng = random.Random(seed)
+    cloning = cloning or Cloning()
     url = base + "/generate"
     timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
     results: list[Result] = []
@@ -391,8 +399,9 @@ async def run_level(
 
             async def client(i: int) -> None:
                 await asyncio.sleep(ramp * i / concurrency)
+                clones = cloning.client_clones(i, concurrency)
                 while going():
-                    res = await one_request(s, url, body(), t0, next(rids))
+                    res = await one_request(s, url, cloning.request(body(), clones), t0, next(rids))
                     results.append(res)
                     if res.retry_after_s:  # as a well-behaved client does, within the level
                         await asyncio.sleep(min(res.retry_after_s, max(0.0, deadline - time.perf_counter())))
@@ -401,7 +410,8 @@ async def run_level(
         else:
             tasks = []
             while going():
-                tasks.append(asyncio.create_task(one_request(s, url, body(), t0, next(rids))))
+                sent = cloning.request(body(), cloning.request_clones(rng))
+                tasks.append(asyncio.create_task(one_request(s, url, sent, t0, next(rids))))
                 await asyncio.sleep(rng.expovariate(rate))
             results.extend(await asyncio.gather(*tasks))
         if ticker is not None:

@@ -5,12 +5,16 @@ name), so the defaults work against any model: each request asks for up to `--to
 by default) but never more than the model's `max_tokens` less `--prompt-allowance`. Each level
 says on stderr what it runs and, every few seconds, how far it got. A level whose requests fail
 ends early (after `--max-errors` failures), the run stops there, and the exit status is 1: a load
-curve over failing requests measures nothing. Metrics and the curve: `bench.load`.
+curve over failing requests measures nothing. With `--clone-share 0,0.25` each level runs once per
+share, that share of its streams sending a new reference clip per request (`bench.clips`), and
+reports its cloned and plain requests apart; a model without preset voices speaks its plain
+requests by a voice saved at the start. Metrics and the curve: `bench.load`.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import shlex
 import sys
@@ -18,6 +22,9 @@ import time
 import urllib.request
 from typing import Any
 
+import aiohttp
+
+from bench.clips import Cloning, plain_voice
 from bench.load import TEXT_SETS, arrivals, auth_headers, device_label, measure_level, meets_target, plot
 
 DEFAULT_TOKENS = 1024
@@ -78,7 +85,21 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         default="mixed",
         help="request texts: mixed (short and long) or sentences (English, 8-15 words)",
     )
+    ap.add_argument(
+        "--clone-share",
+        default="",
+        help="comma list of shares of each level's streams (Poisson: requests) that send a new reference "
+        "clip per request, e.g. 0,0.25: every level runs once per share (0: the baseline), its cloned and "
+        "plain requests reported apart (a model that clones)",
+    )
+    ap.add_argument("--clip-seconds", type=float, default=3.0, help="seconds of each reference clip")
     return ap.parse_args(argv)
+
+
+async def _plain_voice(base: str, card: dict[str, Any], seconds: float) -> str:
+    """The plain requests' voice: a voice saved here for a model without preset voices, else none."""
+    async with aiohttp.ClientSession(headers=auth_headers()) as s:
+        return await plain_voice(s, base, card, seconds)
 
 
 def _say(text: str) -> None:
@@ -104,9 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     if tokens < args.tokens:
         _say(f"{card.get('id')}: max_tokens {card.get('max_tokens')}, so {tokens} tokens per request")
     sample_rate = args.sample_rate or int(card.get("sample_rate", 24000))
+    voice = asyncio.run(_plain_voice(args.url, card, args.clip_seconds))
+    shares = [float(x) for x in args.clone_share.split(",") if x] or [None]
+    runs = [(level, share) for level in levels or rates for share in shares]
     curve, failed = [], False
-    for i, level in enumerate(levels or rates):
-        _say(f"level {i + 1}/{len(levels or rates)}: {key} {level} for {args.duration:.0f} s")
+    for i, (level, share) in enumerate(runs):
+        cloned = "" if share is None else f", {share:.0%} of its streams cloning"
+        _say(f"level {i + 1}/{len(runs)}: {key} {level}{cloned} for {args.duration:.0f} s")
         point = {
             key: level,
             "arrivals": how,
@@ -121,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
                 max_errors=args.max_errors,
                 progress_s=args.progress,
                 texts=args.texts,
+                cloning=None
+                if share is None and not voice
+                else Cloning(share or 0.0, voice, args.clip_seconds),
                 **({"concurrency": level} if levels else {"rate": level}),
             ),
         }
@@ -131,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
             f"x real time per stream p50 {point['x_realtime_per_stream_p50']}, "
             f"slowest {point['x_realtime_per_stream_min']}; on time {100 * point['on_time_share']:.0f} %"
         )
+        for kind in ("cloned", "plain") if point.get("clone_share") else ():
+            part = point[kind]
+            _say(f"  {kind}: {part['requests']} requests, TTFA p50 {part['ttfa_p50_ms']} ms, "
+                 f"p99 {part['ttfa_p99_ms']} ms; on time {100 * part['on_time_share']:.0f} %")  # fmt: skip
         if point["errors"]:
             _say(f"requests failed at {key} {level}, stopping: {'; '.join(point['error_examples'])}")
             failed = True
@@ -152,7 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
-    if args.plot and not plot(curve, key, args.plot):
+    first = [
+        p for p in curve if (p.get("clone_share") or 0) == (shares[0] or 0)
+    ]  # the plot: the first share's curve
+    if args.plot and not plot(first, key, args.plot):
         _say("matplotlib is not installed: no plot written (pip install matplotlib)")
     print(json.dumps({k: out[k] for k in ("max_streams_meeting_target", "date")}))
     return 1 if failed else 0

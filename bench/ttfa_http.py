@@ -6,34 +6,47 @@ times the first PCM byte after the WAV header. Writes JSON with the samples and 
 `--load 64,128,…` it then runs `voxpipe bench` levels (closed loop) against the same server and
 writes the curve (`--load-out`, `--plot`), with the server's own gauges (measured stream capacity,
 row period) read from /metrics after each level.
+
+For a model that clones voices, `--clone-reps N` also times N requests with a new reference clip
+each (`clip_ttfa_ms`: the clip decoded and encoded every time) and N by a voice saved once
+(`voice_ttfa_ms`), and `--clone-share 0,0.25` runs each load level once per share of its streams
+sending a new clip per request, the cloned and plain requests reported apart (bench.clips). A model
+without preset voices speaks the plain requests by a voice saved first. `served` starts and stops
+the server (`voxpipe bench ws --serve` uses it too).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gzip
 import json
 import os
 import shlex
 import signal
-import statistics
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
+from collections.abc import Iterator
 
 import aiohttp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-async def one(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[float, float, int]:
+async def one(
+    session: aiohttp.ClientSession, url: str, body: dict | aiohttp.FormData
+) -> tuple[float, float, int]:
+    """One streamed /generate request (JSON, or a form with a clip): (first audio s, whole s, bytes)."""
     t0 = time.perf_counter()
     first = None
     n = 0
-    async with session.post(url, json=body) as r:
-        r.raise_for_status()
+    async with session.post(url, **({"json": body} if isinstance(body, dict) else {"data": body})) as r:
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:300]}")
         async for data in r.content.iter_any():
             n += len(data)
             if first is None and n > 44:
@@ -41,37 +54,76 @@ async def one(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[flo
     return first if first is not None else float("nan"), time.perf_counter() - t0, n - 44
 
 
-async def measure(base: str, reps: int, tokens: int) -> list[tuple[float, float, int]]:
-    from bench.load import auth_headers
+def request_body(tokens: int, seed: int) -> dict:
+    return {
+        "text": "Hello, how are you today?",
+        "seed": seed,
+        "max_tokens": 60 + tokens,
+        "min_tokens": tokens,
+    }
 
+
+async def measure(base: str, reps: int, tokens: int, clone_reps: int, clip_s: float) -> tuple[dict, str]:
+    """Sequential requests, after a warm-up: `reps` plain ones ("plain"; by a saved voice where the
+    model has no preset voices), and with `clone_reps` > 0 as many with a new clip each ("clip") and
+    by a voice saved once ("voice"). Each: a list of (first audio s, whole s, bytes); and the plain
+    requests' voice ("": the model's default)."""
+    from bench.clips import Cloning, clip_wav, plain_voice, save_voice
+    from bench.load import auth_headers
+    from bench.load_cli import server_model
+
+    url = base + "/generate"
     async with aiohttp.ClientSession(headers=auth_headers()) as s:
-        body = {
-            "text": "Hello, how are you today?",
-            "seed": 1,
-            "max_tokens": 60 + tokens,
-            "min_tokens": tokens,
+        plain = Cloning(voice=await plain_voice(s, base, server_model(base), clip_s), seconds=clip_s)
+        await one(s, url, plain.request(request_body(tokens, 1), False))  # warm-up
+        out = {
+            "plain": [await one(s, url, plain.request(request_body(tokens, i), False)) for i in range(reps)]
         }
-        await one(s, base + "/generate", body)  # warm-up
-        return [await one(s, base + "/generate", {**body, "seed": i}) for i in range(reps)]
+        if clone_reps:
+            await one(s, url, plain.request(request_body(tokens, 1), True))  # warm-up of the encoders
+            out["clip"] = [
+                await one(s, url, plain.request(request_body(tokens, i), True)) for i in range(clone_reps)
+            ]
+            await save_voice(s, base, "bench-saved", clip_wav(1, clip_s))
+            saved = Cloning(voice="bench-saved")
+            out["voice"] = [
+                await one(s, url, saved.request(request_body(tokens, i), False)) for i in range(clone_reps)
+            ]
+        return out, plain.voice
+
+
+def quantiles(ms: list[float]) -> dict[str, float]:
+    from bench.load import percentile
+
+    return {f"p{q}": round(percentile(ms, q), 2) for q in (50, 90, 99)}
 
 
 def load_curve(base: str, args) -> None:
+    from bench.clips import Cloning
     from bench.load import arrivals, device_label, measure_level, meets_target, plot, server_gauges
     from bench.tap_stats import read, stats
 
     curve = []
     levels = [("concurrency", int(c)) for c in args.load.split(",") if c]
     levels += [("rate", float(r)) for r in args.rate.split(",") if r]
+    shares = [float(x) for x in args.clone_share.split(",") if x]
     closed = arrivals(False, args.ramp)  # the concurrency levels': ramp or burst
     device = args.label or device_label()
-    for i, (key, level) in enumerate(levels):
+    runs = [(key, level, share) for key, level in levels for share in shares or [None]]
+    for i, (key, level, share) in enumerate(runs):
+        # no --clone-share: plain requests alone (by the saved voice of a model without preset ones)
+        cloning = (
+            Cloning(share or 0.0, args.plain_voice, args.clip_seconds)
+            if share is not None or args.plain_voice
+            else None
+        )
         point = {key: level, "arrivals": arrivals(key == "rate", args.ramp)}
         tap = start_tap(args, delay_s=args.ramp + 2) if level == args.tap_level else None
         spies = start_py_spy(args, delay_s=args.ramp + 2) if level == args.profile_level else []
         client_ttfa: dict[str, float] = {}
         point |= measure_level(base, 24000, client_ttfa, **{key: level}, duration=args.load_duration,
                                tokens=args.load_tokens, prompt_allowance=args.prompt_allowance, seed=i, ramp=args.ramp,
-                               texts=args.texts)  # fmt: skip
+                               texts=args.texts, cloning=cloning)  # fmt: skip
         point["server_after"] = server_gauges(base)
         if tap is not None:
             tap.join()
@@ -101,8 +153,8 @@ def load_curve(base: str, args) -> None:
         }
         with open(args.load_out, "w") as f:
             json.dump(out, f, indent=1)
-    if args.plot and curve:
-        plot(curve, levels[0][0], args.plot)
+    if args.plot and curve:  # the curve of the first clone share
+        plot([p for p in curve if p.get("clone_share", 0) == (shares or [0])[0]], levels[0][0], args.plot)
 
 
 def start_tap(args, delay_s: float) -> threading.Thread:
@@ -174,54 +226,89 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-level", type=int, default=0, help="py-spy the workers during this load level")
     ap.add_argument("--profile-roles", default="gpu_worker,codec_worker")
     ap.add_argument("--profile-out", default="py-spy")
+    ap.add_argument(
+        "--clone-reps",
+        type=int,
+        default=0,
+        help="also time N requests with a new reference clip each (clip_ttfa_ms) and N by a saved voice "
+        "(voice_ttfa_ms); for a model that clones",
+    )
+    ap.add_argument("--clip-seconds", type=float, default=3.0, help="seconds of each reference clip")
+    ap.add_argument(
+        "--clone-share", default="",
+        help="comma list of shares of each load level's streams that send a new clip per request, e.g. 0,0.25: "
+        "every level runs once per share (0: the baseline); each level reports its cloned and plain requests apart",
+    )  # fmt: skip
     ap.add_argument("serve_args", nargs="*", help="extra `voxpipe serve` flags (after --)")
     args = ap.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
     if args.burst:
         args.ramp = 0.0
-    cmd = [sys.executable, "-m", "common.cli", "serve", "--model", args.model, "--port", str(args.port)]
-    from programs import get_spec
-
-    constrained = ["--constrained"] if get_spec(args.model).get("constrainable") else []
-    cmd += ["--load-format", "dummy", *constrained, *args.serve_args]
-    server = subprocess.Popen(cmd, cwd=ROOT)
-    base = f"http://127.0.0.1:{args.port}"
-    try:
-        t0 = time.monotonic()
-        while True:
-            try:
-                import urllib.request
-
-                with urllib.request.urlopen(base + "/ready", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if server.poll() is not None or time.monotonic() - t0 > 400:
-                raise RuntimeError("server did not become ready")
-            time.sleep(0.5)
-        startup = time.monotonic() - t0
-        res = asyncio.run(measure(base, args.reps, args.tokens))
-        ttfa = [r[0] * 1000 for r in res]
+    with served(args.model, args.port, args.serve_args) as (base, startup):
+        res, args.plain_voice = asyncio.run(
+            measure(base, args.reps, args.tokens, args.clone_reps, args.clip_seconds)
+        )
         out = {
             "model": f"{args.model} dummy",
             "date": time.strftime("%F"),
             "serve_args": args.serve_args,
             "startup_s": round(startup, 1),
-            "ttfa_p50_ms": round(statistics.median(ttfa), 2),
-            "ttfa_ms": [round(t, 2) for t in ttfa],
-            "request_s": [round(r[1], 3) for r in res],
-            "audio_s": [round(r[2] / 2 / 24000, 3) for r in res],
+            "ttfa_p50_ms": ttfa_of(res["plain"])["p50"],
+            "ttfa_p99_ms": ttfa_of(res["plain"])["p99"],
+            "ttfa_ms": ttfa_of(res["plain"])["samples"],
+            "request_s": [round(r[1], 3) for r in res["plain"]],
+            "audio_s": [round(r[2] / 2 / 24000, 3) for r in res["plain"]],
         }
+        if args.clone_reps:
+            out |= {"clip_seconds": args.clip_seconds, "clip_ttfa_ms": ttfa_of(res["clip"])}
+            out |= {"voice_ttfa_ms": ttfa_of(res["voice"])}
         with open(args.out, "w") as f:  # before the load curve, which may run out of time
             json.dump(out, f, indent=1)
         print(json.dumps(out), flush=True)
         if args.load or args.rate:
             load_curve(base, args)
+    return 0
+
+
+def ttfa_of(res: list[tuple[float, float, int]]) -> dict:
+    """The first-audio times of `res` in ms: p50, p90, p99 and the samples."""
+    ms = [r[0] * 1000 for r in res]
+    return {**quantiles(ms), "samples": [round(t, 2) for t in ms]}
+
+
+@contextlib.contextmanager
+def served(model: str, port: int, serve_args: list[str]) -> Iterator[tuple[str, float]]:
+    """`voxpipe serve --model MODEL` on dummy weights (constrained where the model can be) with
+    `serve_args`, ready: yields (its base URL, seconds to ready) and stops it on the way out. A
+    SIGTERM meanwhile (gpu.sh's stage timeout) exits through here too, so the server never outlives
+    its bench. RuntimeError when it stops or is not ready within 400 s."""
+    from programs import get_spec
+
+    cmd = [sys.executable, "-m", "common.cli", "serve", "--model", model, "--port", str(port)]
+    constrained = ["--constrained"] if get_spec(model).get("constrainable") else []
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    server = subprocess.Popen([*cmd, "--load-format", "dummy", *constrained, *serve_args], cwd=ROOT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        yield base, wait_ready(server, base)
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(30)
-    return 0
+        signal.signal(signal.SIGTERM, previous)
+
+
+def wait_ready(server: subprocess.Popen, base: str, limit_s: float = 400) -> float:
+    """Seconds until `base`/ready answers 200; RuntimeError when `server` stops or `limit_s` passes."""
+    t0 = time.monotonic()
+    while server.poll() is None and time.monotonic() - t0 < limit_s:
+        try:
+            with urllib.request.urlopen(base + "/ready", timeout=2) as r:
+                if r.status == 200:
+                    return time.monotonic() - t0
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("server did not become ready")
 
 
 if __name__ == "__main__":

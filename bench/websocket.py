@@ -3,6 +3,10 @@ running server, as a voice agent uses it: each session appends its text word by 
 (an LLM writing it), ends its input, and plays the audio as it comes.
 
     voxpipe bench ws --url http://127.0.0.1:8000 --sessions 1,100 --word-ms 10,30
+    voxpipe bench ws --serve qwen3-tts --sessions 1,100 --word-ms 10,33 -- --max-batch-size 256
+
+`--serve MODEL` starts the server itself (dummy weights, as `voxpipe bench ttfa` does), measures it
+once it is ready, and stops it.
 
 For each level (N concurrent sessions × a word interval) it reports, over the sessions:
 - `first_audio_ms`: from the first append sent to the first audio frame (p50/p90/p99);
@@ -147,12 +151,30 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--min-tokens", type=int, default=0, help="the sessions' min_tokens (0: none)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds a session may stay silent")
     ap.add_argument("--out", default="", help="write the JSON result here")
+    ap.add_argument(
+        "--serve",
+        default="",
+        metavar="MODEL",
+        help="start `voxpipe serve --model MODEL --load-format dummy` on --port (with the flags after --), "
+        "measure it once ready and stop it (instead of --url)",
+    )
+    ap.add_argument("--port", type=int, default=8124, help="the port of --serve's server")
+    ap.add_argument("serve_args", nargs="*", help="extra `voxpipe serve` flags for --serve (after --)")
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
-    base = args.url.rstrip("/")
+    if not args.serve:
+        return measure(args, args.url.rstrip("/"))
+    from bench.ttfa_http import served
+
+    with served(args.serve, args.port, args.serve_args) as (base, _):
+        return measure(args, base)
+
+
+def measure(args: argparse.Namespace, base: str) -> int:
+    """Every level (sessions × word interval) against the server at `base`; 1 when any session failed."""
     model = server_model(base)
     levels = []
     for sessions in (int(x) for x in args.sessions.split(",")):

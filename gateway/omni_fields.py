@@ -17,6 +17,9 @@ Those servers extend OpenAI's `POST /v1/audio/speech` with `stream`, `language`,
 - `non_streaming_mode` (the omni servers' prompt mode): true, the prompt holds the whole text before the
   first audio token; false, for a model that lists it among its options, the text enters as the
   audio goes. It reaches the program as the model option of that name.
+- The model's own options (string fields, `ModelSpec.options`) that take "true" or "false", such as
+  `x_vector_only_mode`, are sent by those clients as JSON booleans: a boolean there is read as
+  "true" or "false" (the program checks the value, as it checks any option's).
 """
 
 from __future__ import annotations
@@ -133,8 +136,8 @@ def ref_text_field(spec: ModelSpec) -> Field:
 
 
 def check_omni(body: Mapping[str, Any], spec: ModelSpec) -> Mapping[str, Any]:
-    """Refuse voice cloning where the model does not clone (naming it), and spell `language` as the
-    model does."""
+    """Refuse voice cloning where the model does not clone (naming it), spell `language` as the
+    model does, and read a boolean given for one of the model's string options as "true"/"false"."""
     for name in CLONING_FIELDS if spec.reference_sample_rate <= 0 else ():
         if body.get(name) not in (None, ""):
             voices = ", ".join(spec.voices)
@@ -154,6 +157,10 @@ def check_omni(body: Mapping[str, Any], spec: ModelSpec) -> Mapping[str, Any]:
     spelled = {t.lower(): t for t in TASK_TYPES}
     if isinstance(task, str) and task.lower() in spelled:
         body["task_type"] = spelled[task.lower()]
+    typed = {f.name for f in omni_fields(spec)}  # these fields have their own types (non_streaming_mode)
+    for name in spec.options:
+        if name not in typed and isinstance(body.get(name), bool):
+            body[name] = "true" if body[name] else "false"
     return body
 
 

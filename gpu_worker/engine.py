@@ -227,18 +227,14 @@ class Engine:
                 req.n_audio += 1
                 # after_row makes a window only at these rows (AudioWindows.due)
                 if req.n_audio % stride in due:
-                    chunk = windows.after_row(req)
-                    if chunk is not None:
-                        chunks.append(chunk)
+                    windows.after_row(req, chunks)
             if req.n_gen >= req.gen_budget:
                 self._end(req, FinishReason.LENGTH, chunks)
         self.tokens_total += len(rows) - skipped
         return chunks
 
     def _end(self, req: Request, reason: FinishReason, chunks: list[DetokChunk]) -> None:
-        """A natural end: a chunk still held back, if any (AudioWindows.flush), then the scheduler
+        """A natural end: the chunks still held back, if any (AudioWindows.flush), then the scheduler
         finishes it."""
-        last = self.windows.flush(req)
-        if last is not None:
-            chunks.append(last)
+        self.windows.flush(req, chunks)
         self.scheduler.finish(req, reason, natural=True)

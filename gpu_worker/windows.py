@@ -68,18 +68,20 @@ class AudioWindows:
             {program.detok_interval % s, *(n % s for n in self.leads)} | ({0} if self.progressive else set())
         )
 
-    def after_row(self, req) -> DetokChunk | None:
-        """The window that `req`'s newest audio row (row n - 1 of req.audio) completes, if any.
-        Advances req.n_chunks and, after a lead, req.first_window."""
+    def after_row(self, req, out: list[DetokChunk]) -> None:
+        """The window that `req`'s newest audio row (row n - 1 of req.audio) completes, if any, into
+        `out` (with the windows held before it: `_send`). Advances req.n_chunks and, after a lead,
+        req.first_window."""
         n, interval = req.n_audio, self.program.detok_interval
         if self.progressive and not req.switched:
             if n % self.stride or (req.n_chunks == 0 and not self._first_now(n)):
-                return None
-            return self._tail(req)
+                return
+            out.append(self._tail(req))
+            return
         if n >= interval and (n - interval) % self.stride == 0:
             j = (n - interval) // self.stride
             if j < req.first_window:
-                return None  # covered by the lead window
+                return  # covered by the lead window
             chunk = DetokChunk(req.rid, req.n_chunks, req.sp.seed, req.audio[n - interval : n].tobytes(), j)
             audio_rows = self.stride
         elif req.n_chunks == 0 and n in self.leads and (n == max(self.leads) or self.lead_now(n)):
@@ -87,8 +89,23 @@ class AudioWindows:
             req.first_window = self.first_window_after(n)
             audio_rows = n
         else:
-            return None
-        return self._sent(req, chunk, audio_rows)
+            return
+        self._send(req, chunk, audio_rows, out)
+
+    def _send(self, req, chunk: DetokChunk, audio_rows: int, out: list[DetokChunk]) -> None:
+        """Count `chunk` as sent (`_sent`) and put it in `out`, except a stream's first audible
+        windows but the last of the program's `detok_first_windows`: they wait in req.held and go
+        with it, so that one codec pass decodes them and the listener starts with all of their
+        audio."""
+        self._sent(req, chunk, audio_rows)
+        audible = req.n_chunks - self.program.detok_silent  # audible windows so far, this one included
+        if 0 < audible < self.program.detok_first_windows:
+            req.held.append(chunk)
+            return
+        if req.held:
+            out.extend(req.held)
+            req.held.clear()
+        out.append(chunk)
 
     def _sent(self, req, chunk: DetokChunk, audio_rows: int) -> DetokChunk:
         """Count `chunk` (of `audio_rows` rows of audio) as sent, stamped with its listener's slack.
@@ -96,7 +113,9 @@ class AudioWindows:
         clock starts at the window after them. Each may wait (be gathered with others) until about
         when the first window with audio comes, its rows still to be generated: decoding them alone
         as they come would cost a codec call per stream per step, and leaving them all to the first
-        audible window would queue them before it (a stream's windows decode in order)."""
+        audible window would queue them before it (a stream's windows decode in order). The clock
+        starts when the last of the first `detok_first_windows` audible windows leaves (the ones
+        before it leave with it, each with no slack)."""
         now = self.now()
         if req.n_chunks == 0:
             chunk.prefix = self._prefix(req)  # what the stream's fresh codec slot starts from
@@ -106,9 +125,10 @@ class AudioWindows:
             chunk.slack_ms = 1000 * rows_left * self.clock.row_period()  # 0 before a step is measured
             req.n_chunks += 1
             return chunk
-        if req.n_chunks == silent:
+        first = silent + max(1, self.program.detok_first_windows) - 1  # the window that starts the clock
+        if req.n_chunks == first:
             req.t_first = now
-        else:
+        elif req.n_chunks > first:
             chunk.slack_ms = max(0.0, 1000 * (req.sent_s - (now - req.t_first)))
         req.sent_s += self._audio_s(audio_rows)
         req.n_chunks += 1
@@ -151,13 +171,15 @@ class AudioWindows:
             req.first_window, req.switched = self.first_window_after(n), True
         return chunk
 
-    def flush(self, req) -> DetokChunk | None:
-        """At a request's natural end, in progressive mode: the first chunk, if it was still
-        waiting for more frames; else None."""
+    def flush(self, req, out: list[DetokChunk]) -> None:
+        """At a request's natural end: into `out`, the windows it still holds (in progressive mode,
+        the first chunk if it was still waiting for more frames; the first audible windows held
+        for more)."""
         if self.progressive and req.n_chunks == 0 and req.n_audio >= self.stride:
             # A stream that ended while its first chunk waited for a second frame: send what it has.
-            return self._tail(req, req.n_audio - req.n_audio % self.stride)
-        return None
+            out.append(self._tail(req, req.n_audio - req.n_audio % self.stride))
+        out.extend(req.held)
+        req.held.clear()
 
     def first_window_after(self, lead_rows: int) -> int:
         """The first regular window whose audio starts at or after the lead's: window j covers

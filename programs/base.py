@@ -15,7 +15,7 @@ apart from N/B/Bd, state only in buffers, randomness only from the keys passed i
 |---|---|---|---|
 | `load_lm()` | gpu_worker | no | sets the LM constants below |
 | `load_codec()` | codec_worker | no | sets the codec constants below |
-| `embed(ids, rows)` | gpu_worker | yes | ids [N, C] int64, rows `Rows` (slot, step [N]) → [N, H] |
+| `embed(ids, rows)` | gpu_worker | yes | ids [N, C] int64, rows `Rows` (slot, step [N]; prompt_rows) → [N, H] |
 | `backbone(hidden, pos, attn)` | gpu_worker | yes | [N, H], pos [N] int64 → [N, H]; attention through `attn` |
 | `head(hidden)` | gpu_worker | yes | [B, H] → logits [B, C', V] float32 (V' columns when `head_ids` is set); the runtime samples codebook 0 |
 | `guide(logits, slot)` | gpu_worker | yes | [B, 2, C', V] float32 (conditional, unconditional), slot [B] int64 → [B, C', V] (only with `guidance`) |
@@ -59,6 +59,7 @@ Attributes a program sets (defaults on LMProgram; any model may use each):
 | `config_dir` | the folder of the shipped configs the spec names (`lm_config`, `codec_config`): `lm_weights(cls)` and `codec_model(cls)` build random weights from them (`--load-format dummy`) or load the checkpoint; `load_prompts()` loads the text tokenizer |
 | `codec_streams` | the codec keeps per-request state and decodes each audio row once (see Codec streams) |
 | `detok_silent` | a stream's first windows that yield no audio (a look-ahead, a delay pattern): sent at once, the listener's clock starts after them |
+| `detok_first_windows` | a stream's first audible windows held and sent together (short windows: the listener starts with their audio in hand) |
 | `guidance` | every request runs a conditional and an unconditional sequence (see Classifier-free guidance) |
 
 Multi-codebook rows (C > 1): a row is one frame of C codebook ids (a program may also encode
@@ -88,6 +89,17 @@ fails the request with a 400), and `admit(slot, state)` writes them into the slo
 starts (host side, before its first step, without waiting for the device: copy from pinned
 memory). `embed` and `decode_tokens` only read the state, indexed by `rows.slot`, so a captured
 step reads each request's own. A program without state keeps the defaults (no buffers, no arrays).
+
+Prompt rows first: a step lays its new requests' whole prompts first, then one fed-back row per
+decoding request, and `embed` sees where the prompt rows end as a plain int, `rows.prompt_rows`:
+rows [0, prompt_rows) are prompt rows, the rest generated rows (padding rows of a captured step
+count with their part: a prefill graph's as prompt rows, a decode graph's as generated rows). It is
+fixed when the step is built or captured (0 in decode graphs and eager decode-only steps, N in
+prefill graphs, the prefill bucket's rows in mixed graphs), so a program may run work that only one
+kind of row needs on static slices (e.g. separate feed-forward weights for prompt and generated
+rows: a decode step then reads only the generated rows'); `backbone` runs in the same forward pass
+right after `embed`, so a program may keep it for `backbone`. None where the caller does not say
+(`step` alone tells the rows apart).
 
 Audio chunks: the runtime counts the rows classified AUDIO per request (`n_audio`). Chunk j holds
 audio rows [j*s, j*s + detok_interval) with s = detok_interval - detok_overlap and is sent to the
@@ -230,6 +242,7 @@ class Rows:
     slot: torch.Tensor  # [N] int64 the request's slot
     step: torch.Tensor  # [N] int64 prompt rows -R..-1, generated rows 0, 1, …
     prev: torch.Tensor | None = None  # [B, C] int64 the request's previous row (decode_tokens only)
+    prompt_rows: int | None = None  # rows [0, prompt_rows) are prompt rows, the rest generated (embed only)
 
 
 @dataclass
@@ -316,6 +329,9 @@ class LMProgram:
     # A stream's first windows that yield no audio (codec streams: a decoder's look-ahead, a delay
     # pattern's lead-in): the runtime sends them at once and starts the listener's clock after them.
     detok_silent: int = 0
+    # A stream's first audible windows that go out together (> 1 for programs of short windows): the
+    # listener's clock starts with all of their audio in hand rather than one window's.
+    detok_first_windows: int = 1
     # > 0: the program clones voices from reference clips at this sample rate (see Reference audio).
     reference_sample_rate: int = 0
     # True: a request may take text appended while it runs (see Appended text), in the mode these

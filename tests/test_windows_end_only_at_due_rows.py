@@ -32,9 +32,9 @@ def stream(program, mode: str, step_s: float, every_row: bool) -> list:
         now[0] += step_s
         req.n_audio = n
         if every_row or n % windows.stride in windows.due:
-            chunk = windows.after_row(req)
-            if chunk is not None:
-                chunks.append((n, chunk))
+            out = []
+            windows.after_row(req, out)
+            chunks += [(n, chunk) for chunk in out]
     return chunks
 
 

@@ -77,8 +77,12 @@ class FlashInferAttention:
         q_dtype: torch.dtype,
         tensor_cores: bool = True,
         decode_attention: str = "flashinfer",
+        no_split_kv: bool = True,
     ) -> None:
         flashinfer = import_flashinfer()
+        # one KV chunk per request, as in the graphs: a row's attention reduces in the same order
+        # whatever else the step holds (`GpuWorkerSettings.no_split_kv`)
+        self.no_split_kv = no_split_kv
         self.kv_cache = kv_cache  # [L, P, 2, page, Hkv, D]
         self.q_dtype = q_dtype  # queries and outputs: the model's dtype, whatever the cache holds
         self.page_size, self.num_kv_heads, self.head_dim = (
@@ -117,14 +121,14 @@ class FlashInferAttention:
         elif len(layout.qo_indptr) - 1 == len(layout.pos):  # one row per request: decode
             self.decode.plan(
                 torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last), *dims,
-                q_data_type=qt, kv_data_type=kt,
+                q_data_type=qt, kv_data_type=kt, disable_split_kv=self.no_split_kv,
             )  # fmt: skip
             self._wrapper = self.decode
         else:
             qo = torch.from_numpy(np.asarray(layout.qo_indptr, dtype=np.int32))
             self.prefill.plan(
                 qo, torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last), *dims,
-                causal=True, q_data_type=qt, kv_data_type=kt,
+                causal=True, q_data_type=qt, kv_data_type=kt, disable_split_kv=self.no_split_kv,
             )  # fmt: skip
             self._wrapper = self.prefill
 

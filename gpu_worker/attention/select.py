@@ -49,5 +49,5 @@ def _flashinfer(program: LMProgram, kv_cache: torch.Tensor, limits, decode: str)
     from gpu_worker.attention.flashinfer import FlashInferAttention
 
     return FlashInferAttention(
-        kv_cache, program.num_qo_heads, program.dtype, limits.decode_tensor_cores, decode
+        kv_cache, program.num_qo_heads, program.dtype, limits.decode_tensor_cores, decode, limits.no_split_kv
     )

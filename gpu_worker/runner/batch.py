@@ -59,9 +59,10 @@ class StepBatch:
         )
 
 
-def rows_of(where: torch.Tensor) -> Rows:
-    """The `Rows` a program's embed reads, from an [N, 2] device view of slot and step."""
-    return Rows(slot=where[:, 0], step=where[:, 1])
+def rows_of(where: torch.Tensor, prompt_rows: int | None = None) -> Rows:
+    """The `Rows` a program's embed reads, from an [N, 2] device view of slot and step; rows
+    [0, prompt_rows) are prompt rows, the rest generated rows (programs.base.Rows)."""
+    return Rows(slot=where[:, 0], step=where[:, 1], prompt_rows=prompt_rows)
 
 
 def feed_decode_rows(ids: torch.Tensor, b: StepBatch, meta: torch.Tensor | None) -> None:

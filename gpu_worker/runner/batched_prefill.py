@@ -141,7 +141,8 @@ class BatchedPrefill:
             ids, pos, where = cat("ids", rows * c).view(k * rows, c), cat("pos", rows), cat("where", 2 * rows)
             last = torch.cat([a.dev_view(x + "last", 1) + j * rows for j, x in enumerate(xs)])  # [k]
             attn.page, attn.off = cat("page", rows), cat("off", rows)  # every segment's write slots
-            hidden = p.backbone(p.embed(ids, rows_of(where.view(-1, 2))), pos, attn)[last]  # [k, H]
+            rows_k = rows_of(where.view(-1, 2), prompt_rows=k * rows)  # every row a prompt row
+            hidden = p.backbone(p.embed(ids, rows_k), pos, attn)[last]  # [k, H]
             # each prompt's head on its own row, as in its prefill graph ([1, H])
             logits = torch.cat([p.head(hidden[j : j + 1]).float() for j in range(k)])
             return logits, hidden  # [k, C', V], [k, H]

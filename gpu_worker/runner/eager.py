@@ -39,7 +39,8 @@ class EagerRunner:
         meta = arena[n * (c + 3) :].view(3, -1) if b.meta is not None else None
         feed_decode_rows(ids, b, meta)
         self.attn.plan(StepLayout(b.qo_indptr, b.kv_lens, b.page_tables, pos))
-        hidden = self.program.backbone(self.program.embed(ids, rows_of(where)), pos, self.attn)  # [N, H]
+        rows = rows_of(where, prompt_rows=b.qo_indptr[b.num_prefill])  # prompts first
+        hidden = self.program.backbone(self.program.embed(ids, rows), pos, self.attn)  # [N, H]
         last = torch.tensor(b.qo_indptr[1:], device=dev) - 1
         hidden = hidden[last]  # [B, H] ([S·B, H] with S sequences per request)
         logits = self.program.head(hidden).float()

@@ -229,7 +229,7 @@ class GraphRunner:
     ) -> tuple[torch.cuda.CUDAGraph, object, tuple[torch.Tensor, torch.Tensor]]:
         p, c, a = self.program, self.program.n_codebooks, self.arena
         ids, pos = a.dev_view("ids", bs * c).view(bs, c), a.dev_view("pos", bs)
-        rows = rows_of(a.dev_view("where", 2 * bs).view(bs, 2))
+        rows = rows_of(a.dev_view("where", 2 * bs).view(bs, 2), prompt_rows=0)
         attn = GraphAttention(self.kv_cache, wrapper, a.dev_view("page", bs), a.dev_view("off", bs))
 
         def step() -> tuple[torch.Tensor, torch.Tensor]:
@@ -279,7 +279,7 @@ class GraphRunner:
             self.attn.in_graph(decode)
             attn.page, attn.off = torch.cat(page), torch.cat(off)  # both parts' write slots, in the graph
             with fp8.rows_apart(rows):
-                emb = p.embed(torch.cat(ids), rows_of(torch.cat(where).view(-1, 2)))
+                emb = p.embed(torch.cat(ids), rows_of(torch.cat(where).view(-1, 2), prompt_rows=rows))
                 hidden = p.backbone(emb, torch.cat(pos), attn)  # [rows + bs, H]
             pre, dec = hidden[last], hidden[rows:]  # [1, H], [bs, H]
             return p.head(pre).float(), pre, p.head(dec).float(), dec

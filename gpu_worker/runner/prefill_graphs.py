@@ -187,7 +187,7 @@ class PrefillGraphs:
             a.dev_view(x + "pos", rows),
             a.dev_view(x + "last", reqs),
         )
-        where = rows_of(a.dev_view(x + "where", 2 * rows).view(rows, 2))
+        where = rows_of(a.dev_view(x + "where", 2 * rows).view(rows, 2), prompt_rows=rows)
         attn = GraphAttention(
             self.kv_cache, wrapper, a.dev_view(x + "page", rows), a.dev_view(x + "off", rows)
         )

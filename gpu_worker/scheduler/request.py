@@ -35,6 +35,8 @@ class Request:
     switched: bool = False  # progressive mode: tail windows are over, regular ones from now on
     t_first: float = 0.0  # monotonic time its first chunk left (its listener's playback starts)
     sent_s: float = 0.0  # seconds of audio in the chunks sent so far
+    # its first audible windows, held until the last of them (the program's `detok_first_windows`)
+    held: list = field(default_factory=list)
     admitted_at: float = 0.0
     gen_budget: int = 0  # rows it may generate: budget less the prompt
     input_open: bool = False  # more text may be appended (gpu_worker/appends.py)

@@ -354,11 +354,10 @@ class Scheduler:
         if self.sit_out is None or not batch:
             self.sitting_out = 0.0
             return batch
-        now, progressive = self.windows.now(), self.windows.progressive
+        now, progressive, p = self.windows.now(), self.windows.progressive, self.windows.program
+        first = p.detok_silent + p.detok_first_windows  # the first audible windows, sent together
         leads = [
-            r.sent_s - (now - r.t_first)
-            if (r.switched if progressive else r.n_chunks > 1 + self.windows.program.detok_silent)
-            else -np.inf
+            r.sent_s - (now - r.t_first) if (r.switched if progressive else r.n_chunks > first) else -np.inf
             for r in batch
         ]
         out = self.sit_out.choose(leads, prompts)

@@ -13,14 +13,19 @@ built from programs/blocks.
   `embed_audio_tokens[code + 1026 k]`. `audio_lm_head` gives all 8 codebooks' logits from one hidden
   state ([8 · 1026, H]).
 - On a GPU each layer runs q/k/v as one GEMM and each feed-forward's gate/up as one (`fuse`, at
-  load); both
-  feed-forward paths run on every row and `torch.where` keeps each row's own, so a step's shapes
-  never depend on which rows are audio (graph-safe, and a row's result does not depend on its batch).
+  load).
+- Where the step says where its text rows end (`n_text`, a Python int fixed when the step is
+  built or captured: text rows first, then audio rows), each path runs on its own rows only, as
+  static slices: a decode step (all audio) reads no text feed-forward weights, a prefill step (all
+  text) no audio ones. Otherwise (the flag alone) both paths run on every row and `torch.where`
+  keeps each row's own. Either way a step's shapes never depend on the flag's values (graph-safe).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -107,18 +112,25 @@ class HiggsLM(nn.Module):
 
     # --- backbone (graph-safe) -------------------------------------------------------------------
     def backbone(
-        self, hidden: torch.Tensor, pos: torch.Tensor, audio: torch.Tensor, attn: Attention
+        self,
+        hidden: torch.Tensor,
+        pos: torch.Tensor,
+        audio: torch.Tensor | None,
+        attn: Attention,
+        n_text: int | None = None,
     ) -> torch.Tensor:
-        """Rows [N, H] at positions pos [N], audio [N] bool (DualFFN's audio rows) → [N, H] normed."""
+        """Rows [N, H] at positions pos [N] → [N, H] normed. DualFFN's audio rows are audio [N] bool,
+        or with `n_text` k (audio then unread) rows [k, N): rows [0, k) take only the text path,
+        the rest only the audio path."""
         cos, sin = rope_cos_sin(self.inv_freq, pos, hidden.dtype)
         cos, sin = cos[:, None, :], sin[:, None, :]  # [N, 1, D]
-        a = audio[:, None]
+        dual = _Dual(audio, n_text)
         for i, layer in enumerate(self.model.layers):
-            x = torch.where(a, layer.audio_input_layernorm(hidden), layer.input_layernorm(hidden))
+            x = dual(hidden, layer.input_layernorm, layer.audio_input_layernorm)
             hidden = hidden + self._attention(i, layer.self_attn, x, cos, sin, attn)
-            text = self._mlp(i, 0, layer.mlp, layer.post_attention_layernorm(hidden))
-            sound = self._mlp(i, 1, layer.audio_mlp, layer.audio_post_attention_layernorm(hidden))
-            hidden = hidden + torch.where(a, sound, text)
+            text = partial(self._ffn, i, 0, layer.post_attention_layernorm, layer.mlp)
+            sound = partial(self._ffn, i, 1, layer.audio_post_attention_layernorm, layer.audio_mlp)
+            hidden = hidden + dual(hidden, text, sound)
         return self.model.norm(hidden)
 
     def _attention(self, i: int, a, x: torch.Tensor, cos, sin, attn: Attention) -> torch.Tensor:
@@ -131,6 +143,10 @@ class HiggsLM(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         return a.o_proj(attn.forward(i, q, k, v).reshape(n, hq * d))
+
+    def _ffn(self, i: int, which: int, norm: RMSNorm, mlp: MLP, x: torch.Tensor) -> torch.Tensor:
+        """One feed-forward path of layer i (which: 0 text, 1 audio) on rows x [n, H] → [n, H]."""
+        return self._mlp(i, which, mlp, norm(x))
 
     def _mlp(self, i: int, which: int, mlp: MLP, x: torch.Tensor) -> torch.Tensor:
         if self._gate_up and x.is_cuda:
@@ -198,6 +214,29 @@ class HiggsLM(nn.Module):
         lm = cls(config, dtype, device)
         random_weights(lm, device, seed)
         return lm.eval()
+
+
+class _Dual:
+    """DualFFN's choice of path per row: `n_text` k (a Python int) splits the rows statically,
+    text rows [0, k) then audio rows [k, N), each path running on its own rows only; without it
+    both paths run on every row and the flag `audio` [N] bool keeps each row's own."""
+
+    def __init__(self, audio: torch.Tensor | None, n_text: int | None) -> None:
+        if n_text is None and audio is None:
+            raise ValueError("DualFFN needs the audio flag or where the text rows end")
+        self.flag = None if n_text is not None else audio[:, None]  # [N, 1]
+        self.k = n_text
+
+    def __call__(self, x: torch.Tensor, text: Callable, audio: Callable) -> torch.Tensor:
+        """x [N, H] → [N, H]: text(x) at text rows, audio(x) at audio rows."""
+        k = self.k
+        if k is None:
+            return torch.where(self.flag, audio(x), text(x))
+        if k == 0:
+            return audio(x)
+        if k >= x.shape[0]:
+            return text(x)
+        return torch.cat([text(x[:k]), audio(x[k:])])
 
 
 def _join(*linears: Linear) -> torch.Tensor:

@@ -6,10 +6,12 @@ codec.
 
 The contract pieces it uses (programs/base.py): text prompt rows (the text id in column 0),
 `Rows` (a row's step says whether it is a prompt row, which DualFFN takes as text, or a generated
-row, audio; `embed` leaves the flag for `backbone` in `self._audio`, as the two always run in one
-forward pass), `decode_tokens` (codebooks 1..7 from the same hidden state, and the delay pattern's
-forced bos / eos ids from the step and the previous row) and codec streams (the codec undoes the
-delay pattern per stream).
+row, audio; `rows.prompt_rows`, where the step gives it, says so for the whole step as a static
+split, so that a decode step runs only the audio feed-forward path and a prefill step only the
+text one; `embed` leaves the flag or the split for `backbone` in `self._audio` / `self._n_text`,
+as the two always run in one forward pass), `decode_tokens` (codebooks 1..7 from the same hidden
+state, and the delay pattern's forced bos / eos ids from the step and the previous row) and codec
+streams (the codec undoes the delay pattern per stream).
 
 Request options (model_kwargs): `scene` (the scene description: the voice and the room) and
 `system` (the system message).
@@ -42,6 +44,9 @@ class HiggsTtsProgram(LMProgram):
     name = "higgs_tts"
     codec_dtype: torch.dtype = torch.float32
     codec_streams = True  # each row decoded once, with state per request (programs/base.py)
+    # One-row windows carry 40 ms each: the first four audible ones go together, so a listener starts
+    # with 160 ms in hand while the next window comes (3 rows more before the first audio).
+    detok_first_windows = 4
     uses_repetition_penalty = False  # the reference refuses penalties on audio logits
     sized_options = _OPTIONS
 
@@ -50,7 +55,10 @@ class HiggsTtsProgram(LMProgram):
         self.lm: HiggsLM | None = None
         self.codec: HiggsCodec | None = None
         self._tokenizer = None
-        self._audio: torch.Tensor | None = None  # [N] bool, this step's DualFFN audio rows (embed → backbone)
+        # This step's DualFFN text rows [0, n_text) when the step says so, else its audio rows [N] bool
+        # (embed → backbone)
+        self._n_text: int | None = None
+        self._audio: torch.Tensor | None = None
         self._set_lm_constants(self.read_config("lm_config"))
         acoustic = self.read_config("codec_config")["acoustic_model_config"]
         self.flush_rows = h.decoder_lag(acoustic)[1]  # rows past the all-eos row (spec.py)
@@ -98,9 +106,16 @@ class HiggsTtsProgram(LMProgram):
 
     # --- LM step (graph) -----------------------------------------------------------------------
     def embed(self, ids: torch.Tensor, rows: Rows) -> torch.Tensor:
-        """[N, 8] rows → [N, H]: a prompt row (step < 0) is its text id's embedding, a generated
-        row the sum of its codebooks' (the program's marker values read as stream eos). Leaves the
-        DualFFN flag of each row for `backbone`."""
+        """[N, 8] rows → [N, H]: a prompt row is its text id's embedding, a generated row the sum of
+        its codebooks' (the program's marker values read as stream eos). Prompt rows are rows
+        [0, rows.prompt_rows) where the step says so (each part embedded alone), else those with
+        step < 0. Leaves which rows DualFFN takes as text for `backbone`."""
+        k = rows.prompt_rows
+        self._n_text, self._audio = k, None
+        if k is not None:
+            parts = [self.lm.text_rows(ids[:k, 0])] if k else []
+            parts += [self.lm.audio_rows(ids[k:].clamp(max=h.STREAM_EOS))] if k < len(ids) else []
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
         text = rows.step < 0
         codes = torch.where(text[:, None], 0, ids.clamp(max=h.STREAM_EOS))
         emb = torch.where(
@@ -110,7 +125,8 @@ class HiggsTtsProgram(LMProgram):
         return emb
 
     def backbone(self, hidden: torch.Tensor, pos: torch.Tensor, attn: Attention) -> torch.Tensor:
-        return self.lm.backbone(hidden, pos, self._audio, attn)
+        """[N, H] → [N, H]: a decode step's rows take only the audio feed-forward path."""
+        return self.lm.backbone(hidden, pos, self._audio, attn, self._n_text)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """[B, H] → [B, 1, 1026] codebook 0's logits."""

@@ -7,6 +7,8 @@ the reference's where transformers builds it, one engine for every check.
 2. Backbone, teacher-forced over a prompt then audio rows (DualFFN's text and audio paths):
    codebook-0 logits from the graph runner against the eager runner, and the eager runner's against
    transformers' `HiggsAudioV2ForConditionalGeneration` (same weights, bf16) over the same rows.
+   A decode step (the audio path only, `Rows.prompt_rows` 0) against the same step with both paths
+   on every row: logits equal.
 3. Greedy rows of a request alone and among 3 and 17 others joining at different steps.
 4. Codec stream graphs against the eager codec, and against the whole utterance's decode: 16 streams
    of delay-pattern rows, one row a window, interleaved; the time of one codec call per batch size.
@@ -25,6 +27,7 @@ from parity_checks import bf16_engines, decode_step_ms, forced_steps, rows_for
 
 from codec_worker.worker import Codec
 from common.messages import DetokChunk, Finished, FinishReason, Prompt, SamplingParams
+from gpu_worker.attention.interface import StepLayout
 from programs.base import Rows
 from programs.higgs_tts import spec as h
 
@@ -130,6 +133,27 @@ def test_backbone_logits_match_eager_and_the_reference(higgs, gpu_report):
     assert res["backbone_vs_reference"]["top1_agree"] >= 0.9 and float(dr.max()) < 0.1 * float(
         want.abs().max()
     )
+
+
+def test_a_decode_step_gives_the_logits_of_both_paths_on_every_row(higgs, gpu_report):
+    """The eager runner's decode step (audio path only) against the same step with no split given
+    (both feed-forward paths on every row, the flag from each row's step keeping its own): the same
+    fused audio GEMMs on the same rows, so the same bits."""
+    prog, _, eager = higgs
+    prompts = [prog.preprocess(t, {}).rows for t in ("Hello there.", "A second prompt, a longer one.")]
+    steps = forced_steps(prompts, delayed(np.random.default_rng(2).integers(0, 1024, (4, 8)), False, 0))
+    for s in steps[:-1]:
+        eager.forward(s)
+    b = steps[-1]
+    split = eager.forward(b)[0]
+    where, pos = torch.from_numpy(b.where).cuda(), torch.from_numpy(b.pos).cuda()
+    eager.attn.plan(StepLayout(b.qo_indptr, b.kv_lens, b.page_tables, pos))
+    with torch.inference_mode():
+        emb = prog.embed(torch.from_numpy(b.ids).cuda(), Rows(where[:, 0], where[:, 1]))
+        both = prog.head(prog.backbone(emb, pos, eager.attn)).float()
+    differ = int((split != both).sum())
+    gpu_report("higgs-tts-parity")["decode_step_audio_path_vs_both_paths_differing_logits"] = differ
+    assert differ == 0
 
 
 def test_greedy_rows_alone_equal_those_among_others(higgs, gpu_report):

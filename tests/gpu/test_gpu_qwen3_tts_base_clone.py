@@ -193,8 +193,9 @@ def _first_difference(alone: tuple, got: tuple, prompt_rows: int) -> dict | None
 
 
 @pytest.mark.xfail(
-    reason="on the H200 the non-streaming ICL request among 17 others differs from frame 57 on; the "
-    "other five cases (each mode among 3 and 17 others) are equal",
+    reason="FlashInfer's decode kernels round a row by its batch's graph bucket on the H200: on tensor "
+    "cores the non-streaming ICL request among 17 others differs from frame 57 on, on CUDA cores the "
+    "streaming ICL one from frame 24; XQA or one decode bucket make the first equal",
     strict=False,
 )
 def test_cloned_greedy_frames_alone_equal_those_among_others(base, gpu_report):
@@ -229,6 +230,7 @@ def test_cloned_greedy_frames_alone_equal_those_among_others(base, gpu_report):
 SUSPECTS = {
     "one decode bucket (--min-decode-batch 32)": dict(min_decode_batch=32),
     "XQA decode attention (--decode-attention xqa)": dict(decode_attention="xqa"),
+    "FlashInfer decode on CUDA cores": dict(decode_tensor_cores=False),
 }
 
 
