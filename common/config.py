@@ -162,7 +162,8 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     # FlashInfer's decode kernel: on tensor cores (its FA2 prefill kernel; 0.85-0.89x the time of the
     # CUDA-core kernel for a 3B Llama's bf16 cache on the H200), or the CUDA-core decode kernel
     # (bench/attention_kv.py compares them; with an fp8 cache it is not measured). Neither is batch
-    # invariant on the H200 in every case (tests/gpu/test_gpu_qwen3_tts_base_clone.py); XQA is.
+    # invariant on the H200 in every case (a cloned request alone and among 17 others); XQA gives
+    # equal frames in the case measured.
     decode_tensor_cores: bool = True
     # A step's first new prompt runs in one graph with its decode rows (gpu_worker.runner.graphs, mixed
     # graphs) when the program allows it; False: in a prefill graph of its own.
