@@ -16,6 +16,8 @@
 #   csm            tests/gpu/test_gpu_csm_parity.py
 #   qwen3          tests/gpu/test_gpu_qwen3_tts_parity.py
 #   higgs          tests/gpu/test_gpu_higgs_tts_parity.py
+#   chatterbox     tests/gpu/test_gpu_chatterbox_parity.py (T3 with classifier-free guidance) and
+#                  tests/gpu/test_gpu_chatterbox_s3gen.py (S3Gen: the reference, stream graphs, GPU time)
 #   step | speed | offline | options | profile | attention | op-invariance | codec | codec-profile
 #                  `voxpipe bench STAGE` with the serving flags below
 #   load | load-mps | load-adaptive   `voxpipe bench ttfa` then the load curve on the same server
@@ -83,6 +85,7 @@ for stage in "$@"; do
     csm) gpu_tests csm tests/gpu/test_gpu_csm_parity.py ;;
     qwen3) gpu_tests qwen3 tests/gpu/test_gpu_qwen3_tts_parity.py ;;
     higgs) gpu_tests higgs tests/gpu/test_gpu_higgs_tts_parity.py ;;
+    chatterbox) gpu_tests chatterbox tests/gpu/test_gpu_chatterbox_parity.py tests/gpu/test_gpu_chatterbox_s3gen.py ;;
     xqa)
         gpu_tests xqa-parity tests/gpu/test_gpu_xqa_parity.py
         run xqa-speed $bench options --configs bf16+audio_head,audio_head+fp8kv,audio_head+fp8kv+flashinfer,audio_head+xqa \

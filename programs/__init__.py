@@ -37,6 +37,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "higgs-audio-v2": ("higgs_tts", "higgs-tts"),
     "bosonai/higgs-audio-v2-generation-3b-base": ("higgs_tts", "higgs-tts"),
     "higgs-tts-tiny": ("higgs_tts", "higgs-tts-tiny"),
+    "chatterbox": ("chatterbox", "chatterbox"),
+    "resembleai/chatterbox": ("chatterbox", "chatterbox"),
+    "chatterbox-tiny": ("chatterbox", "chatterbox-tiny"),
 }
 
 DEFAULT_MODEL = "orpheus-tiny"  # what --model "" (the default) serves: random weights, no download

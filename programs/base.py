@@ -18,6 +18,7 @@ apart from N/B/Bd, state only in buffers, randomness only from the keys passed i
 | `embed(ids, rows)` | gpu_worker | yes | ids [N, C] int64, rows `Rows` (slot, step [N]; prompt_rows) → [N, H] |
 | `backbone(hidden, pos, attn)` | gpu_worker | yes | [N, H], pos [N] int64 → [N, H]; attention through `attn` |
 | `head(hidden)` | gpu_worker | yes | [B, H] → logits [B, C', V] float32 (V' columns when `head_ids` is set); the runtime samples codebook 0 |
+| `guide(logits, slot)` | gpu_worker | yes | [B, 2, C', V] float32 (conditional, unconditional), slot [B] int64 → [B, C', V] (only with `guidance`) |
 | `decode_tokens(hidden, c0, sample, rows)` | gpu_worker | yes | [B, H], [B] int64, `Rows` (slot, step, prev [B, C]) → row [B, C] int64 (only when C > 1) |
 | `compile_depth(enabled)` | gpu_worker | no | optional: put `decode_tokens`' compilable pieces under torch.compile (--depth-compile) → whether it has any |
 | `init_state(num_slots)` | gpu_worker | no | optional: allocate per-request state buffers [num_slots, …] (see Per-request state) |
@@ -59,6 +60,7 @@ Attributes a program sets (defaults on LMProgram; any model may use each):
 | `codec_streams` | the codec keeps per-request state and decodes each audio row once (see Codec streams) |
 | `detok_silent` | a stream's first windows that yield no audio (a look-ahead, a delay pattern): sent at once, the listener's clock starts after them |
 | `detok_first_windows` | a stream's first audible windows held and sent together (short windows: the listener starts with their audio in hand) |
+| `guidance` | every request runs a conditional and an unconditional sequence (see Classifier-free guidance) |
 
 Multi-codebook rows (C > 1): a row is one frame of C codebook ids (a program may also encode
 non-audio rows in it, e.g. a text token, as long as `embed` tells them apart; prompt ids must lie
@@ -188,6 +190,19 @@ read past what it has) and resumes when rows arrive; once the input has ended it
 whose whole text came with its prompt, so the same text gives the same tokens however it arrived.
 `append_options` names the model options of the mode that takes appended text (the runtime sets
 them on such requests; a client that asks for another mode is served otherwise).
+
+Classifier-free guidance (`guidance = True`, for models that sample from a conditional and an
+unconditional sequence: Chatterbox, CosyVoice, Zonos): `preprocess` returns 2R rows, the conditional
+prompt's R rows then the unconditional prompt's R rows (`embed` tells the two apart by their ids).
+The runtime splits them when the prompt arrives and runs each request as two KV sequences of one
+slot: its pages split in half, the sequences side by side in every step (conditional first), both
+at the same positions 0..R-1 and steps -R..-1, and both fed the same sampled row. The request's
+token budget and repetition history are the conditional sequence's: max_tokens (and max_context)
+count R prompt rows and the rows generated, each sequence holds that many, and `prompt_overhead`
+and `option_rows` count the rows of one prompt. `guide(logits [B, 2, C', V], slot [B])` (graph) combines
+each request's pair into the logits it samples from, [B, C', V] (e.g. cond + w·(cond − uncond), w
+from per-request state); sampling then runs as for any request, so a request's rows do not depend
+on its batch. The forward runs eagerly (no CUDA graphs pair the sequences yet).
 
 Attention: `attn` is an `Attention` planned by the runtime for this step. Each layer calls
 `attn.forward(layer, q, k, v)`: it writes the step's keys/values into the paged cache
@@ -323,6 +338,8 @@ class LMProgram:
     # model options set (the runtime sets them on such requests).
     appends_text: bool = False
     append_options: dict[str, str] = {}
+    # True: classifier-free guidance, two KV sequences per request and `guide` (see its section).
+    guidance: bool = False
 
     def __init__(
         self,
@@ -450,6 +467,11 @@ class LMProgram:
         (enabled False) take them off again; False when the program has none, and the runtime then
         compiles the whole depth step."""
         return False
+
+    def guide(self, logits: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """logits [B, 2, C', V] float32 of each request's conditional and unconditional sequence,
+        slot [B] → the logits it samples from [B, C', V]. Needed when `guidance` is set."""
+        raise NotImplementedError(f"{self.name} sets guidance and has no guide")
 
     # --- per-request state (gpu_worker, host) --------------------------------------------------
     def init_state(self, num_slots: int) -> None:

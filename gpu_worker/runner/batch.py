@@ -29,6 +29,9 @@ class StepBatch:
     last_rows: torch.Tensor | None = None
     # [N, 2] int64 each row's request slot and step (programs.base.Rows); None: zeros
     where: np.ndarray | None = None
+    # KV sequences per request: 2 for a guided program (programs.base: Classifier-free guidance),
+    # its requests' sequences side by side; `meta` stays per request.
+    sequences: int = 1
 
     def row_where(self) -> np.ndarray:
         """[N, 2] int64 slot and step of every row (zeros when the batch carries none)."""
@@ -66,4 +69,7 @@ def feed_decode_rows(ids: torch.Tensor, b: StepBatch, meta: torch.Tensor | None)
     """Decode rows (the last ones) take the ids sampled last step, straight from the device."""
     n_dec = b.batch_size - b.num_prefill
     if b.last_rows is not None and n_dec:
-        ids[ids.shape[0] - n_dec :] = b.last_rows[meta[0, b.num_prefill :]]
+        slots = meta[0, b.num_prefill // b.sequences :]
+        if b.sequences > 1:  # every sequence of a request is fed the request's row
+            slots = slots.repeat_interleave(b.sequences)
+        ids[ids.shape[0] - n_dec :] = b.last_rows[slots]

@@ -42,9 +42,13 @@ class EagerRunner:
         rows = rows_of(where, prompt_rows=b.qo_indptr[b.num_prefill])  # prompts first
         hidden = self.program.backbone(self.program.embed(ids, rows), pos, self.attn)  # [N, H]
         last = torch.tensor(b.qo_indptr[1:], device=dev) - 1
-        hidden = hidden[last]  # [B, H]
+        hidden = hidden[last]  # [B, H] ([S·B, H] with S sequences per request)
+        logits = self.program.head(hidden).float()
+        if b.sequences > 1:  # a guided program: each request's pair of sequences → its logits
+            logits = self.program.guide(logits.view(-1, b.sequences, *logits.shape[1:]), meta[0])
+            hidden = hidden[:: b.sequences]  # the conditional sequence's
         keep = hidden if self.program.n_codebooks > 1 else None
-        return self.program.head(hidden).float(), meta, keep
+        return logits, meta, keep
 
     @torch.inference_mode()
     def decode_tokens(

@@ -37,9 +37,10 @@ if TYPE_CHECKING:
 
 
 def make_runner(program: LMProgram, kv_cache: torch.Tensor, limits, progress=None) -> EagerRunner:
-    """The forward runner: eager on CPU, or on GPU without graphs; else prefill and decode graphs."""
+    """The forward runner: eager on CPU, on GPU without graphs, or for a guided program (two KV
+    sequences per request, which no graph pairs); else prefill and decode graphs."""
     limits = limits.filled(program.device.type, program.spec["max_tokens"])
-    if program.device.type == "cpu" or not limits.cuda_graphs:
+    if program.device.type == "cpu" or not limits.cuda_graphs or program.guidance:
         return EagerRunner(program, eager_attention(program, kv_cache, limits))
     from gpu_worker.runner.graphs import GraphRunner
 
@@ -63,7 +64,7 @@ class ModelRunner:
         self.program = program
         self.device = program.device
         # +1 token per request: a launched step may run once past a stop it has not seen yet.
-        per_request = pages_for(limits.max_context + 1, limits.page_size)
+        per_request = pages_for(limits.max_context + 1, limits.page_size) * (2 if program.guidance else 1)
         num_pages = limits.num_pages or 1 + limits.max_batch_size * per_request
         self.kv_cache = allocate_kv_cache(
             program.num_layers,
@@ -114,7 +115,13 @@ class ModelRunner:
 
     # --- a step --------------------------------------------------------------------------------
     def layout(self, batch: list[Request]) -> StepBatch:
-        """The step's rows: new requests' whole prompts, then one fed-back row per running one."""
+        """The step's rows: new requests' whole prompts, then one fed-back row per running one; a
+        guided program's requests as two sequences each, side by side (`_guided`)."""
+        if self.program.guidance:
+            return self._guided(self._layout(batch), batch)
+        return self._layout(batch)
+
+    def _layout(self, batch: list[Request]) -> StepBatch:
         n_pre = sum(r.n_ctx == 0 for r in batch)
         prompts = [r.prompt for r in batch[:n_pre]]
         n_dec = len(batch) - n_pre
@@ -147,6 +154,36 @@ class ModelRunner:
             meta=np.ascontiguousarray(meta[:3]),
             last_rows=self.slots.last,
             where=where,
+        )
+
+    @staticmethod
+    def _guided(b: StepBatch, batch: list[Request]) -> StepBatch:
+        """The one-sequence layout `b` of `batch` as two KV sequences per request (programs.base:
+        Classifier-free guidance): each request's conditional rows then its unconditional rows, at
+        the same positions and steps, each sequence on half of the request's pages. `meta` stays
+        per request; `sequences` = 2 tells the runner to pair the sequences' logits."""
+        ids, pos, where, lens, tables = [], [], [], [], []
+        for i, r in enumerate(batch):
+            lo, hi = b.qo_indptr[i], b.qo_indptr[i + 1]
+            half = len(r.pages) // 2
+            second = r.unguided if i < b.num_prefill else b.ids[lo:hi]
+            ids += [b.ids[lo:hi], second]
+            pos += [b.pos[lo:hi]] * 2
+            where += [b.where[lo:hi]] * 2
+            lens += [b.kv_lens[i]] * 2
+            tables += [r.pages[:half], r.pages[half:]]
+        rows = np.repeat(np.diff(b.qo_indptr), 2)
+        return StepBatch(
+            ids=np.concatenate(ids),
+            pos=np.concatenate(pos),
+            qo_indptr=np.concatenate([[0], np.cumsum(rows)]).tolist(),
+            kv_lens=lens,
+            page_tables=tables,
+            num_prefill=2 * b.num_prefill,
+            meta=b.meta,
+            last_rows=b.last_rows,
+            where=np.concatenate(where),
+            sequences=2,
         )
 
     @torch.inference_mode()

@@ -18,6 +18,8 @@ class Request:
     budget: int  # total tokens allowed, prompt included
     urgent: bool = False  # a later segment of a stream already playing: admitted before new ones
     state: dict[str, np.ndarray] = field(default_factory=dict)  # the program's, for its slot
+    # [R, C] int64 the unconditional prompt of a guided program (its second KV sequence), else None
+    unguided: np.ndarray | None = None
     pages: list[int] = field(default_factory=list)
     slot: int = -1  # sampling-state slot while running
     n_ctx: int = 0  # rows in the KV cache once the launched steps complete

@@ -81,7 +81,9 @@ class Scheduler:
         self.allocator = PageAllocator(num_pages)
         self.real_time = real_time
         # +1 token per request: a launched step may run once past a stop it has not seen yet.
-        self.pages_per_request = pages_for(limits.max_context + 1, limits.page_size)
+        # A guided program's request holds two KV sequences (programs.base: Classifier-free guidance).
+        self.sequences = 2 if program.guidance else 1
+        self.pages_per_request = self.sequences * pages_for(limits.max_context + 1, limits.page_size)
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}
         self.finished: list[Finished] = []
@@ -117,7 +119,7 @@ class Scheduler:
             return
         rows = np.frombuffer(prompt.tokens, dtype="<i4").astype(np.int64).reshape(prompt.n_rows, c)
         budget = min(prompt.sampling.max_tokens, limits.max_context)
-        need = pages_for(budget + 1, limits.page_size)
+        need = self.sequences * pages_for(budget + 1, limits.page_size)
         if need > self.allocator.num_pages - 1:
             self.reject(
                 prompt.rid,
@@ -125,7 +127,7 @@ class Scheduler:
                 f"holds ({self.allocator.num_pages - 1}); lower max_tokens or raise --num-pages",
             )
             return
-        if prompt.n_rows == 0 or prompt.n_rows >= budget:
+        if prompt.n_rows == 0 or prompt.n_rows // self.sequences >= budget:
             self.reject(
                 prompt.rid,
                 f"prompt is {prompt.n_rows} tokens, which leaves no room to generate within "
@@ -143,7 +145,12 @@ class Scheduler:
         if self._aborted.pop(prompt.rid, False):
             self.finished.append(Finished(prompt.rid, FinishReason.ABORT))
             return
+        unguided = None
+        if self.program.guidance:  # the conditional prompt, then the unconditional one
+            half = len(rows) // 2
+            rows, unguided = rows[:half], rows[half:]
         req = Request(prompt.rid, rows, prompt.sampling, prompt.arrival, budget, prompt.urgent, state=state)
+        req.unguided = unguided
         req.input_open, req.n_text = prompt.open_input, self.program.appended_rows(state)
         if req.input_open and not (self.program.appends_text and self.program.open_steps(req.n_text)):
             self.reject(prompt.rid, f"{self.program.name} takes no appended text in this prompt's mode")
@@ -285,7 +292,7 @@ class Scheduler:
                 or (takes is not None and not takes([*lengths, rows]))
             ):
                 break
-            pages = self.allocator.alloc(pages_for(req.budget + 1, limits.page_size))
+            pages = self.allocator.alloc(self.sequences * pages_for(req.budget + 1, limits.page_size))
             if pages is None:
                 break  # wait for a running request to finish and free its pages
             self.waiting.popleft()

@@ -1,0 +1,204 @@
+"""Chatterbox's voice cloning encoders (codec_worker): a 16 kHz clip → T3's conditioning, the voice
+encoder's speaker embedding [256] and the S3 tokenizer's prompt speech tokens [<= 150].
+
+Based on chatterbox-tts 0.1.7 (`ChatterboxTTS.prepare_conditionals`, models/voice_encoder,
+models/s3tokenizer) and s3tokenizer 0.3's `S3TokenizerV2` (the reference), with their parameter names
+(`ve.safetensors`; `s3gen.safetensors` under `tokenizer.`) and arithmetic:
+
+- speaker: the clip trimmed of silence (librosa's `effects.trim`, 20 dB below the loudest 2048-sample
+  frame), a 40-band power mel (n_fft 400, hop 160, Slaney), cut into 160-frame windows every 77
+  frames (rate 1.3 windows a second, the last one kept when it covers 80 %), each through a 3-layer
+  LSTM, projected, ReLU'd and L2-normed; their mean L2-normed;
+- prompt tokens: the clip's first 6 s, a 128-band log mel (Whisper's: log10, floor at max - 8,
+  (x + 4) / 4) of its first 600 frames, a Whisper-style encoder (two stride-2 convolutions, 6
+  blocks of rotary attention with an FSMN memory) and the FSQ quantizer (8 ternary digits: 6561
+  tokens, 25 a second).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SAMPLE_RATE = 16000
+N_FFT, HOP = 400, 160
+PROMPT_SAMPLES = 6 * SAMPLE_RATE  # ENC_COND_LEN
+PROMPT_TOKENS = 150
+WINDOW_FRAMES, WINDOW_STEP = 160, 77  # the voice encoder's partials: round(16000 / 1.3 / 160)
+TOKENIZER = {"n_mels": 128, "n_state": 1280, "n_head": 20, "n_layer": 6}  # S3TokenizerV2's ModelConfig
+
+
+def mel_filters(n_mels: int, fmax: float) -> np.ndarray:
+    """The Slaney-scale, Slaney-normalized mel filterbank [n_mels, N_FFT // 2 + 1] float32 at 16 kHz
+    from 0 Hz (librosa's `filters.mel`), computed in float64."""
+
+    def to_mel(f: np.ndarray) -> np.ndarray:
+        log = 15.0 + np.log(np.maximum(f, 1e-10) / 1000.0) / (math.log(6.4) / 27.0)
+        return np.where(f >= 1000.0, log, f / (200.0 / 3))
+
+    def to_hz(m: np.ndarray) -> np.ndarray:
+        return np.where(m >= 15.0, 1000.0 * np.exp((math.log(6.4) / 27.0) * (m - 15.0)), m * (200.0 / 3))
+
+    freqs = np.linspace(0, SAMPLE_RATE / 2, N_FFT // 2 + 1)
+    edges = to_hz(np.linspace(to_mel(np.array(0.0)), to_mel(np.array(fmax)), n_mels + 2))
+    ramps = edges[:, None] - freqs[None, :]
+    gaps = np.diff(edges)
+    lower, upper = -ramps[:-2] / gaps[:-1, None], ramps[2:] / gaps[1:, None]
+    weights = np.maximum(0.0, np.minimum(lower, upper)) * (2.0 / (edges[2:] - edges[:-2]))[:, None]
+    return weights.astype(np.float32)
+
+
+def trim_silence(wav: np.ndarray, top_db: float = 20.0, frame: int = 2048, hop: int = 512) -> np.ndarray:
+    """The clip without its leading and trailing frames `top_db` below its loudest (librosa's
+    `effects.trim`: RMS of zero-padded centered frames, in dB against the maximum)."""
+    padded = np.pad(wav, frame // 2)
+    n = 1 + (len(padded) - frame) // hop
+    frames = np.lib.stride_tricks.as_strided(padded, (n, frame), (padded.strides[0] * hop, padded.strides[0]))
+    rms = np.sqrt(np.mean(np.abs(frames) ** 2, axis=-1))
+    power = np.square(rms)
+    db = 10.0 * np.log10(np.maximum(1e-10, power)) - 10.0 * np.log10(np.maximum(1e-10, power.max()))
+    loud = np.flatnonzero(db > -top_db)
+    if not loud.size:
+        return wav[:0]
+    return wav[loud[0] * hop : min(len(wav), (loud[-1] + 1) * hop)]
+
+
+class VoiceEncoder(nn.Module):
+    """The speaker encoder (`ve.safetensors`): `lstm`, `proj`, and the training-only similarity
+    parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(40, 256, num_layers=3, batch_first=True)
+        self.proj = nn.Linear(256, 256)
+        self.similarity_weight = nn.Parameter(torch.tensor([10.0]))
+        self.similarity_bias = nn.Parameter(torch.tensor([-5.0]))
+        self.register_buffer("basis", torch.from_numpy(mel_filters(40, 8000.0)), persistent=False)
+
+    @torch.inference_mode()
+    def embed(self, wav: np.ndarray) -> np.ndarray:
+        """A 16 kHz clip [S] float32 → its speaker embedding [256] float32 (L2-normed)."""
+        wav = trim_silence(wav)
+        audio = torch.from_numpy(np.ascontiguousarray(wav, dtype=np.float32)).to(self.basis.device)
+        window = torch.hann_window(N_FFT, device=audio.device)
+        spec = torch.stft(
+            audio, N_FFT, HOP, window=window, center=True, pad_mode="reflect", return_complex=True
+        )
+        mel = (self.basis @ spec.abs() ** 2).T  # [T, 40]
+        n_frames = mel.shape[0]
+        n, rest = divmod(max(n_frames - WINDOW_FRAMES + WINDOW_STEP, 0), WINDOW_STEP)
+        if n == 0 or (rest + WINDOW_FRAMES - WINDOW_STEP) / WINDOW_FRAMES >= 0.8:
+            n += 1
+        target = WINDOW_FRAMES + WINDOW_STEP * (n - 1)
+        mel = F.pad(mel, (0, 0, 0, max(0, target - n_frames)))[:target]
+        partials = mel.unfold(0, WINDOW_FRAMES, WINDOW_STEP).transpose(1, 2)  # [n, 160, 40]
+        _, (hidden, _) = self.lstm(partials)
+        each = F.relu(self.proj(hidden[-1]))
+        each = each / torch.linalg.norm(each, dim=1, keepdim=True)
+        mean = each.mean(0)
+        return (mean / torch.linalg.norm(mean)).cpu().numpy()
+
+
+class _Linear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+
+class _Attention(nn.Module):
+    """Rotary multi-head attention plus the FSMN memory (a depthwise convolution over the values)."""
+
+    def __init__(self, n_state: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.query, self.value, self.out = (
+            _Linear(n_state, n_state),
+            _Linear(n_state, n_state),
+            _Linear(n_state, n_state),
+        )
+        self.key = _Linear(n_state, n_state, bias=False)
+        self.fsmn_block = nn.Conv1d(n_state, n_state, 31, groups=n_state, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [1, T, D] (one clip, no padding) → [1, T, D]."""
+        b, t, d = x.shape
+        scale = (d // self.n_head) ** -0.25
+        q, k, v = (p(x).view(b, t, self.n_head, -1) for p in (self.query, self.key, self.value))
+        q, k = (
+            y * cos + torch.cat((-y[..., y.shape[-1] // 2 :], y[..., : y.shape[-1] // 2]), -1) * sin
+            for y in (q, k)
+        )
+        flat = v.reshape(b, t, d)
+        memory = self.fsmn_block(F.pad(flat.transpose(1, 2), (15, 15))).transpose(1, 2) + flat
+        q = q.permute(0, 2, 1, 3) * scale
+        k = k.permute(0, 2, 3, 1) * scale
+        w = torch.softmax((q @ k).float(), dim=-1).to(q.dtype)
+        out = (w @ v.permute(0, 2, 1, 3)).permute(0, 2, 1, 3).flatten(2)
+        return self.out(out) + memory
+
+
+class _Block(nn.Module):
+    def __init__(self, n_state: int, n_head: int) -> None:
+        super().__init__()
+        self.attn = _Attention(n_state, n_head)
+        self.attn_ln = nn.LayerNorm(n_state)
+        self.mlp = nn.Sequential(_Linear(n_state, 4 * n_state), nn.GELU(), _Linear(4 * n_state, n_state))
+        self.mlp_ln = nn.LayerNorm(n_state)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_ln(x.float()).to(x.dtype), cos, sin)
+        return x + self.mlp(self.mlp_ln(x.float()).to(x.dtype))
+
+
+class _Encoder(nn.Module):
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        n = cfg["n_state"]
+        self.conv1 = nn.Conv1d(cfg["n_mels"], n, 3, stride=2, padding=1)
+        self.conv2 = nn.Conv1d(n, n, 3, stride=2, padding=1)
+        self.blocks = nn.ModuleList(_Block(n, cfg["n_head"]) for _ in range(cfg["n_layer"]))
+
+
+class S3Tokenizer(nn.Module):
+    """The S3 speech tokenizer v2 (`encoder.*`, `quantizer._codebook.project_down`)."""
+
+    def __init__(self, cfg: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.cfg = dict(cfg or TOKENIZER)
+        self.encoder = _Encoder(self.cfg)
+        self.quantizer = nn.Module()
+        self.quantizer._codebook = nn.Module()
+        self.quantizer._codebook.project_down = nn.Linear(self.cfg["n_state"], 8)
+        self.register_buffer(
+            "basis", torch.from_numpy(mel_filters(self.cfg["n_mels"], 8000.0)), persistent=False
+        )
+        # Rotary angles of head width 64 for 2048 positions (s3tokenizer's precompute_freqs_cis).
+        freqs = 1.0 / (10000.0 ** (torch.arange(0, 64, 2)[:32].float() / 64))
+        angles = torch.outer(torch.arange(2048).float(), freqs)
+        self.register_buffer("cos", torch.cat([angles.cos()] * 2, -1), persistent=False)
+        self.register_buffer("sin", torch.cat([angles.sin()] * 2, -1), persistent=False)
+
+    @torch.inference_mode()
+    def tokens(self, wav: np.ndarray) -> np.ndarray:
+        """A 16 kHz clip [S] float32 → the speech tokens [<= 150] int32 of its first 6 s."""
+        audio = torch.from_numpy(np.ascontiguousarray(wav[:PROMPT_SAMPLES], dtype=np.float32))
+        audio = audio.to(self.basis.device)
+        window = torch.hann_window(N_FFT, device=audio.device)
+        spec = torch.stft(audio, N_FFT, HOP, window=window, return_complex=True)
+        log = torch.clamp(self.basis @ spec[..., :-1].abs() ** 2, min=1e-10).log10()
+        mel = ((torch.maximum(log, log.max() - 8.0) + 4.0) / 4.0)[:, : 4 * PROMPT_TOKENS]  # [128, T]
+        enc = self.encoder
+        x = F.gelu(enc.conv1(mel[None]))
+        x = F.gelu(enc.conv2(x)).transpose(1, 2)  # [1, T / 4, D]
+        t = x.shape[1]
+        cos, sin = self.cos[None, :t, None, :].to(x.dtype), self.sin[None, :t, None, :].to(x.dtype)
+        for block in enc.blocks:
+            x = block(x, cos, sin)
+        h = self.quantizer._codebook.project_down(x[0]).float().tanh()
+        digits = (h * 0.9990000128746033).round() + 1  # [T, 8] in {0, 1, 2}
+        powers = torch.pow(3, torch.arange(8, device=h.device, dtype=h.dtype))
+        return (digits * powers).sum(-1).to(torch.int32).cpu().numpy()

@@ -1,0 +1,343 @@
+"""Chatterbox program (ResembleAI/chatterbox): T3, a Llama LM of S3 speech tokens conditioned on a
+voice, sampled with classifier-free guidance. See programs/chatterbox/spec.py for the facts and the
+prompt's ids, model.py for the LM.
+
+The contract pieces it uses (programs/base.py):
+- classifier-free guidance (`guidance`): a prompt is the conditional prompt then the unconditional
+  one (its text rows in the UNCOND_TEXT range: positions without token embeddings), and `guide`
+  samples from cond + w·(cond − uncond) with the request's `cfg_weight` w;
+- per-request state: the voice (speaker embedding [256], prompt speech tokens [T <= 150]), the
+  `exaggeration`, the guidance weight and the text's row count. `admit` runs the conditioning
+  encoder (speaker projection, perceiver, emotion projection) once per request into the slot's
+  COND_ROWS rows, which `embed` reads for the prompt's conditioning rows;
+- an output head over the speech ids only (`head_ids`): prompt ids above them (text, conditioning)
+  fall outside the repetition penalty, which sees the start of speech and the generated tokens, as
+  the reference's.
+
+- reference audio: `encode_references` (clone.py) turns a 16 kHz clip into the speaker embedding
+  and prompt speech tokens that `preprocess` puts in the state in place of the default voice's;
+- codec streams: S3Gen (codec.py) decodes each request's windows of 25 speech tokens in its codec
+  slot, in the default voice's S3Gen conditioning, its noise from the request's key.
+
+Request options (model_kwargs): `exaggeration` (default 0.5) and `cfg_weight` (default 0.5). The voice
+is the checkpoint's default (conds.pt; random for dummy weights) or a cloned one.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from programs.base import Attention, CodecStreams, LMProgram, PromptRows, Reference, Rows, Voice
+from programs.chatterbox import spec as c
+
+if TYPE_CHECKING:
+    from programs.chatterbox.codec import S3Gen
+    from programs.chatterbox.model import T3LM
+
+CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
+_STATE = {"speaker", "prompt_tokens", "exaggeration", "cfg_weight", "text_rows"}
+
+
+def punc_norm(text: str) -> str:
+    """The reference's text clean-up (tts.py `punc_norm`): a capital first letter, single spaces,
+    uncommon punctuation replaced, and a full stop where the text ends without one."""
+    if text[0].islower():
+        text = text[0].upper() + text[1:]
+    text = " ".join(text.split())
+    for old, new in (
+        ("...", ", "),
+        ("…", ", "),
+        (":", ","),
+        (" - ", ", "),
+        (";", ", "),
+        ("—", "-"),
+        ("–", "-"),
+        (" ,", ","),
+        ("“", '"'),
+        ("”", '"'),
+        ("‘", "'"),
+        ("’", "'"),
+    ):
+        text = text.replace(old, new)
+    text = text.rstrip(" ")
+    return text if text.endswith((".", "!", "?", "-", ",")) else text + "."
+
+
+def _option(model_kwargs: dict[str, str], name: str, default: float, lo: float, hi: float) -> float:
+    raw = model_kwargs.get(name)
+    if raw in (None, ""):
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, not {raw!r}") from None
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must lie in [{lo}, {hi}], not {value}")
+    return value
+
+
+class ChatterboxProgram(LMProgram):
+    config_dir = CONFIG_DIR
+    name = "chatterbox"
+    guidance = True
+    codec_streams = True  # S3Gen keeps each request's tokens so far (programs/chatterbox/codec.py)
+    reference_sample_rate = 16000  # the voice encoder's and the S3 tokenizer's rate (clone.py)
+
+    def __init__(self, spec: dict[str, Any], **kwargs: Any) -> None:
+        super().__init__(spec, **kwargs)
+        self.lm: T3LM | None = None
+        self.codec: S3Gen | None = None
+        self._tokenizer = None
+        self._voice: dict[str, np.ndarray] | None = None  # the default voice (load_prompts)
+        cfg = self.read_config("lm_config")
+        self.config = cfg
+        self.vocab_size = c.INPUT_VOCAB
+        self.num_layers = cfg["num_hidden_layers"]
+        self.num_qo_heads = cfg["num_attention_heads"]
+        self.num_kv_heads = cfg["num_key_value_heads"]
+        self.hidden_size = cfg["hidden_size"]
+        self.head_dim = cfg.get("head_dim") or self.hidden_size // self.num_qo_heads
+        self.max_text_rows = cfg["max_text_tokens"] + 2
+
+    # --- loading -------------------------------------------------------------------------------
+    def load_lm(self) -> None:
+        from programs.chatterbox.model import T3LM
+
+        if self.quantization != "none":
+            raise ValueError(f"{self.name} runs with --quantization none (got {self.quantization!r})")
+        self.lm = self.lm_weights(T3LM)
+        self.head_ids = torch.arange(c.SPEECH_VOCAB, device=self.device)
+
+    def load_codec(self) -> None:
+        """S3Gen (codec.py) in `codec_dtype` with the default voice's conditioning: the checkpoint's
+        `s3gen.safetensors` and `conds.pt`, or random weights and a seeded random voice."""
+        from programs.chatterbox.codec import S3Gen
+
+        self.codec = self.codec_model(S3Gen)
+
+    def load_prompts(self) -> None:
+        """The text tokenizer (the checkpoint's tokenizer.json; a byte-level stand-in for random
+        weights) and the default voice (the checkpoint's conds.pt; a seeded random one)."""
+        if self.load_format == "dummy" or self.weights is None:
+            gen = np.random.default_rng(0)
+            speaker = gen.standard_normal(c.SPEAKER_DIM).astype(np.float32)
+            self._voice = {
+                "speaker": speaker / np.linalg.norm(speaker),
+                "prompt_tokens": gen.integers(0, c.SPEECH_CODES, c.PROMPT_TOKENS).astype(np.int32),
+            }
+            return
+        from huggingface_hub import snapshot_download
+        from tokenizers import Tokenizer
+
+        path = self.weights
+        if not os.path.isdir(path):
+            path = snapshot_download(path, allow_patterns=["conds.pt", "tokenizer.json"])
+        self._tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        t3 = torch.load(os.path.join(path, "conds.pt"), map_location="cpu", weights_only=True)["t3"]
+        self._voice = {
+            "speaker": t3["speaker_emb"].reshape(-1).float().numpy(),
+            "prompt_tokens": t3["cond_prompt_speech_tokens"].reshape(-1).numpy().astype(np.int32),
+        }
+
+    def load_encoders(self) -> None:
+        """The voice encoder and the S3 tokenizer (clone.py): `ve.safetensors` and the `tokenizer.`
+        weights of `s3gen.safetensors`, or seeded random weights."""
+        from programs.chatterbox.clone import S3Tokenizer, VoiceEncoder
+
+        self._speaker_encoder = VoiceEncoder()
+        self._speech_tokenizer = S3Tokenizer(self.spec.get("s3_tokenizer"))
+        if self.load_format == "dummy" or self.codec_weights is None:
+            gen = torch.Generator().manual_seed(1)
+            with torch.no_grad():
+                for module in (self._speaker_encoder, self._speech_tokenizer):
+                    for name, t in module.named_parameters():
+                        fill = 1.0 if name.endswith("ln.weight") else 0.0
+                        t.copy_(torch.randn(t.shape, generator=gen) * 0.05 + fill)
+        else:
+            from huggingface_hub import snapshot_download
+            from safetensors.torch import load_file
+
+            path = self.codec_weights
+            if not os.path.isdir(path):
+                path = snapshot_download(path, allow_patterns=["ve.safetensors", "s3gen.safetensors"])
+            self._speaker_encoder.load_state_dict(load_file(os.path.join(path, "ve.safetensors")))
+            tok = load_file(os.path.join(path, "s3gen.safetensors"))
+            tok = {k[len("tokenizer.") :]: v for k, v in tok.items() if k.startswith("tokenizer.")}
+            tok = {k: v for k, v in tok.items() if k not in ("_mel_filters", "window")}
+            self._speech_tokenizer.load_state_dict(tok)
+        self._speaker_encoder.to(self.device).eval()
+        self._speech_tokenizer.to(self.device).eval()
+
+    def encode_references(self, clips: list[Reference]) -> list[dict[str, np.ndarray]]:
+        """Each 16 kHz clip's T3 conditioning: `speaker` [256] float32, `prompt_tokens` [<= 150] int32
+        (ChatterboxTTS.prepare_conditionals)."""
+        out = []
+        for clip in clips:
+            tokens = self._speech_tokenizer.tokens(clip.audio)
+            if not len(tokens):
+                raise ValueError("the reference clip is too short for a speech token (40 ms)")
+            out.append({"speaker": self._speaker_encoder.embed(clip.audio), "prompt_tokens": tokens})
+        return out
+
+    # --- per-request state ---------------------------------------------------------------------
+    def init_state(self, num_slots: int) -> None:
+        dev, h = self.device, self.hidden_size
+        self._cond = torch.zeros(num_slots, c.COND_ROWS, h, dtype=self.dtype, device=dev)
+        self._weight = torch.zeros(num_slots, dtype=torch.float32, device=dev)
+        self._text_end = torch.zeros(num_slots, dtype=torch.int64, device=dev)
+
+    def check_prompt(self, rows: np.ndarray, state: dict[str, np.ndarray]) -> str:
+        if set(state) != _STATE:
+            return f"{self.spec['name']} prompts carry the state {sorted(_STATE)}; got {sorted(state)}"
+        shapes = {"speaker": (c.SPEAKER_DIM,), "exaggeration": (1,), "cfg_weight": (1,), "text_rows": (1,)}
+        if any(state[k].shape != s for k, s in shapes.items()):
+            return f"state shapes must be {shapes}"
+        tokens, n_text = state["prompt_tokens"], int(state["text_rows"][0])
+        if tokens.ndim != 1 or not 1 <= len(tokens) <= c.PROMPT_TOKENS:
+            return f"'prompt_tokens' holds 1 to {c.PROMPT_TOKENS} speech tokens"
+        if tokens.min() < 0 or tokens.max() >= c.SPEECH_CODES:
+            return "'prompt_tokens' are speech tokens below 6561"
+        if not np.isfinite(state["speaker"]).all() or not np.isfinite(state["exaggeration"]).all():
+            return "'speaker' and 'exaggeration' are finite"
+        if not 0.0 <= float(state["cfg_weight"][0]) <= 2.0:
+            return "'cfg_weight' lies in [0, 2]"
+        if not 2 <= n_text <= self.max_text_rows:
+            return f"'text_rows' lies in [2, {self.max_text_rows}]"
+        if rows.shape != (2 * (c.COND_ROWS + n_text + 2), 1):
+            return "rows are the conditional then the unconditional prompt of 'text_rows' text rows"
+        text = rows[c.COND_ROWS : c.COND_ROWS + n_text, 0] - c.TEXT
+        if text.min() < 0 or text.max() >= c.TEXT_VOCAB or not np.array_equal(rows[:, 0], self._rows(text)):
+            return "rows are not the conditional then the unconditional prompt of their text"
+        return ""
+
+    def admit(self, slot: int, state: dict[str, np.ndarray]) -> None:
+        """The request's conditioning rows (computed on the device now), guidance weight and text
+        end into `slot`."""
+        from gpu_worker.runner.slots import to_device
+
+        def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return to_device(torch.from_numpy(np.array(a)).to(dtype), self.device)
+
+        rows = self.lm.cond_rows(
+            dev(state["speaker"], torch.float32),
+            dev(state["prompt_tokens"], torch.int64),
+            dev(state["exaggeration"], torch.float32),
+        )
+        self._cond[slot] = rows
+        self._weight[slot : slot + 1] = dev(state["cfg_weight"], torch.float32)
+        self._text_end[slot : slot + 1] = dev(state["text_rows"] + 2, torch.int64)
+
+    # --- LM step (graph) -----------------------------------------------------------------------
+    def embed(self, ids: torch.Tensor, rows: Rows) -> torch.Tensor:
+        """[N, 1] → [N, H]: a speech id's embedding plus its speech position (prompt rows 0,
+        generated token k at k + 1); a text id's embedding (zero in the unconditional prompt) plus
+        its text position; a conditioning row from the request's slot."""
+        lm, i = self.lm, ids[:, 0]
+        step, slot = rows.step, rows.slot
+        speech_pos = (step + 1).clamp(0, lm.speech_pos_emb.emb.weight.shape[0] - 1)
+        speech = lm.speech_emb(i.clamp(0, c.SPEECH_VOCAB - 1)) + lm.speech_pos_emb.emb.weight[speech_pos]
+        t = (i - c.TEXT).clamp(0, 2 * c.TEXT_VOCAB - 1)
+        keep = (t < c.TEXT_VOCAB).to(speech.dtype)[:, None]
+        text_pos = (step + self._text_end[slot]).clamp(0, self.max_text_rows - 1)
+        text = lm.text_emb(t % c.TEXT_VOCAB) * keep + lm.text_pos_emb.emb.weight[text_pos]
+        cond = self._cond[slot, (i - c.COND).clamp(0, c.COND_ROWS - 1)]
+        out = torch.where((i < c.SPEECH_VOCAB)[:, None], speech, text)
+        return torch.where((i >= c.COND)[:, None], cond, out)
+
+    def backbone(self, hidden: torch.Tensor, pos: torch.Tensor, attn: Attention) -> torch.Tensor:
+        return self.lm.backbone(hidden, pos, attn)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm.speech_head(hidden)[:, None, :]  # [B, 1, SPEECH_VOCAB] (head_ids)
+
+    def guide(self, logits: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """[B, 2, 1, V] → cond + w·(cond − uncond) [B, 1, V], w the request's cfg_weight."""
+        cond, uncond = logits[:, 0], logits[:, 1]
+        return cond + self._weight[slot][:, None, None] * (cond - uncond)
+
+    # --- codec (graph) -------------------------------------------------------------------------
+    def init_codec_streams(self, n_slots: int) -> None:
+        self.codec.init_streams(n_slots)
+
+    def detokenize(
+        self,
+        tokens: torch.Tensor,
+        keys: torch.Tensor,
+        tail_rows: int = 0,
+        streams: CodecStreams | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[Bd, R, 1] S3 tokens continuing each entry's stream → audio [Bd, 960 R], valid [Bd]
+        (always: every window has audio). The stream's noise comes from its first window's key."""
+        ids = tokens[:, :, 0].clamp(0, c.SPEECH_CODES - 1)
+        audio = self.codec.decode_stream(ids, keys, streams.slot, streams.fresh)
+        return audio.float().clamp(-1, 1), torch.ones(len(ids), dtype=torch.bool, device=ids.device)
+
+    # --- prompts (tokenizer_worker) ------------------------------------------------------------
+    def text_ids(self, text: str) -> list[int]:
+        """The text's token ids (the reference's EnTokenizer: spaces as [SPACE]); the stand-in maps
+        each UTF-8 byte to an id in [1, 255)."""
+        if self._tokenizer is None:
+            return [1 + b % 254 for b in text.encode()]
+        return self._tokenizer.encode(text.replace(" ", "[SPACE]")).ids
+
+    def _rows(self, text: np.ndarray) -> np.ndarray:
+        """Both prompts' ids [2R] for the text rows `text` (start and stop of text included)."""
+        cond_rows = c.COND + np.arange(c.COND_ROWS)
+        speech = np.full(2, c.START_SPEECH)
+        cond = np.concatenate([cond_rows, c.TEXT + text, speech])
+        uncond = np.concatenate([cond_rows, c.UNCOND_TEXT + text, speech])
+        return np.concatenate([cond, uncond]).astype(np.int64)
+
+    def preprocess(self, text: str, model_kwargs: dict[str, str], voice: Voice | None = None) -> PromptRows:
+        unknown = set(model_kwargs) - set(self.spec["model_options"]) - {"voice"}
+        if unknown:
+            raise ValueError(
+                f"unknown model options {sorted(unknown)}; {self.spec['name']} takes "
+                f"{sorted(self.spec['model_options'])}"
+            )
+        if model_kwargs.get("voice"):
+            raise ValueError(f"{self.spec['name']} has no preset voices; it speaks in its default voice")
+        if self._voice is None:
+            self.load_prompts()
+        features = self._voice if voice is None else self._voice_features(voice)
+        if not text.strip():
+            raise ValueError("text is empty")
+        exaggeration = _option(model_kwargs, "exaggeration", 0.5, 0.0, 2.0)
+        weight = _option(model_kwargs, "cfg_weight", 0.5, 0.0, 2.0)
+        ids = [c.START_TEXT, *self.text_ids(punc_norm(text)), c.STOP_TEXT]
+        if len(ids) > self.max_text_rows:
+            raise ValueError(f"text is {len(ids)} tokens, more than {self.max_text_rows}")
+        state = {
+            **features,
+            "exaggeration": np.array([exaggeration], np.float32),
+            "cfg_weight": np.array([weight], np.float32),
+            "text_rows": np.array([len(ids)], np.int32),
+        }
+        return PromptRows(self._rows(np.array(ids, np.int64))[:, None].astype(np.int32), state)
+
+    @staticmethod
+    def _voice_features(voice: Voice) -> dict[str, np.ndarray]:
+        """A cloned voice's `encode_references` features, checked: ValueError → HTTP 400."""
+        speaker, tokens = voice.features.get("speaker"), voice.features.get("prompt_tokens")
+        if speaker is None or tokens is None or speaker.shape != (c.SPEAKER_DIM,) or tokens.ndim != 1:
+            raise ValueError("the voice is not a Chatterbox voice (speaker [256], prompt_tokens)")
+        if not 1 <= len(tokens) <= c.PROMPT_TOKENS or tokens.min() < 0 or tokens.max() >= c.SPEECH_CODES:
+            raise ValueError(f"the voice's prompt tokens are 1 to {c.PROMPT_TOKENS} speech tokens")
+        return {"speaker": speaker.astype(np.float32), "prompt_tokens": tokens.astype(np.int32)}
+
+    def prompt_overhead(self) -> int:
+        """One prompt's rows besides the text's (the budget counts the conditional prompt's rows,
+        programs.base: Classifier-free guidance): conditioning, start and stop of text, two starts
+        of speech; a text of b bytes adds at most b rows (the tokenizer's ids span a character
+        or more)."""
+        return c.COND_ROWS + 4
+
+    def option_rows(self, model_kwargs: dict[str, str], voice: Voice | None = None) -> int:
+        return 0
+
+
+PROGRAM = ChatterboxProgram
