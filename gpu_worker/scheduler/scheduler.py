@@ -32,9 +32,10 @@ from common.config import GpuWorkerSettings, check_headroom, check_sit_out
 from common.messages import Finished, FinishReason, Prompt
 from gpu_worker.runner.kv_cache import PageAllocator, pages_for
 from gpu_worker.runner.slots import SlotState
-from gpu_worker.scheduler.pacing import Lives, StepClock
+from gpu_worker.scheduler.pacing import StepClock
 from gpu_worker.scheduler.request import Request
 from gpu_worker.scheduler.sit_out import SitOut
+from gpu_worker.scheduler.step_cost import Lives
 from gpu_worker.windows import AudioWindows
 from programs.base import LMProgram
 
