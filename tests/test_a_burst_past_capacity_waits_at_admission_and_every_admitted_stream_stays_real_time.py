@@ -13,6 +13,7 @@ steps that start a burst do not make the streams already running late."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -40,11 +41,11 @@ def test_a_fresh_worker_reports_the_capacity_its_startup_steps_allow_not_its_lar
     budget = seeded.capacity_headroom * seeded.period
     per_stream = (36.0 + 72.0 * 0.552) / 1e6 + (1.6e-3 + 36e-6 * 40) / 1024
     # no step served yet: past PROBE_MIN rows the step is taken to cost EXTRAPOLATION more of
-    # itself for each multiple of them (the startup steps time the forward pass alone)
+    # itself for each doubling of them (the startup steps time the forward pass alone)
     lo, hi = PROBE_MIN, (budget - 3e-3) / per_stream
     for _ in range(60):
         n = (lo + hi) / 2
-        over = (3e-3 + per_stream * n) * (1 + EXTRAPOLATION * (n / PROBE_MIN - 1)) > budget
+        over = (3e-3 + per_stream * n) * (1 + EXTRAPOLATION * math.log2(n / PROBE_MIN)) > budget
         lo, hi = (lo, n) if over else (n, hi)
     assert hi < 0.9 * (budget - 3e-3) / per_stream
     assert seeded.capacity(lives=lives) == pytest.approx(hi, rel=0.05)

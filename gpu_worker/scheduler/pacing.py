@@ -11,7 +11,9 @@ at 82.03 rows a second). `StepClock` keeps an exponential average of the interva
   Once `StepCost` has fitted a step's time (fixed, per token, per token of context, per prompt):
   the load whose step, at the context its streams attend over averaged over their lives and their
   prompts at the rate they come, takes `capacity_headroom` (`--capacity-headroom`) of the row
-  period. Before that: the largest batch whose measured (or extrapolated) interval fits the row
+  period; each step taken as much slower than the fit as the steps served lately are (`slowness`),
+  and slower still past the largest batch the fit's steps hold (`largest_fitted`), so that where
+  the fit extrapolates the capacity stays below what the GPU keeps. Before that: the largest batch whose measured (or extrapolated) interval fits the row
   period with some headroom, and at least the recent load scaled by the budget over its recent
   interval (`paced_capacity`);
 - `row_period()`: the recent interval at the current load, and `row_period_high()` a pessimistic
@@ -103,13 +105,15 @@ class StepClock:
         self._pace_n, self._pace_batch, self._pace_dt = 0, 0.0, 0.0
         self._pace_rows = 0.0  # rows per step over the same steps (streams sitting out excluded)
         self.cost = StepCost()
-        # (step number, rows) of the steps measured into the fit, each larger than every later one:
-        # the first is the largest batch among the last COST_STEPS (`largest_fitted`)
+        # The rows of the last PACE_STEPS steps measured into the fit; then (step number, rows) of
+        # those before, each larger than every later one: the first is the largest batch among the
+        # last COST_STEPS but PACE_STEPS (`largest_fitted`)
+        self._fitting: deque[int] = deque()
         self._fitted: deque[tuple[int, int]] = deque()
         self._fitted_n = 0
-        # Averages over the last ~PACE_STEPS steps since the engine was last idle, of those measured
-        # against a fit: their interval, and what the fit said of them (`slowness`).
-        self._slow_n, self._slow_dt, self._slow_fit = 0, 0.0, 0.0
+        # Averages over the last ~PACE_STEPS steps since the engine was last idle that started no
+        # prompt, measured against a fit: their interval, and what the fit said of them (`slowness`).
+        self._slow_n, self._slow_dt, self._slow_fit, self._slow_rows = 0, 0.0, 0.0, 0.0
         # Seconds a step may take over the next steps whatever the steps before took (`expect`)
         self._expected = 0.0
         # `tick`'s costs of the last steps launched, the latest last
@@ -180,27 +184,47 @@ class StepClock:
         """A step of `batch` rows that took `dt` seconds, about to go into the fit: into the largest
         batch the fit holds, and beside what the fit says of its `cost` (`slowness`)."""
         self._fitted_n += 1
-        while self._fitted and self._fitted[-1][1] <= batch:
-            self._fitted.pop()
-        self._fitted.append((self._fitted_n, batch))
-        if self._fitted[0][0] <= self._fitted_n - COST_STEPS:
-            self._fitted.popleft()
+        self._fitting.append(batch)
+        if len(self._fitting) > PACE_STEPS:
+            rows = self._fitting.popleft()
+            while self._fitted and self._fitted[-1][1] <= rows:
+                self._fitted.pop()
+            self._fitted.append((self._fitted_n - PACE_STEPS, rows))
+            if self._fitted[0][0] <= self._fitted_n - COST_STEPS:
+                self._fitted.popleft()
         predicted = self.cost.predict(*cost)
-        if predicted is not None and predicted > 0.0:
+        if not cost[2] and predicted is not None and predicted > 0.0:
             self._slow_n += 1
             a = max(1.0 / self._slow_n, 1.0 / PACE_STEPS)
             self._slow_dt += a * (dt - self._slow_dt)
             self._slow_fit += a * (predicted - self._slow_fit)
+            self._slow_rows += a * (batch - self._slow_rows)
 
     def largest_fitted(self) -> int:
-        """The largest batch among the steps the fit holds (its last COST_STEPS; 0 before any)."""
+        """The largest batch among the steps the fit holds (its last COST_STEPS) and the PACE_STEPS
+        steps since have measured against it (`slowness`); 0 before any. A burst's batch grows faster
+        than its steps tell the fit or the slowness what they cost: until they do, it is a batch the
+        capacity extrapolates to (on a simulated GPU a quarter of the H200's, counting each batch as
+        it came admitted 142 streams where 122 keep real time)."""
         return self._fitted[0][1] if self._fitted else 0
+
+    def measured_rows(self) -> float:
+        """The rows the capacity takes as measured: the largest batch the fit holds and the steps since
+        have measured (`largest_fitted`), or the rows of the steps `slowness` averages, if more
+        (their slowness holds what the fit misses up to them)."""
+        lately = self._slow_rows if self._slow_n >= SLOW_MIN_STEPS else 0.0
+        return max(float(self.largest_fitted()), lately)
 
     def slowness(self) -> float:
         """The steps' intervals over what the fit said of them, over the last ~PACE_STEPS since the
-        engine was last idle (1.0 until SLOW_MIN_STEPS): above 1 where the load served lately is
-        slower than the fit of all its steps says, as the largest batches of a convex step time are,
-        or every step beside startup steps that timed the forward pass alone (`seed`)."""
+        engine was last idle that started no prompt (1.0 until SLOW_MIN_STEPS): above 1 where the
+        streams served lately step slower than the fit of all its steps says, as the largest batches
+        of a convex step time do, or every step beside startup steps that timed the forward pass
+        alone (`seed`). Steps that start prompts are left out: the capacity is the streams' rows,
+        and a burst's steps, each starting several prompts, are slower than a fit made of steps
+        with one says by what the prompts cost (on the simulated H200 whose prompts beyond a step's
+        first take a pass each, counting them held a fresh burst of 384 to ~130 streams a while,
+        and its TTFA p99 from 2.2 s to 2.6 s)."""
         if self._slow_n < SLOW_MIN_STEPS or self._slow_fit <= 0.0:
             return 1.0
         return self._slow_dt / self._slow_fit
@@ -292,7 +316,7 @@ class StepClock:
         the bucket goes stale (STALE_S): on the H200 at 352 streams the model alone gives a
         capacity of median 362 but p10 235, and requests wait in 11 % of the samples."""
         if lives is not None:
-            seen = max(self.largest_fitted(), PROBE_MIN)
+            seen = max(self.measured_rows(), PROBE_MIN)
             life = self.cost.capacity(self.capacity_headroom * self.period, lives, seen, self.slowness())
             if life is not None:
                 # No further than PROBE beyond the load served lately: a fit made at a light load

@@ -22,12 +22,15 @@ REFIT_STEPS, RIDGE = 50, 1e-3
 CALIBRATION_WEIGHT = 0.1
 
 # Past the largest batch among the steps the fit holds, a step is taken to cost this share of the
-# fit more for each multiple of that batch beyond it (`capacity`'s `seen`). A step's time is convex
-# in its rows (past ~100 rows the GEMMs are compute-bound, and the host's work and the codec beside
-# the steps grow with the streams): a line through smaller batches understates a larger one. On the
+# fit more for each doubling of the rows beyond it (`capacity`'s `seen`). A step's time is convex in
+# its rows (past ~100 rows the GEMMs are compute-bound, and the host's work and the codec beside the
+# steps grow with the streams): a line through smaller batches understates a larger one. On the
 # H200 a fit over steps of up to 256 rows put the capacity at 483 streams, the steps of 352 rows of
-# the burst that followed took ~1.1-1.15x what it said (0.375 multiples beyond: 0.3 a multiple), and
+# the burst that followed took ~1.1-1.15x what it said (0.46 doublings beyond: 0.3 a doubling), and
 # the fit those steps made put it at ~430 (the burst results of record, docs/performance.md).
+# Doublings, not rows or multiples: the margin from a light load to a burst several times larger
+# stays moderate (from 64 rows to 256, 1.6x), so that a burst well within what the GPU keeps is
+# admitted at once.
 EXTRAPOLATION = 0.3
 
 
@@ -175,8 +178,8 @@ class StepCost:
         new prompt every `lives.rows` steps in each slot, takes `budget` seconds (at least 1): each
         step `slow` times what the fit says (the steps served lately against the fit, at least 1),
         and a step of more than `seen` rows (the largest the fit's steps hold) EXTRAPOLATION of the
-        fit more for each multiple of `seen` beyond them. None before the fit counts or where it
-        says a stream costs nothing."""
+        fit more for each doubling of the rows beyond them. None before the fit counts or where it says a stream
+        costs nothing."""
         fit = self.coefficients()
         if fit is None:
             return None
@@ -186,9 +189,11 @@ class StepCost:
             return None
         room = budget / max(slow, 1.0)
         n = (room - a) / per_stream
-        g = EXTRAPOLATION
-        if n > seen and g > 0.0:
-            # (a + per_stream n) (1 + g (n / seen - 1)) = room: the root past `seen` of r n^2 + q n + k
-            r, q, k = g * per_stream / seen, per_stream * (1.0 - g) + g * a / seen, a * (1.0 - g) - room
-            n = (math.sqrt(max(0.0, q * q - 4.0 * r * k)) - q) / (2.0 * r)
+        if n > seen and EXTRAPOLATION > 0.0:  # the step's time past `seen` grows faster: bisect
+            lo, hi = seen, n
+            while hi - lo > 0.01:
+                mid = 0.5 * (lo + hi)
+                over = (a + per_stream * mid) * (1.0 + EXTRAPOLATION * math.log2(mid / seen)) > room
+                lo, hi = (lo, mid) if over else (mid, hi)
+            n = lo
         return max(1.0, n)
