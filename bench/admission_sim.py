@@ -7,13 +7,16 @@ the capacity, `SitOut` leaves streams ahead out of slow steps, progressive first
 last reported. Simplified: each step's time is recorded with its own step (the engine's pipeline
 pairs an interval with the step launched two before, `StepClock.tick`), the requests' lives are
 known (`Lives` from the fixed prompt and length, where the engine averages what ended), and a
-chunk's audio counts when its frame is made. What is simulated is the GPU: a step takes a fixed part, a part per row growing with
-its context, a part per prompt, and some noise. The load is bench/load's: `clients` closed-loop
-clients started over `ramp_s`, each sending its next request when the last one has finished
-generating, until `duration_s`.
+chunk's audio counts when its frame is made. What is simulated is the GPU: a step takes a fixed
+part, a part per row growing with its context, a part per prompt (or a batched pass for a step's
+prompts beyond its first), and some noise; with `--forward`, the steps timed at startup take what
+the H200's forward pass alone takes. The load is bench/load's: `clients` closed-loop clients
+started over `ramp_s`, each sending its next request when the last one has finished generating,
+until `duration_s`, after the levels `--before` on the same worker (idle between, as `voxpipe
+bench ttfa --load` runs its levels on one server).
 
     voxpipe bench sim --clients 400,480 [--h200 [--calibrate]] [--ramp 0] --out /tmp/sim.json
-    voxpipe bench sim --clients 448 --h200 --forward --ramp 0 --before 64,256 --duration 12 --seeds 1
+    voxpipe bench sim --clients 448 --batched --forward --ramp 0 --before 64,256 --duration 12 --seeds 1
 
 It reports, per policy and load, what bench/load reports (TTFA p50/p99, the share of requests on
 time) and the streams admitted. The step model's constants are fitted to the H200 runs (fp8 weights
@@ -26,6 +29,7 @@ decides.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -56,6 +60,9 @@ class GPU:
     # each prompt of a step beyond its first, where more than prompt_ms (a prefill pass of its own,
     # a lane's: ~3.3 ms on the H200 where the first rides the decode step for 1.6); 0 = prompt_ms
     extra_prompt_ms: float = 0.0
+    # once per step whose prompts beyond its first share a pass (a batched prefill graph: the pass
+    # costs this, each of its prompts extra_prompt_ms more); 0: each prompt a pass of its own
+    pass_ms: float = 0.0
     noise: float = 0.06  # relative spread of a step's time
     # A curved GPU: the first `knee` rows cost `row_us_below_knee` each (the GEMMs read the weights
     # whatever the rows), the rest `row_us`; 0 = linear.
@@ -67,6 +74,7 @@ class GPU:
         the noiseless time."""
         extra = self.extra_prompt_ms or self.prompt_ms
         ms = self.fixed_ms + self.prompt_ms * min(prompts, 1) + extra * max(0, prompts - 1)
+        ms += self.pass_ms * (prompts > 1)
         below = min(len(ctx), self.knee)
         rows_us = self.row_us_below_knee * below + self.row_us * (len(ctx) - below)
         ms += (rows_us + self.row_us_per_1k_ctx * ctx.sum() / 1000) / 1000
@@ -84,6 +92,11 @@ H200 = GPU(fixed_ms=3.0, row_us=15.5, row_us_per_1k_ctx=11.0, prompt_ms=1.6, kne
 # sampling, the host's work and the codec beside it), fitted to a serve log's four: 256 rows at 128
 # and 1024 tokens of context 4.18 and 7.27 ms, 512 rows 6.24 and 12.12 ms. The whole steps served
 # take more (H200: at 352 rows ~1.3x), so a fit seeded from these alone starts optimistic.
+# ... whose prompts beyond a step's first share a batched prefill graph (one bucket: up to 8 of them,
+# so 1 + 8 a step): a pass of 2.7 ms and 0.6 ms a prompt, which is what the H200's fit read in its
+# burst of 256 (2.0-2.2 ms a prompt at 2-3 prompts a step: 1.6 + 2.7 + 0.6 (k - 1) over k prompts
+# is 2.2 ms at k = 2.5), and the fixed part it read there, 3.4 ms.
+H200_BATCHED = dataclasses.replace(H200, fixed_ms=3.4, extra_prompt_ms=0.6, pass_ms=2.7)
 H200_FORWARD = GPU(fixed_ms=2.28, row_us=5.94, row_us_per_1k_ctx=13.1, prompt_ms=1.6, noise=0.0)
 
 
@@ -106,7 +119,9 @@ class Worker:
     """One gpu_worker on a simulated GPU, its clock kept across the levels it serves, and its policy:
     a step starts at most `prompts_a_step` prompts, and with `room` no more than the fitted step cost
     leaves room for beside the running streams (`StepCost.prompt_room`, as the scheduler; at least
-    one); admission from the streams' `life` (else the pace alone)."""
+    one), each prompt charged the fitted cost or, with `gpu_charge`, what the GPU's own prompts cost
+    (the first riding the decode step, the rest in one batched pass: `GPU.pass_ms`); admission from
+    the streams' `life` (else the pace alone)."""
 
     gpu: GPU
     clock: StepClock
@@ -117,6 +132,7 @@ class Worker:
     room: bool = True
     tokens: int = 1024
     prompt_len: int = 40
+    gpu_charge: bool = False
 
     def prompts_now(self, run: dict[int, dict]) -> int:
         """Prompts the next step may start beside the `run`ning streams."""
@@ -126,7 +142,15 @@ class Worker:
         )
         if self.room and run and fit is not None:
             spare, per_prompt, per_token = fit
-            k = max(1, min(k, int(spare // (per_prompt + per_token * n))))
+            if not self.gpu_charge:
+                return max(1, min(k, int(spare // (per_prompt + per_token * n))))
+            g, more = self.gpu, 1  # the first prompt, then as many more as their pass leaves room for
+            while (
+                more < k
+                and g.prompt_ms + g.pass_ms + (g.extra_prompt_ms or g.prompt_ms) * more <= 1000 * spare
+            ):
+                more += 1
+            return more
         return k
 
 
@@ -146,11 +170,12 @@ def simulate(
     before: tuple[int, ...] = (),
     prompts_a_step: int = 4,
     room: bool = True,
+    gpu_charge: bool = False,
 ) -> dict:
     """`clients` closed-loop clients (all at once where `ramp_s` is 0: a burst) on `gpu` (its startup
     steps, with `calibrate`, timed on `startup`, default `gpu`), after the levels of clients
     `before` on the same worker (each for `duration_s`, idle between: as `voxpipe bench ttfa --load`
-    runs its levels on one server); a step starts prompts as `Worker` says. → the last level's
+    runs its levels on one server); a step starts prompts as `Worker` says (`gpu_charge`). → the last level's
     figures."""
     gpu = gpu or GPU()
     clock = StepClock(ROWS_PER_S, 512)
@@ -159,9 +184,8 @@ def simulate(
         clock.cost.calibrate(startup_differences(startup or gpu, steps))
         clock.seed(steps, now=0.0)
     sit = SitOut(clock, decode_buckets(512), GpuWorkerSettings().sit_out_lead_s) if sit_out else None
-    worker = Worker(
-        gpu, clock, sit, np.random.default_rng(seed), life, prompts_a_step, room, tokens, prompt_len
-    )
+    rng = np.random.default_rng(seed)
+    worker = Worker(gpu, clock, sit, rng, life, prompts_a_step, room, tokens, prompt_len, gpu_charge)
     t = 0.0
     for n in before:
         t = level(worker, n, t, ramp_s, duration_s)["t_end"] + IDLE_S
@@ -276,20 +300,30 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--h200", action="store_true", help="the curved GPU of the session-12 H200 runs (H200)")
     ap.add_argument("--calibrate", action="store_true", help="the fit starts from the startup steps")
     ap.add_argument("--forward", action="store_true", help="startup steps timed as the H200's (H200_FORWARD)")
+    ap.add_argument(
+        "--batched",
+        action="store_true",
+        help="the H200 with batched prefill graphs (H200_BATCHED, 1 + 8 prompts a step); policies beside: "
+        "each prompt charged what the GPU's own prompts cost",
+    )
     ap.add_argument("--ramp", type=float, default=8.0, help="seconds the clients start over (0: a burst)")
     ap.add_argument("--duration", type=float, default=20.0, help="seconds each level's clients send")
     ap.add_argument("--before", default="", help="levels the worker serves first, e.g. 64,256")
     args = ap.parse_args(argv)
     rows = []
     common = dict(
-        gpu=H200 if args.h200 else None,
+        gpu=H200_BATCHED if args.batched else H200 if args.h200 else None,
         calibrate=args.calibrate or args.forward,
         startup=H200_FORWARD if args.forward else None,
         ramp_s=args.ramp,
         duration_s=args.duration,
         before=tuple(int(x) for x in args.before.split(",") if x),
+        prompts_a_step=9 if args.batched else 4,
     )
-    for name, kw in (("pace", dict(life=False, **common)), ("life", dict(life=True, **common))):
+    policies = [("pace", dict(life=False, **common)), ("life", dict(life=True, **common))]
+    if args.batched:
+        policies.append(("life, the GPU's prompt costs", dict(life=True, gpu_charge=True, **common)))
+    for name, kw in policies:
         for n in (int(x) for x in args.clients.split(",")):
             runs = [simulate(n, seed=s, **kw) for s in range(args.seeds)]
             row = {
