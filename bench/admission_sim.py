@@ -93,9 +93,9 @@ H200 = GPU(fixed_ms=3.0, row_us=15.5, row_us_per_1k_ctx=11.0, prompt_ms=1.6, kne
 # and 1024 tokens of context 4.18 and 7.27 ms, 512 rows 6.24 and 12.12 ms. The whole steps served
 # take more (H200: at 352 rows ~1.3x), so a fit seeded from these alone starts optimistic.
 # ... whose prompts beyond a step's first share a batched prefill graph (one bucket: up to 8 of them,
-# so 1 + 8 a step): a pass of 2.7 ms and 0.6 ms a prompt, which is what the H200's fit read in its
+# so 1 + 8 a step): a pass of 2.7 ms and 0.6 ms a prompt, which is what the H200's fit reads in a
 # burst of 256 (2.0-2.2 ms a prompt at 2-3 prompts a step: 1.6 + 2.7 + 0.6 (k - 1) over k prompts
-# is 2.2 ms at k = 2.5), and the fixed part it read there, 3.4 ms.
+# is 2.2 ms at k = 2.5), and the fixed part it reads there, 3.4 ms.
 H200_BATCHED = dataclasses.replace(H200, fixed_ms=3.4, extra_prompt_ms=0.6, pass_ms=2.7)
 H200_FORWARD = GPU(fixed_ms=2.28, row_us=5.94, row_us_per_1k_ctx=13.1, prompt_ms=1.6, noise=0.0)
 
@@ -175,8 +175,8 @@ def simulate(
     """`clients` closed-loop clients (all at once where `ramp_s` is 0: a burst) on `gpu` (its startup
     steps, with `calibrate`, timed on `startup`, default `gpu`), after the levels of clients
     `before` on the same worker (each for `duration_s`, idle between: as `voxpipe bench ttfa --load`
-    runs its levels on one server); a step starts prompts as `Worker` says (`gpu_charge`). → the last level's
-    figures."""
+    runs its levels on one server); a step starts prompts as `Worker` says (`gpu_charge`). → the last
+    level's figures."""
     gpu = gpu or GPU()
     clock = StepClock(ROWS_PER_S, 512)
     if calibrate:

@@ -1,11 +1,12 @@
 """The capacity a worker reports where its step-cost fit extrapolates (`StepClock.capacity`): past the
-largest batch among the steps the fit holds, a margin that grows with the distance; at the load
-served, each step as much slower than the fit as the latest steps are (`StepClock.slowness`).
+rows measured (the largest batch the fit holds once the steps after it measured it), a margin that
+grows with the doublings beyond; at the load served, each step as much slower than the fit as the
+latest steps are (`StepClock.slowness`).
 
 On a GPU whose whole steps cost more per row than its startup steps say (they time the forward pass
 alone) and whose rows cost more past a knee, a fit over steps of up to 256 rows says far more streams
-keep real time than do (on the H200: 483 where ~430 did, and a burst of 448 was admitted whole). With
-the margin the capacity stays at or below what the GPU keeps; once steps near it are served, it
+keep real time than do (on the H200: 483 where ~430 keep it, and a burst of 448 is admitted whole).
+With the margin the capacity stays at or below what the GPU keeps; once steps near it are served, it
 comes to it from what they measure."""
 
 from __future__ import annotations

@@ -12,10 +12,10 @@ at 82.03 rows a second). `StepClock` keeps an exponential average of the interva
   the load whose step, at the context its streams attend over averaged over their lives and their
   prompts at the rate they come, takes `capacity_headroom` (`--capacity-headroom`) of the row
   period; each step taken as much slower than the fit as the steps served lately are (`slowness`),
-  and slower still past the largest batch the fit's steps hold (`largest_fitted`), so that where
-  the fit extrapolates the capacity stays below what the GPU keeps. Before that: the largest batch whose measured (or extrapolated) interval fits the row
-  period with some headroom, and at least the recent load scaled by the budget over its recent
-  interval (`paced_capacity`);
+  and slower still past the rows measured (`measured_rows`), so that where the fit extrapolates
+  the capacity stays below what the GPU keeps. Before that: the largest batch whose measured (or
+  extrapolated) interval fits the row period with some headroom, and at least the recent load
+  scaled by the budget over its recent interval (`paced_capacity`);
 - `row_period()`: the recent interval at the current load, and `row_period_high()` a pessimistic
   one (plus twice the recent spread);
 - `rows_time_high(n)`: how long the next n steps may take, from the last steps' own n-step spans
@@ -204,8 +204,8 @@ class StepClock:
         """The largest batch among the steps the fit holds (its last COST_STEPS) and the PACE_STEPS
         steps since have measured against it (`slowness`); 0 before any. A burst's batch grows faster
         than its steps tell the fit or the slowness what they cost: until they do, it is a batch the
-        capacity extrapolates to (on a simulated GPU a quarter of the H200's, counting each batch as
-        it came admitted 142 streams where 122 keep real time)."""
+        capacity extrapolates to (counted as they come, a simulated GPU a quarter of the H200's
+        admits 142 streams where 122 keep real time)."""
         return self._fitted[0][1] if self._fitted else 0
 
     def measured_rows(self) -> float:
@@ -222,9 +222,9 @@ class StepClock:
         of a convex step time do, or every step beside startup steps that timed the forward pass
         alone (`seed`). Steps that start prompts are left out: the capacity is the streams' rows,
         and a burst's steps, each starting several prompts, are slower than a fit made of steps
-        with one says by what the prompts cost (on the simulated H200 whose prompts beyond a step's
-        first take a pass each, counting them held a fresh burst of 384 to ~130 streams a while,
-        and its TTFA p99 from 2.2 s to 2.6 s)."""
+        with one says by what the prompts cost (counted, they hold a fresh burst of 384 on the
+        simulated H200 whose prompts beyond a step's first take a pass each to ~130 streams for a
+        while, and its TTFA p99 grows from 2.2 s to 2.6 s)."""
         if self._slow_n < SLOW_MIN_STEPS or self._slow_fit <= 0.0:
             return 1.0
         return self._slow_dt / self._slow_fit
@@ -308,9 +308,9 @@ class StepClock:
         `lives` (the requests it serves, over their lives) and once `StepCost` has its fit: the
         streams whose step takes `capacity_headroom` of a row period at their life-average context
         and prompt rate, each step as much slower than the fit as the steps served lately are
-        (`slowness`) and a margin growing past the largest batch the fit holds (at least PROBE_MIN
-        rows: `StepCost.capacity`), within PROBE of the load served lately. Else the per-bucket model below,
-        and never less than `paced_capacity`. The model alone dips below the load while every
+        (`slowness`), with a margin growing past the rows measured (`measured_rows`, at least
+        PROBE_MIN: `StepCost.capacity`), within PROBE of the load served lately. Else the per-bucket
+        model below, and never less than `paced_capacity`. The model alone dips below the load while every
         stream keeps time: a bucket above the load is reached in bursts of admissions, so its steps
         carry their prompts, it is measured slow, and the capacity is interpolated below it until
         the bucket goes stale (STALE_S): on the H200 at 352 streams the model alone gives a
@@ -322,8 +322,9 @@ class StepClock:
                 # No further than PROBE beyond the load served lately: a fit made at a light load
                 # says little of a much larger one (a step's time is flat at small batches), and
                 # admission reaches it by measuring its way there; one `seed`ed with the largest
-                # batches' steps has measured there, and a burst is admitted up to it at once
-                # (the margin past the batches served keeping it below what those steps say).
+                # batches' steps has measured there, and a burst is admitted up to it at once (the
+                # forward pass alone: the slowness and the margin past the rows measured hold the
+                # capacity below what those steps say).
                 reach = max(PROBE * self._pace_batch, self._pace_batch + PROBE_MIN)
                 if self.cost.seeded:
                     reach = self.max_batch

@@ -25,9 +25,9 @@ CALIBRATION_WEIGHT = 0.1
 # fit more for each doubling of the rows beyond it (`capacity`'s `seen`). A step's time is convex in
 # its rows (past ~100 rows the GEMMs are compute-bound, and the host's work and the codec beside the
 # steps grow with the streams): a line through smaller batches understates a larger one. On the
-# H200 a fit over steps of up to 256 rows put the capacity at 483 streams, the steps of 352 rows of
-# the burst that followed took ~1.1-1.15x what it said (0.46 doublings beyond: 0.3 a doubling), and
-# the fit those steps made put it at ~430 (the burst results of record, docs/performance.md).
+# H200 a fit over steps of up to 256 rows puts the capacity at 483 streams, the steps of 352 rows of
+# a burst that follows take ~1.1-1.15x what it says (0.46 doublings beyond: 0.3 a doubling), and the
+# fit those steps make puts it at ~430 (the burst results of record, docs/performance.md).
 # Doublings, not rows or multiples: the margin from a light load to a burst several times larger
 # stays moderate (from 64 rows to 256, 1.6x), so that a burst well within what the GPU keeps is
 # admitted at once.
@@ -177,9 +177,9 @@ class StepCost:
         """Streams whose step, all of them in it at `lives.context` tokens of context each and a
         new prompt every `lives.rows` steps in each slot, takes `budget` seconds (at least 1): each
         step `slow` times what the fit says (the steps served lately against the fit, at least 1),
-        and a step of more than `seen` rows (the largest the fit's steps hold) EXTRAPOLATION of the
-        fit more for each doubling of the rows beyond them. None before the fit counts or where it says a stream
-        costs nothing."""
+        and a step of more than `seen` rows (those measured) EXTRAPOLATION of the fit more for each
+        doubling of the rows beyond them. None before the fit counts or where it says a stream costs
+        nothing."""
         fit = self.coefficients()
         if fit is None:
             return None
