@@ -18,22 +18,21 @@ import numpy as np
 import pytest
 
 import gpu_worker.scheduler.step_cost as step_cost
-from bench.admission_sim import GPU as Simulated
-from bench.admission_sim import H200, H200_FORWARD, simulate, startup_differences
+from bench.admission_sim import GPU, H200, H200_FORWARD, simulate, startup_differences
 from gpu_worker.scheduler.pacing import PACE_STEPS, SLOW_MIN_STEPS, StepClock
 from gpu_worker.scheduler.step_cost import COST_STEPS, Lives, StepCost
 
-GPU = dataclasses.replace(H200, fixed_ms=3.4)  # the fixed part the H200's burst runs fit
+SERVED = dataclasses.replace(H200, fixed_ms=3.4)  # the fixed part the H200's burst runs fit
 # A GPU a quarter of that (rows 4x the cost, past a knee at 32 rows), and its startup steps the
 # forward pass alone: ~120 streams of 512 rows keep real time.
-QUARTER = Simulated(
+QUARTER = GPU(
     fixed_ms=3.4, row_us=62.0, row_us_per_1k_ctx=44.0, prompt_ms=1.6, knee=32, row_us_below_knee=8.0
 )
-QUARTER_FORWARD = Simulated(fixed_ms=2.28, row_us=24.0, row_us_per_1k_ctx=52.0, prompt_ms=1.6, noise=0.0)
+QUARTER_FORWARD = GPU(fixed_ms=2.28, row_us=24.0, row_us_per_1k_ctx=52.0, prompt_ms=1.6, noise=0.0)
 LIVES = Lives(context=552.0, prompt_tokens=40.0, rows=1024.0)
 
 
-def truth(clock: StepClock, gpu: GPU = GPU, lives: Lives = LIVES) -> int:
+def truth(clock: StepClock, gpu: GPU = SERVED, lives: Lives = LIVES) -> int:
     """The most streams at their life-average context, a prompt every `lives.rows` rows each, whose
     step on `gpu` takes no more than the capacity's budget."""
     budget = clock.capacity_headroom * clock.period
@@ -54,12 +53,12 @@ def fresh_clock() -> StepClock:
 
 
 def serve(clock: StepClock, rng: np.random.Generator, rows: tuple[int, int], steps: int) -> None:
-    """`steps` steps of GPU of `rows` (low, high) decode rows of any age and 0-2 prompts each."""
+    """`steps` steps on SERVED of `rows` (low, high) decode rows of any age and 0-2 prompts each."""
     for _ in range(steps):
         n, prompts = int(rng.integers(rows[0], rows[1] + 1)), int(rng.integers(0, 3))
         ctx = rng.uniform(40, 1064, n)
         cost = (n + 40 * prompts, int(ctx.sum()), prompts)
-        clock.record(n + prompts, GPU.step_s(ctx, prompts, rng), now=0.0, streams=n, cost=cost)
+        clock.record(n + prompts, SERVED.step_s(ctx, prompts, rng), now=0.0, streams=n, cost=cost)
 
 
 @pytest.mark.parametrize("margin", [True, False])
@@ -74,7 +73,8 @@ def test_past_the_batches_served_the_capacity_stays_below_what_the_gpu_keeps(mar
     assert clock.largest_fitted() == 258
     assert clock.slowness() == pytest.approx(1.0, abs=0.02)  # the fit is made of those steps
     after = clock.capacity(lives=LIVES)
-    if not margin:  # the fit alone: a burst past what the GPU keeps is admitted whole
+    if not margin:  # the fit alone (slower by nothing at the load it is made of): a burst past what
+        # the GPU keeps is admitted whole
         assert fresh == 512 and after > 1.15 * keeps
         return
     assert fresh < 0.8 * keeps  # nothing served: no more than PROBE_MIN rows taken as measured
