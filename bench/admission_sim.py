@@ -7,12 +7,16 @@ the capacity, `SitOut` leaves streams ahead out of slow steps, progressive first
 last reported. Simplified: each step's time is recorded with its own step (the engine's pipeline
 pairs an interval with the step launched two before, `StepClock.tick`), the requests' lives are
 known (`Lives` from the fixed prompt and length, where the engine averages what ended), and a
-chunk's audio counts when its frame is made. What is simulated is the GPU: a step takes a fixed part, a part per row growing with
-its context, a part per prompt, and some noise. The load is bench/load's: `clients` closed-loop
-clients started over `ramp_s`, each sending its next request when the last one has finished
-generating, until `duration_s`.
+chunk's audio counts when its frame is made. What is simulated is the GPU: a step takes a fixed
+part, a part per row growing with its context, a part per prompt (or a batched pass for a step's
+prompts beyond its first), and some noise; with `--forward`, the steps timed at startup take what
+the H200's forward pass alone takes. The load is bench/load's: `clients` closed-loop clients
+started over `ramp_s`, each sending its next request when the last one has finished generating,
+until `duration_s`, after the levels `--before` on the same worker (idle between, as `voxpipe
+bench ttfa --load` runs its levels on one server).
 
     voxpipe bench sim --clients 400,480 [--h200 [--calibrate]] [--ramp 0] --out /tmp/sim.json
+    voxpipe bench sim --clients 448 --batched --forward --ramp 0 --before 64,256 --duration 12 --seeds 1
 
 It reports, per policy and load, what bench/load reports (TTFA p50/p99, the share of requests on
 time) and the streams admitted. The step model's constants are fitted to the H200 runs (fp8 weights
@@ -25,6 +29,7 @@ decides.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -34,14 +39,16 @@ import numpy as np
 from common.config import GpuWorkerSettings
 from gpu_worker.runner.graphs import decode_buckets
 from gpu_worker.scheduler.calibrate import step_differences
-from gpu_worker.scheduler.pacing import Lives, StepClock, lead_fits
+from gpu_worker.scheduler.pacing import StepClock, lead_fits
 from gpu_worker.scheduler.sit_out import SitOut
+from gpu_worker.scheduler.step_cost import Lives
 
 ROWS_PER_S = 82.03  # Orpheus: a row is 1/82.03 s of audio; a frame is 7 rows
 FRAME, LEADS = 7, (7, 14, 21)
 DELIVERY_S = 0.025  # gpu_worker.windows.DELIVERY_S
 CODEC_S = 0.010  # a chunk's codec pass and trip to the client
 METRICS_S = 0.05  # how often the gateway hears the capacity
+IDLE_S = 2.0  # between two levels on one worker
 
 
 @dataclass
@@ -53,6 +60,9 @@ class GPU:
     # each prompt of a step beyond its first, where more than prompt_ms (a prefill pass of its own,
     # a lane's: ~3.3 ms on the H200 where the first rides the decode step for 1.6); 0 = prompt_ms
     extra_prompt_ms: float = 0.0
+    # once per step whose prompts beyond its first share a pass (a batched prefill graph: the pass
+    # costs this, each of its prompts extra_prompt_ms more); 0: each prompt a pass of its own
+    pass_ms: float = 0.0
     noise: float = 0.06  # relative spread of a step's time
     # A curved GPU: the first `knee` rows cost `row_us_below_knee` each (the GEMMs read the weights
     # whatever the rows), the rest `row_us`; 0 = linear.
@@ -64,6 +74,7 @@ class GPU:
         the noiseless time."""
         extra = self.extra_prompt_ms or self.prompt_ms
         ms = self.fixed_ms + self.prompt_ms * min(prompts, 1) + extra * max(0, prompts - 1)
+        ms += self.pass_ms * (prompts > 1)
         below = min(len(ctx), self.knee)
         rows_us = self.row_us_below_knee * below + self.row_us * (len(ctx) - below)
         ms += (rows_us + self.row_us_per_1k_ctx * ctx.sum() / 1000) / 1000
@@ -77,6 +88,16 @@ class GPU:
 # every stream with or without the startup differences, where the H200's fit (after single-stream
 # requests, with the codec) held some back without them.
 H200 = GPU(fixed_ms=3.0, row_us=15.5, row_us_per_1k_ctx=11.0, prompt_ms=1.6, knee=128, row_us_below_knee=2.0)
+# The H200's startup steps (gpu_worker/scheduler/calibrate.py: the forward pass alone, without the
+# sampling, the host's work and the codec beside it), fitted to a serve log's four: 256 rows at 128
+# and 1024 tokens of context 4.18 and 7.27 ms, 512 rows 6.24 and 12.12 ms. The whole steps served
+# take more (H200: at 352 rows ~1.3x), so a fit seeded from these alone starts optimistic.
+# ... whose prompts beyond a step's first share a batched prefill graph (one bucket: up to 8 of them,
+# so 1 + 8 a step): a pass of 2.7 ms and 0.6 ms a prompt, which is what the H200's fit reads in a
+# burst of 256 (2.0-2.2 ms a prompt at 2-3 prompts a step: 1.6 + 2.7 + 0.6 (k - 1) over k prompts
+# is 2.2 ms at k = 2.5), and the fixed part it reads there, 3.4 ms.
+H200_BATCHED = dataclasses.replace(H200, fixed_ms=3.4, extra_prompt_ms=0.6, pass_ms=2.7)
+H200_FORWARD = GPU(fixed_ms=2.28, row_us=5.94, row_us_per_1k_ctx=13.1, prompt_ms=1.6, noise=0.0)
 
 
 def startup_differences(gpu: GPU, steps: dict[int, float] | None = None) -> list:
@@ -93,6 +114,46 @@ def startup_differences(gpu: GPU, steps: dict[int, float] | None = None) -> list
     return step_differences(Runner(), 1 + 512 * 70, 16, 1200, 1, timer=timer, steps=steps)
 
 
+@dataclass
+class Worker:
+    """One gpu_worker on a simulated GPU, its clock kept across the levels it serves, and its policy:
+    a step starts at most `prompts_a_step` prompts, and with `room` no more than the fitted step cost
+    leaves room for beside the running streams (`StepCost.prompt_room`, as the scheduler; at least
+    one), each prompt charged the fitted cost or, with `gpu_charge`, what the GPU's own prompts cost
+    (the first riding the decode step, the rest in one batched pass: `GPU.pass_ms`); admission from
+    the streams' `life` (else the pace alone)."""
+
+    gpu: GPU
+    clock: StepClock
+    sit: SitOut | None
+    rng: np.random.Generator
+    life: bool = True
+    prompts_a_step: int = 4
+    room: bool = True
+    tokens: int = 1024
+    prompt_len: int = 40
+    gpu_charge: bool = False
+
+    def prompts_now(self, run: dict[int, dict]) -> int:
+        """Prompts the next step may start beside the `run`ning streams."""
+        k, n = self.prompts_a_step, self.prompt_len
+        fit = self.clock.cost.prompt_room(
+            self.clock.headroom / ROWS_PER_S, len(run), sum(n + r["gen"] for r in run.values())
+        )
+        if self.room and run and fit is not None:
+            spare, per_prompt, per_token = fit
+            if not self.gpu_charge:
+                return max(1, min(k, int(spare // (per_prompt + per_token * n))))
+            g, more = self.gpu, 1  # the first prompt, then as many more as their pass leaves room for
+            while (
+                more < k
+                and g.prompt_ms + g.pass_ms + (g.extra_prompt_ms or g.prompt_ms) * more <= 1000 * spare
+            ):
+                more += 1
+            return more
+        return k
+
+
 def simulate(
     clients: int,
     *,
@@ -105,108 +166,130 @@ def simulate(
     duration_s: float = 20.0,
     seed: int = 0,
     calibrate: bool = False,
+    startup: GPU | None = None,
+    before: tuple[int, ...] = (),
     prompts_a_step: int = 4,
     room: bool = True,
+    gpu_charge: bool = False,
 ) -> dict:
-    """`clients` closed-loop clients (all at once where `ramp_s` is 0: a burst) on `gpu`; a step
-    starts at most `prompts_a_step` prompts, and with `room` no more than the fitted step cost leaves
-    room for beside the running streams (`StepCost.prompt_room`, as the scheduler; at least one)."""
+    """`clients` closed-loop clients (all at once where `ramp_s` is 0: a burst) on `gpu` (its startup
+    steps, with `calibrate`, timed on `startup`, default `gpu`), after the levels of clients
+    `before` on the same worker (each for `duration_s`, idle between: as `voxpipe bench ttfa --load`
+    runs its levels on one server); a step starts prompts as `Worker` says (`gpu_charge`). → the last
+    level's figures."""
     gpu = gpu or GPU()
-    rng = np.random.default_rng(seed)
-    period = 1 / ROWS_PER_S
     clock = StepClock(ROWS_PER_S, 512)
     if calibrate:
         steps: dict[int, float] = {}
-        clock.cost.calibrate(startup_differences(gpu, steps))
+        clock.cost.calibrate(startup_differences(startup or gpu, steps))
         clock.seed(steps, now=0.0)
     sit = SitOut(clock, decode_buckets(512), GpuWorkerSettings().sit_out_lead_s) if sit_out else None
-    t, cap, cap_at = 0.0, float(512), -1.0
-    next_send = [i * ramp_s / clients for i in range(clients)]
+    rng = np.random.default_rng(seed)
+    worker = Worker(gpu, clock, sit, rng, life, prompts_a_step, room, tokens, prompt_len, gpu_charge)
+    t = 0.0
+    for n in before:
+        t = level(worker, n, t, ramp_s, duration_s)["t_end"] + IDLE_S
+        clock.tick(0)
+    return level(worker, clients, t, ramp_s, duration_s)
+
+
+def level(w: Worker, clients: int, t0: float, ramp_s: float, duration_s: float) -> dict:
+    """`clients` closed-loop clients from `t0` (seconds on the worker's clock) for `duration_s`, until
+    the last request ends. → figures as bench/load reports them, and `t_end`."""
+    t, cap, cap_at, end = t0, float(512), -1.0, t0 + duration_s
+    clock, run, tokens, prompt_len = w.clock, {}, w.tokens, w.prompt_len  # run: client → its request
+    next_send = [t0 + i * ramp_s / clients for i in range(clients)]
     queue: list[tuple[int, float]] = []  # (client, sent at) waiting at the gateway
     waiting: list[tuple[int, float]] = []  # admitted, not yet prefilled
-    run: dict[int, dict] = {}  # client → its running request
     done: list[dict] = []
-    admitted_max, served = 0, []
-    while t < duration_s or queue or waiting or run:
+    admitted_max, served, caps = 0, [], []  # caps: the capacity the gateway heard while clients sent
+    while t < end or queue or waiting or run:
         for c in range(clients):
-            if next_send[c] <= t and next_send[c] < duration_s:
+            if next_send[c] <= t and next_send[c] < end:
                 queue.append((c, next_send[c]))
                 next_send[c] = math.inf
         if t - cap_at >= METRICS_S:
             cap = clock.capacity(
-                now=t, lives=Lives(prompt_len + tokens / 2, prompt_len, tokens) if life else None
+                now=t, lives=Lives(prompt_len + tokens / 2, prompt_len, tokens) if w.life else None
             )
             cap_at = t
+            if t < end:
+                caps.append(cap)
         while queue and len(run) + len(waiting) < cap:
             waiting.append(queue.pop(0))
-        k = prompts_a_step
-        fit = clock.cost.prompt_room(
-            clock.headroom * period, len(run), sum(prompt_len + r["gen"] for r in run.values())
-        )
-        if room and run and fit is not None:
-            spare, per_prompt, per_token = fit
-            k = max(1, min(k, int(spare // (per_prompt + per_token * prompt_len))))
+        k = w.prompts_now(run)
         new, waiting = waiting[:k], waiting[k:]
         for c, sent in new:
             run[c] = dict(sent=sent, gen=0, first=None, late=0.0, admitted=t, prompt=True, cap=cap)
         admitted_max = max(admitted_max, len(run) + len(waiting))
         if not run:
-            t = min(s for s in next_send if s < duration_s) if any(s < duration_s for s in next_send) else t
+            t = min(s for s in next_send if s < end) if any(s < end for s in next_send) else t
             clock.tick(0)
             continue
-        ids = list(run)
-        leads = [
-            (r["sent_audio"] - (t - r["first"]))
-            if r["first"] is not None and r["gen"] >= LEADS[-1]
-            else -math.inf
-            for r in (run[c] for c in ids)
-        ]
-        prompts = sum(run[c]["prompt"] for c in ids)
-        out = set(sit.choose(leads, prompts)) if sit is not None else set()
-        rows = [c for i, c in enumerate(ids) if i not in out]
-        ctx = np.array([prompt_len + run[c]["gen"] for c in rows if not run[c]["prompt"]], dtype=float)
-        dt = gpu.step_s(ctx, prompts, rng)
-        t += dt
-        cost = (len(rows) - prompts + prompts * prompt_len, int(ctx.sum()), prompts)
-        clock.record(len(rows), dt, now=t, streams=len(ids), cost=cost)
-        served.append(len(ids))
-        for c in rows:
-            r = run[c]
-            r["prompt"] = False
-            r["gen"] += 1
-            n = r["gen"]
-            if r["first"] is None and n % FRAME == 0:
-                fits = lead_fits(FRAME, n * period, clock.rows_time_high(FRAME) / FRAME, latency_s=DELIVERY_S)
-                if fits or n >= LEADS[-1] or n >= tokens:
-                    r["first"], r["sent_audio"] = t + CODEC_S, n * period
-            elif r["first"] is not None and n % FRAME == 0:
-                r["sent_audio"] = n * period  # a frame's chunk: reaches the listener CODEC_S later
-        for c in ids:
+        t += step(w, run, t)
+        served.append(len(run))
+        for c in list(run):
             r = run[c]
             if r["first"] is not None:
                 # audio in hand when the newest chunk arrives (it left CODEC_S ago at the latest)
                 r["late"] = max(r["late"], (t + CODEC_S - r["first"]) - r["sent_audio"] - CODEC_S)
             if r["gen"] >= tokens:
-                r["end"] = t
                 done.append(run.pop(c))
                 next_send[c] = t + 0.005
     ttfa = np.array([r["first"] - r["sent"] for r in done])
     wait = np.array([r["admitted"] - r["sent"] for r in done])
     late = np.array([r["late"] for r in done])
+    ms = lambda x: round(1000 * float(x), 1)  # noqa: E731
     return {
         "clients": clients,
         "requests": len(done),
-        "ttfa_p50_ms": round(1000 * float(np.percentile(ttfa, 50)), 1),
-        "ttfa_p99_ms": round(1000 * float(np.percentile(ttfa, 99)), 1),
-        "ttfa_max_ms": round(1000 * float(ttfa.max()), 1),
-        "wait_p99_ms": round(1000 * float(np.percentile(wait, 99)), 1),
+        "ttfa_p50_ms": ms(np.percentile(ttfa, 50)),
+        "ttfa_p99_ms": ms(np.percentile(ttfa, 99)),
+        "ttfa_max_ms": ms(ttfa.max()),
+        "wait_p99_ms": ms(np.percentile(wait, 99)),
         "on_time_share": round(float((late <= 0.0).mean()), 4),
-        "worst_late_ms": round(1000 * float(late.max()), 1),
+        "worst_late_ms": ms(late.max()),
         "admitted_max": admitted_max,
         "served_mean": round(float(np.mean(served[len(served) // 3 : 2 * len(served) // 3])), 1),
-        "capacity_min": round(min(r["cap"] for r in done), 1),
+        "capacity_min": round(min(caps), 1),
+        "capacity_p50": round(float(np.median(caps)), 1),
+        "capacity_max": round(max(caps), 1),
         "cost_fit": [round(x * 1e6, 2) for x in clock.cost.coefficients() or ()],
+        "t_end": t,
     }
+
+
+def step(w: Worker, run: dict, t: float) -> float:
+    """One step at `t` of the `run`ning requests (the streams ahead sitting it out), measured into the
+    clock. → its seconds."""
+    clock, period, prompt_len = w.clock, 1 / ROWS_PER_S, w.prompt_len
+    ids = list(run)
+    leads = [
+        (r["sent_audio"] - (t - r["first"]))
+        if r["first"] is not None and r["gen"] >= LEADS[-1]
+        else -math.inf
+        for r in (run[c] for c in ids)
+    ]
+    prompts = sum(run[c]["prompt"] for c in ids)
+    out = set(w.sit.choose(leads, prompts)) if w.sit is not None else set()
+    rows = [c for i, c in enumerate(ids) if i not in out]
+    ctx = np.array([prompt_len + run[c]["gen"] for c in rows if not run[c]["prompt"]], dtype=float)
+    dt = w.gpu.step_s(ctx, prompts, w.rng)
+    t += dt
+    cost = (len(rows) - prompts + prompts * prompt_len, int(ctx.sum()), prompts)
+    clock.record(len(rows), dt, now=t, streams=len(ids), cost=cost)
+    for c in rows:
+        r = run[c]
+        r["prompt"] = False
+        r["gen"] += 1
+        n = r["gen"]
+        if r["first"] is None and n % FRAME == 0:
+            fits = lead_fits(FRAME, n * period, clock.rows_time_high(FRAME) / FRAME, latency_s=DELIVERY_S)
+            if fits or n >= LEADS[-1] or n >= w.tokens:
+                r["first"], r["sent_audio"] = t + CODEC_S, n * period
+        elif r["first"] is not None and n % FRAME == 0:
+            r["sent_audio"] = n * period  # a frame's chunk: reaches the listener CODEC_S later
+    return dt
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -216,14 +299,37 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--h200", action="store_true", help="the curved GPU of the session-12 H200 runs (H200)")
     ap.add_argument("--calibrate", action="store_true", help="the fit starts from the startup steps")
+    ap.add_argument("--forward", action="store_true", help="startup steps timed as the H200's (H200_FORWARD)")
+    ap.add_argument(
+        "--batched",
+        action="store_true",
+        help="the H200 with batched prefill graphs (H200_BATCHED, 1 + 8 prompts a step); policies beside: "
+        "each prompt charged what the GPU's own prompts cost",
+    )
     ap.add_argument("--ramp", type=float, default=8.0, help="seconds the clients start over (0: a burst)")
+    ap.add_argument("--duration", type=float, default=20.0, help="seconds each level's clients send")
+    ap.add_argument("--before", default="", help="levels the worker serves first, e.g. 64,256")
     args = ap.parse_args(argv)
     rows = []
-    common = dict(gpu=H200 if args.h200 else None, calibrate=args.calibrate, ramp_s=args.ramp)
-    for name, kw in (("pace", dict(life=False, **common)), ("life", dict(life=True, **common))):
+    common = dict(
+        gpu=H200_BATCHED if args.batched else H200 if args.h200 else None,
+        calibrate=args.calibrate or args.forward,
+        startup=H200_FORWARD if args.forward else None,
+        ramp_s=args.ramp,
+        duration_s=args.duration,
+        before=tuple(int(x) for x in args.before.split(",") if x),
+        prompts_a_step=9 if args.batched else 4,
+    )
+    policies = [("pace", dict(life=False, **common)), ("life", dict(life=True, **common))]
+    if args.batched:
+        policies.append(("life, the GPU's prompt costs", dict(life=True, gpu_charge=True, **common)))
+    for name, kw in policies:
         for n in (int(x) for x in args.clients.split(",")):
             runs = [simulate(n, seed=s, **kw) for s in range(args.seeds)]
-            row = {"policy": name, **{k: max(r[k] for r in runs) for k in runs[0] if k != "on_time_share"}}
+            row = {
+                "policy": name,
+                **{k: max(r[k] for r in runs) for k in runs[0] if k not in ("on_time_share", "t_end")},
+            }
             row["on_time_share"] = min(r["on_time_share"] for r in runs)
             rows.append(row)
             print(json.dumps(row))

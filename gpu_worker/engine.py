@@ -27,10 +27,11 @@ from gpu_worker.appends import HeldAppends
 from gpu_worker.runner.kv_cache import PageAllocator
 from gpu_worker.runner.model_runner import InFlight, ModelRunner
 from gpu_worker.runner.slots import SlotState
-from gpu_worker.scheduler.pacing import Lives, StepClock
+from gpu_worker.scheduler.pacing import StepClock
 from gpu_worker.scheduler.request import Request
 from gpu_worker.scheduler.scheduler import Scheduler, step_clock
 from gpu_worker.scheduler.sit_out import SitOut
+from gpu_worker.scheduler.step_cost import Lives
 from gpu_worker.windows import AudioWindows
 from programs.base import LMProgram, TokenKind
 

@@ -13,11 +13,13 @@ steps that start a burst do not make the streams already running late."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
 from bench.admission_sim import GPU, H200, simulate, startup_differences
-from gpu_worker.scheduler.pacing import Lives, StepClock
+from gpu_worker.scheduler.pacing import PROBE_MIN, StepClock
+from gpu_worker.scheduler.step_cost import EXTRAPOLATION, Lives
 
 # A GPU a quarter of the H200's size whose prompts beyond a step's first cost a prefill pass each
 # (the prefill lanes): ~115 streams keep real time at their life-average context.
@@ -38,7 +40,15 @@ def test_a_fresh_worker_reports_the_capacity_its_startup_steps_allow_not_its_lar
     assert seeded.cost.coefficients() is not None  # the fit counts at once
     budget = seeded.capacity_headroom * seeded.period
     per_stream = (36.0 + 72.0 * 0.552) / 1e6 + (1.6e-3 + 36e-6 * 40) / 1024
-    assert seeded.capacity(lives=lives) == pytest.approx((budget - 3e-3) / per_stream, rel=0.05)
+    # no step served yet: past PROBE_MIN rows the step is taken to cost EXTRAPOLATION more of
+    # itself for each doubling of them (the startup steps time the forward pass alone)
+    lo, hi = PROBE_MIN, (budget - 3e-3) / per_stream
+    for _ in range(60):
+        n = (lo + hi) / 2
+        over = (3e-3 + per_stream * n) * (1 + EXTRAPOLATION * math.log2(n / PROBE_MIN)) > budget
+        lo, hi = (lo, n) if over else (n, hi)
+    assert hi < 0.9 * (budget - 3e-3) / per_stream
+    assert seeded.capacity(lives=lives) == pytest.approx(hi, rel=0.05)
 
 
 def test_a_burst_past_capacity_admits_what_stays_real_time_and_the_rest_wait():
@@ -56,4 +66,4 @@ def test_the_steps_that_start_a_burst_leave_the_running_streams_real_time():
     roomy = simulate(384, gpu=LANES, ramp_s=0.0, duration_s=12.0, calibrate=True)
     assert roomy["on_time_share"] >= 0.99 and roomy["worst_late_ms"] <= 2.0
     lanes = simulate(384, gpu=LANES, ramp_s=0.0, duration_s=12.0, calibrate=True, room=False)
-    assert lanes["on_time_share"] < 0.8
+    assert lanes["on_time_share"] < 0.9

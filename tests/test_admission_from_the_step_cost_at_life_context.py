@@ -1,4 +1,4 @@
-"""Admission from a fitted step cost (gpu_worker.scheduler.pacing.StepCost): a step's time is recovered as a
+"""Admission from a fitted step cost (gpu_worker.scheduler.step_cost.StepCost): a step's time is recovered as a
 fixed part, a part per token, per thousand tokens of context and per prompt, its context part kept
 apart from the prompts that come with young streams; the capacity is the load whose step at the
 streams' life-average context fits the budget, whatever their age now; and under a closed-loop
@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 import gpu_worker.scheduler.pacing as pacing
+import gpu_worker.scheduler.step_cost as step_cost
 from bench.admission_sim import GPU, H200, simulate, startup_differences
 from common.config import GpuWorkerSettings
-from gpu_worker.scheduler.pacing import Lives, StepClock, StepCost
+from gpu_worker.scheduler.pacing import StepClock
+from gpu_worker.scheduler.step_cost import Lives, StepCost
 
 A, B, C, D = 3e-3, 9e-6, 18e-6, 2e-3  # s, per token, per thousand tokens of context, per prompt
 PERIOD = 1 / 82.03
@@ -124,7 +126,7 @@ def test_the_simulation_measures_its_gpus_parts_at_startup_as_the_engine_does():
 def test_no_fit_before_enough_steps():
     clock = StepClock(82.03, 512)
     lives = Lives(500.0, 40.0, 1000.0)
-    for _ in range(pacing.COST_MIN_STEPS - 1):
+    for _ in range(step_cost.COST_MIN_STEPS - 1):
         clock.record(300, 0.01, streams=300, cost=(300, 150_000, 0))
     assert clock.cost.coefficients() is None
     assert clock.capacity(lives=lives) == clock.capacity()  # the per-size model and the pace
@@ -151,7 +153,8 @@ def test_the_capacity_is_the_load_whose_step_at_the_life_context_fits_the_budget
     per_stream = B + C * lives.context / 1000 + (D + B * lives.prompt_tokens) / lives.rows
     expected = (CAPACITY_HEADROOM * PERIOD - A) / per_stream
     for age in (150.0, 500.0, 900.0):  # young streams, or old: the same capacity
-        assert fitted_clock(age).capacity(lives=lives) == pytest.approx(expected, rel=0.03)
+        # steps of up to 440 rows: the capacity within them, no margin for reaching past them
+        assert fitted_clock(age, served=400).capacity(lives=lives) == pytest.approx(expected, rel=0.03)
     # streams that live longer attend over more: fewer of them fit
     assert fitted_clock(500.0).capacity(lives=Lives(900.0, 40.0, 1700.0)) < 0.8 * expected
     # shorter requests bring more prompts: fewer fit
@@ -191,7 +194,7 @@ def test_an_interval_is_paired_with_the_step_launched_two_before(monkeypatch):
     idle the first two intervals pair with nothing from before it."""
     now = [100.0]
     monkeypatch.setattr(pacing.time, "perf_counter", lambda: now[0])
-    monkeypatch.setattr(pacing, "RIDGE", 0.0)  # exact least squares: one interval paired wrong shows
+    monkeypatch.setattr(step_cost, "RIDGE", 0.0)  # exact least squares: one interval paired wrong shows
     clock = StepClock(82.03, 512)
     steps = [(300 if k % 3 else 100, 150_000 if k % 2 else 30_000, 0) for k in range(900)]
     for k, x in enumerate(steps):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from gpu_worker.scheduler.calibrate import step_differences
-from gpu_worker.scheduler.pacing import StepCost
+from gpu_worker.scheduler.step_cost import StepCost
 
 A, B, C, D = 3e-3, 10e-6, 12e-6, 1.5e-3
 CODEBOOKS = 3

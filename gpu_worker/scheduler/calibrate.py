@@ -1,4 +1,4 @@
-"""What the parts of a step cost, measured once at startup for `gpu_worker.scheduler.pacing.StepCost`.
+"""What the parts of a step cost, measured once at startup for `gpu_worker.scheduler.step_cost.StepCost`.
 
 The steps served tell a step's fixed part from its parts per token, per token of context and per
 prompt only where they vary apart, and a ramp's do not: its rows and its streams' contexts grow

@@ -11,9 +11,11 @@ at 82.03 rows a second). `StepClock` keeps an exponential average of the interva
   Once `StepCost` has fitted a step's time (fixed, per token, per token of context, per prompt):
   the load whose step, at the context its streams attend over averaged over their lives and their
   prompts at the rate they come, takes `capacity_headroom` (`--capacity-headroom`) of the row
-  period. Before that: the largest batch whose measured (or extrapolated) interval fits the row
-  period with some headroom, and at least the recent load scaled by the budget over its recent
-  interval (`paced_capacity`);
+  period; each step taken as much slower than the fit as the steps served lately are (`slowness`),
+  and slower still past the rows measured (`measured_rows`), so that where the fit extrapolates
+  the capacity stays below what the GPU keeps. Before that: the largest batch whose measured (or
+  extrapolated) interval fits the row period with some headroom, and at least the recent load
+  scaled by the budget over its recent interval (`paced_capacity`);
 - `row_period()`: the recent interval at the current load, and `row_period_high()` a pessimistic
   one (plus twice the recent spread);
 - `rows_time_high(n)`: how long the next n steps may take, from the last steps' own n-step spans
@@ -30,11 +32,11 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
 
 from common.config import GpuWorkerSettings
+from gpu_worker.scheduler.step_cost import COST_STEPS, Lives, StepCost
 
 _MIN_SAMPLES = 8  # steps measured in a bucket before it counts
 # `rows_time_high`: the steps it looks back on (~1 s under load), the spans it needs among them
@@ -65,160 +67,9 @@ PACE_STEPS = 100
 # linear in the batch, and only near it for the steps that are not (a graph bucket's padding, costs
 # that grow with context), so admission reaches a larger batch by measuring its way there.
 PACE_REACH = 0.25
-
-
-# `StepCost`: the steps it averages over (~20 s under load: a ramp's loads of several sizes and
-# contexts, or a steady load's, which the ridge below keeps from undoing what a ramp told), and
-# those it needs before it counts.
-COST_STEPS, COST_MIN_STEPS = 2000, 200
-# ... how often it fits again (~0.5 s under load), and how firmly a fit holds to the one before where
-# the steps do not tell its parts apart (a share of each term's own scale; see `StepCost`).
-REFIT_STEPS, RIDGE = 50, 1e-3
-# The weight of the differences measured at startup (`StepCost.calibrate`) beside the steps served,
-# as a share of those steps' averages: enough to tell the parts apart where the steps do not.
-CALIBRATION_WEIGHT = 0.1
-
-
-@dataclass(frozen=True)
-class Lives:
-    """What the requests a worker serves are like over their lives (`Engine.lives`)."""
-
-    context: float  # tokens of context a running stream attends over, averaged over its time in a slot
-    prompt_tokens: float  # a request's prompt
-    rows: float  # rows a request generates: a slot takes a new prompt every `rows` steps
-
-
-class StepCost:
-    """A step's time as a + b x tokens + c x context + d x prompts: a fixed part, a part per token it
-    computes (a decode row, a prompt token: the weights' GEMMs), a part per thousand tokens of
-    context that its decode rows attend over, and a part per prompt (its own graph, its planning).
-    Fitted by least squares with nonnegative terms over the last ~COST_STEPS steps as they were
-    served, the codec beside them included.
-
-    What it is for: a stream's steps cost more as its context grows (at ~550 tokens attention is
-    ~45 % of an H200 step at 384 rows), so a load measured while its streams are young takes longer
-    steps later in their lives. Admission from the pace alone admitted young streams that the same
-    GPU cannot keep real time once they are old (bench/admission_sim.py). The prompt term keeps the
-    context's part apart from the prompts': the young streams of a ramp come with prompts, and
-    without it the fit charges their cost to the tokens and takes the context's part for none (in
-    the simulation, 5.8 instead of 18 us per thousand tokens at 2.5 ms a prompt; on the H200, none).
-
-    A steady load does not tell the parts apart (the same tokens every step: a fixed part or a
-    part per token fit it equally): each fit is held towards the one before by a small ridge
-    (RIDGE of each term's own scale), so what the steps do not say, the fit of the steps before keeps.
-    Without the ridge, 400 s of a steady load on the simulated GPU (bench/admission_sim.py) move the
-    fixed part from 3.0 to 5.6 ms and the part per token from 10 to 0.4 us, and the capacity between
-    378 and 512.
-
-    Nor does a ramp tell them apart, though its steps grow in rows and in context at once: a step's
-    time is not linear in its rows (the GEMMs read the weights whatever the rows, and only past a
-    hundred or so rows do the rows cost compute), and a fit over a ramp's steps charges that curve
-    to the context, which grows like the square of the rows. On the H200, a fresh server's first
-    ramp to 400 streams alone fits 30 us per thousand tokens of context and 2.2 us a token (steady:
-    11 and 10), and puts the capacity below the 400 streams running for a few seconds. `calibrate`
-    adds what the engine measured at startup, steps that differ in one thing only: the same rows at
-    two contexts, two batches at one context, a step with and without a prompt. A difference has no
-    fixed part and holds every other part equal. The startup steps lack what the steps served carry
-    besides the forward pass (sampling, the host's work, the codec beside them under MPS, which
-    slows every part a little), so their differences understate each part somewhat; held at
-    CALIBRATION_WEIGHT of the steps' averages, they keep the parts apart where the steps served do
-    not tell them apart, and the steps served set the rest."""
-
-    TERMS = 4
-    # every subset of the terms, each fitted alone (nonnegative least squares by enumeration)
-    SUBSETS = [tuple(i for i in range(4) if m >> i & 1) for m in range(1, 1 << 4)]
-
-    def __init__(self) -> None:
-        self.n = 0
-        k = self.TERMS
-        self._xx = np.zeros((k, k))  # average of x x^T, x = (1, tokens, context / 1000, prompts)
-        self._xy = np.zeros(k)  # average of x dt
-        self._yy = 0.0  # average of dt^2
-        self._fit: tuple[float, ...] | None = None
-        self._fit_at = 0  # self.n when last fitted
-        self.seeded = False  # steps measured at startup among its own: it fits before COST_MIN_STEPS
-        # `calibrate`'s differences, their moments weighted and held apart from the decaying ones
-        self._cal_xx, self._cal_xy, self._cal_yy = np.zeros((k, k)), np.zeros(k), 0.0
-
-    def calibrate(self, diffs: list[tuple[tuple[float, float, float], float]]) -> None:
-        """Differences between pairs of steps measured at startup, each ((more tokens, more
-        thousands of tokens of context, more prompts), more seconds); they count beside the steps
-        served at CALIBRATION_WEIGHT of those steps' averages, for good."""
-        # More of a part never takes less time: a difference that says so (noise, something else
-        # on the GPU then) or none (a failed timing) would hold the fit to it for good.
-        diffs = [(dx, dy) for dx, dy in diffs if math.isfinite(dy) and dy > 0 and all(map(math.isfinite, dx))]
-        if not diffs:
-            return
-        x = np.array([[0.0, *map(float, dx)] for dx, _ in diffs])
-        y = np.array([float(dy) for _, dy in diffs])
-        w = CALIBRATION_WEIGHT / len(diffs)
-        self._cal_xx, self._cal_xy, self._cal_yy = w * x.T @ x, w * x.T @ y, w * float(y @ y)
-        self._fit = None  # fit again with them
-
-    def seed(self, tokens: int, context: int, dt: float) -> None:
-        """A whole step timed at startup, as a step served: the fit counts at once (the steps
-        served soon outweigh it, each weighing 1 / n)."""
-        self.add(tokens, context, 0, dt)
-        self.seeded, self._fit = True, None
-
-    def add(self, tokens: int, context: int, prompts: int, dt: float) -> None:
-        """One step's time `dt` and what it computed (prompt tokens among the `tokens`)."""
-        x = np.array([1.0, float(tokens), context / 1000.0, float(prompts)])
-        self.n += 1
-        a = max(1.0 / self.n, 1.0 / COST_STEPS)
-        self._xx += a * (np.outer(x, x) - self._xx)
-        self._xy += a * (x * dt - self._xy)
-        self._yy += a * (dt * dt - self._yy)
-
-    def coefficients(self) -> tuple[float, ...] | None:
-        """(a s, b s per token, c s per thousand tokens of context, d s per prompt), or None before
-        COST_MIN_STEPS steps (but `seed`ed): of the fits on every subset of the terms whose
-        coefficients are all nonnegative, the one with the least squared error. Fitted again every
-        REFIT_STEPS steps."""
-        if self.n < COST_MIN_STEPS and not self.seeded:
-            return None
-        if self._fit is None or self.n - self._fit_at >= REFIT_STEPS:
-            prior = np.array(self._fit or (0.0,) * self.TERMS)
-            best, least = (0.0,) * self.TERMS, math.inf
-            all_xx, all_xy = self._xx + self._cal_xx, self._xy + self._cal_xy
-            all_yy = self._yy + self._cal_yy
-            for terms in self.SUBSETS:
-                ix = np.array(terms)
-                xx, xy = all_xx[np.ix_(ix, ix)], all_xy[ix]
-                ridge = RIDGE * np.diag(np.diag(xx))
-                try:
-                    beta = np.linalg.solve(xx + ridge, xy + ridge @ prior[ix])
-                except np.linalg.LinAlgError:
-                    continue
-                err = all_yy - 2.0 * beta @ xy + beta @ xx @ beta
-                if (beta >= 0).all() and err < least:
-                    full = np.zeros(self.TERMS)
-                    full[ix] = beta
-                    best, least = tuple(float(v) for v in full), err
-            self._fit, self._fit_at = best, self.n
-        return self._fit
-
-    def prompt_room(self, budget: float, rows: int, context: int) -> tuple[float, float, float] | None:
-        """(seconds a step of `rows` decode rows attending over `context` tokens leaves for prompts
-        within `budget`, seconds a prompt costs, seconds per prompt token) by the fit; None before it."""
-        fit = self.coefficients()
-        if fit is None:
-            return None
-        a, b, c, d = fit
-        return budget - (a + b * rows + c * context / 1000.0), d, b
-
-    def capacity(self, budget: float, lives: Lives) -> float | None:
-        """Streams whose step, all of them in it at `lives.context` tokens of context each and a
-        new prompt every `lives.rows` steps in each slot, takes `budget` seconds (at least 1); None
-        before the fit counts or where it says a stream costs nothing."""
-        fit = self.coefficients()
-        if fit is None:
-            return None
-        a, b, c, d = fit
-        per_stream = b + c * lives.context / 1000.0 + (d + b * lives.prompt_tokens) / max(lives.rows, 1.0)
-        if per_stream <= 0.0:
-            return None
-        return max(1.0, (budget - a) / per_stream)
+# The steps served against the fit (`slowness`): its ratio counts once this many of the last
+# ~PACE_STEPS steps since the engine was last idle were measured against a fit.
+SLOW_MIN_STEPS = 25
 
 
 def _bucket(batch: int) -> int:
@@ -254,6 +105,15 @@ class StepClock:
         self._pace_n, self._pace_batch, self._pace_dt = 0, 0.0, 0.0
         self._pace_rows = 0.0  # rows per step over the same steps (streams sitting out excluded)
         self.cost = StepCost()
+        # The rows of the last PACE_STEPS steps measured into the fit; then (step number, rows) of
+        # those before, each larger than every later one: the first is the largest batch among the
+        # last COST_STEPS but PACE_STEPS (`largest_fitted`)
+        self._fitting: deque[int] = deque()
+        self._fitted: deque[tuple[int, int]] = deque()
+        self._fitted_n = 0
+        # Averages over the last ~PACE_STEPS steps since the engine was last idle that started no
+        # prompt, measured against a fit: their interval, and what the fit said of them (`slowness`).
+        self._slow_n, self._slow_dt, self._slow_fit, self._slow_rows = 0, 0.0, 0.0, 0.0
         # Seconds a step may take over the next steps whatever the steps before took (`expect`)
         self._expected = 0.0
         # `tick`'s costs of the last steps launched, the latest last
@@ -275,7 +135,7 @@ class StepClock:
         if not batch:  # idle: the steps before say nothing of the next ones' pace
             self._dts.clear()
             self._span_high.clear()
-            self._pace_n = 0
+            self._pace_n = self._slow_n = 0
             self._launched.clear()
             return
         self._launched.append(cost)
@@ -294,6 +154,7 @@ class StepClock:
         """One step of `batch` requests took `dt` seconds from the previous one, serving `streams`
         (default batch: more when some sat the step out); `cost`: that step's, as for `tick`."""
         if cost is not None:
+            self._measured_against_fit(batch, cost, dt)
             self.cost.add(*cost, dt)
         key = _bucket(batch)
         now = time.perf_counter() if now is None else now
@@ -318,6 +179,55 @@ class StepClock:
         else:
             self._spread += 0.2 * (abs(dt - self._recent) - self._spread)
             self._recent += 0.2 * (dt - self._recent)
+
+    def _measured_against_fit(self, batch: int, cost: tuple[int, int, int], dt: float) -> None:
+        """A step of `batch` rows that took `dt` seconds, about to go into the fit: into the largest
+        batch the fit holds, and beside what the fit says of its `cost` (`slowness`)."""
+        self._fitted_n += 1
+        self._fitting.append(batch)
+        if len(self._fitting) > PACE_STEPS:
+            rows = self._fitting.popleft()
+            while self._fitted and self._fitted[-1][1] <= rows:
+                self._fitted.pop()
+            self._fitted.append((self._fitted_n - PACE_STEPS, rows))
+            if self._fitted[0][0] <= self._fitted_n - COST_STEPS:
+                self._fitted.popleft()
+        predicted = self.cost.predict(*cost)
+        if not cost[2] and predicted is not None and predicted > 0.0:
+            self._slow_n += 1
+            a = max(1.0 / self._slow_n, 1.0 / PACE_STEPS)
+            self._slow_dt += a * (dt - self._slow_dt)
+            self._slow_fit += a * (predicted - self._slow_fit)
+            self._slow_rows += a * (batch - self._slow_rows)
+
+    def largest_fitted(self) -> int:
+        """The largest batch among the steps the fit holds (its last COST_STEPS) and the PACE_STEPS
+        steps since have measured against it (`slowness`); 0 before any. A burst's batch grows faster
+        than its steps tell the fit or the slowness what they cost: until they do, it is a batch the
+        capacity extrapolates to (counted as they come, a simulated GPU a quarter of the H200's
+        admits 142 streams where 122 keep real time)."""
+        return self._fitted[0][1] if self._fitted else 0
+
+    def measured_rows(self) -> float:
+        """The rows the capacity takes as measured: the largest batch the fit holds and the steps since
+        have measured (`largest_fitted`), or the rows of the steps `slowness` averages, if more
+        (their slowness holds what the fit misses up to them)."""
+        lately = self._slow_rows if self._slow_n >= SLOW_MIN_STEPS else 0.0
+        return max(float(self.largest_fitted()), lately)
+
+    def slowness(self) -> float:
+        """The steps' intervals over what the fit said of them, over the last ~PACE_STEPS since the
+        engine was last idle that started no prompt (1.0 until SLOW_MIN_STEPS): above 1 where the
+        streams served lately step slower than the fit of all its steps says, as the largest batches
+        of a convex step time do, or every step beside startup steps that timed the forward pass
+        alone (`seed`). Steps that start prompts are left out: the capacity is the streams' rows,
+        and a burst's steps, each starting several prompts, are slower than a fit made of steps
+        with one says by what the prompts cost (counted, they hold a fresh burst of 384 on the
+        simulated H200 whose prompts beyond a step's first take a pass each to ~130 streams for a
+        while, and its TTFA p99 grows from 2.2 s to 2.6 s)."""
+        if self._slow_n < SLOW_MIN_STEPS or self._slow_fit <= 0.0:
+            return 1.0
+        return self._slow_dt / self._slow_fit
 
     def row_period(self) -> float:
         """Seconds per row at the current load (0.0 before any step was measured)."""
@@ -397,19 +307,24 @@ class StepClock:
         """Concurrent streams this worker can keep real time (max_batch until measured). Given
         `lives` (the requests it serves, over their lives) and once `StepCost` has its fit: the
         streams whose step takes `capacity_headroom` of a row period at their life-average context
-        and prompt rate, within PROBE of the load served lately. Else the per-bucket model below,
-        and never less than `paced_capacity`. The model alone dips below the load while every
+        and prompt rate, each step as much slower than the fit as the steps served lately are
+        (`slowness`), with a margin growing past the rows measured (`measured_rows`, at least
+        PROBE_MIN: `StepCost.capacity`), within PROBE of the load served lately. Else the per-bucket
+        model below, and never less than `paced_capacity`. The model alone dips below the load while every
         stream keeps time: a bucket above the load is reached in bursts of admissions, so its steps
         carry their prompts, it is measured slow, and the capacity is interpolated below it until
         the bucket goes stale (STALE_S): on the H200 at 352 streams the model alone gives a
         capacity of median 362 but p10 235, and requests wait in 11 % of the samples."""
         if lives is not None:
-            life = self.cost.capacity(self.capacity_headroom * self.period, lives)
+            seen = max(self.measured_rows(), PROBE_MIN)
+            life = self.cost.capacity(self.capacity_headroom * self.period, lives, seen, self.slowness())
             if life is not None:
                 # No further than PROBE beyond the load served lately: a fit made at a light load
                 # says little of a much larger one (a step's time is flat at small batches), and
                 # admission reaches it by measuring its way there; one `seed`ed with the largest
-                # batches' steps has measured there, and a burst is admitted up to it at once.
+                # batches' steps has measured there, and a burst is admitted up to it at once (the
+                # forward pass alone: the slowness and the margin past the rows measured hold the
+                # capacity below what those steps say).
                 reach = max(PROBE * self._pace_batch, self._pace_batch + PROBE_MIN)
                 if self.cost.seeded:
                     reach = self.max_batch

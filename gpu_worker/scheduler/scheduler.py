@@ -32,9 +32,10 @@ from common.config import GpuWorkerSettings, check_headroom, check_sit_out
 from common.messages import Finished, FinishReason, Prompt
 from gpu_worker.runner.kv_cache import PageAllocator, pages_for
 from gpu_worker.runner.slots import SlotState
-from gpu_worker.scheduler.pacing import Lives, StepClock
+from gpu_worker.scheduler.pacing import StepClock
 from gpu_worker.scheduler.request import Request
 from gpu_worker.scheduler.sit_out import SitOut
+from gpu_worker.scheduler.step_cost import Lives
 from gpu_worker.windows import AudioWindows
 from programs.base import LMProgram
 
@@ -407,13 +408,17 @@ class Scheduler:
         return self._lives
 
     def step_cost(self) -> dict[str, float]:
-        """The step's cost model as fitted (`StepCost`), for /metrics."""
+        """The step's cost model as fitted (`StepCost`), and how the capacity reads it where it
+        extrapolates (the steps served lately against it, the rows measured: `StepClock.capacity`),
+        for /metrics."""
         fit = self.clock.cost.coefficients()
         if fit is None:
             return {}
         a, b, c, d = fit
         return {"step_cost_fixed_ms": round(1e3 * a, 3), "step_cost_token_us": round(1e6 * b, 3),
-                "step_cost_kcontext_us": round(1e6 * c, 3), "step_cost_prompt_ms": round(1e3 * d, 3)}  # fmt: skip
+                "step_cost_kcontext_us": round(1e6 * c, 3), "step_cost_prompt_ms": round(1e3 * d, 3),
+                "step_cost_slowness": round(self.clock.slowness(), 3),
+                "step_cost_rows_measured": round(self.clock.measured_rows(), 1)}  # fmt: skip
 
     def calibrate(self, runner, progress=None) -> None:
         """Steps that differ in one part, timed on `runner` (a GraphRunner) before any request
