@@ -4,12 +4,12 @@ codebooks in a delay pattern, and the tokenizer's DAC decoder streamed per reque
 programs/higgs_tts/spec.py for the facts and the row values, model.py for the LM, codec.py for the
 codec.
 
-The contract pieces it uses (programs/base.py): text prompt rows (the text id in column 0),
-`Rows` (a row's step says whether it is a prompt row, which DualFFN takes as text, or a generated
-row, audio; `rows.prompt_rows`, where the step gives it, says so for the whole step as a static
-split, so that a decode step runs only the audio feed-forward path and a prefill step only the
-text one; `embed` leaves the flag or the split for `backbone` in `self._audio` / `self._n_text`,
-as the two always run in one forward pass), `decode_tokens` (codebooks 1..7 from the same hidden
+The contract pieces it uses (programs/base.py): prompt rows (a text id in column 0, or a cloned
+voice's clip row), `Rows` (a row's step says whether it is a prompt row, which DualFFN takes as
+text unless it is a clip row, or a generated row, audio; `rows.prompt_rows`, where the step gives
+it, says so for the whole step as a static split, so that a decode step runs only the audio
+feed-forward path; `embed` leaves the flags and the split for `backbone` in `self._audio` /
+`self._n_text`, as the two always run in one forward pass), `decode_tokens` (codebooks 1..7 from the same hidden
 state, and the delay pattern's forced bos / eos ids from the step and the previous row) and codec
 streams (the codec undoes the delay pattern per stream).
 
