@@ -6,7 +6,8 @@ the clip's codes from the reference tokenizer's `encode`, framed and delayed by 
 `build_delay_pattern`; the clip's rows take the audio embedding and the audio feed-forward path
 (DualFFN) row by row, in a prefill alone and beside text prompts and decode rows; and greedy rows
 through the engine equal `HiggsAudioV2ForConditionalGeneration.generate` given the same input ids
-and audio ids, alone and among other requests. The reference decodes only the generated rows (from
+and audio ids, alone and among other requests, and the graph runner's (prefill graphs holding clip
+rows; CPU stand-ins) equal the eager runner's. The reference decodes only the generated rows (from
 the last all-bos row), so a cloned request's codec stream is not primed (`codec_prefix` None)."""
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from gpu_worker.engine import Engine
 from programs.base import Reference, Voice
 from programs.higgs_tts import spec as h
 from programs.higgs_tts.program import clip_rows
+from tests.engine_runs import graph_engine
 from tests.higgs_tts_reference import reference_lm
+from tests.test_graph_runner_replays_match_eager_on_cpu import graph_runner_cls  # noqa: F401 (fixture)
 from tests.test_higgs_tts_clone_encoder import _clip, reference_encoder
 from tests.test_higgs_tts_parity import as_reference, program  # noqa: F401 (fixture)
 from tests.test_higgs_tts_prompt import CHAT_TEMPLATE, SPECIAL
@@ -137,8 +140,13 @@ def test_clip_rows_and_bad_voices(cloning):
     assert "audio row" in cloning.check_prompt(bad, {})
 
 
-def run(prog, prompts: list[Prompt]) -> dict:
-    eng = Engine(prog, GpuWorkerSettings(max_batch_size=4, max_context=600))
+def run(prog, prompts: list[Prompt], runner_cls=None) -> dict:
+    """The engine's outputs (through `runner_cls`, the CPU stand-in for the GPU graph runner, where
+    given), request i joining after 3i steps."""
+    limits = dict(max_batch_size=4, max_context=600)
+    eng = Engine(prog, GpuWorkerSettings(**limits))
+    if runner_cls is not None:
+        eng = graph_engine(prog, runner_cls, limits)
     eng.outputs = {}
     for i, p in enumerate(prompts):
         eng.add(p)
@@ -149,7 +157,7 @@ def run(prog, prompts: list[Prompt]) -> dict:
     return eng.outputs
 
 
-def test_greedy_rows_equal_the_reference_generate_given_the_clip(cloning, ref_tok):
+def test_greedy_rows_equal_the_reference_generate_given_the_clip(cloning, ref_tok, graph_runner_cls):  # noqa: F811
     ref = reference_lm(cloning.lm)
     flush = cloning.flush_rows
     cases = {"c1": (_clip(1.4, 3), "Hello there, how are you?"), "c2": (_clip(2.6, 4), TEXT)}
@@ -177,6 +185,8 @@ def test_greedy_rows_equal_the_reference_generate_given_the_clip(cloning, ref_to
     )
     alone = run(cloning, prompts[:1])
     crowd = run(cloning, [other, prompts[1], prompts[0]])
+    graphs = run(cloning, [other, prompts[1], prompts[0]], graph_runner_cls)  # prefill graphs hold clip rows
+    assert graphs == crowd
     for rid, w in want.items():
         for outputs in ([alone] if rid == "c1" else []) + [crowd]:
             rows, reason = outputs[rid]
