@@ -125,8 +125,9 @@ class HiggsTtsProgram(LMProgram):
                 self.config_path("codec_config"), torch.float32, self.device
             )
             shared = {n: t for n, t in self.codec.state_dict().items() if n.startswith("quantizer.")}
-            missing, _ = self.encoder.load_state_dict(shared, strict=False)
-            assert not [n for n in shared if n in missing]
+            unexpected = self.encoder.load_state_dict(shared, strict=False).unexpected_keys
+            if unexpected:
+                raise KeyError(f"the encoder has no place for the codec's {unexpected[:3]}")
         else:
             self.encoder = HiggsEncoder.from_pretrained(self.codec_weights, torch.float32, self.device)
 
