@@ -14,11 +14,12 @@ built from programs/blocks.
   state ([8 · 1026, H]).
 - On a GPU each layer runs q/k/v as one GEMM and each feed-forward's gate/up as one (`fuse`, at
   load).
-- Where the step says where its text rows end (`n_text`, a Python int fixed when the step is
-  built or captured: text rows first, then audio rows), each path runs on its own rows only, as
-  static slices: a decode step (all audio) reads no text feed-forward weights, a prefill step (all
-  text) no audio ones. Otherwise (the flag alone) both paths run on every row and `torch.where`
-  keeps each row's own. Either way a step's shapes never depend on the flag's values (graph-safe).
+- Where the step says where its prompt rows end (`n_text`, a Python int fixed when the step is
+  built or captured: prompt rows first, then generated rows, all audio), the generated rows run
+  only the audio path, as a static slice: a decode step reads no text feed-forward weights. Prompt
+  rows are text but for a cloned voice's clip (audio rows, flagged per row): a prefill runs both
+  paths on its prompt rows and `torch.where` keeps each row's own. Otherwise (the flag alone) both
+  paths run on every row. Either way a step's shapes never depend on the flag's values (graph-safe).
 """
 
 from __future__ import annotations
@@ -120,8 +121,8 @@ class HiggsLM(nn.Module):
         n_text: int | None = None,
     ) -> torch.Tensor:
         """Rows [N, H] at positions pos [N] → [N, H] normed. DualFFN's audio rows are audio [N] bool,
-        or with `n_text` k (audio then unread) rows [k, N): rows [0, k) take only the text path,
-        the rest only the audio path."""
+        or with `n_text` k the generated rows [k, N) and the prompt rows that audio [k] bool flags
+        (`_Dual`)."""
         cos, sin = rope_cos_sin(self.inv_freq, pos, hidden.dtype)
         cos, sin = cos[:, None, :], sin[:, None, :]  # [N, 1, D]
         dual = _Dual(audio, n_text)
@@ -217,14 +218,17 @@ class HiggsLM(nn.Module):
 
 
 class _Dual:
-    """DualFFN's choice of path per row: `n_text` k (a Python int) splits the rows statically,
-    text rows [0, k) then audio rows [k, N), each path running on its own rows only; without it
-    both paths run on every row and the flag `audio` [N] bool keeps each row's own."""
+    """DualFFN's choice of path per row. With `n_text` k (a Python int: rows [0, k) are prompt rows,
+    the rest generated, audio) the generated rows take only the audio path, as a static slice, and
+    the prompt rows the text path, or where `audio` [k] bool flags a prompt row (a cloned voice's
+    clip), the audio path (both paths then run on the prompt rows and `torch.where` keeps each
+    row's own). Without `n_text`, both paths run on every row and `audio` [N] bool keeps each row's
+    own."""
 
     def __init__(self, audio: torch.Tensor | None, n_text: int | None) -> None:
         if n_text is None and audio is None:
-            raise ValueError("DualFFN needs the audio flag or where the text rows end")
-        self.flag = None if n_text is not None else audio[:, None]  # [N, 1]
+            raise ValueError("DualFFN needs the audio flag or where the prompt rows end")
+        self.flag = None if audio is None else audio[:, None]  # [N, 1] or [k, 1]
         self.k = n_text
 
     def __call__(self, x: torch.Tensor, text: Callable, audio: Callable) -> torch.Tensor:
@@ -234,9 +238,9 @@ class _Dual:
             return torch.where(self.flag, audio(x), text(x))
         if k == 0:
             return audio(x)
-        if k >= x.shape[0]:
-            return text(x)
-        return torch.cat([text(x[:k]), audio(x[k:])])
+        head = x[:k]
+        first = text(head) if self.flag is None else torch.where(self.flag, audio(head), text(head))
+        return first if k >= x.shape[0] else torch.cat([first, audio(x[k:])])
 
 
 def _join(*linears: Linear) -> torch.Tensor:

@@ -4,14 +4,21 @@ codebooks in a delay pattern, and the tokenizer's DAC decoder streamed per reque
 programs/higgs_tts/spec.py for the facts and the row values, model.py for the LM, codec.py for the
 codec.
 
-The contract pieces it uses (programs/base.py): text prompt rows (the text id in column 0),
-`Rows` (a row's step says whether it is a prompt row, which DualFFN takes as text, or a generated
-row, audio; `rows.prompt_rows`, where the step gives it, says so for the whole step as a static
-split, so that a decode step runs only the audio feed-forward path and a prefill step only the
-text one; `embed` leaves the flag or the split for `backbone` in `self._audio` / `self._n_text`,
-as the two always run in one forward pass), `decode_tokens` (codebooks 1..7 from the same hidden
+The contract pieces it uses (programs/base.py): prompt rows (a text id in column 0, or a cloned
+voice's clip row), `Rows` (a row's step says whether it is a prompt row, which DualFFN takes as
+text unless it is a clip row, or a generated row, audio; `rows.prompt_rows`, where the step gives
+it, says so for the whole step as a static split, so that a decode step runs only the audio
+feed-forward path; `embed` leaves the flags and the split for `backbone` in `self._audio` /
+`self._n_text`, as the two always run in one forward pass), `decode_tokens` (codebooks 1..7 from the same hidden
 state, and the delay pattern's forced bos / eos ids from the step and the previous row) and codec
 streams (the codec undoes the delay pattern per stream).
+
+Voice cloning (`reference_sample_rate` 24 kHz): the codec_worker encodes a clip into the
+tokenizer's codes (encoder.py, `encode_references`), and `preprocess` puts them in the prompt the
+way the reference's processor does (spec.py): the clip's transcript as a user turn, its codes as an
+assistant turn of prompt audio rows, which `embed` reads through the audio embedding and flags for
+DualFFN's audio path. The reference decodes only the generated rows (from the last all-bos row
+on), so a cloned request's codec stream starts fresh, as any other (no `codec_prefix`).
 
 Request options (model_kwargs): `scene` (the scene description: the voice and the room) and
 `system` (the system message).
@@ -25,18 +32,29 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from programs.base import Attention, CodecStreams, LMProgram, PromptRows, Rows, Sampler, TokenKind, Voice
+from programs.base import (
+    Attention,
+    CodecStreams,
+    LMProgram,
+    PromptRows,
+    Reference,
+    Rows,
+    Sampler,
+    TokenKind,
+    Voice,
+)
 from programs.higgs_tts import spec as h
 
 if TYPE_CHECKING:
     from programs.higgs_tts.codec import HiggsCodec
+    from programs.higgs_tts.encoder import HiggsEncoder
     from programs.higgs_tts.model import HiggsLM
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 _OPTIONS = ("scene", "system")
 # Stand-in ids of the scene markers for the offline tokenizer (tiny models, no checkpoint): Llama-3
 # reserved slots; a real tokenizer names its own.
-_OFFLINE_MARKERS = {h.SCENE_START: 128017, h.SCENE_END: 128018}
+_OFFLINE_MARKERS = {h.SCENE_START: 128017, h.SCENE_END: 128018, h.AUDIO_EOS: 128012}
 
 
 class HiggsTtsProgram(LMProgram):
@@ -49,11 +67,13 @@ class HiggsTtsProgram(LMProgram):
     detok_first_windows = 4
     uses_repetition_penalty = False  # the reference refuses penalties on audio logits
     sized_options = _OPTIONS
+    reference_sample_rate = h.SAMPLE_RATE  # the tokenizer's rate: a clip becomes its codes
 
     def __init__(self, spec: dict[str, Any], **kwargs: Any) -> None:
         super().__init__(spec, **kwargs)
         self.lm: HiggsLM | None = None
         self.codec: HiggsCodec | None = None
+        self.encoder: HiggsEncoder | None = None
         self._tokenizer = None
         # This step's DualFFN text rows [0, n_text) when the step says so, else its audio rows [N] bool
         # (embed → backbone)
@@ -95,34 +115,72 @@ class HiggsTtsProgram(LMProgram):
 
         self.codec = self.codec_model(HiggsCodec)
 
+    def load_encoders(self) -> None:
+        """The tokenizer's encoder (fp32: the nearest code is chosen exactly): the checkpoint's, or
+        random weights sharing the codec's codebooks and output projections."""
+        from programs.higgs_tts.encoder import HiggsEncoder
+
+        if self.load_format == "dummy" or self.codec_weights is None:
+            self.encoder = HiggsEncoder.from_config(
+                self.config_path("codec_config"), torch.float32, self.device
+            )
+            shared = {n: t for n, t in self.codec.state_dict().items() if n.startswith("quantizer.")}
+            unexpected = self.encoder.load_state_dict(shared, strict=False).unexpected_keys
+            if unexpected:
+                raise KeyError(f"the encoder has no place for the codec's {unexpected[:3]}")
+        else:
+            self.encoder = HiggsEncoder.from_pretrained(self.codec_weights, torch.float32, self.device)
+
+    def encode_references(self, clips: list[Reference]) -> list[dict[str, np.ndarray]]:
+        """Clips at 24 kHz → {"codes": [T, 8] int32} each (25 Hz), one clip at a time (encoder.py)."""
+        out = []
+        for clip in clips:
+            audio = torch.from_numpy(np.asarray(clip.audio, dtype=np.float32)).to(self.device)
+            out.append({"codes": self.encoder.encode(audio).cpu().numpy().astype(np.int32)})
+        return out
+
     def check_prompt(self, rows: np.ndarray, state: dict[str, np.ndarray]) -> str:
         if state:
             return f"{self.name} prompts carry no state; got {sorted(state)}"
         if len(rows) == 0 or rows[-1, 0] != h.AUDIO_OUT_BOS:
             return "a prompt ends with <|audio_out_bos|>"
-        if (rows[:, 1:] != 0).any():
-            return "a prompt row holds a text id in column 0 and zeros"
+        audio = rows[:, 1] >= h.PROMPT_AUDIO
+        text, sound = rows[~audio], rows[audio]
+        if (text[:, 1:] != 0).any():
+            return "a prompt text row holds a text id in column 0 and zeros"
+        if ((sound < h.PROMPT_AUDIO) | (sound >= h.PROMPT_AUDIO + h.CODEBOOK_IDS)).any():
+            return f"a prompt audio row holds {h.PROMPT_AUDIO} + a codebook id in every column"
         return ""
 
     # --- LM step (graph) -----------------------------------------------------------------------
     def embed(self, ids: torch.Tensor, rows: Rows) -> torch.Tensor:
-        """[N, 8] rows → [N, H]: a prompt row is its text id's embedding, a generated row the sum of
-        its codebooks' (the program's marker values read as stream eos). Prompt rows are rows
-        [0, rows.prompt_rows) where the step says so (each part embedded alone), else those with
-        step < 0. Leaves which rows DualFFN takes as text for `backbone`."""
+        """[N, 8] rows → [N, H]: a prompt row is its text id's embedding, or for a prompt audio row
+        (a cloned voice's clip) the sum of its codebooks' embeddings, as is a generated row (the
+        program's marker values read as stream eos). Prompt rows are rows [0, rows.prompt_rows)
+        where the step says so (each part embedded alone), else those with step < 0. Leaves which
+        rows DualFFN takes as audio for `backbone`."""
         k = rows.prompt_rows
         self._n_text, self._audio = k, None
         if k is not None:
-            parts = [self.lm.text_rows(ids[:k, 0])] if k else []
-            parts += [self.lm.audio_rows(ids[k:].clamp(max=h.STREAM_EOS))] if k < len(ids) else []
+            parts = []
+            if k:
+                emb, self._audio = self._prompt(ids[:k])
+                parts.append(emb)
+            if k < len(ids):
+                parts.append(self.lm.audio_rows(ids[k:].clamp(max=h.STREAM_EOS)))
             return parts[0] if len(parts) == 1 else torch.cat(parts)
-        text = rows.step < 0
-        codes = torch.where(text[:, None], 0, ids.clamp(max=h.STREAM_EOS))
-        emb = torch.where(
-            text[:, None], self.lm.text_rows(torch.where(text, ids[:, 0], 0)), self.lm.audio_rows(codes)
-        )
-        self._audio = ~text
-        return emb
+        prompt = rows.step < 0
+        emb, clip = self._prompt(torch.where(prompt[:, None], ids, 0))
+        generated = self.lm.audio_rows(torch.where(prompt[:, None], 0, ids.clamp(max=h.STREAM_EOS)))
+        self._audio = ~prompt | clip
+        return torch.where(prompt[:, None], emb, generated)
+
+    def _prompt(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompt rows [k, 8] → (embeddings [k, H], which are audio rows [k] bool)."""
+        audio = ids[:, 1] >= h.PROMPT_AUDIO
+        codes = torch.where(audio[:, None], ids - h.PROMPT_AUDIO, 0)
+        text = self.lm.text_rows(torch.where(audio, 0, ids[:, 0]))
+        return torch.where(audio[:, None], self.lm.audio_rows(codes), text), audio
 
     def backbone(self, hidden: torch.Tensor, pos: torch.Tensor, attn: Attention) -> torch.Tensor:
         """[N, H] → [N, H]: a decode step's rows take only the audio feed-forward path."""
@@ -171,35 +229,35 @@ class HiggsTtsProgram(LMProgram):
         return audio.clamp(-1, 1), valid.all(1)
 
     # --- prompts (tokenizer_worker) ------------------------------------------------------------
-    def _ids(self, text: str, model_kwargs: dict[str, str]) -> list[int]:
-        """The chat template's ids (spec.py) for the user's `text`, as text."""
+    def _ids(
+        self, text: str, model_kwargs: dict[str, str], voice: Voice | None = None
+    ) -> list[int | np.ndarray]:
+        """The chat template's pieces (spec.py) for the user's `text`, as text: text ids, and for a
+        cloned `voice` its clip's prompt audio rows [T + 9, 8] (`clip_rows`) in place."""
         if self._tokenizer is None:
             self.load_prompts()
         tok = self._tokenizer
         system = (model_kwargs.get("system") or h.SYSTEM_MESSAGE).strip()
         scene = (model_kwargs.get("scene") or h.DEFAULT_SCENE).strip()
-        ids = [h.BEGIN_OF_TEXT, h.START_HEADER, *tok.text_ids("system"), h.END_HEADER]
+        ids: list[int | np.ndarray] = [h.BEGIN_OF_TEXT, h.START_HEADER, *tok.text_ids("system"), h.END_HEADER]
         ids += [
             *tok.text_ids(f"\n\n{system}\n\n"),
             self._marker(h.SCENE_START),
             *tok.text_ids(f"\n{scene}\n"),
         ]
         ids += [self._marker(h.SCENE_END), h.EOT]
-        ids += [
-            h.START_HEADER,
-            *tok.text_ids("user"),
-            h.END_HEADER,
-            *tok.text_ids(f"\n\n{text.strip()}"),
-            h.EOT,
-        ]
-        ids += [
-            h.START_HEADER,
-            *tok.text_ids("assistant"),
-            h.END_HEADER,
-            *tok.text_ids("\n\n"),
-            h.AUDIO_OUT_BOS,
-        ]
-        return ids
+        if voice is not None:
+            ids += self._turn("user", voice.text.strip())
+            ids += [*self._turn("assistant", None)[:-1], h.AUDIO_OUT_BOS, clip_rows(_codes(voice))]
+            ids += [self._marker(h.AUDIO_EOS), h.EOT]
+        ids += self._turn("user", text.strip())
+        return [*ids, *self._turn("assistant", None)[:-1], h.AUDIO_OUT_BOS]
+
+    def _turn(self, role: str, text: str | None) -> list[int]:
+        """`<|start_header_id|>role<|end_header_id|>\\n\\n` + text + `<|eot_id|>` (text as text)."""
+        tok = self._tokenizer
+        body = tok.text_ids(f"\n\n{text}" if text is not None else "\n\n")
+        return [h.START_HEADER, *tok.text_ids(role), h.END_HEADER, *body, h.EOT]
 
     def _marker(self, token: str) -> int:
         found = self._tokenizer.tokenizer.token_to_id(token)
@@ -210,9 +268,18 @@ class HiggsTtsProgram(LMProgram):
         return _OFFLINE_MARKERS[token]
 
     def preprocess(self, text: str, model_kwargs: dict[str, str], voice: Voice | None = None) -> PromptRows:
+        """The chat template (and a cloned voice's turns) → rows [R, 8] int32: a text row is its id
+        in column 0 and zeros, a prompt audio row PROMPT_AUDIO + each codebook's id."""
+        model_kwargs = self._options(model_kwargs)
+        if not text or not text.strip():
+            raise ValueError("text is empty; give the text to speak")
+        return PromptRows(_rows(self._ids(text, model_kwargs, voice)))
+
+    def _options(self, model_kwargs: dict[str, str]) -> dict[str, str]:
         if model_kwargs.get("voice"):
             raise ValueError(
-                f"{self.spec['name']} has no preset voices: describe the voice in the scene option"
+                f"{self.spec['name']} has no preset voices: describe the voice in the scene option, "
+                "or clone one from a clip"
             )
         model_kwargs = {k: v for k, v in model_kwargs.items() if k != "voice"}
         unknown = sorted(set(model_kwargs) - set(_OPTIONS))
@@ -220,21 +287,71 @@ class HiggsTtsProgram(LMProgram):
             raise ValueError(
                 f"{self.spec['name']} takes the model options {', '.join(_OPTIONS)}; got {', '.join(unknown)}"
             )
-        if voice is not None:
-            raise ValueError(f"{self.spec['name']} takes no reference audio")
-        if not text or not text.strip():
-            raise ValueError("text is empty; give the text to speak")
-        ids = np.asarray(self._ids(text, model_kwargs), dtype=np.int32)
-        rows = np.zeros((len(ids), h.N_CODEBOOKS), dtype=np.int32)
-        rows[:, 0] = ids
-        return PromptRows(rows)
+        return model_kwargs
 
     def prompt_overhead(self) -> int:
         """The template's rows around an empty text, and one for the text's leading newlines."""
-        return len(self._ids("", {})) + 1
+        return len(_rows(self._ids("", {}))) + 1
 
-    def option_rows(self, model_kwargs: dict[str, str]) -> int:
-        return max(0, len(self._ids("", model_kwargs)) - len(self._ids("", {})))
+    def option_rows(self, model_kwargs: dict[str, str], voice: Voice | None = None) -> int:
+        """The rows the options and a cloned voice's turns (its transcript, its clip's T + 9 rows)
+        add to the template."""
+        model_kwargs = self._options(model_kwargs)
+        return max(0, len(_rows(self._ids("", model_kwargs, voice))) - len(_rows(self._ids("", {}))))
+
+
+def _codes(voice: Voice) -> np.ndarray:
+    """A cloned voice's codes [T, 8], checked."""
+    codes = voice.features.get("codes")
+    if (
+        codes is None
+        or codes.ndim != 2
+        or codes.shape[1] != h.N_CODEBOOKS
+        or not len(codes)
+        or codes.dtype.kind not in "iu"
+        or codes.min() < 0
+        or codes.max() >= h.CODES
+    ):
+        raise ValueError(
+            f"a higgs voice is 'codes', frames of {h.N_CODEBOOKS} tokenizer codes in [0, {h.CODES})"
+        )
+    if not voice.text.strip():
+        raise ValueError("a higgs voice needs its clip's transcript (ref_text): the prompt speaks it first")
+    return codes
+
+
+def clip_rows(codes: np.ndarray) -> np.ndarray:
+    """A clip's codes [T, 8] → its prompt audio rows [T + 9, 8] int32: a stream bos frame, the
+    codes, a stream eos frame, in the delay pattern (codebook k k rows late, stream bos before and
+    stream eos after), each id + PROMPT_AUDIO."""
+    t = len(codes) + 2
+    framed = np.concatenate(
+        [np.full((1, h.N_CODEBOOKS), h.STREAM_BOS), codes, np.full((1, h.N_CODEBOOKS), h.STREAM_EOS)]
+    )
+    out = np.empty((t + h.N_CODEBOOKS - 1, h.N_CODEBOOKS), dtype=np.int32)
+    for k in range(h.N_CODEBOOKS):
+        out[:k, k] = h.STREAM_BOS
+        out[k : k + t, k] = framed[:, k]
+        out[k + t :, k] = h.STREAM_EOS
+    return out + h.PROMPT_AUDIO
+
+
+def _rows(pieces: list[int | np.ndarray]) -> np.ndarray:
+    """Text ids and blocks of prompt audio rows → rows [R, 8] int32 (a text id in column 0)."""
+    blocks, text = [], []
+    for piece in pieces:
+        if isinstance(piece, np.ndarray):
+            blocks += [_text_rows(text), piece]
+            text = []
+        else:
+            text.append(piece)
+    return np.concatenate([*blocks, _text_rows(text)]).astype(np.int32)
+
+
+def _text_rows(ids: list[int]) -> np.ndarray:
+    rows = np.zeros((len(ids), h.N_CODEBOOKS), dtype=np.int32)
+    rows[:, 0] = ids
+    return rows
 
 
 def delay_pattern(row: torch.Tensor, step: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,10 @@ config.json (configs/, see docs/models/higgs-tts.md for where each value comes f
   + the system message + (`\\n\\n<|scene_desc_start|>\\n` + scene + `\\n<|scene_desc_end|>`) +
   `<|eot_id|><|start_header_id|>user<|end_header_id|>\\n\\n` + text + `<|eot_id|>` +
   `<|start_header_id|>assistant<|end_header_id|>\\n\\n<|audio_out_bos|>`; every prompt row is text;
+- a cloned voice comes before the user's turn as a user turn of the clip's transcript and an
+  assistant turn of its audio: `<|audio_out_bos|>`, the clip's codes framed by a stream bos and eos
+  frame in the delay pattern (T + 9 rows for T frames, audio rows: the audio embedding and the audio
+  feed-forward), `<|audio_eos|><|eot_id|>`;
 - each generated row holds 8 codebooks of 1026 ids (1024 codes, stream bos 1024, stream eos 1025),
   all 8 from one hidden state (`audio_lm_head`), in a delay pattern: codebook k lags k rows. Row r
   forces stream bos in codebooks k >= r; once any codebook has sampled eos (row t), row t + 1 + k
@@ -47,6 +51,12 @@ START_HEADER = 128006
 END_HEADER = 128007
 EOT = 128009
 AUDIO_OUT_BOS = 128013  # <|audio_out_bos|>: the prompt's last token
+AUDIO_OUT = 128016  # <|AUDIO_OUT|>: the reference's placeholder of an audio row in a prompt
+AUDIO_DELAY = 128014  # <|reserved_special_token_6|>: the placeholder of its last 7 rows
+AUDIO_EOS = "<|audio_eos|>"  # closes a prompt's audio (id from the tokenizer)
+# A prompt's audio row (a cloned voice's clip): every column PROMPT_AUDIO + its codebook's id, so a
+# prompt row is text (column 0 the id, the rest 0) or audio (every column >= PROMPT_AUDIO)
+PROMPT_AUDIO = 4096
 
 SYSTEM_MESSAGE = "Generate audio following instruction."
 DEFAULT_SCENE = "Audio is recorded from a quiet room."
