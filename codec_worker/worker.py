@@ -81,6 +81,7 @@ class CodecWorker:
             status.set(ProcState.LOADING, f"loading {spec['name']} reference encoders on {device}")
             program.load_encoders()
         self.encodes = Encodes(program)
+        self.decoded_last = False  # the last pass decoded windows (the next, with clips waiting, encodes)
         self.codec = Codec(
             program,
             # 128: a full call's fixed cost is already spread thin (~1 ms over ~7 ms of windows on the
@@ -117,19 +118,22 @@ class CodecWorker:
 
     def turn(self, drained: float) -> float:
         """One turn of the loop: take what arrived, decode what is due, else encode one bounded
-        batch of waiting clips; → when the inbox was last emptied. With clips waiting, the windows
-        gathered so far are decoded at once rather than left to wait out an encode: a window
-        waits for at most the one encode pass running when it arrives."""
+        batch of waiting clips; → when the inbox was last emptied. With clips waiting, decode and
+        encode passes take turns: the windows gathered so far are decoded at once rather than left
+        to wait out an encode, so a window waits for at most one encode pass, and a clip for at
+        most one decode pass per batch ahead of it, however busy the codec is."""
         wait = 0 if self.encodes.waiting else self.gather.wait_ms(time.monotonic())
         msgs = self.inbox.drain(timeout_ms=wait)
         # These were queued after the last drain emptied the socket: count from then (a message
         # that waited out a decode pass has that much less slack left).
         arrived, drained = drained, time.monotonic()
         self.receive(msgs, arrived)
-        if self.gather.due(time.monotonic()) or (self.encodes.waiting and self.gather.chunks):
-            self.decode_pass()
-        elif self.encodes.waiting:
+        if self.encodes.waiting and (self.decoded_last or not self.gather.chunks):
             self.encode_pass()
+            self.decoded_last = False
+        elif self.gather.due(time.monotonic()) or (self.encodes.waiting and self.gather.chunks):
+            self.decode_pass()
+            self.decoded_last = True
         return drained
 
     def receive(self, msgs: list[CodecInMsg], arrived: float) -> None:

@@ -81,6 +81,7 @@ def worker(program: PickyCsm, pass_seconds: float = 1.0) -> CodecWorker:
     w.inbox, w.to_gateway, w.status = Inbox(), Outbox(), Status()
     w.counters = {k: 0 for k in ("codec_calls_total", "codec_windows_total", "codec_busy_seconds_total")}
     w.counters.update(encode_clips_total=0, encode_busy_seconds_total=0.0)
+    w.decoded_last = False
     return w
 
 
@@ -120,6 +121,27 @@ def test_gathered_windows_go_first_and_each_pass_encodes_a_bounded_batch(program
         len(c.pcm) == 2 * 1920 for c in audio
     )
     assert w.counters["encode_clips_total"] == 3
+
+
+def test_a_clip_is_encoded_while_windows_arrive_every_turn(program) -> None:
+    """A busy codec (windows in every turn, as under load) still encodes: decode and encode passes
+    take turns while clips wait, so neither waits for more than one pass of the other."""
+    w = worker(program, pass_seconds=1.0)
+    w.inbox.queued = [clip("k0", 0.6, 0), clip("k1", 0.6, 1), DetokBatch(chunks=[window("s", 0)])]
+    kinds = []
+    for turn in range(6):
+        before = len(w.to_gateway.sent)
+        w.turn(0.0)
+        kinds.append([type(m).__name__ for m in w.to_gateway.sent[before:]])
+        w.inbox.queued = [DetokBatch(chunks=[window("s", turn + 1)])]  # the next step's window
+    # (turn() is given a drain long past, so every window is due: without the turns, no clip would be
+    # encoded while windows keep coming)
+    assert kinds == [["AudioChunks"], ["EncodeReply"], ["AudioChunks"], ["EncodeReply"], ["AudioChunks"]] + [
+        ["AudioChunks"]
+    ]
+    assert not w.encodes.waiting
+    audio = [c.index for m in w.to_gateway.sent if isinstance(m, AudioChunks) for c in m.chunks]
+    assert audio == list(range(6))
 
 
 def test_short_clips_share_a_pass_up_to_its_bound(program) -> None:
