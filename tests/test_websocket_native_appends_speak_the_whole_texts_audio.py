@@ -279,3 +279,9 @@ async def test_bench_ws_appends_word_by_word_over_concurrent_sessions(qwen_serve
     lag = level["client_lag_ms"]  # the client's own loop: a client-bound result shows here
     assert 0 <= lag["p50"] <= lag["p99"] <= lag["max"] < 1000 * level["wall_s"], level
     assert 0 < level["client_cpu"] < 2, level
+    # the sessions that ran dry, if any, say how far behind and where
+    late = round(3 * (1 - level["no_underrun"]))
+    assert len(level["late_examples"]) == late, level
+    assert (level["late_worst_ms"] is None) == (late == 0), level
+    for example in level["late_examples"]:
+        assert example["worst_late_ms"] > 0 and example["first_late_chunk"] >= 1, example
