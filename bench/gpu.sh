@@ -15,7 +15,7 @@
 #   xqa            tests/gpu/test_gpu_xqa_parity.py, then `voxpipe bench options` for the XQA configs
 #   csm            tests/gpu/test_gpu_csm_parity.py
 #   qwen3          tests/gpu/test_gpu_qwen3_tts_parity.py
-#   higgs          tests/gpu/test_gpu_higgs_tts_parity.py
+#   higgs          tests/gpu/test_gpu_higgs_tts_parity.py, tests/gpu/test_gpu_higgs_tts_clone.py
 #   chatterbox     tests/gpu/test_gpu_chatterbox_parity.py (T3 with classifier-free guidance) and
 #                  tests/gpu/test_gpu_chatterbox_s3gen.py (S3Gen: the reference, stream graphs, GPU time)
 #   step | speed | offline | options | profile | attention | op-invariance | codec | codec-profile
@@ -84,7 +84,7 @@ for stage in "$@"; do
     invariance) gpu_tests invariance tests/gpu/test_gpu_batch_invariance.py tests/gpu/test_gpu_op_invariance.py tests/gpu/test_gpu_burst_prefill_invariance.py ;;
     csm) gpu_tests csm tests/gpu/test_gpu_csm_parity.py ;;
     qwen3) gpu_tests qwen3 tests/gpu/test_gpu_qwen3_tts_parity.py ;;
-    higgs) gpu_tests higgs tests/gpu/test_gpu_higgs_tts_parity.py ;;
+    higgs) gpu_tests higgs tests/gpu/test_gpu_higgs_tts_parity.py tests/gpu/test_gpu_higgs_tts_clone.py ;;
     chatterbox) gpu_tests chatterbox tests/gpu/test_gpu_chatterbox_parity.py tests/gpu/test_gpu_chatterbox_s3gen.py ;;
     xqa)
         gpu_tests xqa-parity tests/gpu/test_gpu_xqa_parity.py
