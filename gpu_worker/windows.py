@@ -53,6 +53,16 @@ class AudioWindows:
             raise ValueError(
                 f"{program.name} has no tail windows: --first-chunk progressive is not available"
             )
+        held = program.detok_first_windows
+        if held < 1:
+            raise ValueError(f"{program.name}: detok_first_windows is at least 1, not {held}")
+        if held > 1 and (first_chunk == "progressive" or program.appends_text):
+            # Progressive tail windows go out one frame at a time, and a request waiting for appended
+            # text would sit out with its first windows held: neither holds first windows back.
+            raise ValueError(
+                f"{program.name} holds its first {held} audible windows: not with "
+                + ("--first-chunk progressive" if first_chunk == "progressive" else "appended text")
+            )
         self.program = program
         self.stride = program.detok_stride
         self.fastest = first_chunk == "fastest"
