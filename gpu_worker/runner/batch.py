@@ -44,7 +44,9 @@ class StepBatch:
         return len(self.kv_lens)
 
     def part(self, lo: int, hi: int) -> StepBatch:
-        """Requests [lo, hi) as a batch of their own."""
+        """Requests [lo, hi) as a batch of their own (one sequence per request: a guided batch's
+        pairs are not split)."""
+        assert self.sequences == 1, "a guided batch is not split into parts"
         r0, r1 = self.qo_indptr[lo], self.qo_indptr[hi]
         return StepBatch(
             ids=self.ids[r0:r1],

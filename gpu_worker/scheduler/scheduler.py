@@ -128,10 +128,13 @@ class Scheduler:
                 f"holds ({self.allocator.num_pages - 1}); lower max_tokens or raise --num-pages",
             )
             return
+        if prompt.n_rows % self.sequences:
+            self.reject(prompt.rid, f"a guided prompt has an even number of rows, not {prompt.n_rows}")
+            return
         if prompt.n_rows == 0 or prompt.n_rows // self.sequences >= budget:
             self.reject(
                 prompt.rid,
-                f"prompt is {prompt.n_rows} tokens, which leaves no room to generate within "
+                f"prompt is {prompt.n_rows // self.sequences} tokens, which leaves no room to generate within "
                 f"max_tokens={prompt.sampling.max_tokens} (context limit {limits.max_context})",
             )
             return
@@ -284,7 +287,7 @@ class Scheduler:
         spent, lengths = 0.0, []
         while self.waiting and len(self.running) < limits.max_batch_size and self.slots.num_free:
             req = self.waiting[0]
-            rows = len(req.prompt)
+            rows = self.sequences * len(req.prompt)  # a guided request's step runs both sequences
             cost = per_prompt + per_token * rows
             if admitted and (
                 admitted >= cap
