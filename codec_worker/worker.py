@@ -133,7 +133,7 @@ class CodecWorker:
             self.decoded_last = False
         elif self.gather.due(time.monotonic()) or (self.encodes.waiting and self.gather.chunks):
             self.decode_pass()
-            self.decoded_last = True
+            self.decoded_last = self.encodes.waiting  # clips waited out this pass: they go next
         return drained
 
     def receive(self, msgs: list[CodecInMsg], arrived: float) -> None:

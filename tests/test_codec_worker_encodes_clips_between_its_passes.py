@@ -144,6 +144,26 @@ def test_a_clip_is_encoded_while_windows_arrive_every_turn(program) -> None:
     assert audio == list(range(6))
 
 
+def test_a_clip_arriving_after_idle_decodes_go_after_the_windows_it_came_with(program) -> None:
+    """A decode pass with no clip waiting hands nothing to the encoder: a clip that comes later
+    with windows still lets those windows go first."""
+    w = worker(program)
+    w.gather = Gather(0.0, 1000)  # windows come due at once
+    kinds = []
+    turns = (
+        [DetokBatch(chunks=[window("s", 0)])],
+        [],
+        [clip("k0", 0.6, 0), DetokBatch(chunks=[window("s", 1)])],
+        [],
+    )
+    for queued in turns:
+        w.inbox.queued = queued
+        before = len(w.to_gateway.sent)
+        w.turn(0.0)
+        kinds.append([type(m).__name__ for m in w.to_gateway.sent[before:]])
+    assert kinds == [["AudioChunks"], [], ["AudioChunks"], ["EncodeReply"]]
+
+
 def test_short_clips_share_a_pass_up_to_its_bound(program) -> None:
     w = worker(program, pass_seconds=1.0)
     w.inbox.queued = [clip(f"k{i}", 0.3, i) for i in range(5)]  # 3 fit in 1 s, then 2
