@@ -17,9 +17,9 @@ Those servers extend OpenAI's `POST /v1/audio/speech` with `stream`, `language`,
 - `non_streaming_mode` (the omni servers' prompt mode): true, the prompt holds the whole text before the
   first audio token; false, for a model that lists it among its options, the text enters as the
   audio goes. It reaches the program as the model option of that name.
-- The model's own options (string fields, `ModelSpec.options`) that take "true" or "false", such as
-  `x_vector_only_mode`, are sent by those clients as JSON booleans: a boolean there is read as
-  "true" or "false" (the program checks the value, as it checks any option's).
+- The model's own options (string fields, `ModelSpec.options`) that take "true" or "false" come
+  from those clients as JSON booleans: a boolean there is read as "true" or "false" (the program
+  checks the value, as it checks any option's).
 """
 
 from __future__ import annotations

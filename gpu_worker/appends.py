@@ -2,8 +2,8 @@
 
 A request opened with `Prompt.open_input` takes `Appends` while it runs: the items that came since
 the last step go into the request's slot before the next one, as one write (the program's `extend`,
-host side, graph-safe), or, while it still waits for a slot, join the state its admission writes. Its input stays open until an
-item with `end`; while open, the scheduler leaves it out of every step it has no text for
+host side, graph-safe), or, while it still waits for a slot, join the state its admission writes.
+Its input stays open until an item with `end`; while open, the scheduler leaves it out of every step it has no text for
 (`Scheduler.waits`), and it resumes, where it was, as soon as rows arrive. Once its input has ended
 it runs as a request whose whole text came with its prompt: same state, same steps, same tokens.
 

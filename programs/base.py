@@ -202,7 +202,7 @@ count R prompt rows and the rows generated, each sequence holds that many, and `
 and `option_rows` count the rows of one prompt. `guide(logits [B, 2, C', V], slot [B])` (graph) combines
 each request's pair into the logits it samples from, [B, C', V] (e.g. cond + w·(cond − uncond), w
 from per-request state); sampling then runs as for any request, so a request's rows do not depend
-on its batch. The forward runs eagerly (no CUDA graphs pair the sequences yet).
+on its batch. The forward runs eagerly: no CUDA graph pairs the sequences.
 
 Attention: `attn` is an `Attention` planned by the runtime for this step. Each layer calls
 `attn.forward(layer, q, k, v)`: it writes the step's keys/values into the paged cache

@@ -52,7 +52,7 @@ class StepCost:
 
     What it is for: a stream's steps cost more as its context grows (at ~550 tokens attention is
     ~45 % of an H200 step at 384 rows), so a load measured while its streams are young takes longer
-    steps later in their lives. Admission from the pace alone admitted young streams that the same
+    steps later in their lives. Admission from the pace alone admits young streams that the same
     GPU cannot keep real time once they are old (bench/admission_sim.py). The prompt term keeps the
     context's part apart from the prompts': the young streams of a ramp come with prompts, and
     without it the fit charges their cost to the tokens and takes the context's part for none (in
