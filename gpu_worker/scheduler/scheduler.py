@@ -288,7 +288,8 @@ class Scheduler:
         while self.waiting and len(self.running) < limits.max_batch_size and self.slots.num_free:
             req = self.waiting[0]
             rows = self.sequences * len(req.prompt)  # a guided request's step runs both sequences
-            cost = per_prompt + per_token * rows
+            # the fit counts one sequence a request (its terms take a guided step's factor in)
+            cost = per_prompt + per_token * len(req.prompt)
             if admitted and (
                 admitted >= cap
                 or prefill_rows + rows > limits.max_prefill_rows
