@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-from programs.higgs_tts.encoder import HiggsEncoder, fold_weight_norm, resample
+from programs.higgs_tts.codec import fold_weight_norm
+from programs.higgs_tts.encoder import HiggsEncoder, resample
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "programs", "higgs_tts", "configs")
 TINY = os.path.join(CONFIG, "higgs-audio-v2-tokenizer-tiny.json")

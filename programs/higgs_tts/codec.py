@@ -265,30 +265,35 @@ class HiggsCodec(nn.Module):
     def from_pretrained(cls, id_or_dir: str, dtype: torch.dtype, device) -> HiggsCodec:
         """The tokenizer checkpoint in transformers' layout: its quantizer codebooks and output
         projections, `fc2` and `acoustic_decoder.*` (weight-normed convolutions folded)."""
-        path, config = checkpoint_dir(id_or_dir)
-        with torch.device(device):
-            model = cls(config).to(dtype)
-        own = {n for n, _ in model.named_parameters()}
-        held: dict[str, torch.Tensor] = {}
+        return load_parts(cls, id_or_dir, dtype, device, ("quantizer", "fc2", "acoustic_decoder"))
 
-        def load(pairs):
-            for name, t in pairs:
-                held[name] = t
-            return set()
 
-        load_safetensors(
-            path, device, load, keep=lambda n: n.split(".")[0] in ("quantizer", "fc2", "acoustic_decoder")
-        )
-        loaded = copy_weights(model, fold_weight_norm(held).items(), skip=lambda n: n not in own)
-        missing = own - loaded
-        if missing:
-            raise KeyError(f"{path}: no weights for {sorted(missing)[:5]} ({len(missing)} in all)")
-        return model.eval()
+def load_parts(cls: type[nn.Module], id_or_dir: str, dtype: torch.dtype, device, parts: tuple[str, ...]):
+    """`cls(config)` with the weights of the tokenizer checkpoint's top-level `parts` (transformers'
+    layout, weight-normed tensors folded); every parameter of the module must come from them."""
+    path, config = checkpoint_dir(id_or_dir)
+    with torch.device(device):
+        model = cls(config).to(dtype)
+    own = {n for n, _ in model.named_parameters()}
+    held: dict[str, torch.Tensor] = {}
+
+    def load(pairs):
+        for name, t in pairs:
+            held[name] = t
+        return set()
+
+    load_safetensors(path, device, load, keep=lambda n: n.split(".")[0] in parts)
+    loaded = copy_weights(model, fold_weight_norm(held).items(), skip=lambda n: n not in own)
+    missing = own - loaded
+    if missing:
+        raise KeyError(f"{path}: no weights for {sorted(missing)[:5]} ({len(missing)} in all)")
+    return model.eval()
 
 
 def fold_weight_norm(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Weight-normed tensors (`X.weight_g` / `X.weight_v`, or `X.parametrizations.weight.original0`
-    / `original1`) → `X.weight` = g · v / ‖v‖ (norm over every dim but the first)."""
+    / `original1`) → `X.weight` = g · v / ‖v‖, the norm over the dims where g has size 1 (every dim
+    but the first for the DAC convolutions, all but the kernel's for HuBERT's positional conv)."""
     out = dict(weights)
     for g_name in [n for n in weights if n.endswith((".weight_g", ".parametrizations.weight.original0"))]:
         base = g_name.removesuffix(".weight_g").removesuffix(".parametrizations.weight.original0")
@@ -296,7 +301,8 @@ def fold_weight_norm(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
             g_name[: -len("original0")] + "original1" if "parametrizations" in g_name else base + ".weight_v"
         )
         g, v = out.pop(g_name), out.pop(v_name)
-        norm = v.float().pow(2).sum(dim=tuple(range(1, v.dim())), keepdim=True).sqrt()
+        dims = tuple(i for i in range(v.dim()) if g.shape[i] == 1)
+        norm = v.float().pow(2).sum(dim=dims, keepdim=True).sqrt()
         out[base + ".weight"] = (v.float() * (g.float() / norm)).to(v.dtype)
     return out
 

@@ -29,9 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from programs.blocks.weights import checkpoint_dir, copy_weights, load_safetensors
 from programs.higgs_tts import spec as h
-from programs.higgs_tts.codec import Snake
+from programs.higgs_tts.codec import Snake, load_parts
 
 SEMANTIC_PAD = 160  # samples at 16 kHz on each side of the clip before HuBERT
 
@@ -365,41 +364,8 @@ class HiggsEncoder(nn.Module):
     @classmethod
     def from_pretrained(cls, id_or_dir: str, dtype: torch.dtype, device) -> HiggsEncoder:
         """The tokenizer checkpoint in transformers' layout (weight-normed convolutions folded)."""
-        path, config = checkpoint_dir(id_or_dir)
-        with torch.device(device):
-            model = cls(config).to(dtype)
-        own = {n for n, _ in model.named_parameters()}
-        held: dict[str, torch.Tensor] = {}
-
-        def load(pairs):
-            for name, t in pairs:
-                held[name] = t
-            return set()
-
         parts = ("acoustic_encoder", "semantic_model", "encoder_semantic", "fc", "quantizer")
-        load_safetensors(path, device, load, keep=lambda n: n.split(".")[0] in parts)
-        loaded = copy_weights(model, fold_weight_norm(held).items(), skip=lambda n: n not in own)
-        missing = own - loaded
-        if missing:
-            raise KeyError(f"{path}: no weights for {sorted(missing)[:5]} ({len(missing)} in all)")
-        return model.eval()
-
-
-def fold_weight_norm(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Weight-normed tensors (`X.weight_g` / `X.weight_v`, or `X.parametrizations.weight.original0`
-    / `original1`) → `X.weight` = g · v / ‖v‖, the norm over the dims where g has size 1 (every dim
-    but the first for the DAC convolutions, all but the kernel's for HuBERT's positional conv)."""
-    out = dict(weights)
-    for g_name in [n for n in weights if n.endswith((".weight_g", ".parametrizations.weight.original0"))]:
-        base = g_name.removesuffix(".weight_g").removesuffix(".parametrizations.weight.original0")
-        v_name = (
-            g_name[: -len("original0")] + "original1" if "parametrizations" in g_name else base + ".weight_v"
-        )
-        g, v = out.pop(g_name), out.pop(v_name)
-        dims = tuple(i for i in range(v.dim()) if g.shape[i] == 1)
-        norm = v.float().pow(2).sum(dim=dims, keepdim=True).sqrt()
-        out[base + ".weight"] = (v.float() * (g.float() / norm)).to(v.dtype)
-    return out
+        return load_parts(cls, id_or_dir, dtype, device, parts)
 
 
 @torch.no_grad()
