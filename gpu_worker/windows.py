@@ -64,6 +64,8 @@ class AudioWindows:
                 + ("--first-chunk progressive" if first_chunk == "progressive" else "appended text")
             )
         self.program = program
+        # The window whose leaving starts the listener's clock: the last of the first audible ones.
+        self.clock_window = program.detok_silent + held - 1
         self.stride = program.detok_stride
         self.fastest = first_chunk == "fastest"
         self.progressive = first_chunk == "progressive"
@@ -108,8 +110,7 @@ class AudioWindows:
         with it, so that one codec pass decodes them and the listener starts with all of their
         audio."""
         self._sent(req, chunk, audio_rows)
-        audible = req.n_chunks - self.program.detok_silent  # audible windows so far, this one included
-        if 0 < audible < self.program.detok_first_windows:
+        if self.program.detok_silent <= chunk.index < self.clock_window:
             req.held.append(chunk)
             return
         if req.held:
@@ -135,10 +136,9 @@ class AudioWindows:
             chunk.slack_ms = 1000 * rows_left * self.clock.row_period()  # 0 before a step is measured
             req.n_chunks += 1
             return chunk
-        first = silent + max(1, self.program.detok_first_windows) - 1  # the window that starts the clock
-        if req.n_chunks == first:
+        if req.n_chunks == self.clock_window:
             req.t_first = now
-        elif req.n_chunks > first:
+        elif req.n_chunks > self.clock_window:
             chunk.slack_ms = max(0.0, 1000 * (req.sent_s - (now - req.t_first)))
         req.sent_s += self._audio_s(audio_rows)
         req.n_chunks += 1

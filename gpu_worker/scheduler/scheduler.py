@@ -359,8 +359,8 @@ class Scheduler:
         if self.sit_out is None or not batch:
             self.sitting_out = 0.0
             return batch
-        now, progressive, p = self.windows.now(), self.windows.progressive, self.windows.program
-        first = p.detok_silent + p.detok_first_windows  # the first audible windows, sent together
+        now, progressive = self.windows.now(), self.windows.progressive
+        first = self.windows.clock_window + 1  # the first audible windows, sent together
         leads = [
             r.sent_s - (now - r.t_first) if (r.switched if progressive else r.n_chunks > first) else -np.inf
             for r in batch
