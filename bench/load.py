@@ -292,8 +292,6 @@ def summarize(results: list[Result], wall_s: float, sample_rate: int, ramp_s: fl
     # first audio was asked for: tells a start-up burst from a steady tail.
     steady = [r.ttfa * 1000 for r in ok if r.chunks and r.sent_at >= ramp_s]
     worst = max((r for r in ok if r.chunks), key=lambda r: r.ttfa, default=None)
-    lateness = [(r, *r.lateness(sample_rate)) for r in ok if r.chunks]
-    late = [(w * 1000, first) for _, w, first in lateness if w > 0]
     per_stream = [r.x_realtime(sample_rate) for r in ok if r.chunks]
     return {
         "requests": len(results),
@@ -317,15 +315,23 @@ def summarize(results: list[Result], wall_s: float, sample_rate: int, ramp_s: fl
         # >= 1.0 keeps up with a listener. The median and the slowest stream.
         "x_realtime_per_stream_p50": round(percentile(per_stream, 50), 2) if per_stream else 0.0,
         "x_realtime_per_stream_min": round(min(per_stream), 2) if per_stream else 0.0,
-        # Of the requests with a late chunk: how far behind playback (worst chunk) and how far into
-        # the stream the first late chunk came.
+        **late_summary(ok, sample_rate),
+        "ttfa_by_sent_second": ttfa_by_sent_second(ok),
+        "wall_s": round(wall_s, 2),
+    }
+
+
+def late_summary(ok: list[Result], sample_rate: int) -> dict:
+    """Of the requests with a late chunk: how many, how far behind playback (worst chunk) and how far
+    into the stream the first late chunk came, and up to five in detail (`Result.late_detail`)."""
+    lateness = [(r, *r.lateness(sample_rate)) for r in ok if r.chunks]
+    late = [(w * 1000, first) for _, w, first in lateness if w > 0]
+    return {
         "late_requests": len(late),
         "late_worst_ms_p50": round(percentile([w for w, _ in late], 50), 1) if late else 0.0,
         "late_worst_ms_p99": round(percentile([w for w, _ in late], 99), 1) if late else 0.0,
         "first_late_at_s_p50": round(percentile([f for _, f in late], 50), 2) if late else None,
         "late_examples": [r.late_detail(sample_rate) for r, w, _ in lateness if w > 0][:5],
-        "ttfa_by_sent_second": ttfa_by_sent_second(ok),
-        "wall_s": round(wall_s, 2),
     }
 
 

@@ -13,8 +13,8 @@ For each level (N concurrent sessions × a word interval) it reports, over the s
 - `end_to_done_ms`: from the `end` sent to the last audio frame;
 - `no_underrun`: the share of sessions whose every frame after the first came before a player that
   started at the first frame would have run dry (`bench.load.Result.lateness`);
-- for the sessions that ran dry, how far behind at worst (`late_worst_ms`) and a few in detail
-  (`late_examples`: the first late chunk, when, by how much);
+- for the sessions that ran dry, how many, how far behind at worst (`late_worst_ms_p50`/`_p99`),
+  when the first late chunk came, and a few in detail (`late_examples`; `bench.load.late_summary`);
 - errors (an `error` event, a close other than 1000, a session that never finished), the mode the
   server chose (`native` or `segmented`) and the audio seconds;
 - `client_lag_ms` and `client_cpu`: the client's own event-loop lag (how late a 5 ms timer fires,
@@ -33,7 +33,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.load import SENTENCES, Result, auth_headers, device_label, percentile
+from bench.load import SENTENCES, Result, auth_headers, device_label, late_summary, percentile
 from bench.load_cli import server_model
 
 PATH = "/v1/audio/speech/stream"
@@ -170,21 +170,10 @@ async def run_level(base: str, sessions: int, word_ms: float, args: argparse.Nam
         "first_audio_ms": _quantiles(first),
         "end_to_done_ms": _quantiles(tail),
         "no_underrun": round(sum(r.on_time(rate) for r, _ in ok) / max(1, len(ok)), 4),
-        **_late(ok, rate),
+        **late_summary([r for r, _ in ok], rate),
         "audio_s": round(sum(r.audio_s(rate) for r, _ in ok), 2),
         "wall_s": round(wall, 2),
         **lag.summary(),
-    }
-
-
-def _late(ok: list[tuple[Result, dict]], rate: int) -> dict[str, Any]:
-    """The sessions that ran dry: how far behind at worst (p50/p99 over them) and up to five of
-    them in detail (which chunk came late first, how far into the stream; `Result.late_detail`)."""
-    late = [r for r, _ in ok if not r.on_time(rate)]
-    worst = [1000 * r.lateness(rate)[0] for r in late]
-    return {
-        "late_worst_ms": _quantiles(worst) if late else None,
-        "late_examples": [r.late_detail(rate) for r in late[:5]],
     }
 
 
