@@ -54,16 +54,20 @@ async def one(
     return first if first is not None else float("nan"), time.perf_counter() - t0, n - 44
 
 
-def request_body(tokens: int, seed: int) -> dict:
+def request_body(tokens: int, seed: int, allowance: int) -> dict:
+    """A single-stream request of `tokens` generated rows; its max_tokens counts the prompt, which
+    `allowance` covers."""
     return {
         "text": "Hello, how are you today?",
         "seed": seed,
-        "max_tokens": 60 + tokens,
+        "max_tokens": allowance + tokens,
         "min_tokens": tokens,
     }
 
 
-async def measure(base: str, reps: int, tokens: int, clone_reps: int, clip_s: float) -> tuple[dict, str]:
+async def measure(
+    base: str, reps: int, tokens: int, clone_reps: int, clip_s: float, allowance: int
+) -> tuple[dict, str]:
     """Sequential requests, after a warm-up: `reps` plain ones ("plain"; by a saved voice where the
     model has no preset voices), and with `clone_reps` > 0 as many with a new clip each ("clip") and
     by a voice saved once ("voice"). Each: a list of (first audio s, whole s, bytes); and the plain
@@ -75,19 +79,19 @@ async def measure(base: str, reps: int, tokens: int, clone_reps: int, clip_s: fl
     url = base + "/generate"
     async with aiohttp.ClientSession(headers=auth_headers()) as s:
         plain = Cloning(voice=await plain_voice(s, base, server_model(base), clip_s), seconds=clip_s)
-        await one(s, url, plain.request(request_body(tokens, 1), False))  # warm-up
+        await one(s, url, plain.request(request_body(tokens, 1, allowance), False))  # warm-up
         out = {
-            "plain": [await one(s, url, plain.request(request_body(tokens, i), False)) for i in range(reps)]
+            "plain": [await one(s, url, plain.request(request_body(tokens, i, allowance), False)) for i in range(reps)]
         }
         if clone_reps:
-            await one(s, url, plain.request(request_body(tokens, 1), True))  # warm-up of the encoders
+            await one(s, url, plain.request(request_body(tokens, 1, allowance), True))  # warm-up of the encoders
             out["clip"] = [
-                await one(s, url, plain.request(request_body(tokens, i), True)) for i in range(clone_reps)
+                await one(s, url, plain.request(request_body(tokens, i, allowance), True)) for i in range(clone_reps)
             ]
             await save_voice(s, base, "bench-saved", clip_wav(1, clip_s))
             saved = Cloning(voice="bench-saved")
             out["voice"] = [
-                await one(s, url, saved.request(request_body(tokens, i), False)) for i in range(clone_reps)
+                await one(s, url, saved.request(request_body(tokens, i, allowance), False)) for i in range(clone_reps)
             ]
         return out, plain.voice
 
@@ -211,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--texts", default="mixed", help="request texts of the load: mixed or sentences")
     ap.add_argument("--load-duration", type=float, default=30.0)
     ap.add_argument(
-        "--prompt-allowance", type=int, default=100, help="load requests' max_tokens = --load-tokens + this"
+        "--prompt-allowance", type=int, default=100, help="max_tokens = --tokens (single streams) or --load-tokens (the load) + this"
     )
     ap.add_argument("--load-tokens", type=int, default=1024)
     starts = ap.add_mutually_exclusive_group()
@@ -246,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         args.ramp = 0.0
     with served(args.model, args.port, args.serve_args) as (base, startup):
         res, args.plain_voice = asyncio.run(
-            measure(base, args.reps, args.tokens, args.clone_reps, args.clip_seconds)
+            measure(base, args.reps, args.tokens, args.clone_reps, args.clip_seconds, args.prompt_allowance)
         )
         out = {
             "model": f"{args.model} dummy",
