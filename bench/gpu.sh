@@ -30,6 +30,8 @@
 #                  each (4.8-6 s of audio: random weights rarely end a stream themselves)
 #   higgs-load     Higgs Audio v2 3B: `voxpipe bench ttfa`, then the load curve (VOXPIPE_LOAD), streams
 #                  of 250 rows (10 s of audio; random weights never end one themselves)
+#   chatterbox-load  Chatterbox: `voxpipe bench ttfa`, then the load curve (VOXPIPE_LOAD), streams of 250
+#                  speech tokens (10 s of audio)
 #   clone          voice cloning, Qwen3-TTS Base (VOXPIPE_CLONE_MODEL, default the 1.7B): `voxpipe bench ttfa`
 #                  with the time to first audio of requests by a saved voice (ttfa_ms: the Base model has
 #                  no preset voice), with a new 3 s clip each (clip_ttfa_ms: the clip decoded and encoded
@@ -143,6 +145,12 @@ for stage in "$@"; do
         run higgs-load $bench ttfa --model higgs-tts --reps 10 --tokens 150 --load "${VOXPIPE_LOAD:-16,32,64,128}" \
             --load-duration 15 --load-tokens 250 --prompt-allowance 300 --ramp 4 --label "$LABEL" --load-out "$OUT/higgs-load.json" \
             --out "$OUT/higgs-ttfa.json" -- --max-batch-size 256
+        ;;
+    chatterbox-load)
+        run chatterbox-load $bench ttfa --model chatterbox --reps 10 --tokens 100 --prompt-allowance 250 \
+            --load "${VOXPIPE_LOAD:-2,4,8,16}" --load-duration 15 --load-tokens 250 --ramp 4 --label "$LABEL" \
+            --load-out "$OUT/chatterbox-load.json" --out "$OUT/chatterbox-ttfa.json" -- --max-batch-size 64 \
+            ${VOXPIPE_SERVE_EXTRA:-}
         ;;
     clone)
         run clone $bench ttfa --model "${VOXPIPE_CLONE_MODEL:-qwen3-tts-base}" --reps 15 --tokens 60 --clone-reps 15 \
