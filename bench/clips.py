@@ -84,10 +84,10 @@ async def save_voice(session: aiohttp.ClientSession, base: str, name: str, wav: 
 
 
 async def plain_voice(session: aiohttp.ClientSession, base: str, card: dict, seconds: float = 3.0) -> str:
-    """The voice of plain requests: none (the model's default) where the model has preset voices,
-    else a voice saved here (`PLAIN_VOICE`, from a clip of `seconds`)."""
-    preset = set(card.get("voices", [])) - set(card.get("saved_voices", []))
-    if preset or not card.get("voice_cloning"):
+    """The voice of plain requests: none (the model's own voice) unless the model speaks only in a
+    cloned voice (`voice_required`), then a voice saved here (`PLAIN_VOICE`, from a clip of
+    `seconds`)."""
+    if not card.get("voice_required"):
         return ""
     await save_voice(session, base, PLAIN_VOICE, clip_wav(0, seconds))
     return PLAIN_VOICE

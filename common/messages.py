@@ -355,6 +355,7 @@ class ModelSpec(msgspec.Struct, tag="spec", **_STRUCT):
     # > 0: the model clones voices from reference clips resampled to this rate (the program's
     # reference_sample_rate); 0: a request with a clip or a saved voice gets a 400.
     reference_sample_rate: int = 0
+    voice_required: bool = False  # a request without a voice or a clip gets a 400 (LMProgram.voice_required)
     # > 0: the model takes text appended to a running request (native input streaming, the
     # program's `appends_text`), at most this many state rows of it per request; 0: it does not.
     append_rows: int = 0

@@ -59,6 +59,7 @@ def model_card(pipeline: Pipeline, spec: ModelSpec) -> dict[str, Any]:
         "voices": [*spec.voices, *saved],
         "saved_voices": saved,
         "voice_cloning": spec.reference_sample_rate > 0,
+        "voice_required": spec.voice_required,
         "default_voice": spec.default_voice,
         "voice_aliases": voice_aliases(spec),
         "languages": ["auto", *spec.languages],

@@ -268,6 +268,7 @@ def _components(spec: ModelSpec, cfg: ServeConfig) -> dict[str, Any]:
                     "voices": {"type": "array", "items": {"type": "string"}},
                     "saved_voices": {"type": "array", "items": {"type": "string"}},
                     "voice_cloning": {"type": "boolean"},
+                    "voice_required": {"type": "boolean"},
                     "default_voice": {"type": "string"},
                     "voice_aliases": {"type": "object", "additionalProperties": {"type": "string"}},
                     "languages": {"type": "array", "items": {"type": "string"}},

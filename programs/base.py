@@ -60,6 +60,7 @@ Attributes a program sets (defaults on LMProgram; any model may use each):
 | `codec_streams` | the codec keeps per-request state and decodes each audio row once (see Codec streams) |
 | `detok_silent` | a stream's first windows that yield no audio (a look-ahead, a delay pattern): sent at once, the listener's clock starts after them |
 | `detok_first_windows` | a stream's first audible windows held and sent together (short windows: the listener starts with their audio in hand) |
+| `voice_required` | a request without a voice (a saved one or a clip) is refused: the model has no voice of its own |
 | `guidance` | every request runs a conditional and an unconditional sequence (see Classifier-free guidance) |
 
 Multi-codebook rows (C > 1): a row is one frame of C codebook ids (a program may also encode
@@ -334,6 +335,8 @@ class LMProgram:
     detok_first_windows: int = 1
     # > 0: the program clones voices from reference clips at this sample rate (see Reference audio).
     reference_sample_rate: int = 0
+    # True: the model speaks only in a cloned voice; a request without one is refused (model card).
+    voice_required: bool = False
     # True: a request may take text appended while it runs (see Appended text), in the mode these
     # model options set (the runtime sets them on such requests).
     appends_text: bool = False
@@ -638,6 +641,7 @@ class LMProgram:
             sized_options=list(self.sized_options),
             languages=[str(x) for x in spec.get("languages", ())],
             reference_sample_rate=int(self.reference_sample_rate),
+            voice_required=bool(self.voice_required),
             append_rows=int(self.append_capacity) if self.appends_text else 0,
             append_options=dict(self.append_options) if self.appends_text else {},
         )

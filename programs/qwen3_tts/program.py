@@ -72,6 +72,7 @@ class Qwen3TtsProgram(LMProgram):
         self._clone: clone.CloneState | None = None  # each slot's speaker vector and clip frames
         self._encoders: clone.Encoders | None = None
         self.appends_text = not self.reference_sample_rate  # a session carries no clip
+        self.voice_required = bool(self.reference_sample_rate)  # Base: no preset or described voice
         self._set_lm_constants(self.read_config("lm_config"))
         self.head_ids = torch.tensor([*range(q.CODE_VOCAB), q.CODEC_EOS], device=self.device)
 
