@@ -81,17 +81,24 @@ async def measure(
         plain = Cloning(voice=await plain_voice(s, base, server_model(base), clip_s), seconds=clip_s)
         await one(s, url, plain.request(request_body(tokens, 1, allowance), False))  # warm-up
         out = {
-            "plain": [await one(s, url, plain.request(request_body(tokens, i, allowance), False)) for i in range(reps)]
+            "plain": [
+                await one(s, url, plain.request(request_body(tokens, i, allowance), False))
+                for i in range(reps)
+            ]
         }
         if clone_reps:
-            await one(s, url, plain.request(request_body(tokens, 1, allowance), True))  # warm-up of the encoders
+            await one(
+                s, url, plain.request(request_body(tokens, 1, allowance), True)
+            )  # warm-up of the encoders
             out["clip"] = [
-                await one(s, url, plain.request(request_body(tokens, i, allowance), True)) for i in range(clone_reps)
+                await one(s, url, plain.request(request_body(tokens, i, allowance), True))
+                for i in range(clone_reps)
             ]
             await save_voice(s, base, "bench-saved", clip_wav(1, clip_s))
             saved = Cloning(voice="bench-saved")
             out["voice"] = [
-                await one(s, url, saved.request(request_body(tokens, i, allowance), False)) for i in range(clone_reps)
+                await one(s, url, saved.request(request_body(tokens, i, allowance), False))
+                for i in range(clone_reps)
             ]
         return out, plain.voice
 
@@ -215,7 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--texts", default="mixed", help="request texts of the load: mixed or sentences")
     ap.add_argument("--load-duration", type=float, default=30.0)
     ap.add_argument(
-        "--prompt-allowance", type=int, default=100, help="max_tokens = --tokens (single streams) or --load-tokens (the load) + this"
+        "--prompt-allowance",
+        type=int,
+        default=100,
+        help="max_tokens = --tokens (single streams) or --load-tokens (the load) + this",
     )
     ap.add_argument("--load-tokens", type=int, default=1024)
     starts = ap.add_mutually_exclusive_group()
