@@ -10,8 +10,9 @@ and 8 in float16).
 A failure fails only the requests whose windows cause it: a chunk of no known kind ends its own
 request, and a batch whose decode raises is decoded again window by window, so its good windows
 keep their audio. Programs with codec streams (programs/base.py, "Codec streams") decode in
-rounds: round k holds each request's k-th waiting chunk, each chunk in its request's slot
-(codec_worker/streams.py). Their failed batch fails all of its requests: how far it advanced
+rounds: round k holds each request's k-th waiting unit, each in its request's slot
+(codec_worker/streams.py); a unit is a chunk, or up to `merge` consecutive chunks of a request
+that decode as one window (the program's `codec_merge`), whose audio is split back per chunk. Their failed batch fails all of its requests: how far it advanced
 their state is unknown. A chunk 0 with a prefix (a primed stream: the program's `codec_prefix`)
 first decodes the prefix in its fresh slot, in an eager call of its own outside the graphs, and
 then its window continues the stream; a prefix that fails fails its request alone.
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 
 from codec_worker.graphs import DetokGraphs, Pending
-from codec_worker.streams import IDLE_S, Slots, StreamError, rounds
+from codec_worker.streams import IDLE_S, Slots, StreamError, rounds, units
 from common.messages import AudioChunk, DetokChunk, Finished, FinishReason
 from programs.base import CodecStreams, LMProgram, pcm16
 from programs.blocks import rng
@@ -50,7 +51,8 @@ class Launched:
     the requests it failed (rid → the error end to send in place of their audio)."""
 
     chunks: list[DetokChunk]
-    parts: list[tuple[list[int], Pending]] = field(default_factory=list)
+    # per part: its units (positions of chunks decoded as one window each) and the pending result
+    parts: list[tuple[list[list[int]], Pending]] = field(default_factory=list)
     failed: dict[str, Finished] = field(default_factory=dict)
 
 
@@ -71,6 +73,7 @@ class Codec:
         streams: int = 0,
         idle_s: float = IDLE_S,
         call_batch: int | None = None,
+        merge: int = 1,
     ) -> None:
         self.program = program
         self.device = program.device
@@ -84,6 +87,8 @@ class Codec:
                 raise ValueError(f"{program.name} decodes codec streams: give it codec slots (streams)")
             self.slots = Slots(streams, idle_s)
             program.init_codec_streams(streams + 1)
+        # Windows of a stream merged into one decode (codec streams only, `merge` at most: 1 = none)
+        self.merge = tuple(m for m in program.codec_merge if 1 < m <= merge) if self.slots else ()
         self.dead: OrderedDict[str, None] = OrderedDict()  # failed requests whose end is yet to come
         # Regular windows through the program's compiled decode (`compile_backend`: torch.compile's
         # backend; None: not compiled), graphed or eager like the others. `compile_fallback`: if
@@ -102,6 +107,7 @@ class Codec:
         # tail of all its rows is the whole window: kind (rows, 0), see `_kind`).
         p, s = program, program.detok_stride
         kinds = {(p.detok_interval, 0): max_batch}
+        kinds.update({(m * p.detok_interval, 0): max_batch for m in self.merge})
         kinds.update({(r, 0): LEAD_MAX_BATCH for r in p.detok_lead})
         if tails and p.detok_tail:
             kinds.update({self._kind(r, s): LEAD_MAX_BATCH for r in range(s, p.detok_interval + 1, s)})
@@ -231,9 +237,17 @@ class Codec:
                 continue
             kinds[i] = kind
         live = [i for i in kinds if chunks[i].rid not in out.failed]
-        for where in rounds(chunks, live) if self.slots is not None else [live]:
-            groups: dict[tuple[int, int], list[tuple[int, int, bool]]] = {}  # kind → (position, slot, fresh)
-            for i in where:
+        regular = (p.detok_interval, 0)
+        if self.slots is None:
+            passes = [[[i] for i in live]]
+        else:  # a request's units in index order, one per round
+            passes = rounds(chunks, units(chunks, live, self.merge, lambda i: kinds[i] == regular))
+        for where in passes:
+            groups: dict[
+                tuple[int, int], list[tuple[list[int], int, bool]]
+            ] = {}  # kind → (unit, slot, fresh)
+            for unit in where:
+                i = unit[0]
                 slot, fresh = 0, False
                 if self.slots is not None:
                     try:
@@ -249,7 +263,8 @@ class Codec:
                             self.fail(out, chunks[i].rid, f"codec error: {type(e).__name__}: {e}")
                             continue
                         fresh = False  # its window continues the primed stream
-                groups.setdefault(kinds[i], []).append((i, slot, fresh))
+                kind = kinds[i] if len(unit) == 1 else (len(unit) * p.detok_interval, 0)
+                groups.setdefault(kind, []).append((unit, slot, fresh))
             for kind, entries in groups.items():
                 limit = self.limits[kind]
                 for lo in range(0, len(entries), limit):
@@ -293,15 +308,18 @@ class Codec:
         return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
     def _launch_part(
-        self, chunks: list[DetokChunk], kind: tuple[int, int], entries: list[tuple[int, int, bool]]
-    ) -> tuple[list[int], Pending]:
-        """Queue one batch of windows of one kind: (position, slot, fresh) each."""
+        self, chunks: list[DetokChunk], kind: tuple[int, int], entries: list[tuple[list[int], int, bool]]
+    ) -> tuple[list[list[int]], Pending]:
+        """Queue one batch of windows of one kind: (unit, slot, fresh) each, a unit's chunks' rows
+        as one window (its noise key its first chunk's)."""
         rows, tail = kind
-        part = [i for i, _, _ in entries]
-        tokens = np.stack([np.frombuffer(chunks[i].tokens, dtype="<i4") for i in part]).astype(np.int64)
+        part = [u for u, _, _ in entries]
+        tokens = np.stack(
+            [np.concatenate([np.frombuffer(chunks[i].tokens, dtype="<i4") for i in u]) for u in part]
+        ).astype(np.int64)
         tokens = tokens.reshape(len(part), rows, self.program.n_codebooks)
-        seeds = torch.tensor([chunks[i].seed for i in part], dtype=torch.int64)
-        index = torch.tensor([chunks[i].noise_id for i in part], dtype=torch.int64)
+        seeds = torch.tensor([chunks[u[0]].seed for u in part], dtype=torch.int64)
+        index = torch.tensor([chunks[u[0]].noise_id for u in part], dtype=torch.int64)
         keys = rng.mix_keys(seeds, index).numpy()  # [Bd] noise key per chunk
         slots = fresh = None
         if self.slots is not None:
@@ -327,22 +345,25 @@ class Codec:
                 log.exception("codec failed on %d windows", len(part))
                 self._failed_part(launched, part, out, e)
                 continue
-            for i, samples, ok in zip(part, pcm.astype("<i2"), valid, strict=True):
-                c = chunks[i]
-                out[i] = AudioChunk(c.rid, c.index, samples.tobytes() if ok else b"")
+            for unit, samples, ok in zip(part, pcm.astype("<i2"), valid, strict=True):
+                # a merged window's audio and validity, each of its chunks' own
+                oks = np.broadcast_to(np.asarray(ok).reshape(-1), (len(unit),))
+                for i, piece, good in zip(unit, np.split(samples, len(unit)), oks, strict=True):
+                    c = chunks[i]
+                    out[i] = AudioChunk(c.rid, c.index, piece.tobytes() if good else b"")
         return [a for a in out if a is not None and a.rid not in launched.failed]
 
     def _failed_part(
-        self, launched: Launched, part: list[int], out: list[AudioChunk | None], error: Exception
+        self, launched: Launched, part: list[list[int]], out: list[AudioChunk | None], error: Exception
     ) -> None:
         """A batch's decode raised: decode its windows one by one and fail the requests of those
         that fail alone (codec streams, or a window alone: fail them all)."""
         chunks = launched.chunks
         if self.slots is not None or len(part) == 1:
-            for i in part:
-                self.fail(launched, chunks[i].rid, f"codec error: {type(error).__name__}: {error}")
+            for unit in part:
+                self.fail(launched, chunks[unit[0]].rid, f"codec error: {type(error).__name__}: {error}")
             return
-        for i in part:
+        for (i,) in part:  # without codec streams every unit is one chunk
             alone = self.launch([chunks[i]])
             audio = self.collect(alone)
             launched.failed.update(alone.failed)

@@ -112,7 +112,8 @@ class DetokGraphs:
             self.graphs[bs] = self._capture(bs)
         _, pcm, valid = self.graphs[bmax]
         self.pcm_host = torch.empty((bmax, pcm.shape[1]), dtype=pcm.dtype).pin_memory()  # a launch's results
-        self.valid_host = torch.empty(bmax, dtype=valid.dtype).pin_memory()
+        # [bmax] or [bmax, m]: a merged window's validity per window (programs/base.py, codec_merge)
+        self.valid_host = torch.empty((bmax, *valid.shape[1:]), dtype=valid.dtype).pin_memory()
         log.info(
             "captured %d codec graphs (%d rows, batch %s) in %.1f s",
             len(self.sizes),

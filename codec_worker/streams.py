@@ -1,5 +1,6 @@
 """Codec slots of a program with codec streams (programs/base.py, "Codec streams"): which slot
-holds each request's codec state, and the order its chunks may decode in.
+holds each request's codec state, the order its chunks may decode in, and which of a request's
+waiting chunks decode together as one merged window (`units`).
 
 A request's chunk 0 takes a free slot and starts its stream there (fresh); its later chunks
 continue in that slot. The request's end (its `Finished`, forwarded after its chunks) frees the
@@ -92,17 +93,48 @@ class Slots:
             self.free.append(slot)
 
 
-def rounds(chunks: list[DetokChunk], where: list[int]) -> list[list[int]]:
-    """Positions `where` of `chunks` in decode rounds: round k holds each request's k-th waiting
-    chunk (by index), so a request's chunks decode in order and never two in one call."""
+def units(
+    chunks: list[DetokChunk], where: list[int], merge: tuple[int, ...] = (), mergeable=None
+) -> list[list[int]]:
+    """Positions `where` of `chunks` as decode units, each a run of one request's chunks in index
+    order: a lone chunk, or m consecutive chunks (m in `merge`, the largest that fits first) that
+    decode as one window of m windows' rows (programs/base.py: `codec_merge`). Only chunks for
+    which `mergeable(i)` holds join a merged unit (regular windows past a stream's first chunk)."""
     by_rid: dict[str, list[int]] = {}
     for i in where:
         by_rid.setdefault(chunks[i].rid, []).append(i)
+    sizes = sorted((m for m in merge if m > 1), reverse=True)
     out: list[list[int]] = []
-    for where in by_rid.values():
-        where.sort(key=lambda i: chunks[i].index)
-        for k, i in enumerate(where):
+    for run in by_rid.values():
+        run.sort(key=lambda i: chunks[i].index)
+        k = 0
+        while k < len(run):
+            m = next((m for m in sizes if _joinable(chunks, run[k : k + m], m, mergeable)), 1)
+            out.append(run[k : k + m])
+            k += m
+    return out
+
+
+def _joinable(chunks: list[DetokChunk], run: list[int], m: int, mergeable) -> bool:
+    """Whether `run` holds m chunks of consecutive indices that may decode as one window."""
+    if len(run) < m or (mergeable is not None and not all(mergeable(i) for i in run)):
+        return False
+    first = chunks[run[0]].index
+    return all(chunks[i].index == first + k for k, i in enumerate(run))
+
+
+def rounds(chunks: list[DetokChunk], where: list[list[int]]) -> list[list[list[int]]]:
+    """Decode units `where` (lists of positions of `chunks`, see `units`) in decode rounds: round k
+    holds each request's k-th waiting unit (by its first chunk's index), so a request's chunks
+    decode in order and never two of its units in one call."""
+    by_rid: dict[str, list[list[int]]] = {}
+    for u in where:
+        by_rid.setdefault(chunks[u[0]].rid, []).append(u)
+    out: list[list[list[int]]] = []
+    for mine in by_rid.values():
+        mine.sort(key=lambda u: chunks[u[0]].index)
+        for k, u in enumerate(mine):
             if k == len(out):
                 out.append([])
-            out[k].append(i)
+            out[k].append(u)
     return [sorted(r) for r in out]

@@ -95,6 +95,7 @@ class CodecWorker:
             # codec slots (programs with codec streams): by the gpu_worker's batch size by default
             streams=cfg.codec.streams_for(cfg.gpu.filled(resolve_device(cfg.device), 0).max_batch_size),
             call_batch=None if cfg.codec.call_batch < 0 else cfg.codec.call_batch,
+            merge=cfg.codec.merge,
         )
         self.status = status
         self.inbox: PullChannel[CodecInMsg] = PullChannel(cfg.addresses.codec_in, CodecInMsg, bind=True)

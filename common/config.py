@@ -230,6 +230,10 @@ class CodecSettings(msgspec.Struct, kw_only=True):
     # Codec slots (programs with codec_streams: one per request being decoded); 0 = streams_for's
     # default from the gpu_worker's batch size.
     max_streams: int = 0
+    # A codec stream's waiting windows decoded as one window of up to this many (the program's
+    # codec_merge sizes up to it; 1 = each window alone): a stream behind, or a first chunk sent
+    # with the windows before it, takes one decode instead of one round per window.
+    merge: int = 8
 
     def streams_for(self, gpu_max_batch: int) -> int:
         """Codec slots to allocate: `max_streams`, or twice the gpu_worker's batch plus 16. A request's
@@ -242,6 +246,8 @@ class CodecSettings(msgspec.Struct, kw_only=True):
             raise ValueError(f"--codec-streams must be >= 0 (0 = by the batch size), got {self.max_streams}")
         if self.call_batch < -1:
             raise ValueError(f"--codec-call-batch must be -1 (by device), 0 or more, got {self.call_batch}")
+        if self.merge < 1:
+            raise ValueError(f"--codec-merge must be >= 1 (1 = each window alone), got {self.merge}")
         if self.max_batch < 0 or not 0 <= self.gather_ms <= 1000:
             raise ValueError("--codec-max-batch must be >= 0 and --codec-gather-ms in 0..1000")
         if not 0 <= self.gpu_share <= 100:

@@ -189,6 +189,14 @@ OPTIONS: tuple[Option, ...] = (
         path="codec.gather_ms",
     ),
     Option(
+        "codec_merge",
+        "codec streams: a request's waiting windows decode as one window of up to this many (the "
+        "sizes its model takes; 1 = each window alone, one decode round per window)",
+        ("serve", "codec_worker"),
+        int,
+        path="codec.merge",
+    ),
+    Option(
         "codec_streams",
         "codec slots for models whose codec keeps each request's state (one per request being "
         "decoded; 0 = twice the gpu_worker's max batch size plus 16)",

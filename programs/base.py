@@ -58,6 +58,7 @@ Attributes a program sets (defaults on LMProgram; any model may use each):
 | `sized_options` | request options whose value adds prompt rows, counted by `option_rows` |
 | `config_dir` | the folder of the shipped configs the spec names (`lm_config`, `codec_config`): `lm_weights(cls)` and `codec_model(cls)` build random weights from them (`--load-format dummy`) or load the checkpoint; `load_prompts()` loads the text tokenizer |
 | `codec_streams` | the codec keeps per-request state and decodes each audio row once (see Codec streams) |
+| `codec_merge` | with `codec_streams`: how many consecutive windows of a stream may decode as one window (see Codec streams) |
 | `detok_silent` | a stream's first windows that yield no audio (a look-ahead, a delay pattern): sent at once, the listener's clock starts after them |
 | `detok_first_windows` | a stream's first audible windows held and sent together (short windows: the listener starts with their audio in hand) |
 | `voice_required` | a request without a voice (a saved one or a clip) is refused: the model has no voice of its own |
@@ -150,6 +151,14 @@ audio equals the codec's decode of the whole utterance. The codec keeps each str
   same slot, decodes a request's chunks strictly in index order, one per call, and frees the slot
   at the request's end. A later chunk of a request without a slot (its state is lost: a restarted
   codec worker, a slot reclaimed from a stream idle too long) ends that request with an error.
+- Merged windows (`codec_merge`, sizes m > 1, e.g. (2, 4, 8)): a request's m consecutive regular
+  windows waiting together (a stream behind, silent windows sent with the first audible ones) may
+  decode in one call of R = m·detok_interval rows, entry b continuing its stream as for one
+  window. `detokenize` then returns audio [Bd, m·detok_samples], each window's samples in turn,
+  and valid [Bd] or [Bd, m] (each window's), and its audio equals the m windows decoded one by
+  one up to the codec's rounding; the noise key is the first window's (a program whose windows
+  draw noise of their own leaves `codec_merge` empty). The runtime captures each such R like a
+  window size of its own (`--codec-merge` caps m; 1: none).
 - Primed streams (`codec_prefix(state)`, gpu_worker, host side): rows [P, C] int32 that a request's
   stream decodes before its own audio rows, their audio dropped, or None (the default: a stream
   starts from the codec's initial state). It is for a reference whose codec decodes something
@@ -327,6 +336,9 @@ class LMProgram:
     # True: the codec decodes each request's rows once, keeping its state in codec slots (see
     # Codec streams): `init_codec_streams`, and `detokenize` takes `streams`.
     codec_streams: bool = False
+    # With codec streams: the m > 1 for which m consecutive windows of a stream may decode as one
+    # (see Codec streams, merged windows); () = each window alone.
+    codec_merge: tuple[int, ...] = ()
     # A stream's first windows that yield no audio (codec streams: a decoder's look-ahead, a delay
     # pattern's lead-in): the runtime sends them at once and starts the listener's clock after them.
     detok_silent: int = 0
