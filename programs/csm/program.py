@@ -49,6 +49,7 @@ class CsmProgram(LMProgram):
     uses_repetition_penalty = False
     sized_options = ("context",)  # context turns are prompt rows (option_rows)
     codec_streams = True  # each frame decoded once, with state per request (programs/base.py)
+    codec_merge = (2, 4, 8)  # a stream's waiting frames decode in one call (its decoder takes any R)
     reference_sample_rate = 24000  # Mimi's rate: a clip becomes frames of the codec's own codes
 
     def __init__(self, spec: dict[str, Any], **kwargs: Any) -> None:

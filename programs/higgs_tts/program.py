@@ -62,6 +62,7 @@ class HiggsTtsProgram(LMProgram):
     name = "higgs_tts"
     codec_dtype: torch.dtype = torch.float32
     codec_streams = True  # each row decoded once, with state per request (programs/base.py)
+    codec_merge = (2, 4, 8)  # a stream's waiting rows (its silent ones with the first) in one call
     # One-row windows carry 40 ms each: the first four audible ones go together, so a listener starts
     # with 160 ms in hand while the next window comes (3 rows more before the first audio).
     detok_first_windows = 4
@@ -222,11 +223,12 @@ class HiggsTtsProgram(LMProgram):
         tail_rows: int = 0,
         streams: CodecStreams | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """[Bd, 1, 8] rows continuing each entry's stream → audio [Bd, 960], valid [Bd] (the row
-        completes no frame yet: the delay pattern's first rows and the decoder's look-ahead; the
-        decoder has no noise: keys unused)."""
+        """[Bd, R, 8] rows continuing each entry's stream → audio [Bd, R * 960], valid [Bd] for one
+        row, else [Bd, R], each row's (a row completes no frame yet: the delay pattern's first
+        rows and the decoder's look-ahead; a merged window's rows, programs/base.py codec_merge);
+        the decoder has no noise: keys unused."""
         audio, valid = self.codec.decode_stream(tokens, streams.slot, streams.fresh)
-        return audio.clamp(-1, 1), valid.all(1)
+        return audio.clamp(-1, 1), (valid[:, 0] if valid.shape[1] == 1 else valid)
 
     # --- prompts (tokenizer_worker) ------------------------------------------------------------
     def _ids(

@@ -56,6 +56,7 @@ class Qwen3TtsProgram(LMProgram):
     name = "qwen3_tts"
     codec_dtype: torch.dtype = torch.float32
     codec_streams = True  # each frame decoded once, with state per request (programs/base.py)
+    codec_merge = (2, 4, 8)  # a stream's waiting frames decode in one call (its decoder takes any R)
     sized_options = ("instructions",)  # an instruction's rows come before the text's
     append_options = {"non_streaming_mode": "false"}  # appended text: the streaming text mode
 
