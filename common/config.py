@@ -231,9 +231,10 @@ class CodecSettings(msgspec.Struct, kw_only=True):
     # default from the gpu_worker's batch size.
     max_streams: int = 0
     # A codec stream's waiting windows decoded as one window of up to this many (the program's
-    # codec_merge sizes up to it; 1 = each window alone): a stream behind, or a first chunk sent
-    # with the windows before it, takes one decode instead of one round per window.
-    merge: int = 8
+    # codec_merge sizes up to it; 1 = each window alone, the default until its GPU cost is measured:
+    # each size is a graph set of its own): a stream behind, or a first chunk sent with the windows
+    # before it, takes one decode instead of one round per window.
+    merge: int = 1
 
     def streams_for(self, gpu_max_batch: int) -> int:
         """Codec slots to allocate: `max_streams`, or twice the gpu_worker's batch plus 16. A request's
