@@ -16,6 +16,8 @@
 #   csm            tests/gpu/test_gpu_csm_parity.py
 #   qwen3          tests/gpu/test_gpu_qwen3_tts_parity.py
 #   higgs          tests/gpu/test_gpu_higgs_tts_parity.py, tests/gpu/test_gpu_higgs_tts_clone.py
+#   codec-merge    tests/gpu/test_gpu_codec_merge.py: merged codec windows (--codec-merge) against window by
+#                  window, their times (serve a load with VOXPIPE_SERVE_EXTRA="--codec-merge 8" to compare)
 #   chatterbox     tests/gpu/test_gpu_chatterbox_parity.py (T3 with classifier-free guidance) and
 #                  tests/gpu/test_gpu_chatterbox_s3gen.py (S3Gen: the reference, stream graphs, GPU time)
 #   step | speed | offline | options | profile | attention | op-invariance | codec | codec-profile
@@ -87,6 +89,7 @@ for stage in "$@"; do
     csm) gpu_tests csm tests/gpu/test_gpu_csm_parity.py ;;
     qwen3) gpu_tests qwen3 tests/gpu/test_gpu_qwen3_tts_parity.py ;;
     higgs) gpu_tests higgs tests/gpu/test_gpu_higgs_tts_parity.py tests/gpu/test_gpu_higgs_tts_clone.py ;;
+    codec-merge) gpu_tests codec-merge tests/gpu/test_gpu_codec_merge.py ;;
     chatterbox) gpu_tests chatterbox tests/gpu/test_gpu_chatterbox_parity.py tests/gpu/test_gpu_chatterbox_s3gen.py ;;
     xqa)
         gpu_tests xqa-parity tests/gpu/test_gpu_xqa_parity.py
