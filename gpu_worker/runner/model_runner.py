@@ -25,7 +25,7 @@ import torch
 
 from common.config import GpuWorkerSettings
 from gpu_worker.attention.select import eager_attention
-from gpu_worker.runner.batch import StepBatch
+from gpu_worker.runner.batch import StepBatch, kv_sequences
 from gpu_worker.runner.eager import EagerRunner
 from gpu_worker.runner.kv_cache import allocate_kv_cache, kv_cache_dtype, pages_for
 from gpu_worker.runner.sampler import HeadColumns, sample_rows
@@ -37,10 +37,10 @@ if TYPE_CHECKING:
 
 
 def make_runner(program: LMProgram, kv_cache: torch.Tensor, limits, progress=None) -> EagerRunner:
-    """The forward runner: eager on CPU, on GPU without graphs, or for a guided program (two KV
-    sequences per request, which no graph pairs); else prefill and decode graphs."""
+    """The forward runner: eager on CPU or on GPU without graphs; else prefill and decode graphs
+    (a guided program's with both of each request's KV sequences in them)."""
     limits = limits.filled(program.device.type, program.spec["max_tokens"])
-    if program.device.type == "cpu" or not limits.cuda_graphs or program.guidance:
+    if program.device.type == "cpu" or not limits.cuda_graphs:
         return EagerRunner(program, eager_attention(program, kv_cache, limits))
     from gpu_worker.runner.graphs import GraphRunner
 
@@ -64,7 +64,7 @@ class ModelRunner:
         self.program = program
         self.device = program.device
         # +1 token per request: a launched step may run once past a stop it has not seen yet.
-        per_request = pages_for(limits.max_context + 1, limits.page_size) * (2 if program.guidance else 1)
+        per_request = pages_for(limits.max_context + 1, limits.page_size) * kv_sequences(program)
         num_pages = limits.num_pages or 1 + limits.max_batch_size * per_request
         self.kv_cache = allocate_kv_cache(
             program.num_layers,
