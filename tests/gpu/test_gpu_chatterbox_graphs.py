@@ -39,7 +39,9 @@ TEXTS = [
 ]
 NEW = 80  # greedy tokens compared
 GREEDY = dict(temperature=0.0, repetition_penalty=1.0)  # the logits as sampled: no penalty
-REL_TOLERANCE = 0.02  # of the largest logit: bf16 over a padded prefill (test_gpu_chatterbox_parity's bound)
+# of the largest logit: bf16 GEMMs of a padded prefill round otherwise, and 30 layers carry it
+# (Orpheus-3B: up to 0.24 on logits of ~6, tests/gpu/prefill_checks.py)
+REL_TOLERANCE = 0.05
 
 
 @pytest.fixture(scope="module")
@@ -87,21 +89,32 @@ def run(eng: Engine, others: int = 0) -> list[int]:
     return eng.outputs["x"][0]
 
 
-def with_logits(eng: Engine) -> tuple[list[int], list[torch.Tensor]]:
-    """The greedy request alone: its tokens, and the logits [V] each step gave it."""
-    runner, seen = eng.runner.forward_runner, []
-    forward = runner.forward
+def with_logits(eng: Engine, terms: list[float] | None = None) -> tuple[list[int], list[torch.Tensor]]:
+    """The greedy request alone: its tokens, and the logits [V] each step gave it; into `terms` (an
+    eager engine's) each step's largest guidance term |w·(cond − uncond)|, by which a dropped
+    `guide` would move the logits (a swapped pair by 1 + 2w times |cond − uncond|)."""
+    runner, program, seen = eng.runner.forward_runner, eng.runner.program, []
+    forward, guide = runner.forward, program.guide
 
     def spy(b):
         out = forward(b)
         seen.append(out[0][0, 0].float().cpu())  # a copy: a graph's output is rewritten by its next replay
         return out
 
+    def guide_spy(logits, slot):
+        out = guide(logits, slot)
+        terms.append((out - logits[:, 0]).abs().max().item())
+        return out
+
     runner.forward = spy
+    if terms is not None:
+        program.guide = guide_spy
     try:
         return run(eng), seen
     finally:
         del runner.forward
+        if terms is not None:
+            del program.guide
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -109,7 +122,8 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def test_guided_graph_logits_and_greedy_tokens_equal_eager(engines, gpu_report):
-    (tg, lg), (te, le) = with_logits(engines[True]), with_logits(engines[False])
+    terms: list[float] = []
+    (tg, lg), (te, le) = with_logits(engines[True]), with_logits(engines[False], terms)
     first = first_difference(tg, te)
     same = len(tg) if first is None else first + 1  # steps whose inputs agree
     diffs = [(g - e).abs().max().item() for g, e in zip(lg[:same], le[:same], strict=True)]
@@ -120,7 +134,9 @@ def test_guided_graph_logits_and_greedy_tokens_equal_eager(engines, gpu_report):
         "first_difference": first,
         "max_logit_diff": max(diffs),
         "scale": scale,
+        "guidance_term": min(terms[:same]),  # the smallest step's: what a dropped guide would move
     }
+    print("chatterbox graphs vs eager, alone:", res["alone"])
     assert max(diffs) <= REL_TOLERANCE * scale, "guided logits through graphs equal eager's within bf16"
     if first is not None:  # only a near tie may flip
         e = le[first]
