@@ -79,9 +79,12 @@ def test_guided_graphs_give_the_eager_tokens(program, graph_runner_cls, eager): 
     for bs, (graph, _, _) in runner.graphs.items():
         graph.replay = lambda bs=bs, replay=graph.replay: replays.append(bs) or replay()
     eng.runner.capture_sampling()
+    sampled, replay = [], eng.runner.sample_graphs.replay
+    eng.runner.sample_graphs.replay = lambda bs, constrained: sampled.append(bs) or replay(bs, constrained)
     graphs = staggered(eng, prompts(program))
     assert graphs == eager
     assert {1, 2, 4} <= set(replays)  # every decode bucket ran
+    assert {1, 2, 4} <= set(sampled)  # and sampled its paired logits in its sampling graph
     assert any(reason == FinishReason.STOP for _, reason in graphs.values())
     assert any(reason == FinishReason.LENGTH for _, reason in graphs.values())
 
