@@ -125,3 +125,20 @@ def test_startup_timing_steps_run_as_guided_steps(program, graph_runner_cls):  #
 
     diffs = step_differences(runner, eng.runner.num_pages, 16, LIMITS["max_context"], 1, timer=timer)
     assert diffs and shapes and all(n == got for n, got in shapes)  # a row of logits per request
+
+
+def test_graphs_refuse_state_another_engine_allocated_again(program, graph_runner_cls, eager):  # noqa: F811
+    """The graphs read the per-request state (`init_state`'s buffers: conditioning rows, guidance
+    weights, text ends) that the program held at their capture, as CUDA graphs read the addresses
+    they were captured with (the stand-in's replays too). An engine built later on the same program
+    allocates new buffers, which `admit` then writes: the graph engine's tokens would come from
+    stale state (zeros here), so its next admission is refused; built last, it gives the eager
+    tokens while the eager engine shares its buffers."""
+    eng = graph_engine(program, graph_runner_cls, LIMITS)
+    Engine(program, GpuWorkerSettings(**LIMITS))
+    eng.add(prompts(program)[0])
+    with pytest.raises(RuntimeError, match="init_state"):
+        eng.step()
+    late = Engine(program, GpuWorkerSettings(**LIMITS))
+    assert staggered(graph_engine(program, graph_runner_cls, LIMITS), prompts(program)) == eager
+    assert staggered(late, prompts(program)) == eager
