@@ -44,12 +44,17 @@ GREEDY = dict(temperature=0.0, repetition_penalty=1.0)  # the logits as sampled:
 REL_TOLERANCE = 0.05
 
 
-@pytest.fixture(scope="module")
-def program():
+def load():
+    """The dummy T3 (the same seeded weights at every load) with its stand-in tokenizer and voice."""
     p = load_program_class(MODEL)(get_spec(MODEL), load_format="dummy", device="cuda", dtype=torch.bfloat16)
     p.load_lm()
     p.load_prompts()
     return p
+
+
+@pytest.fixture(scope="module")
+def program():
+    return load()
 
 
 def prompt(program, rid: str, i: int, new: int, **sp) -> Prompt:
@@ -71,8 +76,11 @@ def engine(program, graphs: bool, batch: int = 16) -> Engine:
 
 @pytest.fixture(scope="module")
 def engines(program) -> dict[bool, Engine]:
-    """Graphs on (True) and off, reused by the runs (each run leaves its engine idle)."""
-    return {graphs: engine(program, graphs) for graphs in (True, False)}
+    """Graphs on (True) and off, reused by the runs (each run leaves its engine idle). The graph
+    engine has a program of its own: its graphs read the per-request state its program held at
+    capture, and an engine built later on that program would allocate it again
+    (`ModelRunner.check_state`)."""
+    return {True: engine(load(), True), False: engine(program, False)}
 
 
 def run(eng: Engine, others: int = 0) -> list[int]:
