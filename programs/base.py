@@ -212,7 +212,8 @@ count R prompt rows and the rows generated, each sequence holds that many, and `
 and `option_rows` count the rows of one prompt. `guide(logits [B, 2, C', V], slot [B])` (graph) combines
 each request's pair into the logits it samples from, [B, C', V] (e.g. cond + w·(cond − uncond), w
 from per-request state); sampling then runs as for any request, so a request's rows do not depend
-on its batch. The forward runs eagerly: no CUDA graph pairs the sequences.
+on its batch. The runtime's CUDA graphs hold both sequences of each request (a decode graph of B
+requests runs 2B rows) and call `guide` inside them, so it is device work only.
 
 Attention: `attn` is an `Attention` planned by the runtime for this step. Each layer calls
 `attn.forward(layer, q, k, v)`: it writes the step's keys/values into the paged cache

@@ -25,6 +25,7 @@ from gpu_worker.runner.batch import StepBatch
 from gpu_worker.runner.eager import EagerRunner
 from gpu_worker.runner.kv_cache import allocate_kv_cache, pages_for
 from programs import get_spec, load_program_class
+from programs.base import LMProgram
 
 PAGE = 16
 MAX_CONTEXT = 400
@@ -82,12 +83,54 @@ class _Decode(_Wrapper):
     decode = True
 
 
+def _holds_tensors(value) -> bool:
+    """A tensor, or a plain object holding tensors (a program's per-request state), not a module."""
+    if isinstance(value, torch.Tensor):
+        return True
+    fields = getattr(value, "__dict__", None)
+    return (
+        not isinstance(value, torch.nn.Module)
+        and bool(fields)
+        and any(isinstance(v, torch.Tensor) for v in fields.values())
+    )
+
+
+def _programs(step) -> list[LMProgram]:
+    """The programs a captured step calls: in its closure, or as the `program` of an object there
+    (a runner's `self`, a bound method's owner)."""
+    found: dict[int, LMProgram] = {}
+    for cell in step.__closure__ or ():
+        value = cell.cell_contents
+        for v in (value, getattr(value, "__self__", None)):
+            p = v if isinstance(v, LMProgram) else getattr(v, "program", None)
+            if isinstance(p, LMProgram):
+                found[id(p)] = p
+    return list(found.values())
+
+
 class _Graph:
+    """A captured step: `replay` runs it again into the output tensors it returned at capture. As a
+    CUDA graph's kernels read the addresses they were captured with, the step reads its programs'
+    tensors (weights, per-request state) as they were bound at capture, whatever the program holds
+    now (a buffer a later `init_state` allocated in its place goes unread)."""
+
     def __init__(self, step, out) -> None:
         self.step, self.out = step, out
+        self.bound = [(p, {k: v for k, v in vars(p).items() if _holds_tensors(v)}) for p in _programs(step)]
+
+    def _run(self):
+        now = [(p, {k: vars(p).get(k) for k in bound}) for p, bound in self.bound]
+        for p, bound in self.bound:
+            vars(p).update(bound)
+        try:
+            return self.step()
+        finally:
+            for p, current in now:
+                vars(p).update(current)
 
     def replay(self) -> None:
-        outs, new = (self.out, self.step()) if isinstance(self.out, tuple) else ((self.out,), (self.step(),))
+        new = self._run()
+        outs, new = (self.out, new) if isinstance(self.out, tuple) else ((self.out,), (new,))
         for o, n in zip(outs, new, strict=True):
             o.copy_(n)
 

@@ -25,11 +25,11 @@ def eager_attention(program: LMProgram, kv_cache: torch.Tensor, limits) -> Eager
 
 
 def graph_attention(
-    program: LMProgram, kv_cache: torch.Tensor, limits, max_batch: int, max_pages: int
+    program: LMProgram, kv_cache: torch.Tensor, limits, max_batch: int, max_pages: int, sequences: int = 1
 ) -> tuple[EagerAttention, GraphAttentionBackend]:
     """(the eager attention of steps no graph holds, the graphs' backend) on FlashInfer, decode
     graphs on the resolved decode kernel; `max_batch` rows and `max_pages` page indices at most in a
-    decode graph."""
+    decode graph; `sequences` KV sequences a request (each at a slot of its own)."""
     from gpu_worker.attention.flashinfer import FlashInferGraphs
 
     decode = resolve_decode_attention(limits.decode_attention, kv_cache)
@@ -38,9 +38,9 @@ def graph_attention(
     if decode == "xqa":
         from gpu_worker.attention.xqa import XqaDecode, XqaGraphs
 
-        # each slot's pages (a request's whole budget) as a row of XQA's table
+        # each slot's pages (a sequence's whole budget) as a row of XQA's table
         per_request = pages_for(limits.max_context + 1, kv_cache.shape[3])
-        xqa = XqaDecode(kv_cache, limits.max_batch_size, per_request, max_batch)
+        xqa = XqaDecode(kv_cache, sequences * limits.max_batch_size, per_request, max_batch)
         return eager, XqaGraphs(xqa, FlashInferGraphs(*args))
     return eager, FlashInferGraphs(*args)
 

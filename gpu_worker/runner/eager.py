@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from gpu_worker.attention.interface import EagerAttention, StepLayout
-from gpu_worker.runner.batch import StepBatch, feed_decode_rows, rows_of
+from gpu_worker.runner.batch import StepBatch, feed_decode_rows, paired, rows_of
 from gpu_worker.runner.sampler import SamplingRows, depth_sampler
 from programs.base import LMProgram, Rows
 
@@ -44,9 +44,9 @@ class EagerRunner:
         last = torch.tensor(b.qo_indptr[1:], device=dev) - 1
         hidden = hidden[last]  # [B, H] ([S·B, H] with S sequences per request)
         logits = self.program.head(hidden).float()
-        if b.sequences > 1:  # a guided program: each request's pair of sequences → its logits
-            logits = self.program.guide(logits.view(-1, b.sequences, *logits.shape[1:]), meta[0])
-            hidden = hidden[:: b.sequences]  # the conditional sequence's
+        # a guided program: each request's sequences → its logits, its slot read from its rows (a
+        # prefill part that the graph runner runs here carries no meta)
+        logits, hidden = paired(self.program, logits, hidden, where[last, 0], b.sequences)
         keep = hidden if self.program.n_codebooks > 1 else None
         return logits, meta, keep
 

@@ -11,6 +11,12 @@ token 0 at position 0, write their key/value into the reserved page 0 and attend
 harmless work whose logits are dropped. A step's new requests each replay a prefill graph of their
 own lane (padded the same way), or run eagerly together when they fit no bucket; its decode rows then
 replay a decode graph.
+
+A guided program's request (programs.base: Classifier-free guidance) runs S = 2 KV sequences side
+by side: a decode graph of bucket B holds its S·B sequences' rows (each request's conditional, then
+its unconditional row) and returns the B requests' paired logits (`gpu_worker.runner.batch.paired`,
+inside the graph), a prompt's prefill graph holds both sequences, and the attention backend keeps
+a sequence's pages at its own slot (`sequence_slots`).
 """
 
 from __future__ import annotations
@@ -27,8 +33,8 @@ import torch
 from common.graphs import capture
 from gpu_worker.attention.interface import GraphAttention, SplitRows
 from gpu_worker.attention.select import graph_attention
-from gpu_worker.runner.arena import InputArena
-from gpu_worker.runner.batch import StepBatch, rows_of
+from gpu_worker.runner.arena import InputArena, decode_spans, fill_decode
+from gpu_worker.runner.batch import StepBatch, kv_sequences, paired, rows_of, sequence_slots
 from gpu_worker.runner.batched_prefill import (
     MAX_BATCHED,
     BatchedPrefill,
@@ -83,29 +89,6 @@ def decode_buckets(max_batch: int, min_batch: int = 1) -> list[int]:
     return sorted({*(s for s in sizes if min_batch <= s < max_batch), max(min_batch, max_batch)})
 
 
-def decode_spans(bmax: int, n_codebooks: int, max_pages: int = 0) -> dict[str, int]:
-    """Arena spans of the decode graphs; meta (slot, tokens sampled, prompt length) covers every
-    request of the step, prefill ones included; d_kv holds the decode batch's KV page indices where
-    the attention backend plans from them (last, so a decode-only step copies only the indices it
-    uses; `max_pages` 0 where the backend keeps each slot's pages on the device)."""
-    spans = {"ids": bmax * n_codebooks, "pos": bmax, "where": 2 * bmax, "page": bmax, "off": bmax}
-    spans["meta"] = 3 * bmax
-    return {**spans, "d_kv": max_pages}
-
-
-def fill_decode(arena: InputArena, dec: StepBatch, page_size: int) -> None:
-    """Decode rows' positions and write slots into the (zeroed) host arena; their ids too when the
-    batch carries them (with `last_rows` they are gathered on the device after the copy)."""
-    n, c = dec.batch_size, dec.ids.shape[1]
-    arena.host_view("ids", n * c).copy_(torch.from_numpy(np.ascontiguousarray(dec.ids).reshape(-1)))
-    pos = np.asarray(dec.pos, dtype=np.int64)
-    arena.host_view("pos", n).copy_(torch.from_numpy(pos))
-    arena.host_view("where", 2 * n).copy_(torch.from_numpy(dec.row_where().reshape(-1)))
-    page = np.fromiter((t[p // page_size] for t, p in zip(dec.page_tables, pos, strict=True)), np.int64, n)
-    arena.host_view("page", n).copy_(torch.from_numpy(page))
-    arena.host_view("off", n).copy_(torch.from_numpy(pos % page_size))
-
-
 @dataclass
 class _Parts:
     """How a step splits over the graphs: its prefill part and its decode part, each request of the
@@ -155,20 +138,22 @@ class GraphRunner:
         self.scratch_slot = limits.max_batch_size
         self.decode_bucket = 0
         bmax, c, dev = self.sizes[-1], program.n_codebooks, program.device
-        buckets = prefill_buckets(limits.max_context)
+        # KV sequences a request: decode graphs hold S rows a request, a prompt's graph S sequences
+        self.sequences = s = kv_sequences(program)
+        buckets = prefill_buckets(s * limits.max_context, s)
         rows, reqs = buckets[-1]
         p_pages = max_prefill_pages(rows, reqs, limits.max_context, self.page_size)
-        max_pages = bmax * pages_for(limits.max_context, self.page_size) + bmax
-        eager_attn, self.attn = graph_attention(program, kv_cache, limits, bmax, max_pages)
+        max_pages = s * (bmax * pages_for(limits.max_context, self.page_size) + bmax)
+        eager_attn, self.attn = graph_attention(program, kv_cache, limits, s * bmax, max_pages, s)
         self.eager = EagerRunner(program, eager_attn)
-        spans = decode_spans(bmax, c, self.attn.decode_index_span(max_pages))
+        spans = decode_spans(bmax, c, self.attn.decode_index_span(max_pages), s)
         for lane in range(PREFILL_LANES):
             spans |= prefill_spans(rows, reqs, c, p_pages, lane)
         # Prompts of one small bucket share a forward pass where the GEMMs allow (float8): up to
         # --max-prefills of them (MAX_BATCHED by default) in one batched graph.
         max_k = limits.max_prefills or MAX_BATCHED
         batched_rows = [r for r, _ in buckets if r <= MIXED_PREFILL_ROWS]
-        batched = batched_prefill_enabled(program, limits) and max_k >= 2
+        batched = batched_prefill_enabled(program, limits) and max_k >= 2 and s == 1  # none pairs
         b_pages = max_prefill_pages(MIXED_PREFILL_ROWS, 1, limits.max_context, self.page_size)
         if batched:
             spans |= batched_spans(batched_rows, max_k, c, b_pages)
@@ -213,7 +198,8 @@ class GraphRunner:
             if progress:
                 progress(f"capturing decode graphs: batch {bs} ({i + 1}/{len(self.sizes)})")
             # built (and planned once) outside inference mode, where the graph's own tensors are not
-            wrapper = self.attn.prepare_capture_decode(bs, self.arena.dev_view("pos", bs))
+            n = self.sequences * bs  # rows
+            wrapper = self.attn.prepare_capture_decode(n, self.arena.dev_view("pos", n))
             self.graphs[bs] = self._capture(bs, wrapper)
         log.info(
             "captured %d decode graphs (batch %s, attention on %s) in %.1f s",
@@ -227,15 +213,16 @@ class GraphRunner:
     def _capture(
         self, bs: int, wrapper
     ) -> tuple[torch.cuda.CUDAGraph, object, tuple[torch.Tensor, torch.Tensor]]:
-        p, c, a = self.program, self.program.n_codebooks, self.arena
-        ids, pos = a.dev_view("ids", bs * c).view(bs, c), a.dev_view("pos", bs)
-        rows = rows_of(a.dev_view("where", 2 * bs).view(bs, 2), prompt_rows=0)
-        attn = GraphAttention(self.kv_cache, wrapper, a.dev_view("page", bs), a.dev_view("off", bs))
+        p, c, a, s = self.program, self.program.n_codebooks, self.arena, self.sequences
+        n = s * bs  # rows: each request's sequences
+        ids, pos = a.dev_view("ids", n * c).view(n, c), a.dev_view("pos", n)
+        where = a.dev_view("where", 2 * n).view(n, 2)
+        attn = GraphAttention(self.kv_cache, wrapper, a.dev_view("page", n), a.dev_view("off", n))
 
         def step() -> tuple[torch.Tensor, torch.Tensor]:
             self.attn.in_graph(wrapper)
-            hidden = p.backbone(p.embed(ids, rows), pos, attn)  # [bs, H]
-            return p.head(hidden).float(), hidden  # [bs, C', V], [bs, H]
+            hidden = p.backbone(p.embed(ids, rows_of(where, prompt_rows=0)), pos, attn)  # [n, H]
+            return paired(p, p.head(hidden).float(), hidden, where[:, 0], s)  # [bs, C', V], [bs, H]
 
         graph, out = capture(step, self.pool)
         return graph, wrapper, out
@@ -263,26 +250,29 @@ class GraphRunner:
         the decode graph it replaces, so a request's tokens do not depend on who arrived with it:
         bf16 GEMMs keep the two parts apart (`fp8.rows_apart`), float8 ones give a row the same bits
         at any row count, and each part has a head of its own."""
-        p, c, a = self.program, self.program.n_codebooks, self.arena
+        p, c, a, s = self.program, self.program.n_codebooks, self.arena, self.sequences
         lane = self.prefill
-        x = lane.prefix
-        ids = (a.dev_view(x + "ids", rows * c).view(rows, c), a.dev_view("ids", bs * c).view(bs, c))
-        pos = (a.dev_view(x + "pos", rows), a.dev_view("pos", bs))
-        where = (a.dev_view(x + "where", 2 * rows), a.dev_view("where", 2 * bs))
-        page = (a.dev_view(x + "page", rows), a.dev_view("page", bs))
-        off = (a.dev_view(x + "off", rows), a.dev_view("off", bs))
-        last = a.dev_view(x + "last", 1)
+        x, n = lane.prefix, s * bs  # n decode rows: each request's sequences
+        ids = (a.dev_view(x + "ids", rows * c).view(rows, c), a.dev_view("ids", n * c).view(n, c))
+        pos = (a.dev_view(x + "pos", rows), a.dev_view("pos", n))
+        where = (a.dev_view(x + "where", 2 * rows), a.dev_view("where", 2 * n))
+        page = (a.dev_view(x + "page", rows), a.dev_view("page", n))
+        off = (a.dev_view(x + "off", rows), a.dev_view("off", n))
+        last = a.dev_view(x + "last", s)  # the prompt's last row of each sequence
         decode = self.graphs[bs][1]  # the decode graph's wrapper: it reads the same spans
         attn = GraphAttention(self.kv_cache, SplitRows(lane.graphs[rows][1], decode, rows), None, None)
 
         def step() -> tuple[torch.Tensor, torch.Tensor]:
             self.attn.in_graph(decode)
             attn.page, attn.off = torch.cat(page), torch.cat(off)  # both parts' write slots, in the graph
+            w = torch.cat(where).view(-1, 2)
             with fp8.rows_apart(rows):
-                emb = p.embed(torch.cat(ids), rows_of(torch.cat(where).view(-1, 2), prompt_rows=rows))
-                hidden = p.backbone(emb, torch.cat(pos), attn)  # [rows + bs, H]
-            pre, dec = hidden[last], hidden[rows:]  # [1, H], [bs, H]
-            return p.head(pre).float(), pre, p.head(dec).float(), dec
+                emb = p.embed(torch.cat(ids), rows_of(w, prompt_rows=rows))
+                hidden = p.backbone(emb, torch.cat(pos), attn)  # [rows + n, H]
+            pre, dec = hidden[last], hidden[rows:]  # [s, H], [n, H] → the request's [1, H], [bs, H]
+            pre_logits, pre = paired(p, p.head(pre).float(), pre, w[last, 0], s)
+            dec_logits, dec = paired(p, p.head(dec).float(), dec, w[rows:, 0], s)
+            return pre_logits, pre, dec_logits, dec
 
         return capture(step, self.pool)
 
@@ -295,12 +285,16 @@ class GraphRunner:
           1. lay the step out over the graphs;
           2. fill the arena and send it with one copy;
           3. plan every graph's attention (their own buffers), then mark the copies done;
-          4. replay: prefill graphs in lane order, then the decode (or mixed) graph."""
-        n_pre = b.num_prefill
-        if b.meta is not None and n_pre:
-            self.attn.admit(b.meta[0, :n_pre], b.page_tables[:n_pre])  # new requests bring their pages
+          4. replay: prefill graphs in lane order, then the decode (or mixed) graph.
+        A guided program's batch laid out one sequence a request (a step that only times the work)
+        runs as its guided step would (`StepBatch.as_sequences`)."""
+        b = b.as_sequences(self.sequences)
+        n_pre = b.num_prefill  # sequences
+        if b.meta is not None and n_pre:  # new requests bring their sequences' pages
+            slots = sequence_slots(b.meta[0, : n_pre // b.sequences], b.sequences)
+            self.attn.admit(slots, b.page_tables[:n_pre])
         self.decode_bucket = 0
-        if b.batch_size > self.sizes[-1]:
+        if b.num_requests > self.sizes[-1]:
             return self.eager.forward(b)
         parts = self._lay_out(b)
         meta = self._fill(b, parts)
@@ -308,9 +302,11 @@ class GraphRunner:
         return self._replay(b, parts, meta)
 
     def _lay_out(self, b: StepBatch) -> _Parts:
-        n_pre, n_dec = b.num_prefill, b.batch_size - b.num_prefill
+        """The step's requests (each with its sequences) over lanes, batched graphs and a decode bucket."""
+        n_pre = b.num_prefill // b.sequences
+        n_dec = b.num_requests - n_pre
         pre = b.part(0, n_pre) if n_pre else None
-        dec = b.part(n_pre, b.batch_size) if n_dec else None
+        dec = b.part(n_pre, b.num_requests) if n_dec else None
         # Each new request in a graph of its own lane, or in a batched graph with others of its
         # bucket; all eagerly when they fit no graphs.
         singles = [b.part(i, i + 1) for i in range(n_pre)]
@@ -329,7 +325,7 @@ class GraphRunner:
         a = self.arena
         if dec is not None:
             parts.bs = next(s for s in self.sizes if s >= n_dec)
-            pad = parts.bs - n_dec
+            pad = (parts.bs - n_dec) * b.sequences
             parts.kv = self.attn.decode_layout(dec.kv_lens + [1] * pad, dec.page_tables + [[0]] * pad)
             parts.kv_indices = self.attn.decode_indices(parts.kv)
         if lays:  # through the last lane used (the lanes' spans follow the decode spans, in order)
@@ -341,12 +337,13 @@ class GraphRunner:
         return parts
 
     def place(self, rows: list[int]) -> Placement | None:
-        """Where a step's prompts (of `rows` rows each, in order) run: each in a lane of its own,
-        or with batched graphs `BatchedPrefill.place`; None: not all in graphs (then eagerly)."""
-        lanes = len(self.prefills)
+        """Where a step's prompts (of `rows` rows each, a guided prompt's both sequences', in order)
+        run: each in a lane of its own, or with batched graphs `BatchedPrefill.place`; None: not
+        all in graphs (then eagerly)."""
+        lanes, s = len(self.prefills), self.sequences
         if self.batched is not None and len(rows) > 1:
             return self.batched.place(rows, self.prefill.buckets, lanes)
-        if len(rows) > lanes or any(pick_bucket(self.prefill.buckets, 1, n) is None for n in rows):
+        if len(rows) > lanes or any(pick_bucket(self.prefill.buckets, s, n) is None for n in rows):
             return None
         return Placement(lanes=list(range(len(rows))))
 
@@ -417,12 +414,12 @@ class GraphRunner:
         if parts.dec is not None:
             a = self.arena
             if meta is not None:
-                slots = meta[0, n_pre:]  # the decode rows'
-                if b.last_rows is not None:  # fed-back ids, gathered on the device
-                    a.dev_view("ids", n_dec * self.program.n_codebooks).view(n_dec, -1).copy_(
-                        b.last_rows[slots]
+                slots, s = meta[0, n_pre:], b.sequences  # the decode requests'
+                if b.last_rows is not None:  # fed-back ids, gathered on the device (each sequence's)
+                    a.dev_view("ids", s * n_dec * self.program.n_codebooks).view(s * n_dec, -1).copy_(
+                        b.last_rows[slots].repeat_interleave(s, 0)
                     )
-                self.attn.select_rows(slots)
+                self.attn.select_rows(sequence_slots(slots, s))
             if mixed is not None:
                 graph, out = mixed
                 graph.replay()

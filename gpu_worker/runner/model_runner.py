@@ -25,7 +25,7 @@ import torch
 
 from common.config import GpuWorkerSettings
 from gpu_worker.attention.select import eager_attention
-from gpu_worker.runner.batch import StepBatch
+from gpu_worker.runner.batch import StepBatch, kv_sequences
 from gpu_worker.runner.eager import EagerRunner
 from gpu_worker.runner.kv_cache import allocate_kv_cache, kv_cache_dtype, pages_for
 from gpu_worker.runner.sampler import HeadColumns, sample_rows
@@ -37,10 +37,10 @@ if TYPE_CHECKING:
 
 
 def make_runner(program: LMProgram, kv_cache: torch.Tensor, limits, progress=None) -> EagerRunner:
-    """The forward runner: eager on CPU, on GPU without graphs, or for a guided program (two KV
-    sequences per request, which no graph pairs); else prefill and decode graphs."""
+    """The forward runner: eager on CPU or on GPU without graphs; else prefill and decode graphs
+    (a guided program's with both of each request's KV sequences in them)."""
     limits = limits.filled(program.device.type, program.spec["max_tokens"])
-    if program.device.type == "cpu" or not limits.cuda_graphs or program.guidance:
+    if program.device.type == "cpu" or not limits.cuda_graphs:
         return EagerRunner(program, eager_attention(program, kv_cache, limits))
     from gpu_worker.runner.graphs import GraphRunner
 
@@ -64,7 +64,7 @@ class ModelRunner:
         self.program = program
         self.device = program.device
         # +1 token per request: a launched step may run once past a stop it has not seen yet.
-        per_request = pages_for(limits.max_context + 1, limits.page_size) * (2 if program.guidance else 1)
+        per_request = pages_for(limits.max_context + 1, limits.page_size) * kv_sequences(program)
         num_pages = limits.num_pages or 1 + limits.max_batch_size * per_request
         self.kv_cache = allocate_kv_cache(
             program.num_layers,
@@ -78,8 +78,11 @@ class ModelRunner:
         self.slots = SlotState(
             limits.max_batch_size, limits.max_context + 1, program.n_codebooks, self.device
         )
-        # The program's per-request buffers (the scratch slot's too), before any graph captures them.
+        # The program's per-request buffers (the scratch slot's too), before any graph captures them;
+        # the attributes `init_state` bound, which this runner's graphs read (`check_state`).
+        before = dict(vars(program))
         program.init_state(self.slots.scratch + 1)
+        self.state = {k: v for k, v in vars(program).items() if before.get(k) is not v}
         self.forward_runner = make_runner(program, self.kv_cache, limits, progress)
         self.stop_ids = torch.tensor(program.stop_tokens(), dtype=torch.int64, device=self.device)
         self.head: HeadColumns | None = None  # a partial output head: sample over its columns
@@ -101,6 +104,18 @@ class ModelRunner:
     @property
     def has_graphs(self) -> bool:
         return hasattr(self.forward_runner, "decode_bucket")  # a GraphRunner
+
+    def check_state(self) -> None:
+        """With graphs: the program still holds the per-request buffers they captured. A graph reads
+        the addresses it was captured with, so after another runner's `init_state` on the same
+        program (a second engine) `admit` would write buffers the graphs never read, and every step
+        would run on stale state: refused (an eager runner reads the program's buffers as it runs)."""
+        if self.has_graphs and any(getattr(self.program, k, None) is not v for k, v in self.state.items()):
+            raise RuntimeError(
+                f"{self.program.name}'s per-request state (init_state) was allocated again after this "
+                "runner's CUDA graphs captured it (another engine on the same program?): its graphs "
+                "would read stale state; give each engine with graphs a program of its own"
+            )
 
     @property
     def max_prefills_per_step(self) -> int:
@@ -190,6 +205,8 @@ class ModelRunner:
     def launch(self, batch: list[Request]) -> InFlight:
         """Run `batch` (new requests first) on the device: forward, sampling, and the results'
         copy to the host, without waiting for any of it."""
+        if batch[0].n_ctx == 0:  # new requests: their state went into the program's buffers
+            self.check_state()
         layout = self.layout(batch)
         cuda = self.device.type == "cuda"
         began = forwarded = None

@@ -10,6 +10,10 @@ Padding rows are arena zeros: token 0 at position 0, key/value written to the re
 attending causally to a context made of page 0 alone. Harmless work; their logits are not computed
 (the head runs on each request's last row only, as in the eager runner).
 
+A guided program's request (programs.base: Classifier-free guidance) brings S = 2 KV sequences: its
+prompt takes a bucket of reqs = S, one attention request per sequence, and the graph pairs the
+sequences' last rows into the request's logits (`gpu_worker.runner.batch.paired`).
+
 Keys/values are written into their pages first, then the backend's prefill wrapper attends causally
 (bottom-right aligned, like the eager path, which runs the same kernel un-captured). Small buckets
 serve a single short prompt (20-60 rows) without padding it to hundreds of rows; steps that fit no
@@ -29,7 +33,7 @@ import torch
 from common.graphs import capture
 from gpu_worker.attention.interface import GraphAttention, GraphAttentionBackend, page_arrays
 from gpu_worker.runner.arena import InputArena
-from gpu_worker.runner.batch import StepBatch, rows_of
+from gpu_worker.runner.batch import StepBatch, kv_sequences, paired, rows_of
 from gpu_worker.runner.kv_cache import pages_for
 from programs.base import LMProgram
 
@@ -165,6 +169,7 @@ class PrefillGraphs:
     ) -> None:
         self.program, self.kv_cache, self.arena, self.attn, self.lane = program, kv_cache, arena, attn, lane
         self.prefix = lane_prefix(lane)
+        self.sequences = kv_sequences(program)  # KV sequences a request (attention requests a prompt)
         self.page_size = kv_cache.shape[3]
         self.buckets = buckets
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object, torch.Tensor]] = {}
@@ -187,14 +192,16 @@ class PrefillGraphs:
             a.dev_view(x + "pos", rows),
             a.dev_view(x + "last", reqs),
         )
-        where = rows_of(a.dev_view(x + "where", 2 * rows).view(rows, 2), prompt_rows=rows)
+        w = a.dev_view(x + "where", 2 * rows).view(rows, 2)
+        where = rows_of(w, prompt_rows=rows)
         attn = GraphAttention(
             self.kv_cache, wrapper, a.dev_view(x + "page", rows), a.dev_view(x + "off", rows)
         )
 
         def step() -> tuple[torch.Tensor, torch.Tensor]:
-            hidden = p.backbone(p.embed(ids, where), pos, attn)[last]  # [reqs, H] each request's last row
-            return p.head(hidden).float(), hidden  # [reqs, C', V], [reqs, H]
+            hidden = p.backbone(p.embed(ids, where), pos, attn)[last]  # [reqs, H] each entry's last row
+            # [reqs / S, C', V], [reqs / S, H]: a guided request's sequences paired
+            return paired(p, p.head(hidden).float(), hidden, w[last, 0], self.sequences)
 
         graph, out = capture(step, pool)
         return graph, wrapper, out
@@ -213,5 +220,5 @@ class PrefillGraphs:
     def replay(self, lay: PrefillLayout) -> tuple[torch.Tensor, torch.Tensor]:
         graph, _, out = self.graphs[lay.rows]
         graph.replay()
-        n = len(lay.last)
+        n = len(lay.last) // self.sequences  # requests
         return out[0][:n], out[1][:n]  # [n, C', V], [n, H]
