@@ -311,6 +311,9 @@ class LMProgram:
     detok_lead: tuple[int, ...] = ()  # row counts a lead window may have (see Lead windows)
     detok_tail: bool = False  # detokenize takes tail windows (see Progressive first chunks)
     codec_dtype: torch.dtype = torch.float32  # the codec's weights and activations
+    # Windows per codec call (None: the codec_worker's default by device, 16 on a GPU): 1 for a codec
+    # whose lone window already fills the device, so that a call of few windows is not padded.
+    codec_call_batch: int | None = None
     head_ids: torch.Tensor | None = None  # [V'] token id of each logits column (None: all of V)
     sample_rate: int = 24000
     # False: the model has no repetition penalty; requests' repetition_penalty is ignored, and

@@ -85,6 +85,9 @@ class ChatterboxProgram(LMProgram):
     name = "chatterbox"
     guidance = True
     codec_streams = True  # S3Gen keeps each request's tokens so far (programs/chatterbox/codec.py)
+    # A window costs ~3.7 TFLOP (10 guided flow steps over the prompt and the context): a call of 16
+    # costs 16 windows' time, so a lone stream decodes in calls of one (docs/models/chatterbox.md).
+    codec_call_batch = 1
     reference_sample_rate = 16000  # the voice encoder's and the S3 tokenizer's rate (clone.py)
 
     def __init__(self, spec: dict[str, Any], **kwargs: Any) -> None:
