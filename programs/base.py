@@ -314,6 +314,9 @@ class LMProgram:
     # Windows per codec call (None: the codec_worker's default by device, 16 on a GPU): 1 for a codec
     # whose lone window already fills the device, so that a call of few windows is not padded.
     codec_call_batch: int | None = None
+    # Windows per codec pass at most (None: the codec_worker's default, 128 on a GPU): a codec whose
+    # windows are costly keeps its graphs (one call per `codec_call_batch` windows) few.
+    codec_max_batch: int | None = None
     head_ids: torch.Tensor | None = None  # [V'] token id of each logits column (None: all of V)
     sample_rate: int = 24000
     # False: the model has no repetition penalty; requests' repetition_penalty is ignored, and
