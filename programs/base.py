@@ -53,6 +53,7 @@ Attributes a program sets (defaults on LMProgram; any model may use each):
 | `detok_interval`, `detok_overlap`, `detok_samples`, `detok_offset` | codec windows (Audio chunks) |
 | `detok_lead`, `detok_tail` | lead windows, tail windows (below) |
 | `codec_dtype`, `head_ids` | codec precision, output heads (below) |
+| `codec_call_batch`, `codec_max_batch` | windows per codec call and per codec pass (None: the codec_worker's defaults): a codec whose lone window fills the device decodes in calls of one |
 | `uses_repetition_penalty` | False: the model has none; requests' repetition_penalty is ignored |
 | `mixed_prefill` | every GEMM of `backbone` goes through `programs.blocks.fp8.linear`, so a prompt may ride in one forward pass with a decode step |
 | `sized_options` | request options whose value adds prompt rows, counted by `option_rows` |
