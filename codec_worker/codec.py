@@ -77,9 +77,12 @@ class Codec:
     ) -> None:
         self.program = program
         self.device = program.device
-        # Windows per decode call (None: CALL_BATCH for the device; 0: graphs decode a bucket in
-        # one call, faster in large buckets but a window's bits then depend on its bucket).
-        self.call_batch = CALL_BATCH.get(self.device.type, 16) if call_batch is None else call_batch
+        # Windows per decode call (None: the program's `codec_call_batch`, else CALL_BATCH for the
+        # device; 0: graphs decode a bucket in one call, faster in large buckets but a window's bits
+        # then depend on its bucket).
+        if call_batch is None:
+            call_batch = program.codec_call_batch or CALL_BATCH.get(self.device.type, 16)
+        self.call_batch = call_batch
         self.eager_batch = self.call_batch or CALL_BATCH.get(self.device.type, 16)
         self.slots: Slots | None = None
         if program.codec_streams:

@@ -86,7 +86,9 @@ class CodecWorker:
             program,
             # 128: a full call's fixed cost is already spread thin (~1 ms over ~7 ms of windows on the
             # H200), and a first chunk arriving during a call waits for it: larger calls buy little.
-            max_batch=cfg.codec.max_batch or (128 if device.startswith("cuda") else 64),
+            max_batch=cfg.codec.max_batch
+            or program.codec_max_batch
+            or (128 if device.startswith("cuda") else 64),
             graphs=cfg.codec.cuda_graphs,
             progress=lambda msg: status.set(ProcState.LOADING, msg),
             tails=cfg.gpu.first_chunk == "progressive",

@@ -53,6 +53,7 @@ Attributes a program sets (defaults on LMProgram; any model may use each):
 | `detok_interval`, `detok_overlap`, `detok_samples`, `detok_offset` | codec windows (Audio chunks) |
 | `detok_lead`, `detok_tail` | lead windows, tail windows (below) |
 | `codec_dtype`, `head_ids` | codec precision, output heads (below) |
+| `codec_call_batch`, `codec_max_batch` | windows per codec call and per codec pass (None: the codec_worker's defaults): a codec whose lone window fills the device decodes in calls of one |
 | `uses_repetition_penalty` | False: the model has none; requests' repetition_penalty is ignored |
 | `mixed_prefill` | every GEMM of `backbone` goes through `programs.blocks.fp8.linear`, so a prompt may ride in one forward pass with a decode step |
 | `sized_options` | request options whose value adds prompt rows, counted by `option_rows` |
@@ -321,6 +322,12 @@ class LMProgram:
     detok_lead: tuple[int, ...] = ()  # row counts a lead window may have (see Lead windows)
     detok_tail: bool = False  # detokenize takes tail windows (see Progressive first chunks)
     codec_dtype: torch.dtype = torch.float32  # the codec's weights and activations
+    # Windows per codec call (None: the codec_worker's default by device, 16 on a GPU): 1 for a codec
+    # whose lone window already fills the device, so that a call of few windows is not padded.
+    codec_call_batch: int | None = None
+    # Windows per codec pass at most (None: the codec_worker's default, 128 on a GPU): a codec whose
+    # windows are costly keeps its graphs (one call per `codec_call_batch` windows) few.
+    codec_max_batch: int | None = None
     head_ids: torch.Tensor | None = None  # [V'] token id of each logits column (None: all of V)
     sample_rate: int = 24000
     # False: the model has no repetition penalty; requests' repetition_penalty is ignored, and

@@ -85,6 +85,12 @@ class ChatterboxProgram(LMProgram):
     name = "chatterbox"
     guidance = True
     codec_streams = True  # S3Gen keeps each request's tokens so far (programs/chatterbox/codec.py)
+    # A window costs ~3.7 TFLOP (10 guided flow steps over the prompt and the context): a call of 16
+    # costs 16 windows' time, so a lone stream decodes in calls of one; a pass holds at most 16
+    # windows (~2 s of the H200 in float32, ~16k kernels a window in a bucket's graph). See
+    # docs/models/chatterbox.md, "Cost".
+    codec_call_batch = 1
+    codec_max_batch = 16
     reference_sample_rate = 16000  # the voice encoder's and the S3 tokenizer's rate (clone.py)
 
     def __init__(self, spec: dict[str, Any], **kwargs: Any) -> None:
