@@ -91,7 +91,10 @@ the prompt, `check_prompt` vets them (and the rows) when the prompt reaches the 
 fails the request with a 400), and `admit(slot, state)` writes them into the slot when the request
 starts (host side, before its first step, without waiting for the device: copy from pinned
 memory). `embed` and `decode_tokens` only read the state, indexed by `rows.slot`, so a captured
-step reads each request's own. A program without state keeps the defaults (no buffers, no arrays).
+step reads each request's own. Captured steps read the buffers `init_state` made before their
+capture, so a program object serves one engine with graphs (the runtime refuses new requests when
+another `init_state` replaced them: `ModelRunner.check_state`). A program without state keeps the
+defaults (no buffers, no arrays).
 
 Prompt rows first: a step lays its new requests' whole prompts first, then one fed-back row per
 decoding request, and `embed` sees where the prompt rows end as a plain int, `rows.prompt_rows`:
