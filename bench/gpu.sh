@@ -142,12 +142,12 @@ for stage in "$@"; do
     csm-load)
         run csm-load $bench ttfa --model csm --reps 5 --tokens 40 --load "${VOXPIPE_LOAD:-16,32,64,96}" \
             --load-duration 15 --load-tokens 150 --ramp 4 --label "$LABEL" --load-out "$OUT/csm-load.json" \
-            --out "$OUT/csm-ttfa.json" -- --max-batch-size 128 --codec-dtype float16
+            --out "$OUT/csm-ttfa.json" -- --max-batch-size 128 --codec-dtype float16 ${VOXPIPE_SERVE_EXTRA:-}
         ;;
     higgs-load)
         run higgs-load $bench ttfa --model higgs-tts --reps 10 --tokens 150 --load "${VOXPIPE_LOAD:-16,32,64,128}" \
             --load-duration 15 --load-tokens 250 --prompt-allowance 300 --ramp 4 --label "$LABEL" --load-out "$OUT/higgs-load.json" \
-            --out "$OUT/higgs-ttfa.json" -- --max-batch-size 256
+            --out "$OUT/higgs-ttfa.json" -- --max-batch-size 256 ${VOXPIPE_SERVE_EXTRA:-}
         ;;
     chatterbox-load)
         run chatterbox-load $bench ttfa --model chatterbox --reps 10 --tokens 100 --prompt-allowance 250 \
