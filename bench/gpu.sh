@@ -146,7 +146,7 @@ for stage in "$@"; do
         ;;
     higgs-load)
         run higgs-load $bench ttfa --model higgs-tts --reps 10 --tokens 150 --load "${VOXPIPE_LOAD:-16,32,64,128}" \
-            --load-duration 15 --load-tokens 250 --prompt-allowance 300 --ramp 4 --label "$LABEL" --load-out "$OUT/higgs-load.json" \
+            --load-duration 15 --load-tokens 250 --ramp 4 --label "$LABEL" --load-out "$OUT/higgs-load.json" \
             --out "$OUT/higgs-ttfa.json" -- --max-batch-size 256 ${VOXPIPE_SERVE_EXTRA:-}
         ;;
     chatterbox-load)
