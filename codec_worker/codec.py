@@ -12,8 +12,8 @@ request, and a batch whose decode raises is decoded again window by window, so i
 keep their audio. Programs with codec streams (programs/base.py, "Codec streams") decode in
 rounds: round k holds each request's k-th waiting unit, each in its request's slot
 (codec_worker/streams.py); a unit is a chunk, or up to `merge` consecutive chunks of a request
-that decode as one window (the program's `codec_merge`), whose audio is split back per chunk. Their failed batch fails all of its requests: how far it advanced
-their state is unknown. A chunk 0 with a prefix (a primed stream: the program's `codec_prefix`)
+that decode as one window (the program's `codec_merge`), whose audio is split back per chunk.
+Their failed batch fails all of its requests: how far it advanced their state is unknown. A chunk 0 with a prefix (a primed stream: the program's `codec_prefix`)
 first decodes the prefix in its fresh slot, in an eager call of its own outside the graphs, and
 then its window continues the stream; a prefix that fails fails its request alone.
 """
@@ -246,9 +246,8 @@ class Codec:
         else:  # a request's units in index order, one per round
             passes = rounds(chunks, units(chunks, live, self.merge, lambda i: kinds[i] == regular))
         for where in passes:
-            groups: dict[
-                tuple[int, int], list[tuple[list[int], int, bool]]
-            ] = {}  # kind → (unit, slot, fresh)
+            # window kind → (unit, slot, fresh) of each unit of this round
+            groups: dict[tuple[int, int], list[tuple[list[int], int, bool]]] = {}
             for unit in where:
                 i = unit[0]
                 slot, fresh = 0, False
