@@ -13,9 +13,10 @@ keep their audio. Programs with codec streams (programs/base.py, "Codec streams"
 rounds: round k holds each request's k-th waiting unit, each in its request's slot
 (codec_worker/streams.py); a unit is a chunk, or up to `merge` consecutive chunks of a request
 that decode as one window (the program's `codec_merge`), whose audio is split back per chunk.
-Their failed batch fails all of its requests: how far it advanced their state is unknown. A chunk 0 with a prefix (a primed stream: the program's `codec_prefix`)
-first decodes the prefix in its fresh slot, in an eager call of its own outside the graphs, and
-then its window continues the stream; a prefix that fails fails its request alone.
+Their failed batch fails all of its requests: how far it advanced their state is unknown. A
+chunk 0 with a prefix (a primed stream: the program's `codec_prefix`) first decodes the prefix in
+its fresh slot, in an eager call of its own outside the graphs, and then its window continues the
+stream; a prefix that fails fails its request alone.
 """
 
 from __future__ import annotations
