@@ -232,8 +232,8 @@ class CodecSettings(msgspec.Struct, kw_only=True):
     max_streams: int = 0
     # A codec stream's waiting windows decoded as one window of up to this many (the program's
     # codec_merge sizes up to it; 1 = each window alone, the default until its GPU cost is measured:
-    # each size is a graph set of its own): a stream behind, or a first chunk sent with the windows
-    # before it, takes one decode instead of one round per window.
+    # each size is a graph set of its own): a stream behind, or its first audible windows sent
+    # together, takes one decode instead of one round per window.
     merge: int = 1
 
     def streams_for(self, gpu_max_batch: int) -> int:

@@ -156,7 +156,7 @@ audio equals the codec's decode of the whole utterance. The codec keeps each str
   at the request's end. A later chunk of a request without a slot (its state is lost: a restarted
   codec worker, a slot reclaimed from a stream idle too long) ends that request with an error.
 - Merged windows (`codec_merge`, sizes m > 1, e.g. (2, 4, 8)): a request's m consecutive regular
-  windows waiting together (a stream behind, silent windows sent with the first audible ones) may
+  windows waiting together (a stream behind, the first audible windows sent together) may
   decode in one call of R = m·detok_interval rows, entry b continuing its stream as for one
   window. `detokenize` then returns audio [Bd, m·detok_samples], each window's samples in turn,
   and valid [Bd] or [Bd, m] (each window's), and its audio equals the m windows decoded one by

@@ -2,7 +2,8 @@
 program whose codec stream merges (dummy weights, real configs): through the codec graphs, 16
 streams each with W windows waiting decode merged (up to 8) and window by window; each chunk's PCM
 agrees within one LSB; the report gives both decodes' times, the graphs' capture time per setting,
-and the time of a first chunk sent with the silent windows before it (Higgs).
+and the time of a stream's first windows waiting together (its silent ones and its first audible
+ones).
 
     VOXPIPE_GPU_REPORT_DIR=out python -m pytest -s tests/gpu/test_gpu_codec_merge.py
 """
