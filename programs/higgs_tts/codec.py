@@ -111,9 +111,10 @@ class AcousticDecoder(nn.Module):
     def step(
         self, x: torch.Tensor, frame: torch.Tensor, n_end: torch.Tensor, held: list[torch.Tensor]
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """One latent frame of each stream through every layer: x [B, D, 1] latent frame `frame`
-        [B] of utterances of n_end [B] frames, held the kept inputs (`state_shapes`) → (audio
-        [B, hop] of the frame `decoder_lag` frames back, the inputs to keep)."""
+        """n latent frames of each stream through every layer: x [B, D, n] latent frames `frame`
+        [B] on of utterances of n_end [B] frames, held the kept inputs (`state_shapes`) → (audio
+        [B, n * hop] of the frames `decoder_lag` frames back, the inputs to keep)."""
+        n = x.shape[-1]
         kept: list[torch.Tensor] = []
         old = iter(held)
 
@@ -134,9 +135,9 @@ class AcousticDecoder(nn.Module):
             h = block.snake1(inside(h, rate, lag))
             full = torch.cat([next(old), h], dim=-1)
             kept.append(h[..., -1:])
-            # the outputs every input of which is here: rate * s of them, from the previous input on
+            # the outputs every input of which is here: n * rate * s of them, from the previous input on
             h = F.conv_transpose1d(full, block.conv_t1.weight, block.conv_t1.bias, stride=s)[
-                ..., s : s + rate * s
+                ..., s : s + n * rate * s
             ]
             rate, lag = rate * s, lag * s + math.ceil(s / 2)
             for unit, d in zip((block.res_unit1, block.res_unit2, block.res_unit3), (1, 3, 9), strict=True):
@@ -144,13 +145,13 @@ class AcousticDecoder(nn.Module):
                 y = unit.conv2(unit.snake2(conv(unit.conv1, unit.snake1(h), 6 * d)))
                 late = torch.cat([next(old), h], dim=-1)  # the input, 3d samples late as conv1's output
                 kept.append(late[..., -3 * d :])
-                h = late[..., :rate] + y
+                h = late[..., : n * rate] + y
                 lag += 3 * d
         h = conv(self.conv2, self.snake1(inside(h, rate, lag)), 6)
         if len(kept) < len(held):  # the delay line that rounds the lag up to whole frames
             full = torch.cat([next(old), h], dim=-1)
             kept.append(full[..., -held[-1].shape[-1] :])
-            h = full[..., :rate]
+            h = full[..., : n * rate]
         return h[:, 0], kept
 
 
@@ -221,33 +222,35 @@ class HiggsCodec(nn.Module):
         n_end = torch.where(fresh, NO_END, self.n_end.index_select(0, slots))
         pending = self.pending.index_select(0, slots)
         held = [torch.where(fresh[:, None, None], 0, t.index_select(0, slots)) for t in self.held]
-        audio, valid = [], []
+        codes, dones = [], []
         for r in range(rows.shape[1]):
-            count, n_end, held, out, ok = self._row(rows[:, r], count, n_end, pending, held)
-            audio.append(out)
-            valid.append(ok)
+            count, n_end, frame_codes = self._row(rows[:, r], count, n_end, pending)
+            codes.append(frame_codes)
+            dones.append(count - 8)  # the frame the row completes
+        # The window's R frames through the decoder at once, numbered on from the first row's. An
+        # all-bos row restarts the count only at a stream's start, where every frame of a window
+        # (at most 8 rows) lies before frame 0 and is masked whatever its number.
+        latents = self.latent(torch.stack(codes, dim=1).clamp(0, h.CODES - 1))  # [Bd, R, D]
+        audio, held = self.acoustic_decoder.step(latents.transpose(1, 2), dones[0], n_end, held)
+        f = torch.stack(dones, dim=1) - self.lag_frames  # [Bd, R] the frames the window emits
         self.count.index_copy_(0, slots, count)
         self.n_end.index_copy_(0, slots, n_end)
         self.pending.index_copy_(0, slots, pending)
         for t, new in zip(self.held, held, strict=True):
             t.index_copy_(0, slots, new)
-        return torch.cat(audio, dim=1).float(), torch.stack(valid, dim=1)
+        return audio.float(), (f >= 0) & (f < n_end[:, None])
 
-    def _row(self, row, count, n_end, pending, held):
-        """One row of each entry: de-delay it into `pending` (in place), feed the frame it
-        completes to the decoder, and return the frame `lag_frames` back."""
+    def _row(self, row, count, n_end, pending):
+        """One row of each entry: de-delay it into `pending` (in place) → (its count, n_end, the
+        codes [Bd, 8] of the frame it completes)."""
         c = torch.where((row == h.STREAM_BOS).all(1), 0, count + 1)  # [Bd]
         ended = (row >= h.STREAM_EOS).all(1) & (n_end == NO_END)
         n_end = torch.where(ended, c - 8, n_end)
         k = torch.arange(h.N_CODEBOOKS, device=row.device)
         frame = (c[:, None] - 1 - k[None]) % h.N_CODEBOOKS  # [Bd, 8] the frame each code belongs to
         pending.scatter_(1, frame[:, None, :], row[:, None, :])
-        done = c - 8  # the frame this row completes
-        index = (done % h.N_CODEBOOKS)[:, None, None].expand(-1, 1, h.N_CODEBOOKS)
-        latent = self.latent(pending.gather(1, index)[:, 0].clamp(0, h.CODES - 1))  # [Bd, D]
-        out, held = self.acoustic_decoder.step(latent[:, :, None], done, n_end, held)
-        f = done - self.lag_frames  # the frame it emits
-        return c, n_end, held, out, (f >= 0) & (f < n_end)
+        index = ((c - 8) % h.N_CODEBOOKS)[:, None, None].expand(-1, 1, h.N_CODEBOOKS)
+        return c, n_end, pending.gather(1, index)[:, 0]
 
     def slot_bytes(self) -> int:
         """Bytes of state one slot holds."""
