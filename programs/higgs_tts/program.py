@@ -62,7 +62,7 @@ class HiggsTtsProgram(LMProgram):
     name = "higgs_tts"
     codec_dtype: torch.dtype = torch.float32
     codec_streams = True  # each row decoded once, with state per request (programs/base.py)
-    codec_merge = (2, 4, 8)  # a stream's waiting rows (its four first audible ones) in one call
+    codec_merge = (2, 4, 8)  # a stream's waiting rows in one call: its decoder runs their frames at once
     # One-row windows carry 40 ms each: the first four audible ones go together, so a listener starts
     # with 160 ms in hand while the next window comes (3 rows more before the first audio).
     detok_first_windows = 4
