@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from programs.base import Attention
+from programs.blocks import fp8
 from programs.blocks.llama import DecoderLayer, Embedding, Linear, RMSNorm, decoder_stack, param
 from programs.blocks.rope import llama3_inv_freq, rope_cos_sin
 from programs.blocks.weights import copy_weights, random_weights
@@ -144,6 +145,29 @@ class T3LM(nn.Module):
         if missing:
             raise ValueError(f"{shard} lacks {sorted(missing)[:5]}")
         return lm.eval()
+
+    @torch.no_grad()
+    def quantize_fp8(self) -> None:
+        """The backbone's linear weights (every layer's q/k/v/o and gate/up/down) to float8 with
+        per-output-channel scales (`fp8.Fp8Weight`, `--quantization fp8`): a float8 GEMM gives a
+        row the same bits at any row count, so a request's tokens do not depend on its batch.
+        Embeddings, norms, the conditioning encoder and the speech head stay in their dtype.
+        One-way."""
+        for layer in self.tfmr.layers:
+            a, m = layer.self_attn, layer.mlp
+            for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
+                weight = lin.weight
+                del lin.weight  # a parameter's name takes only parameters
+                lin.weight = fp8.Fp8Weight(weight)
+        if self.inv_freq.is_cuda:  # the fused activation quantizer, for the row widths the GEMMs see
+            torch.cuda.empty_cache()
+            cfg = self.config
+            widths = {
+                cfg["hidden_size"],
+                cfg["intermediate_size"],
+                cfg["num_attention_heads"] * self.head_dim,
+            }
+            fp8.compile_quantizer(self.inv_freq.device, tuple(sorted(widths)))
 
     # --- conditioning (admission, eager) -----------------------------------------------------------
     @torch.inference_mode()

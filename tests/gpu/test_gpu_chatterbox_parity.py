@@ -139,3 +139,31 @@ def test_decode_step_time(program, gpu_report):
         eng.run_until_idle()
     gpu_report("chatterbox_decode_step_ms").update({str(b): ms for b, ms in times.items()})
     assert times[1] < 40.0, "one stream's step fits in a token (40 ms)"
+
+
+@pytest.fixture(scope="module")
+def program_fp8():
+    p = load_program_class(MODEL)(
+        get_spec(MODEL), load_format="dummy", device="cuda", dtype=torch.bfloat16, quantization="fp8"
+    )
+    p.load_lm()
+    p.load_prompts()
+    return p
+
+
+@pytest.mark.parametrize("sp", [dict(temperature=0.0), dict(temperature=0.8, min_p=0.05, seed=11)])
+def test_fp8_tokens_alone_equal_tokens_in_a_batch(program_fp8, sp, gpu_report):
+    """With float8 backbone weights (`--quantization fp8`) a request's tokens do not depend on its
+    batch: float8 GEMMs give a row the same bits at any row count."""
+    target = prompt(program_fp8, "x", 3, 120, repetition_penalty=1.2, min_tokens=60, **sp)
+    alone = run(program_fp8, [target], False)["x"]
+    sizes = {}
+    for n in (3, 11):
+        others = [prompt(program_fp8, f"o{i}", i, 100, temperature=0.8, seed=i) for i in range(n)]
+        crowd = run(program_fp8, [*others[:1], target, *others[1:]], True)["x"]
+        first = next((i for i, (a, b) in enumerate(zip(crowd[0], alone[0], strict=False)) if a != b), None)
+        if first is None and len(crowd[0]) != len(alone[0]):
+            first = min(len(crowd[0]), len(alone[0]))  # one ends earlier
+        sizes[n] = {"tokens": len(crowd[0]), "first_difference": first}
+    gpu_report("chatterbox_batch_invariance_fp8").setdefault("sampling", {})[str(sp)] = sizes
+    assert all(v["first_difference"] is None for v in sizes.values()) and len(alone[0]) >= 60, sizes
