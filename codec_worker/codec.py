@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from codec_worker.graphs import DetokGraphs, Pending
-from codec_worker.streams import IDLE_S, Slots, StreamError, rounds, units
+from codec_worker.streams import IDLE_S, Slots, StreamError, rounds
 from common.messages import AudioChunk, DetokChunk, Finished, FinishReason
 from programs.base import CodecStreams, LMProgram, pcm16
 from programs.blocks import rng
@@ -245,7 +245,7 @@ class Codec:
         if self.slots is None:
             passes = [[[i] for i in live]]
         else:  # a request's units in index order, one per round
-            passes = rounds(chunks, units(chunks, live, self.merge, lambda i: kinds[i] == regular))
+            passes = rounds(chunks, live, self.merge, lambda i: kinds[i] == regular)
         for where in passes:
             # window kind → (unit, slot, fresh) of each unit of this round
             groups: dict[tuple[int, int], list[tuple[list[int], int, bool]]] = {}

@@ -1,6 +1,6 @@
 """Codec slots of a program with codec streams (programs/base.py, "Codec streams"): which slot
 holds each request's codec state, the order its chunks may decode in, and which of a request's
-waiting chunks decode together as one merged window (`units`).
+waiting chunks decode together as one merged window (`rounds`).
 
 A request's chunk 0 takes a free slot and starts its stream there (fresh); its later chunks
 continue in that slot. The request's end (its `Finished`, forwarded after its chunks) frees the
@@ -93,26 +93,29 @@ class Slots:
             self.free.append(slot)
 
 
-def units(
+def rounds(
     chunks: list[DetokChunk], where: list[int], merge: tuple[int, ...] = (), mergeable=None
-) -> list[list[int]]:
-    """Positions `where` of `chunks` as decode units, each a run of one request's chunks in index
-    order: a lone chunk, or m consecutive chunks (m in `merge`, the largest that fits first) that
-    decode as one window of m windows' rows (programs/base.py: `codec_merge`). Only chunks for
-    which `mergeable(i)` holds join a merged unit (regular windows past a stream's first chunk)."""
+) -> list[list[list[int]]]:
+    """Positions `where` of `chunks` in decode rounds of units: each request's waiting chunks in
+    index order as units, a lone chunk or m consecutive chunks (m in `merge`, the largest that fits
+    first; only chunks for which `mergeable(i)` holds) that decode as one window of m windows' rows
+    (programs/base.py: `codec_merge`); round k holds each request's k-th unit, so a request's
+    chunks decode in order and never two of its units in one call."""
     by_rid: dict[str, list[int]] = {}
     for i in where:
         by_rid.setdefault(chunks[i].rid, []).append(i)
     sizes = sorted((m for m in merge if m > 1), reverse=True)
-    out: list[list[int]] = []
+    out: list[list[list[int]]] = []
     for run in by_rid.values():
         run.sort(key=lambda i: chunks[i].index)
-        k = 0
+        k = n = 0
         while k < len(run):
             m = next((m for m in sizes if _joinable(chunks, run[k : k + m], m, mergeable)), 1)
-            out.append(run[k : k + m])
-            k += m
-    return out
+            if n == len(out):
+                out.append([])
+            out[n].append(run[k : k + m])
+            k, n = k + m, n + 1
+    return [sorted(r) for r in out]
 
 
 def _joinable(chunks: list[DetokChunk], run: list[int], m: int, mergeable) -> bool:
@@ -121,20 +124,3 @@ def _joinable(chunks: list[DetokChunk], run: list[int], m: int, mergeable) -> bo
         return False
     first = chunks[run[0]].index
     return all(chunks[i].index == first + k for k, i in enumerate(run))
-
-
-def rounds(chunks: list[DetokChunk], where: list[list[int]]) -> list[list[list[int]]]:
-    """Decode units `where` (lists of positions of `chunks`, see `units`) in decode rounds: round k
-    holds each request's k-th waiting unit (by its first chunk's index), so a request's chunks
-    decode in order and never two of its units in one call."""
-    by_rid: dict[str, list[list[int]]] = {}
-    for u in where:
-        by_rid.setdefault(chunks[u[0]].rid, []).append(u)
-    out: list[list[list[int]]] = []
-    for mine in by_rid.values():
-        mine.sort(key=lambda u: chunks[u[0]].index)
-        for k, u in enumerate(mine):
-            if k == len(out):
-                out.append([])
-            out[k].append(u)
-    return [sorted(r) for r in out]

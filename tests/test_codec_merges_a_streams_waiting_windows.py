@@ -1,5 +1,5 @@
 """A codec stream's waiting windows decode as one merged window (programs/base.py, `codec_merge`;
-codec_worker/streams.py `units`): with the running-sum codec of test_codec_streams (exact integer
+codec_worker/streams.py `rounds`): with the running-sum codec of test_codec_streams (exact integer
 audio), merged decodes give each chunk the audio of its windows decoded one by one and of the whole
 stream, in fewer decode calls; a window's own validity survives the merge; runs stop at a gap in a
 request's indices and at windows that may not merge. The real programs that merge (Qwen3-TTS, CSM,
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from codec_worker.codec import Codec
-from codec_worker.streams import units
+from codec_worker.streams import rounds
 from common.messages import DetokBatch, DetokChunk, Finished, FinishReason
 from programs import get_spec, load_program_class
 from tests.test_codec_streams import ROWS, RunningSumProgram, chunk, expected, played, worker
@@ -118,14 +118,14 @@ def test_a_merged_window_keeps_each_windows_validity() -> None:
     assert got[1] == got[8] and got[8][:2] == [b"", b""] and all(got[8][2:])
 
 
-def test_units_run_over_consecutive_mergeable_windows_of_a_request() -> None:
+def test_merged_units_run_over_consecutive_mergeable_windows_of_a_request() -> None:
     c = [DetokChunk("a", i, 0, b"", i) for i in (1, 2, 3, 4, 5, 7, 8)] + [DetokChunk("b", 0, 0, b"", 0)]
     where = list(range(len(c)))
-    # a: 1..5 then a gap before 7, 8; b alone; largest merge first
-    assert units(c, where, (2, 4)) == [[0, 1, 2, 3], [4], [5, 6], [7]]
-    assert units(c, where, ()) == [[i] for i in range(6 + 1)] + [[7]]
+    # a: 1..5 then a gap before 7, 8; b alone; largest merge first; a unit a round per request
+    assert rounds(c, where, (2, 4)) == [[[0, 1, 2, 3], [7]], [[4]], [[5, 6]]]
+    assert rounds(c, where, ()) == [[[0], [7]]] + [[[i]] for i in range(1, 6 + 1)]
     # a window that may not merge (another kind) breaks the run
-    assert units(c, where, (2, 4), lambda i: i != 1) == [[0], [1], [2, 3], [4], [5, 6], [7]]
+    assert rounds(c, where, (2, 4), lambda i: i != 1) == [[[0], [7]], [[1]], [[2, 3]], [[4]], [[5, 6]]]
 
 
 N = 40  # windows: past Higgs's delay pattern and look-ahead (19 rows without audio)
