@@ -74,6 +74,21 @@ def compile_quantizer(device: torch.device, widths: tuple[int, ...] = (256,)) ->
     return True
 
 
+def quantize_linears(linears, widths) -> None:
+    """Each module's `weight` (a [N, K] parameter) to an `Fp8Weight` in place, so `linear` runs it
+    in float8 (one-way; a module's bias is not taken into the GEMM: its caller adds it); on a GPU
+    the activation quantizer then compiled for the row `widths` (K) those GEMMs see."""
+    device = None
+    for lin in linears:
+        weight = lin.weight
+        device = weight.device
+        del lin.weight  # a parameter's name takes only parameters
+        lin.weight = Fp8Weight(weight)
+    if device is not None and device.type == "cuda":
+        torch.cuda.empty_cache()
+        compile_quantizer(device, tuple(sorted(set(widths))))
+
+
 _rows_apart = 0
 
 

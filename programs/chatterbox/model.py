@@ -153,21 +153,13 @@ class T3LM(nn.Module):
         row the same bits at any row count, so a request's tokens do not depend on its batch.
         Embeddings, norms, the conditioning encoder and the speech head stay in their dtype.
         One-way."""
+        linears = []
         for layer in self.tfmr.layers:
             a, m = layer.self_attn, layer.mlp
-            for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
-                weight = lin.weight
-                del lin.weight  # a parameter's name takes only parameters
-                lin.weight = fp8.Fp8Weight(weight)
-        if self.inv_freq.is_cuda:  # the fused activation quantizer, for the row widths the GEMMs see
-            torch.cuda.empty_cache()
-            cfg = self.config
-            widths = {
-                cfg["hidden_size"],
-                cfg["intermediate_size"],
-                cfg["num_attention_heads"] * self.head_dim,
-            }
-            fp8.compile_quantizer(self.inv_freq.device, tuple(sorted(widths)))
+            linears += [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]
+        cfg = self.config
+        widths = (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"] * self.head_dim)
+        fp8.quantize_linears(linears, widths)
 
     # --- conditioning (admission, eager) -----------------------------------------------------------
     @torch.inference_mode()
