@@ -15,10 +15,9 @@ import torch
 
 from gpu_worker.attention.interface import StepLayout
 from gpu_worker.attention.torch_paged import TorchPagedAttention
-from gpu_worker.runner.arena import InputArena
+from gpu_worker.runner.arena import InputArena, decode_spans, fill_decode
 from gpu_worker.runner.batch import StepBatch, rows_of
 from gpu_worker.runner.eager import EagerRunner
-from gpu_worker.runner.graphs import decode_spans, fill_decode
 from gpu_worker.runner.kv_cache import allocate_kv_cache
 from gpu_worker.runner.prefill_graphs import (
     fill_prefill,
