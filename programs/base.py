@@ -152,8 +152,8 @@ audio equals the codec's decode of the whole utterance. The codec keeps each str
   It is captured per (R, batch bucket) with static slot and fresh buffers; one call never holds
   two entries of one real slot (padding entries may share the scratch slot).
 - The runtime (codec_worker) gives a request's chunk 0 a free slot (fresh), its later chunks the
-  same slot, decodes a request's chunks strictly in index order, one per call, and frees the slot
-  at the request's end. A later chunk of a request without a slot (its state is lost: a restarted
+  same slot, decodes a request's chunks strictly in index order, one per call (or several as one
+  merged window, below), and frees the slot at the request's end. A later chunk of a request without a slot (its state is lost: a restarted
   codec worker, a slot reclaimed from a stream idle too long) ends that request with an error.
 - Merged windows (`codec_merge`, sizes m > 1, e.g. (2, 4, 8)): a request's m consecutive regular
   windows waiting together (a stream behind, the first audible windows sent together) may
