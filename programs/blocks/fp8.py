@@ -122,6 +122,18 @@ def linear(
     return _linear(x, weight, bias)
 
 
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, rows: int = 64) -> torch.Tensor:
+    """x [M, K] @ weight.T → [M, N] as GEMMs of exactly `rows` rows each (the last tile padded with
+    zeros): every row goes through one GEMM shape whatever M is, so its bits do not depend on how
+    many rows the step holds (a GEMM library picks its kernel and its split by shape). For a small
+    output head whose rows are a step's requests: a step of many rows costs ⌈M / rows⌉ GEMMs of one
+    weight read each, where one GEMM of M rows would round a row by M."""
+    m = x.shape[0]
+    if m % rows:
+        x = torch.cat([x, x.new_zeros(rows - m % rows, x.shape[1])])
+    return torch.cat([_linear(t, weight, None) for t in x.split(rows)])[:m]
+
+
 def _linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     if not isinstance(weight, Fp8Weight):
         return F.linear(x, weight, bias)

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from programs.base import Attention, CodecStreams, LMProgram, PromptRows, Reference, Rows, Voice
+from programs.blocks import fp8
 from programs.chatterbox import spec as c
 
 if TYPE_CHECKING:
@@ -258,7 +259,10 @@ class ChatterboxProgram(LMProgram):
         return self.lm.backbone(hidden, pos, attn)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm.speech_head(hidden)[:, None, :]  # [B, 1, SPEECH_VOCAB] (head_ids)
+        """[B, H] → [B, 1, SPEECH_VOCAB] (head_ids), in GEMMs of 64 rows: a row's logits have the
+        same bits whatever the step's row count (`fp8.tiled_linear`; the backbone's GEMMs are
+        row-invariant with `--quantization fp8`)."""
+        return fp8.tiled_linear(hidden, self.lm.speech_head.weight)[:, None, :]
 
     def guide(self, logits: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         """[B, 2, 1, V] → cond + w·(cond − uncond) [B, 1, V], w the request's cfg_weight."""

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from programs.base import Attention
+from programs.blocks import fp8
 from programs.blocks.llama import MLP, DecoderLayer, Embedding, Linear, RMSNorm
 from programs.blocks.rope import llama3_inv_freq, rope_cos_sin, rotate_half
 from programs.blocks.weights import checkpoint_dir, copy_weights, load_safetensors, random_weights
@@ -172,8 +173,10 @@ class HiggsLM(nn.Module):
         ]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[B, H] → [B, 8, 1026] float32: every codebook's logits (one GEMM, as the reference)."""
-        return self.audio_lm_head(hidden).float().view(hidden.shape[0], self.n_codebooks, self.codebook_size)
+        """[B, H] → [B, 8, 1026] float32: every codebook's logits, in GEMMs of 64 rows so that a
+        row's logits have the same bits whatever the step's row count (`fp8.tiled_linear`)."""
+        logits = fp8.tiled_linear(hidden, self.audio_lm_head.weight)
+        return logits.float().view(hidden.shape[0], self.n_codebooks, self.codebook_size)
 
     # --- weights ---------------------------------------------------------------------------------
     @torch.no_grad()
