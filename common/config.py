@@ -147,6 +147,10 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     # Far beyond what a chunk's trip takes (a codec pass and the delivery: tens of milliseconds), so
     # a stream sitting out never comes near a gap; half a second lasts ~40 steps.
     sit_out_lead_s: float = 0.5
+    # Seconds of audio in hand past which a stream leaves every step out until its listener catches
+    # up; 0 = no cap. Where the codec bounds the streams (a heavy vocoder sharing the GPU), rows
+    # generated far ahead of playback take GPU time the codec needs now.
+    max_lead_s: float = 0.0
     # "full" vocabulary, or "audio": logits for codec tokens + stop only; "auto": audio where the LM
     # runs on the CPU, full on a GPU (`head_for`). On a CPU the full head's rows (a text LLM's whole
     # vocabulary) are most of a small model's step: the default model on 2 cores steps in ~4 ms
@@ -186,6 +190,8 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
         check_headroom(self.realtime_headroom)
         check_headroom(self.capacity_headroom, "--capacity-headroom")
         check_sit_out(self.sit_out_lead_s)
+        if self.max_lead_s and self.max_lead_s < 1.0:
+            raise ValueError(f"--max-lead caps audio in hand at 1 s or more (0 = off), got {self.max_lead_s}")
 
     def head_for(self, device: str) -> str:
         """The LM head a gpu_worker on `device` computes: `lm_head`, with auto resolved."""

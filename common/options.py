@@ -271,6 +271,15 @@ OPTIONS: tuple[Option, ...] = (
         path="gpu.sit_out_lead_s",
     ),
     Option(
+        "max_lead",
+        "seconds of audio in hand (sent, not yet played) past which a stream leaves every step out "
+        "until its listener catches up (at least 1; 0 = no cap): where the codec bounds the streams, "
+        "rows generated far ahead take the GPU time the codec needs now",
+        ("serve", "gpu_worker"),
+        float,
+        path="gpu.max_lead_s",
+    ),
+    Option(
         "lm_head",
         "full (whole vocabulary), audio (logits only for codec tokens and stop: less work per step; "
         "text tokens can no longer be sampled) or auto (audio on a CPU, full on a GPU)",

@@ -81,8 +81,10 @@ class GpuWorker:
         while True:
             # 0. say how many more prompts this worker can start now
             self.inbox.offer(self.credits())
-            # 1. drain the inbox (block briefly only when idle)
-            for msg in self.inbox.drain(timeout_ms=0 if engine.has_work() else 50):
+            # 1. drain the inbox (block briefly only when idle, or 2 ms when every running request
+            # sat the last step out: streams past --max-lead, open input waiting for text)
+            wait_ms = (0 if engine.scheduler.last_batch_size else 2) if engine.has_work() else 50
+            for msg in self.inbox.drain(timeout_ms=wait_ms):
                 try:
                     match msg:
                         case Prompt():

@@ -100,6 +100,9 @@ def test_realtime_headroom_reaches_the_engine_clock_and_out_of_range_is_refused(
         _validate(
             ServeConfig(model="orpheus-tiny", gpu=GpuWorkerSettings(sit_out_lead_s=0.1))
         )  # less than a chunk's trip
+    with pytest.raises(ValueError, match="--max-lead"):
+        _validate(ServeConfig(model="orpheus-tiny", gpu=GpuWorkerSettings(max_lead_s=0.5)))
+    _validate(ServeConfig(model="orpheus-tiny", gpu=GpuWorkerSettings(max_lead_s=2.0)))
     from gpu_worker.worker import engine_limits
 
     spec = get_spec("orpheus-tiny")

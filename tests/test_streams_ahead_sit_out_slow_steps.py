@@ -144,13 +144,13 @@ def tiny():
         torch.set_num_threads(before)
 
 
-def run(program, sit_out: float) -> tuple[dict, list[float], bool]:
+def run(program, sit_out: float, max_lead: float = 0.0) -> tuple[dict, list[float], bool]:
     """Six requests, one starting every 25 steps, on a fake clock: each step takes STEP_S, over a
     budget made smaller than that, and the listeners' clocks run with it. → (outputs, the audio in
     hand of every stream left out of a step at that step, whether the clock was told of streams
     served beyond the rows)."""
     limits = GpuWorkerSettings(
-        max_batch_size=8, max_context=400, first_chunk="fastest", sit_out_lead_s=sit_out
+        max_batch_size=8, max_context=400, first_chunk="fastest", sit_out_lead_s=sit_out, max_lead_s=max_lead
     )
     eng = Engine(program, limits)
     eng.outputs = {}
@@ -205,3 +205,16 @@ def test_a_stream_samples_the_same_tokens_whether_it_sat_steps_out_or_not(tiny):
     for rid, (tokens, reason) in plain.items():
         assert paced[rid][1] == reason
         assert paced[rid][0] == tokens, rid
+
+
+def test_streams_past_the_max_lead_sit_out_every_step_and_sample_the_same_tokens(tiny):
+    """`--max-lead 1`: steps of 4 ms make 12.2 ms of audio a row, so every stream runs ahead of its
+    listener until it holds a second of audio; from then on it sits out steps (even with sit-out
+    off and steps within their budget) and its listener never holds much more than the cap."""
+    plain, _, _ = run(tiny, sit_out=0.0)
+    capped, left_out, _ = run(tiny, sit_out=0.0, max_lead=1.0)
+    assert len(left_out) > 100 and min(left_out) >= 1.0
+    assert max(left_out) < 1.0 + 0.1  # a chunk's audio past the cap, at most
+    assert sorted(capped) == sorted(plain)
+    for rid, (tokens, reason) in plain.items():
+        assert capped[rid] == (tokens, reason), rid

@@ -355,8 +355,10 @@ class Scheduler:
         """The batch (`prompts` of its requests new) less the streams sitting this step out
         (`SitOut`): only streams on their regular windows (past the tail windows of progressive
         mode, or a lead window and one more chunk), by their listener's audio in hand (sent, less
-        played by the clock since the first chunk left)."""
-        if self.sit_out is None or not batch:
+        played by the clock since the first chunk left); with `--max-lead`, also every stream whose
+        audio in hand reaches it."""
+        cap = self.limits.max_lead_s
+        if (self.sit_out is None and not cap) or not batch:
             self.sitting_out = 0.0
             return batch
         now, progressive = self.windows.now(), self.windows.progressive
@@ -365,7 +367,9 @@ class Scheduler:
             r.sent_s - (now - r.t_first) if (r.switched if progressive else r.n_chunks > first) else -np.inf
             for r in batch
         ]
-        out = self.sit_out.choose(leads, prompts)
+        out = self.sit_out.choose(leads, prompts) if self.sit_out is not None else []
+        if cap:  # streams past the cap (--max-lead) sit out whatever the step time
+            out = sorted(set(out).union(i for i, lead in enumerate(leads) if lead >= cap))
         self.sitting_out += 0.05 * (len(out) - self.sitting_out)
         if not out:
             return batch
