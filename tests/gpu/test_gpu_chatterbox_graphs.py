@@ -6,9 +6,9 @@ sequences in the prefill and decode graphs, paired by `guide` inside them
    step whose inputs agree, within bf16's rounding of a padded prefill; its tokens equal the eager
    engine's, save from a step where the eager logits' top two lie within that step's difference (a
    near tie that rounding may flip). A sequence paired wrongly moves the logits by far more.
-2. Its greedy tokens through the graphs are the same alone and among 3 and 11 others joining at
-   different steps with other guidance weights (batch invariance of the paired graphs); against
-   the eager engine among the same others (reported).
+2. With float8 backbone weights, its greedy tokens through the graphs are the same alone and among
+   3 and 11 others joining at different steps with other guidance weights (batch invariance of the
+   paired graphs); bf16's, and against the eager engine among the same others (reported).
 3. Decode step time at 1, 16 and 64 streams with graphs and eagerly (reported; a step holds 2
    sequences a stream).
 
@@ -44,9 +44,11 @@ GREEDY = dict(temperature=0.0, repetition_penalty=1.0)  # the logits as sampled:
 REL_TOLERANCE = 0.05
 
 
-def load():
+def load(quantization: str = "none"):
     """The dummy T3 (the same seeded weights at every load) with its stand-in tokenizer and voice."""
-    p = load_program_class(MODEL)(get_spec(MODEL), load_format="dummy", device="cuda", dtype=torch.bfloat16)
+    p = load_program_class(MODEL)(
+        get_spec(MODEL), load_format="dummy", device="cuda", dtype=torch.bfloat16, quantization=quantization
+    )
     p.load_lm()
     p.load_prompts()
     return p
@@ -153,15 +155,24 @@ def test_guided_graph_logits_and_greedy_tokens_equal_eager(engines, gpu_report):
 
 
 def test_guided_graph_tokens_alone_equal_tokens_among_others(engines, gpu_report):
-    alone = run(engines[True])
+    """With float8 backbone weights (`--quantization fp8`, whose GEMMs give a row the same bits at
+    any row count; the head runs in tiles of one shape) a request's tokens through the graphs do
+    not depend on its batch. bf16 GEMMs round a row by the step's row count (docs/performance.md,
+    "Batch invariance"): their result is reported, not asserted."""
     res = gpu_report("chatterbox_graphs").setdefault("among_others", {})
+    alone = run(engines[True])
     for n in (3, 11):
         got, eager = run(engines[True], n), run(engines[False], n)
         res[str(n)] = {
-            "equal_alone": got == alone,
+            "bf16_equal_alone": got == alone,
             "graphs_vs_eager_first_difference": first_difference(got, eager),
         }
-        assert got == alone, f"among {n} others"
+    fp8_engine = engine(load("fp8"), True)
+    alone = run(fp8_engine)
+    for n in (3, 11):
+        got = run(fp8_engine, n)
+        res[str(n)]["fp8_first_difference"] = first_difference(got, alone)
+        assert got == alone, f"fp8: among {n} others"
 
 
 def steady_step_ms(eng: Engine, steps: int = 20) -> float:
