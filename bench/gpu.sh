@@ -33,7 +33,8 @@
 #   higgs-load     Higgs Audio v2 3B: `voxpipe bench ttfa`, then the load curve (VOXPIPE_LOAD), streams
 #                  of 250 rows (10 s of audio; random weights never end one themselves)
 #   chatterbox-load  Chatterbox: `voxpipe bench ttfa`, then the load curve (VOXPIPE_LOAD), streams of 250
-#                  speech tokens (10 s of audio)
+#                  speech tokens (10 s of audio), S3Gen in float16 and T3 in fp8 (S3Gen bounds the
+#                  streams: in float32 two are already late); give it VOXPIPE_STAGE_S=300
 #   clone          voice cloning, Qwen3-TTS Base (VOXPIPE_CLONE_MODEL, default the 1.7B): `voxpipe bench ttfa`
 #                  with the time to first audio of requests by a saved voice (ttfa_ms: the Base model has
 #                  no preset voice), with a new 3 s clip each (clip_ttfa_ms: the clip decoded and encoded
@@ -151,9 +152,9 @@ for stage in "$@"; do
         ;;
     chatterbox-load)
         run chatterbox-load $bench ttfa --model chatterbox --reps 10 --tokens 100 --prompt-allowance 250 \
-            --load "${VOXPIPE_LOAD:-2,4,8,16}" --load-duration 15 --load-tokens 250 --ramp 4 --label "$LABEL" \
+            --load "${VOXPIPE_LOAD:-4,6,8,12}" --load-duration 15 --load-tokens 250 --ramp 4 --label "$LABEL" \
             --load-out "$OUT/chatterbox-load.json" --out "$OUT/chatterbox-ttfa.json" -- --max-batch-size 64 \
-            ${VOXPIPE_SERVE_EXTRA:-}
+            --codec-dtype float16 --quantization fp8 ${VOXPIPE_SERVE_EXTRA:-}
         ;;
     clone)
         run clone $bench ttfa --model "${VOXPIPE_CLONE_MODEL:-qwen3-tts-base}" --reps 15 --tokens 60 --clone-reps 15 \
