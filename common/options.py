@@ -231,7 +231,19 @@ OPTIONS: tuple[Option, ...] = (
         path="gpu.max_prefill_rows",
     ),
     Option(
-        "num_pages", "0 = max-batch-size full contexts", ("serve", "gpu_worker"), int, path="gpu.num_pages"
+        "num_pages",
+        "0 = max-batch-size full contexts, or as many pages as the GPU holds past the reserve",
+        ("serve", "gpu_worker"),
+        int,
+        path="gpu.num_pages",
+    ),
+    Option(
+        "gpu_memory_reserve",
+        "GiB of GPU memory the KV cache leaves free (the gpu_worker's graphs and activations, the "
+        "codec worker sharing the GPU); with --num-pages 0 the cache shrinks to fit, and says so",
+        ("serve", "gpu_worker"),
+        float,
+        path="gpu.gpu_memory_reserve_gb",
     ),
     Option(
         "first_chunk",

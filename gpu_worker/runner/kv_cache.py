@@ -39,6 +39,29 @@ def pages_for(n_tokens: int, page_size: int) -> int:
     return -(-n_tokens // page_size)
 
 
+def fit_pages(
+    wanted: int, explicit: bool, page_bytes: int, free_bytes: int, reserve_bytes: int, least: int
+) -> int:
+    """KV pages that fit the device: `wanted` (page 0 included) where `free_bytes` less
+    `reserve_bytes` (what must stay free: this worker's graphs and activations, the codec worker
+    sharing the GPU) holds them, else as many as it holds when the count was not set by hand
+    (`explicit`). Raises where fewer than `least` pages (one request's full context and page 0)
+    fit, or where an explicit count does not."""
+    room = (free_bytes - reserve_bytes) // page_bytes
+    if wanted <= room:
+        return wanted
+    gib = 1 << 30
+    what = (
+        f"{wanted} KV pages ({wanted * page_bytes / gib:.1f} GiB) do not fit the GPU's "
+        f"{free_bytes / gib:.1f} GiB free less the {reserve_bytes / gib:.1f} GiB --gpu-memory-reserve"
+    )
+    if explicit:
+        raise ValueError(f"{what}: lower --num-pages (0 = fit the device)")
+    if room < least:
+        raise ValueError(f"{what}, nor one request's full context: lower --max-context or the reserve")
+    return int(room)
+
+
 KV_CACHE_DTYPES = ("auto", "fp8")
 
 

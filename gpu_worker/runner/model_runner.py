@@ -15,6 +15,7 @@ audio-row count that constrained sampling depends on is kept on the device.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,13 +28,15 @@ from common.config import GpuWorkerSettings
 from gpu_worker.attention.select import eager_attention
 from gpu_worker.runner.batch import StepBatch, kv_sequences
 from gpu_worker.runner.eager import EagerRunner
-from gpu_worker.runner.kv_cache import allocate_kv_cache, kv_cache_dtype, pages_for
+from gpu_worker.runner.kv_cache import allocate_kv_cache, fit_pages, kv_cache_dtype, pages_for
 from gpu_worker.runner.sampler import HeadColumns, sample_rows
 from gpu_worker.runner.slots import SlotState, to_device
 from programs.base import LMProgram, Rows
 
 if TYPE_CHECKING:
     from gpu_worker.scheduler.request import Request
+
+log = logging.getLogger(__name__)
 
 
 def make_runner(program: LMProgram, kv_cache: torch.Tensor, limits, progress=None) -> EagerRunner:
@@ -66,6 +69,24 @@ class ModelRunner:
         # +1 token per request: a launched step may run once past a stop it has not seen yet.
         per_request = pages_for(limits.max_context + 1, limits.page_size) * kv_sequences(program)
         num_pages = limits.num_pages or 1 + limits.max_batch_size * per_request
+        if self.device.type == "cuda":  # what the device holds, leaving the reserve free
+            dtype = kv_cache_dtype(limits.kv_cache_dtype, program.dtype)
+            page_bytes = (
+                program.num_layers * 2 * limits.page_size * program.num_kv_heads * program.head_dim
+                * dtype.itemsize
+            )  # fmt: skip
+            wanted = num_pages
+            num_pages = fit_pages(
+                wanted, bool(limits.num_pages), page_bytes, torch.cuda.mem_get_info(self.device)[0],
+                int(limits.gpu_memory_reserve_gb * (1 << 30)), 1 + per_request,
+            )  # fmt: skip
+            if num_pages < wanted:
+                log.warning(
+                    "KV cache: %d pages (%.1f full contexts) where --max-batch-size %d full contexts "
+                    "need %d: the GPU's free memory less --gpu-memory-reserve %.0f GiB holds no more",
+                    num_pages, (num_pages - 1) / per_request, limits.max_batch_size, wanted,
+                    limits.gpu_memory_reserve_gb,
+                )  # fmt: skip
         self.kv_cache = allocate_kv_cache(
             program.num_layers,
             num_pages,

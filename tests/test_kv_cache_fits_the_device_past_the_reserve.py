@@ -1,0 +1,40 @@
+"""The KV cache on a GPU: `--max-batch-size` full contexts where the device's free memory, less
+`--gpu-memory-reserve` (the worker's graphs, the codec worker sharing the GPU), holds them; else as
+many pages as it holds, or a clear error where not even one request's context fits or an explicit
+`--num-pages` does not."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.config import GpuWorkerSettings
+from gpu_worker.runner.kv_cache import fit_pages
+
+GIB = 1 << 30
+PAGE = 1 << 20  # bytes a page
+
+
+def test_pages_that_fit_are_kept():
+    assert fit_pages(1000, False, PAGE, 40 * GIB, 16 * GIB, 65) == 1000
+    assert fit_pages(1000, True, PAGE, 40 * GIB, 16 * GIB, 65) == 1000
+
+
+def test_the_cache_shrinks_to_what_the_device_holds_past_the_reserve():
+    # 24 GiB past the reserve hold 24,576 pages of 1 MiB
+    assert fit_pages(100_000, False, PAGE, 40 * GIB, 16 * GIB, 65) == 24 * 1024
+
+
+def test_an_explicit_page_count_that_does_not_fit_is_refused():
+    with pytest.raises(ValueError, match="lower --num-pages"):
+        fit_pages(100_000, True, PAGE, 40 * GIB, 16 * GIB, 65)
+
+
+def test_no_room_for_one_request_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="nor one request's full context"):
+        fit_pages(100_000, False, PAGE, 16 * GIB + 10 * PAGE, 16 * GIB, 65)
+
+
+def test_the_reserve_is_a_setting_and_not_negative():
+    assert GpuWorkerSettings().gpu_memory_reserve_gb == 16.0
+    with pytest.raises(ValueError, match="--gpu-memory-reserve"):
+        GpuWorkerSettings(gpu_memory_reserve_gb=-1.0).check()
