@@ -138,7 +138,7 @@ class HiggsLM(nn.Module):
     def _attention(self, i: int, a, x: torch.Tensor, cos, sin, attn: Attention) -> torch.Tensor:
         n, hq, hkv, d = x.shape[0], a.num_heads, a.num_kv_heads, a.head_dim
         if self._qkv and x.is_cuda:
-            q, k, v = F.linear(x, self._qkv[i]).split((hq * d, hkv * d, hkv * d), dim=-1)
+            q, k, v = fp8.linear(x, self._qkv[i]).split((hq * d, hkv * d, hkv * d), dim=-1)
         else:
             q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
         q, k, v = q.view(n, hq, d), k.view(n, hkv, d), v.view(n, hkv, d)
@@ -152,7 +152,7 @@ class HiggsLM(nn.Module):
 
     def _mlp(self, i: int, which: int, mlp: MLP, x: torch.Tensor) -> torch.Tensor:
         if self._gate_up and x.is_cuda:
-            gate, up = F.linear(x, self._gate_up[i][which]).chunk(2, dim=-1)
+            gate, up = fp8.linear(x, self._gate_up[i][which]).chunk(2, dim=-1)
             return mlp.down_proj(F.silu(gate) * up)
         return mlp(x)
 
@@ -171,6 +171,32 @@ class HiggsLM(nn.Module):
         self._gate_up = [
             tuple(_join(m.gate_proj, m.up_proj) for m in (layer.mlp, layer.audio_mlp)) for layer in layers
         ]
+
+    @torch.no_grad()
+    def quantize_fp8(self) -> None:
+        """Every layer's attention projections and both feed-forward paths (text and audio) to
+        float8 with per-output-channel scales (`--quantization fp8`, `fp8.Fp8Weight`): a float8
+        GEMM gives a row the same bits at any row count on a GPU, so a request's rows do not depend
+        on its batch. Embeddings, norms and the audio head stay in their dtype. After `fuse`, the
+        fused q/k/v and gate/up weights are the ones quantized (the projections' own weights, views
+        of them, are dropped). One-way."""
+        cfg = self.config
+        widths = (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"] * self.head_dim)
+        linears = []
+        for layer in self.model.layers:
+            a, mlps = layer.self_attn, (layer.mlp, layer.audio_mlp)
+            linears += [a.o_proj, *(m.down_proj for m in mlps)]
+            joined = [a.q_proj, a.k_proj, a.v_proj, *(lin for m in mlps for lin in (m.gate_proj, m.up_proj))]
+            if not self._qkv:
+                linears += joined
+                continue
+            for lin in joined:  # views of the fused weights, which the fused path alone reads
+                del lin.weight
+                lin.weight = None
+        if self._qkv:
+            self._qkv = [fp8.Fp8Weight(w) for w in self._qkv]
+            self._gate_up = [(fp8.Fp8Weight(t), fp8.Fp8Weight(a)) for t, a in self._gate_up]
+        fp8.quantize_linears(linears, widths)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[B, H] → [B, 8, 1026] float32: every codebook's logits, in GEMMs of 64 rows so that a

@@ -236,15 +236,16 @@ def forced_steps(prompts: list[np.ndarray], rows: np.ndarray) -> list[StepBatch]
     return steps
 
 
-def bf16_engines(model: str):
+def bf16_engines(model: str, quantization: str = "none"):
     """(program, Engine with graphs, eager runner over a KV cache of its own) for `model`'s dummy
-    weights in bf16 on the GPU: what the per-model parity tests compare."""
+    weights in bf16 on the GPU (`quantization` "fp8": its projections in float8): what the
+    per-model parity tests compare."""
     from gpu_worker.runner.kv_cache import allocate_kv_cache
     from gpu_worker.runner.model_runner import make_runner
     from programs import get_spec, load_program_class
 
     prog = load_program_class(model)(
-        get_spec(model), load_format="dummy", device="cuda", dtype=torch.bfloat16
+        get_spec(model), load_format="dummy", device="cuda", dtype=torch.bfloat16, quantization=quantization
     )
     prog.load_lm()
     kv = allocate_kv_cache(

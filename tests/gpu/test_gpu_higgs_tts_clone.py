@@ -13,6 +13,7 @@ import math
 import time
 
 import numpy as np
+import pytest
 import torch
 from parity_checks import bf16_engines
 
@@ -62,8 +63,11 @@ def test_the_encoder_on_the_gpu_gives_the_cpus_codes(gpu_report):
     assert got.shape == (125, 8) and equal >= 0.98
 
 
-def test_cloned_greedy_rows_alone_equal_those_among_others(gpu_report):
-    prog, eng, _ = bf16_engines(MODEL)
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+def test_cloned_greedy_rows_alone_equal_those_among_others(quantization, gpu_report):
+    """A cloned request (75 clip frames in its prompt) alone and among 3 and 17 others, some cloned,
+    joining at other steps: bf16 weights, and float8 projections (`--quantization fp8`)."""
+    prog, eng, _ = bf16_engines(MODEL, quantization)
     prog.load_prompts()
     rng = np.random.default_rng(0)
 
@@ -93,5 +97,7 @@ def test_cloned_greedy_rows_alone_equal_those_among_others(gpu_report):
         first_diff[n_others] = next(
             (i for i, (a, b) in enumerate(zip(got, alone, strict=True)) if a != b), None
         )
-    gpu_report("higgs-tts-clone")["cloned_greedy_alone_vs_batched_first_difference"] = first_diff
+    gpu_report("higgs-tts-clone").setdefault("cloned_greedy_alone_vs_batched_first_difference", {})[
+        quantization
+    ] = first_diff
     assert first_diff == dict.fromkeys(first_diff, None)
