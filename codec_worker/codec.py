@@ -92,7 +92,9 @@ class Codec:
             self.slots = Slots(streams, idle_s)
             program.init_codec_streams(streams + 1)
         # Windows of a stream merged into one decode (codec streams only, `merge` at most: 1 = none)
-        self.merge = tuple(m for m in program.codec_merge if 1 < m <= merge) if self.slots else ()
+        # (window groups: their sizes whatever `merge` says, and those only within a group)
+        cap = max(merge, *program.detok_groups) if program.detok_groups else merge
+        self.merge = tuple(m for m in program.codec_merge if 1 < m <= cap) if self.slots else ()
         self.dead: OrderedDict[str, None] = OrderedDict()  # failed requests whose end is yet to come
         # Regular windows through the program's compiled decode (`compile_backend`: torch.compile's
         # backend; None: not compiled), graphed or eager like the others. `compile_fallback`: if
@@ -245,7 +247,13 @@ class Codec:
         if self.slots is None:
             passes = [[[i] for i in live]]
         else:  # a request's units in index order, one per round
-            passes = rounds(chunks, live, self.merge, lambda i: kinds[i] == regular)
+            grouped = bool(p.detok_groups)  # then only a group's windows merge
+            passes = rounds(
+                chunks,
+                live,
+                self.merge,
+                lambda i: kinds[i] == regular and (not grouped or chunks[i].group >= 0),
+            )
         for where in passes:
             # window kind → (unit, slot, fresh) of each unit of this round
             groups: dict[tuple[int, int], list[tuple[list[int], int, bool]]] = {}

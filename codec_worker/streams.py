@@ -99,8 +99,9 @@ def rounds(
     """Positions `where` of `chunks` in decode rounds of units: each request's waiting chunks in
     index order as units, a lone chunk or m consecutive chunks (m in `merge`, the largest that fits
     first; only chunks for which `mergeable(i)` holds) that decode as one window of m windows' rows
-    (programs/base.py: `codec_merge`); round k holds each request's k-th unit, so a request's
-    chunks decode in order and never two of its units in one call."""
+    (programs/base.py: `codec_merge`) and belong to one window group, if any; round k holds each
+    request's k-th unit, so a request's chunks decode in order and never two of its units in one
+    call. A window group arrives whole, so it splits into the same units whatever else waits."""
     by_rid: dict[str, list[int]] = {}
     for i in where:
         by_rid.setdefault(chunks[i].rid, []).append(i)
@@ -119,8 +120,9 @@ def rounds(
 
 
 def _joinable(chunks: list[DetokChunk], run: list[int], m: int, mergeable) -> bool:
-    """Whether `run` holds m chunks of consecutive indices that may decode as one window."""
+    """Whether `run` holds m chunks of consecutive indices, of one window group (or none), that
+    may decode as one window."""
     if len(run) < m or (mergeable is not None and not all(mergeable(i) for i in run)):
         return False
-    first = chunks[run[0]].index
-    return all(chunks[i].index == first + k for k, i in enumerate(run))
+    first, group = chunks[run[0]].index, chunks[run[0]].group
+    return all(chunks[i].index == first + k and chunks[i].group == group for k, i in enumerate(run))

@@ -252,6 +252,9 @@ class DetokChunk(msgspec.Struct, **_STRUCT):
     # decodes first, their audio dropped (the program's `codec_prefix`; programs/base.py, "Codec
     # streams"). Empty: the stream starts fresh.
     prefix: bytes = b""
+    # >= 0: the chunk is in the window group (programs/base.py, "Window groups") whose first chunk
+    # has this index; the codec worker merges it with that group's chunks only. -1: no group.
+    group: int = -1
 
 
 LEAD_NOISE_BASE = 1 << 40  # noise ids of lead windows start here, far above any regular window

@@ -108,7 +108,17 @@ class AudioWindows:
         """Count `chunk` as sent (`_sent`) and put it in `out`, except a stream's first audible
         windows but the last of the program's `detok_first_windows`: they wait in req.held and go
         with it, so that one codec pass decodes them and the listener starts with all of their
-        audio."""
+        audio. With window groups, a later window waits in req.grouped until its group's last
+        window exists, and counts as sent (its slack, the listener's audio in hand) only when the
+        group leaves."""
+        if self.program.detok_groups and chunk.index > self.clock_window:
+            first, m = self.group(chunk.index)
+            chunk.group = first
+            req.n_chunks += 1
+            req.grouped.append((chunk, audio_rows))
+            if chunk.index == first + m - 1:
+                self._release(req, out)
+            return
         self._sent(req, chunk, audio_rows)
         if self.program.detok_silent <= chunk.index < self.clock_window:
             req.held.append(chunk)
@@ -117,6 +127,30 @@ class AudioWindows:
             out.extend(req.held)
             req.held.clear()
         out.append(chunk)
+
+    def group(self, index: int) -> tuple[int, int]:
+        """(its first chunk's index, its size) of the window group holding chunk `index` (past
+        the clock window): the program's `detok_groups` in turn from the clock window on, the last
+        size repeating."""
+        sizes, first = self.program.detok_groups, self.clock_window + 1
+        for m in sizes[:-1]:
+            if index < first + m:
+                return first, m
+            first += m
+        m = sizes[-1]
+        return first + (index - first) // m * m, m
+
+    def _release(self, req, out: list[DetokChunk]) -> None:
+        """`req`'s grouped windows into `out`, each counted as sent now, in order."""
+        for chunk, rows in req.grouped:
+            self._stamp(req, chunk, rows, self.now())
+            out.append(chunk)
+        req.grouped.clear()
+
+    def _stamp(self, req, chunk: DetokChunk, audio_rows: int, now: float) -> None:
+        """A window after the clock window leaving: its listener's slack, then its audio in hand."""
+        chunk.slack_ms = max(0.0, 1000 * (req.sent_s - (now - req.t_first)))
+        req.sent_s += self._audio_s(audio_rows)
 
     def _sent(self, req, chunk: DetokChunk, audio_rows: int) -> DetokChunk:
         """Count `chunk` (of `audio_rows` rows of audio) as sent, stamped with its listener's slack.
@@ -136,11 +170,12 @@ class AudioWindows:
             chunk.slack_ms = 1000 * rows_left * self.clock.row_period()  # 0 before a step is measured
             req.n_chunks += 1
             return chunk
-        if req.n_chunks == self.clock_window:
-            req.t_first = now
-        elif req.n_chunks > self.clock_window:
-            chunk.slack_ms = max(0.0, 1000 * (req.sent_s - (now - req.t_first)))
-        req.sent_s += self._audio_s(audio_rows)
+        if req.n_chunks > self.clock_window:
+            self._stamp(req, chunk, audio_rows, now)
+        else:
+            if req.n_chunks == self.clock_window:
+                req.t_first = now
+            req.sent_s += self._audio_s(audio_rows)
         req.n_chunks += 1
         return chunk
 
@@ -184,12 +219,13 @@ class AudioWindows:
     def flush(self, req, out: list[DetokChunk]) -> None:
         """At a request's natural end: into `out`, the windows it still holds (in progressive mode,
         the first chunk if it was still waiting for more frames; the first audible windows held
-        for more)."""
+        for more; the windows of its last window group)."""
         if self.progressive and req.n_chunks == 0 and req.n_audio >= self.stride:
             # A stream that ended while its first chunk waited for a second frame: send what it has.
             out.append(self._tail(req, req.n_audio - req.n_audio % self.stride))
         out.extend(req.held)
         req.held.clear()
+        self._release(req, out)  # the last group's windows that exist
 
     def first_window_after(self, lead_rows: int) -> int:
         """The first regular window whose audio starts at or after the lead's: window j covers

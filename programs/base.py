@@ -62,6 +62,7 @@ Attributes a program sets (defaults on LMProgram; any model may use each):
 | `codec_merge` | with `codec_streams`: how many consecutive windows of a stream may decode as one window (see Codec streams) |
 | `detok_silent` | a stream's first windows that yield no audio (a look-ahead, a delay pattern): sent at once, the listener's clock starts after them |
 | `detok_first_windows` | a stream's first audible windows held and sent together (short windows: the listener starts with their audio in hand) |
+| `detok_groups` | with `codec_streams`: the later audible windows sent and decoded in groups of these sizes, whatever the timing (see Codec streams, window groups) |
 | `voice_required` | a request without a voice (a saved one or a clip) is refused: the model has no voice of its own |
 | `guidance` | every request runs a conditional and an unconditional sequence (see Classifier-free guidance) |
 
@@ -163,6 +164,18 @@ audio equals the codec's decode of the whole utterance. The codec keeps each str
   one up to the codec's rounding; the noise key is the first window's (a program whose windows
   draw noise of their own leaves `codec_merge` empty). The runtime captures each such R like a
   window size of its own (`--codec-merge` caps m; 1: none).
+- Window groups (`detok_groups`, e.g. (1, 2, 4)): for a codec whose merged window is not its
+  windows decoded one by one (its attention sees the whole window: S3Gen), so that merging by
+  timing would make the audio depend on load. The audible windows after the first
+  `detok_first_windows` go out in groups of these sizes, the last size repeating: a group's
+  windows wait in the gpu_worker until its last one exists, then leave together (the listener's
+  audio in hand counts them from then), and the codec worker decodes each group as one merged
+  window, never merging across groups: a stream's audio is then a function of its rows and its
+  seed. A request's end sends the windows of its last group that exist (a shorter group, decoded
+  as merged windows of `codec_merge` sizes, largest first). Each size is captured whatever
+  `--codec-merge` says. Larger later groups make a second of audio cheaper where a window's cost
+  barely grows with its rows, at the price of the stream's lead: a group of m windows leaves
+  when its last window's rows exist, so the LM must stay m windows ahead of playback.
 - Primed streams (`codec_prefix(state)`, gpu_worker, host side): rows [P, C] int32 that a request's
   stream decodes before its own audio rows, their audio dropped, or None (the default: a stream
   starts from the codec's initial state). It is for a reference whose codec decodes something
@@ -356,6 +369,10 @@ class LMProgram:
     # A stream's first audible windows that go out together (> 1 for programs of short windows): the
     # listener's clock starts with all of their audio in hand rather than one window's.
     detok_first_windows: int = 1
+    # With codec streams: the audible windows after the first ones go out and decode in groups of
+    # these sizes (the last repeats; each a size of `codec_merge` or 1), whatever the timing (see
+    # Codec streams, window groups); () = none.
+    detok_groups: tuple[int, ...] = ()
     # > 0: the program clones voices from reference clips at this sample rate (see Reference audio).
     reference_sample_rate: int = 0
     # True: the model speaks only in a cloned voice; a request without one is refused (model card).
@@ -409,6 +426,11 @@ class LMProgram:
             raise ValueError(
                 f"{spec['name']}: codec streams decode each row once: detok_overlap must be 0, and "
                 "there are no lead or tail windows"
+            )
+        bad = [m for m in self.detok_groups if m != 1 and m not in self.codec_merge]
+        if self.detok_groups and (not self.codec_streams or bad):
+            raise ValueError(
+                f"{spec['name']}: window groups need codec streams, each size 1 or one of codec_merge"
             )
         if codec_dtype != "auto":
             if codec_dtype not in CODEC_DTYPES:

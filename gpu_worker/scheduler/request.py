@@ -37,6 +37,9 @@ class Request:
     sent_s: float = 0.0  # seconds of audio in the chunks sent so far
     # its first audible windows, held until the last of them (the program's `detok_first_windows`)
     held: list = field(default_factory=list)
+    # (chunk, audio rows) of its window group still waiting for the group's last window (the
+    # program's `detok_groups`), not yet counted as sent
+    grouped: list = field(default_factory=list)
     admitted_at: float = 0.0
     gen_budget: int = 0  # rows it may generate: budget less the prompt
     input_open: bool = False  # more text may be appended (gpu_worker/appends.py)

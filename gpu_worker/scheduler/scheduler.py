@@ -363,8 +363,10 @@ class Scheduler:
             return batch
         now, progressive = self.windows.now(), self.windows.progressive
         first = self.windows.clock_window + 1  # the first audible windows, sent together
-        leads = [
-            r.sent_s - (now - r.t_first) if (r.switched if progressive else r.n_chunks > first) else -np.inf
+        leads = [  # a stream whose window group waits for its last window stays in (its audio waits)
+            r.sent_s - (now - r.t_first)
+            if (r.switched if progressive else r.n_chunks > first) and not r.grouped
+            else -np.inf
             for r in batch
         ]
         out = self.sit_out.choose(leads, prompts) if self.sit_out is not None else []

@@ -150,6 +150,8 @@ class S3Gen(nn.Module):
         """tokens [B, R] continuing each entry's stream in `slot` [B] (`fresh`: it starts, with the
         key `keys` [B]) → the audio of the R tokens [B, 960 R]."""
         b, r = tokens.shape
+        if r > self.flow_context:
+            raise ValueError(f"a window of {r} tokens exceeds the flow's context of {self.flow_context}")
         dev, p, h = tokens.device, len(self.prompt_tokens), self.hift_context
         start = torch.where(fresh, 0, self.s_count[slot])  # the request's tokens before this window
         key = torch.where(fresh, keys, self.s_key[slot])

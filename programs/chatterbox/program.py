@@ -92,6 +92,13 @@ class ChatterboxProgram(LMProgram):
     # docs/models/chatterbox.md, "Cost".
     codec_call_batch = 1
     codec_max_batch = 16
+    # A window's work barely grows with its tokens (the flow runs over the prompt and the context
+    # whatever the window holds), so after the first two seconds the windows decode in groups of
+    # 2, then 4 (4 s of audio for about one window's work). Merged by a fixed schedule, never by
+    # timing: S3Gen's attention sees the whole window, so the grouping shapes the audio
+    # (programs/base.py, "Window groups").
+    codec_merge = (2, 4)
+    detok_groups = (1, 2, 4)
     reference_sample_rate = 16000  # the voice encoder's and the S3 tokenizer's rate (clone.py)
 
     def __init__(self, spec: dict[str, Any], **kwargs: Any) -> None:
@@ -109,6 +116,10 @@ class ChatterboxProgram(LMProgram):
         self.hidden_size = cfg["hidden_size"]
         self.head_dim = cfg.get("head_dim") or self.hidden_size // self.num_qo_heads
         self.max_text_rows = cfg["max_text_tokens"] + 2
+        # Groups whose tokens the flow's context holds (the tiny config's 40 tokens hold no group).
+        context = self.read_config("codec_config")["flow_context"]
+        fits = tuple(m for m in type(self).codec_merge if m * self.detok_interval <= context)
+        self.codec_merge, self.detok_groups = fits, (1, *fits) if fits else ()
 
     # --- loading -------------------------------------------------------------------------------
     def load_lm(self) -> None:
