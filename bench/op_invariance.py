@@ -65,6 +65,26 @@ def first_variant_size(
     return None
 
 
+def model_gemms(model: str) -> tuple[tuple[str, int, int], ...]:
+    """(name, output features, input features) of a served model's backbone projections, from its
+    shipped LM config (q/k/v fused as the GPU path fuses them, gate/up likewise)."""
+    from programs import get_spec, load_program_class
+
+    program = load_program_class(model)(get_spec(model), load_format="dummy")
+    cfg = program.read_config("lm_config")
+    cfg = cfg.get("text_config") or cfg.get("talker_config") or cfg  # Higgs's original layout, Qwen3-TTS
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    hq = cfg["num_attention_heads"]
+    hkv = cfg.get("num_key_value_heads", hq)
+    d = cfg.get("head_dim") or hidden // hq
+    return (
+        ("qkv", (hq + 2 * hkv) * d, hidden),
+        ("o", hidden, hq * d),
+        ("gate_up", 2 * inter, hidden),
+        ("down", hidden, inter),
+    )
+
+
 def gemm_checks(device: str, sizes: list[int], shapes=GEMMS) -> dict:
     """Each GEMM's first batch-variant size, bf16, and fp8 on a GPU."""
     g = torch.Generator(device=device).manual_seed(0)
@@ -73,9 +93,12 @@ def gemm_checks(device: str, sizes: list[int], shapes=GEMMS) -> dict:
         w = (torch.randn(n, k, generator=g, device=device) * k**-0.5).to(torch.bfloat16)
         x = torch.randn(max(sizes), k, generator=g, device=device).to(torch.bfloat16)
         res = {"bf16": first_variant_size(lambda a, w=w: F.linear(a, w), x, sizes)}
+        # in GEMMs of 64 rows each (fp8.tiled_linear, the heads' way): one shape at every row count
+        res["bf16_tiled"] = first_variant_size(lambda a, w=w: fp8.tiled_linear(a, w), x, sizes)
         if device == "cuda":
             q = fp8.Fp8Weight(w)
             res["fp8"] = first_variant_size(lambda a, q=q: fp8.linear(a, q), x, sizes)
+            res["fp8_tiled"] = first_variant_size(lambda a, q=q: fp8.tiled_linear(a, q), x, sizes)
         out[name] = res
         print(name, res, flush=True)
     return out
@@ -164,7 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="op_invariance.json")
     ap.add_argument("--sizes", default="", help="comma list (default: the decode buckets to 512)")
+    ap.add_argument(
+        "--model",
+        default="",
+        help="the GEMM shapes of this model's backbone (default: Orpheus-3B's and its head)",
+    )
     args = ap.parse_args(argv)
+    shapes = model_gemms(args.model) if args.model else GEMMS
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else decode_buckets(512)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     res: dict = {
@@ -174,9 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         "sizes": sizes,
     }
     if device == "cuda":
-        fp8.compile_quantizer(torch.device("cuda"), tuple(sorted({k for _, _, k in GEMMS})))
-    res["gemm"] = gemm_checks(device, sizes)
-    res["mixed_gemm"] = mixed_checks(device, sizes)
+        fp8.compile_quantizer(torch.device("cuda"), tuple(sorted({k for _, _, k in shapes})))
+    res["model"] = args.model or "orpheus-3b"
+    res["gemm"] = gemm_checks(device, sizes, shapes)
+    res["mixed_gemm"] = mixed_checks(device, sizes, shapes=shapes)
     res["sampling"] = sampling_checks(device, sizes)
     if device == "cuda":
         res["attention"] = attention_checks(sizes)

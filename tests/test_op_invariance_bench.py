@@ -37,7 +37,15 @@ def test_the_gemm_checks_report_each_shape_on_cpu():
     res = gemm_checks("cpu", [1, 2, 4], shapes=(("small", 32, 16), ("wide", 64, 32)))
     assert set(res) == {"small", "wide"}
     for v in res.values():
-        assert set(v) == {"bf16"} and (v["bf16"] is None or v["bf16"] in (2, 4))
+        assert set(v) == {"bf16", "bf16_tiled"} and (v["bf16"] is None or v["bf16"] in (2, 4))
+        assert v["bf16_tiled"] is None  # one GEMM shape at every row count
+
+
+def test_a_models_shapes_come_from_its_shipped_config():
+    shapes = dict((name, (n, k)) for name, n, k in op_invariance.model_gemms("chatterbox"))
+    # T3: hidden 1024, 16 heads of 64 (no GQA), feed-forward 4096
+    assert shapes == {"qkv": (3072, 1024), "o": (1024, 1024), "gate_up": (8192, 1024), "down": (1024, 4096)}
+    assert dict((n, (a, b)) for n, a, b in op_invariance.model_gemms("qwen3-tts"))["down"] == (2048, 6144)
 
 
 def test_the_sampling_checks_report_each_reduction_and_the_samplers_scan_is_invariant_on_cpu():
