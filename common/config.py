@@ -112,9 +112,10 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     max_context: int = 0  # 0 = the model's max_tokens
     page_size: int = 16  # tokens per KV page
     num_pages: int = 0  # 0 = room for max_batch_size full contexts, as far as the GPU holds them
-    # GiB of GPU memory the KV cache leaves free: the gpu_worker's graphs and activations, and the
-    # codec worker where it shares the GPU (its weights and graphs: ~10 GB for Higgs's decoder).
-    gpu_memory_reserve_gb: float = 16.0
+    # The share of the GPU's memory the KV cache leaves free: the gpu_worker's graphs and
+    # activations, and the codec worker where it shares the GPU (its weights and graphs: over 10 GB
+    # for Higgs's decoder with merged windows). 0.15 of an H200 is 21 GB.
+    gpu_memory_reserve: float = 0.15
     max_prefill_rows: int = 8192  # prompt rows per step, so one step never grows unbounded
     # Prompts one step may start (within the GPU runner's own bound, its prefill graphs); 0 = as many
     # as the fitted step cost leaves room for beside the running streams' rows (at least one a step).
@@ -190,8 +191,10 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
             )
         if self.max_prefills < 0 or self.max_prefill_rows < 1:
             raise ValueError("--max-prefills must be >= 0 (0 = by the step cost); --max-prefill-rows >= 1")
-        if self.gpu_memory_reserve_gb < 0:
-            raise ValueError(f"--gpu-memory-reserve must be >= 0 GiB, got {self.gpu_memory_reserve_gb}")
+        if not 0 <= self.gpu_memory_reserve < 1:
+            raise ValueError(
+                f"--gpu-memory-reserve is a share of the GPU's memory in [0, 1), got {self.gpu_memory_reserve}"
+            )
         check_headroom(self.realtime_headroom)
         check_headroom(self.capacity_headroom, "--capacity-headroom")
         check_sit_out(self.sit_out_lead_s)

@@ -239,11 +239,12 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "gpu_memory_reserve",
-        "GiB of GPU memory the KV cache leaves free (the gpu_worker's graphs and activations, the "
-        "codec worker sharing the GPU); with --num-pages 0 the cache shrinks to fit, and says so",
+        "the share of the GPU's memory the KV cache leaves free (the gpu_worker's graphs and "
+        "activations, the codec worker sharing the GPU); with --num-pages 0 the cache shrinks to "
+        "fit, and says so",
         ("serve", "gpu_worker"),
         float,
-        path="gpu.gpu_memory_reserve_gb",
+        path="gpu.gpu_memory_reserve",
     ),
     Option(
         "first_chunk",

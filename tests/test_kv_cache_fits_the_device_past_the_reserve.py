@@ -1,5 +1,5 @@
 """The KV cache on a GPU: `--max-batch-size` full contexts where the device's free memory, less
-`--gpu-memory-reserve` (the worker's graphs, the codec worker sharing the GPU), holds them; else as
+`--gpu-memory-reserve` (a share of the GPU's memory: the worker's graphs, the codec worker sharing the GPU), holds them; else as
 many pages as it holds, or a clear error where not even one request's context fits or an explicit
 `--num-pages` does not."""
 
@@ -35,6 +35,7 @@ def test_no_room_for_one_request_is_refused_with_the_reason():
 
 
 def test_the_reserve_is_a_setting_and_not_negative():
-    assert GpuWorkerSettings().gpu_memory_reserve_gb == 16.0
-    with pytest.raises(ValueError, match="--gpu-memory-reserve"):
-        GpuWorkerSettings(gpu_memory_reserve_gb=-1.0).check()
+    assert GpuWorkerSettings().gpu_memory_reserve == 0.15
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="--gpu-memory-reserve"):
+            GpuWorkerSettings(gpu_memory_reserve=bad).check()

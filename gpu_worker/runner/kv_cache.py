@@ -53,7 +53,7 @@ def fit_pages(
     gib = 1 << 30
     what = (
         f"{wanted} KV pages ({wanted * page_bytes / gib:.1f} GiB) do not fit the GPU's "
-        f"{free_bytes / gib:.1f} GiB free less the {reserve_bytes / gib:.1f} GiB --gpu-memory-reserve"
+        f"{free_bytes / gib:.1f} GiB free less the {reserve_bytes / gib:.1f} GiB of --gpu-memory-reserve"
     )
     if explicit:
         raise ValueError(f"{what}: lower --num-pages (0 = fit the device)")

@@ -76,16 +76,17 @@ class ModelRunner:
                 * dtype.itemsize
             )  # fmt: skip
             wanted = num_pages
+            free, total = torch.cuda.mem_get_info(self.device)
             num_pages = fit_pages(
-                wanted, bool(limits.num_pages), page_bytes, torch.cuda.mem_get_info(self.device)[0],
-                int(limits.gpu_memory_reserve_gb * (1 << 30)), 1 + per_request,
+                wanted, bool(limits.num_pages), page_bytes, free, int(limits.gpu_memory_reserve * total),
+                1 + per_request,
             )  # fmt: skip
             if num_pages < wanted:
                 log.warning(
                     "KV cache: %d pages (%.1f full contexts) where --max-batch-size %d full contexts "
-                    "need %d: the GPU's free memory less --gpu-memory-reserve %.0f GiB holds no more",
+                    "need %d: the GPU's free memory less --gpu-memory-reserve %.2f of it holds no more",
                     num_pages, (num_pages - 1) / per_request, limits.max_batch_size, wanted,
-                    limits.gpu_memory_reserve_gb,
+                    limits.gpu_memory_reserve,
                 )  # fmt: skip
         self.kv_cache = allocate_kv_cache(
             program.num_layers,
