@@ -172,3 +172,46 @@ def test_groups_need_codec_streams_and_merge_sizes() -> None:
     for cls in (NoStreams, BadSize):
         with pytest.raises(ValueError, match="window groups"):
             cls()
+
+
+def test_an_engine_and_the_codec_serve_a_chatterbox_stream_in_groups(chatterbox) -> None:
+    """The gpu_worker's engine (T3, tiny random weights) sends a stream's windows in groups and the
+    codec worker's decodes give S3Gen's stream decoded group by group (the last group shorter)."""
+    from common.config import GpuWorkerSettings
+    from gpu_worker.engine import Engine
+    from tests.test_chatterbox_parity import make_prompt
+
+    chatterbox.load_lm()
+    chatterbox.load_prompts()
+    r = chatterbox.detok_interval
+    eng = Engine(chatterbox, GpuWorkerSettings(max_batch_size=2, max_context=500))
+    eng.add(
+        make_prompt(
+            chatterbox, "x", "Hello there.", 7 * r + 10, {}, temperature=0.8, seed=3, min_tokens=7 * r + 5
+        )
+    )
+    chunks = [c for b in eng.run_until_idle() for c in b.chunks]
+    n = len(chunks)
+    assert n >= 6 and [c.index for c in chunks] == list(range(n))
+    firsts = [-1, 1, 2, 2, 4, 4, 4, 4, 8, 8, 8, 8]
+    assert [c.group for c in chunks] == firsts[:n]  # the last group cut at the request's end
+    codec = Codec(chatterbox, max_batch=4, graphs=False, streams=3)
+    pcm = np.concatenate([np.frombuffer(a.pcm, dtype="<i2") for a in codec.decode(chunks)])
+    tokens = np.concatenate([np.frombuffer(c.tokens, dtype="<i4") for c in chunks]).astype(np.int64)
+    s3 = chatterbox.codec
+    s3.init_streams(2)
+    key = rng.mix_keys(torch.tensor([3]), torch.tensor([0]))
+    want, start = [], 0
+    sizes = [1, 1, 2]  # then the groups of 4, the last one cut into merges of 4, 2, 1
+    left = n - 4
+    while left > 0:
+        group = min(4, left)
+        sizes += [m for m in (4, 2, 1) if group & m]
+        left -= group
+    for m in sizes:
+        ids = torch.from_numpy(tokens[start * r : (start + m) * r])[None]
+        with torch.no_grad():
+            out = s3.decode_stream(ids, key, torch.tensor([0]), torch.tensor([start == 0]))
+        want.append(out[0].float().clamp(-1, 1))
+        start += m
+    assert np.abs(pcm.astype(np.int32) - pcm16(torch.cat(want)).numpy().astype(np.int32)).max() <= 1
