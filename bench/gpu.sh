@@ -152,7 +152,7 @@ for stage in "$@"; do
         ;;
     chatterbox-load)
         run chatterbox-load $bench ttfa --model chatterbox --reps 10 --tokens 100 --prompt-allowance 250 \
-            --load "${VOXPIPE_LOAD:-4,6,8,12}" --load-duration 15 --load-tokens 250 --ramp 4 --label "$LABEL" \
+            --load "${VOXPIPE_LOAD:-4,8,12,16}" --load-duration 15 --load-tokens 250 --ramp 4 --label "$LABEL" \
             --load-out "$OUT/chatterbox-load.json" --out "$OUT/chatterbox-ttfa.json" -- --max-batch-size 64 \
             --codec-dtype float16 --quantization fp8 ${VOXPIPE_SERVE_EXTRA:-}
         ;;
