@@ -122,6 +122,11 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     max_prefills: int = 0
     cuda_graphs: bool = True  # GPU only: replay captured graphs (--disable-cuda-graph: eager steps)
     min_decode_batch: int = 1  # smallest decode graph: smaller batches are padded up to it
+    # > 0: the decode graphs run every backbone GEMM (those through programs.blocks.fp8.linear) in
+    # tiles of exactly this many rows, the last padded (`fp8.row_tiles`), and mixed graphs are off:
+    # a decode row's bits then do not depend on its bucket, whatever kernel the GEMM library would
+    # pick by row count. Costs a weight read per tile, and a tile's padding at small batches.
+    decode_row_tile: int = 0
     # FlashInfer: one KV split per request, so attention reduces in the same order at any batch
     # size (measured on the H200: without it, greedy tokens change when the batch grows).
     no_split_kv: bool = True
@@ -189,6 +194,8 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
             raise ValueError(
                 "--page-size must be positive; --max-batch-size, --max-context, --num-pages >= 0"
             )
+        if self.decode_row_tile < 0:
+            raise ValueError(f"--decode-row-tile must be >= 0 (0 = off), got {self.decode_row_tile}")
         if self.max_prefills < 0 or self.max_prefill_rows < 1:
             raise ValueError("--max-prefills must be >= 0 (0 = by the step cost); --max-prefill-rows >= 1")
         if not 0 <= self.gpu_memory_reserve < 1:

@@ -238,6 +238,15 @@ OPTIONS: tuple[Option, ...] = (
         path="gpu.num_pages",
     ),
     Option(
+        "decode_row_tile",
+        "rows per GEMM in the decode graphs (0 = one GEMM a step): every backbone GEMM in tiles of "
+        "this many rows, so a request's tokens do not depend on its batch bucket whatever kernel "
+        "the GEMM library picks by row count (mixed graphs off); a weight read per tile",
+        ("serve", "gpu_worker"),
+        int,
+        path="gpu.decode_row_tile",
+    ),
+    Option(
         "gpu_memory_reserve",
         "the share of the GPU's memory the KV cache leaves free (the gpu_worker's graphs and "
         "activations, the codec worker sharing the GPU); with --num-pages 0 the cache shrinks to "

@@ -133,6 +133,7 @@ class GraphRunner:
         self.kv_cache = kv_cache
         self.page_size = kv_cache.shape[3]
         self.sizes = decode_buckets(limits.max_batch_size, limits.min_decode_batch)
+        self.row_tile = limits.decode_row_tile
         # A decode-only step lays its meta out as [3, bucket], padding rows on the scratch slot
         # (gpu_worker.runner.slots.SlotState), so a captured sampling step can read it; its bucket, else 0.
         self.scratch_slot = limits.max_batch_size
@@ -182,7 +183,10 @@ class GraphRunner:
         # (decode bucket, prefill rows) → (graph, the prompt's logits [1, C', V] and hidden [1, H],
         # then the decode rows' [bs, C', V] and [bs, H])
         self.mixed: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
-        self._capture_all_mixed(program.mixed_prefill and limits.mixed_prefill, progress)
+        # With row tiles the decode rows run in decode graphs only (a mixed graph's rows are untiled).
+        self._capture_all_mixed(
+            program.mixed_prefill and limits.mixed_prefill and not self.row_tile, progress
+        )
         self.depth = None
         if program.n_codebooks > 1:
             from gpu_worker.runner.depth_graphs import DepthGraphs, compiled_step
@@ -221,7 +225,8 @@ class GraphRunner:
 
         def step() -> tuple[torch.Tensor, torch.Tensor]:
             self.attn.in_graph(wrapper)
-            hidden = p.backbone(p.embed(ids, rows_of(where, prompt_rows=0)), pos, attn)  # [n, H]
+            with fp8.row_tiles(self.row_tile):  # --decode-row-tile (0: one GEMM)
+                hidden = p.backbone(p.embed(ids, rows_of(where, prompt_rows=0)), pos, attn)  # [n, H]
             return paired(p, p.head(hidden).float(), hidden, where[:, 0], s)  # [bs, C', V], [bs, H]
 
         graph, out = capture(step, self.pool)

@@ -112,17 +112,38 @@ def rows_apart(rows: int):
         _rows_apart = before
 
 
+_row_tile = 0
+
+
+@contextlib.contextmanager
+def row_tiles(rows: int):
+    """Within (rows > 0): every `linear` runs its input in GEMMs of exactly `rows` rows
+    (`tiled_linear`), so a row's result has the same bits whatever the row count: the decode
+    graphs' way to batch invariance where a GEMM library picks its kernel by the row count
+    (`--decode-row-tile`). 0: each input as one GEMM."""
+    global _row_tile
+    before, _row_tile = _row_tile, rows
+    try:
+        yield
+    finally:
+        _row_tile = before
+
+
 def linear(
     x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [M, K] @ weight.T (+ bias) → [M, N] in x's dtype; weight a plain tensor or an `Fp8Weight`."""
+    if _row_tile:
+        return tiled_linear(x, weight, _row_tile, bias)
     if 0 < _rows_apart < x.shape[0] and not isinstance(weight, Fp8Weight):
         s = _rows_apart
         return torch.cat([_linear(x[:s], weight, bias), _linear(x[s:], weight, bias)])
     return _linear(x, weight, bias)
 
 
-def tiled_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, rows: int = 64) -> torch.Tensor:
+def tiled_linear(
+    x: torch.Tensor, weight: torch.Tensor | Fp8Weight, rows: int = 64, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """x [M, K] @ weight.T → [M, N] as GEMMs of exactly `rows` rows each (the last tile padded with
     zeros): every row goes through one GEMM shape whatever M is, so its bits do not depend on how
     many rows the step holds (a GEMM library picks its kernel and its split by shape). For a small
@@ -131,7 +152,7 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, rows: int = 
     m = x.shape[0]
     if m % rows:
         x = torch.cat([x, x.new_zeros(rows - m % rows, x.shape[1])])
-    return torch.cat([_linear(t, weight, None) for t in x.split(rows)])[:m]
+    return torch.cat([_linear(t, weight, bias) for t in x.split(rows)])[:m]
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
