@@ -68,10 +68,11 @@ def prompt(program, rid: str, i: int, new: int, **sp) -> Prompt:
     return Prompt(rid, rows.tobytes(), len(rows), sampling, state=state)
 
 
-def engine(program, graphs: bool, batch: int = 16) -> Engine:
-    eng = Engine(
-        program, GpuWorkerSettings(max_batch_size=batch, max_context=MAX_CONTEXT, cuda_graphs=graphs)
+def engine(program, graphs: bool, batch: int = 16, row_tile: int = 0) -> Engine:
+    limits = GpuWorkerSettings(
+        max_batch_size=batch, max_context=MAX_CONTEXT, cuda_graphs=graphs, decode_row_tile=row_tile
     )
+    eng = Engine(program, limits)
     assert eng.runner.has_graphs == graphs  # a guided program gets the graph runner
     return eng
 
@@ -167,6 +168,12 @@ def test_guided_graph_tokens_alone_equal_tokens_among_others(engines, gpu_report
             "bf16_equal_alone": got == alone,
             "graphs_vs_eager_first_difference": first_difference(got, eager),
         }
+    # the decode graphs' GEMMs in tiles of 64 rows (--decode-row-tile 64): reported beside
+    tiled = engine(load("fp8"), True, row_tile=64)
+    tiled_alone = run(tiled)
+    for n in (3, 11):
+        res[str(n)]["fp8_row_tiles_first_difference"] = first_difference(run(tiled, n), tiled_alone)
+    del tiled
     fp8_engine = engine(load("fp8"), True)
     alone = run(fp8_engine)
     for n in (3, 11):
