@@ -37,6 +37,40 @@ FIRST_CHUNK_MODES = ("reference", "adaptive", "fastest", "progressive")
 DELIVERY_S = 0.025
 
 
+def clock_window(program: LMProgram) -> int:
+    """The window whose leaving starts the listener's clock: the last of the first audible ones."""
+    return program.detok_silent + program.detok_first_windows - 1
+
+
+def window_group(program: LMProgram, index: int) -> tuple[int, int]:
+    """(its first window's index, its size) of the window group (the program's `detok_groups`)
+    holding window `index` past the clock window: the sizes in turn from the clock window on, the
+    last repeating."""
+    sizes, first = program.detok_groups, clock_window(program) + 1
+    for m in sizes[:-1]:
+        if index < first + m:
+            return first, m
+        first += m
+    m = sizes[-1]
+    return first + (index - first) // m * m, m
+
+
+def group_pace(program: LMProgram, horizon: int = 64) -> float:
+    """How many times faster than real time the LM must run for window groups to reach the
+    listener in time (1.0 without groups): window i leaves when its group's last window L(i)
+    exists, L(i) - c windows of rows after the clock window c left, and must arrive by the time
+    the i - detok_silent windows before it have played, so the LM needs
+    (L(i) - c) / (i - detok_silent) times real time; the largest over the first windows."""
+    if not program.detok_groups:
+        return 1.0
+    c, silent = clock_window(program), program.detok_silent
+    pace = 1.0
+    for i in range(c + 1, c + 1 + horizon):
+        first, m = window_group(program, i)
+        pace = max(pace, (first + m - 1 - c) / (i - silent))
+    return pace
+
+
 class AudioWindows:
     def __init__(
         self,
@@ -56,6 +90,9 @@ class AudioWindows:
         held = program.detok_first_windows
         if held < 1:
             raise ValueError(f"{program.name}: detok_first_windows is at least 1, not {held}")
+        if program.detok_groups and program.appends_text:
+            # A request waiting for appended text would hold its group's finished windows unsent.
+            raise ValueError(f"{program.name} sends windows in groups: not with appended text")
         if held > 1 and (first_chunk == "progressive" or program.appends_text):
             # Progressive tail windows go out one frame at a time, and a request waiting for appended
             # text would sit out with its first windows held: neither holds first windows back.
@@ -64,8 +101,7 @@ class AudioWindows:
                 + ("--first-chunk progressive" if first_chunk == "progressive" else "appended text")
             )
         self.program = program
-        # The window whose leaving starts the listener's clock: the last of the first audible ones.
-        self.clock_window = program.detok_silent + held - 1
+        self.clock_window = clock_window(program)
         self.stride = program.detok_stride
         self.fastest = first_chunk == "fastest"
         self.progressive = first_chunk == "progressive"
@@ -129,16 +165,16 @@ class AudioWindows:
         out.append(chunk)
 
     def group(self, index: int) -> tuple[int, int]:
-        """(its first chunk's index, its size) of the window group holding chunk `index` (past
-        the clock window): the program's `detok_groups` in turn from the clock window on, the last
-        size repeating."""
-        sizes, first = self.program.detok_groups, self.clock_window + 1
-        for m in sizes[:-1]:
-            if index < first + m:
-                return first, m
-            first += m
-        m = sizes[-1]
-        return first + (index - first) // m * m, m
+        """(its first chunk's index, its size) of the window group holding chunk `index`."""
+        return window_group(self.program, index)
+
+    def rows_to_group_end(self, req) -> int:
+        """Audio rows `req` still needs before its next window group (the one it fills now, or the
+        one its next window opens) leaves: 0 without groups or before the clock window."""
+        if not self.program.detok_groups or req.n_chunks <= self.clock_window:
+            return 0
+        first, m = self.group(req.grouped[0][0].index if req.grouped else req.n_chunks)
+        return max(0, (first + m) * self.program.detok_interval - req.n_audio)
 
     def _release(self, req, out: list[DetokChunk]) -> None:
         """`req`'s grouped windows into `out`, each counted as sent now, in order."""

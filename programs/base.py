@@ -175,7 +175,10 @@ audio equals the codec's decode of the whole utterance. The codec keeps each str
   as merged windows of `codec_merge` sizes, largest first). Each size is captured whatever
   `--codec-merge` says. Larger later groups make a second of audio cheaper where a window's cost
   barely grows with its rows, at the price of the stream's lead: a group of m windows leaves
-  when its last window's rows exist, so the LM must stay m windows ahead of playback.
+  when its last window's rows exist, so the LM must stay ahead of playback. The runtime paces
+  admission for it (the step budget divided by the pace the groups need, 1.75 times real time
+  for (1, 2, 4)), counts the rows a stream's group still needs in the lead by which it may sit
+  steps out, and refuses groups with appended text (finished windows would wait for text).
 - Primed streams (`codec_prefix(state)`, gpu_worker, host side): rows [P, C] int32 that a request's
   stream decodes before its own audio rows, their audio dropped, or None (the default: a stream
   starts from the codec's initial state). It is for a reference whose codec decodes something

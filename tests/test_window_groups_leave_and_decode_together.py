@@ -215,3 +215,43 @@ def test_an_engine_and_the_codec_serve_a_chatterbox_stream_in_groups(chatterbox)
         want.append(out[0].float().clamp(-1, 1))
         start += m
     assert np.abs(pcm.astype(np.int32) - pcm16(torch.cat(want)).numpy().astype(np.int32)).max() <= 1
+
+
+def test_admission_paces_the_lm_as_fast_as_groups_need(chatterbox) -> None:
+    """Window 4 of groups (1, 2, 4) leaves with window 7: the LM must make 7 windows of rows while 4
+    play, 1.75 times real time; admission's step budget shrinks by that much."""
+    from common.config import GpuWorkerSettings
+    from gpu_worker.scheduler.scheduler import step_clock
+    from gpu_worker.windows import group_pace
+
+    assert group_pace(GroupedSum()) == pytest.approx(7 / 4)
+    assert group_pace(chatterbox) == pytest.approx(7 / 4)
+    plain = load_program_class("orpheus-tiny")(get_spec("orpheus-tiny"), load_format="dummy")
+    assert group_pace(plain) == 1.0
+    limits = GpuWorkerSettings()
+    assert step_clock(chatterbox, limits).headroom == pytest.approx(limits.realtime_headroom / 1.75)
+    assert step_clock(plain, limits).headroom == limits.realtime_headroom
+
+
+def test_a_streams_lead_counts_the_rows_its_group_still_needs() -> None:
+    p = GroupedSum()
+    windows = AudioWindows(p, "reference", StepClock(p.rows_per_second, 8))
+    req = request(p, 12 * ROWS)
+    out: list[DetokChunk] = []
+    for n in range(1, 5 * ROWS + 1):  # windows 0..4: [0], [1], [2, 3] sent, 4 waits for 5..7
+        req.n_audio = n
+        if n % windows.stride in windows.due:
+            windows.after_row(req, out)
+    assert [c.index for c, _ in req.grouped] == [4]
+    assert windows.rows_to_group_end(req) == 3 * ROWS  # windows 5, 6, 7
+    req.grouped.clear()
+    req.n_chunks = 8  # the next group opens at window 8: all of its 4 windows to make
+    req.n_audio = 8 * ROWS
+    assert windows.rows_to_group_end(req) == 4 * ROWS
+
+
+def test_groups_are_refused_with_appended_text(monkeypatch) -> None:
+    p = GroupedSum()
+    monkeypatch.setattr(p, "appends_text", True, raising=False)
+    with pytest.raises(ValueError, match="appended text"):
+        AudioWindows(p, "reference", StepClock(p.rows_per_second, 8))

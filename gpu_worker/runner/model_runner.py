@@ -43,6 +43,8 @@ def make_runner(program: LMProgram, kv_cache: torch.Tensor, limits, progress=Non
     """The forward runner: eager on CPU or on GPU without graphs; else prefill and decode graphs
     (a guided program's with both of each request's KV sequences in them)."""
     limits = limits.filled(program.device.type, program.spec["max_tokens"])
+    if limits.decode_row_tile and (program.device.type == "cpu" or not limits.cuda_graphs):
+        log.warning("--decode-row-tile applies to the decode graphs only: eager steps run one GEMM")
     if program.device.type == "cpu" or not limits.cuda_graphs:
         return EagerRunner(program, eager_attention(program, kv_cache, limits))
     from gpu_worker.runner.graphs import GraphRunner
@@ -76,6 +78,7 @@ class ModelRunner:
                 * dtype.itemsize
             )  # fmt: skip
             wanted = num_pages
+            torch.cuda.empty_cache()  # what the allocator caches (fused weights' originals) is free
             free, total = torch.cuda.mem_get_info(self.device)
             num_pages = fit_pages(
                 wanted, bool(limits.num_pages), page_bytes, free, int(limits.gpu_memory_reserve * total),

@@ -36,7 +36,7 @@ from gpu_worker.scheduler.pacing import StepClock
 from gpu_worker.scheduler.request import Request
 from gpu_worker.scheduler.sit_out import SitOut
 from gpu_worker.scheduler.step_cost import Lives
-from gpu_worker.windows import AudioWindows
+from gpu_worker.windows import AudioWindows, group_pace
 from programs.base import LMProgram
 
 log = logging.getLogger(__name__)
@@ -49,11 +49,17 @@ class BrokenState(RuntimeError):
 
 
 def step_clock(program: LMProgram, limits: GpuWorkerSettings) -> StepClock:
-    """The clock that paces admission, from the limits' headrooms (checked)."""
+    """The clock that paces admission, from the limits' headrooms (checked), each divided by how
+    many times faster than real time the program's window groups need the LM to run
+    (`group_pace`: 1 without groups)."""
     check_headroom(limits.realtime_headroom)
     check_headroom(limits.capacity_headroom, "--capacity-headroom")
+    pace = group_pace(program)
     return StepClock(
-        program.rows_per_second, limits.max_batch_size, limits.realtime_headroom, limits.capacity_headroom
+        program.rows_per_second,
+        limits.max_batch_size,
+        limits.realtime_headroom / pace,
+        limits.capacity_headroom / pace,
     )
 
 
@@ -338,7 +344,7 @@ class Scheduler:
     def step_budget(self) -> float:
         """Seconds a step may take while its streams stay real time: `realtime_headroom` of the row
         period."""
-        return self.limits.realtime_headroom * self.clock.period
+        return self.clock.headroom * self.clock.period  # the limits' headroom over the group pace
 
     def prompt_room(self) -> tuple[float, float, float]:
         """(seconds this step leaves for prompts, seconds a prompt costs, seconds per prompt token):
@@ -363,9 +369,12 @@ class Scheduler:
             return batch
         now, progressive = self.windows.now(), self.windows.progressive
         first = self.windows.clock_window + 1  # the first audible windows, sent together
-        leads = [  # a stream whose window group waits for its last window stays in (its audio waits)
-            r.sent_s - (now - r.t_first)
-            if (r.switched if progressive else r.n_chunks > first) and not r.grouped
+        # With window groups a stream's next audio leaves only with its group's last window: its
+        # lead counts the time the rows still missing from that group take at the current pace.
+        row_s = self.clock.row_period_high() if self.program.detok_groups else 0.0
+        leads = [
+            r.sent_s - (now - r.t_first) - self.windows.rows_to_group_end(r) * row_s
+            if (r.switched if progressive else r.n_chunks > first)
             else -np.inf
             for r in batch
         ]
