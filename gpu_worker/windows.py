@@ -178,8 +178,9 @@ class AudioWindows:
 
     def _release(self, req, out: list[DetokChunk]) -> None:
         """`req`'s grouped windows into `out`, each counted as sent now, in order."""
+        now = self.now()
         for chunk, rows in req.grouped:
-            self._stamp(req, chunk, rows, self.now())
+            self._stamp(req, chunk, rows, now)
             out.append(chunk)
         req.grouped.clear()
 

@@ -39,3 +39,13 @@ def test_the_reserve_is_a_setting_and_not_negative():
     for bad in (-0.1, 1.0):
         with pytest.raises(ValueError, match="--gpu-memory-reserve"):
             GpuWorkerSettings(gpu_memory_reserve=bad).check()
+
+
+def test_a_pages_bytes_are_those_the_cache_allocates():
+    import torch
+
+    from gpu_worker.runner.kv_cache import allocate_kv_cache, kv_page_bytes
+
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        cache = allocate_kv_cache(3, 5, 16, 2, 8, dtype, "cpu")
+        assert kv_page_bytes(3, 16, 2, 8, dtype) * 5 == cache.numel() * cache.element_size()

@@ -72,6 +72,13 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return torch.float8_e4m3fn if name == "fp8" else model_dtype
 
 
+def kv_page_bytes(
+    num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """Bytes one page of `allocate_kv_cache`'s layout takes: keys and values of every layer."""
+    return num_layers * 2 * page_size * num_kv_heads * head_dim * dtype.itemsize
+
+
 def allocate_kv_cache(
     num_layers: int,
     num_pages: int,

@@ -28,7 +28,7 @@ from common.config import GpuWorkerSettings
 from gpu_worker.attention.select import eager_attention
 from gpu_worker.runner.batch import StepBatch, kv_sequences
 from gpu_worker.runner.eager import EagerRunner
-from gpu_worker.runner.kv_cache import allocate_kv_cache, fit_pages, kv_cache_dtype, pages_for
+from gpu_worker.runner.kv_cache import allocate_kv_cache, fit_pages, kv_cache_dtype, kv_page_bytes, pages_for
 from gpu_worker.runner.sampler import HeadColumns, sample_rows
 from gpu_worker.runner.slots import SlotState, to_device
 from programs.base import LMProgram, Rows
@@ -71,12 +71,10 @@ class ModelRunner:
         # +1 token per request: a launched step may run once past a stop it has not seen yet.
         per_request = pages_for(limits.max_context + 1, limits.page_size) * kv_sequences(program)
         num_pages = limits.num_pages or 1 + limits.max_batch_size * per_request
+        dtype = kv_cache_dtype(limits.kv_cache_dtype, program.dtype)
+        page = (program.num_layers, limits.page_size, program.num_kv_heads, program.head_dim, dtype)
         if self.device.type == "cuda":  # what the device holds, leaving the reserve free
-            dtype = kv_cache_dtype(limits.kv_cache_dtype, program.dtype)
-            page_bytes = (
-                program.num_layers * 2 * limits.page_size * program.num_kv_heads * program.head_dim
-                * dtype.itemsize
-            )  # fmt: skip
+            page_bytes = kv_page_bytes(*page)
             wanted = num_pages
             torch.cuda.empty_cache()  # what the allocator caches (fused weights' originals) is free
             free, total = torch.cuda.mem_get_info(self.device)
@@ -91,15 +89,8 @@ class ModelRunner:
                     num_pages, (num_pages - 1) / per_request, limits.max_batch_size, wanted,
                     limits.gpu_memory_reserve,
                 )  # fmt: skip
-        self.kv_cache = allocate_kv_cache(
-            program.num_layers,
-            num_pages,
-            limits.page_size,
-            program.num_kv_heads,
-            program.head_dim,
-            kv_cache_dtype(limits.kv_cache_dtype, program.dtype),
-            self.device,
-        )
+        layers, page_size, heads, head_dim, dtype = page
+        self.kv_cache = allocate_kv_cache(layers, num_pages, page_size, heads, head_dim, dtype, self.device)
         self.slots = SlotState(
             limits.max_batch_size, limits.max_context + 1, program.n_codebooks, self.device
         )
