@@ -145,3 +145,18 @@ def server() -> Iterator[Server]:
     srv = Server("--tokenizer-workers", "2", "--first-chunk", "fastest")
     yield srv
     srv.stop()
+
+
+def fp8_copy(program, lm_cls):
+    """A program of `program`'s spec (CPU) whose LM (`lm_cls`) holds `program`'s weights with its
+    projections in float8 (`lm_cls.quantize_fp8`, as `--quantization fp8` loads it)."""
+    from programs import load_program_class
+
+    p = load_program_class(program.spec["name"])(program.spec, load_format="dummy", quantization="fp8")
+    lm = lm_cls(p.read_config("lm_config"))
+    lm.load_state_dict(program.lm.state_dict())
+    lm.quantize_fp8()
+    p.lm = lm.eval()
+    p.head_ids = program.head_ids
+    p.load_prompts()
+    return p

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from programs import load_program_class
 from programs.blocks import fp8
 from programs.chatterbox.model import T3LM
-from tests.test_chatterbox_parity import CASES, SPEC, make_prompt, run
+from tests.conftest import fp8_copy
+from tests.test_chatterbox_parity import CASES, make_prompt, run
 from tests.test_chatterbox_parity import program as bf16_program  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -22,14 +22,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def program(bf16_program):  # noqa: F811
     """chatterbox-tiny with the parity test's random weights, its backbone in float8."""
-    p = load_program_class("chatterbox-tiny")(SPEC, load_format="dummy", quantization="fp8")
-    lm = T3LM(p.read_config("lm_config"))
-    lm.load_state_dict(bf16_program.lm.state_dict())
-    lm.quantize_fp8()
-    p.lm = lm.eval()
-    p.head_ids = bf16_program.head_ids
-    p.load_prompts()
-    return p
+    return fp8_copy(bf16_program, T3LM)
 
 
 def test_fp8_turns_the_backbones_projections_only(program):

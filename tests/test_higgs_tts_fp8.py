@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from programs import load_program_class
 from programs.blocks import fp8
 from programs.higgs_tts.model import HiggsLM
-from tests.test_higgs_tts_parity import CASES, SPEC, make_prompt, run
+from tests.conftest import fp8_copy
+from tests.test_higgs_tts_parity import CASES, make_prompt, run
 from tests.test_higgs_tts_parity import program as bf16_program  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -23,13 +23,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def program(bf16_program):  # noqa: F811
-    p = load_program_class("higgs-tts-tiny")(SPEC, load_format="dummy", quantization="fp8")
-    lm = HiggsLM(p.read_config("lm_config"))
-    lm.load_state_dict(bf16_program.lm.state_dict())
-    lm.quantize_fp8()
-    p.lm = lm.eval()
-    p.load_prompts()
-    return p
+    """higgs-tts-tiny with the parity test's random weights, its projections in float8."""
+    return fp8_copy(bf16_program, HiggsLM)
 
 
 def test_fp8_turns_the_projections_of_both_paths_only(program):
