@@ -31,6 +31,7 @@ import torch
 
 from codec_worker.graphs import DetokGraphs, Pending
 from codec_worker.streams import IDLE_S, Slots, StreamError, rounds
+from common.arrays import np_array
 from common.messages import AudioChunk, DetokChunk, Finished, FinishReason
 from programs.base import CodecStreams, LMProgram, pcm16
 from programs.blocks import rng
@@ -241,6 +242,14 @@ class Codec:
             if c.prefix and (self.slots is None or c.index or len(c.prefix) % (4 * p.n_codebooks)):
                 self.fail(out, c.rid, self._bad_prefix(c))
                 continue
+            if c.voice and (self.slots is None or c.index or not p.codec_voices):
+                self.fail(
+                    out,
+                    c.rid,
+                    f"codec error: chunk {c.index} of {c.rid} carries a voice; "
+                    f"only a chunk 0 of a model with voiced codec streams may",
+                )
+                continue
             kinds[i] = kind
         live = [i for i in kinds if chunks[i].rid not in out.failed]
         regular = (p.detok_interval, 0)
@@ -266,14 +275,17 @@ class Codec:
                     except StreamError as e:
                         self.fail(out, chunks[i].rid, str(e), e.status)
                         continue
-                    if fresh and chunks[i].prefix:
+                    if fresh and (p.codec_voices or chunks[i].prefix):
                         try:
-                            self._prime(chunks[i], slot)
+                            if p.codec_voices:
+                                self._voice(chunks[i], slot)
+                            if chunks[i].prefix:
+                                self._prime(chunks[i], slot)
                         except Exception as e:  # fails this request, not the others of its round
-                            log.exception("codec failed priming the stream of %s", chunks[i].rid)
+                            log.exception("codec failed starting the stream of %s", chunks[i].rid)
                             self.fail(out, chunks[i].rid, f"codec error: {type(e).__name__}: {e}")
                             continue
-                        fresh = False  # its window continues the primed stream
+                        fresh = fresh and not chunks[i].prefix  # its window continues a primed stream
                 kind = kinds[i] if len(unit) == 1 else (len(unit) * p.detok_interval, 0)
                 groups.setdefault(kind, []).append((unit, slot, fresh))
             for kind, entries in groups.items():
@@ -300,6 +312,14 @@ class Codec:
             f"codec error: chunk 0 of {c.rid} has a prefix of {len(c.prefix)} bytes, not rows of "
             f"{p.n_codebooks} int32 ids"
         )
+
+    @torch.inference_mode()
+    def _voice(self, chunk: DetokChunk, slot: int) -> None:
+        """Condition `slot`'s stream on chunk 0's voice, or the default voice when it has none
+        (programs/base.py, "Codec streams": voiced streams), queued on the device's current stream
+        before the chunk's window."""
+        voice = {k: self._to_device(torch.from_numpy(np_array(a).copy())) for k, a in chunk.voice.items()}
+        self.program.set_codec_voice(slot, voice or None)
 
     @torch.inference_mode()
     def _prime(self, chunk: DetokChunk, slot: int) -> None:

@@ -255,6 +255,9 @@ class DetokChunk(msgspec.Struct, **_STRUCT):
     # >= 0: the chunk is in the window group (programs/base.py, "Window groups") whose first chunk
     # has this index; the codec worker merges it with that group's chunks only. -1: no group.
     group: int = -1
+    # Chunk 0 of a voiced stream (the program's `codec_voice`; programs/base.py, "Codec streams"):
+    # the arrays its codec slot is conditioned on. Empty: the codec's default voice.
+    voice: dict[str, Array] = {}
 
 
 LEAD_NOISE_BASE = 1 << 40  # noise ids of lead windows start here, far above any regular window

@@ -26,7 +26,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from common.messages import LEAD_NOISE_BASE, DetokChunk
+from common.arrays import wire_array
+from common.messages import LEAD_NOISE_BASE, Array, DetokChunk
 from gpu_worker.scheduler.pacing import StepClock, lead_fits
 from programs.base import LMProgram
 
@@ -201,6 +202,7 @@ class AudioWindows:
         now = self.now()
         if req.n_chunks == 0:
             chunk.prefix = self._prefix(req)  # what the stream's fresh codec slot starts from
+            chunk.voice = self._voice(req)  # and the voice it is conditioned on
         silent = self.program.detok_silent
         if req.n_chunks < silent:
             rows_left = silent - req.n_chunks
@@ -220,6 +222,12 @@ class AudioWindows:
         """The rows `req`'s codec stream starts with (the program's `codec_prefix`), as wire bytes."""
         rows = self.program.codec_prefix(req.state)
         return b"" if rows is None else np.ascontiguousarray(rows, dtype="<i4").tobytes()
+
+    def _voice(self, req) -> dict[str, Array]:
+        """The arrays `req`'s codec stream is conditioned on (the program's `codec_voice`), as wire
+        arrays; empty for the codec's default voice."""
+        voice = self.program.codec_voice(req.state) if self.program.codec_voices else None
+        return {name: wire_array(a) for name, a in (voice or {}).items()}
 
     def _first_now(self, n: int) -> bool:
         """Progressive mode: may the first chunk go out with the n rows there are? Yes when the

@@ -25,11 +25,13 @@ apart from N/B/Bd, state only in buffers, randomness only from the keys passed i
 | `check_prompt(rows, state)` | gpu_worker | no | a prompt's rows [R, C] and state arrays → "" or why they are not what `preprocess` builds |
 | `admit(slot, state)` | gpu_worker | no | write a starting request's state into its slot's buffers |
 | `codec_prefix(state)` | gpu_worker | no | a request's state arrays → rows [P, C] int32 its codec stream starts with, or None (the default; see Codec streams) |
+| `codec_voice(state)` | gpu_worker | no | with `codec_voices`: a request's state arrays → the arrays its codec stream is conditioned on (name → int32/float32 array), or None: the codec's default voice (see Codec streams) |
 | `candidates(n_audio)` | gpu_worker | yes | [B] int64 → [B, K] int64 token ids (constrained sampling) |
 | `classify(tokens, n_audio)` | gpu_worker | yes | [B, C] int64, [B] int64 → kinds [B] int64 (TokenKind) |
 | `detokenize(tokens, keys, tail_rows=0, streams=None)` | codec_worker | yes | [Bd, R, C] int64 (R = detok_interval, or one of `detok_lead`, or a codec prefix's P), keys [Bd] int64 → audio [Bd, S] float in [-1, 1] (S = detok_samples for a regular window, R / s * detok_samples for a lead window, tail_rows / s * detok_samples for a tail window), valid [Bd] bool; `streams` (a `CodecStreams`) only with `codec_streams` |
 | `init_codec_streams(n_slots)` | codec_worker | no | with `codec_streams`: allocates the state of n_slots codec slots on the codec's device (see Codec streams) |
 | `prime_codec_streams(tokens, keys, slots)` | codec_worker | no | with `codec_streams` and a `codec_prefix`: [B, P, C] int64 rows, keys [B], slots [B] int64 → None; starts each slot's stream with its rows, audio dropped (default: one fresh `detokenize` call; see Codec streams) |
+| `set_codec_voice(slot, voice)` | codec_worker | no | with `codec_voices`: writes a stream's conditioning (name → tensor on the codec's device, or None: the default voice) into codec slot `slot` before its first window (see Codec streams) |
 | `compiled_detokenize()` | codec_worker | — | optional: a function equal to `detokenize(tokens, keys)` for regular windows, compiled (`torch.compile`, any batch size), or None (the default): the codec_worker captures it in the regular windows' graphs (`--codec-compile`) |
 | `load_encoders()` | codec_worker | no | with `reference_sample_rate`: loads what `encode_references` needs (see Reference audio) |
 | `encode_references(clips)` | codec_worker | no | `Reference`s (mono float32 audio at `reference_sample_rate`, its text) → one `Voice.features` dict per clip, batched |
@@ -59,6 +61,7 @@ Attributes a program sets (defaults on LMProgram; any model may use each):
 | `sized_options` | request options whose value adds prompt rows, counted by `option_rows` |
 | `config_dir` | the folder of the shipped configs the spec names (`lm_config`, `codec_config`): `lm_weights(cls)` and `codec_model(cls)` build random weights from them (`--load-format dummy`) or load the checkpoint; `load_prompts()` loads the text tokenizer |
 | `codec_streams` | the codec keeps per-request state and decodes each audio row once (see Codec streams) |
+| `codec_voices` | with `codec_streams`: each stream is conditioned on its request's voice, kept per codec slot (`codec_voice`, `set_codec_voice`; see Codec streams) |
 | `codec_merge` | with `codec_streams`: how many consecutive windows of a stream may decode as one window (see Codec streams) |
 | `detok_silent` | a stream's first windows that yield no audio (a look-ahead, a delay pattern): sent at once, the listener's clock starts after them |
 | `detok_first_windows` | a stream's first audible windows held and sent together (short windows: the listener starts with their audio in hand) |
@@ -192,6 +195,16 @@ audio equals the codec's decode of the whole utterance. The codec keeps each str
   passes of a few rows). Each stream primes alone: a prefix costs its whole audio's decode, so a
   batch would share only the launch overhead, and alone the call's shape depends on P only, so a
   stream's audio does not depend on the streams primed with it.
+
+- Voiced streams (`codec_voices = True`, for a codec conditioned on a speaker besides its rows:
+  S3Gen's prompt tokens, their mel and an x-vector): `codec_voice(state)` (gpu_worker, host side)
+  gives the arrays of a request's voice from its state (a cloned voice's codec features, vetted by
+  `check_prompt`), or None for the codec's default voice. The gpu_worker sends them with the
+  request's chunk 0 (`DetokChunk.voice`); the codec_worker calls `set_codec_voice(slot, voice)`
+  (eager, queued on the codec's stream before the window, and before a prefix's priming) for every
+  chunk 0 that takes a fresh slot, with None when the request has none, so a reused slot never
+  keeps another request's voice. The program keeps the voices in slot-indexed buffers that its
+  graphs read by slot; a window's audio then depends on its own request's voice alone.
 
 Reference audio (voice cloning): a program that clones a voice from a reference clip sets
 `reference_sample_rate` > 0 (0: it takes no audio; a request with a clip gets a 400). The clip's
@@ -363,6 +376,9 @@ class LMProgram:
     # True: the codec decodes each request's rows once, keeping its state in codec slots (see
     # Codec streams): `init_codec_streams`, and `detokenize` takes `streams`.
     codec_streams: bool = False
+    # With codec streams: each stream is conditioned on its request's voice, kept per codec slot
+    # (`codec_voice`, `set_codec_voice`; see Codec streams, voiced streams).
+    codec_voices: bool = False
     # With codec streams: the m > 1 for which m consecutive windows of a stream may decode as one
     # (see Codec streams, merged windows); () = each window alone.
     codec_merge: tuple[int, ...] = ()
@@ -541,6 +557,11 @@ class LMProgram:
         audio dropped (see Codec streams: primed streams), from its state; None: none (default)."""
         return None
 
+    def codec_voice(self, state: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+        """With `codec_voices`: the arrays a request's codec stream is conditioned on, from its state
+        (see Codec streams: voiced streams); None: the codec's default voice (the default)."""
+        return None
+
     @property
     def can_constrain(self) -> bool:
         """Whether this program has a constrained sampling mode (it overrides `candidates`; its spec
@@ -621,6 +642,13 @@ class LMProgram:
         outside the graphs. Default: one `detokenize` call of them, fresh."""
         fresh = torch.ones(len(slots), dtype=torch.bool, device=slots.device)
         self.detokenize(tokens, keys, streams=CodecStreams(slots, fresh))
+
+    def set_codec_voice(self, slot: int, voice: dict[str, torch.Tensor] | None) -> None:
+        """With `codec_voices`: condition codec slot `slot`'s stream on `voice` (`codec_voice`'s
+        arrays as tensors on the codec's device; None: the default voice). Eager, host side, before
+        the slot's first window (see Codec streams: voiced streams)."""
+        if voice:
+            raise ValueError(f"{self.name} streams take no voice; got {sorted(voice)}")
 
     def compiled_detokenize(
         self, backend: str = "inductor"

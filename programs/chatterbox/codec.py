@@ -92,28 +92,42 @@ class S3Gen(nn.Module):
         self.harmonics = cfg["hift"]["harmonics"]
         self.flow_context, self.hift_context = cfg["flow_context"], cfg["hift_context"]
         p = cfg["prompt_tokens"]
+        # A window's flow input: a voice's prompt tokens, then the request's latest tokens (at most
+        # flow_context of them), in `positions` places; a cloned voice brings up to voice_tokens.
+        self.voice_tokens = cfg.get("voice_tokens", p)
+        self.positions = p + self.flow_context
         self.register_buffer("prompt_tokens", torch.zeros(p, dtype=torch.int64), persistent=False)
         self.register_buffer("prompt_mel", torch.zeros(self.mels, 2 * p), persistent=False)
         self.register_buffer("xvector", torch.zeros(cfg["flow"]["xvector_dim"]), persistent=False)
 
+    @property
+    def window_limit(self) -> int:
+        """The most tokens one stream window may hold in any voice (the flow's context left next to
+        the longest voice's prompt)."""
+        return min(self.flow_context, self.positions - self.voice_tokens)
+
     def set_voice(self, tokens: torch.Tensor, mel: torch.Tensor, xvector: torch.Tensor) -> None:
-        """The voice S3Gen speaks in: prompt tokens [P] int64, their mel [80, 2P], x-vector [192]."""
+        """The default voice: prompt tokens [P] int64, their mel [80, 2P], x-vector [192]."""
         self.prompt_tokens = tokens.to(self.prompt_tokens.device, torch.int64)
         self.prompt_mel = mel.to(self.prompt_mel)
         self.xvector = xvector.to(self.xvector)
 
     # --- whole utterances ------------------------------------------------------------------------
     @torch.no_grad()
-    def decode(self, tokens: torch.Tensor, key: int) -> torch.Tensor:
-        """One utterance's tokens [T] int64 → audio [480 · 2T] float (S3Token2Wav.inference)."""
-        dev, p = tokens.device, len(self.prompt_tokens)
+    def decode(
+        self, tokens: torch.Tensor, key: int, voice: tuple[torch.Tensor, ...] | None = None
+    ) -> torch.Tensor:
+        """One utterance's tokens [T] int64 → audio [480 · 2T] float (S3Token2Wav.inference), in
+        `voice` (prompt tokens [P], their mel [80, 2P], x-vector [192]) or the default voice."""
+        prompt, prompt_mel, xvector = voice or (self.prompt_tokens, self.prompt_mel, self.xvector)
+        dev, p = tokens.device, len(prompt)
         keys = torch.tensor([key], dtype=torch.int64, device=dev)
-        ids = torch.cat([self.prompt_tokens, tokens])[None]
+        ids = torch.cat([prompt.to(dev, torch.int64), tokens])[None]
         frames = torch.arange(2 * ids.shape[1], device=dev)[None]
         noise = flow_noise(keys, frames, self.mels).to(self.prompt_mel.dtype)
         valid = torch.ones_like(ids, dtype=torch.bool)
-        cond = F.pad(self.prompt_mel, (0, 2 * len(tokens)))[None]
-        mel = self.flow(ids, valid, cond, self.xvector[None], noise)[:, :, 2 * p :]
+        cond = F.pad(prompt_mel.to(self.prompt_mel), (0, 2 * len(tokens)))[None]
+        mel = self.flow(ids, valid, cond, xvector.to(self.xvector)[None], noise)[:, :, 2 * p :]
         samples = torch.arange(mel.shape[-1] * SAMPLES_PER_FRAME, device=dev)[None]
         phases = source_phases(keys, self.harmonics).to(mel.dtype)
         audio = self.mel2wav(mel, phases, source_noise(keys, samples, self.harmonics).to(mel.dtype))[0]
@@ -123,24 +137,50 @@ class S3Gen(nn.Module):
     # --- streams (graph) ---------------------------------------------------------------------------
     def init_streams(self, n_slots: int) -> None:
         """Per-slot state: the request's last `flow_context` tokens (a ring), their count, its key,
-        HiFT's running source phase."""
-        dev = self.prompt_mel.device
+        HiFT's running source phase, and the voice it speaks in (prompt tokens, their count and mel,
+        the x-vector: the default voice until `set_stream_voice`)."""
+        dev, v = self.prompt_mel.device, self.voice_tokens
         self.s_tokens = torch.zeros(n_slots, self.flow_context, dtype=torch.int64, device=dev)
         self.s_count = torch.zeros(n_slots, dtype=torch.int64, device=dev)
         self.s_key = torch.zeros(n_slots, dtype=torch.int64, device=dev)
         self.s_phase = torch.zeros(n_slots, self.harmonics + 1, dtype=torch.float32, device=dev)
+        self.s_prompt = torch.zeros(n_slots, v, dtype=torch.int64, device=dev)
+        self.s_prompt_len = torch.zeros(n_slots, dtype=torch.int64, device=dev)
+        self.s_prompt_mel = torch.zeros(n_slots, self.mels, 2 * v, dtype=self.prompt_mel.dtype, device=dev)
+        self.s_xvector = torch.zeros(n_slots, len(self.xvector), dtype=self.xvector.dtype, device=dev)
+        for slot in range(n_slots):
+            self.set_stream_voice(slot, None)
+
+    def set_stream_voice(self, slot: int, voice: tuple[torch.Tensor, ...] | None) -> None:
+        """Slot `slot` speaks in `voice` (prompt tokens [P] with 1 <= P <= voice_tokens, their mel
+        [80, 2P], x-vector [192]) or, with None, the default voice. In place (graph-safe)."""
+        tokens, mel, xvector = voice or (self.prompt_tokens, self.prompt_mel, self.xvector)
+        p = len(tokens)
+        if not 1 <= p <= self.voice_tokens or mel.shape != (self.mels, 2 * p):
+            raise ValueError(
+                f"a voice is 1 to {self.voice_tokens} prompt tokens and their mel [{self.mels}, 2P]; "
+                f"got {p} tokens and a mel of {list(mel.shape)}"
+            )
+        self.s_prompt[slot].zero_()
+        self.s_prompt[slot, :p] = tokens
+        self.s_prompt_len[slot] = p
+        self.s_prompt_mel[slot].zero_()
+        self.s_prompt_mel[slot, :, : 2 * p] = mel
+        self.s_xvector[slot] = xvector
 
     def _context(self, slot: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Each entry's flow input, right-aligned: padding, the prompt's P tokens, its last n tokens
-        (n = min(count, flow_context)) → ids, valid, each position's first utterance frame, and
-        whether it holds a request token, all [B, P + L]."""
-        p, ctx, dev = len(self.prompt_tokens), self.flow_context, slot.device
-        n = count.clamp(max=ctx)[:, None]  # [B, 1]
-        rel = torch.arange(p + ctx, device=dev)[None] - (ctx - n)  # place in [prompt, tokens]
+        """Each entry's flow input, right-aligned in `positions` places: padding, its voice's P
+        prompt tokens, its last n tokens (n = min(count, flow_context, positions - P)) → ids, valid,
+        each position's first utterance frame, and whether it holds a request token, all [B, L]."""
+        ctx, dev = self.flow_context, slot.device
+        p = self.s_prompt_len[slot][:, None]  # [B, 1]
+        n = torch.minimum(count.clamp(max=ctx)[:, None], self.positions - p)
+        rel = torch.arange(self.positions, device=dev)[None] - (self.positions - p - n)  # in [prompt, tokens]
         is_prompt, is_token = (rel >= 0) & (rel < p), rel >= p
         tok = (count[:, None] - n + rel - p).clamp(min=0)  # the request token's index
         hist = self.s_tokens[slot].gather(1, tok % ctx)
-        ids = torch.where(is_token, hist, self.prompt_tokens[rel.clamp(0, p - 1)] * is_prompt)
+        prompt = self.s_prompt[slot].gather(1, rel.clamp(0, self.voice_tokens - 1))
+        ids = torch.where(is_token, hist, prompt * is_prompt)
         frame = torch.where(is_token, 2 * (p + tok), 2 * rel.clamp(min=0))
         return ids, is_prompt | is_token, frame, is_token
 
@@ -150,9 +190,9 @@ class S3Gen(nn.Module):
         """tokens [B, R] continuing each entry's stream in `slot` [B] (`fresh`: it starts, with the
         key `keys` [B]) → the audio of the R tokens [B, 960 R]."""
         b, r = tokens.shape
-        if r > self.flow_context:
-            raise ValueError(f"a window of {r} tokens exceeds the flow's context of {self.flow_context}")
-        dev, p, h = tokens.device, len(self.prompt_tokens), self.hift_context
+        if r > self.window_limit:
+            raise ValueError(f"a window of {r} tokens exceeds the flow's room of {self.window_limit}")
+        dev, h = tokens.device, self.hift_context
         start = torch.where(fresh, 0, self.s_count[slot])  # the request's tokens before this window
         key = torch.where(fresh, keys, self.s_key[slot])
         theta0 = torch.where(fresh[:, None], 0.0, self.s_phase[slot])
@@ -163,9 +203,9 @@ class S3Gen(nn.Module):
         frames = (frame[:, :, None] + torch.arange(2, device=dev)).reshape(b, -1)  # [B, 2(P + L)]
         noise = flow_noise(key, frames, self.mels).to(self.prompt_mel.dtype)
         prompt_frame = (valid & ~is_token).repeat_interleave(2, dim=1)[:, None]  # [B, 1, 2(P + L)]
-        idx = frames.clamp(max=2 * p - 1)[:, None].expand(-1, self.mels, -1)
-        cond = self.prompt_mel[None].expand(b, -1, -1).gather(2, idx) * prompt_frame
-        mel = self.flow(ids, valid, cond, self.xvector[None].expand(b, -1), noise)
+        idx = frames.clamp(max=2 * self.voice_tokens - 1)[:, None].expand(-1, self.mels, -1)
+        cond = self.s_prompt_mel[slot].gather(2, idx) * prompt_frame
+        mel = self.flow(ids, valid, cond, self.s_xvector[slot], noise)
         # HiFT: the window's 2R frames after hift_context frames of the request before them; a
         # first window's frames start HiFT's input, as the utterance's start does in `decode`.
         n, f = (2 * r + h) * SAMPLES_PER_FRAME, 2 * r + h

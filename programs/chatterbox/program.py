@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 _STATE = {"speaker", "prompt_tokens", "exaggeration", "cfg_weight", "text_rows"}
+# S3Gen's part of a cloned voice (clone.py), in the state of a request in a cloned voice.
+S3GEN_VOICE = ("s3gen_tokens", "s3gen_mel", "s3gen_xvector")
 
 
 def punc_norm(text: str) -> str:
@@ -86,6 +88,7 @@ class ChatterboxProgram(LMProgram):
     name = "chatterbox"
     guidance = True
     codec_streams = True  # S3Gen keeps each request's tokens so far (programs/chatterbox/codec.py)
+    codec_voices = True  # and the voice each speaks in: a cloned voice's S3Gen conditioning
     # A window costs ~3.7 TFLOP (10 guided flow steps over the prompt and the context): a call of 16
     # costs 16 windows' time, so a lone stream decodes in calls of one; a pass holds at most 16
     # windows (~2 s of the H200 in float32, ~16k kernels a window in a bucket's graph). See
@@ -116,9 +119,13 @@ class ChatterboxProgram(LMProgram):
         self.hidden_size = cfg["hidden_size"]
         self.head_dim = cfg.get("head_dim") or self.hidden_size // self.num_qo_heads
         self.max_text_rows = cfg["max_text_tokens"] + 2
-        # Groups whose tokens the flow's context holds (the tiny config's 40 tokens hold no group).
-        context = self.read_config("codec_config")["flow_context"]
-        fits = tuple(m for m in type(self).codec_merge if m * self.detok_interval <= context)
+        # Groups whose tokens the flow's context holds next to the longest voice's prompt (the tiny
+        # config's 40 tokens hold no group); S3Gen.window_limit.
+        codec = self.read_config("codec_config")
+        self.voice_tokens = codec.get("voice_tokens", codec["prompt_tokens"])
+        self.s3gen_dims = (codec["flow"]["mels"], codec["flow"]["xvector_dim"])
+        room = min(codec["flow_context"], codec["prompt_tokens"] + codec["flow_context"] - self.voice_tokens)
+        fits = tuple(m for m in type(self).codec_merge if m * self.detok_interval <= room)
         self.codec_merge, self.detok_groups = fits, (1, *fits) if fits else ()
 
     # --- loading -------------------------------------------------------------------------------
@@ -209,8 +216,15 @@ class ChatterboxProgram(LMProgram):
         self._text_end = torch.zeros(num_slots, dtype=torch.int64, device=dev)
 
     def check_prompt(self, rows: np.ndarray, state: dict[str, np.ndarray]) -> str:
-        if set(state) != _STATE:
-            return f"{self.spec['name']} prompts carry the state {sorted(_STATE)}; got {sorted(state)}"
+        if set(state) not in (_STATE, _STATE | set(S3GEN_VOICE)):
+            return (
+                f"{self.spec['name']} prompts carry the state {sorted(_STATE)}, and a cloned voice's "
+                f"{list(S3GEN_VOICE)}; got {sorted(state)}"
+            )
+        if S3GEN_VOICE[0] in state:
+            error = self._s3gen_voice_error(state)
+            if error:
+                return error
         shapes = {"speaker": (c.SPEAKER_DIM,), "exaggeration": (1,), "cfg_weight": (1,), "text_rows": (1,)}
         if any(state[k].shape != s for k, s in shapes.items()):
             return f"state shapes must be {shapes}"
@@ -249,6 +263,25 @@ class ChatterboxProgram(LMProgram):
         self._weight[slot : slot + 1] = dev(state["cfg_weight"], torch.float32)
         self._text_end[slot : slot + 1] = dev(state["text_rows"] + 2, torch.int64)
 
+    def codec_voice(self, state: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+        """A cloned voice's S3Gen conditioning (its prompt tokens, their mel, the x-vector); None
+        for the default voice."""
+        return {k: state[k] for k in S3GEN_VOICE} if S3GEN_VOICE[0] in state else None
+
+    def _s3gen_voice_error(self, features: dict[str, np.ndarray]) -> str:
+        """Why a voice's S3Gen arrays are not what clone.py encodes ("" when they are)."""
+        tokens, mel, xvector = (features[k] for k in S3GEN_VOICE)
+        mels, dim = self.s3gen_dims
+        if tokens.ndim != 1 or not 1 <= len(tokens) <= self.voice_tokens:
+            return f"'s3gen_tokens' holds 1 to {self.voice_tokens} speech tokens"
+        if tokens.min() < 0 or tokens.max() >= c.SPEECH_CODES:
+            return f"'s3gen_tokens' are speech tokens below {c.SPEECH_CODES}"
+        if mel.shape != (2 * len(tokens), mels) or xvector.shape != (dim,):
+            return f"'s3gen_mel' is [2 P, {mels}] for P tokens and 's3gen_xvector' [{dim}]"
+        if not (np.isfinite(mel).all() and np.isfinite(xvector).all()):
+            return "'s3gen_mel' and 's3gen_xvector' are finite"
+        return ""
+
     # --- LM step (graph) -----------------------------------------------------------------------
     def embed(self, ids: torch.Tensor, rows: Rows) -> torch.Tensor:
         """[N, 1] → [N, H]: a speech id's embedding plus its speech position (prompt rows 0,
@@ -283,6 +316,14 @@ class ChatterboxProgram(LMProgram):
     # --- codec (graph) -------------------------------------------------------------------------
     def init_codec_streams(self, n_slots: int) -> None:
         self.codec.init_streams(n_slots)
+
+    def set_codec_voice(self, slot: int, voice: dict[str, torch.Tensor] | None) -> None:
+        """Slot `slot`'s stream speaks in the cloned voice's S3Gen conditioning, or the default."""
+        if voice is None:
+            self.codec.set_stream_voice(slot, None)
+            return
+        tokens, mel, xvector = (voice[k] for k in S3GEN_VOICE)
+        self.codec.set_stream_voice(slot, (tokens.long(), mel.T, xvector))
 
     def detokenize(
         self,
@@ -340,15 +381,24 @@ class ChatterboxProgram(LMProgram):
         }
         return PromptRows(self._rows(np.array(ids, np.int64))[:, None].astype(np.int32), state)
 
-    @staticmethod
-    def _voice_features(voice: Voice) -> dict[str, np.ndarray]:
-        """A cloned voice's `encode_references` features, checked: ValueError → HTTP 400."""
-        speaker, tokens = voice.features.get("speaker"), voice.features.get("prompt_tokens")
+    def _voice_features(self, voice: Voice) -> dict[str, np.ndarray]:
+        """A cloned voice's `encode_references` features, checked: ValueError → HTTP 400. A voice
+        without S3Gen's part (saved before it was encoded) speaks in the default voice's timbre."""
+        f = voice.features
+        speaker, tokens = f.get("speaker"), f.get("prompt_tokens")
         if speaker is None or tokens is None or speaker.shape != (c.SPEAKER_DIM,) or tokens.ndim != 1:
             raise ValueError("the voice is not a Chatterbox voice (speaker [256], prompt_tokens)")
         if not 1 <= len(tokens) <= c.PROMPT_TOKENS or tokens.min() < 0 or tokens.max() >= c.SPEECH_CODES:
             raise ValueError(f"the voice's prompt tokens are 1 to {c.PROMPT_TOKENS} speech tokens")
-        return {"speaker": speaker.astype(np.float32), "prompt_tokens": tokens.astype(np.int32)}
+        out = {"speaker": speaker.astype(np.float32), "prompt_tokens": tokens.astype(np.int32)}
+        if any(k in f for k in S3GEN_VOICE):
+            if not all(k in f for k in S3GEN_VOICE):
+                raise ValueError(f"the voice's S3Gen part is {list(S3GEN_VOICE)}; got {sorted(f)}")
+            error = self._s3gen_voice_error(f)
+            if error:
+                raise ValueError(f"the voice's {error}")
+            out.update({k: f[k].astype(np.int32 if k == "s3gen_tokens" else np.float32) for k in S3GEN_VOICE})
+        return out
 
     def prompt_overhead(self) -> int:
         """One prompt's rows besides the text's (the budget counts the conditional prompt's rows,
