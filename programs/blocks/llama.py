@@ -122,9 +122,23 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps, fk)
 
 
+def row_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """`norm(x)` for rows x [N, H]; on a GPU as FlashInfer's RMSNorm, whose reduction runs one row
+    per thread block in an order fixed by H alone, so a row's bits do not depend on how many rows
+    the step holds (torch's reductions pick their split by the row count). It rounds once, in
+    fp32, where HF casts back to the dtype before the weight."""
+    if x.is_cuda and x.dim() == 2:
+        try:
+            import flashinfer
+        except ImportError:  # the gpu extra is not installed
+            return norm(x)
+        return flashinfer.rmsnorm(x.contiguous(), norm.weight, norm.eps)
+    return norm(x)
+
+
 def decoder_stack(layers, norm, hidden: torch.Tensor, cos, sin, attn: Attention) -> torch.Tensor:
-    """The unfused Llama decoder layers over `hidden` [N, H], then the final norm."""
+    """The unfused Llama decoder layers over `hidden` [N, H], then the final norm (`row_norm`)."""
     for i, layer in enumerate(layers):
-        hidden = hidden + layer.self_attn(layer.input_layernorm(hidden), cos, sin, i, attn)
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-    return norm(hidden)
+        hidden = hidden + layer.self_attn(row_norm(layer.input_layernorm, hidden), cos, sin, i, attn)
+        hidden = hidden + layer.mlp(row_norm(layer.post_attention_layernorm, hidden))
+    return row_norm(norm, hidden)
