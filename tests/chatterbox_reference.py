@@ -1,17 +1,21 @@
 """chatterbox-tts 0.1.7's T3 (the reference) built from a shipped config with the weights of our
 T3LM, for the parity tests.
 
-The package's `__init__` imports the whole TTS (S3Gen needs torchaudio, which the venv lacks: its
-registry wheel is built against CUDA); `import_t3` registers the package without running it, so
-that only the T3 modules (torch, transformers, einops) are imported. The voice encoder imports
+The package's `__init__` imports the whole TTS; `import_t3` registers the package without running
+it, so that only the T3 modules (torch, transformers, einops) are imported. The voice encoder imports
 librosa; the S3 tokenizer imports s3tokenizer 0.3 (installed `--no-deps`, with onnx), whose utils
-import torchaudio for `load_audio` alone, which the tokenizer never calls: `reference_encoders`
-registers an empty module under that name where torchaudio is missing."""
+import torchaudio for `load_audio` alone, which the tokenizer never calls. S3Gen's `embed_ref` needs
+torchaudio's Kaldi filterbanks and resampler, pure Python both; the torchaudio wheel the registry has
+for this torch (2.11.1, installed `--no-deps` into REFERENCE_TORCHAUDIO, off the venv's path) is
+built against CUDA, so its C library cannot load on a CPU-only machine: `import_torchaudio` (which
+tests/conftest.py runs at the session's start) enters the package without that library, and
+registers an empty module under its name where torchaudio is nowhere."""
 
 from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import os
 import sys
 import types
 
@@ -26,6 +30,64 @@ def import_t3() -> None:
         pkg.__path__ = list(spec.submodule_search_locations)
         pkg.__spec__ = spec
         sys.modules["chatterbox"] = pkg
+
+
+# torchaudio for the reference alone (.ci/run: `pip install --no-deps --target` here), off the venv's
+# path: installed in site-packages, its failing import would fail every process that imports
+# transformers' models (their audio utilities import torchaudio wherever it is installed), the
+# servers the tests start among them.
+REFERENCE_TORCHAUDIO = os.path.join(sys.prefix, "reference-torchaudio")
+
+
+def import_torchaudio() -> bool:
+    """torchaudio importable in this process → whether its Python parts (compliance.kaldi,
+    functional, transforms) are there. Found on the path or in REFERENCE_TORCHAUDIO (then added to
+    the path): the real package where it loads; where its C library cannot load (the registry's
+    wheel for this torch is built against CUDA), the package entered without its `__init__` (which
+    loads that library and the decoders) and its extension module without the library. Found
+    nowhere: an empty module under its name (for the modules that import it without using it)."""
+    mod = sys.modules.get("torchaudio")
+    if mod is not None and hasattr(mod, "__path__"):
+        return True
+    spec = importlib.machinery.PathFinder.find_spec("torchaudio")
+    if spec is None and os.path.isdir(os.path.join(REFERENCE_TORCHAUDIO, "torchaudio")):
+        sys.path.append(REFERENCE_TORCHAUDIO)
+        spec = importlib.machinery.PathFinder.find_spec("torchaudio")
+    if spec is None:
+        if mod is None:
+            stub = types.ModuleType("torchaudio")
+            stub.__spec__ = importlib.machinery.ModuleSpec("torchaudio", None)
+            sys.modules["torchaudio"] = stub
+        return False
+
+    def forget() -> None:  # an empty stub, or what a failed import left
+        for name in [m for m in sys.modules if m == "torchaudio" or m.startswith("torchaudio.")]:
+            del sys.modules[name]
+
+    forget()
+    try:
+        import torchaudio  # noqa: F401
+
+        return True
+    except (ImportError, OSError):  # OSError: "Could not load this library: .../_torchaudio.so"
+        forget()
+    pkg = types.ModuleType("torchaudio")
+    pkg.__path__ = list(spec.submodule_search_locations)
+    pkg.__spec__ = spec
+    pkg.__file__ = spec.origin
+    sys.modules["torchaudio"] = pkg
+    ext = types.ModuleType("torchaudio._extension")  # a package holding `utils`, not yet the real one
+    ext.__path__ = [os.path.join(pkg.__path__[0], "_extension")]
+    sys.modules["torchaudio._extension"] = ext
+    import torchaudio._extension.utils as utils
+
+    utils._load_lib = lambda lib: False  # the C library: not loaded
+    del sys.modules["torchaudio._extension"]
+    importlib.import_module("torchaudio._extension")  # the real module, its library skipped
+    for name in ("compliance.kaldi", "functional", "transforms"):  # attributes, as the __init__ has them
+        importlib.import_module(f"torchaudio.{name}")
+    pkg.__version__ = importlib.import_module("torchaudio.version").__version__
+    return True
 
 
 def reference_t3(lm) -> torch.nn.Module:
@@ -57,10 +119,7 @@ def reference_encoders(speaker_encoder, tokenizer) -> tuple[torch.nn.Module, tor
     published sizes whatever config it is given, so a smaller one is built as that constructor
     does: S3TokenizerV2 of the config, then its mel filters and window."""
     import_t3()
-    if importlib.util.find_spec("torchaudio") is None and "torchaudio" not in sys.modules:
-        stub = types.ModuleType("torchaudio")
-        stub.__spec__ = importlib.machinery.ModuleSpec("torchaudio", None)
-        sys.modules["torchaudio"] = stub
+    import_torchaudio()
     import librosa
     from chatterbox.models.s3tokenizer import S3Tokenizer
     from chatterbox.models.voice_encoder import VoiceEncoder
@@ -97,6 +156,25 @@ def import_s3gen() -> None:
         pkg.__path__ = list(spec.submodule_search_locations)
         pkg.__spec__ = spec
         sys.modules[name] = pkg
+
+
+def reference_embed_ref(tokenizer, speaker_encoder) -> torch.nn.Module:
+    """chatterbox's S3Token2Mel, for its `embed_ref`, holding `tokenizer` (the reference S3Tokenizer:
+    `reference_encoders`') and the reference CAMPPlus with the weights of `speaker_encoder` (our
+    xvector.CAMPPlus); its flow, which `embed_ref` reads only for its dtype, a float32 stand-in.
+    Needs torchaudio's Python parts (`import_torchaudio`)."""
+    import_s3gen()
+    from chatterbox.models.s3gen.s3gen import S3Token2Mel
+    from chatterbox.models.s3gen.utils.mel import mel_spectrogram
+    from chatterbox.models.s3gen.xvector import CAMPPlus
+
+    campplus = CAMPPlus(memory_efficient=False).eval()  # as S3Token2Mel builds it
+    campplus.load_state_dict(speaker_encoder.state_dict())
+    ref = S3Token2Mel.__new__(S3Token2Mel)
+    torch.nn.Module.__init__(ref)
+    ref.tokenizer, ref.speaker_encoder, ref.mel_extractor = tokenizer, campplus, mel_spectrogram
+    ref.flow = torch.nn.Linear(1, 1)
+    return ref.eval()
 
 
 def build_reference_s3gen(cfg: dict) -> tuple[torch.nn.Module, torch.nn.Module]:

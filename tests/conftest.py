@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -20,6 +21,15 @@ from collections.abc import Iterator
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# torchaudio for the reference tests (tests/chatterbox_reference.py: its registry wheel for this torch
+# cannot load its C library without CUDA, so its Python parts are entered without it), the same for
+# the whole session whatever runs first; where torchaudio is installed in the venv, an import of it
+# that failed would also fail every module importing it (transformers' audio utilities do).
+if importlib.util.find_spec("torchaudio") or os.path.isdir(os.path.join(sys.prefix, "reference-torchaudio")):
+    from tests.chatterbox_reference import import_torchaudio
+
+    import_torchaudio()
 
 
 @pytest.fixture(scope="module")

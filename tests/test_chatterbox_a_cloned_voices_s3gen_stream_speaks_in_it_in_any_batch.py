@@ -162,3 +162,57 @@ def test_the_program_vets_a_cloned_voices_s3gen_arrays_and_sets_its_codec_slot(p
         assert why in program.check_prompt(rows, {**state, **bad}), why
     partial = {k: v for k, v in state.items() if k != "s3gen_mel"}
     assert "a cloned voice's" in program.check_prompt(rows, partial)
+
+
+def test_the_codec_worker_conditions_a_requests_slot_on_the_voice_its_chunk_0_carries(program):
+    """Through codec_worker.codec.Codec (eager): chunk 0 of `a` carries a cloned voice
+    (`DetokChunk.voice`), `b`'s none, in one batch; a's audio is its stream as an S3Gen whose default
+    voice is the cloned one decodes it, b's the default voice's, and a request that takes a's slot
+    after it ends speaks in the default voice again. A voice on a later chunk fails its request."""
+    from codec_worker.codec import Codec
+    from common.arrays import wire_array
+    from common.messages import DetokChunk
+
+    _, state = cloned_state(program)
+    arrays = {k: wire_array(a) for k, a in program.codec_voice(state).items()}
+    x, y = ids(2 * R, 11).numpy(), ids(2 * R, 12).numpy()
+
+    def chunk(rid: str, j: int, codes: np.ndarray, **kw) -> DetokChunk:
+        rows = codes[j * R : (j + 1) * R].astype("<i4")
+        return DetokChunk(rid, j, 3, rows.tobytes(), j, slack_ms=0 if j == 0 else 1000, **kw)
+
+    def audio(codec: Codec, rid: str, codes: np.ndarray, **kw) -> np.ndarray:
+        """rid's two windows of `codes`, alone, chunk 0 with `kw`; its slot released after."""
+        out = [codec.decode([chunk(rid, j, codes, **(kw if j == 0 else {}))])[0] for j in range(2)]
+        codec.slots.release(rid)
+        return np.concatenate([np.frombuffer(a.pcm, "<i2").astype(int) for a in out])
+
+    codec = Codec(program, max_batch=4, graphs=False, streams=2)
+    first = codec.decode([chunk("a", 0, x, voice=arrays), chunk("b", 0, y)])
+    second = codec.decode([chunk("a", 1, x), chunk("b", 1, y)])
+    got = {c.rid: [] for c in first}
+    for c in [*first, *second]:
+        got[c.rid].append(np.frombuffer(c.pcm, "<i2").astype(int))
+    a_audio, b_audio = np.concatenate(got["a"]), np.concatenate(got["b"])
+    codec.slots.release("a")
+    codec.slots.release("b")
+    default_x, default_y = audio(codec, "c", x), audio(codec, "d", y)  # slots a and b held voices
+    assert np.abs(b_audio - default_y).max() <= 2, "b: the default voice (a CPU batch of 2 rounds)"
+    assert np.abs(a_audio - default_x).max() > 500, "a: another voice"
+    cloned = load_program_class("chatterbox-tiny")(
+        get_spec("chatterbox-tiny"), load_format="dummy", device="cpu"
+    )
+    cloned.load_codec()
+    v = program.codec_voice(state)
+    cloned.codec.set_voice(
+        torch.from_numpy(v["s3gen_tokens"]).long(),
+        torch.from_numpy(v["s3gen_mel"]).T,
+        torch.from_numpy(v["s3gen_xvector"]),
+    )
+    cloned.init_codec_streams(2)
+    want = audio(Codec(cloned, max_batch=4, graphs=False, streams=2), "a", x)
+    assert np.abs(a_audio - want).max() <= 2, "a: the cloned voice's S3Gen"
+    assert a_audio.std() > 300 and b_audio.std() > 300
+    codec.decode([chunk("e", 0, x)])
+    late = codec.launch([chunk("e", 1, x, voice=arrays)])
+    assert "carries a voice" in late.failed["e"].message

@@ -13,10 +13,23 @@ models/s3tokenizer) and s3tokenizer 0.3's `S3TokenizerV2` (the reference), with 
   (x + 4) / 4) of its first 600 frames, a Whisper-style encoder (two stride-2 convolutions, 6
   blocks of rotary attention with an FSMN memory) and the FSQ quantizer (8 ternary digits: 6561
   tokens, 25 a second).
+
+And S3Gen's conditioning of the same clip (`S3Gen.embed_ref(clip[:10 s], 16000)`; tts.py cuts the
+clip to DEC_COND_LEN = 10 s first), `s3gen_voice`:
+
+- prompt mel: the clip resampled to 24 kHz (torchaudio's `transforms.Resample(16000, 24000)`:
+  windowed sinc, Hann window over 6 zero crossings of a low-pass at 0.99 of 8 kHz, its kernel
+  computed in float64 and kept in float32), reflect-padded by 720 samples on each side, |STFT|
+  (n_fft = window 1920, hop 480, not centered; sqrt(re² + im² + 1e-9)) through librosa's Slaney
+  mel filters (80 bands, 0-8 kHz) and log(max(·, 1e-5)) (Matcha-TTS's `mel_spectrogram`): 50
+  frames a second, two a token;
+- prompt tokens: the S3 tokenizer's tokens of the whole clip (<= 250), cut to the mel's frames // 2;
+- x-vector: CAM++ of the 16 kHz clip (xvector.py).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -25,16 +38,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from programs.chatterbox.xvector import MIN_SAMPLES, CAMPPlus
+
 SAMPLE_RATE = 16000
 N_FFT, HOP = 400, 160
 PROMPT_SAMPLES = 6 * SAMPLE_RATE  # ENC_COND_LEN
 PROMPT_TOKENS = 150
+TOKEN_SAMPLES = 640  # 25 tokens a second
+S3GEN_RATE = 24000
+S3GEN_PROMPT_SAMPLES = 10 * SAMPLE_RATE  # DEC_COND_LEN
+S3GEN_PROMPT_TOKENS = S3GEN_PROMPT_SAMPLES // TOKEN_SAMPLES  # 250
+S3GEN_N_FFT, S3GEN_HOP, S3GEN_MELS = 1920, 480, 80
 WINDOW_FRAMES, WINDOW_STEP = 160, 77  # the voice encoder's partials: round(16000 / 1.3 / 160)
 TOKENIZER = {"n_mels": 128, "n_state": 1280, "n_head": 20, "n_layer": 6}  # S3TokenizerV2's ModelConfig
 
 
-def mel_filters(n_mels: int, fmax: float) -> np.ndarray:
-    """The Slaney-scale, Slaney-normalized mel filterbank [n_mels, N_FFT // 2 + 1] float32 at 16 kHz
+def mel_filters(n_mels: int, fmax: float, rate: int = SAMPLE_RATE, n_fft: int = N_FFT) -> np.ndarray:
+    """The Slaney-scale, Slaney-normalized mel filterbank [n_mels, n_fft // 2 + 1] float32 at `rate`
     from 0 Hz (librosa's `filters.mel`), computed in float64."""
 
     def to_mel(f: np.ndarray) -> np.ndarray:
@@ -44,7 +64,7 @@ def mel_filters(n_mels: int, fmax: float) -> np.ndarray:
     def to_hz(m: np.ndarray) -> np.ndarray:
         return np.where(m >= 15.0, 1000.0 * np.exp((math.log(6.4) / 27.0) * (m - 15.0)), m * (200.0 / 3))
 
-    freqs = np.linspace(0, SAMPLE_RATE / 2, N_FFT // 2 + 1)
+    freqs = np.linspace(0, rate / 2, n_fft // 2 + 1)
     edges = to_hz(np.linspace(to_mel(np.array(0.0)), to_mel(np.array(fmax)), n_mels + 2))
     ramps = edges[:, None] - freqs[None, :]
     gaps = np.diff(edges)
@@ -183,14 +203,15 @@ class S3Tokenizer(nn.Module):
         self.register_buffer("sin", torch.cat([angles.sin()] * 2, -1), persistent=False)
 
     @torch.inference_mode()
-    def tokens(self, wav: np.ndarray) -> np.ndarray:
-        """A 16 kHz clip [S] float32 → the speech tokens [<= 150] int32 of its first 6 s."""
-        audio = torch.from_numpy(np.ascontiguousarray(wav[:PROMPT_SAMPLES], dtype=np.float32))
+    def tokens(self, wav: np.ndarray, max_tokens: int = PROMPT_TOKENS) -> np.ndarray:
+        """A 16 kHz clip [S] float32 → the speech tokens [<= max_tokens] int32 of its first
+        `max_tokens` × 40 ms (T3's prompt: 150, the first 6 s; S3Gen's: 250, 10 s)."""
+        audio = torch.from_numpy(np.ascontiguousarray(wav[: max_tokens * TOKEN_SAMPLES], dtype=np.float32))
         audio = audio.to(self.basis.device)
         window = torch.hann_window(N_FFT, device=audio.device)
         spec = torch.stft(audio, N_FFT, HOP, window=window, return_complex=True)
         log = torch.clamp(self.basis @ spec[..., :-1].abs() ** 2, min=1e-10).log10()
-        mel = ((torch.maximum(log, log.max() - 8.0) + 4.0) / 4.0)[:, : 4 * PROMPT_TOKENS]  # [128, T]
+        mel = ((torch.maximum(log, log.max() - 8.0) + 4.0) / 4.0)[:, : 4 * max_tokens]  # [128, T]
         enc = self.encoder
         x = F.gelu(enc.conv1(mel[None]))
         x = F.gelu(enc.conv2(x)).transpose(1, 2)  # [1, T / 4, D]
@@ -202,3 +223,68 @@ class S3Tokenizer(nn.Module):
         digits = (h * 0.9990000128746033).round() + 1  # [T, 8] in {0, 1, 2}
         powers = torch.pow(3, torch.arange(8, device=h.device, dtype=h.dtype))
         return (digits * powers).sum(-1).to(torch.int32).cpu().numpy()
+
+
+def resample(audio: torch.Tensor, source: int, target: int) -> torch.Tensor:
+    """audio [..., S] float32 at `source` Hz → [..., ceil(S · target / source)] at `target` Hz as
+    torchaudio's `transforms.Resample(source, target)` computes it (sinc_interp_hann, 6 zero
+    crossings, rolloff 0.99): one polyphase kernel per output phase, computed in float64 (the
+    phases' offsets -j / target in float32, as there) and applied in float32 as a strided
+    convolution."""
+    if source == target:
+        return audio
+    g = math.gcd(source, target)
+    down, up = source // g, target // g
+    cutoff = min(down, up) * 0.99
+    width = math.ceil(6 * down / cutoff)
+    taps = torch.arange(-width, width + down, dtype=torch.float64)[None, None] / down
+    t = (torch.arange(0, -up, -1)[:, None, None] / up + taps) * cutoff  # the offsets' division in float32
+    t = t.clamp(-6, 6)
+    window = torch.cos(t * math.pi / 6 / 2) ** 2
+    t = t * math.pi
+    kernel = torch.where(t == 0, torch.tensor(1.0, dtype=t.dtype), t.sin() / t) * (window * (cutoff / down))
+    kernel = kernel.to(audio.device, torch.float32)  # [up, 1, taps]
+    flat = audio.reshape(-1, audio.shape[-1])
+    out = F.conv1d(F.pad(flat, (width, width + down))[:, None], kernel, stride=down)
+    out = out.transpose(1, 2).reshape(flat.shape[0], -1)[:, : math.ceil(up * flat.shape[-1] / down)]
+    return out.reshape(*audio.shape[:-1], out.shape[-1])
+
+
+@functools.lru_cache(maxsize=4)
+def _s3gen_mel_constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    basis = mel_filters(S3GEN_MELS, 8000.0, S3GEN_RATE, S3GEN_N_FFT)
+    return torch.from_numpy(basis).to(device), torch.hann_window(S3GEN_N_FFT, device=device)
+
+
+def s3gen_mel(wav: torch.Tensor) -> torch.Tensor:
+    """24 kHz audio [S > 720] float32 → S3Gen's prompt mel [S // 480, 80] (chatterbox's
+    s3gen/utils/mel.py `mel_spectrogram`), on the audio's device."""
+    basis, window = _s3gen_mel_constants(wav.device)
+    pad = (S3GEN_N_FFT - S3GEN_HOP) // 2
+    audio = F.pad(wav.float()[None, None], (pad, pad), mode="reflect")[0]
+    spec = torch.stft(audio, S3GEN_N_FFT, S3GEN_HOP, S3GEN_N_FFT, window, center=False, return_complex=True)
+    spec = torch.sqrt(torch.view_as_real(spec).pow(2).sum(-1) + 1e-9)
+    return torch.log(torch.clamp(basis @ spec, min=1e-5))[0].T
+
+
+@torch.inference_mode()
+def s3gen_voice(wav: np.ndarray, tokenizer: S3Tokenizer, speaker_encoder: CAMPPlus) -> dict[str, np.ndarray]:
+    """A 16 kHz clip [S] float32 → S3Gen's conditioning of its first 10 s (`S3Gen.embed_ref` of
+    them at 16 kHz): `s3gen_tokens` int32 [P] (1 <= P <= 250), `s3gen_mel` float32 [2P, 80]
+    (frame-major: the reference's `prompt_feat[0]`; where its mel has an odd frame count 2P + 1, a
+    clip ending 20-40 ms past a whole token, the last frame is left out) and `s3gen_xvector`
+    float32 [192]. Computed on the tokenizer's and the speaker encoder's devices. ValueError for a
+    clip under 45 ms (CAM++'s deviation over time needs two frames after its stride: the
+    reference's x-vector is NaN there)."""
+    wav = np.ascontiguousarray(wav[:S3GEN_PROMPT_SAMPLES], dtype=np.float32)
+    if len(wav) < MIN_SAMPLES:
+        raise ValueError(f"the reference clip is too short for S3Gen's voice ({MIN_SAMPLES / 16:g} ms)")
+    audio = torch.from_numpy(wav).to(speaker_encoder.banks.device)
+    mel = s3gen_mel(resample(audio, SAMPLE_RATE, S3GEN_RATE))
+    tokens = tokenizer.tokens(wav, S3GEN_PROMPT_TOKENS)
+    p = min(len(tokens), len(mel) // 2)
+    return {
+        "s3gen_tokens": tokens[:p],
+        "s3gen_mel": mel[: 2 * p].float().cpu().numpy(),
+        "s3gen_xvector": speaker_encoder.embed(audio).float().cpu().numpy(),
+    }

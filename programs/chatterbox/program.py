@@ -169,9 +169,11 @@ class ChatterboxProgram(LMProgram):
         }
 
     def load_encoders(self) -> None:
-        """The voice encoder and the S3 tokenizer (clone.py): `ve.safetensors` and the `tokenizer.`
-        weights of `s3gen.safetensors`, or seeded random weights."""
+        """The voice encoder, the S3 tokenizer and CAMPPlus (clone.py, xvector.py): `ve.safetensors`
+        and the `tokenizer.` and `speaker_encoder.` weights of `s3gen.safetensors`, or seeded random
+        weights."""
         from programs.chatterbox.clone import S3Tokenizer, VoiceEncoder
+        from programs.chatterbox.xvector import speaker_encoder
 
         self._speaker_encoder = VoiceEncoder()
         self._speech_tokenizer = S3Tokenizer(self.spec.get("s3_tokenizer"))
@@ -182,6 +184,7 @@ class ChatterboxProgram(LMProgram):
                     for name, t in module.named_parameters():
                         fill = 1.0 if name.endswith("ln.weight") else 0.0
                         t.copy_(torch.randn(t.shape, generator=gen) * 0.05 + fill)
+            self._xvector_encoder = speaker_encoder(seed=2)
         else:
             from huggingface_hub import snapshot_download
             from safetensors.torch import load_file
@@ -190,22 +193,31 @@ class ChatterboxProgram(LMProgram):
             if not os.path.isdir(path):
                 path = snapshot_download(path, allow_patterns=["ve.safetensors", "s3gen.safetensors"])
             self._speaker_encoder.load_state_dict(load_file(os.path.join(path, "ve.safetensors")))
-            tok = load_file(os.path.join(path, "s3gen.safetensors"))
-            tok = {k[len("tokenizer.") :]: v for k, v in tok.items() if k.startswith("tokenizer.")}
+            s3gen = load_file(os.path.join(path, "s3gen.safetensors"))
+            tok = {k[len("tokenizer.") :]: v for k, v in s3gen.items() if k.startswith("tokenizer.")}
             tok = {k: v for k, v in tok.items() if k not in ("_mel_filters", "window")}
             self._speech_tokenizer.load_state_dict(tok)
-        self._speaker_encoder.to(self.device).eval()
-        self._speech_tokenizer.to(self.device).eval()
+            self._xvector_encoder = speaker_encoder(s3gen)
+        for module in (self._speaker_encoder, self._speech_tokenizer, self._xvector_encoder):
+            module.to(self.device).eval()
 
     def encode_references(self, clips: list[Reference]) -> list[dict[str, np.ndarray]]:
-        """Each 16 kHz clip's T3 conditioning: `speaker` [256] float32, `prompt_tokens` [<= 150] int32
-        (ChatterboxTTS.prepare_conditionals)."""
+        """Each 16 kHz clip's conditioning (ChatterboxTTS.prepare_conditionals): T3's `speaker` [256]
+        float32 and `prompt_tokens` [<= 150] int32 (the clip's first 6 s), and S3Gen's
+        (`S3Gen.embed_ref` of its first 10 s): `s3gen_tokens` [P] int32, their 24 kHz mel
+        `s3gen_mel` [2P, 80] and the CAMPPlus x-vector `s3gen_xvector` [192], P cut to the codec's
+        `voice_tokens` (the shipped config's 250 is 10 s: no cut)."""
+        from programs.chatterbox.clone import s3gen_voice
+
         out = []
         for clip in clips:
             tokens = self._speech_tokenizer.tokens(clip.audio)
             if not len(tokens):
                 raise ValueError("the reference clip is too short for a speech token (40 ms)")
-            out.append({"speaker": self._speaker_encoder.embed(clip.audio), "prompt_tokens": tokens})
+            voice = s3gen_voice(clip.audio, self._speech_tokenizer, self._xvector_encoder)
+            p = min(len(voice["s3gen_tokens"]), self.voice_tokens)
+            voice["s3gen_tokens"], voice["s3gen_mel"] = voice["s3gen_tokens"][:p], voice["s3gen_mel"][: 2 * p]
+            out.append({"speaker": self._speaker_encoder.embed(clip.audio), "prompt_tokens": tokens, **voice})
         return out
 
     # --- per-request state ---------------------------------------------------------------------
