@@ -217,6 +217,34 @@ def test_an_engine_and_the_codec_serve_a_chatterbox_stream_in_groups(chatterbox)
     assert np.abs(pcm.astype(np.int32) - pcm16(torch.cat(want)).numpy().astype(np.int32)).max() <= 1
 
 
+def test_an_aborted_stream_counts_the_windows_it_sent_not_those_its_group_held(chatterbox) -> None:
+    """A request aborted while windows of its group wait for the group's last one: its end
+    (`Finished.n_chunks`, what the taps report) counts the windows that left, which the held ones
+    never do."""
+    from common.config import GpuWorkerSettings
+    from gpu_worker.engine import Engine
+    from tests.test_chatterbox_parity import make_prompt
+
+    chatterbox.load_lm()
+    chatterbox.load_prompts()
+    r = chatterbox.detok_interval
+    eng = Engine(chatterbox, GpuWorkerSettings(max_batch_size=2, max_context=500))
+    eng.add(
+        make_prompt(chatterbox, "x", "Hello there.", 9 * r, {}, temperature=0.8, seed=3, min_tokens=9 * r)
+    )
+    sent, ends = [], []
+    while not eng.scheduler.running or not eng.scheduler.running["x"].grouped:
+        batch = eng.step()
+        sent += batch.chunks if batch else []
+    held = len(eng.scheduler.running["x"].grouped)
+    eng.abort("x")
+    for batch in eng.run_until_idle():
+        sent += batch.chunks
+        ends += batch.finished
+    assert held and [e.rid for e in ends] == ["x"] and ends[0].reason == FinishReason.ABORT
+    assert ends[0].n_chunks == len(sent) == [c.index for c in sent][-1] + 1
+
+
 def test_admission_paces_the_lm_as_fast_as_groups_need(chatterbox) -> None:
     """Window 4 of groups (1, 2, 4) leaves with window 7: the LM must make 7 windows of rows while 4
     play, 1.75 times real time; admission's step budget shrinks by that much."""

@@ -240,10 +240,9 @@ class Scheduler:
             req.slot = -1
         self.allocator.free(req.pages)
         req.pages = []
+        sent = req.n_chunks - len(req.grouped)  # windows still held for their group never leave
         self.finished.append(
-            Finished(
-                req.rid, reason, n_tokens=req.n_gen, n_chunks=req.n_chunks, n_prompt_tokens=len(req.prompt)
-            )
+            Finished(req.rid, reason, n_tokens=req.n_gen, n_chunks=sent, n_prompt_tokens=len(req.prompt))
         )
 
     def take_finished(self) -> list[Finished]:
