@@ -324,6 +324,12 @@ class Sampler(Protocol):
         """logits [B, V] float32 → token ids [B] int64 with each request's sampling settings."""
         ...
 
+    def untempered(self, logits: torch.Tensor, salt: int) -> torch.Tensor:
+        """logits [B, K, V] → token ids [B, K] int64 drawn from each row's softmax as it is
+        (temperature 1, no top-k/p or min-p, for greedy requests too), entry k with the salt
+        salt + k: a redraw that ignores the request's settings (e.g. repetition-aware sampling)."""
+        ...
+
 
 @dataclass(frozen=True)
 class CodecStreams:

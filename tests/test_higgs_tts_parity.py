@@ -1,7 +1,9 @@
 """Higgs Audio v2 through the gpu_worker engine equals transformers' `HiggsAudioV2ForConditionalGeneration.generate`
 for the same random weights (higgs-tts-tiny, CPU fp32), from the prompt the program builds: greedy
 rows (8 codebooks from one hidden state, the delay pattern's forced stream bos and eos, the stop at
-the all-eos row, or at max_tokens) alone and inside a batch of staggered requests; sampled rows that do not depend on
+the all-eos row, or at max_tokens, with the published repetition-aware sampling, its redraws the
+runtime's: tests/higgs_tts_reference.py `repetition_aware`) alone and inside a batch of staggered
+requests; sampled rows that do not depend on
 the batch; and the audio the codec_worker streams, one row at a time with state per request and
 requests interleaved in its decodes, equal within 1 LSB of PCM16 to the reference tokenizer's
 whole-utterance decode (`HiggsAudioV2Processor.batch_decode`'s steps: between the bos and eos rows,
@@ -26,7 +28,7 @@ from programs.base import pcm16
 from programs.higgs_tts import spec as h
 from programs.higgs_tts.codec import HiggsCodec
 from programs.higgs_tts.model import HiggsLM
-from tests.higgs_tts_reference import reference_lm, reference_tokenizer
+from tests.higgs_tts_reference import reference_lm, reference_tokenizer, repetition_aware
 
 SPEC = get_spec("higgs-tts-tiny")
 EOS_SCALE = 1.3
@@ -60,8 +62,13 @@ def ref(program):
 def ref_generate(ref, program, text: str, options: dict, new: int) -> np.ndarray:
     """The reference's rows [T, 8] for the program's prompt of `text` (its ids as input_ids)."""
     ids = torch.tensor(program.preprocess(text, options).rows[:, 0][None].astype(np.int64))
-    with torch.no_grad():
-        return ref.generate(input_ids=ids, max_new_tokens=new, do_sample=False)[0].numpy()
+    with torch.no_grad(), repetition_aware(ref, [0]) as ras:  # the requests' seed: 0
+        out = ref.generate(input_ids=ids, max_new_tokens=new, do_sample=False)[0].numpy()
+    REDRAWS.append(ras["redraws"])
+    return out
+
+
+REDRAWS: list[int] = []  # the reference's repetition-aware redraws per generate
 
 
 def as_reference(rows: np.ndarray) -> np.ndarray:
@@ -108,6 +115,7 @@ def wanted(ref, program) -> dict:
 
 
 def test_greedy_rows_equal_the_reference_alone_and_in_a_batch(program, wanted):
+    assert sum(REDRAWS) >= 1, "repetition-aware sampling redraws in these rows (2 with these weights)"
     ended = [rid for rid, want in wanted.items() if (want[-1] == h.STREAM_EOS).all()]
     assert len(ended) >= 3 and "f" not in ended, "these weights end most utterances within the budget"
     assert len({len(w) for w in wanted.values()}) >= 3, "of different lengths"

@@ -114,6 +114,25 @@ def depth_sampler(rows: SamplingRows, salts: int = 0):
         salted = dataclasses.replace(plain, seed=rng.mix_keys(rows.seed, salt))
         return sample_rows(logits.float(), salted, no_stop)
 
+    def untempered(logits: torch.Tensor, salt: int) -> torch.Tensor:
+        """logits [B, K, V] → ids [B, K]: draws from each row's softmax as it is (temperature 1, no
+        top-k/p or min-p, greedy requests too), entry k keyed by (seed, salt + k), all in one pass."""
+        b, k, v = logits.shape
+        key = rng.mix_keys(rows.seed[:, None], salt + torch.arange(k, device=rows.seed.device)[None, :])
+        flat = SamplingRows(
+            temperature=torch.ones(b * k, device=logits.device),
+            top_k=torch.zeros(b * k, dtype=torch.int64, device=logits.device),
+            top_p=torch.ones(b * k, device=logits.device),
+            min_p=torch.zeros(b * k, device=logits.device),
+            rep_penalty=torch.ones(b * k, device=logits.device),
+            seed=key.reshape(-1),
+            counter=rows.counter[:, None].expand(b, k).reshape(-1),
+            history=None,
+            block_stop=torch.zeros(b * k, dtype=torch.bool, device=logits.device),
+        )
+        return sample_rows(logits.reshape(b * k, v).float(), flat, no_stop).view(b, k)
+
+    sample.untempered = untempered  # type: ignore[attr-defined]
     return sample
 
 

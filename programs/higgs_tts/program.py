@@ -140,9 +140,38 @@ class HiggsTtsProgram(LMProgram):
             out.append({"codes": self.encoder.encode(audio).cpu().numpy().astype(np.int32)})
         return out
 
+    # --- per-request state: the repetition-aware sampling window --------------------------------
+    def init_state(self, num_slots: int) -> None:
+        """Each slot's last RAS_WINDOW audio rows, a ring by generated row (-1: none yet)."""
+        self._recent = torch.full(
+            (num_slots, h.RAS_WINDOW, h.N_CODEBOOKS), -1, dtype=torch.int64, device=self.device
+        )
+
+    def admit(self, slot: int, state: dict[str, np.ndarray]) -> None:
+        """The ring starts empty, or with a cloned voice's last clip rows (`ras_window`, oldest first)
+        where the generated rows will overwrite the oldest first, as the reference's window of its
+        audio ids slides from the clip into the generated rows."""
+        from gpu_worker.runner.slots import to_device
+
+        ring = np.full((h.RAS_WINDOW, h.N_CODEBOOKS), -1, dtype=np.int64)
+        window = state.get("ras_window")
+        if window is not None:
+            k = len(window)
+            ring[(np.arange(k) - k) % h.RAS_WINDOW] = window  # the last clip row at index -1
+        self._recent[slot] = to_device(torch.from_numpy(ring), self.device)
+
     def check_prompt(self, rows: np.ndarray, state: dict[str, np.ndarray]) -> str:
-        if state:
-            return f"{self.name} prompts carry no state; got {sorted(state)}"
+        if set(state) - {"ras_window"}:
+            return f"{self.name} prompts carry at most the state ['ras_window']; got {sorted(state)}"
+        window = state.get("ras_window")
+        if window is not None and (
+            window.ndim != 2
+            or window.shape[1] != h.N_CODEBOOKS
+            or not 1 <= len(window) <= h.RAS_WINDOW
+            or window.min() < 0
+            or window.max() >= h.CODEBOOK_IDS
+        ):
+            return f"'ras_window' holds 1 to {h.RAS_WINDOW} audio rows of {h.N_CODEBOOKS} ids below {h.CODEBOOK_IDS}"
         if len(rows) == 0 or rows[-1, 0] != h.AUDIO_OUT_BOS:
             return "a prompt ends with <|audio_out_bos|>"
         audio = rows[:, 1] >= h.PROMPT_AUDIO
@@ -200,7 +229,21 @@ class HiggsTtsProgram(LMProgram):
         FORCED_EOS), one more codebook of forced eos each row; after the all-eos row, flush rows."""
         logits = self.lm.logits(hidden)  # [B, 8, 1026]
         row = torch.stack([c0, *(sample(logits[:, k], k) for k in range(1, h.N_CODEBOOKS))], dim=1)
-        return delay_pattern(row, rows.step, rows.prev)
+        row = delay_pattern(self._repetition_aware(row, logits, sample, rows.slot), rows.step, rows.prev)
+        self._recent[rows.slot, rows.step % h.RAS_WINDOW] = row
+        return row
+
+    def _repetition_aware(
+        self, row: torch.Tensor, logits: torch.Tensor, sample: Sampler, slot: torch.Tensor
+    ) -> torch.Tensor:
+        """Repetition-aware sampling (the reference's `ras_win_len` / `ras_win_max_num_repeat`): a
+        codebook's id that the request's last RAS_WINDOW audio rows hold RAS_MAX_REPEAT times or
+        more (stream bos, eos and the program's markers not counted) is drawn again from its raw
+        logits' softmax, whatever the request's temperature. Where the delay pattern forces an id,
+        the forced id replaces either draw, as the reference forces it before drawing."""
+        recent = self._recent[slot]  # [B, W, 8]
+        seen = ((recent == row[:, None]) & (recent >= 0) & (recent < h.STREAM_BOS)).sum(1)  # [B, 8]
+        return torch.where(seen >= h.RAS_MAX_REPEAT, sample.untempered(logits, h.RAS_SALT), row)
 
     # --- tokens → meaning ----------------------------------------------------------------------
     def classify(self, tokens: torch.Tensor, n_audio: torch.Tensor) -> torch.Tensor:
@@ -275,7 +318,12 @@ class HiggsTtsProgram(LMProgram):
         model_kwargs = self._options(model_kwargs)
         if not text or not text.strip():
             raise ValueError("text is empty; give the text to speak")
-        return PromptRows(_rows(self._ids(text, model_kwargs, voice)))
+        rows = _rows(self._ids(text, model_kwargs, voice))
+        if voice is None:
+            return PromptRows(rows)
+        # the clip's last audio rows open the repetition-aware sampling window (admit)
+        window = clip_rows(_codes(voice))[-h.RAS_WINDOW :] - h.PROMPT_AUDIO
+        return PromptRows(rows, {"ras_window": window.astype(np.int32)})
 
     def _options(self, model_kwargs: dict[str, str]) -> dict[str, str]:
         if model_kwargs.get("voice"):

@@ -57,6 +57,11 @@ AUDIO_EOS = "<|audio_eos|>"  # closes a prompt's audio (id from the tokenizer)
 # A prompt's audio row (a cloned voice's clip): every column PROMPT_AUDIO + its codebook's id, so a
 # prompt row is text (column 0 the id, the rest 0) or audio (every column >= PROMPT_AUDIO)
 PROMPT_AUDIO = 4096
+# Repetition-aware sampling (the published generation_config.json: ras_win_len 7,
+# ras_win_max_num_repeat 2): a codebook's draw that its last RAS_WINDOW audio rows already hold
+# RAS_MAX_REPEAT times or more (stream bos and eos not counted) is drawn again from the raw logits.
+RAS_WINDOW, RAS_MAX_REPEAT = 7, 2
+RAS_SALT = 8  # the redraws' salts: RAS_SALT + codebook (codebooks 1..7 draw with salts 1..7)
 
 SYSTEM_MESSAGE = "Generate audio following instruction."
 DEFAULT_SCENE = "Audio is recorded from a quiet room."
@@ -98,8 +103,8 @@ _COMMON = {
         "system": f"the system message (default: {SYSTEM_MESSAGE!r})",
     },
     "refused": {"speed": "Higgs Audio cannot change its speaking rate"},
-    # bosonai's examples/generation.py defaults (temperature 1.0, top_k 50, top_p 0.95); its
-    # repetition-aware sampling (ras_win_len 7) is not applied here (docs/models/higgs-tts.md).
+    # bosonai's examples/generation.py defaults (temperature 1.0, top_k 50, top_p 0.95), with its
+    # repetition-aware sampling (RAS_WINDOW, RAS_MAX_REPEAT below) on every request.
     "sampling": {
         "temperature": 1.0,
         "top_k": 50,
