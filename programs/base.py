@@ -283,7 +283,7 @@ class TokenKind(enum.IntEnum):
 class Rows:
     """Where the rows of a step belong (see "Rows and per-request state"), on the step's device."""
 
-    slot: torch.Tensor  # [N] int64 the request's slot
+    slot: torch.Tensor  # [N] int64 the request's slot (a graph bucket's padding rows: the scratch slot)
     step: torch.Tensor  # [N] int64 prompt rows -R..-1, generated rows 0, 1, …
     prev: torch.Tensor | None = None  # [B, C] int64 the request's previous row (decode_tokens only)
     prompt_rows: int | None = None  # rows [0, prompt_rows) are prompt rows, the rest generated (embed only)

@@ -105,3 +105,54 @@ def test_the_redraw_is_keyed_by_request_codebook_and_row_whatever_the_batch():
     assert torch.equal(batch[:1], alone)
     assert len(set(batch[0].tolist())) > 4, "codebooks draw apart"
     assert not torch.equal(batch[0], batch[1]) and not torch.equal(batch[0], batch[2]), "seeds and rows"
+
+
+def test_a_depth_graphs_padding_rows_write_only_the_scratch_slots_window():
+    """The depth step in graphs (gpu_worker/runner/depth_graphs.py, replayed here by a stand-in that
+    reruns the captured call): a bucket's padding entries sit on the scratch slot, so the rows they
+    write never reach a live request's window, also after a larger batch filled the bucket."""
+    from unittest import mock
+
+    import gpu_worker.runner.depth_graphs as dg
+    from programs.base import Rows
+
+    class Replay:
+        def __init__(self, step, out) -> None:
+            self.step, self.out = step, out
+
+        def replay(self) -> None:
+            self.out.copy_(self.step())
+
+    def capture(step, pool):
+        out = step()
+        return Replay(step, out), out
+
+    p = load_program_class("higgs-tts-tiny")(get_spec("higgs-tts-tiny"), load_format="dummy", device="cpu")
+    p.load_lm()
+    scratch = 8
+    p.init_state(scratch + 1)
+    with mock.patch.object(dg, "capture", capture), mock.patch("torch.cuda.graph_pool_handle", lambda: None):
+        graphs = dg.DepthGraphs(p, [4, 8], scratch_slot=scratch)
+
+    def step(slots: list[int]) -> None:
+        n = len(slots)
+        rows = SamplingRows(
+            torch.ones(n), torch.zeros(n, dtype=torch.int64), torch.ones(n), torch.zeros(n), torch.ones(n),
+            torch.arange(n), torch.full((n,), 3), None, torch.zeros(n, dtype=torch.bool),
+        )  # fmt: skip
+        where = Rows(
+            torch.tensor(slots), torch.full((n,), 3), torch.zeros(n, h.N_CODEBOOKS, dtype=torch.int64)
+        )
+        with torch.inference_mode():
+            graphs.run(torch.randn(n, p.hidden_size, dtype=p.dtype), torch.arange(n), rows, where)
+
+    for s in range(scratch):
+        p.admit(s, {})
+    step([0, 1, 2, 3, 4, 5])  # bucket 8: two padding entries
+    filled = [int((p._recent[s] >= 0).all(-1).sum()) for s in range(6)]
+    assert filled == [1] * 6, "each live slot holds its own row alone"
+    first = p._recent.clone()
+    step([5, 6, 7])  # bucket 4: one padding entry, where slot 3 sat in the larger batch
+    written = {s for s in range(scratch + 1) if (p._recent[s] >= 0).any()}
+    assert written == {0, 1, 2, 3, 4, 5, 6, 7, scratch}
+    assert torch.equal(p._recent[:5], first[:5]), "slots 0-4 (not in the second step) keep their rows"

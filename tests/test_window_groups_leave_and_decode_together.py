@@ -119,11 +119,12 @@ def test_the_codec_decodes_each_group_as_one_window() -> None:
 
 @pytest.fixture(scope="module")
 def chatterbox(tmp_path_factory):
-    """chatterbox-tiny with a flow context of 100 tokens, which holds groups of 2 and 4 windows
-    (the shipped tiny config's 40 hold none: the program then sends every window alone)."""
+    """chatterbox-tiny with a flow context of 110 tokens, which holds groups of 2 and 4 windows and
+    HiFT's look-back before them (the shipped tiny config's 40 hold none: the program then sends
+    every window alone)."""
     tiny = load_program_class("chatterbox-tiny")(get_spec("chatterbox-tiny"), load_format="dummy")
     assert tiny.detok_groups == () and tiny.codec_merge == ()
-    cfg = {**tiny.read_config("codec_config"), "flow_context": 100}
+    cfg = {**tiny.read_config("codec_config"), "flow_context": 110}
     path = tmp_path_factory.mktemp("chatterbox") / "s3gen.json"
     path.write_text(json.dumps(cfg))
     spec = {**get_spec("chatterbox-tiny"), "codec_config": str(path)}

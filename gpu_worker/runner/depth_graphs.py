@@ -70,8 +70,12 @@ class DepthGraphs:
         progress: Callable[[str], None] | None = None,
         compiled: Callable[..., torch.Tensor] | None = None,
         fallback: bool = True,
+        scratch_slot: int = 0,
     ) -> None:
         self.program = program
+        # A bucket's padding entries belong to the scratch slot, so a program that writes per-slot
+        # state in `decode_tokens` never writes a live request's from a padding row.
+        self.scratch_slot = scratch_slot
         self.sizes = sizes
         self.step = compiled or depth_step
         self.compiled = compiled is not None
@@ -93,7 +97,7 @@ class DepthGraphs:
         )
         # Where each row belongs (programs.base.Rows): slot, step and the previous row.
         self.where = Rows(
-            slot=torch.zeros(bmax, **i64),
+            slot=torch.full((bmax,), scratch_slot, **i64),
             step=torch.zeros(bmax, **i64),
             prev=torch.zeros(bmax, program.n_codebooks, **i64),
         )
@@ -144,6 +148,7 @@ class DepthGraphs:
         self.hidden[:n].copy_(hidden)
         self.c0[:n].copy_(c0)
         self.where.slot[:n].copy_(where.slot)
+        self.where.slot[n:bs].fill_(self.scratch_slot)  # a larger batch's slots may linger there
         self.where.step[:n].copy_(where.step)
         self.where.prev[:n].copy_(where.prev)
         for f in _FIELDS:

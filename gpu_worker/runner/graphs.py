@@ -192,7 +192,9 @@ class GraphRunner:
             from gpu_worker.runner.depth_graphs import DepthGraphs, compiled_step
 
             compiled = compiled_step(program, limits.depth_compile, limits.cuda_graphs)
-            self.depth = DepthGraphs(program, self.sizes, progress, compiled, limits.depth_compile == "auto")
+            self.depth = DepthGraphs(
+                program, self.sizes, progress, compiled, limits.depth_compile == "auto", self.scratch_slot
+            )
 
     # --- capture -------------------------------------------------------------------------------
     def _capture_decode(self, progress: Callable[[str], None] | None) -> None:

@@ -240,7 +240,7 @@ class Scheduler:
             req.slot = -1
         self.allocator.free(req.pages)
         req.pages = []
-        sent = req.n_chunks - len(req.grouped)  # windows still held for their group never leave
+        sent = req.n_chunks - len(req.grouped) - len(req.held)  # windows still held never leave
         self.finished.append(
             Finished(req.rid, reason, n_tokens=req.n_gen, n_chunks=sent, n_prompt_tokens=len(req.prompt))
         )

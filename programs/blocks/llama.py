@@ -126,8 +126,9 @@ def row_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     """`norm(x)` for rows x [N, H]; on a GPU as FlashInfer's RMSNorm, whose reduction runs one row
     per thread block in an order fixed by H alone, so a row's bits do not depend on how many rows
     the step holds (torch's reductions pick their split by the row count). It rounds once, in
-    fp32, where HF casts back to the dtype before the weight."""
-    if x.is_cuda and x.dim() == 2:
+    fp32, where HF casts back to the dtype before the weight. float32 rows take `norm`."""
+    half = (torch.float16, torch.bfloat16)  # what FlashInfer's kernel takes, the weight alike
+    if x.is_cuda and x.dim() == 2 and x.dtype in half and norm.weight.dtype == x.dtype:
         try:
             import flashinfer
         except ImportError:  # the gpu extra is not installed

@@ -102,9 +102,10 @@ class S3Gen(nn.Module):
 
     @property
     def window_limit(self) -> int:
-        """The most tokens one stream window may hold in any voice (the flow's context left next to
-        the longest voice's prompt)."""
-        return min(self.flow_context, self.positions - self.voice_tokens)
+        """The most tokens one stream window may hold in any voice: the flow's context left next to
+        the longest voice's prompt, less the tokens of HiFT's `hift_context` frames before it (a
+        continuing window's look-back must fall on the request's own frames)."""
+        return min(self.flow_context, self.positions - self.voice_tokens) - -(-self.hift_context // 2)
 
     def set_voice(self, tokens: torch.Tensor, mel: torch.Tensor, xvector: torch.Tensor) -> None:
         """The default voice: prompt tokens [P] int64, their mel [80, 2P], x-vector [192]."""

@@ -125,6 +125,7 @@ class ChatterboxProgram(LMProgram):
         self.voice_tokens = codec.get("voice_tokens", codec["prompt_tokens"])
         self.s3gen_dims = (codec["flow"]["mels"], codec["flow"]["xvector_dim"])
         room = min(codec["flow_context"], codec["prompt_tokens"] + codec["flow_context"] - self.voice_tokens)
+        room -= -(-codec["hift_context"] // 2)  # HiFT's look-back frames (S3Gen.window_limit)
         fits = tuple(m for m in type(self).codec_merge if m * self.detok_interval <= room)
         self.codec_merge, self.detok_groups = fits, (1, *fits) if fits else ()
 
@@ -292,6 +293,8 @@ class ChatterboxProgram(LMProgram):
             return f"'s3gen_mel' is [2 P, {mels}] for P tokens and 's3gen_xvector' [{dim}]"
         if not (np.isfinite(mel).all() and np.isfinite(xvector).all()):
             return "'s3gen_mel' and 's3gen_xvector' are finite"
+        if np.abs(mel).max() > 30 or np.abs(xvector).max() > 1e3:  # float16 holds them (log mels lie in ±12)
+            return "'s3gen_mel' lies within ±30 and 's3gen_xvector' within ±1000"
         return ""
 
     # --- LM step (graph) -----------------------------------------------------------------------
