@@ -216,3 +216,28 @@ def test_the_codec_worker_conditions_a_requests_slot_on_the_voice_its_chunk_0_ca
     codec.decode([chunk("e", 0, x)])
     late = codec.launch([chunk("e", 1, x, voice=arrays)])
     assert "carries a voice" in late.failed["e"].message
+
+
+def test_a_voice_longer_than_the_default_takes_context_places_and_decodes_as_the_reference(tmp_path):
+    """A config whose voices may bring more prompt tokens than the default voice's (voice_tokens
+    20 against 10, as the shipped config's 250 against 150): a 15-token voice leaves the request's
+    context 35 of the flow's 50 places, and its first window is still the whole decode of its
+    tokens in that voice (HiFT's look-ahead frames aside)."""
+    import json
+
+    cfg = {**json.loads(open(CONFIG).read()), "voice_tokens": 20}
+    path = tmp_path / "s3gen.json"
+    path.write_text(json.dumps(cfg))
+    model = cd.S3Gen.from_config(str(path), torch.float32, "cpu", seed=4)
+    assert model.positions == 50 and model.window_limit == min(40, 50 - 20) - 2
+    v, x, key = voice(15, 41), ids(3 * R, 7), 13
+    model.init_streams(2)
+    model.set_stream_voice(1, v)
+    first = windows(model, [(x, key, 1)], 1)[0][0]
+    with torch.no_grad():
+        whole = model.decode(x[:R], key, voice=v)
+    settled = (2 * R - 3 * model.hift_context) * cd.SAMPLES_PER_FRAME
+    assert (first[:settled] - whole[:settled]).abs().max() < 1e-4
+    windows(model, [(x, key, 1)], 3)  # the stream's 75 tokens
+    _, valid, _, is_token = model._context(torch.tensor([1]), torch.tensor([3 * R]))
+    assert int((valid & ~is_token).sum()) == 15 and int(is_token.sum()) == 35
