@@ -8,5 +8,6 @@
 - `weights`: finding a checkpoint and copying named weights into a module;
 - `text_tokenizer`: the checkpoint's `tokenizer.json`, or an offline byte-level BPE stand-in;
 - `rng`: counter-based random numbers for the sampler and codec noise;
-- `mimi_encoder`: Kyutai Mimi's encoder (audio → codes), batched clips of different lengths.
+- `mimi_encoder`: Kyutai Mimi's encoder (audio → codes), batched clips of different lengths;
+- `audio`: the clip encoders' resampler (torchaudio's arithmetic) and Slaney mel filterbank.
 """

@@ -30,7 +30,6 @@ clip to DEC_COND_LEN = 10 s first), `s3gen_voice`:
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import numpy as np
@@ -38,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from programs.blocks.audio import mel_filters, resample
 from programs.chatterbox.xvector import MIN_SAMPLES, CAMPPlus
 
 SAMPLE_RATE = 16000
@@ -51,26 +51,6 @@ S3GEN_PROMPT_TOKENS = S3GEN_PROMPT_SAMPLES // TOKEN_SAMPLES  # 250
 S3GEN_N_FFT, S3GEN_HOP, S3GEN_MELS = 1920, 480, 80
 WINDOW_FRAMES, WINDOW_STEP = 160, 77  # the voice encoder's partials: round(16000 / 1.3 / 160)
 TOKENIZER = {"n_mels": 128, "n_state": 1280, "n_head": 20, "n_layer": 6}  # S3TokenizerV2's ModelConfig
-
-
-def mel_filters(n_mels: int, fmax: float, rate: int = SAMPLE_RATE, n_fft: int = N_FFT) -> np.ndarray:
-    """The Slaney-scale, Slaney-normalized mel filterbank [n_mels, n_fft // 2 + 1] float32 at `rate`
-    from 0 Hz (librosa's `filters.mel`), computed in float64."""
-
-    def to_mel(f: np.ndarray) -> np.ndarray:
-        log = 15.0 + np.log(np.maximum(f, 1e-10) / 1000.0) / (math.log(6.4) / 27.0)
-        return np.where(f >= 1000.0, log, f / (200.0 / 3))
-
-    def to_hz(m: np.ndarray) -> np.ndarray:
-        return np.where(m >= 15.0, 1000.0 * np.exp((math.log(6.4) / 27.0) * (m - 15.0)), m * (200.0 / 3))
-
-    freqs = np.linspace(0, rate / 2, n_fft // 2 + 1)
-    edges = to_hz(np.linspace(to_mel(np.array(0.0)), to_mel(np.array(fmax)), n_mels + 2))
-    ramps = edges[:, None] - freqs[None, :]
-    gaps = np.diff(edges)
-    lower, upper = -ramps[:-2] / gaps[:-1, None], ramps[2:] / gaps[1:, None]
-    weights = np.maximum(0.0, np.minimum(lower, upper)) * (2.0 / (edges[2:] - edges[:-2]))[:, None]
-    return weights.astype(np.float32)
 
 
 def trim_silence(wav: np.ndarray, top_db: float = 20.0, frame: int = 2048, hop: int = 512) -> np.ndarray:
@@ -98,7 +78,9 @@ class VoiceEncoder(nn.Module):
         self.proj = nn.Linear(256, 256)
         self.similarity_weight = nn.Parameter(torch.tensor([10.0]))
         self.similarity_bias = nn.Parameter(torch.tensor([-5.0]))
-        self.register_buffer("basis", torch.from_numpy(mel_filters(40, 8000.0)), persistent=False)
+        self.register_buffer(
+            "basis", torch.from_numpy(mel_filters(SAMPLE_RATE, N_FFT, 40, 0.0, 8000.0)), persistent=False
+        )
 
     @torch.inference_mode()
     def embed(self, wav: np.ndarray) -> np.ndarray:
@@ -194,7 +176,9 @@ class S3Tokenizer(nn.Module):
         self.quantizer._codebook = nn.Module()
         self.quantizer._codebook.project_down = nn.Linear(self.cfg["n_state"], 8)
         self.register_buffer(
-            "basis", torch.from_numpy(mel_filters(self.cfg["n_mels"], 8000.0)), persistent=False
+            "basis",
+            torch.from_numpy(mel_filters(SAMPLE_RATE, N_FFT, self.cfg["n_mels"], 0.0, 8000.0)),
+            persistent=False,
         )
         # Rotary angles of head width 64 for 2048 positions (s3tokenizer's precompute_freqs_cis).
         freqs = 1.0 / (10000.0 ** (torch.arange(0, 64, 2)[:32].float() / 64))
@@ -225,34 +209,9 @@ class S3Tokenizer(nn.Module):
         return (digits * powers).sum(-1).to(torch.int32).cpu().numpy()
 
 
-def resample(audio: torch.Tensor, source: int, target: int) -> torch.Tensor:
-    """audio [..., S] float32 at `source` Hz → [..., ceil(S · target / source)] at `target` Hz as
-    torchaudio's `transforms.Resample(source, target)` computes it (sinc_interp_hann, 6 zero
-    crossings, rolloff 0.99): one polyphase kernel per output phase, computed in float64 (the
-    phases' offsets -j / target in float32, as there) and applied in float32 as a strided
-    convolution."""
-    if source == target:
-        return audio
-    g = math.gcd(source, target)
-    down, up = source // g, target // g
-    cutoff = min(down, up) * 0.99
-    width = math.ceil(6 * down / cutoff)
-    taps = torch.arange(-width, width + down, dtype=torch.float64)[None, None] / down
-    t = (torch.arange(0, -up, -1)[:, None, None] / up + taps) * cutoff  # the offsets' division in float32
-    t = t.clamp(-6, 6)
-    window = torch.cos(t * math.pi / 6 / 2) ** 2
-    t = t * math.pi
-    kernel = torch.where(t == 0, torch.tensor(1.0, dtype=t.dtype), t.sin() / t) * (window * (cutoff / down))
-    kernel = kernel.to(audio.device, torch.float32)  # [up, 1, taps]
-    flat = audio.reshape(-1, audio.shape[-1])
-    out = F.conv1d(F.pad(flat, (width, width + down))[:, None], kernel, stride=down)
-    out = out.transpose(1, 2).reshape(flat.shape[0], -1)[:, : math.ceil(up * flat.shape[-1] / down)]
-    return out.reshape(*audio.shape[:-1], out.shape[-1])
-
-
 @functools.lru_cache(maxsize=4)
 def _s3gen_mel_constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    basis = mel_filters(S3GEN_MELS, 8000.0, S3GEN_RATE, S3GEN_N_FFT)
+    basis = mel_filters(S3GEN_RATE, S3GEN_N_FFT, S3GEN_MELS, 0.0, 8000.0)
     return torch.from_numpy(basis).to(device), torch.hann_window(S3GEN_N_FFT, device=device)
 
 
@@ -280,7 +239,7 @@ def s3gen_voice(wav: np.ndarray, tokenizer: S3Tokenizer, speaker_encoder: CAMPPl
     if len(wav) < MIN_SAMPLES:
         raise ValueError(f"the reference clip is too short for S3Gen's voice ({MIN_SAMPLES / 16:g} ms)")
     audio = torch.from_numpy(wav).to(speaker_encoder.banks.device)
-    mel = s3gen_mel(resample(audio, SAMPLE_RATE, S3GEN_RATE))
+    mel = s3gen_mel(resample(audio, SAMPLE_RATE, S3GEN_RATE, kernel_dtype=torch.float64))  # as Resample
     tokens = tokenizer.tokens(wav, S3GEN_PROMPT_TOKENS)
     p = min(len(tokens), len(mel) // 2)
     return {

@@ -29,34 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from programs.blocks.audio import resample
 from programs.higgs_tts import spec as h
 from programs.higgs_tts.codec import Snake, load_parts
 
 SEMANTIC_PAD = 160  # samples at 16 kHz on each side of the clip before HuBERT
-
-
-def resample(audio: torch.Tensor, source: int, target: int, zeros: int = 6, rolloff: float = 0.99):
-    """audio [..., S] float at `source` Hz → [..., ceil(S · target / source)] at `target` Hz: each
-    output sample a windowed-sinc interpolation of the inputs (Hann window over `zeros` zero
-    crossings of a low-pass at `rolloff` of the lower Nyquist rate), as one strided convolution."""
-    if source == target:
-        return audio
-    g = math.gcd(source, target)
-    up, down = target // g, source // g
-    cutoff = min(up, down) * rolloff
-    width = math.ceil(zeros * down / cutoff)
-    dtype, dev = audio.dtype, audio.device
-    taps = torch.arange(-width, width + down, dtype=dtype, device=dev)[None, None] / down
-    t = (torch.arange(0, -up, -1, dtype=dtype, device=dev)[:, None, None] / up + taps) * cutoff
-    t = t.clamp(-zeros, zeros)
-    window = torch.cos(t * math.pi / zeros / 2) ** 2
-    t = t * math.pi
-    kernel = torch.where(t == 0, torch.ones((), dtype=dtype, device=dev), t.sin() / t)
-    kernel = kernel * (window * (cutoff / down))  # [up, 1, taps]
-    flat = audio.reshape(-1, audio.shape[-1])
-    out = F.conv1d(F.pad(flat, (width, width + down))[:, None], kernel, stride=down)
-    out = out.transpose(1, 2).reshape(flat.shape[0], -1)[:, : math.ceil(up * flat.shape[-1] / down)]
-    return out.reshape(*audio.shape[:-1], out.shape[-1])
 
 
 # --- HuBERT (the semantic teacher) ---------------------------------------------------------------

@@ -20,13 +20,13 @@ softmax over time counts the clip's frames only.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from programs.blocks.audio import mel_filters
 
 N_FFT, HOP, N_MELS, F_MAX = 1024, 256, 128, 12000
 DEFAULTS = {
@@ -40,27 +40,6 @@ DEFAULTS = {
     "enc_se_channels": 128,
     "sample_rate": 24000,
 }  # the reference's `Qwen3TTSSpeakerEncoderConfig` defaults, which a checkpoint's config overrides
-
-
-def mel_filters(sr: int, n_fft: int, n_mels: int, fmin: float, fmax: float) -> np.ndarray:
-    """The Slaney-scale, Slaney-normalized mel filterbank [n_mels, n_fft // 2 + 1] float32 (librosa's
-    `filters.mel` defaults), computed in float64."""
-
-    def to_mel(f: np.ndarray) -> np.ndarray:
-        log = 15.0 + np.log(np.maximum(f, 1e-10) / 1000.0) / (math.log(6.4) / 27.0)
-        return np.where(f >= 1000.0, log, f / (200.0 / 3))
-
-    def to_hz(m: np.ndarray) -> np.ndarray:
-        return np.where(m >= 15.0, 1000.0 * np.exp((math.log(6.4) / 27.0) * (m - 15.0)), m * (200.0 / 3))
-
-    freqs = np.linspace(0, sr / 2, n_fft // 2 + 1)
-    edges = to_hz(np.linspace(to_mel(np.array(fmin)), to_mel(np.array(fmax)), n_mels + 2))
-    gaps = np.diff(edges)
-    ramps = edges[:, None] - freqs[None, :]
-    lower = -ramps[:-2] / gaps[:-1, None]
-    upper = ramps[2:] / gaps[1:, None]
-    weights = np.maximum(0.0, np.minimum(lower, upper)) * (2.0 / (edges[2:] - edges[:-2]))[:, None]
-    return weights.astype(np.float32)
 
 
 def _reflect(x: torch.Tensor, lengths: torch.Tensor, left: int, right: int) -> torch.Tensor:
