@@ -47,6 +47,15 @@ WEIGHT_NORMS = (
 )
 
 
+def window_room(cfg: dict[str, Any]) -> int:
+    """The most tokens one stream window of an S3Gen config may hold in any voice: the flow's
+    context left next to the longest voice's prompt (`voice_tokens`), less the tokens of HiFT's
+    `hift_context` frames before the window (a continuing window's look-back must fall on the
+    request's own frames)."""
+    ctx, p = cfg["flow_context"], cfg["prompt_tokens"]
+    return min(ctx, p + ctx - cfg.get("voice_tokens", p)) - -(-cfg["hift_context"] // 2)
+
+
 def normal_at(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
     """Standard normal numbers, one per counter: keys [B] int64, counters [B, ...] int64 (Box-Muller
     of two counter-based uniforms)."""
@@ -102,10 +111,8 @@ class S3Gen(nn.Module):
 
     @property
     def window_limit(self) -> int:
-        """The most tokens one stream window may hold in any voice: the flow's context left next to
-        the longest voice's prompt, less the tokens of HiFT's `hift_context` frames before it (a
-        continuing window's look-back must fall on the request's own frames)."""
-        return min(self.flow_context, self.positions - self.voice_tokens) - -(-self.hift_context // 2)
+        """The most tokens one stream window may hold in any voice (`window_room`)."""
+        return window_room(self.cfg)
 
     def set_voice(self, tokens: torch.Tensor, mel: torch.Tensor, xvector: torch.Tensor) -> None:
         """The default voice: prompt tokens [P] int64, their mel [80, 2P], x-vector [192]."""

@@ -119,13 +119,13 @@ class ChatterboxProgram(LMProgram):
         self.hidden_size = cfg["hidden_size"]
         self.head_dim = cfg.get("head_dim") or self.hidden_size // self.num_qo_heads
         self.max_text_rows = cfg["max_text_tokens"] + 2
-        # Groups whose tokens the flow's context holds next to the longest voice's prompt (the tiny
-        # config's 40 tokens hold no group); S3Gen.window_limit.
+        # Groups that a stream window holds in any voice (the tiny config's 40 tokens hold none).
+        from programs.chatterbox.codec import window_room
+
         codec = self.read_config("codec_config")
         self.voice_tokens = codec.get("voice_tokens", codec["prompt_tokens"])
         self.s3gen_dims = (codec["flow"]["mels"], codec["flow"]["xvector_dim"])
-        room = min(codec["flow_context"], codec["prompt_tokens"] + codec["flow_context"] - self.voice_tokens)
-        room -= -(-codec["hift_context"] // 2)  # HiFT's look-back frames (S3Gen.window_limit)
+        room = window_room(codec)
         fits = tuple(m for m in type(self).codec_merge if m * self.detok_interval <= room)
         self.codec_merge, self.detok_groups = fits, (1, *fits) if fits else ()
 
