@@ -20,15 +20,15 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.chatterbox_reference import REFERENCE_TORCHAUDIO, import_torchaudio
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # torchaudio for the reference tests (tests/chatterbox_reference.py: its registry wheel for this torch
 # cannot load its C library without CUDA, so its Python parts are entered without it), the same for
 # the whole session whatever runs first; where torchaudio is installed in the venv, an import of it
 # that failed would also fail every module importing it (transformers' audio utilities do).
-if importlib.util.find_spec("torchaudio") or os.path.isdir(os.path.join(sys.prefix, "reference-torchaudio")):
-    from tests.chatterbox_reference import import_torchaudio
-
+if importlib.util.find_spec("torchaudio") or os.path.isdir(REFERENCE_TORCHAUDIO):
     import_torchaudio()
 
 
