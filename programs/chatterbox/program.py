@@ -398,7 +398,7 @@ class ChatterboxProgram(LMProgram):
 
     def _voice_features(self, voice: Voice) -> dict[str, np.ndarray]:
         """A cloned voice's `encode_references` features, checked: ValueError → HTTP 400. A voice
-        without S3Gen's part (saved before it was encoded) speaks in the default voice's timbre."""
+        without S3Gen's part (features of T3's encoders alone) speaks in the default voice's timbre."""
         f = voice.features
         speaker, tokens = f.get("speaker"), f.get("prompt_tokens")
         if speaker is None or tokens is None or speaker.shape != (c.SPEAKER_DIM,) or tokens.ndim != 1:
