@@ -23,6 +23,7 @@ frame, as its streaming text mode). Base models take a `Voice` (a cloned voice) 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -99,6 +100,9 @@ class Qwen3TtsProgram(LMProgram):
             raise ValueError(f"{self.name} runs with --quantization none (got {self.quantization!r})")
         self.lm = self.lm_weights(Qwen3TtsLM)
         self._set_lm_constants(self.lm.config)
+        half = self.lm.codec_head.weight.dtype in (torch.float16, torch.bfloat16)
+        if self.device.type == "cuda" and half and importlib.util.find_spec("flashinfer") is not None:
+            self.lm.fuse(max_positions=max(self.spec["max_tokens"], 4096))
         self.head_weight = self.lm.codec_head.weight[self.head_ids]  # [V', H]
 
     def load_codec(self) -> None:
