@@ -49,6 +49,10 @@ def prompts(program) -> list[Prompt]:
 def test_graph_runner_frames_equal_the_eager_runner(program, graph_runner_cls):  # noqa: F811
     eager = staggered(Engine(program, GpuWorkerSettings(**LIMITS)), prompts(program))
     eng = graph_engine(program, graph_runner_cls, LIMITS)
+    mixed = []  # a prompt riding in one graph with the decode rows (program.mixed_prefill)
+    for key, (graph, _) in eng.runner.forward_runner.mixed.items():
+        graph.replay = lambda key=key, replay=graph.replay: mixed.append(key) or replay()
     graphs = staggered(eng, prompts(program))
     assert graphs == eager
+    assert mixed, "no request joined the decoding batch in a mixed graph"
     assert all(np.array(frames).shape == (7, 16) for frames, _ in graphs.values())

@@ -60,6 +60,7 @@ class Qwen3TtsProgram(LMProgram):
     codec_merge = (2, 4, 8)  # a stream's waiting frames decode in one call (its decoder takes any R)
     sized_options = ("instructions",)  # an instruction's rows come before the text's
     append_options = {"non_streaming_mode": "false"}  # appended text: the streaming text mode
+    mixed_prefill = True  # every backbone GEMM goes through fp8.linear (Linear, and the fused path's)
 
     def __init__(self, spec: dict[str, Any], **kwargs: Any) -> None:
         super().__init__(spec, **kwargs)
