@@ -2,7 +2,7 @@
 
 Windows arriving from several gpu_worker steps are gathered into one decode while every waiting
 window's listener still has audio to play (`--codec-gather-ms`, codec_worker/gather.py); first
-chunks go at once. A pass decodes what is gathered, up to what `--codec-pass-ms` of GPU time holds (in batches of at most
+chunks go at once. A pass decodes everything gathered together (in batches of at most
 `max_batch` windows of one kind: regular windows, each lead size and each tail size apart), and
 each request's `Finished` is forwarded after its chunks, so the gateway sees a request's audio
 complete before its end. For a program with codec streams that end also frees the request's codec
@@ -103,13 +103,7 @@ class CodecWorker:
         self.inbox: PullChannel[CodecInMsg] = PullChannel(cfg.addresses.codec_in, CodecInMsg, bind=True)
         self.to_gateway: PushChannel[GatewayInMsg] = PushChannel(cfg.addresses.gateway_in)
         regular = (program.detok_interval, 0)
-        self.gather = Gather(
-            cfg.codec.gather_ms / 1000,
-            self.codec.limits[regular],
-            pass_s=cfg.codec.pass_ms / 1000,
-            row_bytes=4 * program.n_codebooks,
-            min_rows=self.codec.limits[regular] * program.detok_interval,
-        )
+        self.gather = Gather(cfg.codec.gather_ms / 1000, self.codec.limits[regular])
         # Heartbeat metrics: windows per call and the busy share show what gathering buys.
         self.counters = {
             "codec_calls_total": 0,
@@ -175,12 +169,9 @@ class CodecWorker:
     def decode_pass(self) -> None:
         """Decode and send everything gathered: the urgent group, then the rest."""
         urgent, rest, finished = self.gather.take()
-        self._decode_and_send(
-            [(urgent, [] if rest else finished), (rest, finished if rest else [])],
-            rows=self.gather.rows(urgent) + self.gather.rows(rest),
-        )
+        self._decode_and_send([(urgent, [] if rest else finished), (rest, finished if rest else [])])
 
-    def _decode_and_send(self, groups: list[tuple[list[DetokChunk], list[Finished]]], rows: int = 0) -> None:
+    def _decode_and_send(self, groups: list[tuple[list[DetokChunk], list[Finished]]]) -> None:
         """One pass: queue every group's decode, then wait for each in turn and send it with its
         ends. The urgent group (first chunks, streams running late) goes first and leaves as soon
         as its own decode is done; the GPU runs the whole pass in one go (see codec_worker/graphs.py
@@ -210,7 +201,7 @@ class CodecWorker:
         if not launched:
             return
         took = time.perf_counter() - t0
-        self.gather.decoded(took, rows)
+        self.gather.decoded(took)
         c = self.counters
         c["codec_calls_total"] += 1  # passes: each waits for the GPU once per group at most
         c["codec_windows_total"] += n

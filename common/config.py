@@ -256,9 +256,6 @@ class CodecSettings(msgspec.Struct, kw_only=True):
     # each size is a graph set of its own): a stream behind, or its first audible windows sent
     # together, takes one decode instead of one round per window.
     merge: int = 1
-    # Longest GPU time a decode pass is given (ms; 0 = no bound): windows past it wait for the next
-    # pass, behind first chunks that arrived meanwhile (codec_worker/gather.py).
-    pass_ms: float = 0.0
 
     def streams_for(self, gpu_max_batch: int) -> int:
         """Codec slots to allocate: `max_streams`, or twice the gpu_worker's batch plus 16. A request's
@@ -273,8 +270,6 @@ class CodecSettings(msgspec.Struct, kw_only=True):
             raise ValueError(f"--codec-call-batch must be -1 (by device), 0 or more, got {self.call_batch}")
         if self.merge < 1:
             raise ValueError(f"--codec-merge must be >= 1 (1 = each window alone), got {self.merge}")
-        if not 0 <= self.pass_ms <= 10_000:
-            raise ValueError(f"--codec-pass-ms must be in 0..10000 (0 = no bound), got {self.pass_ms}")
         if self.max_batch < 0 or not 0 <= self.gather_ms <= 1000:
             raise ValueError("--codec-max-batch must be >= 0 and --codec-gather-ms in 0..1000")
         if not 0 <= self.gpu_share <= 100:

@@ -197,15 +197,6 @@ OPTIONS: tuple[Option, ...] = (
         path="codec.merge",
     ),
     Option(
-        "codec_pass_ms",
-        "longest GPU time one codec decode pass is given, in ms, at its measured cost per row: the "
-        "windows past it go in the next pass, behind first chunks that came meanwhile (0 = a pass "
-        "decodes all that is gathered)",
-        ("serve", "codec_worker"),
-        float,
-        path="codec.pass_ms",
-    ),
-    Option(
         "codec_streams",
         "codec slots for models whose codec keeps each request's state (one per request being "
         "decoded; 0 = twice the gpu_worker's max batch size plus 16)",
