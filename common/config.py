@@ -186,10 +186,18 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     # compile time at startup is not measured yet). It is dozens of tiny sequential kernels per
     # codebook; fused, fewer.
     depth_compile: str = "off"
+    # "on": the LM's layers in fused kernels where its program has them (`fuse_layers`) and the
+    # sampler's tail (sort, top-k/p, min-p, the draw) as one Triton kernel (runner/sample_kernel.py).
+    # Off by default: on the H200 it takes Qwen3-TTS's step from 12.1 to 7.6 ms at batch 1 and its
+    # first audio from 28 to 21 ms, but with the codec under MPS on the same GPU the faster steps
+    # leave the codec less of it (docs/models/qwen3-tts.md, Figures).
+    fused_step: str = "off"
 
     def check(self) -> None:
         if self.depth_compile not in ("auto", "on", "off"):
             raise ValueError(f"--depth-compile is auto, on or off, not {self.depth_compile!r}")
+        if self.fused_step not in ("on", "off"):
+            raise ValueError(f"--fused-step is on or off, not {self.fused_step!r}")
         if self.page_size < 1 or self.max_batch_size < 0 or self.max_context < 0 or self.num_pages < 0:
             raise ValueError(
                 "--page-size must be positive; --max-batch-size, --max-context, --num-pages >= 0"

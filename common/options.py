@@ -156,6 +156,15 @@ OPTIONS: tuple[Option, ...] = (
         path="gpu.depth_compile",
     ),
     Option(
+        "fused_step",
+        "the LM's layers in fused GPU kernels where its model has them (Qwen3-TTS) and the "
+        "sampler's sort, top-k/p and draw as one Triton kernel: shorter steps and first audio; with "
+        "the codec on the same GPU the faster steps take GPU time it needs (on, off: the default)",
+        ("serve", "gpu_worker"),
+        choices=("on", "off"),
+        path="gpu.fused_step",
+    ),
+    Option(
         "codec_compile",
         "compile the codec's regular windows with torch.compile (fuses its elementwise work; tens of "
         "seconds at startup, cached on disk): auto (on a GPU with Triton, when the model has a "

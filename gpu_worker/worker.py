@@ -18,6 +18,7 @@ from common.messages import Abort, Appends, CodecInMsg, GpuInMsg, ProcState, Pro
 from common.pool import CreditWorkChannel
 from common.proc import StatusReporter
 from gpu_worker.engine import Engine
+from gpu_worker.runner.sampler import use_tail_kernel
 from gpu_worker.stages import StageReporter
 from programs import get_spec, load_program_class
 
@@ -56,6 +57,10 @@ class GpuWorker:
         )
         status.set(ProcState.LOADING, f"loading {spec['name']} LM on {device}")
         program.load_lm()
+        if cfg.gpu.fused_step == "on":
+            fused = program.fuse_layers()
+            sampler_kernel = device.startswith("cuda") and use_tail_kernel(True)
+            log.info("--fused-step on: fused layers %s, sampler kernel %s", fused, sampler_kernel)
         limits = engine_limits(cfg, spec, device)
         status.set(ProcState.LOADING, "allocating KV cache")
         self.engine = Engine(program, limits, progress=lambda msg: status.set(ProcState.LOADING, msg))

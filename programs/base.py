@@ -21,6 +21,7 @@ apart from N/B/Bd, state only in buffers, randomness only from the keys passed i
 | `guide(logits, slot)` | gpu_worker | yes | [B, 2, C', V] float32 (conditional, unconditional), slot [B] int64 → [B, C', V] (only with `guidance`) |
 | `decode_tokens(hidden, c0, sample, rows)` | gpu_worker | yes | [B, H], [B] int64, `Rows` (slot, step, prev [B, C]) → row [B, C] int64 (only when C > 1) |
 | `compile_depth(enabled)` | gpu_worker | no | optional: put `decode_tokens`' compilable pieces under torch.compile (--depth-compile) → whether it has any |
+| `fuse_layers()` | gpu_worker | no | optional: after `load_lm`, run the LM's layers in fused GPU kernels (--fused-step on; same math in another rounding order, every kernel row-wise) → whether it did |
 | `init_state(num_slots)` | gpu_worker | no | optional: allocate per-request state buffers [num_slots, …] (see Per-request state) |
 | `check_prompt(rows, state)` | gpu_worker | no | a prompt's rows [R, C] and state arrays → "" or why they are not what `preprocess` builds |
 | `admit(slot, state)` | gpu_worker | no | write a starting request's state into its slot's buffers |
@@ -539,6 +540,12 @@ class LMProgram:
         """Put the compilable pieces of `decode_tokens` under torch.compile (--depth-compile), or
         (enabled False) take them off again; False when the program has none, and the runtime then
         compiles the whole depth step."""
+        return False
+
+    def fuse_layers(self) -> bool:
+        """Switch the loaded LM's layers to fused GPU kernels (--fused-step on), where the program
+        has them and the device takes them; → whether it did. The same math in another rounding
+        order, with every kernel row-wise, so a row's bits still do not depend on its batch."""
         return False
 
     def guide(self, logits: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
+# Triton kernels (gpu_worker/runner/sample_kernel.py) run in Triton's interpreter on a machine
+# without a CUDA GPU; it reads this when triton is first imported, so it is set before anything is.
+if not os.path.exists("/dev/nvidia0") and not os.environ.get("CUDA_VISIBLE_DEVICES"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import asyncio
 import contextlib
 import importlib.util
 import json
-import os
 import shutil
 import signal
 import socket

@@ -68,10 +68,39 @@ def sample_rows(
     ids = rows.candidates
     if ids is not None:
         logits = logits.gather(1, ids)  # [B, K]
+    if u is None:
+        u = rng.uniform(rows.seed, rows.counter)
+    if _tail[0] is not None and logits.is_cuda:  # the rest in one kernel (sample_kernel.py)
+        choice = _tail[0](logits, rows.temperature, rows.top_k, rows.top_p, rows.min_p, u)
+    else:
+        choice = _sample_tail(logits, rows, u)
+    if ids is not None:
+        choice = ids.gather(1, choice[:, None])[:, 0]
+    return choice
 
+
+_tail: list = [None]  # sample_kernel.sample_tail while `use_tail_kernel` has it on
+
+
+def use_tail_kernel(on: bool) -> bool:
+    """Sample on a GPU with the tail as one Triton kernel (sample_kernel.py; --fused-step on) or in
+    torch (off, the default); → whether the kernel is on (False where Triton does not import)."""
+    _tail[0] = None
+    if on:
+        try:
+            from gpu_worker.runner.sample_kernel import sample_tail
+        except ImportError:
+            return False
+        _tail[0] = sample_tail
+    return _tail[0] is not None
+
+
+def _sample_tail(logits: torch.Tensor, rows: SamplingRows, u: torch.Tensor) -> torch.Tensor:
+    """Temperature → top-k → top-p → min-p → the inverse-CDF draw at u [B] (greedy rows: argmax)."""
     greedy = logits.argmax(dim=-1)  # [B]
     temp = rows.temperature.clamp_min(1e-5)[:, None]
-    sorted_logits, order = torch.sort(logits / temp, dim=-1, descending=True)  # [B, V']
+    # Stable: among equal values the lower column ranks first, on every device (and in sample_kernel).
+    sorted_logits, order = torch.sort(logits / temp, dim=-1, descending=True, stable=True)  # [B, V']
     rank = torch.arange(sorted_logits.shape[-1], device=logits.device)[None, :]
     top_k = torch.where(rows.top_k > 0, rows.top_k, sorted_logits.shape[-1])[:, None]
     sorted_logits = sorted_logits.masked_fill(rank >= top_k, float("-inf"))
@@ -83,15 +112,10 @@ def sample_rows(
     drop |= probs < rows.min_p[:, None] * probs[:, :1]
     probs = probs.masked_fill(drop, 0.0)
     cdf = row_cumsum(probs)  # [B, V']
-    if u is None:
-        u = rng.uniform(rows.seed, rows.counter)
     u = u[:, None] * cdf[:, -1:]
     pick = torch.searchsorted(cdf, u).clamp_max(cdf.shape[-1] - 1)  # [B, 1]
     sampled = order.gather(1, pick)[:, 0]
-    choice = torch.where(rows.temperature > 0, sampled, greedy)
-    if ids is not None:
-        choice = ids.gather(1, choice[:, None])[:, 0]
-    return choice
+    return torch.where(rows.temperature > 0, sampled, greedy)
 
 
 def depth_sampler(rows: SamplingRows, salts: int = 0):

@@ -101,9 +101,6 @@ class Qwen3TtsProgram(LMProgram):
             raise ValueError(f"{self.name} runs with --quantization none (got {self.quantization!r})")
         self.lm = self.lm_weights(Qwen3TtsLM)
         self._set_lm_constants(self.lm.config)
-        half = self.lm.codec_head.weight.dtype in (torch.float16, torch.bfloat16)
-        if self.device.type == "cuda" and half and importlib.util.find_spec("flashinfer") is not None:
-            self.lm.fuse(max_positions=max(self.spec["max_tokens"], 4096))
         self.head_weight = self.lm.codec_head.weight[self.head_ids]  # [V', H]
 
     def load_codec(self) -> None:
@@ -267,6 +264,15 @@ class Qwen3TtsProgram(LMProgram):
         self, hidden: torch.Tensor, c0: torch.Tensor, sample: Sampler, rows: Rows
     ) -> torch.Tensor:
         return self.lm.predict(hidden, c0, sample)  # [B, 16]
+
+    def fuse_layers(self) -> bool:
+        """The talker and the predictor in FlashInfer's kernels (`Qwen3TtsLM.fuse`), on a GPU in
+        fp16/bf16 with FlashInfer installed."""
+        half = self.lm.codec_head.weight.dtype in (torch.float16, torch.bfloat16)
+        if self.device.type != "cuda" or not half or importlib.util.find_spec("flashinfer") is None:
+            return False
+        self.lm.fuse(max_positions=max(self.spec["max_tokens"], 4096))
+        return True
 
     def compile_depth(self, enabled: bool = True) -> bool:
         """The predictor's positions as one compiled function (fused.py)."""

@@ -236,10 +236,11 @@ def forced_steps(prompts: list[np.ndarray], rows: np.ndarray) -> list[StepBatch]
     return steps
 
 
-def bf16_engines(model: str, quantization: str = "none"):
+def bf16_engines(model: str, quantization: str = "none", fused: bool = False):
     """(program, Engine with graphs, eager runner over a KV cache of its own) for `model`'s dummy
-    weights in bf16 on the GPU (`quantization` "fp8": its projections in float8): what the
-    per-model parity tests compare."""
+    weights in bf16 on the GPU (`quantization` "fp8": its projections in float8; `fused`: as
+    `--fused-step on` serves it, the layers fused and the sampler's Triton tail, which stays on for
+    the process): what the per-model parity tests compare."""
     from gpu_worker.runner.kv_cache import allocate_kv_cache
     from gpu_worker.runner.model_runner import make_runner
     from programs import get_spec, load_program_class
@@ -248,6 +249,10 @@ def bf16_engines(model: str, quantization: str = "none"):
         get_spec(model), load_format="dummy", device="cuda", dtype=torch.bfloat16, quantization=quantization
     )
     prog.load_lm()
+    if fused:
+        from gpu_worker.runner.sampler import use_tail_kernel
+
+        assert prog.fuse_layers() and use_tail_kernel(True)
     kv = allocate_kv_cache(
         prog.num_layers, 1 + 64 * 65, PAGE, prog.num_kv_heads, prog.head_dim, torch.bfloat16, "cuda"
     )

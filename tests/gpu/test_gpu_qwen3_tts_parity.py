@@ -9,6 +9,8 @@ against the reference's where it imports, one engine for every check.
 3. Greedy frames of a request alone and among 3 and 17 others joining at different steps, in both
    text modes (the streaming one reads its text from the per-request state inside the graphs).
 4. Decode step time with graphs (talker + code predictor) per batch size, context 300.
+
+Each runs twice: with the layers as served by default and with `--fused-step on`.
 """
 
 from __future__ import annotations
@@ -29,14 +31,20 @@ FRAME_MS = 80.0
 MODEL = "qwen3-tts"
 
 
-@pytest.fixture(scope="module")
-def qwen():
-    """(program, engine, eager runner)."""
-    return bf16_engines(MODEL)
+@pytest.fixture(scope="module", params=["eager", "fused"])
+def qwen(request):
+    """(program, engine, eager runner): the layers as served by default, then with --fused-step on
+    (FlashInfer's fused layers and the sampler's Triton tail); each writes a report of its own."""
+    fused = request.param == "fused"
+    yield (*bf16_engines(MODEL, fused=fused), "qwen3-tts-parity" + ("-fused-step" if fused else ""))
+    if fused:
+        from gpu_worker.runner.sampler import use_tail_kernel
+
+        use_tail_kernel(False)
 
 
 def test_code_predictor_graphs_give_the_eager_frames(qwen, gpu_report):
-    prog, eng, eager = qwen
+    prog, eng, eager, report = qwen
     gen = torch.Generator(device="cuda").manual_seed(0)
     differ = {}
     for bs in (1, 3, 8, 64):
@@ -47,7 +55,7 @@ def test_code_predictor_graphs_give_the_eager_frames(qwen, gpu_report):
             g = eng.runner.forward_runner.decode_tokens(hidden, c0, rows, where).clone()
             e = eager.decode_tokens(hidden, c0, rows, where)
             differ[f"batch {bs} temperature {temp}"] = int((g != e).sum())
-    gpu_report("qwen3-tts-parity")["predictor_graph_vs_eager_differing_codes"] = differ
+    gpu_report(report)["predictor_graph_vs_eager_differing_codes"] = differ
     assert differ == dict.fromkeys(differ, 0)
 
 
@@ -72,7 +80,7 @@ def _reference_talker(prog):
 
 
 def test_talker_logits_match_eager_and_the_reference(qwen, gpu_report):
-    prog, eng, eager = qwen
+    prog, eng, eager, report = qwen
     rng = np.random.default_rng(0)
     prompts = [
         prog.preprocess(t, {}).rows for t in ("Hello there.", "A longer sentence to speak, with commas.")
@@ -83,7 +91,7 @@ def test_talker_logits_match_eager_and_the_reference(qwen, gpu_report):
     )  # [T, B, V']
     le = torch.stack([eager.forward(s)[0][:, 0].float().cpu() for s in steps])
     d = (lg - le).abs()
-    res = gpu_report("qwen3-tts-parity")
+    res = gpu_report(report)
     res["talker_graph_vs_eager"] = {
         "max_abs": float(d.max()),
         "ref_abs_max": float(le.abs().max()),
@@ -115,7 +123,7 @@ def test_talker_logits_match_eager_and_the_reference(qwen, gpu_report):
 
 
 def test_greedy_frames_alone_equal_those_among_others(qwen, gpu_report):
-    prog, eng, _ = qwen
+    prog, eng, _, report = qwen
 
     def prompt(rid: str, text: str, seed: int, new: int = 60, mode: str = "true") -> Prompt:
         built = prog.preprocess(text, {"non_streaming_mode": mode})
@@ -146,13 +154,13 @@ def test_greedy_frames_alone_equal_those_among_others(qwen, gpu_report):
             first_diff[f"non_streaming_mode {mode}, {n_others} others"] = next(
                 (i for i, (a, b) in enumerate(zip(got, alone, strict=True)) if a != b), None
             )
-    gpu_report("qwen3-tts-parity")["greedy_alone_vs_batched_first_difference"] = first_diff
+    gpu_report(report)["greedy_alone_vs_batched_first_difference"] = first_diff
     assert first_diff == dict.fromkeys(first_diff, None)
 
 
 def test_decode_step_time(qwen, gpu_report):
-    prog, eng, _ = qwen
+    prog, eng, _, report = qwen
     step_ms = decode_step_ms(eng, 16)
-    res = gpu_report("qwen3-tts-parity")
+    res = gpu_report(report)
     res["decode_step_ms_context_300"] = step_ms
     assert step_ms[1] < FRAME_MS
