@@ -188,9 +188,9 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     depth_compile: str = "off"
     # "on": the LM's layers in fused kernels where its program has them (`fuse_layers`) and the
     # sampler's tail (sort, top-k/p, min-p, the draw) as one Triton kernel (runner/sample_kernel.py).
-    # Off by default: on the H200 it takes Qwen3-TTS's step from 12.1 to 7.6 ms at batch 1 and its
-    # first audio from 28 to 21 ms, but with the codec under MPS on the same GPU the faster steps
-    # leave the codec less of it (docs/models/qwen3-tts.md, Figures).
+    # Off by default: on the H200 it shortens a 16-codebook model's step from 12.1 to 7.6 ms at batch
+    # 1 and its first audio from 28 to 21 ms, but with the codec under MPS on the same GPU the faster
+    # steps leave the codec less of it (docs/models/, that model's Figures).
     fused_step: str = "off"
 
     def check(self) -> None:

@@ -157,7 +157,7 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "fused_step",
-        "the LM's layers in fused GPU kernels where its model has them (Qwen3-TTS) and the "
+        "the LM's layers in fused GPU kernels where its model has them and the "
         "sampler's sort, top-k/p and draw as one Triton kernel: shorter steps and first audio; with "
         "the codec on the same GPU the faster steps take GPU time it needs (on, off: the default)",
         ("serve", "gpu_worker"),
