@@ -54,6 +54,14 @@ def rope_cos_sin(
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def cos_sin_table(inv_freq: torch.Tensor, positions: int) -> torch.Tensor:
+    """[P, D] float32 for positions 0..P-1: cos then sin of position × frequency, FlashInfer's RoPE
+    cache layout (`apply_rope_with_cos_sin_cache_inplace`)."""
+    pos = torch.arange(positions, dtype=torch.float32, device=inv_freq.device)
+    freqs = pos[:, None] * inv_freq.float()[None, :]  # [P, D/2]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)

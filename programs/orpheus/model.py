@@ -22,7 +22,7 @@ from torch import nn
 from programs.base import Attention
 from programs.blocks import fp8
 from programs.blocks.llama import DecoderLayer, Embedding, Factory, Linear, RMSNorm, decoder_stack
-from programs.blocks.rope import llama3_inv_freq, rope_cos_sin
+from programs.blocks.rope import cos_sin_table, llama3_inv_freq, rope_cos_sin
 from programs.blocks.weights import checkpoint_dir, copy_weights, load_safetensors, random_weights
 
 
@@ -95,9 +95,7 @@ class LlamaLM(nn.Module):
             # Plain tensors, not Parameters, so quantize_fp8 may replace them.
             a.o_weight, m.down_weight = a.o_proj.weight.detach(), m.down_proj.weight.detach()
             del a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj
-        pos = torch.arange(max_positions, dtype=torch.float32, device=self.inv_freq.device)
-        freqs = pos[:, None] * self.inv_freq.float()[None, :]  # [P, D/2]
-        self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, D] float32
+        self.cos_sin = cos_sin_table(self.inv_freq, max_positions)  # [P, D] float32
         self.fused = True
 
     @torch.no_grad()

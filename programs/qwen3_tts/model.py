@@ -31,7 +31,7 @@ from programs.base import Attention, Sampler
 from programs.blocks import fp8
 from programs.blocks.llama import Embedding, Linear, RMSNorm, decoder_stack
 from programs.blocks.qwen3 import Qwen3DecoderLayer, mrope_cos_sin, mrope_rows
-from programs.blocks.rope import llama3_inv_freq, rope_cos_sin, rope_settings
+from programs.blocks.rope import cos_sin_table, llama3_inv_freq, rope_cos_sin, rope_settings
 from programs.blocks.weights import checkpoint_dir, copy_weights, load_safetensors, random_weights
 
 
@@ -59,13 +59,6 @@ def _joint(*linears: nn.Module) -> torch.Tensor:
         lin.weight = nn.Parameter(joint[start : start + n], requires_grad=False)
         start += n
     return joint
-
-
-def _cos_sin_table(inv_freq: torch.Tensor, positions: int) -> torch.Tensor:
-    """[P, D] float32: cos then sin of position × frequency (FlashInfer's RoPE cache layout)."""
-    pos = torch.arange(positions, dtype=torch.float32, device=inv_freq.device)
-    freqs = pos[:, None] * inv_freq.float()[None, :]  # [P, D/2]
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
 def _qk_norm_rope(
@@ -342,9 +335,9 @@ class Qwen3TtsLM(nn.Module):
             mlp.gate_up_weight = _joint(mlp.gate_proj, mlp.up_proj)
         self.fuse_predictor()
         dev = self.inv_freq.device
-        self._talker_cos_sin = _cos_sin_table(self.inv_freq, max_positions)
+        self._talker_cos_sin = cos_sin_table(self.inv_freq, max_positions)
         inv = llama3_inv_freq(self.predictor_config, self.code_predictor.model.head_dim).to(dev)
-        self._predictor_cos_sin = _cos_sin_table(inv, self.n_codebooks)
+        self._predictor_cos_sin = cos_sin_table(inv, self.n_codebooks)
         # [C, B]: each position for every row of a batch up to 4096 (FlashInfer's RoPE takes a row's)
         self._predictor_pos = self.predictor_positions[:, None].repeat(1, 4096)
         self.fused = True
