@@ -4,6 +4,7 @@
     voxpipe bench ttfa -- --max-batch-size 512              starts a server: single-stream TTFA (+ --load)
     voxpipe bench step | offline | speed                    GPU engine: step, offline, the whole report
     voxpipe bench codec | codec-profile                     GPU codec: windows per second, where time goes
+    voxpipe bench codec-streams --model qwen3-tts          GPU codec streams: a pass by entries and frames
     voxpipe bench ws --sessions 1,100 --word-ms 10,30       WebSocket input streaming of a running server
 
 `voxpipe bench --url …` (no sub-command) is `voxpipe bench load --url …`. Every sub-command takes
@@ -37,6 +38,11 @@ COMMANDS: dict[str, tuple[str, list[str], str]] = {
     "op-invariance": ("bench.op_invariance", [], "which op makes a row depend on its batch (first size)"),
     "codec": ("bench.codec_speed", [], "GPU: SNAC window decodes per batch size, per variant"),
     "codec-profile": ("bench.codec_profile", [], "GPU: where a SNAC window's time goes, compiled variants"),
+    "codec-streams": (
+        "bench.codec_streams",
+        [],
+        "GPU: a codec-stream model's decode pass by entries and frames, graphed and compiled",
+    ),
     "ws": (
         "bench.websocket",
         [],

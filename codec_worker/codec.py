@@ -128,8 +128,11 @@ class Codec:
                 if progress:
                     progress("compiling the codec")
                 n = self.eager_batch
+                streams = {}  # with codec streams: the scratch slot, whose state is garbage anyway
+                if self.slots is not None:
+                    streams = {"slots": np.full(n, self.slots.scratch, np.int64), "fresh": np.zeros(n, bool)}
                 self._decode_eager(
-                    np.zeros((n, p.detok_interval, p.n_codebooks), np.int64), np.zeros(n, np.int64)
+                    np.zeros((n, p.detok_interval, p.n_codebooks), np.int64), np.zeros(n, np.int64), **streams
                 )
 
     def _capture(self, progress) -> None:
@@ -137,7 +140,7 @@ class Codec:
         pool = torch.cuda.graph_pool_handle()
         scratch = None if self.slots is None else self.slots.scratch
         for (rows, tail), limit in self.limits.items():
-            fn = self.compiled if (rows, tail) == (p.detok_interval, 0) else None
+            fn = self.compiled if self._compiles(rows, tail) else None
             graphs = None
             try:  # a compile happens in the warm-up before the first capture
                 graphs = DetokGraphs(
@@ -171,6 +174,14 @@ class Codec:
         )
         self.compiled = None
 
+    def _compiles(self, rows: int, tail: int) -> bool:
+        """Whether windows of this kind go through the compiled decode: regular windows, and with
+        codec streams merged ones too (a stream's decoder takes any number of frames)."""
+        interval = self.program.detok_interval
+        return (
+            self.compiled is not None and not tail and rows in (interval, *(m * interval for m in self.merge))
+        )
+
     @staticmethod
     def _kind(rows: int, tail: int) -> tuple[int, int]:
         """A window's decode kind: (rows, tail rows kept), 0 for all of them."""
@@ -202,18 +213,16 @@ class Codec:
         pcm, valid = [], []
         for lo in range(0, n + pad, k):
             audio = None
-            if (
-                self.compiled is not None
-                and not tail
-                and st is None
-                and t.shape[1] == self.program.detok_interval
-            ):
+            streams = None if st is None else CodecStreams(st[lo : lo + k], ft[lo : lo + k])
+            if self._compiles(t.shape[1], tail):
                 try:
-                    audio, ok = self.compiled(t[lo : lo + k], kt[lo : lo + k])
+                    args = (t[lo : lo + k], kt[lo : lo + k])
+                    audio, ok = (
+                        self.compiled(*args) if streams is None else self.compiled(*args, streams=streams)
+                    )
                 except Exception as e:  # compiled at its first call
                     self._compile_failed(e)
             if audio is None:
-                streams = None if st is None else CodecStreams(st[lo : lo + k], ft[lo : lo + k])
                 audio, ok = self.program.detokenize(
                     t[lo : lo + k], kt[lo : lo + k], tail_rows=tail, streams=streams
                 )

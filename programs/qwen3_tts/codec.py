@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,7 +57,9 @@ from programs.qwen3_tts.codec_layers import (
     Transformer,
 )
 
-PASS_FRAMES = 2  # frames a stream's attention ring holds beyond the window's past: one pass's
+# frames a stream's attention ring holds beyond the window's past: a pass of the transformer's,
+# so a merged window (up to the program's largest codec_merge) runs its layers once
+PASS_FRAMES = 8
 
 
 class Qwen3TtsCodec(nn.Module):
@@ -154,12 +157,25 @@ class Qwen3TtsCodec(nn.Module):
         self.positions.index_copy_(0, slots, start + codes.shape[1])
         return audio.float()
 
+    def compiled(self, backend: str = "inductor") -> Callable[..., torch.Tensor]:
+        """`decode_stream` under `torch.compile` (`backend`): one compile per window length R and
+        call size, each at its first call. The compiler fuses the elementwise work (every SnakeBeta,
+        RMSNorm, RoPE, residual add and layer scale) and moves each layer's state with its
+        neighbours, leaving GEMMs and the dense convolutions to cuBLAS and cuDNN: an eager window
+        is about 1,200 kernels, launch-bound at the few frames a stream has waiting. The state
+        buffers are updated in place, so its CUDA graphs read and write the slots' state as the
+        eager decode's do."""
+        # every R of every codec in a process is a compile of `decode_stream`'s code object, past
+        # dynamo's default of 8
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        return torch.compile(self.decode_stream, backend=backend, dynamic=False)
+
     @torch.no_grad()
     def prime(self, codes: torch.Tensor, slots: torch.Tensor) -> None:
         """Start the streams in `slots` [B] int64 with codes [B, P, C] from a fresh state, their audio
         dropped: one pass over all P frames (rings that hold them all, as `decode_all`), then each
         stateful layer's end state into the slots: what `decode_stream` leaves after them (up to
-        rounding), without its pass per PASS_FRAMES frames (a clip of 375 frames: 188 passes of 8
+        rounding), without its pass per PASS_FRAMES frames (a clip of 375 frames: 47 passes of 8
         layers, eager). Eager, with device indices only (no host read)."""
         b, p = codes.shape[:2]
         rows = torch.arange(b, device=codes.device)

@@ -304,6 +304,19 @@ class Qwen3TtsProgram(LMProgram):
         audio = self.codec.decode_stream(tokens, streams.slot, streams.fresh)
         return audio.float().clamp(-1, 1), torch.ones(tokens.shape[0], dtype=torch.bool, device=tokens.device)
 
+    def compiled_detokenize(self, backend: str = "inductor"):
+        """`detokenize` of streamed windows (any R frames) with the decoder under torch.compile
+        (`Qwen3TtsCodec.compiled`)."""
+        stream = self.codec.compiled(backend)
+
+        def detokenize(
+            tokens: torch.Tensor, keys: torch.Tensor, tail_rows: int = 0, streams: CodecStreams | None = None
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            audio = stream(tokens, streams.slot, streams.fresh)
+            return audio.clamp(-1, 1), torch.ones(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+
+        return detokenize
+
     # --- prompts (tokenizer_worker) ------------------------------------------------------------
     def _instruction_rows(self, model_kwargs: dict[str, str]) -> list[list[int]]:
         instruct = (model_kwargs.get("instructions") or "").strip()
