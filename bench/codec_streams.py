@@ -5,12 +5,14 @@ config), the codec_worker's `DetokGraphs` (one graph per batch bucket, calls of 
 entries on side streams), per variant:
 - `graph`: the program's `detokenize` captured as served by default;
 - `compiled` (where the program has `compiled_detokenize`): the same under torch.compile
-  (`--codec-compile`), captured the same way; its compile time per window length is reported.
+  (`--codec-compile`), captured the same way; its compile time per window length is reported;
+- either with `+cudnn-benchmark`: cuDNN picks each convolution shape's algorithm by timing them.
 
 For every window length R (frames an entry decodes: 1, or a merged window) and entries per pass N,
 the wall time of a pass (host copy in, replay, copy out, read) in ms and per frame in µs, each
-stream continuing from its last pass; the audio of the compiled variant against the graph's for the
-same streams from fresh (SNR, max |difference| in PCM16 steps); and a torch.profiler count of one
+stream continuing from its last pass; each variant's audio against the float32 decode (graphed,
+uncompiled) of the same streams from fresh (SNR, max |difference| in PCM16 steps); and a
+torch.profiler count of one
 pass's kernels by kind (R 1, N = --call-batch).
 
 Run: voxpipe bench codec-streams --model qwen3-tts --out codec_streams.json
@@ -132,11 +134,14 @@ def main(argv: list[str] | None = None) -> None:
 
     audio = {}
     for variant in args.variants.split(","):
+        # "+cudnn-benchmark": cuDNN times its algorithms for each convolution shape at the first
+        # call (the warm-up before capture) and keeps the fastest
+        torch.backends.cudnn.benchmark = variant.endswith("+cudnn-benchmark")
         program = _program(args.model, args.dtype)  # its own stream state
         n_slots = max(entries) + 1
         program.init_codec_streams(n_slots + 1)
         fn = None
-        if variant == "compiled":
+        if variant.startswith("compiled"):
             fn = program.compiled_detokenize("inductor")
             if fn is None:
                 continue
@@ -170,16 +175,24 @@ def main(argv: list[str] | None = None) -> None:
                 audio[variant] = _audio(graphs, program, args.call_batch, rows)
             save()
             del graphs
-    if len(audio) == 2:
-        a, b = (audio[v].astype(np.float64) for v in args.variants.split(",")[:2])
-        err = ((a - b) ** 2).sum(-1)
-        snr = 10 * np.log10((a**2).sum(-1) / np.maximum(err, 1e-30))
-        res["compiled_vs_graph"] = {
-            "max_pcm_diff": int(np.abs(a - b).max()),
+    # the same streams decoded in float32 (graphed, uncompiled): each variant's error against it
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.allow_tf32 = False
+    program = _program(args.model, "float32")
+    program.init_codec_streams(args.call_batch + 2)
+    graphs = DetokGraphs(
+        program, args.call_batch, rows=frames[0], scratch=args.call_batch + 1, call_batch=args.call_batch
+    )
+    ref = _audio(graphs, program, args.call_batch, frames[0]).astype(np.float64)
+    for variant, pcm in audio.items():
+        a = pcm.astype(np.float64)
+        snr = 10 * np.log10((ref**2).sum(-1) / np.maximum(((a - ref) ** 2).sum(-1), 1e-30))
+        res["variants"][variant]["against_float32"] = {
+            "max_pcm_diff": int(np.abs(a - ref).max()),
             "snr_db_min": round(float(snr.min()), 2),
             "snr_db_mean": round(float(snr.mean()), 2),
         }
-        print(res["compiled_vs_graph"])
+        print(variant, "against float32:", res["variants"][variant]["against_float32"])
     save()
 
 
