@@ -72,6 +72,7 @@ class CodecWorker:
             # so a chunk decodes the same alone or batched.
             torch.backends.cudnn.allow_tf32 = False
             torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.benchmark = cfg.codec.cudnn_benchmark == "on"
         spec = get_spec(cfg.model)
         program = load_program_class(cfg.model)(spec, device=device, **program_kwargs(cfg))
         dtype = str(program.codec_dtype).removeprefix("torch.")

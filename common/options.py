@@ -198,6 +198,14 @@ OPTIONS: tuple[Option, ...] = (
         path="codec.gather_ms",
     ),
     Option(
+        "codec_cudnn_benchmark",
+        "GPU: cuDNN picks each codec convolution shape's algorithm by timing them at startup, "
+        "instead of by its heuristic (on, off)",
+        ("serve", "codec_worker"),
+        choices=("on", "off"),
+        path="codec.cudnn_benchmark",
+    ),
+    Option(
         "codec_merge",
         "codec streams: a request's waiting windows decode as one window of up to this many (the "
         "sizes its model takes; 1 = each window alone, one decode round per window)",
