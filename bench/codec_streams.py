@@ -132,7 +132,26 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
 
-    audio = {}
+    # the streams of the audio comparison decoded in float32 (graphed, uncompiled), first: each
+    # variant's error against it
+    torch.backends.cudnn.allow_tf32 = False
+    program = _program(args.model, "float32")
+    program.init_codec_streams(args.call_batch + 2)
+    graphs = DetokGraphs(
+        program, args.call_batch, rows=frames[0], scratch=args.call_batch + 1, call_batch=args.call_batch
+    )
+    ref = _audio(graphs, program, args.call_batch, frames[0]).astype(np.float64)
+    del graphs, program
+
+    def against_float32(pcm: np.ndarray) -> dict:
+        a = pcm.astype(np.float64)
+        snr = 10 * np.log10((ref**2).sum(-1) / np.maximum(((a - ref) ** 2).sum(-1), 1e-30))
+        return {
+            "max_pcm_diff": int(np.abs(a - ref).max()),
+            "snr_db_min": round(float(snr.min()), 2),
+            "snr_db_mean": round(float(snr.mean()), 2),
+        }
+
     for variant in args.variants.split(","):
         # "+cudnn-benchmark": cuDNN times its algorithms for each convolution shape at the first
         # call (the warm-up before capture) and keeps the fastest
@@ -171,27 +190,10 @@ def main(argv: list[str] | None = None) -> None:
                 )
             if rows == frames[0]:
                 out[f"kernels_R{rows}_N{args.call_batch}"] = _kernels(graphs, program, args.call_batch, rows)
-                audio[variant] = _audio(graphs, program, args.call_batch, rows)
+                out["against_float32"] = against_float32(_audio(graphs, program, args.call_batch, rows))
+                print(variant, "against float32:", out["against_float32"], flush=True)
             save()
             del graphs
-    # the same streams decoded in float32 (graphed, uncompiled): each variant's error against it
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.allow_tf32 = False
-    program = _program(args.model, "float32")
-    program.init_codec_streams(args.call_batch + 2)
-    graphs = DetokGraphs(
-        program, args.call_batch, rows=frames[0], scratch=args.call_batch + 1, call_batch=args.call_batch
-    )
-    ref = _audio(graphs, program, args.call_batch, frames[0]).astype(np.float64)
-    for variant, pcm in audio.items():
-        a = pcm.astype(np.float64)
-        snr = 10 * np.log10((ref**2).sum(-1) / np.maximum(((a - ref) ** 2).sum(-1), 1e-30))
-        res["variants"][variant]["against_float32"] = {
-            "max_pcm_diff": int(np.abs(a - ref).max()),
-            "snr_db_min": round(float(snr.min()), 2),
-            "snr_db_mean": round(float(snr.mean()), 2),
-        }
-        print(variant, "against float32:", res["variants"][variant]["against_float32"])
     save()
 
 
