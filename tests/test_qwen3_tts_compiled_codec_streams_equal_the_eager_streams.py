@@ -6,13 +6,15 @@ forward in place, so any divergence of state (a copy written back wrongly, a sta
 the later windows.
 
 On a CPU the compile uses the `aot_eager` backend: the same tracing and in-place state updates as
-the GPU's inductor, without a C++ toolchain (its arithmetic is the eager one's: equal PCM)."""
+the GPU's inductor, without a C++ toolchain (its arithmetic is the eager one's: equal PCM). It
+compiles twice: for one-frame windows, and once for every longer window (their length dynamic)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from codec_worker.codec import Codec
 from common.messages import DetokChunk, Finished, FinishReason
@@ -42,6 +44,7 @@ def program():
 
 def test_compiled_stream_decode_equals_the_eager_one_for_single_and_merged_windows(program, monkeypatch):
     torch._dynamo.reset()
+    graphs_before = counters["stats"]["unique_graphs"]
     # two programs with the same random weights: a program's codec holds one Codec's stream state
     plain = Codec(program, max_batch=4, graphs=False, streams=6, merge=8)
     compiled = Codec(_program(), max_batch=4, graphs=False, streams=6, merge=8, compile_backend="aot_eager")
@@ -77,6 +80,8 @@ def test_compiled_stream_decode_equals_the_eager_one_for_single_and_merged_windo
     for key, audio in want.items():
         assert len(audio) and np.array_equal(got[key], audio), key
     assert {1, 2, 4} <= set(calls)  # single frames and merged windows went through it
+    # two compiles: one-frame windows, and every longer window (its length dynamic)
+    assert counters["stats"]["unique_graphs"] - graphs_before == 2
     assert max(np.abs(a).max() for a in want.values()) > 1000  # not silence
 
 

@@ -158,17 +158,23 @@ class Qwen3TtsCodec(nn.Module):
         return audio.float()
 
     def compiled(self, backend: str = "inductor") -> Callable[..., torch.Tensor]:
-        """`decode_stream` under `torch.compile` (`backend`): one compile per window length R and
-        call size, each at its first call. The compiler fuses the elementwise work (every SnakeBeta,
-        RMSNorm, RoPE, residual add and layer scale) and moves each layer's state with its
-        neighbours, leaving GEMMs and the dense convolutions to cuBLAS and cuDNN: an eager window
-        is about 1,200 kernels, launch-bound at the few frames a stream has waiting. The state
-        buffers are updated in place, so its CUDA graphs read and write the slots' state as the
-        eager decode's do."""
-        # every R of every codec in a process is a compile of `decode_stream`'s code object, past
-        # dynamo's default of 8
+        """`decode_stream` under `torch.compile` (`backend`), compiled at its first calls: once for
+        windows of one frame and once for every longer window up to a pass (the window's length
+        dynamic), per call size. The compiler fuses the elementwise work (every SnakeBeta, RMSNorm,
+        RoPE, residual add and layer scale) and moves each layer's state with its neighbours,
+        leaving GEMMs and the dense convolutions to cuBLAS and cuDNN: an eager call of 16
+        one-frame windows is about 1,000 kernels, launch-bound at the few frames a stream has
+        waiting. The state buffers are updated in place, so its CUDA graphs read and write the
+        slots' state as the eager decode's do."""
+        # every codec of a process compiles `decode_stream`'s code object, past dynamo's default of 8
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        return torch.compile(self.decode_stream, backend=backend, dynamic=False)
+        fn = torch.compile(self.decode_stream, backend=backend, dynamic=False)
+
+        def decode(codes: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+            torch._dynamo.maybe_mark_dynamic(codes, 1)  # a frame alone stays a compile of its own
+            return fn(codes, slots, fresh)
+
+        return decode
 
     @torch.no_grad()
     def prime(self, codes: torch.Tensor, slots: torch.Tensor) -> None:

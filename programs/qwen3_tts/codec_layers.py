@@ -246,9 +246,13 @@ class Transformer(nn.Module):
         h = self.input_proj(x)
         ring = ctx.states[self.layers[0].self_attn.state_index].shape[3]
         step = ring - (self.window - 1)  # frames per pass
+        # a window within one pass takes its frames whole (no slicing by the pass: a compile with
+        # the window's length dynamic then guards only that it fits)
+        parts = (
+            [(0, h)] if h.shape[1] <= step else [(f, h[:, f : f + step]) for f in range(0, h.shape[1], step)]
+        )
         out = []
-        for first in range(0, h.shape[1], step):
-            part = h[:, first : first + step]
+        for first, part in parts:
             rope = self._rope(start + first, part.shape[1], ring, part.dtype)
             for layer in self.layers:
                 part = layer(part, rope, ctx)
