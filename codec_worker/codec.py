@@ -152,6 +152,9 @@ class Codec:
                     raise
                 self._compile_failed(e)
             if graphs is None:  # captured again uncompiled, the failed attempt released
+                # into a pool of its own: a pool whose graphs were all freed cannot be captured
+                # into again (PyTorch's allocator asserts), as when the first kind's attempt fails
+                pool = torch.cuda.graph_pool_handle()
                 graphs = DetokGraphs(
                     p,
                     limit,
