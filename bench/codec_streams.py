@@ -24,13 +24,13 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import time
 
 import numpy as np
 import torch
 
 from bench.codec_profile import kind_of
+from bench.provenance import commit
 from codec_worker.graphs import DetokGraphs
 from programs import get_spec, load_program_class
 
@@ -110,18 +110,12 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     entries = [int(x) for x in args.entries.split(",")]
     frames = [int(x) for x in args.frames.split(",")]
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
-    except OSError:
-        commit = ""
     res: dict = {
         "bench": "codec-streams",
         "model": args.model,
         "device": torch.cuda.get_device_name(),
         "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S"),
-        "commit": commit,
+        "commit": commit(),
         "command": "voxpipe bench codec-streams " + " ".join(argv if argv is not None else []),
         "dtype": args.dtype,
         "call_batch": args.call_batch,

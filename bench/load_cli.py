@@ -26,6 +26,7 @@ import aiohttp
 
 from bench.clips import Cloning, plain_voice
 from bench.load import TEXT_SETS, arrivals, auth_headers, device_label, measure_level, meets_target, plot
+from bench.provenance import commit
 
 DEFAULT_TOKENS = 1024
 
@@ -174,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         "arrivals": how,
         "model": args.model or card.get("id", ""),
         "date": time.strftime("%F"),
+        "commit": commit(),
         "tokens_per_request": tokens,
         "duration_s_per_level": args.duration,
         "ramp_s": args.ramp,

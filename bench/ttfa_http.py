@@ -34,6 +34,8 @@ from collections.abc import Iterator
 
 import aiohttp
 
+from bench.provenance import commit
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -149,6 +151,7 @@ def load_curve(base: str, args) -> None:
             "arrivals": closed if any(k == "concurrency" for k, _ in levels) else "poisson",
             "model": f"{args.model} dummy",
             "date": time.strftime("%F"),
+            "commit": commit(),
             "serve_args": args.serve_args,
             "tokens_per_request": args.load_tokens,
             "duration_s_per_level": args.load_duration,
@@ -265,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         out = {
             "model": f"{args.model} dummy",
             "date": time.strftime("%F"),
+            "commit": commit(),
             "serve_args": args.serve_args,
             "startup_s": round(startup, 1),
             "ttfa_p50_ms": ttfa_of(res["plain"])["p50"],

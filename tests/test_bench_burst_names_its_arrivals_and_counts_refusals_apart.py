@@ -13,7 +13,8 @@ from bench.load import Result, arrivals, meets_target, summarize
 from common.cli import main
 
 
-def test_a_burst_level_sends_every_clients_first_request_at_once(server, tmp_path):
+def test_a_burst_level_sends_every_clients_first_request_at_once(server, tmp_path, monkeypatch):
+    monkeypatch.setenv("VOXPIPE_COMMIT", "abc1234")  # a copied tree names its commit so
     out = tmp_path / "burst.json"
     argv = [
         "bench",
@@ -32,6 +33,7 @@ def test_a_burst_level_sends_every_clients_first_request_at_once(server, tmp_pat
     assert done.value.code == 0
     res = json.loads(out.read_text())
     assert res["arrivals"] == "burst" and res["device"] == "test-cpu" and res["ramp_s"] == 0.0
+    assert res["commit"] == "abc1234"
     assert "--burst" in res["command"] and "max_streams_meeting_target" in res
     (point,) = res["curve"]
     assert point["arrivals"] == "burst" and point["errors"] == 0 and point["rejected"] == 0

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+
+from bench.provenance import commit
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -27,20 +28,6 @@ def cuda_gpu() -> None:
         pytest.skip("needs a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = False  # bf16 GEMMs are compared as such
     torch.backends.cudnn.allow_tf32 = False
-
-
-def _commit() -> str:
-    """The commit under test: VOXPIPE_COMMIT when set (a copy of the tree whose .git is not its
-    own, as a remote GPU tool makes), else git's HEAD."""
-    if os.environ.get("VOXPIPE_COMMIT"):
-        return os.environ["VOXPIPE_COMMIT"]
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
-        )
-        return out.stdout.strip()
-    except OSError:
-        return ""
 
 
 @pytest.fixture(scope="session")
@@ -55,7 +42,7 @@ def gpu_report() -> Iterator[Callable[[str], dict]]:
             reports[name] = {
                 "device": torch.cuda.get_device_name(),
                 "date": time.strftime("%F"),
-                "commit": _commit(),
+                "commit": commit(),
                 "command": f"VOXPIPE_GPU_REPORT_DIR=DIR python -m pytest tests/gpu  ({name})",
             }
         return reports[name]
