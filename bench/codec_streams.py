@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
+import sys
 import time
 
 import numpy as np
@@ -83,7 +85,9 @@ def _kernels(graphs: DetokGraphs, program, n: int, rows: int) -> dict:
     kinds: dict[str, dict] = {}
     total_n, total_us = 0, 0.0
     for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA or "memcpy" in e.name.lower():
+        if e.device_type != torch.autograd.DeviceType.CUDA or any(
+            m in e.name.lower() for m in ("memcpy", "memset")
+        ):
             continue
         k = kinds.setdefault(kind_of(e.name), {"kernels": 0, "us": 0.0})
         k["kernels"] += 1
@@ -108,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--variants", default="graph,compiled")
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args(argv)
+    os.environ.setdefault("TORCH_CUDNN_V8_API_LRU_CACHE_LIMIT", "10000")  # every shape's plan kept
     entries = [int(x) for x in args.entries.split(",")]
     frames = [int(x) for x in args.frames.split(",")]
     res: dict = {
@@ -116,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
         "device": torch.cuda.get_device_name(),
         "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S"),
         "commit": commit(),
-        "command": "voxpipe bench codec-streams " + " ".join(argv if argv is not None else []),
+        "command": "voxpipe bench codec-streams " + " ".join(sys.argv[1:] if argv is None else argv),
         "dtype": args.dtype,
         "call_batch": args.call_batch,
         "variants": {},
@@ -136,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     ref = _audio(graphs, program, args.call_batch, frames[0]).astype(np.float64)
     del graphs, program
+    gc.collect()
 
     def against_float32(pcm: np.ndarray) -> dict:
         a = pcm.astype(np.float64)
@@ -161,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
         out = res["variants"].setdefault(variant, {"passes": {}, "capture_s": {}})
         for rows in frames:
             t0 = time.perf_counter()
-            # a memory pool of its own: these graphs are freed before the next window length's
+            # a memory pool of its own, freed (below) before the next window length's graphs
             graphs = DetokGraphs(
                 program,
                 max(entries),
@@ -188,9 +194,9 @@ def main(argv: list[str] | None = None) -> None:
                 print(variant, "against float32:", out["against_float32"], flush=True)
             save()
             del graphs
+            gc.collect()  # the graphs' default detokenize refers back to them
     save()
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TORCH_CUDNN_V8_API_LRU_CACHE_LIMIT", "10000")
     main()

@@ -29,8 +29,7 @@
 #   csm-load       the same for CSM
 #   qwen3-rate     Qwen3-TTS (VOXPIPE_QWEN3_MODEL, default the 1.7B CustomVoice): `voxpipe bench ttfa`,
 #                  then open-loop Poisson arrivals (VOXPIPE_RATES) of 8-15-word sentences, 60-75 frames
-#                  each (4.8-6 s of audio: random weights rarely end a stream themselves); a stream's
-#                  waiting frames decode merged (--codec-merge 8), the decoder compiled (its default)
+#                  each (4.8-6 s of audio: random weights rarely end a stream themselves)
 #   higgs-load     Higgs Audio v2 3B: `voxpipe bench ttfa`, then the load curve (VOXPIPE_LOAD), streams
 #                  of 250 rows (10 s of audio; random weights never end one themselves)
 #   chatterbox-load  Chatterbox: `voxpipe bench ttfa`, then the load curve (VOXPIPE_LOAD), streams of 250
@@ -139,7 +138,7 @@ for stage in "$@"; do
             --rate "${VOXPIPE_RATES:-1,10,20,40,80}" --texts sentences --load-duration "${VOXPIPE_LOAD_S:-20}" \
             --load-tokens 60 --prompt-allowance 40 --label "$LABEL" --load-out "$OUT/qwen3-rate.json" \
             --out "$OUT/qwen3-ttfa.json" -- --max-batch-size 256 --codec-dtype float16 --mps on \
-            --codec-gpu-share 50 --codec-merge 8 ${VOXPIPE_SERVE_EXTRA:-}
+            --codec-gpu-share 50 ${VOXPIPE_SERVE_EXTRA:-}
         ;;
     csm-load)
         run csm-load $bench ttfa --model csm --reps 5 --tokens 40 --load "${VOXPIPE_LOAD:-16,32,64,96}" \
@@ -167,7 +166,7 @@ for stage in "$@"; do
     ws)
         run ws $bench ws --serve "${VOXPIPE_QWEN3_MODEL:-qwen3-tts}" --sessions "${VOXPIPE_WS_SESSIONS:-1,100}" \
             --word-ms 10,33 --min-tokens 60 --max-tokens 150 --out "$OUT/ws.json" -- --max-batch-size 256 \
-            --codec-dtype float16 --mps on --codec-gpu-share 50 --codec-merge 8 ${VOXPIPE_SERVE_EXTRA:-}
+            --codec-dtype float16 --mps on --codec-gpu-share 50 ${VOXPIPE_SERVE_EXTRA:-}
         ;;
     *) echo "unknown stage $stage (see the head of bench/gpu.sh)" ;;
     esac

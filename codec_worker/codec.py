@@ -97,8 +97,9 @@ class Codec:
         cap = max(merge, *program.detok_groups) if program.detok_groups else merge
         self.merge = tuple(m for m in program.codec_merge if 1 < m <= cap) if self.slots else ()
         self.dead: OrderedDict[str, None] = OrderedDict()  # failed requests whose end is yet to come
-        # Regular windows through the program's compiled decode (`compile_backend`: torch.compile's
-        # backend; None: not compiled), graphed or eager like the others. `compile_fallback`: if
+        # Regular windows (with codec streams merged ones too: `_compiles`) through the program's
+        # compiled decode (`compile_backend`: torch.compile's backend; None: not compiled), graphed
+        # or eager like the others. `compile_fallback`: if
         # compiling fails (no compiler on this host, say), decode them uncompiled, with a warning.
         self.compile_fallback = compile_fallback
         self.compiled = None
@@ -131,9 +132,10 @@ class Codec:
                 streams = {}  # with codec streams: the scratch slot, whose state is garbage anyway
                 if self.slots is not None:
                     streams = {"slots": np.full(n, self.slots.scratch, np.int64), "fresh": np.zeros(n, bool)}
-                self._decode_eager(
-                    np.zeros((n, p.detok_interval, p.n_codebooks), np.int64), np.zeros(n, np.int64), **streams
-                )
+                for rows, tail in self.limits:  # every kind the compiled decode takes
+                    if self._compiles(rows, tail):
+                        tokens = np.zeros((n, rows, p.n_codebooks), np.int64)
+                        self._decode_eager(tokens, np.zeros(n, np.int64), **streams)
 
     def _capture(self, progress) -> None:
         p = self.program
@@ -168,7 +170,7 @@ class Codec:
             self.graphs[rows, tail] = graphs
 
     def _compile_failed(self, error: Exception) -> None:
-        """Decode regular windows uncompiled from now on, or (`--codec-compile on`) fail. Running
+        """Decode every window uncompiled from here on, or (`--codec-compile on`) fail. Running
         out of GPU memory is no compile failure: it goes on up."""
         if not self.compile_fallback or isinstance(error, torch.cuda.OutOfMemoryError):
             raise error

@@ -71,7 +71,7 @@ class DetokGraphs:
         self.program = program
         self.call_batch = call_batch
         self.scratch = scratch
-        # What the graphs capture: the program's detokenize, or a compiled one (regular windows).
+        # What the graphs capture: the program's detokenize, or a compiled one (the kinds it takes).
         self.detokenize = detokenize or (
             lambda t, k, streams=None: program.detokenize(t, k, tail_rows=self.tail, streams=streams)
         )

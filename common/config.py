@@ -248,16 +248,18 @@ class CodecSettings(msgspec.Struct, kw_only=True):
 
     device: str = "auto"  # auto = the gpu_worker's device; a list like --device
     dtype: str = "auto"  # auto = the model's choice (its program's codec_dtype)
-    compile: str = "auto"  # auto | on | off (torch.compile of regular windows)
+    compile: str = "auto"  # auto | on | off (torch.compile of regular windows, codec streams' merged too)
     max_batch: int = 0  # windows per decode call (0 = 128 on GPU, 64 on CPU)
     # Windows per codec call inside a decode: -1 = by device (16 GPU, 4 CPU), 0 = a whole batch
     # (codec_worker/codec.py: a window's bits then depend on its batch bucket).
     call_batch: int = -1
     gather_ms: float = 30.0  # longest a window waits to share a decode call
-    # GPU only: cuDNN times its algorithms for each convolution shape at its first call (the codec
-    # graphs' warm-up) and keeps the fastest, instead of its heuristic's pick. A convolution's
-    # algorithm stays fixed for the process's life, so a window's audio still does not depend on
-    # its batch (each call one shape), though another process may pick another algorithm.
+    # GPU only: cuDNN times its algorithms for each convolution shape at its first call and keeps
+    # the fastest, instead of its heuristic's pick: the codec graphs' shapes in their warm-up; a
+    # shape first met while serving (a reference clip's length in priming or encoding, eager
+    # decodes) in that request. A shape's algorithm stays fixed for the process's life, so a
+    # window's audio still does not depend on its batch (each call one shape), though another
+    # process may pick another algorithm.
     cudnn_benchmark: str = "off"  # on | off
     cuda_graphs: bool = True  # GPU only: replay captured decode graphs (--disable-cuda-graph: eager)
     gpu_share: int = 0  # serve with MPS: percent of the GPU's SMs the codec_worker may use (0 = all)

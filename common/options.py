@@ -166,7 +166,8 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "codec_compile",
-        "compile the codec's regular windows with torch.compile (fuses its elementwise work; tens of "
+        "compile the codec's regular windows (and a codec stream's merged ones) with torch.compile (fuses "
+        "its elementwise work; tens of "
         "seconds at startup, cached on disk): auto (on a GPU with Triton, when the model has a "
         "compiled codec), on, off",
         ("serve", "codec_worker"),
@@ -199,8 +200,9 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "codec_cudnn_benchmark",
-        "GPU: cuDNN picks each codec convolution shape's algorithm by timing them at startup, "
-        "instead of by its heuristic (on, off)",
+        "GPU: cuDNN picks each codec convolution shape's algorithm by timing them at its first call "
+        "(the codec graphs' shapes at startup; a clip's length first met while serving, in that "
+        "request), instead of by its heuristic (on, off)",
         ("serve", "codec_worker"),
         choices=("on", "off"),
         path="codec.cudnn_benchmark",

@@ -289,7 +289,7 @@ class Qwen3TtsProgram(LMProgram):
         self.codec.init_streams(n_slots)
 
     def prime_codec_streams(self, tokens: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor) -> None:
-        """The clip's frames [B, P, 16] in one pass (`Qwen3TtsCodec.prime`), not in P / 2 passes."""
+        """The clip's frames [B, P, 16] in one pass (`Qwen3TtsCodec.prime`), not in P / 8 passes."""
         self.codec.prime(tokens, slots)
 
     def detokenize(
