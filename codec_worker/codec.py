@@ -99,8 +99,8 @@ class Codec:
         self.dead: OrderedDict[str, None] = OrderedDict()  # failed requests whose end is yet to come
         # Regular windows (with codec streams merged ones too: `_compiles`) through the program's
         # compiled decode (`compile_backend`: torch.compile's backend; None: not compiled), graphed
-        # or eager like the others. `compile_fallback`: if
-        # compiling fails (no compiler on this host, say), decode them uncompiled, with a warning.
+        # or eager like the others. `compile_fallback`: if compiling fails (no compiler on this
+        # host, say), decode them uncompiled, with a warning.
         self.compile_fallback = compile_fallback
         self.compiled = None
         if compile_backend:

@@ -166,10 +166,9 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "codec_compile",
-        "compile the codec's regular windows (and a codec stream's merged ones) with torch.compile (fuses "
-        "its elementwise work; tens of "
-        "seconds at startup, cached on disk): auto (on a GPU with Triton, when the model has a "
-        "compiled codec), on, off",
+        "compile the codec's regular windows (and a codec stream's merged ones) with torch.compile "
+        "(fuses its elementwise work; tens of seconds at startup, cached on disk): auto (on a GPU "
+        "with Triton, when the model has a compiled codec), on, off",
         ("serve", "codec_worker"),
         choices=("auto", "on", "off"),
         path="codec.compile",

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -50,6 +51,15 @@ if TYPE_CHECKING:
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 _OPTIONS = ("voice", "language", "instructions", "non_streaming_mode")
+
+
+def _stream_audio(
+    decode: Callable[..., torch.Tensor], tokens: torch.Tensor, streams: CodecStreams
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`detokenize`'s result from a stream decode (`decode_stream` or its compiled form): audio in
+    [-1, 1], every window valid."""
+    audio = decode(tokens, streams.slot, streams.fresh)
+    return audio.float().clamp(-1, 1), torch.ones(tokens.shape[0], dtype=torch.bool, device=tokens.device)
 
 
 class Qwen3TtsProgram(LMProgram):
@@ -301,8 +311,7 @@ class Qwen3TtsProgram(LMProgram):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """[Bd, R, 16] frames continuing each entry's stream → audio [Bd, R * 1920], valid [Bd]
         (the decoder has no noise: keys unused)."""
-        audio = self.codec.decode_stream(tokens, streams.slot, streams.fresh)
-        return audio.float().clamp(-1, 1), torch.ones(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+        return _stream_audio(self.codec.decode_stream, tokens, streams)
 
     def compiled_detokenize(self, backend: str = "inductor"):
         """`detokenize` of streamed windows (any R frames) with the decoder under torch.compile
@@ -312,8 +321,7 @@ class Qwen3TtsProgram(LMProgram):
         def detokenize(
             tokens: torch.Tensor, keys: torch.Tensor, tail_rows: int = 0, streams: CodecStreams | None = None
         ) -> tuple[torch.Tensor, torch.Tensor]:
-            audio = stream(tokens, streams.slot, streams.fresh)
-            return audio.clamp(-1, 1), torch.ones(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+            return _stream_audio(stream, tokens, streams)
 
         return detokenize
 
