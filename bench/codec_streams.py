@@ -6,7 +6,8 @@ entries on side streams), per variant:
 - `graph`: the program's `detokenize` captured as served by default;
 - `compiled` (where the program has `compiled_detokenize`): the same under torch.compile
   (`--codec-compile`), captured the same way; its compile time per window length is reported;
-- either with `+cudnn-benchmark`: cuDNN picks each convolution shape's algorithm by timing them.
+- either with `+cudnn-benchmark`: cuDNN picks each convolution shape's algorithm by timing them;
+- `compiled+max-autotune`: the compiler times Triton templates against cuBLAS and cuDNN per shape.
 
 For every window length R (frames an entry decodes: 1, or a merged window) and entries per pass N,
 the wall time of a pass (host copy in, replay, copy out, read) in ms and per frame in µs, each
@@ -30,6 +31,7 @@ import time
 
 import numpy as np
 import torch
+import torch._inductor.config as inductor_config
 
 from bench.codec_profile import kind_of
 from bench.provenance import commit
@@ -155,7 +157,10 @@ def main(argv: list[str] | None = None) -> None:
     for variant in args.variants.split(","):
         # "+cudnn-benchmark": cuDNN times its algorithms for each convolution shape at the first
         # call (the warm-up before capture) and keeps the fastest
-        torch.backends.cudnn.benchmark = variant.endswith("+cudnn-benchmark")
+        torch.backends.cudnn.benchmark = "+cudnn-benchmark" in variant
+        # "+max-autotune": inductor times Triton templates against cuBLAS/cuDNN for every GEMM and
+        # convolution shape while compiling (slow to compile) and keeps the fastest
+        inductor_config.max_autotune = "+max-autotune" in variant
         program = _program(args.model, args.dtype)  # its own stream state
         n_slots = max(entries) + 1
         program.init_codec_streams(n_slots + 1)
