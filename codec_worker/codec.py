@@ -76,6 +76,7 @@ class Codec:
         idle_s: float = IDLE_S,
         call_batch: int | None = None,
         merge: int = 1,
+        benchmark_graphs: bool = False,
     ) -> None:
         self.program = program
         self.device = program.device
@@ -122,7 +123,15 @@ class Codec:
         self.limits = kinds
         self.graphs: dict[tuple[int, int], DetokGraphs] = {}
         if graphs and self.device.type == "cuda":
-            self._capture(progress)
+            # `benchmark_graphs`: cuDNN times each captured convolution shape's algorithms in the
+            # graphs' warm-up and keeps the fastest (not its heuristic's pick); what is met later
+            # is served as the process set it
+            serving = torch.backends.cudnn.benchmark
+            torch.backends.cudnn.benchmark = serving or benchmark_graphs
+            try:
+                self._capture(progress)
+            finally:
+                torch.backends.cudnn.benchmark = serving
         else:
             self.limits = {kind: max_batch for kind in self.limits}  # eager: any batch
             if self.compiled is not None:  # compile now, not in the first request's decode

@@ -72,6 +72,7 @@ class CodecWorker:
             # so a chunk decodes the same alone or batched.
             torch.backends.cudnn.allow_tf32 = False
             torch.backends.cuda.matmul.allow_tf32 = False
+            # auto: the codec graphs' shapes only, timed while they are captured (Codec)
             torch.backends.cudnn.benchmark = cfg.codec.cudnn_benchmark == "on"
         spec = get_spec(cfg.model)
         program = load_program_class(cfg.model)(spec, device=device, **program_kwargs(cfg))
@@ -99,6 +100,7 @@ class CodecWorker:
             streams=cfg.codec.streams_for(cfg.gpu.filled(resolve_device(cfg.device), 0).max_batch_size),
             call_batch=None if cfg.codec.call_batch < 0 else cfg.codec.call_batch,
             merge=cfg.codec.merge,
+            benchmark_graphs=cfg.codec.cudnn_benchmark != "off",
         )
         self.status = status
         self.inbox: PullChannel[CodecInMsg] = PullChannel(cfg.addresses.codec_in, CodecInMsg, bind=True)

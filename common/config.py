@@ -255,12 +255,13 @@ class CodecSettings(msgspec.Struct, kw_only=True):
     call_batch: int = -1
     gather_ms: float = 30.0  # longest a window waits to share a decode call
     # GPU only: cuDNN times its algorithms for each convolution shape at its first call and keeps
-    # the fastest, instead of its heuristic's pick: the codec graphs' shapes in their warm-up; a
-    # shape first met while serving (a reference clip's length in priming or encoding, eager
-    # decodes) in that request. A shape's algorithm stays fixed for the process's life, so a
-    # window's audio still does not depend on its batch (each call one shape), though another
-    # process may pick another algorithm.
-    cudnn_benchmark: str = "off"  # on | off
+    # the fastest, instead of its heuristic's pick. auto: for the codec graphs' shapes, in their
+    # warm-up at startup, and nothing met while serving; on: also every shape first met while
+    # serving (a reference clip's length in priming or encoding, eager decodes), timed in that
+    # request; off: never. A shape's algorithm stays fixed for the process's life, so a window's
+    # audio still does not depend on its batch (each call one shape), though another process may
+    # pick another algorithm.
+    cudnn_benchmark: str = "auto"  # auto | on | off
     cuda_graphs: bool = True  # GPU only: replay captured decode graphs (--disable-cuda-graph: eager)
     gpu_share: int = 0  # serve with MPS: percent of the GPU's SMs the codec_worker may use (0 = all)
     # Codec slots (programs with codec_streams: one per request being decoded); 0 = streams_for's
@@ -283,8 +284,8 @@ class CodecSettings(msgspec.Struct, kw_only=True):
             raise ValueError(f"--codec-streams must be >= 0 (0 = by the batch size), got {self.max_streams}")
         if self.call_batch < -1:
             raise ValueError(f"--codec-call-batch must be -1 (by device), 0 or more, got {self.call_batch}")
-        if self.cudnn_benchmark not in ("on", "off"):
-            raise ValueError(f"--codec-cudnn-benchmark is on or off, not {self.cudnn_benchmark!r}")
+        if self.cudnn_benchmark not in ("auto", "on", "off"):
+            raise ValueError(f"--codec-cudnn-benchmark is auto, on or off, not {self.cudnn_benchmark!r}")
         if self.merge < 1:
             raise ValueError(f"--codec-merge must be >= 1 (1 = each window alone), got {self.merge}")
         if self.max_batch < 0 or not 0 <= self.gather_ms <= 1000:

@@ -200,10 +200,10 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "codec_cudnn_benchmark",
         "GPU: cuDNN picks each codec convolution shape's algorithm by timing them at its first call "
-        "(the codec graphs' shapes at startup; a clip's length first met while serving, in that "
-        "request), instead of by its heuristic (on, off)",
+        "instead of by its heuristic: auto for the codec graphs' shapes at startup; on also for a "
+        "shape first met while serving (a clip's length, an eager decode), in that request; off",
         ("serve", "codec_worker"),
-        choices=("on", "off"),
+        choices=("auto", "on", "off"),
         path="codec.cudnn_benchmark",
     ),
     Option(
