@@ -192,12 +192,19 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     # 1 and its first audio from 28 to 21 ms, but with the codec under MPS on the same GPU the faster
     # steps leave the codec less of it (docs/models/, that model's Figures).
     fused_step: str = "off"
+    # "on": the next step is scheduled and launched just before the step on the device ends (by
+    # the steps' measured device time, less the host's launch time and a margin that keeps the GPU
+    # from idling), not as soon as the step before it was launched: a prompt that arrives meanwhile
+    # starts in that next step, a step sooner. GPU only.
+    late_launch: str = "off"
 
     def check(self) -> None:
         if self.depth_compile not in ("auto", "on", "off"):
             raise ValueError(f"--depth-compile is auto, on or off, not {self.depth_compile!r}")
         if self.fused_step not in ("on", "off"):
             raise ValueError(f"--fused-step is on or off, not {self.fused_step!r}")
+        if self.late_launch not in ("on", "off"):
+            raise ValueError(f"--late-launch is on or off, not {self.late_launch!r}")
         if self.page_size < 1 or self.max_batch_size < 0 or self.max_context < 0 or self.num_pages < 0:
             raise ValueError(
                 "--page-size must be positive; --max-batch-size, --max-context, --num-pages >= 0"

@@ -165,6 +165,15 @@ OPTIONS: tuple[Option, ...] = (
         path="gpu.fused_step",
     ),
     Option(
+        "late_launch",
+        "GPU: schedule and launch each step just before the step on the device ends (by measured "
+        "step times) rather than as soon as the one before it is launched, so a prompt arriving "
+        "meanwhile starts a step sooner (on, off: the default)",
+        ("serve", "gpu_worker"),
+        choices=("on", "off"),
+        path="gpu.late_launch",
+    ),
+    Option(
         "codec_compile",
         "compile the codec's regular windows (and a codec stream's merged ones) with torch.compile "
         "(fuses its elementwise work; tens of seconds at startup, cached on disk): auto (on a GPU "

@@ -49,6 +49,8 @@ WORKER_METRICS = {
     "step_gpu_forward_ms": "Device time of an engine step's forward pass (prefill and decode graphs), averaged.",
     "step_gpu_ms": "Device time of an engine step, forward pass and sampling, averaged.",
     "step_gpu_idle_ms": "Time per engine step the device waited for the host to launch it, averaged.",
+    "step_launch_ms": "Host time to schedule and launch an engine step, averaged.",
+    "late_margin_ms": "With --late-launch: how long before the step in flight ends the next one is launched.",
     "codec_calls_total": "Codec decode passes (one burst of graph replays each: urgent windows, then the gathered rest).",
     "codec_windows_total": "Codec windows decoded.",
     "codec_busy_seconds_total": "Seconds the codec worker spent decoding.",

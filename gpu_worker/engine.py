@@ -12,6 +12,14 @@ step produced into request state, audio windows (`AudioWindows`) and finished re
 So the host's bookkeeping for step n overlaps the GPU's work on step n+1. The price is one step of
 lag in noticing a stop token: a request that stopped is already in the step launched after it,
 whose token is dropped.
+
+Launched at once, step n+1 is scheduled early in step n's time on the device, and a prompt that
+arrives later in it waits for step n+2: from arrival to its first row takes two and a half steps
+on average. With `--late-launch on` the worker keeps taking messages until step n is about to end
+(`hold_s`: its start, the steps' measured device time, less the host's time to schedule and launch
+and a margin) and only then schedules step n+1, so most prompts start in the next step. The margin
+follows the device's idle time before each step: it grows when the GPU waited for the launch, and
+shrinks slowly while it did not.
 """
 
 from __future__ import annotations
@@ -38,6 +46,10 @@ from programs.base import LMProgram, TokenKind
 __all__ = ["Engine", "GpuWorkerSettings"]
 
 _STOP, _AUDIO = int(TokenKind.STOP), int(TokenKind.AUDIO)
+# Late launch: the margin kept before the step on the device ends (seconds: at first, at least, and
+# at most as a share of the step), and the device idle before a step that counts as waiting.
+LATE_MARGIN_S, LATE_MARGIN_MIN_S, LATE_MARGIN_MAX_SHARE = 0.002, 0.0005, 0.5
+LATE_IDLE_S = 0.0001
 
 
 class Engine:
@@ -62,6 +74,13 @@ class Engine:
         # time near the step interval with little wait means the host, not the GPU, sets the pace.
         self.host_s = self.wait_s = 0.0
         self._waited = 0.0
+        # Late launch (GPU only): when the step in flight began on the device, as the host knows
+        # it (perf_counter), the host's time to schedule and launch a step (an exponential
+        # average), and the margin kept before the step's end.
+        self.late = limits.late_launch == "on" and self.device.type == "cuda"
+        self._began = 0.0
+        self.launch_s = 0.0
+        self.late_margin_s = LATE_MARGIN_S
         if self.runner.has_graphs:
             self.runner.capture_sampling(progress)
             self.scheduler.calibrate(self.runner.forward_runner, progress)
@@ -177,7 +196,30 @@ class Engine:
             "step_gpu_forward_ms": round(1000 * r.gpu_forward_s, 3),
             "step_gpu_ms": round(1000 * r.gpu_step_s, 3),
             "step_gpu_idle_ms": round(1000 * r.gpu_idle_s, 3),
+            "step_launch_ms": round(1000 * self.launch_s, 3),
+            "late_margin_ms": round(1000 * self.late_margin_s, 3) if self.late else 0.0,
         }
+
+    def hold_s(self) -> float:
+        """Seconds the worker may keep taking messages before it schedules the next step: with late
+        launch, until the step in flight is due to end less the launch time and the margin; else 0."""
+        if not self.late or self._inflight is None or self._inflight.ready is None:
+            return 0.0
+        due = self._began + self.runner.gpu_step_s - self.launch_s - self.late_margin_s
+        return max(0.0, due - time.perf_counter())
+
+    def _follow_idle(self) -> None:
+        """Late launch: widen the margin when the device waited for the last launch, else narrow
+        it slowly (within LATE_MARGIN_MIN_S and LATE_MARGIN_MAX_SHARE of a step)."""
+        idle = self.runner.last_idle_s
+        if idle is None:
+            return
+        if idle > LATE_IDLE_S:
+            margin = 1.5 * self.late_margin_s + idle
+        else:
+            margin = 0.97 * self.late_margin_s
+        cap = max(LATE_MARGIN_MIN_S, LATE_MARGIN_MAX_SHARE * self.runner.gpu_step_s)
+        self.late_margin_s = min(cap, max(LATE_MARGIN_MIN_S, margin))
 
     # --- one step ------------------------------------------------------------------------------
     def step(self) -> DetokBatch | None:
@@ -194,11 +236,16 @@ class Engine:
     def _step(self) -> DetokBatch | None:
         # 1. schedule: who runs this step (with the text appended since the last)
         self._appends.write(self.scheduler)
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule(self.runner.max_prefills_per_step, self.runner.takes)
         # 2. run: launch it on the device
         if not batch:
             self.runner.idle()
         previous, self._inflight = self._inflight, (self.runner.launch(batch) if batch else None)
+        if batch:
+            launched = time.perf_counter()
+            self.launch_s += 0.05 * (launched - t0 - self.launch_s)
+            self._began = launched  # with a step before it in flight: when that one ends (_process)
         # 3. process: the previous step's results → request state, audio chunks, finished requests
         chunks = self._process(previous) if previous is not None else []
         if not chunks and not self.scheduler.finished:
@@ -208,6 +255,10 @@ class Engine:
     def _process(self, step: InFlight) -> list[DetokChunk]:
         """A completed step's sampled rows → request state, audio chunks and finished requests."""
         self._waited = self.runner.wait(step)
+        if self._waited > 5e-5 and self._inflight is not None:  # the next step began as this one ended
+            self._began = time.perf_counter()
+        if self.late:
+            self._follow_idle()
         self.step_count += 1
         res = step.host.numpy()
         c = self.program.n_codebooks

@@ -86,27 +86,8 @@ class GpuWorker:
         while True:
             # 0. say how many more prompts this worker can start now
             self.inbox.offer(self.credits())
-            # 1. drain the inbox (block briefly only when idle, or 2 ms when every running request
-            # sat the last step out: streams past --max-lead, open input waiting for text)
-            wait_ms = (0 if engine.scheduler.last_batch_size else 2) if engine.has_work() else 50
-            for msg in self.inbox.drain(timeout_ms=wait_ms):
-                try:
-                    match msg:
-                        case Prompt():
-                            engine.add(msg)
-                        case Appends():
-                            engine.append(msg)
-                        case Abort(rids=rids, everything=everything):
-                            if everything:
-                                engine.abort_all()
-                            for rid in rids:
-                                engine.abort(rid)
-                        case _:
-                            raise TypeError(f"unexpected message {type(msg).__name__}")
-                except Exception as e:  # a bad message ends its request, never the worker
-                    log.exception("could not take %s", type(msg).__name__)
-                    if isinstance(msg, Prompt):
-                        engine.reject(msg.rid, f"gpu_worker could not take the prompt: {e}")
+            # 1. take what arrived
+            self.receive()
             # 2-3. schedule and run one step
             try:
                 out = engine.step()
@@ -132,6 +113,39 @@ class GpuWorker:
             if now - self._metrics_at >= METRICS_S:
                 metrics, self._metrics_at = engine.metrics(), now
             self.status.set_load(engine.num_active, engine.limits.max_batch_size, metrics)
+
+    def receive(self) -> None:
+        """Drain the inbox: block briefly only when idle, or 2 ms when every running request sat
+        the last step out (streams past --max-lead, open input waiting for text); with
+        --late-launch, go on taking messages until the step in flight is about to end
+        (`Engine.hold_s`), so that what arrives meanwhile joins the next step."""
+        engine = self.engine
+        wait_ms = (0 if engine.scheduler.last_batch_size else 2) if engine.has_work() else 50
+        self.take(self.inbox.drain(timeout_ms=wait_ms))
+        while (hold := engine.hold_s()) >= 0.001:
+            self.take(self.inbox.drain(timeout_ms=int(hold * 1000)))
+
+    def take(self, msgs: list[GpuInMsg]) -> None:
+        """The inbox's messages into the engine: a bad one ends its request, never the worker."""
+        engine = self.engine
+        for msg in msgs:
+            try:
+                match msg:
+                    case Prompt():
+                        engine.add(msg)
+                    case Appends():
+                        engine.append(msg)
+                    case Abort(rids=rids, everything=everything):
+                        if everything:
+                            engine.abort_all()
+                        for rid in rids:
+                            engine.abort(rid)
+                    case _:
+                        raise TypeError(f"unexpected message {type(msg).__name__}")
+            except Exception as e:
+                log.exception("could not take %s", type(msg).__name__)
+                if isinstance(msg, Prompt):
+                    engine.reject(msg.rid, f"gpu_worker could not take the prompt: {e}")
 
     def credits(self) -> int:
         """Prompts this worker can start at once, as its scheduler says (`Scheduler.credits`)."""

@@ -111,6 +111,7 @@ class ModelRunner:
         # idle before it, waiting for the host to launch it. Work from other processes sharing the
         # GPU (the codec under MPS) slows these, as it slows the streams.
         self.gpu_forward_s = self.gpu_step_s = self.gpu_idle_s = 0.0
+        self.last_idle_s: float | None = None  # the last step's idle before it (None: not known)
         self._last_ready: torch.cuda.Event | None = None
 
     @property
@@ -266,9 +267,10 @@ class ModelRunner:
         a = 0.05
         self.gpu_forward_s += a * (step.began.elapsed_time(step.forwarded) / 1000 - self.gpu_forward_s)
         self.gpu_step_s += a * (step.began.elapsed_time(step.ready) / 1000 - self.gpu_step_s)
+        self.last_idle_s = None
         if self._last_ready is not None:  # the previous step's end to this one's start
-            idle = self._last_ready.elapsed_time(step.began) / 1000
-            self.gpu_idle_s += a * (max(0.0, idle) - self.gpu_idle_s)
+            self.last_idle_s = max(0.0, self._last_ready.elapsed_time(step.began) / 1000)
+            self.gpu_idle_s += a * (self.last_idle_s - self.gpu_idle_s)
         self._last_ready = step.ready
 
     # --- sampling ------------------------------------------------------------------------------

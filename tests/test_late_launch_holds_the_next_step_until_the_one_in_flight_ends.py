@@ -1,0 +1,118 @@
+"""`--late-launch on`: the gpu_worker keeps taking messages until the step in flight is about to
+end (its start, the steps' measured device time, less the host's launch time and a margin), so a
+prompt that arrives meanwhile joins the next step; the margin widens when the device waited for a
+launch and narrows slowly while it did not; off a GPU, or off, nothing is held."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from common.config import GpuWorkerSettings
+from common.messages import Prompt, SamplingParams
+from common.options import parse_role
+from gpu_worker.engine import LATE_MARGIN_MIN_S, LATE_MARGIN_S, Engine
+from gpu_worker.worker import GpuWorker
+from programs import get_spec, load_program_class
+
+
+@pytest.fixture(scope="module")
+def program():
+    p = load_program_class("orpheus-tiny")(get_spec("orpheus-tiny"), load_format="dummy", lm_head="audio")
+    p.load_lm()
+    return p
+
+
+def late_engine(program, on: bool = True) -> Engine:
+    """An engine as a GPU's with late launch `on`, a step of 30 ms in flight that began now."""
+    eng = Engine(program, GpuWorkerSettings(max_batch_size=4, max_context=64, late_launch="on"))
+    eng.late = on  # off a GPU the engine never holds (below); here as on one
+    eng.runner.gpu_step_s = 0.030
+    eng.launch_s = 0.004
+    eng._inflight = SimpleNamespace(ready=object())  # an event: a step on a device
+    eng._began = time.perf_counter()
+    return eng
+
+
+def test_the_option_is_off_by_default_parsed_and_checked():
+    assert GpuWorkerSettings().late_launch == "off"
+    assert parse_role("gpu_worker", ["--late-launch", "on"], {}).cfg.gpu.late_launch == "on"
+    with pytest.raises(ValueError, match="--late-launch"):
+        GpuWorkerSettings(late_launch="yes").check()
+
+
+def test_off_a_gpu_or_off_nothing_is_held(program):
+    cpu = Engine(program, GpuWorkerSettings(max_batch_size=4, max_context=64, late_launch="on"))
+    assert not cpu.late
+    cpu._inflight = SimpleNamespace(ready=object())
+    assert cpu.hold_s() == 0.0
+    assert late_engine(program, on=False).hold_s() == 0.0
+
+
+def test_the_hold_ends_a_launch_and_a_margin_before_the_step_does(program):
+    eng = late_engine(program)
+    hold = eng.hold_s()
+    assert 0.030 - 0.004 - LATE_MARGIN_S - 0.002 < hold <= 0.030 - 0.004 - LATE_MARGIN_S
+    eng._began -= 0.020  # 20 ms into the step
+    assert 0 < eng.hold_s() < hold - 0.019
+    eng._began -= 0.010  # past its due time
+    assert eng.hold_s() == 0.0
+    eng._inflight = None  # nothing in flight: schedule now
+    assert eng.hold_s() == 0.0
+
+
+def test_the_margin_widens_when_the_device_waited_and_narrows_when_it_did_not(program):
+    eng = late_engine(program)
+    eng.runner.last_idle_s = 0.001  # the device sat 1 ms waiting for the last launch
+    eng._follow_idle()
+    assert eng.late_margin_s == pytest.approx(1.5 * LATE_MARGIN_S + 0.001)
+    for _ in range(20):
+        eng._follow_idle()
+    assert eng.late_margin_s == pytest.approx(0.5 * eng.runner.gpu_step_s)  # at most half a step
+    eng.runner.last_idle_s = 0.0
+    wide = eng.late_margin_s
+    eng._follow_idle()
+    assert eng.late_margin_s == pytest.approx(0.97 * wide)
+    for _ in range(500):
+        eng._follow_idle()
+    assert eng.late_margin_s == LATE_MARGIN_MIN_S
+    eng.runner.last_idle_s = None  # no step before it to measure against: unchanged
+    eng._follow_idle()
+    assert eng.late_margin_s == LATE_MARGIN_MIN_S
+
+
+class _Inbox:
+    """An inbox whose messages come one per drain, recording each drain's timeout."""
+
+    def __init__(self, msgs: list) -> None:
+        self.msgs, self.timeouts = list(msgs), []
+
+    def drain(self, timeout_ms: int = 0, limit: int = 100_000) -> list:
+        self.timeouts.append(timeout_ms)
+        if self.msgs:
+            return [self.msgs.pop(0)]
+        time.sleep(timeout_ms / 1000)
+        return []
+
+
+def test_the_worker_takes_what_arrives_during_the_hold_before_it_steps(program):
+    eng = late_engine(program)
+    eng.runner.gpu_step_s = 0.060
+    worker = GpuWorker.__new__(GpuWorker)  # its loop's parts alone: no sockets, no model load
+    worker.engine = eng
+    rows = np.array([128259, 300, 301, 128009, 128260, 128261, 128257], dtype="<i4")
+    prompts = [
+        Prompt(rid=f"r{i}", tokens=rows.tobytes(), n_rows=len(rows), sampling=SamplingParams(max_tokens=8))
+        for i in range(2)
+    ]
+    worker.inbox = _Inbox(prompts)  # one at once, the other during the hold
+    t0 = time.perf_counter()
+    worker.receive()
+    took = time.perf_counter() - t0
+    assert [r.rid for r in eng.waiting] == ["r0", "r1"]  # both taken before the next step
+    assert eng.hold_s() < 0.001
+    assert 0.060 - eng.launch_s - eng.late_margin_s - 0.003 < took < 0.060
+    assert all(t > 0 for t in worker.inbox.timeouts[1:])  # the hold's drains wait, not spin
