@@ -28,6 +28,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
+import sys
 import time
 from typing import Any
 
@@ -35,6 +37,7 @@ import aiohttp
 
 from bench.load import SENTENCES, Result, auth_headers, device_label, late_summary, percentile
 from bench.load_cli import server_model
+from bench.provenance import commit
 
 PATH = "/v1/audio/speech/stream"
 ACK = '{"type":"ack"'  # the server's acks, as it writes them (compact JSON): skipped unparsed
@@ -181,6 +184,10 @@ def _quantiles(values: list[float]) -> dict[str, float]:
     return {f"p{q}": round(percentile(values, q), 1) for q in (50, 90, 99)}
 
 
+def _command(argv: list[str] | None) -> str:
+    return shlex.join(["voxpipe bench ws", *(sys.argv[1:] if argv is None else argv)])
+
+
 def _args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="voxpipe bench ws", description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default="http://127.0.0.1:8000", help="the server (http:// or https://)")
@@ -206,6 +213,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
+    args.command = _command(argv)
     if not args.serve:
         return measure(args, args.url.rstrip("/"))
     from bench.ttfa_http import served
@@ -224,7 +232,8 @@ def measure(args: argparse.Namespace, base: str) -> int:
             print(json.dumps(level), flush=True)
             levels.append(level)
     result = {"bench": "ws", "url": base, "model": model.get("id", ""), "device": device_label()}
-    result |= {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "levels": levels}
+    result |= {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": commit()}
+    result |= {"command": getattr(args, "command", ""), "levels": levels}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

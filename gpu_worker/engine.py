@@ -47,9 +47,10 @@ __all__ = ["Engine", "GpuWorkerSettings"]
 
 _STOP, _AUDIO = int(TokenKind.STOP), int(TokenKind.AUDIO)
 # Late launch: the margin kept before the step on the device ends (seconds: at first, at least, and
-# at most as a share of the step), and the device idle before a step that counts as waiting.
+# at most as a share of the step), and the device idle before a step that counts as waiting for the
+# launch (on the H200 a step launched early still leaves the device ~0.05-0.1 ms idle on average).
 LATE_MARGIN_S, LATE_MARGIN_MIN_S, LATE_MARGIN_MAX_SHARE = 0.002, 0.0005, 0.5
-LATE_IDLE_S = 0.0001
+LATE_IDLE_S = 0.0005
 
 
 class Engine:
@@ -202,22 +203,25 @@ class Engine:
 
     def hold_s(self) -> float:
         """Seconds the worker may keep taking messages before it schedules the next step: with late
-        launch, until the step in flight is due to end less the launch time and the margin; else 0."""
-        if not self.late or self._inflight is None or self._inflight.ready is None:
+        launch, until the step in flight is due to end less the launch time and the margin, and
+        not once it has ended (its results wait for the next launch); else 0."""
+        step = self._inflight
+        if not self.late or step is None or step.ready is None:
             return 0.0
         due = self._began + self.runner.gpu_step_s - self.launch_s - self.late_margin_s
-        return max(0.0, due - time.perf_counter())
+        hold = due - time.perf_counter()
+        return hold if hold > 0.0 and not step.ready.query() else 0.0
 
     def _follow_idle(self) -> None:
-        """Late launch: widen the margin when the device waited for the last launch, else narrow
-        it slowly (within LATE_MARGIN_MIN_S and LATE_MARGIN_MAX_SHARE of a step)."""
+        """Late launch: widen the margin by what the device waited for the last launch, else
+        narrow it slowly (within LATE_MARGIN_MIN_S and LATE_MARGIN_MAX_SHARE of a step)."""
         idle = self.runner.last_idle_s
         if idle is None:
             return
         if idle > LATE_IDLE_S:
-            margin = 1.5 * self.late_margin_s + idle
+            margin = 1.1 * self.late_margin_s + idle
         else:
-            margin = 0.97 * self.late_margin_s
+            margin = 0.98 * self.late_margin_s
         cap = max(LATE_MARGIN_MIN_S, LATE_MARGIN_MAX_SHARE * self.runner.gpu_step_s)
         self.late_margin_s = min(cap, max(LATE_MARGIN_MIN_S, margin))
 

@@ -1,7 +1,8 @@
 """`--late-launch on`: the gpu_worker keeps taking messages until the step in flight is about to
 end (its start, the steps' measured device time, less the host's launch time and a margin), so a
 prompt that arrives meanwhile joins the next step; the margin widens when the device waited for a
-launch and narrows slowly while it did not; off a GPU, or off, nothing is held."""
+launch and narrows slowly while it did not; the hold ends with the step in flight if that ends
+sooner than expected; off a GPU, or off, nothing is held."""
 
 from __future__ import annotations
 
@@ -26,13 +27,23 @@ def program():
     return p
 
 
+class _Event:
+    """A CUDA event's stand-in: `query()` says whether the step has ended."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
 def late_engine(program, on: bool = True) -> Engine:
     """An engine as a GPU's with late launch `on`, a step of 30 ms in flight that began now."""
     eng = Engine(program, GpuWorkerSettings(max_batch_size=4, max_context=64, late_launch="on"))
     eng.late = on  # off a GPU the engine never holds (below); here as on one
     eng.runner.gpu_step_s = 0.030
     eng.launch_s = 0.004
-    eng._inflight = SimpleNamespace(ready=object())  # an event: a step on a device
+    eng._inflight = SimpleNamespace(ready=_Event())  # a step on a device, not ended
     eng._began = time.perf_counter()
     return eng
 
@@ -47,7 +58,7 @@ def test_the_option_is_off_by_default_parsed_and_checked():
 def test_off_a_gpu_or_off_nothing_is_held(program):
     cpu = Engine(program, GpuWorkerSettings(max_batch_size=4, max_context=64, late_launch="on"))
     assert not cpu.late
-    cpu._inflight = SimpleNamespace(ready=object())
+    cpu._inflight = SimpleNamespace(ready=_Event())
     assert cpu.hold_s() == 0.0
     assert late_engine(program, on=False).hold_s() == 0.0
 
@@ -58,6 +69,9 @@ def test_the_hold_ends_a_launch_and_a_margin_before_the_step_does(program):
     assert 0.030 - 0.004 - LATE_MARGIN_S - 0.002 < hold <= 0.030 - 0.004 - LATE_MARGIN_S
     eng._began -= 0.020  # 20 ms into the step
     assert 0 < eng.hold_s() < hold - 0.019
+    eng._inflight.ready.done = True  # it ended sooner than its steps' average: its results wait
+    assert eng.hold_s() == 0.0
+    eng._inflight.ready.done = False
     eng._began -= 0.010  # past its due time
     assert eng.hold_s() == 0.0
     eng._inflight = None  # nothing in flight: schedule now
@@ -68,15 +82,18 @@ def test_the_margin_widens_when_the_device_waited_and_narrows_when_it_did_not(pr
     eng = late_engine(program)
     eng.runner.last_idle_s = 0.001  # the device sat 1 ms waiting for the last launch
     eng._follow_idle()
-    assert eng.late_margin_s == pytest.approx(1.5 * LATE_MARGIN_S + 0.001)
+    assert eng.late_margin_s == pytest.approx(1.1 * LATE_MARGIN_S + 0.001)
     for _ in range(20):
         eng._follow_idle()
     assert eng.late_margin_s == pytest.approx(0.5 * eng.runner.gpu_step_s)  # at most half a step
     eng.runner.last_idle_s = 0.0
     wide = eng.late_margin_s
     eng._follow_idle()
-    assert eng.late_margin_s == pytest.approx(0.97 * wide)
-    for _ in range(500):
+    assert eng.late_margin_s == pytest.approx(0.98 * wide)
+    eng.runner.last_idle_s = 0.0004  # what a step launched early still leaves idle: no widening
+    eng._follow_idle()
+    assert eng.late_margin_s == pytest.approx(0.98 * 0.98 * wide)
+    for _ in range(800):
         eng._follow_idle()
     assert eng.late_margin_s == LATE_MARGIN_MIN_S
     eng.runner.last_idle_s = None  # no step before it to measure against: unchanged
@@ -115,4 +132,4 @@ def test_the_worker_takes_what_arrives_during_the_hold_before_it_steps(program):
     assert [r.rid for r in eng.waiting] == ["r0", "r1"]  # both taken before the next step
     assert eng.hold_s() < 0.001
     assert 0.060 - eng.launch_s - eng.late_margin_s - 0.003 < took < 0.060
-    assert all(t > 0 for t in worker.inbox.timeouts[1:])  # the hold's drains wait, not spin
+    assert worker.inbox.timeouts[1:] and set(worker.inbox.timeouts[1:]) == {1}  # drains of 1 ms, not a spin
