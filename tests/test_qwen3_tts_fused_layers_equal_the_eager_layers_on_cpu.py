@@ -96,6 +96,7 @@ def test_fused_talker_and_predictor_equal_the_eager_ones(fake_flashinfer) -> Non
     got = fused.backbone(hidden, pos, CausalRows())
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
+    fused._predictor_pos = fused._predictor_pos[:, :4]  # a table narrower than the batches below
     for b in (1, 3, 8):
         states = torch.randn(b, eager.hidden_size, generator=gen)
         c0 = torch.randint(0, 2048, (b,), generator=gen)

@@ -273,6 +273,8 @@ class Qwen3TtsLM(nn.Module):
         m = self.code_predictor.model
         b, dh = x.shape[0], m.head_dim
         layers = m.layers
+        if b > self._predictor_pos.shape[1]:  # a batch past the table: grown (in a graph's warm-up)
+            self._predictor_pos = self.predictor_positions[:, None].repeat(1, b)
         pos = self._predictor_pos[t, :b]  # [B] position t
         residual = x.clone()  # fused_add_rmsnorm adds into it in place
         h = flashinfer.rmsnorm(x, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
