@@ -133,3 +133,54 @@ def test_the_worker_takes_what_arrives_during_the_hold_before_it_steps(program):
     assert eng.hold_s() < 0.001
     assert 0.060 - eng.launch_s - eng.late_margin_s - 0.003 < took < 0.060
     assert worker.inbox.timeouts[1:] and set(worker.inbox.timeouts[1:]) == {1}  # drains of 1 ms, not a spin
+
+
+class _DeviceEvent(_Event):
+    """A step's end on a simulated device that runs launched steps one after another."""
+
+    def __init__(self, end: float) -> None:
+        super().__init__()
+        self.end = end
+
+    def query(self) -> bool:
+        return time.perf_counter() >= self.end
+
+
+def test_the_engine_knows_when_the_step_in_flight_began_and_holds_to_its_end(program):
+    """Steps of 80 ms on a simulated device queue: the first starts at its launch, the next when
+    the one before it ends (the engine learns it when its wait returns), and the hold of each ends
+    a launch and a margin before the step in flight does."""
+    step_s = 0.080
+    eng = Engine(program, GpuWorkerSettings(max_batch_size=4, max_context=64, late_launch="on"))
+    eng.late = True
+    eng.runner.gpu_step_s = step_s
+    queue = {"end": 0.0}
+    launch = eng.runner.launch
+
+    def launch_on_device(batch):
+        step = launch(batch)  # the CPU's step, computed now
+        queue["end"] = max(time.perf_counter(), queue["end"]) + step_s
+        step.ready = _DeviceEvent(queue["end"])
+        return step
+
+    def wait(step):
+        t0 = time.perf_counter()
+        while not step.ready.query():
+            time.sleep(0.0005)
+        eng.runner.last_idle_s = None
+        return time.perf_counter() - t0
+
+    eng.runner.launch, eng.runner.wait = launch_on_device, wait
+    rows = np.array([128259, 300, 301, 128009, 128260, 128261, 128257], dtype="<i4")
+    eng.add(Prompt(rid="r0", tokens=rows.tobytes(), n_rows=len(rows), sampling=SamplingParams(max_tokens=40)))
+    eng.step()  # the first step: the device was idle, it begins at its launch
+    first_end = eng._inflight.ready.end
+    eng.launch_s = 0.030  # the host's launch time, longer than this CPU's (its average starts at 0)
+    assert abs(eng._began - (first_end - step_s)) < 0.015
+    hold = eng.hold_s()
+    assert abs(hold - (first_end - eng.launch_s - eng.late_margin_s - time.perf_counter())) < 0.015
+    time.sleep(hold)
+    eng.step()  # the second, launched before the first ended; its start is the first's end
+    assert abs(eng._began - first_end) < 0.015
+    assert eng._inflight.ready.end == pytest.approx(first_end + step_s)
+    assert 0.080 - eng.launch_s - eng.late_margin_s - 0.015 < eng.hold_s() < 0.080
