@@ -40,9 +40,15 @@ from common.proc import StatusReporter
 from programs import get_spec, load_program_class
 from programs.base import LMProgram
 
-__all__ = ["LEAD_MAX_BATCH", "Codec", "CodecWorker", "codec_compile_backend"]
+__all__ = ["LEAD_MAX_BATCH", "Codec", "CodecWorker", "codec_compile_backend", "cudnn_benchmark"]
 
 log = logging.getLogger(__name__)
+
+
+def cudnn_benchmark(choice: str) -> tuple[bool, bool]:
+    """--codec-cudnn-benchmark → (cuDNN's benchmark for the process while it serves, and while the
+    codec graphs are captured): on times every shape, auto the graphs' alone, off none."""
+    return choice == "on", choice != "off"
 
 
 def codec_compile_backend(choice: str, device: str, program: LMProgram, graphs: bool) -> str | None:
@@ -72,8 +78,7 @@ class CodecWorker:
             # so a chunk decodes the same alone or batched.
             torch.backends.cudnn.allow_tf32 = False
             torch.backends.cuda.matmul.allow_tf32 = False
-            # auto: the codec graphs' shapes only, timed while they are captured (Codec)
-            torch.backends.cudnn.benchmark = cfg.codec.cudnn_benchmark == "on"
+            torch.backends.cudnn.benchmark = cudnn_benchmark(cfg.codec.cudnn_benchmark)[0]
         spec = get_spec(cfg.model)
         program = load_program_class(cfg.model)(spec, device=device, **program_kwargs(cfg))
         dtype = str(program.codec_dtype).removeprefix("torch.")
@@ -100,7 +105,7 @@ class CodecWorker:
             streams=cfg.codec.streams_for(cfg.gpu.filled(resolve_device(cfg.device), 0).max_batch_size),
             call_batch=None if cfg.codec.call_batch < 0 else cfg.codec.call_batch,
             merge=cfg.codec.merge,
-            benchmark_graphs=cfg.codec.cudnn_benchmark != "off",
+            benchmark_graphs=cudnn_benchmark(cfg.codec.cudnn_benchmark)[1],
         )
         self.status = status
         self.inbox: PullChannel[CodecInMsg] = PullChannel(cfg.addresses.codec_in, CodecInMsg, bind=True)

@@ -51,6 +51,7 @@ WORKER_METRICS = {
     "step_gpu_idle_ms": "Time per engine step the device waited for the host to launch it, averaged.",
     "step_launch_ms": "Host time to schedule and launch an engine step, averaged.",
     "late_margin_ms": "With --late-launch: how long before the step in flight ends the next one is launched.",
+    "step_hold_ms": "With --late-launch: time per engine step the worker held the next step back, averaged.",
     "codec_calls_total": "Codec decode passes (one burst of graph replays each: urgent windows, then the gathered rest).",
     "codec_windows_total": "Codec windows decoded.",
     "codec_busy_seconds_total": "Seconds the codec worker spent decoding.",

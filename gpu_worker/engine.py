@@ -82,6 +82,7 @@ class Engine:
         self._began = 0.0
         self.launch_s = 0.0
         self.late_margin_s = LATE_MARGIN_S
+        self.hold_avg_s = 0.0  # the worker's hold before each step (exponential average)
         if self.runner.has_graphs:
             self.runner.capture_sampling(progress)
             self.scheduler.calibrate(self.runner.forward_runner, progress)
@@ -199,6 +200,7 @@ class Engine:
             "step_gpu_idle_ms": round(1000 * r.gpu_idle_s, 3),
             "step_launch_ms": round(1000 * self.launch_s, 3),
             "late_margin_ms": round(1000 * self.late_margin_s, 3) if self.late else 0.0,
+            "step_hold_ms": round(1000 * self.hold_avg_s, 3),
         }
 
     def hold_s(self) -> float:
@@ -210,7 +212,15 @@ class Engine:
             return 0.0
         due = self._began + self.runner.gpu_step_s - self.launch_s - self.late_margin_s
         hold = due - time.perf_counter()
-        return hold if hold > 0.0 and not step.ready.query() else 0.0
+        try:
+            ended = step.ready.query()
+        except Exception:  # a device error: it is raised, and handled, where the step is waited for
+            return 0.0
+        return hold if hold > 0.0 and not ended else 0.0
+
+    def held(self, seconds: float) -> None:
+        """The worker held `seconds` before scheduling the next step (`hold_s`)."""
+        self.hold_avg_s += 0.05 * (seconds - self.hold_avg_s)
 
     def _follow_idle(self) -> None:
         """Late launch: widen the margin by what the device waited for the last launch, else
@@ -239,19 +249,21 @@ class Engine:
 
     def _step(self) -> DetokBatch | None:
         # 1. schedule: who runs this step (with the text appended since the last)
-        self._appends.write(self.scheduler)
         t0 = time.perf_counter()
+        self._appends.write(self.scheduler)
         batch = self.scheduler.schedule(self.runner.max_prefills_per_step, self.runner.takes)
         # 2. run: launch it on the device
-        if not batch:
-            self.runner.idle()
-        previous, self._inflight = self._inflight, (self.runner.launch(batch) if batch else None)
+        previous, self._inflight = self._inflight, None
         if batch:
-            launched = time.perf_counter()
-            self.launch_s += 0.05 * (launched - t0 - self.launch_s)
-            self._began = launched  # with a step before it in flight: when that one ends (_process)
+            # When it begins on the device, as the host can tell: its launch's start, unless the
+            # step before it is still running then (`_process` dates it from that one's end).
+            self._began = time.perf_counter()
+            self._inflight = self.runner.launch(batch)
+            self.launch_s += 0.05 * (time.perf_counter() - t0 - self.launch_s)
         # 3. process: the previous step's results → request state, audio chunks, finished requests
         chunks = self._process(previous) if previous is not None else []
+        if not batch:  # after `_process`, which dates the device's next idle from its step's end
+            self.runner.idle()
         if not chunks and not self.scheduler.finished:
             return None
         return DetokBatch(chunks=chunks, finished=self.scheduler.take_finished(), step=self.step_count)

@@ -122,8 +122,13 @@ class GpuWorker:
         engine = self.engine
         wait_ms = (0 if engine.scheduler.last_batch_size else 2) if engine.has_work() else 50
         self.take(self.inbox.drain(timeout_ms=wait_ms))
+        if not engine.late:
+            return
+        t0 = time.perf_counter()
         while engine.hold_s() >= 0.001:  # in drains of 1 ms: the step may end sooner than expected
             self.take(self.inbox.drain(timeout_ms=1))
+        if engine.scheduler.last_batch_size:
+            engine.held(time.perf_counter() - t0)
 
     def take(self, msgs: list[GpuInMsg]) -> None:
         """The inbox's messages into the engine: a bad one ends its request, never the worker."""

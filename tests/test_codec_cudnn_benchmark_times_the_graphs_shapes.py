@@ -9,9 +9,16 @@ import pytest
 import torch
 
 from codec_worker.codec import Codec
+from codec_worker.worker import cudnn_benchmark
 from common.config import CodecSettings
 from common.options import parse_role
 from programs import get_spec, load_program_class
+
+
+def test_each_choice_sets_the_process_and_the_graphs_capture():
+    assert cudnn_benchmark("auto") == (False, True)  # the graphs' shapes alone
+    assert cudnn_benchmark("on") == (True, True)
+    assert cudnn_benchmark("off") == (False, False)
 
 
 def test_the_option_is_auto_by_default_parsed_and_checked():

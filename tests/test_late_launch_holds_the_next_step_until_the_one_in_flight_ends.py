@@ -158,8 +158,9 @@ def test_the_engine_knows_when_the_step_in_flight_began_and_holds_to_its_end(pro
     launch = eng.runner.launch
 
     def launch_on_device(batch):
+        start = time.perf_counter()  # its kernels reach the device as the host launches them
         step = launch(batch)  # the CPU's step, computed now
-        queue["end"] = max(time.perf_counter(), queue["end"]) + step_s
+        queue["end"] = max(start, queue["end"]) + step_s
         step.ready = _DeviceEvent(queue["end"])
         return step
 
@@ -182,5 +183,39 @@ def test_the_engine_knows_when_the_step_in_flight_began_and_holds_to_its_end(pro
     time.sleep(hold)
     eng.step()  # the second, launched before the first ended; its start is the first's end
     assert abs(eng._began - first_end) < 0.015
-    assert eng._inflight.ready.end == pytest.approx(first_end + step_s)
+    second_end = eng._inflight.ready.end
+    assert second_end == pytest.approx(first_end + step_s)
     assert 0.080 - eng.launch_s - eng.late_margin_s - 0.015 < eng.hold_s() < 0.080
+    time.sleep(max(0.0, second_end - time.perf_counter()) + 0.010)  # held past its end
+    t0 = time.perf_counter()
+    eng.step()  # the third: the device idle when it is launched; dated from its launch's start
+    assert t0 <= eng._began <= eng._inflight.ready.end - step_s
+
+
+def test_a_device_error_in_the_hold_is_left_to_the_step_that_waits(program):
+    """`query()` raising (a device fault) ends the hold; the step's wait raises it, where the
+    worker fails every request with the error."""
+    eng = late_engine(program)
+
+    def fault() -> bool:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    eng._inflight.ready.query = fault
+    assert eng.hold_s() == 0.0
+
+
+def test_an_empty_step_leaves_the_device_idle_from_the_processed_steps_end(program, monkeypatch):
+    """A step that launches nothing but processes the one before: `runner.idle()` comes after that
+    step's wait, so the idle measured before the next launch is not the lull counted as lateness."""
+    eng = Engine(program, GpuWorkerSettings(max_batch_size=4, max_context=64))
+    rows = np.array([128259, 300, 301, 128009, 128260, 128261, 128257], dtype="<i4")
+    eng.add(Prompt(rid="r0", tokens=rows.tobytes(), n_rows=len(rows), sampling=SamplingParams(max_tokens=40)))
+    eng.step()
+    calls: list[str] = []
+    wait, idle = eng.runner.wait, eng.runner.idle
+    monkeypatch.setattr(eng.runner, "wait", lambda step: (calls.append("wait"), wait(step))[1])
+    monkeypatch.setattr(eng.runner, "idle", lambda: (calls.append("idle"), idle())[1])
+    monkeypatch.setattr(eng.scheduler, "schedule", lambda *a, **k: [])
+    eng.step()
+    assert calls == ["wait", "idle"]
+    assert eng._inflight is None

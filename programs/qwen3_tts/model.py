@@ -273,7 +273,9 @@ class Qwen3TtsLM(nn.Module):
         m = self.code_predictor.model
         b, dh = x.shape[0], m.head_dim
         layers = m.layers
-        if b > self._predictor_pos.shape[1]:  # a batch past the table: grown (in a graph's warm-up)
+        if b > self._predictor_pos.shape[1]:  # a batch past the table: a wider one
+            # the narrower ones stay alive: graphs captured before read them
+            self._predictor_pos_kept.append(self._predictor_pos)
             self._predictor_pos = self.predictor_positions[:, None].repeat(1, b)
         pos = self._predictor_pos[t, :b]  # [B] position t
         residual = x.clone()  # fused_add_rmsnorm adds into it in place
@@ -342,6 +344,7 @@ class Qwen3TtsLM(nn.Module):
         self._predictor_cos_sin = cos_sin_table(inv, self.n_codebooks)
         # [C, B]: each position for every row of a batch up to 4096 (FlashInfer's RoPE takes a row's)
         self._predictor_pos = self.predictor_positions[:, None].repeat(1, 4096)
+        self._predictor_pos_kept: list[torch.Tensor] = []
         self.fused = True
 
     def compile_predictor(self, enabled: bool = True, compiler=None) -> None:
