@@ -26,7 +26,6 @@ import datetime
 import gc
 import json
 import os
-import sys
 import time
 
 import numpy as np
@@ -34,7 +33,7 @@ import torch
 import torch._inductor.config as inductor_config
 
 from bench.codec_profile import kind_of
-from bench.provenance import commit
+from bench.provenance import command, commit
 from codec_worker.graphs import DetokGraphs
 from programs import get_spec, load_program_class
 
@@ -123,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         "device": torch.cuda.get_device_name(),
         "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S"),
         "commit": commit(),
-        "command": "voxpipe bench codec-streams " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": command("voxpipe bench codec-streams", argv),
         "dtype": args.dtype,
         "call_batch": args.call_batch,
         "variants": {},

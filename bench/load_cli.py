@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shlex
 import sys
 import time
 import urllib.request
@@ -26,7 +25,7 @@ import aiohttp
 
 from bench.clips import Cloning, plain_voice
 from bench.load import TEXT_SETS, arrivals, auth_headers, device_label, measure_level, meets_target, plot
-from bench.provenance import commit
+from bench.provenance import command, commit
 
 DEFAULT_TOKENS = 1024
 
@@ -170,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             break
     passing = [p[key] for p in curve if meets_target(p)]
     out = {
-        "command": shlex.join(["voxpipe bench", *(sys.argv[1:] if argv is None else argv)]),
+        "command": command("voxpipe bench", argv),
         "device": args.device or device_label(),
         "arrivals": how,
         "model": args.model or card.get("id", ""),

@@ -1,9 +1,12 @@
-"""Which commit a result was measured at, for the result files' `commit` field."""
+"""What a result file says of how it was made: the commit measured (`commit`) and the command
+(`command`)."""
 
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout
 
@@ -20,3 +23,9 @@ def commit() -> str:
         return out.stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         return ""
+
+
+def command(prog: str, argv: list[str] | None) -> str:
+    """The command line of a bench: `prog` (as the user types it) and its arguments, `argv` or
+    this process's own when None."""
+    return shlex.join([prog, *(sys.argv[1:] if argv is None else argv)])

@@ -23,7 +23,6 @@ import contextlib
 import gzip
 import json
 import os
-import shlex
 import signal
 import subprocess
 import sys
@@ -34,7 +33,7 @@ from collections.abc import Iterator
 
 import aiohttp
 
-from bench.provenance import commit
+from bench.provenance import command, commit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -146,7 +145,7 @@ def load_curve(base: str, args) -> None:
         curve.append(point)
         print(json.dumps(point), flush=True)
         out = {
-            "command": shlex.join(["voxpipe bench ttfa", *args.argv]),
+            "command": command("voxpipe bench ttfa", args.argv),
             "device": device,
             "arrivals": closed if any(k == "concurrency" for k, _ in levels) else "poisson",
             "model": f"{args.model} dummy",

@@ -28,8 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shlex
-import sys
 import time
 from typing import Any
 
@@ -37,7 +35,7 @@ import aiohttp
 
 from bench.load import SENTENCES, Result, auth_headers, device_label, late_summary, percentile
 from bench.load_cli import server_model
-from bench.provenance import commit
+from bench.provenance import command, commit
 
 PATH = "/v1/audio/speech/stream"
 ACK = '{"type":"ack"'  # the server's acks, as it writes them (compact JSON): skipped unparsed
@@ -184,10 +182,6 @@ def _quantiles(values: list[float]) -> dict[str, float]:
     return {f"p{q}": round(percentile(values, q), 1) for q in (50, 90, 99)}
 
 
-def _command(argv: list[str] | None) -> str:
-    return shlex.join(["voxpipe bench ws", *(sys.argv[1:] if argv is None else argv)])
-
-
 def _args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="voxpipe bench ws", description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default="http://127.0.0.1:8000", help="the server (http:// or https://)")
@@ -213,7 +207,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
-    args.command = _command(argv)
+    args.command = command("voxpipe bench ws", argv)
     if not args.serve:
         return measure(args, args.url.rstrip("/"))
     from bench.ttfa_http import served
