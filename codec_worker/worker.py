@@ -73,12 +73,13 @@ class CodecWorker:
         assert cfg.addresses is not None
         cfg.codec.check()
         device = resolve_device(cfg.codec.device if cfg.codec.device != "auto" else cfg.device)
+        benchmark_serving, benchmark_graphs = cudnn_benchmark(cfg.codec.cudnn_benchmark)
         if device.startswith("cuda"):
             # TF32 convolutions drift ~5e-4 from fp32 and vary with the batch size; keep fp32 exact
             # so a chunk decodes the same alone or batched.
             torch.backends.cudnn.allow_tf32 = False
             torch.backends.cuda.matmul.allow_tf32 = False
-            torch.backends.cudnn.benchmark = cudnn_benchmark(cfg.codec.cudnn_benchmark)[0]
+            torch.backends.cudnn.benchmark = benchmark_serving
         spec = get_spec(cfg.model)
         program = load_program_class(cfg.model)(spec, device=device, **program_kwargs(cfg))
         dtype = str(program.codec_dtype).removeprefix("torch.")
@@ -105,7 +106,7 @@ class CodecWorker:
             streams=cfg.codec.streams_for(cfg.gpu.filled(resolve_device(cfg.device), 0).max_batch_size),
             call_batch=None if cfg.codec.call_batch < 0 else cfg.codec.call_batch,
             merge=cfg.codec.merge,
-            benchmark_graphs=cudnn_benchmark(cfg.codec.cudnn_benchmark)[1],
+            benchmark_graphs=benchmark_graphs,
         )
         self.status = status
         self.inbox: PullChannel[CodecInMsg] = PullChannel(cfg.addresses.codec_in, CodecInMsg, bind=True)
