@@ -17,7 +17,8 @@ Launched at once, step n+1 is scheduled early in step n's time on the device, an
 arrives later in it waits for step n+2: from arrival to its first row takes two and a half steps
 on average. With `--late-launch on` the worker keeps taking messages until step n is about to end
 (`hold_s`: its start, the steps' measured device time, less the host's time to schedule and launch
-and a margin) and only then schedules step n+1, so most prompts start in the next step. The margin
+and a margin) and only then schedules step n+1, so most prompts start in the next step; if step n has ended by
+then, its results are processed (and sent) first, and step n+1 launched after them. The margin
 follows the device's idle time before each step: it grows when the GPU waited for the launch, and
 shrinks slowly while it did not.
 """
@@ -206,17 +207,12 @@ class Engine:
     def hold_s(self) -> float:
         """Seconds the worker may keep taking messages before it schedules the next step: with late
         launch, until the step in flight is due to end less the launch time and the margin, and
-        not once it has ended (its results wait for the next launch); else 0."""
+        not once it has ended (`step` then processes it before launching the next); else 0."""
         step = self._inflight
         if not self.late or step is None or step.ready is None:
             return 0.0
-        due = self._began + self.runner.gpu_step_s - self.launch_s - self.late_margin_s
-        hold = due - time.perf_counter()
-        try:
-            ended = step.ready.query()
-        except Exception:  # a device error: it is raised, and handled, where the step is waited for
-            return 0.0
-        return hold if hold > 0.0 and not ended else 0.0
+        hold = self._began + self.runner.gpu_step_s - self.launch_s - self.late_margin_s - time.perf_counter()
+        return hold if hold > 0.0 and not self._ended(step) else 0.0
 
     def held(self, seconds: float) -> None:
         """The worker held `seconds` before scheduling the next step (`hold_s`)."""
@@ -248,6 +244,11 @@ class Engine:
         return out
 
     def _step(self) -> DetokBatch | None:
+        if self.late and self._ended(self._inflight):
+            # The step in flight ended before the next was launched: its frames go out first (the
+            # launch would hold them for its host time, ~4 ms at batch 1); the next call launches.
+            previous, self._inflight = self._inflight, None
+            return self._batch(self._process(previous))
         # 1. schedule: who runs this step (with the text appended since the last)
         t0 = time.perf_counter()
         self._appends.write(self.scheduler)
@@ -264,9 +265,24 @@ class Engine:
         chunks = self._process(previous) if previous is not None else []
         if not batch:  # after `_process`, which dates the device's next idle from its step's end
             self.runner.idle()
+        return self._batch(chunks)
+
+    def _batch(self, chunks: list[DetokChunk]) -> DetokBatch | None:
+        """A processed step's chunks and the requests finished since the last → one DetokBatch."""
         if not chunks and not self.scheduler.finished:
             return None
         return DetokBatch(chunks=chunks, finished=self.scheduler.take_finished(), step=self.step_count)
+
+    @staticmethod
+    def _ended(step: InFlight | None) -> bool:
+        """Whether `step` has ended on the device (a device error counts: the step's wait raises
+        it, where the worker handles it)."""
+        if step is None or step.ready is None:
+            return False
+        try:
+            return bool(step.ready.query())
+        except Exception:
+            return True
 
     def _process(self, step: InFlight) -> list[DetokChunk]:
         """A completed step's sampled rows → request state, audio chunks and finished requests."""

@@ -187,9 +187,41 @@ def test_the_engine_knows_when_the_step_in_flight_began_and_holds_to_its_end(pro
     assert second_end == pytest.approx(first_end + step_s)
     assert 0.080 - eng.launch_s - eng.late_margin_s - 0.015 < eng.hold_s() < 0.080
     time.sleep(max(0.0, second_end - time.perf_counter()) + 0.010)  # held past its end
+    processed = eng.step_count
+    eng.step()  # the second ended before the third's launch: processed first, nothing launched
+    assert eng.step_count == processed + 1 and eng._inflight is None
     t0 = time.perf_counter()
     eng.step()  # the third: the device idle when it is launched; dated from its launch's start
     assert t0 <= eng._began <= eng._inflight.ready.end - step_s
+
+
+def test_a_step_that_ended_before_the_next_launch_sends_its_frames_first(program):
+    """With late launch, a step found ended when the next would be scheduled is processed first
+    (its frames leave without waiting for a launch); the next call launches. Off, the engine
+    launches first, then processes (one step ahead of the host)."""
+    rows = np.array([128259, 300, 301, 128009, 128260, 128261, 128257], dtype="<i4")
+    order: dict[bool, list[str]] = {}
+    for on in (True, False):
+        eng = Engine(program, GpuWorkerSettings(max_batch_size=4, max_context=64, late_launch="on"))
+        eng.late = on
+        calls = order[on] = []
+        launch, process = eng.runner.launch, eng._process
+
+        def launch_ended(batch, launch=launch, calls=calls):
+            calls.append("launch")
+            step = launch(batch)
+            step.ready = _Event()
+            step.ready.done = True  # it has ended by the time the engine looks
+            return step
+
+        eng.runner.launch = launch_ended
+        eng.runner.wait = lambda step: 0.0  # the CPU's step is computed at its launch
+        eng._process = lambda step, process=process, calls=calls: (calls.append("process"), process(step))[1]
+        eng.add(Prompt(rid="r0", tokens=rows.tobytes(), n_rows=len(rows), sampling=SamplingParams(max_tokens=40)))
+        for _ in range(3):
+            eng.step()
+    assert order[True] == ["launch", "process", "launch"]
+    assert order[False] == ["launch", "launch", "process", "launch", "process"]
 
 
 def test_a_device_error_in_the_hold_is_left_to_the_step_that_waits(program):
