@@ -217,7 +217,9 @@ def test_a_step_that_ended_before_the_next_launch_sends_its_frames_first(program
         eng.runner.launch = launch_ended
         eng.runner.wait = lambda step: 0.0  # the CPU's step is computed at its launch
         eng._process = lambda step, process=process, calls=calls: (calls.append("process"), process(step))[1]
-        eng.add(Prompt(rid="r0", tokens=rows.tobytes(), n_rows=len(rows), sampling=SamplingParams(max_tokens=40)))
+        eng.add(
+            Prompt(rid="r0", tokens=rows.tobytes(), n_rows=len(rows), sampling=SamplingParams(max_tokens=40))
+        )
         for _ in range(3):
             eng.step()
     assert order[True] == ["launch", "process", "launch"]
