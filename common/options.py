@@ -565,9 +565,22 @@ def default_name(role: str) -> str:
     return role
 
 
+def model_defaults(model: str) -> dict[str, Any]:
+    """The settings the model's spec chooses for itself (`serve_defaults`: option field → value,
+    those it is measured to serve best with), for the roles that load models; {} for an unknown
+    model (the roles that load it say why). The gateway never calls this: it imports no program."""
+    from programs import get_spec, served_name
+
+    try:
+        spec = get_spec(served_name(model))
+    except ValueError:
+        return {}
+    return dict(spec.get("serve_defaults", {}))
+
+
 def resolve(role: str, ns: argparse.Namespace, environ: Mapping[str, str] | None = None) -> RoleSettings:
-    """Flags, then VOXPIPE_* variables (unless --config-json), then defaults. Raises ValueError
-    naming the flag and variable to fix."""
+    """Flags, then VOXPIPE_* variables (unless --config-json), then the model's own defaults
+    (`model_defaults`), then ServeConfig's. Raises ValueError naming the flag and variable to fix."""
     environ = os.environ if environ is None else environ
     from_json = getattr(ns, "config_json", None)
     try:
@@ -586,6 +599,11 @@ def resolve(role: str, ns: argparse.Namespace, environ: Mapping[str, str] | None
                 raise ValueError(f"{opt.env} must be one of {', '.join(opt.choices)}, got {value!r}")
         if value is not None:
             values[opt.field] = value
+    if not from_json and role in _LOADERS:
+        fields = {o.field for o in options_for(role)}
+        for field, value in model_defaults(values.get("model") or cfg.model).items():
+            if field in fields and field not in values:
+                values[field] = value
     name = values.pop("name", None) or default_name(role)
     tap = values.pop("tap", "")
     addr_fields = {o.field for o in OPTIONS if o.kind == "address"}
