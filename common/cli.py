@@ -57,7 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     from common.tap import add_tap_args
 
     add_tap_args(sub.add_parser("tap", help="print request timelines (JSON lines) from the processes' taps"))
-    sub.add_parser("models", help="list the model names --model accepts, with the settings each chooses for itself")
+    sub.add_parser(
+        "models", help="list the model names --model accepts, with the settings each chooses for itself"
+    )
     keys = sub.add_parser(
         "keys",
         help="create CURVE keys that encrypt and authenticate tcp:// sockets (use with --zmq-curve-dir)",
@@ -95,7 +97,9 @@ def main(argv: list[str] | None = None) -> None:
 
         for n in model_names():
             own = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in model_defaults(n).items())
-            print(n + (" (default)" if n == DEFAULT_MODEL else "") + (f"  [serves with {own}]" if own else ""))
+            print(
+                n + (" (default)" if n == DEFAULT_MODEL else "") + (f"  [serves with {own}]" if own else "")
+            )
         return
     if args.command == "keys":
         from common.ipc import create_curve_keys
