@@ -27,9 +27,10 @@
 #                  closed-loop levels (VOXPIPE_LOAD, default 32..512) whose clients all start at once
 #                  (`--burst`), each level from an idle server; result burst.json
 #   csm-load       the same for CSM
-#   qwen3-rate     Qwen3-TTS (VOXPIPE_QWEN3_MODEL, default the 1.7B CustomVoice): `voxpipe bench ttfa`,
-#                  then open-loop Poisson arrivals (VOXPIPE_RATES) of 8-15-word sentences, 60-75 frames
-#                  each (4.8-6 s of audio: random weights rarely end a stream themselves)
+#   qwen3-rate     Qwen3-TTS (VOXPIPE_QWEN3_MODEL, default the 1.7B CustomVoice) with the model's own
+#                  settings (its spec's serve_defaults) and MPS: `voxpipe bench ttfa`, then open-loop
+#                  Poisson arrivals (VOXPIPE_RATES) of 8-15-word sentences, 60-75 frames each (4.8-6 s of
+#                  audio: random weights rarely end a stream themselves)
 #   higgs-load     Higgs Audio v2 3B: `voxpipe bench ttfa`, then the load curve (VOXPIPE_LOAD), streams
 #                  of 250 rows (10 s of audio; random weights never end one themselves)
 #   chatterbox-load  Chatterbox: `voxpipe bench ttfa`, then the load curve (VOXPIPE_LOAD), streams of 250
@@ -135,10 +136,10 @@ for stage in "$@"; do
         ;;
     qwen3-rate)
         run qwen3-rate $bench ttfa --model "${VOXPIPE_QWEN3_MODEL:-qwen3-tts}" --reps 15 --tokens 60 \
-            --rate "${VOXPIPE_RATES:-1,10,20,40,80}" --texts sentences --load-duration "${VOXPIPE_LOAD_S:-20}" \
+            --rate "${VOXPIPE_RATES:-1,10,20,40,60,80}" --texts sentences --load-duration "${VOXPIPE_LOAD_S:-20}" \
             --load-tokens 60 --prompt-allowance 40 --label "$LABEL" --load-out "$OUT/qwen3-rate.json" \
             --out "$OUT/qwen3-ttfa.json" -- --max-batch-size 256 --codec-dtype float16 --mps on \
-            --codec-gpu-share 50 ${VOXPIPE_SERVE_EXTRA:-}
+            ${VOXPIPE_SERVE_EXTRA:-}
         ;;
     csm-load)
         run csm-load $bench ttfa --model csm --reps 5 --tokens 40 --load "${VOXPIPE_LOAD:-16,32,64,96}" \
@@ -166,7 +167,7 @@ for stage in "$@"; do
     ws)
         run ws $bench ws --serve "${VOXPIPE_QWEN3_MODEL:-qwen3-tts}" --sessions "${VOXPIPE_WS_SESSIONS:-1,100}" \
             --word-ms 10,33 --min-tokens 60 --max-tokens 150 --out "$OUT/ws.json" -- --max-batch-size 256 \
-            --codec-dtype float16 --mps on --codec-gpu-share 50 ${VOXPIPE_SERVE_EXTRA:-}
+            --codec-dtype float16 --mps on ${VOXPIPE_SERVE_EXTRA:-}
         ;;
     *) echo "unknown stage $stage (see the head of bench/gpu.sh)" ;;
     esac
