@@ -1,5 +1,5 @@
-"""What a result file says of how it was made: the commit measured (`commit`) and the command
-(`command`)."""
+"""What a result file says of how it was made: the commit measured (`commit`), the command
+(`command`) and the settings the served model chooses for itself (`model_settings`)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,19 @@ def commit() -> str:
         return out.stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         return ""
+
+
+def model_settings(model: str, serve_args: list[str]) -> dict:
+    """The settings `model`'s spec chooses for itself (`common.options.model_defaults`) that
+    `serve_args` does not name: with the serve arguments, what the server ran."""
+    from common.options import model_defaults
+
+    named = {a.split("=", 1)[0] for a in serve_args if a.startswith("--")}
+    return {
+        k: v
+        for k, v in model_defaults(model).items()
+        if not {"--" + k.replace("_", "-"), "--no-" + k.replace("_", "-")} & named
+    }
 
 
 def command(prog: str, argv: list[str] | None) -> str:

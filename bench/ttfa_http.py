@@ -33,7 +33,7 @@ from collections.abc import Iterator
 
 import aiohttp
 
-from bench.provenance import command, commit
+from bench.provenance import command, commit, model_settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -152,6 +152,7 @@ def load_curve(base: str, args) -> None:
             "date": time.strftime("%F"),
             "commit": commit(),
             "serve_args": args.serve_args,
+            "model_settings": model_settings(args.model, args.serve_args),
             "tokens_per_request": args.load_tokens,
             "duration_s_per_level": args.load_duration,
             "ramp_s": args.ramp,
@@ -269,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             "date": time.strftime("%F"),
             "commit": commit(),
             "serve_args": args.serve_args,
+            "model_settings": model_settings(args.model, args.serve_args),
             "startup_s": round(startup, 1),
             "ttfa_p50_ms": ttfa_of(res["plain"])["p50"],
             "ttfa_p99_ms": ttfa_of(res["plain"])["p99"],

@@ -35,7 +35,7 @@ import aiohttp
 
 from bench.load import SENTENCES, Result, auth_headers, device_label, late_summary, percentile
 from bench.load_cli import server_model
-from bench.provenance import command, commit
+from bench.provenance import command, commit, model_settings
 
 PATH = "/v1/audio/speech/stream"
 ACK = '{"type":"ack"'  # the server's acks, as it writes them (compact JSON): skipped unparsed
@@ -228,6 +228,8 @@ def measure(args: argparse.Namespace, base: str) -> int:
     result = {"bench": "ws", "url": base, "model": model.get("id", ""), "device": device_label()}
     result |= {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": commit()}
     result |= {"command": getattr(args, "command", ""), "levels": levels}
+    if args.serve:
+        result["model_settings"] = model_settings(args.serve, args.serve_args)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

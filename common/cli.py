@@ -96,7 +96,12 @@ def main(argv: list[str] | None = None) -> None:
         from programs import DEFAULT_MODEL, model_names
 
         for n in model_names():
-            own = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in model_defaults(n).items())
+            own = " ".join(
+                f"--{'' if v else 'no-'}{k.replace('_', '-')}"
+                if isinstance(v, bool)
+                else f"--{k.replace('_', '-')} {v}"
+                for k, v in model_defaults(n).items()
+            )
             print(
                 n + (" (default)" if n == DEFAULT_MODEL else "") + (f"  [serves with {own}]" if own else "")
             )

@@ -188,9 +188,10 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     depth_compile: str = "off"
     # "on": the LM's layers in fused kernels where its program has them (`fuse_layers`) and the
     # sampler's tail (sort, top-k/p, min-p, the draw) as one Triton kernel (runner/sample_kernel.py).
-    # Off by default: on the H200 it shortens a 16-codebook model's step from 12.1 to 7.6 ms at batch
-    # 1 and its first audio from 28 to 21 ms, but with the codec under MPS on the same GPU the faster
-    # steps leave the codec less of it (docs/models/, that model's Figures).
+    # Off unless the model chooses it (its spec's serve_defaults: Qwen3-TTS): on the H200 it shortens
+    # a 16-codebook model's step from 12.1 to 7.6 ms at batch 1 and its first audio from 28 to 21 ms;
+    # with the codec held to a share of the SMs under MPS the faster steps leave the codec less of
+    # the GPU (docs/models/, that model's Serving settings).
     fused_step: str = "off"
     # "on": the next step is scheduled and launched just before the step on the device ends (by
     # the steps' measured device time, less the host's launch time and a margin that keeps the GPU
@@ -275,7 +276,7 @@ class CodecSettings(msgspec.Struct, kw_only=True):
     # default from the gpu_worker's batch size.
     max_streams: int = 0
     # A codec stream's waiting windows decoded as one window of up to this many (the program's
-    # codec_merge sizes up to it; 1 = each window alone, the default until its GPU cost is measured:
+    # codec_merge sizes up to it; 1 = each window alone, the default where the model chooses none:
     # each size is a graph set of its own): a stream behind, or its first audible windows sent
     # together, takes one decode instead of one round per window.
     merge: int = 1

@@ -159,7 +159,8 @@ OPTIONS: tuple[Option, ...] = (
         "fused_step",
         "the LM's layers in fused GPU kernels where its model has them and the "
         "sampler's sort, top-k/p and draw as one Triton kernel: shorter steps and first audio; with "
-        "the codec on the same GPU the faster steps take GPU time it needs (on, off: the default)",
+        "the codec held to a share of the same GPU the faster steps take GPU time it needs (on, off: the "
+        "default unless the model chooses on; `voxpipe models`)",
         ("serve", "gpu_worker"),
         choices=("on", "off"),
         path="gpu.fused_step",
@@ -168,7 +169,7 @@ OPTIONS: tuple[Option, ...] = (
         "late_launch",
         "GPU: schedule and launch each step just before the step on the device ends (by measured "
         "step times) rather than as soon as the one before it is launched, so a prompt arriving "
-        "meanwhile starts a step sooner (on, off: the default)",
+        "meanwhile starts a step sooner (on, off: the default unless the model chooses on; `voxpipe models`)",
         ("serve", "gpu_worker"),
         choices=("on", "off"),
         path="gpu.late_launch",
@@ -567,7 +568,7 @@ def default_name(role: str) -> str:
 
 def model_defaults(model: str) -> dict[str, Any]:
     """The settings the model's spec chooses for itself (`serve_defaults`: option field → value,
-    those it is measured to serve best with), for the roles that load models; {} for an unknown
+    those it serves best with as measured), for the roles that load models; {} for an unknown
     model (the roles that load it say why). The gateway never calls this: it imports no program."""
     from programs import get_spec, served_name
 

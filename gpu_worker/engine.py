@@ -76,6 +76,8 @@ class Engine:
         # time near the step interval with little wait means the host, not the GPU, sets the pace.
         self.host_s = self.wait_s = 0.0
         self._waited = 0.0
+        self._collected_only = False  # the last `step` collected a step and launched none
+        self._carried = (0.0, 0.0)  # a collect-only step's host time and wait, for the launch after it
         # Late launch (GPU only): when the step in flight began on the device, as the host knows
         # it (perf_counter), the host's time to schedule and launch a step (an exponential
         # average), and the margin kept before the step's end.
@@ -215,8 +217,10 @@ class Engine:
         return hold if hold > 0.0 and not self._ended(step) else 0.0
 
     def held(self, seconds: float) -> None:
-        """The worker held `seconds` before scheduling the next step (`hold_s`)."""
-        self.hold_avg_s += 0.05 * (seconds - self.hold_avg_s)
+        """The worker held `seconds` before scheduling the next step (`hold_s`); not counted with
+        no step in flight (after a collect-only step the launch holds for nothing)."""
+        if self._inflight is not None:
+            self.hold_avg_s += 0.05 * (seconds - self.hold_avg_s)
 
     def _follow_idle(self) -> None:
         """Late launch: widen the margin by what the device waited for the last launch, else
@@ -233,14 +237,23 @@ class Engine:
 
     # --- one step ------------------------------------------------------------------------------
     def step(self) -> DetokBatch | None:
-        """Launch the next step, then collect the previous one; what it produced, or None."""
+        """Launch the next step, then collect the previous one (with late launch, a step found
+        ended is collected first and the next launched by the next call); what it produced, or
+        None."""
         t0 = time.perf_counter()
         self._waited = 0.0
+        self._collected_only = False
         out = self._step()
         if self.scheduler.last_batch_size:
-            host = time.perf_counter() - t0 - self._waited
+            # A collect-only call and the launch after it are one step's host work and wait.
+            host = time.perf_counter() - t0 - self._waited + self._carried[0]
+            waited = self._waited + self._carried[1]
+            if self._collected_only:
+                self._carried = (host, waited)
+                return out
+            self._carried = (0.0, 0.0)
             self.host_s += 0.05 * (host - self.host_s)
-            self.wait_s += 0.05 * (self._waited - self.wait_s)
+            self.wait_s += 0.05 * (waited - self.wait_s)
         return out
 
     def _step(self) -> DetokBatch | None:
@@ -248,7 +261,11 @@ class Engine:
             # The step in flight ended before the next was launched: its frames go out first (the
             # launch would hold them for its host time, ~4 ms at batch 1); the next call launches.
             previous, self._inflight = self._inflight, None
-            return self._batch(self._process(previous))
+            self._collected_only = True
+            out = self._batch(self._process(previous))
+            if not self.has_work():  # nothing to launch next: the device idles from here
+                self.runner.idle()
+            return out
         # 1. schedule: who runs this step (with the text appended since the last)
         t0 = time.perf_counter()
         self._appends.write(self.scheduler)

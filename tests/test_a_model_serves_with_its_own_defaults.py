@@ -56,6 +56,8 @@ def test_every_models_defaults_name_an_option_and_a_value_it_takes():
             seen += 1
             opt = by_field.get(field)
             assert opt is not None and "serve" in opt.roles, f"{name}: {field} is no serve option"
+            # a separately run gateway takes no model defaults: none of its settings may be one
+            assert "gateway" not in opt.roles, f"{name}: {field} is the gateway's too"
             assert not opt.choices or value in opt.choices, f"{name}: {field}={value!r}"
             cfg = ServeConfig(model=name)
             opt.apply(cfg, value)
@@ -63,6 +65,17 @@ def test_every_models_defaults_name_an_option_and_a_value_it_takes():
         assert model_defaults(name) == get_spec(name).get("serve_defaults", {})
     assert seen  # some model chooses settings for itself
     assert model_defaults("no-such-model") == {}
+
+
+def test_a_bench_result_names_the_settings_the_model_chose_and_the_command_did_not():
+    from bench.provenance import model_settings
+
+    assert model_settings("qwen3-tts", ["--max-batch-size", "256", "--fused-step", "off"]) == {
+        "late_launch": "on",
+        "codec_merge": 8,
+    }
+    assert model_settings("qwen3-tts", ["--codec-merge=2"]) == {"fused_step": "on", "late_launch": "on"}
+    assert model_settings("orpheus", []) == {}
 
 
 if __name__ == "__main__":

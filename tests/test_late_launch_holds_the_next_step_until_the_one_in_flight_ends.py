@@ -253,3 +253,38 @@ def test_an_empty_step_leaves_the_device_idle_from_the_processed_steps_end(progr
     eng.step()
     assert calls == ["wait", "idle"]
     assert eng._inflight is None
+
+
+def test_a_collect_only_step_returns_its_results_and_idles_the_device_when_nothing_is_left(program):
+    """The last step of the last request, found ended: its results and the request's end come
+    back from the collect-only call, and with nothing left to launch the device's idle is dated
+    from there (a pause until the next prompt is not a late launch); its host time joins the
+    launch after it."""
+    rows = np.array([128259, 300, 301, 128009, 128260, 128261, 128257], dtype="<i4")
+    eng = Engine(program, GpuWorkerSettings(max_batch_size=4, max_context=64, late_launch="on"))
+    eng.late = True
+    calls: list[str] = []
+    launch, process, idle = eng.runner.launch, eng._process, eng.runner.idle
+
+    def launch_ended(batch):
+        calls.append("launch")
+        step = launch(batch)
+        step.ready = _Event()
+        step.ready.done = True
+        return step
+
+    eng.runner.launch, eng.runner.wait = launch_ended, lambda step: 0.0
+    eng._process = lambda step: (calls.append("process"), process(step))[1]
+    eng.runner.idle = lambda: (calls.append("idle"), idle())[1]
+    eng.add(Prompt(rid="r0", tokens=rows.tobytes(), n_rows=len(rows), sampling=SamplingParams(max_tokens=10)))
+    out, host_moved = [], []
+    while eng.has_work():
+        before = eng.host_s
+        out.append(eng.step())
+        host_moved.append((calls[-1], eng.host_s != before))
+    # a collect-only call's host time waits for the launch after it: one average a step
+    assert all(moved == (last == "launch") for last, moved in host_moved[:-1]), host_moved
+    ended = [f.rid for b in out if b is not None for f in b.finished]
+    assert ended == ["r0"]
+    assert calls[-2:] == ["process", "idle"] and calls.count("launch") == calls.count("process")
+    assert calls[:3] == ["launch", "process", "launch"]  # collected first, then launched
