@@ -185,7 +185,8 @@ def server_gauges(base: str) -> dict[str, float]:
     keep = (
         *_AVERAGED, "stream_capacity", "decode_batch_size", "kv_pages_used", "active_streams", "queue_depth",
         "codec_calls_total", "codec_windows_total", "codec_busy_seconds_total", "admission_queue_length",
-        "streams_sitting_out",
+        "streams_sitting_out", "prompts_started_total", "steps_total",
+        *(f"admission_stopped_by_{k}_total" for k in ("batch", "cap", "rows", "room", "graphs", "pages")),
     )  # fmt: skip
     out: dict[str, float] = {}
     seen: dict[str, int] = {}
@@ -263,6 +264,8 @@ class GaugeSampler:
             delta = {k: d for k, d in delta.items() if d >= 0}
             for k, d in delta.items():
                 out[k.removesuffix("_total") + "_per_s"] = round(d / (t1 - t0), 3)
+            if delta.get("steps_total") and "prompts_started_total" in delta:
+                out["prompts_per_step"] = round(delta["prompts_started_total"] / delta["steps_total"], 2)
             if delta.get("codec_calls_total") and "codec_windows_total" in delta:
                 out["codec_windows_per_call"] = round(
                     delta["codec_windows_total"] / delta["codec_calls_total"], 1

@@ -204,6 +204,8 @@ class Engine:
             "step_launch_ms": round(1000 * self.launch_s, 3),
             "late_margin_ms": round(1000 * self.late_margin_s, 3) if self.late else 0.0,
             "step_hold_ms": round(1000 * self.hold_avg_s, 3),
+            "prompts_started_total": s.prompts_started,
+            **{f"admission_stopped_by_{k}_total": v for k, v in s.admission_stops.items()},
         }
 
     def hold_s(self) -> float:

@@ -44,6 +44,13 @@ log = logging.getLogger(__name__)
 _MAX_TOMBSTONES = 10_000
 
 
+# What ends a step's admission while prompts wait (`Scheduler.admission_stops`, /metrics): the batch
+# or the sampling slots full, the step's cap on prompts (--max-prefills, the runner's prefill
+# graphs), on prompt rows (--max-prefill-rows), the room the fitted step cost leaves beside the
+# running streams, the runner's graphs taking no more prompts together, or no KV pages.
+ADMISSION_STOPS = ("batch", "cap", "rows", "room", "graphs", "pages")
+
+
 class BrokenState(RuntimeError):
     """The scheduler's books disagree with its slots or KV pages: what it holds cannot be trusted."""
 
@@ -99,6 +106,9 @@ class Scheduler:
         self.outputs: dict[str, tuple[list, FinishReason]] | None = None
         self.last_batch_size = 0
         self.admitted_last = 0  # prompts the last step admitted
+        self.prompts_started = 0  # prompts admitted, all steps
+        # Steps that left prompts waiting, by what stopped admission (`ADMISSION_STOPS`).
+        self.admission_stops = dict.fromkeys(ADMISSION_STOPS, 0)
         self.sit_out = None
         check_sit_out(limits.sit_out_lead_s)
         if limits.sit_out_lead_s > 0:
@@ -290,20 +300,28 @@ class Scheduler:
         room, per_prompt, per_token = self.prompt_room()
         prefill_rows = admitted = 0
         spent, lengths = 0.0, []
-        while self.waiting and len(self.running) < limits.max_batch_size and self.slots.num_free:
+        stop = "batch"  # why prompts are left waiting, if they are
+        while self.waiting:
+            if len(self.running) >= limits.max_batch_size or not self.slots.num_free:
+                stop = "batch"
+                break
             req = self.waiting[0]
             rows = self.sequences * len(req.prompt)  # a guided request's step runs both sequences
             # the fit counts one sequence a request (its terms take a guided step's factor in)
             cost = per_prompt + per_token * len(req.prompt)
-            if admitted and (
-                admitted >= cap
-                or prefill_rows + rows > limits.max_prefill_rows
-                or spent + cost > room
-                or (takes is not None and not takes([*lengths, rows]))
-            ):
-                break
+            if admitted:
+                stop = (
+                    "cap" if admitted >= cap
+                    else "rows" if prefill_rows + rows > limits.max_prefill_rows
+                    else "room" if spent + cost > room
+                    else "graphs" if takes is not None and not takes([*lengths, rows])
+                    else ""
+                )  # fmt: skip
+                if stop:
+                    break
             pages = self.allocator.alloc(self.sequences * pages_for(req.budget + 1, limits.page_size))
             if pages is None:
+                stop = "pages"
                 break  # wait for a running request to finish and free its pages
             self.waiting.popleft()
             self.start(req, pages)
@@ -312,6 +330,9 @@ class Scheduler:
             spent += cost
             lengths.append(rows)
         self.admitted_last = admitted
+        self.prompts_started += admitted
+        if self.waiting:
+            self.admission_stops[stop] += 1
         # Prompts still waiting make the next steps as heavy as this one (by the fit, else up to the
         # budget): a first chunk promised on the lighter steps before them would come late
         # (gpu_worker/windows.py).
