@@ -10,7 +10,8 @@ against the reference's where it imports, one engine for every check.
    text modes (the streaming one reads its text from the per-request state inside the graphs).
 4. Decode step time with graphs (talker + code predictor) per batch size, context 300.
 
-Each runs twice: with the layers as served by default and with `--fused-step on`.
+Each runs with the layers as served by default and with `--fused-step on`, and the 0.6B
+CustomVoice's talker (another shape) with `--fused-step on`.
 """
 
 from __future__ import annotations
@@ -31,12 +32,14 @@ FRAME_MS = 80.0
 MODEL = "qwen3-tts"
 
 
-@pytest.fixture(scope="module", params=["eager", "fused"])
+@pytest.fixture(scope="module", params=["eager", "fused", "fused-0.6b"])
 def qwen(request):
     """(program, engine, eager runner): the layers as served by default, then with --fused-step on
-    (FlashInfer's fused layers and the sampler's Triton tail); each writes a report of its own."""
-    fused = request.param == "fused"
-    yield (*bf16_engines(MODEL, fused=fused), "qwen3-tts-parity" + ("-fused-step" if fused else ""))
+    (FlashInfer's fused layers and the sampler's Triton tail), then the 0.6B model's with it; each
+    writes a report of its own."""
+    fused = request.param.startswith("fused")
+    model = "qwen3-tts-0.6b" if request.param.endswith("0.6b") else MODEL
+    yield (*bf16_engines(model, fused=fused), f"{model}-parity" + ("-fused-step" if fused else ""))
     if fused:
         from gpu_worker.runner.sampler import use_tail_kernel
 
