@@ -188,7 +188,7 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     depth_compile: str = "off"
     # "on": the LM's layers in fused kernels where its program has them (`fuse_layers`) and the
     # sampler's tail (sort, top-k/p, min-p, the draw) as one Triton kernel (runner/sample_kernel.py).
-    # Off unless the model chooses it (its spec's serve_defaults: Qwen3-TTS): on the H200 it shortens
+    # Off unless the model chooses it (its spec's serve_defaults): on the H200 it shortens
     # a 16-codebook model's step from 12.1 to 7.6 ms at batch 1 and its first audio from 28 to 21 ms;
     # with the codec held to a share of the SMs under MPS the faster steps leave the codec less of
     # the GPU (docs/models/, that model's Serving settings).
