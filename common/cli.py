@@ -13,6 +13,7 @@ voxpipe keys DIR       CURVE keypairs for tcp:// between hosts (then --zmq-curve
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from common.config import ServeConfig, check_model_settings
@@ -133,6 +134,12 @@ def main(argv: list[str] | None = None) -> None:
         _subparser(parser, args.command).error(str(e))  # the command's own usage, not voxpipe's
     if role == "serve":
         setup_logging("serve", settings.cfg.log_level)
+        if settings.chosen:
+            logging.getLogger("voxpipe").info(
+                "%s serves with settings of its own: %s (a flag or VOXPIPE_* variable overrides each)",
+                settings.cfg.model,
+                " ".join(f"--{k.replace('_', '-')} {v}" for k, v in settings.chosen.items()),
+            )
         from common.launcher import serve
 
         sys.exit(serve(settings.cfg))

@@ -13,7 +13,7 @@ import argparse
 import os
 import socket
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -552,11 +552,13 @@ def add_options(parser: argparse.ArgumentParser, role: str) -> None:
 
 @dataclass
 class RoleSettings:
-    """What one process runs with: the deployment's config, and its own name and tap address."""
+    """What one process runs with: the deployment's config, its own name and tap address, and the
+    settings the model chose for it (`model_defaults`: those no flag or variable set)."""
 
     cfg: ServeConfig
     name: str
     tap: str
+    chosen: dict[str, Any] = field(default_factory=dict)
 
 
 def default_name(role: str) -> str:
@@ -600,11 +602,12 @@ def resolve(role: str, ns: argparse.Namespace, environ: Mapping[str, str] | None
                 raise ValueError(f"{opt.env} must be one of {', '.join(opt.choices)}, got {value!r}")
         if value is not None:
             values[opt.field] = value
+    chosen: dict[str, Any] = {}
     if not from_json and role in _LOADERS:
         fields = {o.field for o in options_for(role)}
-        for field, value in model_defaults(values.get("model") or cfg.model).items():
-            if field in fields and field not in values:
-                values[field] = value
+        for name, value in model_defaults(values.get("model") or cfg.model).items():
+            if name in fields and name not in values:
+                values[name] = chosen[name] = value
     name = values.pop("name", None) or default_name(role)
     tap = values.pop("tap", "")
     addr_fields = {o.field for o in OPTIONS if o.kind == "address"}
@@ -616,7 +619,7 @@ def resolve(role: str, ns: argparse.Namespace, environ: Mapping[str, str] | None
     opts = {o.field: o for o in OPTIONS}
     for f, v in values.items():
         opts[f].apply(cfg, v)
-    return RoleSettings(cfg, name, tap)
+    return RoleSettings(cfg, name, tap, chosen)
 
 
 def _check_connects(role: str, addresses: Addresses) -> None:

@@ -28,8 +28,9 @@ def test_qwen3_tts_serves_with_the_fused_step_late_launch_and_merged_windows():
 
 
 def test_a_flag_or_a_variable_overrides_the_models_choice():
-    gpu = parse_role("serve", ["--model", "qwen3-tts", "--fused-step", "off"], {}).cfg.gpu
-    assert (gpu.fused_step, gpu.late_launch) == ("off", "on")
+    settings = parse_role("serve", ["--model", "qwen3-tts", "--fused-step", "off"], {})
+    assert (settings.cfg.gpu.fused_step, settings.cfg.gpu.late_launch) == ("off", "on")
+    assert settings.chosen == {"late_launch": "on", "codec_merge": 8}  # what serve logs it chose
     cfg = parse_role("serve", [], {"VOXPIPE_MODEL": "qwen3-tts", "VOXPIPE_CODEC_MERGE": "2"}).cfg
     assert (cfg.codec.merge, cfg.gpu.late_launch) == (2, "on")
 
