@@ -186,17 +186,17 @@ def server_gauges(base: str) -> dict[str, float]:
         *_AVERAGED, "stream_capacity", "decode_batch_size", "kv_pages_used", "active_streams", "queue_depth",
         "codec_calls_total", "codec_windows_total", "codec_busy_seconds_total", "admission_queue_length",
         "streams_sitting_out", "prompts_started_total", "steps_total",
-        *(f"admission_stopped_by_{k}_total" for k in ("batch", "cap", "rows", "room", "graphs", "pages")),
     )  # fmt: skip
     out: dict[str, float] = {}
     seen: dict[str, int] = {}
     req = urllib.request.Request(base + "/metrics", headers=auth_headers())
     with urllib.request.urlopen(req, timeout=5) as r:
         for line in r.read().decode().splitlines():
-            for k in keep:
-                if line.startswith((f"voxpipe_{k}{{", f"voxpipe_{k} ")):
-                    out[k] = out.get(k, 0.0) + float(line.rsplit(" ", 1)[1])
-                    seen[k] = seen.get(k, 0) + 1
+            # the series' name: up to its labels or its value; every admission_stopped_by_* counter
+            k = line.split("{", 1)[0].split(" ", 1)[0].removeprefix("voxpipe_")
+            if k in keep or (k.startswith("admission_stopped_by_") and k.endswith("_total")):
+                out[k] = out.get(k, 0.0) + float(line.rsplit(" ", 1)[1])
+                seen[k] = seen.get(k, 0) + 1
     for k in _AVERAGED:
         if k in out:
             out[k] /= seen[k]

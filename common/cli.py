@@ -17,7 +17,7 @@ import logging
 import sys
 
 from common.config import ServeConfig, check_model_settings
-from common.options import add_options, resolve
+from common.options import add_options, as_flags, resolve
 from common.proc import setup_logging
 
 # `voxpipe <command>` → the role (= package) it runs
@@ -97,12 +97,7 @@ def main(argv: list[str] | None = None) -> None:
         from programs import DEFAULT_MODEL, model_names
 
         for n in model_names():
-            own = " ".join(
-                f"--{'' if v else 'no-'}{k.replace('_', '-')}"
-                if isinstance(v, bool)
-                else f"--{k.replace('_', '-')} {v}"
-                for k, v in model_defaults(n).items()
-            )
+            own = as_flags(model_defaults(n))
             print(
                 n + (" (default)" if n == DEFAULT_MODEL else "") + (f"  [serves with {own}]" if own else "")
             )
@@ -138,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
             logging.getLogger("voxpipe").info(
                 "%s serves with settings of its own: %s (a flag or VOXPIPE_* variable overrides each)",
                 settings.cfg.model,
-                " ".join(f"--{k.replace('_', '-')} {v}" for k, v in settings.chosen.items()),
+                as_flags(settings.chosen),
             )
         from common.launcher import serve
 

@@ -568,6 +568,15 @@ def default_name(role: str) -> str:
     return role
 
 
+def as_flags(settings: Mapping[str, Any]) -> str:
+    """Settings (option field → value) as the command line gives them."""
+    opts = {o.field: o for o in OPTIONS}
+    return " ".join(
+        (opts[k].flag if v else "--no-" + opts[k].flag[2:]) if isinstance(v, bool) else f"{opts[k].flag} {v}"
+        for k, v in settings.items()
+    )
+
+
 def model_defaults(model: str) -> dict[str, Any]:
     """The settings the model's spec chooses for itself (`serve_defaults`: option field → value,
     those it serves best with as measured), for the roles that load models; {} for an unknown

@@ -69,7 +69,7 @@ Attributes a program sets (defaults on LMProgram; any model may use each):
 | `detok_groups` | with `codec_streams`: the later audible windows sent and decoded in groups of these sizes, whatever the timing (see Codec streams, window groups) |
 | `voice_required` | a request without a voice (a saved one or a clip) is refused: the model has no voice of its own |
 | `guidance` | every request runs a conditional and an unconditional sequence (see Classifier-free guidance) |
-| `serve_defaults` | settings the model serves with unless a flag or variable sets them (option field → value, e.g. `{"fused_step": "on"}`): those it serves best with as measured (`common.options.model_defaults`; `voxpipe models` lists them) |
+| `serve_defaults` | a spec key (torch-free: options resolve before any program loads): settings the model serves with unless a flag or variable sets them (option field → value, e.g. `{"fused_step": "on"}`), those it serves best with as measured (`common.options.model_defaults`; `voxpipe models` lists them) |
 
 Multi-codebook rows (C > 1): a row is one frame of C codebook ids (a program may also encode
 non-audio rows in it, e.g. a text token, as long as `embed` tells them apart; prompt ids must lie

@@ -300,7 +300,7 @@ class Scheduler:
         room, per_prompt, per_token = self.prompt_room()
         prefill_rows = admitted = 0
         spent, lengths = 0.0, []
-        stop = "batch"  # why prompts are left waiting, if they are
+        stop = ""  # why prompts are left waiting, if they are
         while self.waiting:
             if len(self.running) >= limits.max_batch_size or not self.slots.num_free:
                 stop = "batch"
