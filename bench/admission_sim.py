@@ -69,6 +69,11 @@ class GPU:
     knee: int = 0
     row_us_below_knee: float = 2.0
 
+    def groups(self, prompts: int) -> int:
+        """The groups a step's prompts run in (`StepCost`'s term): the first alone, the rest in one
+        batched pass (with `pass_ms`) or a pass each."""
+        return min(prompts, 1) + ((prompts > 1) if self.pass_ms else max(0, prompts - 1))
+
     def step_s(self, ctx: np.ndarray, prompts: int, rng: np.random.Generator | None) -> float:
         """A step of len(ctx) decode rows (each at its context) and `prompts` prompts; without `rng`
         the noiseless time."""
@@ -107,6 +112,10 @@ def startup_differences(gpu: GPU, steps: dict[int, float] | None = None) -> list
     class Runner:
         sizes = decode_buckets(512)
 
+        @staticmethod
+        def prompt_groups(rows: list[int]) -> int | None:  # lane 0 and a batched graph of 8, or 4 lanes
+            return gpu.groups(len(rows)) if len(rows) <= (9 if gpu.pass_ms else 4) else None
+
     def timer(_, b) -> float:
         decode = np.array(b.kv_lens[b.num_prefill :], dtype=float) - 1  # context before the step
         return gpu.step_s(decode, b.num_prefill, None)
@@ -141,13 +150,17 @@ class Worker:
             self.clock.headroom / ROWS_PER_S, len(run), sum(n + r["gen"] for r in run.values())
         )
         if self.room and run and fit is not None:
-            spare, per_prompt, per_token = fit
-            if not self.gpu_charge:
-                return max(1, min(k, int(spare // (per_prompt + per_token * n))))
-            g, more = self.gpu, 1  # the first prompt, then as many more as their pass leaves room for
+            g, more = self.gpu, 1  # the first prompt, then as many more as the room leaves
+            if not self.gpu_charge:  # as the scheduler: the fitted cost of a prompt and the group it opens
+                spent = fit.cost(n, 1)
+                while (
+                    more < k and spent + (c := fit.cost(n, g.groups(more + 1) - g.groups(more))) <= fit.room
+                ):
+                    spent, more = spent + c, more + 1
+                return more
             while (
                 more < k
-                and g.prompt_ms + g.pass_ms + (g.extra_prompt_ms or g.prompt_ms) * more <= 1000 * spare
+                and g.prompt_ms + g.pass_ms + (g.extra_prompt_ms or g.prompt_ms) * more <= 1000 * fit.room
             ):
                 more += 1
             return more
@@ -276,7 +289,7 @@ def step(w: Worker, run: dict, t: float) -> float:
     ctx = np.array([prompt_len + run[c]["gen"] for c in rows if not run[c]["prompt"]], dtype=float)
     dt = w.gpu.step_s(ctx, prompts, w.rng)
     t += dt
-    cost = (len(rows) - prompts + prompts * prompt_len, int(ctx.sum()), prompts)
+    cost = (len(rows) - prompts + prompts * prompt_len, int(ctx.sum()), prompts, w.gpu.groups(prompts))
     clock.record(len(rows), dt, now=t, streams=len(ids), cost=cost)
     for c in rows:
         r = run[c]

@@ -174,7 +174,7 @@ def percentile(values: list[float], q: float) -> float:
 _AVERAGED = (
     "row_period_ms", "step_host_ms", "step_wait_ms", "step_gpu_forward_ms", "step_gpu_ms", "step_gpu_idle_ms",
     "step_launch_ms", "late_margin_ms", "step_hold_ms", "life_context", "step_cost_fixed_ms", "step_cost_token_us",
-    "step_cost_kcontext_us", "step_cost_prompt_ms",
+    "step_cost_kcontext_us", "step_cost_prompt_ms", "step_cost_group_ms",
 )  # fmt: skip
 
 
@@ -207,6 +207,7 @@ def server_gauges(base: str) -> dict[str, float]:
 TIMELINE_GAUGES = (
     "active_streams", "stream_capacity", "admission_queue_length", "row_period_ms", "streams_sitting_out",
     "life_context", "step_cost_fixed_ms", "step_cost_token_us", "step_cost_kcontext_us", "step_cost_prompt_ms",
+    "step_cost_group_ms",
 )  # fmt: skip
 
 

@@ -271,7 +271,7 @@ class Engine:
         # 1. schedule: who runs this step (with the text appended since the last)
         t0 = time.perf_counter()
         self._appends.write(self.scheduler)
-        batch = self.scheduler.schedule(self.runner.max_prefills_per_step, self.runner.takes)
+        batch = self.scheduler.schedule(self.runner.max_prefills_per_step, self.runner.prompt_groups)
         # 2. run: launch it on the device
         previous, self._inflight = self._inflight, None
         if batch:

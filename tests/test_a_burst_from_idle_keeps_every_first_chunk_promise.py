@@ -48,6 +48,7 @@ def burst(program, monkeypatch, n: int, warm: bool) -> tuple[list[float], int]:
     limits = GpuWorkerSettings(max_batch_size=n, max_context=160, first_chunk="progressive")
     eng = Engine(program, limits)
     eng.runner.forward_runner.max_prefills_per_step = LANES
+    monkeypatch.setattr(eng.runner, "prompt_groups", len)  # a lane each, as `step_s` charges them
     s = eng.scheduler
     s.real_time = True  # paced as on a GPU
     now = [100.0]

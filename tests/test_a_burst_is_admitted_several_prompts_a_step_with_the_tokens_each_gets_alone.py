@@ -47,7 +47,7 @@ def prompts(program, n: int) -> list[Prompt]:
 
 
 def limits(**kw) -> GpuWorkerSettings:
-    return GpuWorkerSettings(max_batch_size=8, max_context=200, first_chunk="reference", **kw)
+    return GpuWorkerSettings(**{"max_batch_size": 8, "max_context": 200, "first_chunk": "reference", **kw})
 
 
 @pytest.mark.parametrize("n, k", [(7, 3), (5, 5)])
@@ -80,36 +80,45 @@ def test_a_burst_of_n_starts_k_a_step_and_each_request_samples_what_it_samples_a
     assert eng.allocator.num_used == 0
 
 
-def test_beside_running_streams_the_step_cost_sets_how_many_prompts_start(program):
-    """Streams running, a fitted cost of 2 ms a prompt and 6 ms of decode: the 10.7 ms budget (0.88
-    of Orpheus' 12.19 ms row) leaves room for two prompts a step, though the cap allows five; where
-    the decode rows alone fill the budget, one prompt a step still starts."""
+def test_beside_running_streams_the_step_cost_sets_how_many_prompts_start(program, monkeypatch):
+    """Streams running, a fitted cost of 6 ms of decode, 0.5 ms a prompt and 1.5 ms a group of
+    prompts run together: the 10.7 ms budget (0.88 of Orpheus' 12.19 ms row) leaves room for two
+    prompts a step where each runs in a group of its own (prefill lanes), and for six where they
+    join one (the eager runner's one pass; batched prefill graphs), though the cap allows eight;
+    where the decode rows alone fill the budget, one prompt a step still starts."""
     if program.name != "orpheus":  # orpheus-tiny's program
         pytest.skip("the row period of record is Orpheus'")
-    eng = Engine(program, limits(max_prefills=5))
+    eng = Engine(program, limits(max_prefills=8, max_batch_size=16))
     s = eng.scheduler
     s.real_time = True  # paced as on a GPU
     cost = s.clock.cost
-    first, rest = prompts(program, 1), prompts(program, 8)[1:]
+    first, rest = prompts(program, 1), prompts(program, 12)[1:]
     eng.add(first[0])
     eng.step()  # one stream running
 
-    def fit(a: float, d: float) -> None:
-        """A step cost of `a` s fixed and `d` s a prompt, nothing per token or context."""
+    def fit(a: float, d: float, e: float) -> None:
+        """A step cost of `a` s fixed, `d` s a prompt and `e` s a group, nothing per token or context."""
         cost.__init__()
         rng = np.random.default_rng(0)
         for _ in range(400):
-            x = (int(rng.integers(1, 300)), int(rng.integers(0, 50_000)), int(rng.integers(0, 4)))
-            cost.add(*x, a + d * x[2])
+            n = int(rng.integers(0, 4))
+            groups = int(rng.integers(min(n, 1), n + 1))
+            cost.add(
+                int(rng.integers(1, 300)), int(rng.integers(0, 50_000)), n, a + d * n + e * groups, groups
+            )
 
-    fit(0.006, 0.002)
-    assert cost.coefficients() == pytest.approx((0.006, 0.0, 0.0, 0.002), abs=2e-5)  # the fit's ridge
+    fit(0.006, 0.0005, 0.0015)
+    assert cost.coefficients() == pytest.approx((0.006, 0.0, 0.0, 0.0005, 0.0015), abs=2e-5)  # the ridge
     for p in rest:
         eng.add(p)
+    monkeypatch.setattr(eng.runner, "prompt_groups", lambda rows: len(rows))  # a lane each
     eng.step()
-    assert len(eng.running) == 3 and s.admitted_last == 2  # (10.7 - 6) / 2 ms: two prompts
-    fit(0.011, 0.002)  # decode alone over the budget: one a step
+    assert len(eng.running) == 3 and s.admitted_last == 2  # (10.7 - 6) / (0.5 + 1.5) ms: two prompts
+    monkeypatch.undo()
+    eng.step()  # one group: 1.5 ms, then 0.5 ms a prompt
+    assert len(eng.running) == 9 and s.admitted_last == 6
+    fit(0.011, 0.0005, 0.0015)  # decode alone over the budget: one a step
     eng.step()
-    assert s.admitted_last == 1 and len(eng.running) == 4
+    assert s.admitted_last == 1 and len(eng.running) == 10
     # prompts still wait: the next steps may take the whole budget (`StepClock.expect`)
     assert s.clock.rows_time_high(7) >= 7 * 0.88 / program.rows_per_second

@@ -12,6 +12,7 @@ from common.config import GpuWorkerSettings
 from common.messages import Prompt, SamplingParams
 from gpu_worker.engine import Engine
 from gpu_worker.scheduler.scheduler import ADMISSION_STOPS
+from gpu_worker.scheduler.step_cost import PromptRoom
 from programs import get_spec, load_program_class
 
 ROWS = np.array([128259, 300, 301, 128009, 128260, 128261, 128257], dtype="<i4")
@@ -58,11 +59,12 @@ def test_a_step_that_leaves_prompts_waiting_says_why(program, limits, n, first, 
 
 def test_the_room_and_the_graphs_stop_a_step_after_its_first_prompt(program, monkeypatch):
     eng = burst(program, 4)
-    monkeypatch.setattr(eng.scheduler, "prompt_room", lambda: (0.0, 0.001, 0.0))  # no room beside the streams
+    no_room = PromptRoom(0.0, prompt=0.001)
+    monkeypatch.setattr(eng.scheduler, "prompt_room", lambda: no_room)  # no room beside the streams
     eng.scheduler.admit(0)
     assert eng.scheduler.admitted_last == 1 and stops(eng) == {"room": 1}  # the first prompt always starts
     monkeypatch.undo()
-    eng.scheduler.admit(0, takes=lambda rows: len(rows) <= 2)  # the graphs take two together
+    eng.scheduler.admit(0, lambda rows: 1 if len(rows) <= 2 else None)  # the graphs take two together
     assert eng.scheduler.admitted_last == 2 and stops(eng) == {"room": 1, "graphs": 1}
     eng.scheduler.admit(0)  # the last one: nothing left waiting, nothing counted
     assert eng.scheduler.admitted_last == 1 and stops(eng) == {"room": 1, "graphs": 1}

@@ -55,7 +55,7 @@ def test_a_steps_prompts_run_in_lanes_batched_and_mixed_graphs_as_eagerly(
     # mixed graph; 12, 15 and 30 batched in bucket 32; 50 and 60 batched in bucket 64.
     lens = [7, 20, 25, 40, 300, 10, 12, 50, 15, 60, 30]
     joins = [0] * 5 + [2] * 6
-    assert not graphs.takes([7, 20, 25, 28, 31])  # 4 of bucket 32 beside the first: more than 3
+    assert graphs.prompt_groups([7, 20, 25, 28, 31]) is None  # 4 of bucket 32 beside the first: more than 3
     rng = np.random.default_rng(0)
     tables = [list(range(1 + i * per, 1 + (i + 1) * per))[::-1] for i in range(n_seq)]
     seqs = [rng.integers(0, 1000, size=n + 10) for n in lens]
@@ -81,7 +81,8 @@ def test_a_steps_prompts_run_in_lanes_batched_and_mixed_graphs_as_eagerly(
         b = StepBatch(np.array(ids, dtype=np.int64)[:, None], np.array(pos, dtype=np.int64),
                       [0, *np.cumsum(rows).tolist()], kv_lens, [tables[i] for i in order], len(pre), meta=meta,
                       last_rows=last_rows)  # fmt: skip
-        assert graphs.takes([lens[i] for i in pre])
+        # step 0: lane 0, bucket 32's graph, lanes 1 and 2; step 2: lane 0 and two batched graphs
+        assert graphs.prompt_groups([lens[i] for i in pre]) == {0: 4, 2: 3}.get(t, 0)
         got, got_meta, _ = graphs.forward(b)
         want, want_meta, _ = eager.forward(b)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"step {t}")

@@ -93,7 +93,7 @@ def test_the_margin_grows_with_the_distance_past_the_largest_batch_served():
     cost = StepCost()
     for rows in (100, 200, 300) * 100:
         cost.add(rows, 0, 0, 3e-3 + 20e-6 * rows)  # nothing per context or prompt
-    a, per_row, _, _ = cost.coefficients()
+    a, per_row, *_ = cost.coefficients()
     assert (a, per_row) == pytest.approx((3e-3, 20e-6), rel=0.01)  # within the fit's ridge
     lives = Lives(context=0.0, prompt_tokens=0.0, rows=1e9)
     budget = 11e-3

@@ -119,7 +119,8 @@ class GraphRunner:
     no graph) and a decode graph for its fed-back rows, from one input arena sent with one
     host→device copy."""
 
-    # one new request per lane, more with batched prefill graphs; the engine admits no more (`takes`)
+    # one new request per lane, more with batched prefill graphs; the engine admits no more
+    # (`prompt_groups`)
     max_prefills_per_step = PREFILL_LANES
 
     def __init__(
@@ -354,9 +355,13 @@ class GraphRunner:
             return None
         return Placement(lanes=list(range(len(rows))))
 
-    def takes(self, rows: list[int]) -> bool:
-        """Whether prompts of `rows` rows each start together in graphs (each rounding as alone)."""
-        return self.place(rows) is not None
+    def prompt_groups(self, rows: list[int]) -> int | None:
+        """The groups prompts of `rows` rows each run in when they start together in graphs (each
+        rounding as alone): a lane each, or a batched graph of several (`place`); None where the
+        graphs do not take them together. A group reads the weights once: what its prompts cost
+        beyond their rows (`gpu_worker.scheduler.step_cost.StepCost`)."""
+        place = self.place(rows)
+        return None if place is None else len(place.lanes) + len(place.groups)
 
     def _fill(self, b: StepBatch, parts: _Parts) -> torch.Tensor | None:
         """One copy of the arena: decode rows, meta, and the prefill rows when a graph runs them →

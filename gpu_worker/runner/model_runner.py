@@ -139,11 +139,12 @@ class ModelRunner:
         """New requests one step may start (one per prefill lane); 0: any number."""
         return self.forward_runner.max_prefills_per_step
 
-    def takes(self, rows: list[int]) -> bool:
-        """Whether prompts of `rows` rows each may start in one step, each rounding as it would
-        alone (`GraphRunner.takes`; the eager runner takes any)."""
-        takes = getattr(self.forward_runner, "takes", None)
-        return True if takes is None else takes(rows)
+    def prompt_groups(self, rows: list[int]) -> int | None:
+        """The groups prompts of `rows` rows each run in when they start in one step, each rounding
+        as it would alone (`GraphRunner.prompt_groups`; the eager runner runs any number in its one
+        pass); None where they may not start together."""
+        groups = getattr(self.forward_runner, "prompt_groups", None)
+        return (1 if rows else 0) if groups is None else groups(rows)
 
     # --- a step --------------------------------------------------------------------------------
     def layout(self, batch: list[Request]) -> StepBatch:

@@ -7,10 +7,13 @@ that differ in one thing (GPU only, through the runner's graphs, sampling left o
 
 - the largest decode bucket and one near half of it, each at a short and a long context: two
   differences in context at equal rows, two in rows at equal contexts;
-- the smaller batch at a middle context with and without a prompt riding along (a mixed step).
+- the smaller batch at a middle context with and without a prompt riding along (a mixed step);
+- that step with two more prompts, and with as many more as the runner's graphs take together
+  beside the first (`prompt_groups`: with batched prefill graphs, one group for all of them), so
+  the fit tells a prompt's own cost from its group's.
 
 Each difference goes to `StepCost.calibrate` as (more tokens, more thousands of tokens of context,
-more prompts) and the seconds they added. The steps read and write KV pages of a cache that holds
+more prompts, more groups of prompts) and the seconds they added. The steps read and write KV pages of a cache that holds
 no request yet; what they write is overwritten by the requests that later own those pages.
 """
 
@@ -30,25 +33,28 @@ log = logging.getLogger(__name__)
 
 SHORT, LONG, PROMPT = 128, 1024, 48  # contexts of the decode rows, and a prompt's tokens
 WARMUP, TIMED = 2, 6  # steps run at each point before timing, and timed (the median counts)
+MORE_PROMPTS = 16  # prompts beside the first that the startup steps try at most
 
 
-def _batch(n: int, ctx: int, prompt: int, c: int, pages: int, page_size: int) -> StepBatch:
-    """`n` decode rows at context `ctx` (after a prompt of `prompt` rows when > 0), each on pages of
-    its own (wrapping around a cache too small to give every row its own)."""
+def _batch(n: int, ctx: int, prompts: list[int], c: int, pages: int, page_size: int) -> StepBatch:
+    """`n` decode rows at context `ctx` after prompts of `prompts` rows each, every row and prompt
+    on pages of its own (wrapping around a cache too small to give each its own)."""
     per = pages_for(ctx, page_size)
     tables = [[1 + (i * per + j) % (pages - 1) for j in range(per)] for i in range(n)]
-    rows, pos, kv = [1] * n, [ctx - 1] * n, [ctx] * n
-    if prompt:
-        tables.insert(0, [1 + (n * per + j) % (pages - 1) for j in range(pages_for(prompt, page_size))])
-        rows.insert(0, prompt)
-        kv.insert(0, prompt)
+    first = n * per
+    for p in prompts:
+        tables.insert(
+            len(tables) - n, [1 + (first + j) % (pages - 1) for j in range(pages_for(p, page_size))]
+        )
+        first += pages_for(p, page_size)
+    rows = [*prompts, *[1] * n]
     return StepBatch(
         ids=np.zeros((sum(rows), c), dtype=np.int64),
-        pos=np.concatenate([np.arange(prompt), pos]).astype(np.int64),
+        pos=np.concatenate([*(np.arange(p) for p in prompts), [ctx - 1] * n]).astype(np.int64),
         qo_indptr=np.concatenate([[0], np.cumsum(rows)]).tolist(),
-        kv_lens=kv,
+        kv_lens=[*prompts, *[ctx] * n],
         page_tables=tables,
-        num_prefill=1 if prompt else 0,
+        num_prefill=len(prompts),
     )
 
 
@@ -75,7 +81,7 @@ def step_differences(
     progress=None,
     timer=_seconds,
     steps: dict[tuple[int, int], float] | None = None,
-) -> list[tuple[tuple[float, float, float], float]]:
+) -> list[tuple[tuple[float, ...], float]]:
     """Time the startup steps on `runner` (a GraphRunner; `timer(runner, batch)` → seconds) →
     `StepCost.calibrate`'s differences; `steps`, when given, gets the largest batches' times at the
     long context ((rows, context of each) → seconds: `StepClock.seed`)."""
@@ -91,29 +97,40 @@ def step_differences(
     own = (num_pages - 1 - pages_for(prompt, page_size)) // big * page_size
     short, long = min(SHORT, max_context // 4), min(LONG, max_context - 1, own)
 
-    def t(n: int, ctx: int, p: int = 0) -> float:
-        return timer(runner, _batch(n, ctx, p, n_codebooks, num_pages, page_size))
+    def t(n: int, ctx: int, prompts: tuple[int, ...] = ()) -> float:
+        return timer(runner, _batch(n, ctx, list(prompts), n_codebooks, num_pages, page_size))
 
     diffs = []
     at = {(n, ctx): t(n, ctx) for n in {big, small} for ctx in {short, long}}
     if long > short:
         for n in {big, small}:
-            diffs.append(((0.0, n * (long - short) / 1000, 0.0), at[n, long] - at[n, short]))
+            diffs.append(((0.0, n * (long - short) / 1000, 0.0, 0.0), at[n, long] - at[n, short]))
     if big > small:
         for ctx in {short, long}:
             # each row's context before the step, as the engine counts it: ctx - 1
             diffs.append(
-                ((big - small, (big - small) * (ctx - 1) / 1000, 0.0), at[big, ctx] - at[small, ctx])
+                ((big - small, (big - small) * (ctx - 1) / 1000, 0.0, 0.0), at[big, ctx] - at[small, ctx])
             )
     if steps is not None:
         steps.update({(n, long): at[n, long] for n in {big, small}})
     mid = (short + long) // 2
     if prompt > 0:
-        diffs.append(((float(prompt), 0.0, 1.0), t(small, mid, prompt) - t(small, mid)))
+        one = t(small, mid, (prompt,))
+        diffs.append(((float(prompt), 0.0, 1.0, 1.0), one - t(small, mid)))
+        groups = getattr(runner, "prompt_groups", None)
+        # more prompts beside the first: two, and the most the graphs take together (a lane each, or
+        # one batched graph)
+        takes = [k for k in range(2, MORE_PROMPTS + 1) if groups and groups([prompt] * (1 + k))]
+        for k in sorted({takes[0], takes[-1]}) if takes else []:
+            more = groups([prompt] * (1 + k)) - 1
+            diffs.append(
+                ((float(k * prompt), 0.0, float(k), float(more)), t(small, mid, (prompt,) * (1 + k)) - one)
+            )
     log.info(
-        "step costs at startup (%.1f s): %s; differences (tokens, thousand tokens of context, prompts: ms) %s",
+        "step costs at startup (%.1f s): %s; differences (tokens, thousand tokens of context, prompts, "
+        "groups: ms) %s",
         time.monotonic() - t0,
         ", ".join(f"{n} rows at {ctx}: {1000 * s:.2f} ms" for (n, ctx), s in sorted(at.items())),
-        ", ".join(f"({dx[0]:g}, {dx[1]:g}, {dx[2]:g}: {1000 * dy:.2f})" for dx, dy in diffs),
+        ", ".join(f"({', '.join(f'{v:g}' for v in dx)}: {1000 * dy:.2f})" for dx, dy in diffs),
     )
     return diffs

@@ -119,11 +119,12 @@ class StepClock:
         # `tick`'s costs of the last steps launched, the latest last
         self._launched: deque[tuple[int, int, int] | None] = deque(maxlen=3)
 
-    def tick(self, batch: int, streams: int = 0, cost: tuple[int, int, int] | None = None) -> None:
+    def tick(self, batch: int, streams: int = 0, cost: tuple[int, ...] | None = None) -> None:
         """Call once per launched step with its batch size (0 when the engine had nothing to run)
         and the streams it served (its rows and those sitting it out, see `SitOut`; default batch);
         `cost`, for `StepCost`: the tokens it computes (decode rows and prompt tokens), the context
-        its decode rows attend over, and its prompts.
+        its decode rows attend over, its prompts and (if given; else a group each) the groups they
+        ran in.
 
         The engine launches a step, then waits for the one before: the interval between one call
         and the next is the time of the step launched at the call before the first, two calls
@@ -149,13 +150,14 @@ class StepClock:
         dt: float,
         now: float | None = None,
         streams: int = 0,
-        cost: tuple[int, int, int] | None = None,
+        cost: tuple[int, ...] | None = None,
     ) -> None:
         """One step of `batch` requests took `dt` seconds from the previous one, serving `streams`
         (default batch: more when some sat the step out); `cost`: that step's, as for `tick`."""
         if cost is not None:
             self._measured_against_fit(batch, cost, dt)
-            self.cost.add(*cost, dt)
+            tokens, context, prompts, *groups = cost
+            self.cost.add(tokens, context, prompts, dt, *groups)
         key = _bucket(batch)
         now = time.perf_counter() if now is None else now
         self._dts.append(dt)
@@ -180,7 +182,7 @@ class StepClock:
             self._spread += 0.2 * (abs(dt - self._recent) - self._spread)
             self._recent += 0.2 * (dt - self._recent)
 
-    def _measured_against_fit(self, batch: int, cost: tuple[int, int, int], dt: float) -> None:
+    def _measured_against_fit(self, batch: int, cost: tuple[int, ...], dt: float) -> None:
         """A step of `batch` rows that took `dt` seconds, about to go into the fit: into the largest
         batch the fit holds, and beside what the fit says of its `cost` (`slowness`)."""
         self._fitted_n += 1

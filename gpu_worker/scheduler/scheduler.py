@@ -2,7 +2,8 @@
 
 - admission: which waiting requests start this step (free slots, KV pages for their whole budget,
   the caps on prompts and prompt rows per step, and as many prompts as the fitted step cost leaves
-  room for beside the running streams' rows), and rejection of those that never could;
+  room for beside the running streams' rows, each charged what it adds: its rows, and the group it
+  opens when it cannot join one), and rejection of those that never could;
 - abort and finish: a request's end, its slot and pages given back;
 - consistency: a prompt whose id is already held is refused (never run in another's place), and a
   step in a state the scheduler knows is broken (a slot or KV page that no request holds) raises
@@ -35,7 +36,7 @@ from gpu_worker.runner.slots import SlotState
 from gpu_worker.scheduler.pacing import StepClock
 from gpu_worker.scheduler.request import Request
 from gpu_worker.scheduler.sit_out import SitOut
-from gpu_worker.scheduler.step_cost import Lives
+from gpu_worker.scheduler.step_cost import Lives, PromptRoom
 from gpu_worker.windows import AudioWindows, group_pace
 from programs.base import LMProgram
 
@@ -48,6 +49,18 @@ _MAX_TOMBSTONES = 10_000
 # or the sampling slots full, the step's cap on prompts (--max-prefills, the runner's prefill
 # graphs), on prompt rows (--max-prefill-rows), the room the fitted step cost leaves beside the
 # running streams, the runner's graphs taking no more prompts together, or no KV pages.
+#
+# How a step's prompts group (`Scheduler.admit`'s `groups`): prompts of these rows each → the groups
+# they run in together (lanes, batched graphs: `GraphRunner.prompt_groups`), None where the runner's
+# graphs do not take them together. Without one, all of a step's prompts run as one group (the eager
+# runner's one ragged pass).
+PromptGroups = Callable[[list[int]], "int | None"]
+
+
+def one_group(rows: list[int]) -> int:
+    return 1 if rows else 0
+
+
 ADMISSION_STOPS = ("batch", "cap", "rows", "room", "graphs", "pages")
 
 
@@ -106,6 +119,7 @@ class Scheduler:
         self.outputs: dict[str, tuple[list, FinishReason]] | None = None
         self.last_batch_size = 0
         self.admitted_last = 0  # prompts the last step admitted
+        self.admitted_groups = 0  # the groups they run in (`PromptGroups`)
         self.prompts_started = 0  # prompts admitted, all steps
         # Steps that left prompts waiting, by what stopped admission (`ADMISSION_STOPS`).
         self.admission_stops = dict.fromkeys(ADMISSION_STOPS, 0)
@@ -264,12 +278,13 @@ class Scheduler:
         return len(self.running) + len(self.waiting)
 
     # --- one step ------------------------------------------------------------------------------
-    def schedule(self, max_prefills: int, takes: Callable[[list[int]], bool] | None = None) -> list[Request]:
+    def schedule(self, max_prefills: int, groups: PromptGroups = one_group) -> list[Request]:
         """This step's batch: admit what may start (at most `max_prefills` new requests, 0: no
-        limit), leave out the streams sitting this step out, new requests first (the runners split
-        prefill from decode); and tell the clock. Raises BrokenState (see `check`)."""
+        limit; `groups`: how the runner groups them), leave out the streams sitting this step out,
+        new requests first (the runners split prefill from decode); and tell the clock. Raises
+        BrokenState (see `check`)."""
         self.check()
-        self.admit(max_prefills, takes)
+        self.admit(max_prefills, groups)
         # Requests whose budget is used up by launched steps wait for their last results; those
         # whose input is open and whose text runs out wait for more (gpu_worker/appends.py).
         batch = [
@@ -281,7 +296,12 @@ class Scheduler:
         batch.sort(key=lambda r: r.n_ctx != 0)  # new requests first: runners split prefill/decode
         self.last_batch_size = len(batch)
         prompt_tokens = sum(len(r.prompt) for r in batch[:n_pre])
-        cost = (len(batch) - n_pre + prompt_tokens, sum(r.n_ctx for r in batch[n_pre:]), n_pre)
+        cost = (
+            len(batch) - n_pre + prompt_tokens,
+            sum(r.n_ctx for r in batch[n_pre:]),
+            n_pre,
+            min(self.admitted_groups, n_pre),  # an admitted prompt waiting for its text runs later
+        )
         self.clock.tick(len(batch), served, cost)
         return batch
 
@@ -289,16 +309,18 @@ class Scheduler:
         """Whether `req`'s input is open and its text has run out (it sits out until more comes)."""
         return req.input_open and req.n_launched >= self.program.open_steps(req.n_text)
 
-    def admit(self, max_prefills: int, takes: Callable[[list[int]], bool] | None = None) -> None:
+    def admit(self, max_prefills: int, groups: PromptGroups = one_group) -> None:
         """Waiting requests into slots, in arrival order, while slots, KV pages and this step's room
         for prompts last: at most `prefill_cap` prompts and `max_prefill_rows` prompt rows, and no
-        more than the fitted step cost lets the running streams keep real time (`prompt_room`),
-        and only prompts the runner `takes` together into its graphs (each rounding as alone); the
-        first waiting prompt always starts (a step never admits none while slots and pages last).
-        Then tells the clock what the next steps may take while prompts still wait (`StepClock.expect`)."""
+        more than the fitted step cost lets the running streams keep real time (`prompt_room`: a
+        prompt costs its rows, and a group where it opens one rather than joins one: `groups`), and
+        only prompts the runner's graphs take together (each rounding as alone); the first waiting
+        prompt always starts (a step never admits none while slots and pages last). Then tells the
+        clock what the next steps may take while prompts still wait (`StepClock.expect`)."""
         cap, limits = self.prefill_cap(max_prefills), self.limits
-        room, per_prompt, per_token = self.prompt_room()
-        prefill_rows = admitted = 0
+        fit = self.prompt_room()
+        room = fit.room
+        prefill_rows = admitted = n_groups = 0
         spent, lengths = 0.0, []
         stop = ""  # why prompts are left waiting, if they are
         while self.waiting:
@@ -307,14 +329,15 @@ class Scheduler:
                 break
             req = self.waiting[0]
             rows = self.sequences * len(req.prompt)  # a guided request's step runs both sequences
+            together = groups([*lengths, rows])
             # the fit counts one sequence a request (its terms take a guided step's factor in)
-            cost = per_prompt + per_token * len(req.prompt)
+            cost = fit.cost(len(req.prompt), max(0, (together or n_groups) - n_groups))
             if admitted:
                 stop = (
                     "cap" if admitted >= cap
                     else "rows" if prefill_rows + rows > limits.max_prefill_rows
+                    else "graphs" if together is None
                     else "room" if spent + cost > room
-                    else "graphs" if takes is not None and not takes([*lengths, rows])
                     else ""
                 )  # fmt: skip
                 if stop:
@@ -329,7 +352,8 @@ class Scheduler:
             prefill_rows += rows
             spent += cost
             lengths.append(rows)
-        self.admitted_last = admitted
+            n_groups = max(n_groups, together or 1)  # a first prompt no graph takes runs eagerly: one
+        self.admitted_last, self.admitted_groups = admitted, n_groups
         self.prompts_started += admitted
         if self.waiting:
             self.admission_stops[stop] += 1
@@ -366,16 +390,16 @@ class Scheduler:
         period."""
         return self.clock.headroom * self.clock.period  # the limits' headroom over the group pace
 
-    def prompt_room(self) -> tuple[float, float, float]:
-        """(seconds this step leaves for prompts, seconds a prompt costs, seconds per prompt token):
-        the step budget less the fitted time of the running streams' decode rows at their contexts
-        (`StepCost`), and each prompt at the fitted cost per prompt and per token. Unbounded where
-        no stream runs, nothing is paced (CPU) or the cost is not fitted yet (the caps alone)."""
+    def prompt_room(self) -> PromptRoom:
+        """What this step leaves for prompts: the step budget less the fitted time of the running
+        streams' decode rows at their contexts (`StepCost`), each prompt at the fitted cost per
+        prompt, per token and per group it opens. Unbounded where no stream runs, nothing is paced
+        (CPU) or the cost is not fitted yet (the caps alone)."""
         if not self.real_time or not self.running:
-            return math.inf, 0.0, 0.0
+            return PromptRoom(math.inf)
         context = sum(r.n_ctx for r in self.running.values())
         room = self.clock.cost.prompt_room(self.step_budget(), len(self.running), context)
-        return (math.inf, 0.0, 0.0) if room is None else room
+        return PromptRoom(math.inf) if room is None else room
 
     def leave_out_streams_ahead(self, batch: list[Request], prompts: int) -> list[Request]:
         """The batch (`prompts` of its requests new) less the streams sitting this step out
@@ -453,9 +477,10 @@ class Scheduler:
         fit = self.clock.cost.coefficients()
         if fit is None:
             return {}
-        a, b, c, d = fit
+        a, b, c, d, e = fit
         return {"step_cost_fixed_ms": round(1e3 * a, 3), "step_cost_token_us": round(1e6 * b, 3),
                 "step_cost_kcontext_us": round(1e6 * c, 3), "step_cost_prompt_ms": round(1e3 * d, 3),
+                "step_cost_group_ms": round(1e3 * e, 3),
                 "step_cost_slowness": round(self.clock.slowness(), 3),
                 "step_cost_rows_measured": round(self.clock.measured_rows(), 1)}  # fmt: skip
 

@@ -1,5 +1,5 @@
 """What a step costs by its parts (`StepCost`: a fixed part, per token, per token of context, per
-prompt), fitted over the steps served, and what the requests served are like over their lives
+prompt, per group of prompts run together), fitted over the steps served, and what the requests served are like over their lives
 (`Lives`): from them `gpu_worker.scheduler.pacing.StepClock` gives the streams a worker keeps real
 time, and the scheduler how many prompts a step may start beside its running streams."""
 
@@ -34,6 +34,26 @@ CALIBRATION_WEIGHT = 0.1
 EXTRAPOLATION = 0.3
 
 
+# `StepCost`'s terms, and every subset of them, each fitted alone (nonnegative least squares by
+# enumeration)
+TERMS = 5
+SUBSETS = [tuple(i for i in range(TERMS) if m >> i & 1) for m in range(1, 1 << TERMS)]
+
+
+@dataclass(frozen=True)
+class PromptRoom:
+    """What a step leaves for prompts beside its decode rows (`StepCost.prompt_room`), in seconds:
+    a prompt of n tokens that opens g more groups costs `prompt + token * n + group * g`."""
+
+    room: float
+    prompt: float = 0.0
+    token: float = 0.0
+    group: float = 0.0
+
+    def cost(self, tokens: int, groups: int) -> float:
+        return self.prompt + self.token * tokens + self.group * groups
+
+
 @dataclass(frozen=True)
 class Lives:
     """What the requests a worker serves are like over their lives (`Engine.lives`)."""
@@ -44,10 +64,12 @@ class Lives:
 
 
 class StepCost:
-    """A step's time as a + b x tokens + c x context + d x prompts: a fixed part, a part per token it
-    computes (a decode row, a prompt token: the weights' GEMMs), a part per thousand tokens of
-    context that its decode rows attend over, and a part per prompt (its own graph, its planning).
-    Fitted by least squares with nonnegative terms over the last ~COST_STEPS steps as they were
+    """A step's time as a + b x tokens + c x context + d x prompts + e x groups: a fixed part, a part
+    per token it computes (a decode row, a prompt token: the weights' GEMMs), a part per thousand
+    tokens of context that its decode rows attend over, a part per prompt (its attention plan, its
+    output head) and a part per group of prompts that run through the weights together (a prefill
+    lane, riding the decode pass or a pass of its own, or a batched prefill graph of several
+    prompts: `GraphRunner.prompt_groups`). Fitted by least squares with nonnegative terms over the last ~COST_STEPS steps as they were
     served, the codec beside them included.
 
     What it is for: a stream's steps cost more as its context grows (at ~550 tokens attention is
@@ -79,14 +101,13 @@ class StepCost:
     CALIBRATION_WEIGHT of the steps' averages, they keep the parts apart where the steps served do
     not tell them apart, and the steps served set the rest."""
 
-    TERMS = 4
-    # every subset of the terms, each fitted alone (nonnegative least squares by enumeration)
-    SUBSETS = [tuple(i for i in range(4) if m >> i & 1) for m in range(1, 1 << 4)]
+    TERMS = TERMS
+    SUBSETS = SUBSETS
 
     def __init__(self) -> None:
         self.n = 0
         k = self.TERMS
-        self._xx = np.zeros((k, k))  # average of x x^T, x = (1, tokens, context / 1000, prompts)
+        self._xx = np.zeros((k, k))  # average of x x^T, x = (1, tokens, context / 1000, prompts, groups)
         self._xy = np.zeros(k)  # average of x dt
         self._yy = 0.0  # average of dt^2
         self._fit: tuple[float, ...] | None = None
@@ -95,16 +116,17 @@ class StepCost:
         # `calibrate`'s differences, their moments weighted and held apart from the decaying ones
         self._cal_xx, self._cal_xy, self._cal_yy = np.zeros((k, k)), np.zeros(k), 0.0
 
-    def calibrate(self, diffs: list[tuple[tuple[float, float, float], float]]) -> None:
+    def calibrate(self, diffs: list[tuple[tuple[float, ...], float]]) -> None:
         """Differences between pairs of steps measured at startup, each ((more tokens, more
-        thousands of tokens of context, more prompts), more seconds); they count beside the steps
+        thousands of tokens of context, more prompts[, more groups of prompts]), more seconds; a
+        prompt each its own group where the groups are not given); they count beside the steps
         served at CALIBRATION_WEIGHT of those steps' averages, for good."""
         # More of a part never takes less time: a difference that says so (noise, something else
         # on the GPU then) or none (a failed timing) would hold the fit to it for good.
         diffs = [(dx, dy) for dx, dy in diffs if math.isfinite(dy) and dy > 0 and all(map(math.isfinite, dx))]
         if not diffs:
             return
-        x = np.array([[0.0, *map(float, dx)] for dx, _ in diffs])
+        x = np.array([[0.0, *map(float, dx[:3]), float(dx[3] if len(dx) > 3 else dx[2])] for dx, _ in diffs])
         y = np.array([float(dy) for _, dy in diffs])
         w = CALIBRATION_WEIGHT / len(diffs)
         self._cal_xx, self._cal_xy, self._cal_yy = w * x.T @ x, w * x.T @ y, w * float(y @ y)
@@ -116,9 +138,11 @@ class StepCost:
         self.add(tokens, context, 0, dt)
         self.seeded, self._fit = True, None
 
-    def add(self, tokens: int, context: int, prompts: int, dt: float) -> None:
-        """One step's time `dt` and what it computed (prompt tokens among the `tokens`)."""
-        x = np.array([1.0, float(tokens), context / 1000.0, float(prompts)])
+    def add(self, tokens: int, context: int, prompts: int, dt: float, groups: int | None = None) -> None:
+        """One step's time `dt` and what it computed (prompt tokens among the `tokens`; its prompts
+        in `groups` that ran together, default each its own)."""
+        groups = prompts if groups is None else groups
+        x = np.array([1.0, float(tokens), context / 1000.0, float(prompts), float(groups)])
         self.n += 1
         a = max(1.0 / self.n, 1.0 / COST_STEPS)
         self._xx += a * (np.outer(x, x) - self._xx)
@@ -126,7 +150,8 @@ class StepCost:
         self._yy += a * (dt * dt - self._yy)
 
     def coefficients(self) -> tuple[float, ...] | None:
-        """(a s, b s per token, c s per thousand tokens of context, d s per prompt), or None before
+        """(a s, b s per token, c s per thousand tokens of context, d s per prompt, e s per group of
+        prompts), or None before
         COST_MIN_STEPS steps (but `seed`ed): of the fits on every subset of the terms whose
         coefficients are all nonnegative, the one with the least squared error. Fitted again every
         REFIT_STEPS steps."""
@@ -153,23 +178,24 @@ class StepCost:
             self._fit, self._fit_at = best, self.n
         return self._fit
 
-    def predict(self, tokens: int, context: int, prompts: int) -> float | None:
-        """Seconds a step of `tokens`, `context` and `prompts` (as `add` takes them) takes by the
-        fit; None before it."""
+    def predict(self, tokens: int, context: int, prompts: int, groups: int | None = None) -> float | None:
+        """Seconds a step of `tokens`, `context`, `prompts` and `groups` (as `add` takes them) takes
+        by the fit; None before it."""
         fit = self.coefficients()
         if fit is None:
             return None
-        a, b, c, d = fit
-        return a + b * tokens + c * context / 1000.0 + d * prompts
+        a, b, c, d, e = fit
+        groups = prompts if groups is None else groups
+        return a + b * tokens + c * context / 1000.0 + d * prompts + e * groups
 
-    def prompt_room(self, budget: float, rows: int, context: int) -> tuple[float, float, float] | None:
-        """(seconds a step of `rows` decode rows attending over `context` tokens leaves for prompts
-        within `budget`, seconds a prompt costs, seconds per prompt token) by the fit; None before it."""
+    def prompt_room(self, budget: float, rows: int, context: int) -> PromptRoom | None:
+        """What a step of `rows` decode rows attending over `context` tokens leaves for prompts
+        within `budget`, and what they cost, by the fit; None before it."""
         fit = self.coefficients()
         if fit is None:
             return None
-        a, b, c, d = fit
-        return budget - (a + b * rows + c * context / 1000.0), d, b
+        a, b, c, d, e = fit
+        return PromptRoom(budget - (a + b * rows + c * context / 1000.0), d, b, e)
 
     def capacity(
         self, budget: float, lives: Lives, seen: float = math.inf, slow: float = 1.0
@@ -183,8 +209,9 @@ class StepCost:
         fit = self.coefficients()
         if fit is None:
             return None
-        a, b, c, d = fit
-        per_stream = b + c * lives.context / 1000.0 + (d + b * lives.prompt_tokens) / max(lives.rows, 1.0)
+        a, b, c, d, e = fit
+        # a steady load's prompts come one at a time: each a group of its own
+        per_stream = b + c * lives.context / 1000.0 + (d + e + b * lives.prompt_tokens) / max(lives.rows, 1.0)
         if per_stream <= 0.0:
             return None
         room = budget / max(slow, 1.0)
