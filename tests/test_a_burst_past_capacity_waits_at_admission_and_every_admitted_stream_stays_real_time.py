@@ -66,4 +66,4 @@ def test_the_steps_that_start_a_burst_leave_the_running_streams_real_time():
     roomy = simulate(384, gpu=LANES, ramp_s=0.0, duration_s=12.0, calibrate=True)
     assert roomy["on_time_share"] >= 0.99 and roomy["worst_late_ms"] <= 2.0
     lanes = simulate(384, gpu=LANES, ramp_s=0.0, duration_s=12.0, calibrate=True, room=False)
-    assert lanes["on_time_share"] < 0.9
+    assert lanes["on_time_share"] < 0.95 and lanes["worst_late_ms"] > 20.0
