@@ -15,12 +15,15 @@ from common.options import OPTIONS, model_defaults, parse_role, resolve
 from programs import get_spec, model_names
 
 
-def test_qwen3_tts_serves_with_the_fused_step_late_launch_and_merged_windows():
+@pytest.mark.parametrize("model", ["qwen3-tts", "qwen3-tts-0.6b", "qwen3-tts-voicedesign"])
+def test_qwen3_tts_serves_with_the_fused_step_late_launch_and_merged_windows(model):
     for role in ("serve", "gpu_worker"):
-        gpu = parse_role(role, ["--model", "qwen3-tts"], {}).cfg.gpu
+        gpu = parse_role(role, ["--model", model], {}).cfg.gpu
         assert (gpu.fused_step, gpu.late_launch) == ("on", "on")
     for role in ("serve", "codec_worker"):
-        assert parse_role(role, ["--model", "qwen3-tts"], {}).cfg.codec.merge == 8
+        assert parse_role(role, ["--model", model], {}).cfg.codec.merge == 8
+    cfg = parse_role("serve", ["--model", "qwen3-tts-base"], {}).cfg  # cloning: unmeasured with them
+    assert (cfg.gpu.fused_step, cfg.gpu.late_launch, cfg.codec.merge) == ("off", "off", 1)
     cfg = parse_role("serve", ["--model", "qwen3-tts-tiny"], {}).cfg  # tests' model: the runtime's
     assert (cfg.gpu.fused_step, cfg.gpu.late_launch, cfg.codec.merge) == ("off", "off", 1)
     cfg = parse_role("serve", [], {}).cfg  # the default model
