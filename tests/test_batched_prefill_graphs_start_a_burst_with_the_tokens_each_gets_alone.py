@@ -16,6 +16,7 @@ from common.messages import Prompt, SamplingParams
 from gpu_worker.attention.torch_paged import TorchPagedAttention
 from gpu_worker.engine import Engine
 from gpu_worker.runner.batch import StepBatch
+from gpu_worker.runner.batched_prefill import Placement
 from gpu_worker.runner.eager import EagerRunner
 from gpu_worker.runner.kv_cache import allocate_kv_cache, pages_for
 from tests.conftest import tiny_lm_on_one_thread
@@ -52,10 +53,13 @@ def test_a_steps_prompts_run_in_lanes_batched_and_mixed_graphs_as_eagerly(
         graph.replay = lambda key=key, replay=graph.replay: replayed.append(key) or replay()
     # Step 0 (nothing decoding): 7 rows in lane 0; 20 and 25 (bucket 32) batched; 40 (bucket 64)
     # alone in its bucket: lane 1; 300 rows: lane 2. Step 2 (5 decoding): 10 rows with them in a
-    # mixed graph; 12, 15 and 30 batched in bucket 32; 50 and 60 batched in bucket 64.
+    # mixed graph, and 12, 15 and 30 (its bucket, 32) joining it there; 50 and 60 batched in bucket 64.
     lens = [7, 20, 25, 40, 300, 10, 12, 50, 15, 60, 30]
     joins = [0] * 5 + [2] * 6
-    assert graphs.prompt_groups([7, 20, 25, 28, 31]) is None  # 4 of bucket 32 beside the first: more than 3
+    # 4 of bucket 32 beside the first: 3 join it in a mixed graph and one takes lane 1, but without
+    # decode rows (every stream sitting the step out) the 4 are more than a batched graph takes
+    assert graphs.place([7, 20, 25, 28, 31]) == Placement(lanes=[0, 4], joiners=[1, 2, 3])
+    assert graphs.prompt_groups([7, 20, 25, 28, 31]) is None
     rng = np.random.default_rng(0)
     tables = [list(range(1 + i * per, 1 + (i + 1) * per))[::-1] for i in range(n_seq)]
     seqs = [rng.integers(0, 1000, size=n + 10) for n in lens]
@@ -81,14 +85,15 @@ def test_a_steps_prompts_run_in_lanes_batched_and_mixed_graphs_as_eagerly(
         b = StepBatch(np.array(ids, dtype=np.int64)[:, None], np.array(pos, dtype=np.int64),
                       [0, *np.cumsum(rows).tolist()], kv_lens, [tables[i] for i in order], len(pre), meta=meta,
                       last_rows=last_rows)  # fmt: skip
-        # step 0: lane 0, bucket 32's graph, lanes 1 and 2; step 2: lane 0 and two batched graphs
-        assert graphs.prompt_groups([lens[i] for i in pre]) == {0: 4, 2: 3}.get(t, 0)
+        # beside decode rows: lane 0 with 20 and 25 joining it, lanes 1 and 2; step 2: lane 0 with
+        # 12, 15 and 30 joining it, and bucket 64's batched graph
+        assert graphs.prompt_groups([lens[i] for i in pre]) == {0: 3, 2: 2}.get(t, 0)
         got, got_meta, _ = graphs.forward(b)
         want, want_meta, _ = eager.forward(b)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"step {t}")
         assert got_meta.tolist() == want_meta.tolist()
         torch.testing.assert_close(kv_g[:, 1:], kv_e[:, 1:], rtol=1e-4, atol=1e-4, msg=f"step {t}")
-    assert replayed == [(2, 32), (2, 64), (3, 32)]  # each step's in capture order: 64 rows first
+    assert replayed == [(2, 32), (2, 64)]  # each step's in capture order: 64 rows first
 
 
 @pytest.fixture(scope="module")
@@ -135,8 +140,8 @@ def test_a_burst_through_batched_graphs_samples_what_each_request_samples_alone(
         eng.run_until_idle()
         alone |= eng.outputs
     eng = engine()
-    replayed = []
-    for key, (graph, _) in eng.runner.forward_runner.batched.graphs.items():
+    replayed, runner = [], eng.runner.forward_runner
+    for key, (graph, _) in [*runner.batched.graphs.items(), *runner.mixed.items()]:
         graph.replay = lambda key=key, replay=graph.replay: replayed.append(key) or replay()
     for p in prompts:
         eng.add(p)
@@ -144,7 +149,9 @@ def test_a_burst_through_batched_graphs_samples_what_each_request_samples_alone(
     while eng.waiting:
         eng.step()
         running.append(len(eng.running))
-    assert running == [4, 8] and replayed == [(3, 32), (3, 32)]  # the first of each step alone
+    # the first step's first prompt alone (nothing decodes), the others batched; the second's
+    # first with the decode rows in a mixed graph, the others joining it there
+    assert running == [4, 8] and replayed == [(3, 32), (4, 32, 4)]
     eng.run_until_idle()
     assert eng.outputs == alone
 

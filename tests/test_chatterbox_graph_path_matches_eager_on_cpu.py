@@ -91,7 +91,7 @@ def test_guided_graphs_give_the_eager_tokens(program, graph_runner_cls, eager): 
 
 def test_guided_prompts_run_eagerly_beside_decode_graphs(program, graph_runner_cls, eager):  # noqa: F811
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(graph_runner_cls, "place", lambda self, rows: None)  # no prompt in a prefill graph
+        mp.setattr(graph_runner_cls, "place", lambda self, rows, decoding=True: None)  # no prompt in a graph
         assert run_graphs(program, graph_runner_cls, LIMITS) == eager
 
 

@@ -213,7 +213,7 @@ def test_graph_runner_matches_eager_for_prefill_decode_and_mixed_steps(program, 
     seqs = [rng.integers(0, 1000, size=n + 10) for n in lens]
     last_rows = torch.zeros(n_seq, 1, dtype=torch.int64)  # the device table of fed-back rows
     # The first new request of a step with decode rows rides in a mixed graph (prompts <= 128 rows).
-    assert {rows for _, rows in graphs.mixed} == {32, 64, 128}
+    assert {rows for _, rows, _ in graphs.mixed} == {32, 64, 128}
     mixed = []
     for key, (graph, _) in graphs.mixed.items():
         graph.replay = lambda key=key, replay=graph.replay: mixed.append(key) or replay()
@@ -255,4 +255,4 @@ def test_graph_runner_matches_eager_for_prefill_decode_and_mixed_steps(program, 
         torch.testing.assert_close(kv_g[:, 1:], kv_e[:, 1:], rtol=1e-4, atol=1e-4, msg=f"step {t}")
     # Step 2 (7 rows + 33 rows, 2 decoding): the first in a mixed graph (decode bucket 2, 32 rows),
     # the second in lane 1; step 6 (4 prompts, 6 decoding); step 4's 300 rows fit no mixed graph.
-    assert mixed == [(2, 32), (8, 32)]
+    assert mixed == [(2, 32, 1), (8, 32, 1)]  # (decode bucket, prompt bucket, prompts)

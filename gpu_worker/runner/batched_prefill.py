@@ -13,9 +13,16 @@ Each prompt rounds as it does alone, so a request's tokens do not depend on who 
   weights (`batched_prefill_enabled`); elsewhere each prompt keeps its own graph (the lanes);
 - each prompt's output head runs on its own last row, as in its prefill graph.
 
+The same segments let prompts join the first one in the step's mixed graph (gpu_worker.runner.graphs:
+its decode rows, lane 0's prompt, and up to `MIXED_JOINERS` more of lane 0's bucket, each in a
+segment of its own), so a prompt that arrives while streams run costs its rows and not a pass of
+its own: on the H200 (Orpheus 3B, fp8, a step of 256 rows) a 48-token prompt riding the decode pass
+adds 1.4 ms, two more in a batched graph 3.9 ms.
+
 `place` assigns a step's prompts: the first to lane 0 (a mixed graph with the decode rows, or lane
-0's prefill graph, as before), the others of one bucket R <= MIXED_PREFILL_ROWS, two or more, to the
-batched graph (k, R), and the rest (alone in their bucket, or longer) to lanes 1, 2, ...
+0's prefill graph), up to `join` more of its bucket with it (the mixed graph's joiners, where the
+step decodes), the others of one bucket R <= MIXED_PREFILL_ROWS, two or more, to the batched graph
+(k, R), and the rest (alone in their bucket, or longer) to lanes 1, 2, ...
 """
 
 from __future__ import annotations
@@ -54,17 +61,25 @@ def batched_prefill_enabled(program: LMProgram, limits) -> bool:
     return bool(program.mixed_prefill and limits.mixed_prefill and program.quantization == "fp8")
 
 
-def segment_prefix(rows: int, j: int) -> str:
-    """Arena span names of segment j of the batched graphs of bucket `rows`: b32_0_ids, …"""
-    return f"b{rows}_{j}_"
+# Prompts that may join the first one in a mixed graph (gpu_worker.runner.graphs): a mixed graph per
+# decode bucket, bucket of at most MIXED_PREFILL_ROWS rows and number of joiners.
+MIXED_JOINERS = 3
 
 
-def batched_spans(buckets: list[int], max_k: int, n_codebooks: int, max_pages: int) -> dict[str, int]:
+def segment_prefix(rows: int, j: int, kind: str = "b") -> str:
+    """Arena span names of segment j of bucket `rows`: b32_0_ids, … for the batched graphs, m32_0_ids,
+    … for a mixed graph's joiners."""
+    return f"{kind}{rows}_{j}_"
+
+
+def batched_spans(
+    buckets: list[int], max_k: int, n_codebooks: int, max_pages: int, kind: str = "b"
+) -> dict[str, int]:
     """Arena spans of every segment of every bucket (after the lanes' spans)."""
     spans: dict[str, int] = {}
     for rows in buckets:
         for j in range(max_k):
-            spans |= prefill_spans(rows, 1, n_codebooks, max_pages, segment_prefix(rows, j))
+            spans |= prefill_spans(rows, 1, n_codebooks, max_pages, segment_prefix(rows, j, kind))
     return spans
 
 
@@ -82,16 +97,89 @@ class Segments:
 
 @dataclass
 class Placement:
-    """Where a step's prompts run: request index → lane, and bucket rows → request indices of its
-    batched graph (in the order the graphs replay)."""
+    """Where a step's prompts run: request index → lane, the requests joining lane 0's in its mixed
+    graph, and bucket rows → request indices of its batched graph (in the order the graphs replay)."""
 
     lanes: list[int] = field(default_factory=list)  # request index of each lane used, in lane order
     groups: dict[int, list[int]] = field(default_factory=dict)
+    joiners: list[int] = field(default_factory=list)
 
 
-class BatchedPrefill:
-    """The batched prefill graphs and their segments' wrappers; `GraphRunner` owns the arena and
-    calls place, fill, plan, replay."""
+class PromptSegments:
+    """Up to `count` segments of R rows per bucket R, one prompt each, each with arena spans
+    (`kind`: their names' prefix) and an attention wrapper of its own, planned as its prefill
+    graph plans it alone: the segments a batched graph or a mixed graph's joiners run in."""
+
+    def __init__(
+        self,
+        program: LMProgram,
+        kv_cache: torch.Tensor,
+        arena: InputArena,
+        attn: GraphAttentionBackend,
+        buckets: list[int],
+        count: int,
+        max_pages: int,
+        kind: str = "b",
+    ) -> None:
+        self.program, self.kv_cache, self.arena, self.attn = program, kv_cache, arena, attn
+        self.page_size = kv_cache.shape[3]
+        self.buckets, self.count, self.kind = sorted(buckets, reverse=True), count, kind
+        self.wrappers: dict[int, list] = {}
+        empty = empty_prefill(program.n_codebooks)
+        for rows in self.buckets:
+            lay = prefill_layout(empty, rows, 1, self.page_size)
+            self.wrappers[rows] = [
+                attn.prepare_capture_prefill(rows, 1, max_pages, lay) for _ in range(count)
+            ]
+
+    def prefix(self, rows: int, j: int) -> str:
+        return segment_prefix(rows, j, self.kind)
+
+    def views(self, rows: int, k: int) -> SegmentViews:
+        """The arena views of the first k segments of bucket `rows`, as one batch of k x rows rows."""
+        a, c, xs = self.arena, self.program.n_codebooks, [self.prefix(rows, j) for j in range(k)]
+
+        def cat(name: str, n: int) -> torch.Tensor:
+            return torch.cat([a.dev_view(x + name, n) for x in xs])
+
+        last = torch.cat([a.dev_view(x + "last", 1) + j * rows for j, x in enumerate(xs)])  # [k]
+        return SegmentViews(
+            cat("ids", rows * c).view(k * rows, c), cat("pos", rows), cat("where", 2 * rows),
+            cat("page", rows), cat("off", rows), last,
+        )  # fmt: skip
+
+    def layouts(self, pres: list[StepBatch], rows: int) -> list[PrefillLayout]:
+        return [prefill_layout(pre, rows, 1, self.page_size) for pre in pres]
+
+    def fill(self, pres: list[StepBatch], lays: list[PrefillLayout], rows: int) -> None:
+        for j, (pre, lay) in enumerate(zip(pres, lays, strict=True)):
+            fill_prefill(self.arena, pre, lay, self.prefix(rows, j))
+
+    def plan(self, lays: list[PrefillLayout], rows: int) -> None:
+        for j, lay in enumerate(lays):
+            kv = self.arena.dev_view(self.prefix(rows, j) + "kv", len(lay.kv_indices))
+            self.attn.prepare_replay_prefill(self.wrappers[rows][j], lay, kv)
+
+    def end(self, rows: int, k: int) -> int:
+        """Where the arena's spans of the first k segments of bucket `rows` end (what a step sends)."""
+        return self.arena.end(self.prefix(rows, k - 1) + "kv")
+
+
+@dataclass
+class SegmentViews:
+    """k segments' arena views as one batch (inside a graph a concatenation is a copy)."""
+
+    ids: torch.Tensor  # [k * R, C]
+    pos: torch.Tensor  # [k * R]
+    where: torch.Tensor  # [2 * k * R]
+    page: torch.Tensor  # [k * R]
+    off: torch.Tensor  # [k * R]
+    last: torch.Tensor  # [k]: each segment's last prompt row, counted over the k segments
+
+
+class BatchedPrefill(PromptSegments):
+    """The batched prefill graphs and their segments; `GraphRunner` owns the arena and calls
+    place, fill, plan, replay."""
 
     def __init__(
         self,
@@ -105,16 +193,8 @@ class BatchedPrefill:
         max_pages: int,
         progress: Callable[[str], None] | None = None,
     ) -> None:
-        self.program, self.kv_cache, self.arena, self.attn = program, kv_cache, arena, attn
-        self.page_size = kv_cache.shape[3]
-        self.buckets, self.max_k = sorted(buckets, reverse=True), max_k  # capture (and replay) order
-        self.wrappers: dict[int, list] = {}
-        empty = empty_prefill(program.n_codebooks)
-        for rows in self.buckets:
-            lay = prefill_layout(empty, rows, 1, self.page_size)
-            self.wrappers[rows] = [
-                attn.prepare_capture_prefill(rows, 1, max_pages, lay) for _ in range(max_k)
-            ]
+        super().__init__(program, kv_cache, arena, attn, buckets, max_k, max_pages)
+        self.max_k = max_k  # capture (and replay) order: the buckets largest first
         # (k, rows) → (graph, (logits [k, C', V], hidden [k, H]))
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         t0 = time.monotonic()
@@ -128,38 +208,36 @@ class BatchedPrefill:
 
     @torch.inference_mode()
     def _capture(self, k: int, rows: int, pool) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
-        p, a, c = self.program, self.arena, self.program.n_codebooks
-        xs = [segment_prefix(rows, j) for j in range(k)]
-
-        def cat(name: str, n: int) -> torch.Tensor:
-            return torch.cat([a.dev_view(x + name, n) for x in xs])
-
+        p = self.program
         attn = GraphAttention(self.kv_cache, Segments(self.wrappers[rows][:k], rows), None, None)
 
         def step() -> tuple[torch.Tensor, torch.Tensor]:
-            # the segments' spans as one batch, inside the graph (a concatenation is a copy)
-            ids, pos, where = cat("ids", rows * c).view(k * rows, c), cat("pos", rows), cat("where", 2 * rows)
-            last = torch.cat([a.dev_view(x + "last", 1) + j * rows for j, x in enumerate(xs)])  # [k]
-            attn.page, attn.off = cat("page", rows), cat("off", rows)  # every segment's write slots
-            rows_k = rows_of(where.view(-1, 2), prompt_rows=k * rows)  # every row a prompt row
-            hidden = p.backbone(p.embed(ids, rows_k), pos, attn)[last]  # [k, H]
-            # each prompt's head on its own row, as in its prefill graph ([1, H])
-            logits = torch.cat([p.head(hidden[j : j + 1]).float() for j in range(k)])
-            return logits, hidden  # [k, C', V], [k, H]
+            v = self.views(rows, k)  # the segments' spans as one batch, inside the graph
+            attn.page, attn.off = v.page, v.off  # every segment's write slots
+            rows_k = rows_of(v.where.view(-1, 2), prompt_rows=k * rows)  # every row a prompt row
+            hidden = p.backbone(p.embed(v.ids, rows_k), v.pos, attn)[v.last]  # [k, H]
+            return segment_heads(p, hidden), hidden  # [k, C', V], [k, H]
 
         return capture(step, pool)
 
     # --- a step --------------------------------------------------------------------------------
-    def place(self, rows: list[int], lane_buckets, lanes: int) -> Placement | None:
-        """Where prompts of `rows` rows (a step's, in order) run: see the module docstring. None
-        when they need more lanes than `lanes` or a prompt fits no prefill graph."""
+    def place(self, rows: list[int], lane_buckets, lanes: int, join: int = 0) -> Placement | None:
+        """Where prompts of `rows` rows (a step's, in order) run: see the module docstring (`join`:
+        how many may join lane 0's in its mixed graph). None when they need more lanes than `lanes`
+        or a prompt fits no prefill graph."""
         out = Placement()
         by_bucket: dict[int, list[int]] = {}
+        first = None
         for i, n in enumerate(rows):
             bucket = pick_bucket(lane_buckets, 1, n)
             if bucket is None:
                 return None
-            if i == 0 or bucket[0] not in self.wrappers:
+            if i == 0:
+                out.lanes.append(i)
+                first = bucket[0]
+            elif bucket[0] == first and len(out.joiners) < join and first in self.wrappers:
+                out.joiners.append(i)
+            elif bucket[0] not in self.wrappers:
                 out.lanes.append(i)
             else:
                 by_bucket.setdefault(bucket[0], []).append(i)
@@ -174,22 +252,15 @@ class BatchedPrefill:
         out.lanes.sort()
         return out if len(out.lanes) <= lanes else None
 
-    def layouts(self, pres: list[StepBatch], rows: int) -> list[PrefillLayout]:
-        return [prefill_layout(pre, rows, 1, self.page_size) for pre in pres]
-
-    def fill(self, pres: list[StepBatch], lays: list[PrefillLayout], rows: int) -> None:
-        for j, (pre, lay) in enumerate(zip(pres, lays, strict=True)):
-            fill_prefill(self.arena, pre, lay, segment_prefix(rows, j))
-
-    def plan(self, lays: list[PrefillLayout], rows: int) -> None:
-        for j, lay in enumerate(lays):
-            kv = self.arena.dev_view(segment_prefix(rows, j) + "kv", len(lay.kv_indices))
-            self.attn.prepare_replay_prefill(self.wrappers[rows][j], lay, kv)
-
     def replay(self, k: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         graph, out = self.graphs[k, rows]
         graph.replay()
         return out[0], out[1]  # [k, C', V], [k, H]
+
+
+def segment_heads(program: LMProgram, hidden: torch.Tensor) -> torch.Tensor:
+    """[k, H] → [k, C', V]: each prompt's head on its own row, as in its prefill graph ([1, H])."""
+    return torch.cat([program.head(hidden[j : j + 1]).float() for j in range(hidden.shape[0])])
 
 
 def in_request_order(

@@ -37,12 +37,15 @@ from gpu_worker.runner.arena import InputArena, decode_spans, fill_decode
 from gpu_worker.runner.batch import StepBatch, kv_sequences, paired, rows_of, sequence_slots
 from gpu_worker.runner.batched_prefill import (
     MAX_BATCHED,
+    MIXED_JOINERS,
     BatchedPrefill,
     Placement,
+    PromptSegments,
+    Segments,
     batched_prefill_enabled,
     batched_spans,
     in_request_order,
-    segment_prefix,
+    segment_heads,
 )
 from gpu_worker.runner.eager import EagerRunner
 from gpu_worker.runner.kv_cache import pages_for
@@ -72,6 +75,8 @@ PREFILL_LANES = 4
 # so a prompt riding along a decode step costs less than a pass of its own: with float8 weights,
 # whose GEMMs take both parts' rows at once, a 40-token prompt added 1.6 ms to a step of 384 streams
 # (3.3 ms in a lane's graph, or with each GEMM run twice as bf16 weights need; bench/profile_step.py).
+# Where the GEMMs are float8, up to MIXED_JOINERS more prompts of its bucket join it there, each in a
+# segment of its own (gpu_worker.runner.batched_prefill).
 MIXED_PREFILL_ROWS = 128
 
 
@@ -104,6 +109,8 @@ class _Parts:
     order: list[int] = field(default_factory=list)  # the request each lane runs
     # batched prefill graphs: bucket rows → (request indices, their layouts), in replay order
     batched: dict[int, tuple[list[int], list[PrefillLayout]]] = field(default_factory=dict)
+    # the requests joining lane 0's in the mixed graph, and their layouts
+    joiners: tuple[list[int], list[PrefillLayout]] = ([], [])
     bs: int = 0
     kv: Any = None
     kv_indices: np.ndarray | None = None
@@ -157,8 +164,11 @@ class GraphRunner:
         batched_rows = [r for r, _ in buckets if r <= MIXED_PREFILL_ROWS]
         batched = batched_prefill_enabled(program, limits) and max_k >= 2 and s == 1  # none pairs
         b_pages = max_prefill_pages(MIXED_PREFILL_ROWS, 1, limits.max_context, self.page_size)
+        mixed = program.mixed_prefill and limits.mixed_prefill and not self.row_tile
         if batched:
             spans |= batched_spans(batched_rows, max_k, c, b_pages)
+            if mixed:
+                spans |= batched_spans(batched_rows, MIXED_JOINERS, c, b_pages, "m")
         self.arena = InputArena(spans, dev)
         # One memory pool for all graphs. Prefill graphs are captured first, lane by lane: a step
         # replays its prefill graphs in lane order, then its decode graph, and graphs sharing a pool
@@ -173,21 +183,26 @@ class GraphRunner:
         ]
         self.prefill = self.prefills[0]
         self.batched: BatchedPrefill | None = None  # captured after the lanes, replayed after them
+        # the segments of prompts joining lane 0's in a mixed graph
+        self.joiners: PromptSegments | None = None
         if batched:
             self.batched = BatchedPrefill(
                 program, kv_cache, self.arena, self.attn, self.pool, batched_rows, max_k, b_pages, progress
             )
             self.max_prefills_per_step = PREFILL_LANES + len(batched_rows) * max_k
+            if mixed:
+                self.joiners = PromptSegments(
+                    program, kv_cache, self.arena, self.attn, batched_rows, MIXED_JOINERS, b_pages, "m"
+                )
+                self.max_prefills_per_step += MIXED_JOINERS
         # bucket → (graph, attention wrapper, (logits [bs, C', V], hidden [bs, H]))
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._capture_decode(progress)
-        # (decode bucket, prefill rows) → (graph, the prompt's logits [1, C', V] and hidden [1, H],
-        # then the decode rows' [bs, C', V] and [bs, H])
-        self.mixed: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
+        # (decode bucket, prefill rows, prompts) → (graph, the prompts' logits [k, C', V] and hidden
+        # [k, H], then the decode rows' [bs, C', V] and [bs, H])
+        self.mixed: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         # With row tiles the decode rows run in decode graphs only (a mixed graph's rows are untiled).
-        self._capture_all_mixed(
-            program.mixed_prefill and limits.mixed_prefill and not self.row_tile, progress
-        )
+        self._capture_all_mixed(mixed, progress)
         self.depth = None
         if program.n_codebooks > 1:
             from gpu_worker.runner.depth_graphs import DepthGraphs, compiled_step
@@ -236,8 +251,9 @@ class GraphRunner:
         return graph, wrapper, out
 
     def _capture_all_mixed(self, enabled: bool, progress: Callable[[str], None] | None) -> None:
-        """A mixed graph per decode bucket and prefill bucket of at most MIXED_PREFILL_ROWS rows, when
-        `enabled` (captured last: a step replays its mixed graph after any other lane's prefill graph)."""
+        """A mixed graph per decode bucket and prefill bucket of at most MIXED_PREFILL_ROWS rows, and
+        per number of joiners where prompts join lane 0's (0 to MIXED_JOINERS), when `enabled`
+        (captured last: a step replays its mixed graph after any other lane's prefill graph)."""
         mixed_rows = sorted((r for r in self.prefill.graphs if r <= MIXED_PREFILL_ROWS), reverse=True)
         if not enabled:
             mixed_rows = []
@@ -246,41 +262,63 @@ class GraphRunner:
             if progress:
                 progress(f"capturing mixed prefill+decode graphs: batch {bs} ({i + 1}/{len(self.sizes)})")
             for rows in mixed_rows:
-                self.mixed[bs, rows] = self._capture_mixed(bs, rows)
-        log.info("captured %d mixed graphs (prefill rows %s) in %.1f s", len(self.mixed), mixed_rows,
-                 time.monotonic() - t0)  # fmt: skip
+                joins = 0 if self.joiners is None or rows not in self.joiners.wrappers else MIXED_JOINERS
+                for j in range(joins + 1):
+                    self.mixed[bs, rows, 1 + j] = self._capture_mixed(bs, rows, j)
+        log.info("captured %d mixed graphs (prefill rows %s, up to %d prompts) in %.1f s", len(self.mixed),
+                 mixed_rows, 1 + (MIXED_JOINERS if self.joiners else 0), time.monotonic() - t0)  # fmt: skip
 
     @torch.inference_mode()
-    def _capture_mixed(self, bs: int, rows: int) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
-        """One forward pass over lane 0's prefill rows (bucket `rows`, one request) and `bs` decode
-        rows, reading both parts' arena spans and planned wrappers: → logits and hidden states of
-        the request's last row, then of the decode rows. Each row rounds as in the prefill graph and
-        the decode graph it replaces, so a request's tokens do not depend on who arrived with it:
-        bf16 GEMMs keep the two parts apart (`fp8.rows_apart`), float8 ones give a row the same bits
-        at any row count, and each part has a head of its own."""
+    def _capture_mixed(
+        self, bs: int, rows: int, joiners: int = 0
+    ) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
+        """One forward pass over lane 0's prefill rows (bucket `rows`, one request), `joiners` more
+        prompts of that bucket in segments of their own and `bs` decode rows, reading every part's
+        arena spans and planned wrappers: → logits and hidden states of each request's last row,
+        then of the decode rows. Each row rounds as in the prefill graph and the decode graph it
+        replaces, so a request's tokens do not depend on who arrived with it: bf16 GEMMs keep the
+        two parts apart (`fp8.rows_apart`; joiners exist only for float8 weights), float8 ones give
+        a row the same bits at any row count, and each prompt and the decode part have heads of
+        their own."""
         p, c, a, s = self.program, self.program.n_codebooks, self.arena, self.sequences
         lane = self.prefill
-        x, n = lane.prefix, s * bs  # n decode rows: each request's sequences
-        ids = (a.dev_view(x + "ids", rows * c).view(rows, c), a.dev_view("ids", n * c).view(n, c))
-        pos = (a.dev_view(x + "pos", rows), a.dev_view("pos", n))
-        where = (a.dev_view(x + "where", 2 * rows), a.dev_view("where", 2 * n))
-        page = (a.dev_view(x + "page", rows), a.dev_view("page", n))
-        off = (a.dev_view(x + "off", rows), a.dev_view("off", n))
+        x, n, k = lane.prefix, s * bs, 1 + joiners  # n decode rows: each request's sequences
+        ids = [a.dev_view(x + "ids", rows * c).view(rows, c), a.dev_view("ids", n * c).view(n, c)]
+        pos = [a.dev_view(x + "pos", rows), a.dev_view("pos", n)]
+        where = [a.dev_view(x + "where", 2 * rows), a.dev_view("where", 2 * n)]
+        page = [a.dev_view(x + "page", rows), a.dev_view("page", n)]
+        off = [a.dev_view(x + "off", rows), a.dev_view("off", n)]
         last = a.dev_view(x + "last", s)  # the prompt's last row of each sequence
         decode = self.graphs[bs][1]  # the decode graph's wrapper: it reads the same spans
-        attn = GraphAttention(self.kv_cache, SplitRows(lane.graphs[rows][1], decode, rows), None, None)
+        prefill = lane.graphs[rows][1]
+        if joiners:
+            prefill = Segments([prefill, *self.joiners.wrappers[rows][:joiners]], rows)
+        attn = GraphAttention(self.kv_cache, SplitRows(prefill, decode, k * rows), None, None)
 
-        def step() -> tuple[torch.Tensor, torch.Tensor]:
+        def step() -> tuple[torch.Tensor, ...]:
             self.attn.in_graph(decode)
-            attn.page, attn.off = torch.cat(page), torch.cat(off)  # both parts' write slots, in the graph
-            w = torch.cat(where).view(-1, 2)
-            with fp8.rows_apart(rows):
-                emb = p.embed(torch.cat(ids), rows_of(w, prompt_rows=rows))
-                hidden = p.backbone(emb, torch.cat(pos), attn)  # [rows + n, H]
-            pre, dec = hidden[last], hidden[rows:]  # [s, H], [n, H] → the request's [1, H], [bs, H]
-            pre_logits, pre = paired(p, p.head(pre).float(), pre, w[last, 0], s)
-            dec_logits, dec = paired(p, p.head(dec).float(), dec, w[rows:, 0], s)
-            return pre_logits, pre, dec_logits, dec
+            ids_, pos_, where_, page_, off_ = (list(x) for x in (ids, pos, where, page, off))
+            heads = last
+            if joiners:  # the joiners' spans after lane 0's, as one batch (in the graph: copies)
+                v = self.joiners.views(rows, joiners)
+                joined = (v.ids, v.pos, v.where, v.page, v.off)
+                for part, extra in zip((ids_, pos_, where_, page_, off_), joined, strict=True):
+                    part.insert(1, extra)
+                heads = torch.cat([last, v.last + rows])
+            attn.page, attn.off = torch.cat(page_), torch.cat(off_)  # every part's write slots, in the graph
+            w = torch.cat(where_).view(-1, 2)
+            with fp8.rows_apart(k * rows):
+                emb = p.embed(torch.cat(ids_), rows_of(w, prompt_rows=k * rows))
+                hidden = p.backbone(emb, torch.cat(pos_), attn)  # [k * rows + n, H]
+            pre, dec = hidden[heads], hidden[k * rows :]  # [s + joiners, H], [n, H]
+            pre_logits, first = paired(
+                p, p.head(pre[:s]).float(), pre[:s], w[last, 0], s
+            )  # the request's [1, H]
+            if joiners:
+                pre_logits = torch.cat([pre_logits, segment_heads(p, pre[s:])])
+                first = torch.cat([first, pre[s:]])
+            dec_logits, dec = paired(p, p.head(dec).float(), dec, w[k * rows :, 0], s)
+            return pre_logits, first, dec_logits, dec
 
         return capture(step, self.pool)
 
@@ -315,21 +353,23 @@ class GraphRunner:
         n_dec = b.num_requests - n_pre
         pre = b.part(0, n_pre) if n_pre else None
         dec = b.part(n_pre, b.num_requests) if n_dec else None
-        # Each new request in a graph of its own lane, or in a batched graph with others of its
-        # bucket; all eagerly when they fit no graphs.
+        # Each new request in a graph of its own lane, with lane 0's in the mixed graph, or in a
+        # batched graph with others of its bucket; all eagerly when they fit no graphs.
         singles = [b.part(i, i + 1) for i in range(n_pre)]
-        place = self.place([p.qo_indptr[-1] for p in singles])
+        place = self.place([p.qo_indptr[-1] for p in singles], decoding=dec is not None)
         order = [] if place is None else place.lanes
         pres = [singles[i] for i in order]
         lays = [lane.layout(p) for lane, p in zip(self.prefills, pres, strict=False)]
-        batched = {}
+        batched, joiners = {}, ([], [])
         if place is not None and self.batched is not None:
             batched = {
                 r: (ix, self.batched.layouts([singles[i] for i in ix], r)) for r, ix in place.groups.items()
             }
+        if place is not None and place.joiners:
+            joiners = (place.joiners, self.joiners.layouts([singles[i] for i in place.joiners], lays[0].rows))
         if pre is not None and (place is None or any(lay is None for lay in lays)):
-            pres, lays, order, batched = [], [], [], {}
-        parts = _Parts(n_pre, n_dec, pre, dec, pres, lays, order, batched)
+            pres, lays, order, batched, joiners = [], [], [], {}, ([], [])
+        parts = _Parts(n_pre, n_dec, pre, dec, pres, lays, order, batched, joiners)
         a = self.arena
         if dec is not None:
             parts.bs = next(s for s in self.sizes if s >= n_dec)
@@ -341,27 +381,35 @@ class GraphRunner:
         else:
             parts.upto = a.spans["d_kv"][0] + parts.n_kv
         for r, (ix, _) in batched.items():  # the segments' spans follow the lanes'
-            parts.upto = max(parts.upto, a.end(segment_prefix(r, len(ix) - 1) + "kv"))
+            parts.upto = max(parts.upto, self.batched.end(r, len(ix)))
+        if joiners[0]:  # ... and the joiners' follow theirs
+            parts.upto = max(parts.upto, self.joiners.end(lays[0].rows, len(joiners[0])))
         return parts
 
-    def place(self, rows: list[int]) -> Placement | None:
+    def place(self, rows: list[int], decoding: bool = True) -> Placement | None:
         """Where a step's prompts (of `rows` rows each, a guided prompt's both sequences', in order)
-        run: each in a lane of its own, or with batched graphs `BatchedPrefill.place`; None: not
-        all in graphs (then eagerly)."""
+        run: each in a lane of its own, or with batched graphs and, where the step `decoding` runs
+        the mixed graph, joining lane 0's (`BatchedPrefill.place`); None: not all in graphs (then
+        eagerly)."""
         lanes, s = len(self.prefills), self.sequences
         if self.batched is not None and len(rows) > 1:
-            return self.batched.place(rows, self.prefill.buckets, lanes)
+            join = MIXED_JOINERS if decoding and self.joiners is not None else 0
+            return self.batched.place(rows, self.prefill.buckets, lanes, join)
         if len(rows) > lanes or any(pick_bucket(self.prefill.buckets, s, n) is None for n in rows):
             return None
         return Placement(lanes=list(range(len(rows))))
 
     def prompt_groups(self, rows: list[int]) -> int | None:
         """The groups prompts of `rows` rows each run in when they start together in graphs (each
-        rounding as alone): a lane each, or a batched graph of several (`place`); None where the
-        graphs do not take them together. A group reads the weights once: what its prompts cost
-        beyond their rows (`gpu_worker.scheduler.step_cost.StepCost`)."""
+        rounding as alone) beside decode rows: a lane each (lane 0's with the prompts joining it in
+        the mixed graph), or a batched graph of several (`place`); None where the graphs do not take
+        them together, with decode rows or without (all streams sitting the step out). A group reads
+        the weights once: what its prompts cost beyond their rows
+        (`gpu_worker.scheduler.step_cost.StepCost`)."""
         place = self.place(rows)
-        return None if place is None else len(place.lanes) + len(place.groups)
+        if place is None or self.place(rows, decoding=False) is None:
+            return None
+        return len(place.lanes) + len(place.groups)
 
     def _fill(self, b: StepBatch, parts: _Parts) -> torch.Tensor | None:
         """One copy of the arena: decode rows, meta, and the prefill rows when a graph runs them →
@@ -387,6 +435,9 @@ class GraphRunner:
             fill_prefill(a, p, lay, lane)
         for r, (ix, lays) in parts.batched.items():
             self.batched.fill([b.part(i, i + 1) for i in ix], lays, r)
+        ix, lays = parts.joiners
+        if ix:
+            self.joiners.fill([b.part(i, i + 1) for i in ix], lays, parts.lays[0].rows)
         a.send(parts.upto)
         return meta
 
@@ -396,6 +447,8 @@ class GraphRunner:
             graphs.plan(lay)
         for r, (_, lays) in parts.batched.items():
             self.batched.plan(lays, r)
+        if parts.joiners[0]:
+            self.joiners.plan(parts.joiners[1], parts.lays[0].rows)
         if parts.dec is not None:
             _, wrapper, _ = self.graphs[parts.bs]
             rows = (parts.dec.page_tables, parts.dec.kv_lens) if b.meta is None else None
@@ -409,8 +462,11 @@ class GraphRunner:
         """Prefill first (the capture order: lanes, then batched graphs), then decode; the first
         new request with the decode rows in a mixed graph when one holds them (captured last, so
         replayed last)."""
-        lays, n_pre, n_dec = parts.lays, parts.n_pre, parts.n_dec
-        mixed = self.mixed.get((parts.bs, lays[0].rows)) if lays and parts.dec is not None else None
+        lays, n_pre, n_dec, joiners = parts.lays, parts.n_pre, parts.n_dec, parts.joiners[0]
+        mixed = None
+        if lays and parts.dec is not None:
+            mixed = self.mixed.get((parts.bs, lays[0].rows, 1 + len(joiners)))
+        assert mixed is not None or not joiners, "prompts joined lane 0's where no mixed graph runs"
         pre: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []  # (requests, logits, hidden)
         for graphs, lay, i in zip(self.prefills, lays, parts.order, strict=False):
             if mixed is not None and graphs is self.prefill:
@@ -435,7 +491,7 @@ class GraphRunner:
             if mixed is not None:
                 graph, out = mixed
                 graph.replay()
-                pre.insert(0, ([parts.order[0]], out[0], out[1]))
+                pre.insert(0, ([parts.order[0], *joiners], out[0], out[1]))
                 dec.append((out[2][:n_dec], out[3][:n_dec]))
             else:
                 graph, _, out = self.graphs[parts.bs]

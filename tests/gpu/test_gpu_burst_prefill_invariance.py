@@ -1,8 +1,9 @@
 """A burst through the batched prefill graphs (gpu_worker/runner/batched_prefill.py) on the GPU:
-dummy Orpheus-3B with float8 weights and KV cache, the audio-only head; 16 requests arrive at once
-(prompts of the 32- and 64-row buckets), several of them starting together in one batched graph,
-and each generates the tokens it generates alone, greedy and sampled (its own seed). Also records
-how many steps the burst took to start and the batched graphs replayed."""
+dummy Orpheus-3B with float8 weights and KV cache, the audio-only head; 12 requests arrive at once
+and 4 more two steps later (prompts of the 32- and 64-row buckets), several of them starting together in one batched graph
+or joining a step's first prompt in its mixed graph with the decode rows, and each generates the
+tokens it generates alone, greedy and sampled (its own seed). Also records how many steps the burst
+took to start and the batched and mixed graphs replayed."""
 
 from __future__ import annotations
 
@@ -51,15 +52,18 @@ def test_a_burst_started_in_batched_graphs_samples_what_each_request_samples_alo
     eng = engine(**kw)
     runner = eng.runner.forward_runner
     assert runner.batched is not None, "float8 weights: batched prefill graphs are captured"
-    replayed = []
-    for key, (graph, _) in runner.batched.graphs.items():
+    replayed, graphs = [], [*runner.batched.graphs.items(), *runner.mixed.items()]
+    for key, (graph, _) in graphs:
         graph.replay = lambda key=key, replay=graph.replay: replayed.append(key) or replay()
-    for p in prompts:
+    for p in prompts[:12]:
         eng.add(p)
     steps, t0 = 0, time.perf_counter()
-    while eng.waiting:
+    while eng.waiting or steps < 2:
         eng.step()
         steps += 1
+        if steps == 2:  # four more while the first twelve decode: they join a step's first prompt
+            for p in prompts[12:]:
+                eng.add(p)
     torch.cuda.synchronize()
     admit_ms = 1000 * (time.perf_counter() - t0)
     eng.run_until_idle()
@@ -70,11 +74,12 @@ def test_a_burst_started_in_batched_graphs_samples_what_each_request_samples_alo
     res = gpu_report("burst-prefill-invariance")
     res.setdefault("bursts", {})[f"temperature {temperature:g}"] = {
         "requests": len(prompts), "rows": sorted({p.n_rows for p in prompts}), "steps_to_start": steps,
-        "start_ms": round(admit_ms, 1), "batched_graphs_replayed": [list(k) for k in replayed],
-        "first_difference": differ,
+        "start_ms": round(admit_ms, 1), "batched_graphs_replayed": [list(k) for k in replayed if len(k) == 2],
+        "mixed_graphs_replayed": [list(k) for k in replayed if len(k) == 3], "first_difference": differ,
     }  # fmt: skip
-    for graph, _ in runner.batched.graphs.values():
+    for _, (graph, _) in graphs:
         vars(graph).pop("replay", None)  # the class's own again (the engine serves the next test)
-    assert replayed, "several prompts of one bucket started in a batched graph"
+    assert any(len(k) == 2 for k in replayed), "several prompts of one bucket started in a batched graph"
+    assert any(len(k) == 3 and k[2] > 1 for k in replayed), "prompts joined a step's first in a mixed graph"
     assert steps < len(prompts), "the burst started several prompts a step"
     assert differ == dict.fromkeys(alone, None)
