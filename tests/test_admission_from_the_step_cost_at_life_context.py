@@ -114,8 +114,8 @@ def test_startup_differences_keep_a_first_ramps_curve_out_of_the_context_part():
 def test_the_simulation_measures_its_gpus_parts_at_startup_as_the_engine_does():
     diffs = startup_differences(H200)
     context = [(x, dt) for x, dt in diffs if x[0] == 0 and x[2] == 0]
-    prompts = [(x, dt) for x, dt in diffs if x[2] >= 1]  # one, then two and three more (a lane each)
-    assert len(context) == 2 and [x[2:] for x, _ in prompts] == [(1, 1), (2, 2), (3, 3)]
+    prompts = [(x, dt) for x, dt in diffs if x[2] >= 1]  # one, then one and three more (a lane each)
+    assert len(context) == 2 and [x[2:] for x, _ in prompts] == [(1, 1), (1, 1), (3, 3)]
     for (_, kcontext, *_), dt in context:
         assert dt == pytest.approx(H200.row_us_per_1k_ctx * kcontext / 1e6)
     for x, dt in prompts:

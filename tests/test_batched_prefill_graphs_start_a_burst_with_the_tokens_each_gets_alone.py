@@ -53,12 +53,13 @@ def test_a_steps_prompts_run_in_lanes_batched_and_mixed_graphs_as_eagerly(
         graph.replay = lambda key=key, replay=graph.replay: replayed.append(key) or replay()
     # Step 0 (nothing decoding): 7 rows in lane 0; 20 and 25 (bucket 32) batched; 40 (bucket 64)
     # alone in its bucket: lane 1; 300 rows: lane 2. Step 2 (5 decoding): 10 rows with them in a
-    # mixed graph, and 12, 15 and 30 (its bucket, 32) joining it there; 50 and 60 batched in bucket 64.
+    # mixed graph, and 12 (its bucket, 32) joining it there; 15 and 30 batched in bucket 32, 50 and
+    # 60 in bucket 64.
     lens = [7, 20, 25, 40, 300, 10, 12, 50, 15, 60, 30]
     joins = [0] * 5 + [2] * 6
-    # 4 of bucket 32 beside the first: 3 join it in a mixed graph and one takes lane 1, but without
-    # decode rows (every stream sitting the step out) the 4 are more than a batched graph takes
-    assert graphs.place([7, 20, 25, 28, 31]) == Placement(lanes=[0, 4], joiners=[1, 2, 3])
+    # 4 of bucket 32 beside the first: one joins it in a mixed graph and 3 share a batched graph,
+    # but without decode rows (every stream sitting the step out) the 4 are more than one takes
+    assert graphs.place([7, 20, 25, 28, 31]) == Placement(lanes=[0], groups={32: [2, 3, 4]}, joiners=[1])
     assert graphs.prompt_groups([7, 20, 25, 28, 31]) is None
     rng = np.random.default_rng(0)
     tables = [list(range(1 + i * per, 1 + (i + 1) * per))[::-1] for i in range(n_seq)]
@@ -85,15 +86,15 @@ def test_a_steps_prompts_run_in_lanes_batched_and_mixed_graphs_as_eagerly(
         b = StepBatch(np.array(ids, dtype=np.int64)[:, None], np.array(pos, dtype=np.int64),
                       [0, *np.cumsum(rows).tolist()], kv_lens, [tables[i] for i in order], len(pre), meta=meta,
                       last_rows=last_rows)  # fmt: skip
-        # beside decode rows: lane 0 with 20 and 25 joining it, lanes 1 and 2; step 2: lane 0 with
-        # 12, 15 and 30 joining it, and bucket 64's batched graph
-        assert graphs.prompt_groups([lens[i] for i in pre]) == {0: 3, 2: 2}.get(t, 0)
+        # beside decode rows: lane 0 with 20 joining it, lanes 1 (25), 2 and 3; step 2: lane 0 with
+        # 12 joining it, and the batched graphs of buckets 32 and 64
+        assert graphs.prompt_groups([lens[i] for i in pre]) == {0: 4, 2: 3}.get(t, 0)
         got, got_meta, _ = graphs.forward(b)
         want, want_meta, _ = eager.forward(b)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"step {t}")
         assert got_meta.tolist() == want_meta.tolist()
         torch.testing.assert_close(kv_g[:, 1:], kv_e[:, 1:], rtol=1e-4, atol=1e-4, msg=f"step {t}")
-    assert replayed == [(2, 32), (2, 64)]  # each step's in capture order: 64 rows first
+    assert replayed == [(2, 32), (2, 64), (2, 32)]  # each step's in capture order: 64 rows first
 
 
 @pytest.fixture(scope="module")
@@ -150,8 +151,8 @@ def test_a_burst_through_batched_graphs_samples_what_each_request_samples_alone(
         eng.step()
         running.append(len(eng.running))
     # the first step's first prompt alone (nothing decodes), the others batched; the second's
-    # first with the decode rows in a mixed graph, the others joining it there
-    assert running == [4, 8] and replayed == [(3, 32), (4, 32, 4)]
+    # first with the decode rows in a mixed graph, one joining it there, the other two batched
+    assert running == [4, 8] and replayed == [(3, 32), (2, 32), (4, 32, 2)]
     eng.run_until_idle()
     assert eng.outputs == alone
 

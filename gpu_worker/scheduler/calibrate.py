@@ -8,9 +8,10 @@ that differ in one thing (GPU only, through the runner's graphs, sampling left o
 - the largest decode bucket and one near half of it, each at a short and a long context: two
   differences in context at equal rows, two in rows at equal contexts;
 - the smaller batch at a middle context with and without a prompt riding along (a mixed step);
-- that step with two more prompts, and with as many more as the runner's graphs take together
-  beside the first (`prompt_groups`: with batched prefill graphs, one group for all of them), so
-  the fit tells a prompt's own cost from its group's.
+- that step with one more prompt, and with as many more as the runner's graphs take together
+  beside the first (`prompt_groups`: one joining the first in its mixed graph, the rest in a
+  batched prefill graph, where the GEMMs are float8; a lane each elsewhere), so the fit tells a
+  prompt's own cost from its group's.
 
 Each difference goes to `StepCost.calibrate` as (more tokens, more thousands of tokens of context,
 more prompts, more groups of prompts) and the seconds they added. The steps read and write KV pages of a cache that holds
@@ -118,9 +119,8 @@ def step_differences(
         one = t(small, mid, (prompt,))
         diffs.append(((float(prompt), 0.0, 1.0, 1.0), one - t(small, mid)))
         groups = getattr(runner, "prompt_groups", None)
-        # more prompts beside the first: two, and the most the graphs take together (a lane each, or
-        # one batched graph)
-        takes = [k for k in range(2, MORE_PROMPTS + 1) if groups and groups([prompt] * (1 + k))]
+        # more prompts beside the first: one, and the most the graphs take together
+        takes = [k for k in range(1, MORE_PROMPTS + 1) if groups and groups([prompt] * (1 + k))]
         for k in sorted({takes[0], takes[-1]}) if takes else []:
             more = groups([prompt] * (1 + k)) - 1
             diffs.append(
