@@ -16,7 +16,7 @@ Each prompt rounds as it does alone, so a request's tokens do not depend on who 
 The same segments let prompts join the first one in the step's mixed graph (gpu_worker.runner.graphs:
 its decode rows, lane 0's prompt, and up to `MIXED_JOINERS` more of lane 0's bucket, each in a
 segment of its own), so a prompt that arrives while streams run costs its rows and not a pass of
-its own: on the H200 (Orpheus 3B, fp8, a step of 256 rows) a 48-token prompt riding the decode pass
+its own: on the H200 (a 3B backbone, fp8, a step of 256 rows) a 48-token prompt riding the decode pass
 adds 1.5 ms, two more joining it 1.9 ms, and two more in a batched graph instead 3.9 ms.
 
 `place` assigns a step's prompts: the first to lane 0 (a mixed graph with the decode rows, or lane
@@ -63,7 +63,7 @@ def batched_prefill_enabled(program: LMProgram, limits) -> bool:
 
 # Prompts that may join the first one in a mixed graph (gpu_worker.runner.graphs): a mixed graph per
 # decode bucket, bucket of at most MIXED_PREFILL_ROWS rows and number of joiners. One: under Poisson
-# arrivals a step's prompts are mostly one or two (Orpheus at 80 req/s: 0.47 a step), and each
+# arrivals a step's prompts are mostly one or two (a 3B TTS model at 80 req/s: 0.47 a step), and each
 # joiner count captures another set of mixed graphs (on the H200 with three, 324 graphs in 22 s at
 # startup instead of 81 in 4 s); a step's third prompt takes a batched graph or a lane.
 MIXED_JOINERS = 1
