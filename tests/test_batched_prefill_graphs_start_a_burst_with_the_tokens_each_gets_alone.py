@@ -171,3 +171,48 @@ def test_the_batched_graphs_follow_the_programs_weights_not_the_settings():
     assert not batched_prefill_enabled(fp8, GpuWorkerSettings(mixed_prefill=False))
     assert not batched_prefill_enabled(bf16, GpuWorkerSettings(quantization="fp8"))
     assert not batched_prefill_enabled(bf16, GpuWorkerSettings())
+
+
+def test_admission_charges_a_prompt_joining_the_first_its_own_cost_and_a_new_group_its_pass(
+    tiny64,
+    graph_runner_cls,  # noqa: F811
+    batched,
+):
+    """Streams running, and a fitted cost of 6 ms of decode, 0.5 ms a prompt and 3 ms a group of
+    prompts run together: the 10.7 ms budget (0.88 of a 12.19 ms row) leaves 4.7 ms, so a step
+    starts its first prompt (3.5 ms) and the one joining it in the mixed graph (0.5 ms), not a third
+    of their bucket, which would open a group (3.5 ms); the next step starts it."""
+    limits = GpuWorkerSettings(max_batch_size=8, max_context=120, first_chunk="reference")
+    eng = Engine(tiny64, limits)
+    eng.runner.forward_runner = graph_runner_cls(tiny64, eng.kv_cache, limits)
+    s = eng.scheduler
+    s.real_time = True  # paced as on a GPU
+    prompts = []
+    for i, text in enumerate(["Hello there, how are you?", "Hi.", "Yes.", "No."]):
+        rows = np.asarray(tiny64.preprocess(text, {})).astype("<i4")
+        sp = SamplingParams(max_tokens=60, min_tokens=50, constrained=True, temperature=0.0)
+        prompts.append(Prompt(f"r{i}", rows.tobytes(), len(rows), sp))
+    assert max(p.n_rows for p in prompts) <= 32  # one prompt bucket
+    eng.add(prompts[0])
+    eng.step()  # one stream running
+    cost, rng = s.clock.cost, np.random.default_rng(0)
+    cost.__init__()
+    for _ in range(400):
+        n = int(rng.integers(0, 4))
+        groups = int(rng.integers(min(n, 1), n + 1))
+        cost.add(
+            int(rng.integers(1, 300)),
+            int(rng.integers(0, 50_000)),
+            n,
+            0.006 + 0.0005 * n + 0.003 * groups,
+            groups,
+        )
+    assert cost.coefficients() == pytest.approx((0.006, 0.0, 0.0, 0.0005, 0.003), abs=2e-5)
+    for p in prompts[1:]:
+        eng.add(p)
+    assert eng.runner.prompt_groups([p.n_rows for p in prompts[1:3]]) == 1  # the second joins the first
+    assert eng.runner.prompt_groups([p.n_rows for p in prompts[1:]]) == 2  # the third: a lane of its own
+    eng.step()
+    assert s.admitted_last == 2 and s.admitted_groups == 1 and s.admission_stops["room"] == 1
+    eng.step()
+    assert s.admitted_last == 1 and not eng.waiting
