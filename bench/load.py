@@ -209,6 +209,10 @@ TIMELINE_GAUGES = (
     "life_context", "step_cost_fixed_ms", "step_cost_token_us", "step_cost_kcontext_us", "step_cost_prompt_ms",
     "step_cost_group_ms",
 )  # fmt: skip
+# ... and the counters whose rate it follows, sample to sample (a burst's admission, step by step).
+TIMELINE_RATES = ("prompts_started_total", "steps_total", "admission_stopped_by_room_total")
+# How often a level's gauges are read: a burst's admission is over in a second or two.
+SAMPLE_S, BURST_SAMPLE_S = 1.0, 0.25
 
 
 class GaugeSampler:
@@ -251,10 +255,18 @@ class GaugeSampler:
         out["samples"] = len(busy)
         if self.samples:  # what admission saw, second by second (from the first sample; None: no gauge)
             t0 = self.samples[0][0]
-            out["timeline"] = {"t_s": [round(t - t0, 1) for t, _ in self.samples]} | {
+            out["timeline"] = {"t_s": [round(t - t0, 2) for t, _ in self.samples]} | {
                 key: [None if s.get(key) is None else round(s[key], 2) for _, s in self.samples]
                 for key in TIMELINE_GAUGES
             }
+            for key in TIMELINE_RATES:  # over each interval since the sample before (None: no reading)
+                pairs = zip(self.samples, self.samples[1:], strict=False)
+                out["timeline"][key.removesuffix("_total") + "_per_s"] = [None] + [
+                    round((b[key] - a[key]) / (tb - ta), 1)
+                    if key in a and key in b and b[key] >= a[key]
+                    else None
+                    for (ta, a), (tb, b) in pairs
+                ]
         if self.failures:
             out["sample_failures"] = len(self.failures)
             out["sample_failure_example"] = self.failures[0]
@@ -277,7 +289,9 @@ class GaugeSampler:
 def measure_level(base: str, sample_rate: int, ttfa_by_rid: dict | None = None, **level) -> dict:
     """One load level (`run_level`'s keywords) → its summary, with the server's gauges sampled
     while it ran (`server_during`); each request's TTFA in ms goes into `ttfa_by_rid` if given."""
-    sampler = GaugeSampler(base)
+    sampler = GaugeSampler(
+        base, BURST_SAMPLE_S if arrivals(level.get("rate"), level.get("ramp", 0.0)) == "burst" else SAMPLE_S
+    )
     use_uvloop()  # the client's loop reads every stream's chunks: keep its own lag out of the timings
     results, wall = asyncio.run(run_level(base, **level))
     if ttfa_by_rid is not None:
