@@ -26,6 +26,9 @@
 #   burst          Orpheus, the settings of record (docs/performance.md): `voxpipe bench ttfa`, then
 #                  closed-loop levels (VOXPIPE_LOAD, default 32..512) whose clients all start at once
 #                  (`--burst`), each level from an idle server; result burst.json
+#   orpheus-rate   Orpheus, the settings of record: `voxpipe bench ttfa`, then open-loop Poisson arrivals
+#                  (VOXPIPE_RATES, default 20,40,80) of 8-15-word sentences, 360 tokens each (4.4 s of
+#                  audio: random weights never end a stream themselves); result orpheus-rate.json
 #   csm-load       the same for CSM
 #   qwen3-rate     Qwen3-TTS (VOXPIPE_QWEN3_MODEL, default the 1.7B CustomVoice) with the model's own
 #                  settings (its spec's serve_defaults) and MPS: `voxpipe bench ttfa`, then open-loop
@@ -133,6 +136,12 @@ for stage in "$@"; do
         run burst $bench ttfa --reps 15 --tokens 200 --load "${VOXPIPE_LOAD:-32,64,128,256,384,448,512}" \
             --load-duration "${VOXPIPE_LOAD_S:-20}" --burst --label "$LABEL" --load-out "$OUT/burst.json" \
             --out "$OUT/burst-ttfa.json" -- $serve_flags $record_flags ${VOXPIPE_SERVE_EXTRA:-}
+        ;;
+    orpheus-rate)
+        run orpheus-rate $bench ttfa --reps 15 --tokens 200 --rate "${VOXPIPE_RATES:-20,40,80}" --texts sentences \
+            --load-duration "${VOXPIPE_LOAD_S:-20}" --load-tokens 360 --label "$LABEL" \
+            --load-out "$OUT/orpheus-rate.json" --out "$OUT/orpheus-rate-ttfa.json" -- $serve_flags $record_flags \
+            ${VOXPIPE_SERVE_EXTRA:-}
         ;;
     qwen3-rate)
         run qwen3-rate $bench ttfa --model "${VOXPIPE_QWEN3_MODEL:-qwen3-tts}" --reps 15 --tokens 60 \

@@ -297,7 +297,7 @@ class GraphRunner:
 
         def step() -> tuple[torch.Tensor, ...]:
             self.attn.in_graph(decode)
-            ids_, pos_, where_, page_, off_ = (list(x) for x in (ids, pos, where, page, off))
+            ids_, pos_, where_, page_, off_ = (list(views) for views in (ids, pos, where, page, off))
             heads = last
             if joiners:  # the joiners' spans after lane 0's, as one batch (in the graph: copies)
                 v = self.joiners.views(rows, joiners)
@@ -311,9 +311,8 @@ class GraphRunner:
                 emb = p.embed(torch.cat(ids_), rows_of(w, prompt_rows=k * rows))
                 hidden = p.backbone(emb, torch.cat(pos_), attn)  # [k * rows + n, H]
             pre, dec = hidden[heads], hidden[k * rows :]  # [s + joiners, H], [n, H]
-            pre_logits, first = paired(
-                p, p.head(pre[:s]).float(), pre[:s], w[last, 0], s
-            )  # the request's [1, H]
+            # lane 0's request: its [1, H] (a guided request's S sequences paired), then the joiners'
+            pre_logits, first = paired(p, p.head(pre[:s]).float(), pre[:s], w[last, 0], s)
             if joiners:
                 pre_logits = torch.cat([pre_logits, segment_heads(p, pre[s:])])
                 first = torch.cat([first, pre[s:]])
