@@ -20,6 +20,11 @@ class EagerRunner:
 
     max_prefills_per_step = 0  # any number of new requests per step
 
+    @staticmethod
+    def prompt_groups(rows: list[int]) -> int:
+        """The groups a step's prompts of `rows` rows each run in: all in its one ragged pass."""
+        return 1 if rows else 0
+
     def __init__(self, program: LMProgram, attn: EagerAttention) -> None:
         self.program = program
         self.attn = attn

@@ -110,7 +110,7 @@ class _Parts:
     # batched prefill graphs: bucket rows → (request indices, their layouts), in replay order
     batched: dict[int, tuple[list[int], list[PrefillLayout]]] = field(default_factory=dict)
     # the requests joining lane 0's in the mixed graph, and their layouts
-    joiners: tuple[list[int], list[PrefillLayout]] = ([], [])
+    joiners: tuple[list[int], list[PrefillLayout]] = field(default_factory=lambda: ([], []))
     bs: int = 0
     kv: Any = None
     kv_indices: np.ndarray | None = None

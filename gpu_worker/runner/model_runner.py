@@ -141,10 +141,9 @@ class ModelRunner:
 
     def prompt_groups(self, rows: list[int]) -> int | None:
         """The groups prompts of `rows` rows each run in when they start in one step, each rounding
-        as it would alone (`GraphRunner.prompt_groups`; the eager runner runs any number in its one
-        pass); None where they may not start together."""
-        groups = getattr(self.forward_runner, "prompt_groups", None)
-        return (1 if rows else 0) if groups is None else groups(rows)
+        as it would alone (`GraphRunner.prompt_groups`, `EagerRunner.prompt_groups`); None where
+        they may not start together."""
+        return self.forward_runner.prompt_groups(rows)
 
     # --- a step --------------------------------------------------------------------------------
     def layout(self, batch: list[Request]) -> StepBatch:

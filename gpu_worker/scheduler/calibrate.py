@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -41,13 +42,12 @@ def _batch(n: int, ctx: int, prompts: list[int], c: int, pages: int, page_size: 
     """`n` decode rows at context `ctx` after prompts of `prompts` rows each, every row and prompt
     on pages of its own (wrapping around a cache too small to give each its own)."""
     per = pages_for(ctx, page_size)
-    tables = [[1 + (i * per + j) % (pages - 1) for j in range(per)] for i in range(n)]
-    first = n * per
-    for p in prompts:
-        tables.insert(
-            len(tables) - n, [1 + (first + j) % (pages - 1) for j in range(pages_for(p, page_size))]
-        )
-        first += pages_for(p, page_size)
+    decode = [[1 + (i * per + j) % (pages - 1) for j in range(per)] for i in range(n)]
+    starts = accumulate((pages_for(p, page_size) for p in prompts), initial=n * per)  # after the rows'
+    tables = [
+        [1 + (start + j) % (pages - 1) for j in range(pages_for(p, page_size))]
+        for p, start in zip(prompts, starts, strict=False)
+    ] + decode
     rows = [*prompts, *[1] * n]
     return StepBatch(
         ids=np.zeros((sum(rows), c), dtype=np.int64),
@@ -120,11 +120,13 @@ def step_differences(
         diffs.append(((float(prompt), 0.0, 1.0, 1.0), one - t(small, mid)))
         groups = getattr(runner, "prompt_groups", None)
         # more prompts beside the first: one, and the most the graphs take together
-        takes = [k for k in range(1, MORE_PROMPTS + 1) if groups and groups([prompt] * (1 + k))]
-        for k in sorted({takes[0], takes[-1]}) if takes else []:
-            more = groups([prompt] * (1 + k)) - 1
+        takes = {k: g for k in range(1, MORE_PROMPTS + 1) if groups and (g := groups([prompt] * (1 + k)))}
+        for k in sorted({min(takes), max(takes)}) if takes else []:
             diffs.append(
-                ((float(k * prompt), 0.0, float(k), float(more)), t(small, mid, (prompt,) * (1 + k)) - one)
+                (
+                    (float(k * prompt), 0.0, float(k), float(takes[k] - 1)),
+                    t(small, mid, (prompt,) * (1 + k)) - one,
+                )
             )
     log.info(
         "step costs at startup (%.1f s): %s; differences (tokens, thousand tokens of context, prompts, "

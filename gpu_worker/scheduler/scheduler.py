@@ -31,6 +31,7 @@ import numpy as np
 
 from common.config import GpuWorkerSettings, check_headroom, check_sit_out
 from common.messages import Finished, FinishReason, Prompt
+from gpu_worker.runner.eager import EagerRunner
 from gpu_worker.runner.kv_cache import PageAllocator, pages_for
 from gpu_worker.runner.slots import SlotState
 from gpu_worker.scheduler.pacing import StepClock
@@ -53,12 +54,8 @@ _MAX_TOMBSTONES = 10_000
 # How a step's prompts group (`Scheduler.admit`'s `groups`): prompts of these rows each → the groups
 # they run in together (lanes, batched graphs: `GraphRunner.prompt_groups`), None where the runner's
 # graphs do not take them together. Without one, all of a step's prompts run as one group (the eager
-# runner's one ragged pass).
+# runner's one ragged pass: `EagerRunner.prompt_groups`).
 PromptGroups = Callable[[list[int]], "int | None"]
-
-
-def one_group(rows: list[int]) -> int:
-    return 1 if rows else 0
 
 
 ADMISSION_STOPS = ("batch", "cap", "rows", "room", "graphs", "pages")
@@ -278,7 +275,7 @@ class Scheduler:
         return len(self.running) + len(self.waiting)
 
     # --- one step ------------------------------------------------------------------------------
-    def schedule(self, max_prefills: int, groups: PromptGroups = one_group) -> list[Request]:
+    def schedule(self, max_prefills: int, groups: PromptGroups = EagerRunner.prompt_groups) -> list[Request]:
         """This step's batch: admit what may start (at most `max_prefills` new requests, 0: no
         limit; `groups`: how the runner groups them), leave out the streams sitting this step out,
         new requests first (the runners split prefill from decode); and tell the clock. Raises
@@ -309,7 +306,7 @@ class Scheduler:
         """Whether `req`'s input is open and its text has run out (it sits out until more comes)."""
         return req.input_open and req.n_launched >= self.program.open_steps(req.n_text)
 
-    def admit(self, max_prefills: int, groups: PromptGroups = one_group) -> None:
+    def admit(self, max_prefills: int, groups: PromptGroups = EagerRunner.prompt_groups) -> None:
         """Waiting requests into slots, in arrival order, while slots, KV pages and this step's room
         for prompts last: at most `prefill_cap` prompts and `max_prefill_rows` prompt rows, and no
         more than the fitted step cost lets the running streams keep real time (`prompt_room`: a

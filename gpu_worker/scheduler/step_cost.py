@@ -101,12 +101,9 @@ class StepCost:
     CALIBRATION_WEIGHT of the steps' averages, they keep the parts apart where the steps served do
     not tell them apart, and the steps served set the rest."""
 
-    TERMS = TERMS
-    SUBSETS = SUBSETS
-
     def __init__(self) -> None:
         self.n = 0
-        k = self.TERMS
+        k = TERMS
         self._xx = np.zeros((k, k))  # average of x x^T, x = (1, tokens, context / 1000, prompts, groups)
         self._xy = np.zeros(k)  # average of x dt
         self._yy = 0.0  # average of dt^2
@@ -158,11 +155,11 @@ class StepCost:
         if self.n < COST_MIN_STEPS and not self.seeded:
             return None
         if self._fit is None or self.n - self._fit_at >= REFIT_STEPS:
-            prior = np.array(self._fit or (0.0,) * self.TERMS)
-            best, least = (0.0,) * self.TERMS, math.inf
+            prior = np.array(self._fit or (0.0,) * TERMS)
+            best, least = (0.0,) * TERMS, math.inf
             all_xx, all_xy = self._xx + self._cal_xx, self._xy + self._cal_xy
             all_yy = self._yy + self._cal_yy
-            for terms in self.SUBSETS:
+            for terms in SUBSETS:
                 ix = np.array(terms)
                 xx, xy = all_xx[np.ix_(ix, ix)], all_xy[ix]
                 ridge = RIDGE * np.diag(np.diag(xx))
@@ -172,7 +169,7 @@ class StepCost:
                     continue
                 err = all_yy - 2.0 * beta @ xy + beta @ xx @ beta
                 if (beta >= 0).all() and err < least:
-                    full = np.zeros(self.TERMS)
+                    full = np.zeros(TERMS)
                     full[ix] = beta
                     best, least = tuple(float(v) for v in full), err
             self._fit, self._fit_at = best, self.n
