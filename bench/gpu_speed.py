@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from codec_worker.worker import Codec
+from common.arrays import wire_array
 from common.config import GpuWorkerSettings
 from common.messages import Prompt, SamplingParams
 from gpu_worker.attention.flashinfer import FlashInferAttention
@@ -27,6 +28,7 @@ from gpu_worker.runner.eager import EagerRunner
 from gpu_worker.runner.graphs import GraphRunner
 from gpu_worker.runner.kv_cache import allocate_kv_cache, pages_for
 from programs import get_spec, load_program_class
+from programs.base import PromptRows
 
 TOKENS_PER_SECOND = 82.03  # Orpheus tokens per second of audio
 FLOORS_MS = {512: {1: 2.85, 8: 3.05, 64: 4.13, 128: 5.69, 256: 8.32, 384: 11.64, 512: 14.74}}
@@ -122,10 +124,17 @@ def prefill_steps(program, counts: list[int], rows: int) -> dict:
 
 
 def prompt(program, rid: str, text: str, seed: int, n_tokens: int) -> Prompt:
-    rows = program.preprocess(text, {}).astype("<i4")
-    sp = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3, seed=seed)
-    sp.max_tokens, sp.min_tokens, sp.constrained = len(rows) + n_tokens, n_tokens, True
-    return Prompt(rid, rows.tobytes(), len(rows), sp)
+    """`text` as the tokenizer worker builds it (rows and per-request state), sampled with the
+    model's defaults (constrained where it can be) to exactly `n_tokens` generated rows."""
+    built = program.preprocess(text, {})
+    built = built if isinstance(built, PromptRows) else PromptRows(built)
+    rows = np.ascontiguousarray(built.rows, dtype="<i4")
+    state = {name: wire_array(a) for name, a in built.state.items()}
+    defaults = {k: v for k, v in program.spec.get("sampling", {}).items() if k != "min_tokens"}
+    sp = SamplingParams(seed=seed, **defaults)
+    sp.max_tokens, sp.min_tokens = len(rows) + n_tokens, n_tokens
+    sp.constrained = program.can_constrain
+    return Prompt(rid, rows.tobytes(), len(rows), sp, state=state)
 
 
 def offline(

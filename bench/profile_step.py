@@ -1,24 +1,31 @@
 """GPU: where a full engine step's time goes at one batch size (torch.profiler): the busiest
-CUDA kernels and CPU ops over a few steady decode steps, and the GPU's idle share.
+CUDA kernels and CPU ops over a few steady decode steps, and the GPU's idle share; with `--host`,
+where the host's time goes (cProfile over the engine's Python: schedule, layout, launch, process;
+the wait for the device shows as `ModelRunner.wait`).
 
     voxpipe bench profile --batch 384 [--ctx 512] [--lm-head audio] [--quantization fp8]
         [--kv-cache-dtype fp8] [--prompt-tokens 40 [--prompts-per-step 1,2]]
+    voxpipe bench profile --model qwen3-tts --fused-step on --batch 16 --ctx 100 --host
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import itertools
+import pstats
 import time
 
 import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench.gpu_speed import prompt
 from bench.lm_options import fill_batch
 from common.config import GpuWorkerSettings
 from common.messages import Prompt, SamplingParams
 from gpu_worker.engine import Engine
+from gpu_worker.runner.sampler import use_tail_kernel
 from programs import get_spec, load_program_class
 
 
@@ -49,8 +56,50 @@ def report(label: str, wall: float, events, steps: int, rows: int) -> None:
     print(events.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60))
 
 
+SENTENCE = "Sentence number {i}: the quick brown fox jumps over the lazy dog today."
+
+
+def fill_text(eng: Engine, bs: int, ctx: int) -> float:
+    """Start `bs` requests of a sentence each (the model's sampling defaults), step until every one
+    is admitted and the batch's mean context reaches `ctx`; → that mean context."""
+    for i in range(bs):
+        eng.add(prompt(eng.program, f"r{i}", SENTENCE.format(i=i), i, ctx + 200))
+    while eng.waiting or any(r.n_ctx == 0 for r in eng.running.values()):
+        eng.step()
+    while sum(r.n_ctx for r in eng.running.values()) < ctx * bs:
+        eng.step()
+    assert len(eng.running) == bs, f"batch {bs}: only {len(eng.running)} running"
+    return sum(r.n_ctx for r in eng.running.values()) / bs
+
+
+def host_profile(eng: Engine, steps: int, rows: int, before=None) -> None:
+    """cProfile over `steps` engine steps: the host functions by their own time and by their
+    cumulative time, and the engine's own averages of a step's host, launch and wait time."""
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(steps):
+        if before is not None:
+            before(i)
+        eng.step()
+    torch.cuda.synchronize()
+    prof.disable()
+    m = eng.metrics()
+    print(f"host profile over {steps} steps (the engine's averages, unprofiled steps included: host "
+          f"{m['step_host_ms']} ms, launch {m['step_launch_ms']} ms, wait {m['step_wait_ms']} ms, "
+          f"device {m['step_gpu_ms']} ms a step)", flush=True)  # fmt: skip
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(rows)
+    stats.sort_stats("cumulative").print_stats(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="orpheus")
+    ap.add_argument(
+        "--fused-step", default="off", help="on: the program's fused layers and the sampler kernel"
+    )
+    ap.add_argument("--host", action="store_true", help="also cProfile the host's work over the steps")
     ap.add_argument("--batch", type=int, default=384)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--steps", type=int, default=10)
@@ -68,10 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts-per-step", default="1,2", help="new requests in each such step, per run")
     args = ap.parse_args(argv)
     per_step = [int(k) for k in args.prompts_per_step.split(",")] if args.prompt_tokens else []
-    p = load_program_class("orpheus")(get_spec("orpheus"), load_format="dummy", device="cuda",
-                                      dtype=torch.bfloat16, lm_head=args.lm_head,
-                                      quantization=args.quantization)  # fmt: skip
+    p = load_program_class(args.model)(get_spec(args.model), load_format="dummy", device="cuda",
+                                       dtype=torch.bfloat16, lm_head=args.lm_head,
+                                       quantization=args.quantization)  # fmt: skip
     p.load_lm()
+    if args.fused_step == "on":
+        print(f"fused layers {p.fuse_layers()}, sampler kernel {use_tail_kernel(True)}", flush=True)
     extra = max(per_step, default=0)  # the prompts' requests join as old ones leave
     eng = Engine(
         p,
@@ -82,7 +133,10 @@ def main(argv: list[str] | None = None) -> int:
             kv_cache_dtype=args.kv_cache_dtype,
         ),
     )
-    mean_ctx = fill_batch(eng, args.batch, args.ctx)
+    if args.model == "orpheus":
+        mean_ctx = fill_batch(eng, args.batch, args.ctx)
+    else:
+        mean_ctx = fill_text(eng, args.batch, args.ctx)
     print(f"batch {args.batch} running at mean context {mean_ctx:.0f}", flush=True)
     for _ in range(5):
         eng.step()
@@ -90,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"batch {args.batch}, decode only: {base:.3f} ms/step (wall, not profiled)", flush=True)
     wall, events = profiled(eng, args.steps)
     report(f"batch {args.batch}", wall, events, args.steps, args.rows)
+    if args.host:
+        host_profile(eng, 3 * args.steps, args.rows)
     fill = iter(list(eng.running))  # the batch's requests, the oldest first, to make room
     made = itertools.count()
 
@@ -98,6 +154,11 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(k):
                 eng.abort(next(fill))  # the batch keeps its size: one leaves as one comes
                 i = next(made)
+                if args.model != "orpheus":
+                    eng.add(
+                        prompt(eng.program, f"prompt{i}", SENTENCE.format(i=i), 10_000 + i, args.ctx + 200)
+                    )
+                    continue
                 rows = np.full(args.prompt_tokens, 128300, dtype="<i4")
                 rows[0] = 128259
                 sp = SamplingParams(temperature=0.6, top_p=0.8, seed=10_000 + i, constrained=True)
@@ -115,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         wall, events = profiled(eng, args.steps, new_prompts(k))
         report(f"batch {args.batch}, {k} {args.prompt_tokens}-token prompt(s) in every step", wall, events,
                args.steps, args.rows)  # fmt: skip
+        if args.host:
+            host_profile(eng, 3 * args.steps, args.rows, new_prompts(k))
     return 0
 
 
