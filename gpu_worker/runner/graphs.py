@@ -142,10 +142,12 @@ class GraphRunner:
         self.page_size = kv_cache.shape[3]
         self.sizes = decode_buckets(limits.max_batch_size, limits.min_decode_batch)
         self.row_tile = limits.decode_row_tile
-        # A decode-only step lays its meta out as [3, bucket], padding rows on the scratch slot
-        # (gpu_worker.runner.slots.SlotState), so a captured sampling step can read it; its bucket, else 0.
+        # A step lays its meta out as [3, bucket], padding rows on the scratch slot
+        # (gpu_worker.runner.slots.SlotState), so that the bucket's captured sampling step can read
+        # it (`sampling_inputs`); that bucket, else 0 (a guided program's step with prompts).
         self.scratch_slot = limits.max_batch_size
-        self.decode_bucket = 0
+        self.sample_bucket = 0
+        self._staged = False  # the step's logits and hidden states are the bucket's decode outputs
         bmax, c, dev = self.sizes[-1], program.n_codebooks, program.device
         # KV sequences a request: decode graphs hold S rows a request, a prompt's graph S sequences
         self.sequences = s = kv_sequences(program)
@@ -338,7 +340,7 @@ class GraphRunner:
         if b.meta is not None and n_pre:  # new requests bring their sequences' pages
             slots = sequence_slots(b.meta[0, : n_pre // b.sequences], b.sequences)
             self.attn.admit(slots, b.page_tables[:n_pre])
-        self.decode_bucket = 0
+        self.sample_bucket = 0
         if b.num_requests > self.sizes[-1]:
             return self.eager.forward(b)
         parts = self._lay_out(b)
@@ -413,20 +415,22 @@ class GraphRunner:
     def _fill(self, b: StepBatch, parts: _Parts) -> torch.Tensor | None:
         """One copy of the arena: decode rows, meta, and the prefill rows when a graph runs them →
         the step's meta [3, B] on the device (None without meta)."""
-        a, dec, n_dec = self.arena, parts.dec, parts.n_dec
+        a, dec = self.arena, parts.dec
         a.begin(parts.upto)
         if dec is not None:
             fill_decode(a, dec, self.page_size)
             if parts.kv_indices is not None:
                 a.host_view("d_kv", parts.n_kv).copy_(torch.from_numpy(parts.kv_indices))
         meta = None
-        if b.meta is not None and parts.n_pre == 0 and dec is not None:  # [3, bucket]: see decode_bucket
-            bs = parts.bs
+        if b.meta is not None and (parts.n_pre == 0 or b.sequences == 1):  # [3, bucket]: see sample_bucket
+            n = b.meta.shape[1]  # requests
+            bs = parts.bs if parts.n_pre == 0 else next(s for s in self.sizes if s >= n)
             host = a.host_view("meta", 3 * bs).view(3, bs)
-            host[:, :n_dec].copy_(torch.from_numpy(b.meta))
-            host[0, n_dec:] = self.scratch_slot
-            meta = self.padded_meta(bs)[:, :n_dec]
-            self.decode_bucket = bs
+            host[:, :n].copy_(torch.from_numpy(b.meta))
+            host[0, n:] = self.scratch_slot
+            host[1:, n:] = 0  # in range: a padding row records at history position 0
+            meta = self.padded_meta(bs)[:, :n]
+            self.sample_bucket, self._staged = bs, parts.n_pre == 0
         elif b.meta is not None:
             a.host_view("meta", b.meta.size).copy_(torch.from_numpy(b.meta.reshape(-1)))
             meta = a.dev_view("meta", b.meta.size).view(3, -1)
@@ -504,12 +508,30 @@ class GraphRunner:
         return (logits[0] if len(logits) == 1 else torch.cat(logits)), meta, hidden
 
     def padded_meta(self, bs: int) -> torch.Tensor:
-        """[3, bs] device view of a decode-only step's meta in bucket bs (see decode_bucket)."""
+        """[3, bs] device view of a step's meta laid out in bucket bs (see sample_bucket)."""
         return self.arena.dev_view("meta", 3 * bs).view(3, bs)
 
     def decode_logits(self, bs: int) -> torch.Tensor:
         """[bs, C', V] the logits of bucket bs's decode graph, rewritten by each replay."""
         return self.graphs[bs][2][0]
+
+    def decode_hidden(self, bs: int) -> torch.Tensor:
+        """[bs, H] the hidden states of bucket bs's decode graph, rewritten by each replay."""
+        return self.graphs[bs][2][1]
+
+    def sampling_inputs(self, logits: torch.Tensor, hidden: torch.Tensor | None) -> int:
+        """The bucket whose captured sampling step samples the step just run (0: none), its inputs
+        in place: a decode-only step's logits and hidden states are that bucket's decode-graph
+        outputs already; a step with prompts copies its own there (the bucket holds all its rows;
+        the rows past them are padding, sampled on the scratch slot)."""
+        bs = self.sample_bucket
+        if bs and not self._staged:
+            n = logits.shape[0]
+            self.decode_logits(bs)[:n].copy_(logits)
+            if hidden is not None:
+                self.decode_hidden(bs)[:n].copy_(hidden)
+            self._staged = True
+        return bs
 
     def decode_tokens(self, hidden: torch.Tensor, c0: torch.Tensor, rows, where: Rows) -> torch.Tensor:
         """The program's depth step from a captured graph (eager past the largest bucket)."""

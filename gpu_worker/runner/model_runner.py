@@ -120,7 +120,7 @@ class ModelRunner:
 
     @property
     def has_graphs(self) -> bool:
-        return hasattr(self.forward_runner, "decode_bucket")  # a GraphRunner
+        return hasattr(self.forward_runner, "sample_bucket")  # a GraphRunner
 
     def check_state(self) -> None:
         """With graphs: the program still holds the per-request buffers they captured. A graph reads
@@ -237,7 +237,7 @@ class ModelRunner:
         for r in batch:
             r.n_ctx += len(r.prompt) if r.n_ctx == 0 else 1
             r.n_launched += 1
-        result = self._sampled_in_graph(batch)
+        result = self._sampled_in_graph(batch, logits, hidden)
         if result is None:
             result = self._sample(batch, logits, meta, hidden)
         if not cuda:  # a copy: a graph's output is rewritten by its next replay
@@ -301,9 +301,12 @@ class ModelRunner:
         meta: torch.Tensor,  # [3, B]: slot, tokens sampled before, prompt length
         hidden: torch.Tensor | None,  # [B, H] for the depth step of several codebooks
         groups: list[tuple[torch.Tensor | slice, bool, bool, bool]],  # rows, constrained, windowed, penalize
+        capturing: bool = False,
     ) -> torch.Tensor:
         """Sample, classify and record every row (device work only, no host sync, so that it can be
-        captured in a graph) → [B, C + 1] int64: the row, then its kind."""
+        captured in a graph) → [B, C + 1] int64: the row, then its kind. `capturing`: inside a
+        sampling graph's capture, where the depth step runs inline (the kernels its own graph
+        holds) rather than as a graph of its own."""
         slots, n_gen, plen = meta
         length = n_gen + plen  # history entries: prompt + tokens sampled before this step
         out = torch.empty(slots.shape[0], dtype=torch.int64, device=self.device)
@@ -320,36 +323,43 @@ class ModelRunner:
             tokens = out[:, None]  # [B, 1]
         else:  # codebooks 1..C-1 from the program's depth step, sampled with the same settings
             where = Rows(slot=slots, step=n_gen, prev=self.slots.last[slots])
-            tokens = self.forward_runner.decode_tokens(
-                hidden, out, self.slots.rows(slots, n_gen, length, None), where
-            )
+            # the depth step draws without a penalty: no history
+            rows = self.slots.rows(slots, n_gen, length, None, windowed=False, penalize=False)
+            depth = self.forward_runner.depth.eager if capturing else self.forward_runner.decode_tokens
+            tokens = depth(hidden, out, rows, where)
         kinds = self.program.classify(tokens, self.slots.n_audio[slots])  # before the count moves
         self.slots.record(slots, length, tokens, kinds)
         return torch.cat([tokens, kinds[:, None]], dim=1)  # [B, C + 1]
 
     def capture_sampling(self, progress: Callable[[str], None] | None = None) -> None:
         """Sampling graphs for the forward runner's decode buckets (gpu_worker/runner/sample_graphs.py),
-        for a single-codebook program."""
-        if self.program.n_codebooks != 1:
-            return
+        a program's depth step in them."""
         from gpu_worker.runner.sample_graphs import SampleGraphs
 
         self.forward_runner.scratch_slot = self.slots.scratch  # where its padded decode rows sample
         modes = (False, True) if self.program.can_constrain else (False,)
         self.sample_graphs = SampleGraphs(self._sample_all, self.forward_runner, modes, progress)
 
-    def _sample_all(self, logits: torch.Tensor, meta: torch.Tensor, constrained: bool) -> torch.Tensor:
+    def _sample_all(
+        self, logits: torch.Tensor, meta: torch.Tensor, hidden: torch.Tensor | None, constrained: bool
+    ) -> torch.Tensor:
         """Every row in one mode, window and penalty applied (what a sampling graph captures)."""
         penalize = self.program.uses_repetition_penalty
-        return self.sample_rows(logits, meta, None, [(slice(None), constrained, True, penalize)])
+        return self.sample_rows(logits, meta, hidden, [(slice(None), constrained, True, penalize)], True)
 
-    def _sampled_in_graph(self, batch: list[Request]) -> torch.Tensor | None:
-        """A decode-only step whose rows share one mode replays its bucket's sampling graph →
-        [B, C + 1], or None (no graphs, prompt rows in the step, constrained and free rows mixed)."""
-        graphs, bucket = self.sample_graphs, getattr(self.forward_runner, "decode_bucket", 0)
-        if graphs is None or not bucket:
+    def _sampled_in_graph(
+        self, batch: list[Request], logits: torch.Tensor, hidden: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """A step whose rows share one mode replays the sampling graph of the bucket that holds
+        them, its logits and hidden states in that bucket's inputs (`GraphRunner.sampling_inputs`)
+        → [B, C + 1], or None (no graphs, constrained and free rows mixed, more rows than a bucket
+        holds, a guided program's prompts)."""
+        if self.sample_graphs is None:
             return None
         constrained = batch[0].sp.constrained
         if any(r.sp.constrained != constrained for r in batch):
             return None
-        return graphs.replay(bucket, constrained)[: len(batch)]
+        bucket = self.forward_runner.sampling_inputs(logits, hidden)
+        if not bucket:
+            return None
+        return self.sample_graphs.replay(bucket, constrained)[: len(batch)]

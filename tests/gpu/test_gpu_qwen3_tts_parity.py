@@ -8,7 +8,9 @@ against the reference's where it imports, one engine for every check.
    qwen-tts-compat, same weights, bf16) over the same input rows: within bf16 tolerance.
 3. Greedy frames of a request alone and among 3 and 17 others joining at different steps, in both
    text modes (the streaming one reads its text from the per-request state inside the graphs).
-4. Decode step time with graphs (talker + code predictor) per batch size, context 300.
+4. Sampled frames with every step's sampling in its bucket's graph (prompt steps too) against
+   the same requests sampled eagerly: equal.
+5. Decode step time with graphs (talker + code predictor) per batch size, context 300.
 
 Each runs with the layers as served by default and with `--fused-step on`, and the 0.6B
 CustomVoice's talker (another shape) with `--fused-step on`.
@@ -159,6 +161,49 @@ def test_greedy_frames_alone_equal_those_among_others(qwen, gpu_report):
             )
     gpu_report(report)["greedy_alone_vs_batched_first_difference"] = first_diff
     assert first_diff == dict.fromkeys(first_diff, None)
+
+
+def test_sampling_graphs_draw_the_eager_sampler_frames(qwen, gpu_report):
+    """Sampled frames (the model's temperature and top-k, codebooks 1..15 drawn in the depth step)
+    of requests starting at different steps, every step sampled in its bucket's sampling graph
+    (prompt steps too), against the same requests sampled eagerly: equal."""
+    prog, eng, _, report = qwen
+    graphs = eng.runner.sample_graphs
+    assert graphs is not None, "a multi-codebook program samples in graphs"
+
+    def run(sampled_in_graphs: bool) -> tuple[dict, int, int]:
+        eng.runner.sample_graphs = graphs if sampled_in_graphs else None
+        steps, replays = eng.step_count, [0]
+        replay = graphs.replay
+
+        def counted(bs: int, constrained: bool):
+            replays[0] += 1
+            return replay(bs, constrained)
+
+        graphs.replay = counted
+        try:
+            eng.outputs = {}
+            for i in range(6):
+                built = prog.preprocess("words to speak, number " + "one " * (1 + i), {})
+                rows = built.rows.astype("<i4")
+                sp = SamplingParams(
+                    temperature=0.9, top_k=50, seed=7 + i, max_tokens=len(rows) + 30, min_tokens=30
+                )
+                state = {k: wire_array(v) for k, v in built.state.items()}
+                eng.add(Prompt(f"s{i}", rows.tobytes(), len(rows), sp, state=state))
+                eng.step()
+            eng.run_until_idle()
+            return {k: v[0] for k, v in eng.outputs.items()}, eng.step_count - steps, replays[0]
+        finally:
+            graphs.replay = replay
+            eng.runner.sample_graphs = graphs
+
+    in_graphs, steps, replayed = run(True)
+    eager, _, replayed_eagerly = run(False)
+    differ = {rid: sum(a != b for a, b in zip(in_graphs[rid], eager[rid], strict=True)) for rid in eager}
+    gpu_report(report)["sampling_graphs_vs_eager_differing_frames"] = differ
+    assert replayed_eagerly == 0 and replayed == steps  # every step, those with prompts too
+    assert differ == dict.fromkeys(differ, 0)
 
 
 def test_decode_step_time(qwen, gpu_report):
