@@ -173,7 +173,7 @@ def percentile(values: list[float], q: float) -> float:
 # Per-worker averages: the mean over workers (the rest, counts and counters, add up).
 _AVERAGED = (
     "row_period_ms", "step_host_ms", "step_wait_ms", "step_gpu_forward_ms", "step_gpu_ms", "step_gpu_idle_ms",
-    "step_launch_ms", "late_margin_ms", "step_hold_ms", "life_context", "step_cost_fixed_ms", "step_cost_token_us",
+    "step_launch_ms", "step_launch_prompt_ms", "late_margin_ms", "step_hold_ms", "life_context", "step_cost_fixed_ms", "step_cost_token_us",
     "step_cost_kcontext_us", "step_cost_prompt_ms", "step_cost_group_ms",
 )  # fmt: skip
 

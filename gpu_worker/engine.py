@@ -18,9 +18,11 @@ arrives later in it waits for step n+2: from arrival to its first row takes two 
 on average. With `--late-launch on` the worker keeps taking messages until step n is about to end
 (`hold_s`: its start, the steps' measured device time, less the host's time to schedule and launch
 and a margin) and only then schedules step n+1, so most prompts start in the next step; if step n has ended by
-then, its results are processed (and sent) first, and step n+1 launched after them. The margin
-follows the device's idle time before each step: it grows when the GPU waited for the launch, and
-shrinks slowly while it did not.
+then, its results are processed (and sent) first, and step n+1 launched after them. The launch time
+is that of a step that starts prompts while prompts wait (laying a prompt out and planning its
+attention take longer than a decode step's launch), else a decode step's. The margin follows the
+device's idle time before each step: it grows when the GPU waited for the launch, and shrinks
+slowly while it did not.
 """
 
 from __future__ import annotations
@@ -79,11 +81,11 @@ class Engine:
         self._collected_only = False  # the last `step` collected a step and launched none
         self._carried = (0.0, 0.0)  # a collect-only step's host time and wait, for the launch after it
         # Late launch (GPU only): when the step in flight began on the device, as the host knows
-        # it (perf_counter), the host's time to schedule and launch a step (an exponential
-        # average), and the margin kept before the step's end.
+        # it (perf_counter), the host's time to schedule and launch a step (exponential averages:
+        # a step that starts prompts, and one that does not), and the margin kept before the step's end.
         self.late = limits.late_launch == "on" and self.device.type == "cuda"
         self._began = 0.0
-        self.launch_s = 0.0
+        self.launch_s = self.launch_prompt_s = 0.0
         self.late_margin_s = LATE_MARGIN_S
         self.hold_avg_s = 0.0  # the worker's hold before each step (exponential average)
         if self.runner.has_graphs:
@@ -202,6 +204,7 @@ class Engine:
             "step_gpu_ms": round(1000 * r.gpu_step_s, 3),
             "step_gpu_idle_ms": round(1000 * r.gpu_idle_s, 3),
             "step_launch_ms": round(1000 * self.launch_s, 3),
+            "step_launch_prompt_ms": round(1000 * self.launch_prompt_s, 3),
             "late_margin_ms": round(1000 * self.late_margin_s, 3) if self.late else 0.0,
             "step_hold_ms": round(1000 * self.hold_avg_s, 3),
             "prompts_started_total": s.prompts_started,
@@ -210,12 +213,14 @@ class Engine:
 
     def hold_s(self) -> float:
         """Seconds the worker may keep taking messages before it schedules the next step: with late
-        launch, until the step in flight is due to end less the launch time and the margin, and
-        not once it has ended (`step` then processes it before launching the next); else 0."""
+        launch, until the step in flight is due to end less the launch time (a prompt step's while
+        prompts wait) and the margin, and not once it has ended (`step` then processes it before
+        launching the next); else 0."""
         step = self._inflight
         if not self.late or step is None or step.ready is None:
             return 0.0
-        hold = self._began + self.runner.gpu_step_s - self.launch_s - self.late_margin_s - time.perf_counter()
+        launch = max(self.launch_s, self.launch_prompt_s) if self.scheduler.waiting else self.launch_s
+        hold = self._began + self.runner.gpu_step_s - launch - self.late_margin_s - time.perf_counter()
         return hold if hold > 0.0 and not self._ended(step) else 0.0
 
     def held(self, seconds: float) -> None:
@@ -278,8 +283,13 @@ class Engine:
             # When it begins on the device, as the host can tell: its launch's start, unless the
             # step before it is still running then (`_process` dates it from that one's end).
             self._began = time.perf_counter()
+            prompts = batch[0].n_ctx == 0  # new requests come first
             self._inflight = self.runner.launch(batch)
-            self.launch_s += 0.05 * (time.perf_counter() - t0 - self.launch_s)
+            took = time.perf_counter() - t0
+            if prompts:
+                self.launch_prompt_s += 0.05 * (took - self.launch_prompt_s)
+            else:
+                self.launch_s += 0.05 * (took - self.launch_s)
         # 3. process: the previous step's results → request state, audio chunks, finished requests
         chunks = self._process(previous) if previous is not None else []
         if not batch:  # after `_process`, which dates the device's next idle from its step's end

@@ -1,6 +1,7 @@
 """`--late-launch on`: the gpu_worker keeps taking messages until the step in flight is about to
 end (its start, the steps' measured device time, less the host's launch time and a margin), so a
-prompt that arrives meanwhile joins the next step; the margin widens when the device waited for a
+prompt that arrives meanwhile joins the next step; while prompts wait, the launch time is a prompt
+step's (measured apart from a decode step's); the margin widens when the device waited for a
 launch and narrows slowly while it did not; the hold ends with the step in flight if that ends
 sooner than expected; off a GPU, or off, nothing is held."""
 
@@ -76,6 +77,31 @@ def test_the_hold_ends_a_launch_and_a_margin_before_the_step_does(program):
     assert eng.hold_s() == 0.0
     eng._inflight = None  # nothing in flight: schedule now
     assert eng.hold_s() == 0.0
+
+
+def test_while_prompts_wait_the_hold_leaves_a_prompt_steps_launch(program):
+    eng = late_engine(program)
+    eng.launch_prompt_s = 0.009  # a step that starts prompts takes longer to lay out and launch
+    decode_only = eng.hold_s()
+    rows = np.array([128259, 300, 301, 128009, 128260, 128261, 128257], dtype="<i4")
+    eng.add(Prompt(rid="r0", tokens=rows.tobytes(), n_rows=len(rows), sampling=SamplingParams(max_tokens=8)))
+    with_prompt = eng.hold_s()
+    assert decode_only - with_prompt == pytest.approx(0.009 - 0.004, abs=0.001)
+    eng.launch_prompt_s = 0.001  # a prompt step's launch never holds longer than a decode step's
+    assert eng.hold_s() == pytest.approx(decode_only, abs=0.001)
+
+
+def test_launch_times_are_measured_apart_for_steps_with_prompts_and_without(program):
+    eng = Engine(program, GpuWorkerSettings(max_batch_size=4, max_context=64))
+    rows = np.array([128259, 300, 301, 128009, 128260, 128261, 128257], dtype="<i4")
+    eng.add(Prompt(rid="r0", tokens=rows.tobytes(), n_rows=len(rows), sampling=SamplingParams(max_tokens=20)))
+    eng.step()  # the prompt's step
+    assert eng.launch_prompt_s > 0.0 and eng.launch_s == 0.0
+    prompt_launch = eng.launch_prompt_s
+    eng.step()  # a decode step
+    assert eng.launch_s > 0.0 and eng.launch_prompt_s == prompt_launch
+    m = eng.metrics()
+    assert m["step_launch_prompt_ms"] == round(1000 * prompt_launch, 3)
 
 
 def test_the_margin_widens_when_the_device_waited_and_narrows_when_it_did_not(program):
