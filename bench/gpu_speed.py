@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 from codec_worker.worker import Codec
-from common.arrays import wire_array
 from common.config import GpuWorkerSettings
 from common.messages import Prompt, SamplingParams
 from gpu_worker.attention.flashinfer import FlashInferAttention
@@ -28,7 +27,7 @@ from gpu_worker.runner.eager import EagerRunner
 from gpu_worker.runner.graphs import GraphRunner
 from gpu_worker.runner.kv_cache import allocate_kv_cache, pages_for
 from programs import get_spec, load_program_class
-from programs.base import PromptRows
+from tokenizer_worker.worker import wire_prompt
 
 TOKENS_PER_SECOND = 82.03  # Orpheus tokens per second of audio
 FLOORS_MS = {512: {1: 2.85, 8: 3.05, 64: 4.13, 128: 5.69, 256: 8.32, 384: 11.64, 512: 14.74}}
@@ -126,10 +125,7 @@ def prefill_steps(program, counts: list[int], rows: int) -> dict:
 def prompt(program, rid: str, text: str, seed: int, n_tokens: int) -> Prompt:
     """`text` as the tokenizer worker builds it (rows and per-request state), sampled with the
     model's defaults (constrained where it can be) to exactly `n_tokens` generated rows."""
-    built = program.preprocess(text, {})
-    built = built if isinstance(built, PromptRows) else PromptRows(built)
-    rows = np.ascontiguousarray(built.rows, dtype="<i4")
-    state = {name: wire_array(a) for name, a in built.state.items()}
+    rows, state = wire_prompt(program.preprocess(text, {}))
     defaults = {k: v for k, v in program.spec.get("sampling", {}).items() if k != "min_tokens"}
     sp = SamplingParams(seed=seed, **defaults)
     sp.max_tokens, sp.min_tokens = len(rows) + n_tokens, n_tokens

@@ -75,14 +75,9 @@ def fill_text(eng: Engine, bs: int, ctx: int) -> float:
 def host_profile(eng: Engine, steps: int, rows: int, before=None) -> None:
     """cProfile over `steps` engine steps: the host functions by their own time and by their
     cumulative time, and the engine's own averages of a step's host, launch and wait time."""
-    torch.cuda.synchronize()
     prof = cProfile.Profile()
     prof.enable()
-    for i in range(steps):
-        if before is not None:
-            before(i)
-        eng.step()
-    torch.cuda.synchronize()
+    timed(eng, steps, before)
     prof.disable()
     m = eng.metrics()
     print(f"host profile over {steps} steps (the engine's averages, unprofiled steps included: host "

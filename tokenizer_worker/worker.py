@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 SPEC_EVERY_S = 1.0  # how often the model's spec is announced again (a restarted gateway waits this long)
 
 
-__all__ = ["PromptBuilder", "TokenizerWorker", "program_voice", "wire_array"]
+__all__ = ["PromptBuilder", "TokenizerWorker", "program_voice", "wire_array", "wire_prompt"]
 
 
 def program_voice(voice: VoiceFeatures | None) -> Voice | None:
@@ -60,6 +60,14 @@ def program_voice(voice: VoiceFeatures | None) -> Voice | None:
     if voice is None:
         return None
     return Voice({name: np_array(a) for name, a in voice.features.items()}, voice.text)
+
+
+def wire_prompt(built: np.ndarray | PromptRows) -> tuple[np.ndarray, dict]:
+    """What a program's `preprocess` returned → (rows as little-endian int32, contiguous; the
+    per-request state as wire arrays), as a Prompt carries them."""
+    built = built if isinstance(built, PromptRows) else PromptRows(built)
+    rows = np.ascontiguousarray(built.rows, dtype="<i4")
+    return rows, {name: wire_array(a) for name, a in built.state.items()}
 
 
 class PromptBuilder:
@@ -79,9 +87,7 @@ class PromptBuilder:
                 built = self.program.preprocess(req.text, req.model_kwargs)
             else:
                 built = self.program.preprocess(req.text, req.model_kwargs, voice=voice)
-            built = built if isinstance(built, PromptRows) else PromptRows(built)
-            rows = np.ascontiguousarray(built.rows, dtype="<i4")
-            state = {name: wire_array(a) for name, a in built.state.items()}
+            rows, state = wire_prompt(built)
         except ValueError as e:
             return RequestError(req.rid, 400, str(e))
         except Exception as e:
