@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from common.graphs import capture
+from gpu_worker.runner.graphs import bucket_for
 from gpu_worker.runner.sampler import SamplingRows, depth_sampler
 from programs.base import LMProgram, Rows
 
@@ -144,7 +145,7 @@ class DepthGraphs:
         """hidden [n, H], c0 [n], rows and where (n entries) → [n, C] int64, from the smallest
         bucket ≥ n."""
         n = hidden.shape[0]
-        bs = next(s for s in self.sizes if s >= n)
+        bs = bucket_for(self.sizes, n)
         self.hidden[:n].copy_(hidden)
         self.c0[:n].copy_(c0)
         self.where.slot[:n].copy_(where.slot)

@@ -80,6 +80,11 @@ PREFILL_LANES = 4
 MIXED_PREFILL_ROWS = 128
 
 
+def bucket_for(sizes: list[int], n: int) -> int:
+    """The smallest of the ascending bucket `sizes` that holds n rows."""
+    return next(s for s in sizes if s >= n)
+
+
 def decode_buckets(max_batch: int, min_batch: int = 1) -> list[int]:
     """1, 2, 4, 8, then steps of 8 to 64, of 16 to 128, of 32 beyond: padding stays under ~12 %.
     Sizes below `min_batch` are dropped (their batches pad up to the first size kept)."""
@@ -147,7 +152,6 @@ class GraphRunner:
         # it (`sampling_inputs`); that bucket, else 0 (a guided program's step with prompts).
         self.scratch_slot = limits.max_batch_size
         self.sample_bucket = 0
-        self._staged = False  # the step's logits and hidden states are the bucket's decode outputs
         bmax, c, dev = self.sizes[-1], program.n_codebooks, program.device
         # KV sequences a request: decode graphs hold S rows a request, a prompt's graph S sequences
         self.sequences = s = kv_sequences(program)
@@ -373,7 +377,7 @@ class GraphRunner:
         parts = _Parts(n_pre, n_dec, pre, dec, pres, lays, order, batched, joiners)
         a = self.arena
         if dec is not None:
-            parts.bs = next(s for s in self.sizes if s >= n_dec)
+            parts.bs = bucket_for(self.sizes, n_dec)
             pad = (parts.bs - n_dec) * b.sequences
             parts.kv = self.attn.decode_layout(dec.kv_lens + [1] * pad, dec.page_tables + [[0]] * pad)
             parts.kv_indices = self.attn.decode_indices(parts.kv)
@@ -424,13 +428,13 @@ class GraphRunner:
         meta = None
         if b.meta is not None and (parts.n_pre == 0 or b.sequences == 1):  # [3, bucket]: see sample_bucket
             n = b.meta.shape[1]  # requests
-            bs = parts.bs if parts.n_pre == 0 else next(s for s in self.sizes if s >= n)
+            bs = bucket_for(self.sizes, n)
             host = a.host_view("meta", 3 * bs).view(3, bs)
             host[:, :n].copy_(torch.from_numpy(b.meta))
             host[0, n:] = self.scratch_slot
             host[1:, n:] = 0  # in range: a padding row records at history position 0
             meta = self.padded_meta(bs)[:, :n]
-            self.sample_bucket, self._staged = bs, parts.n_pre == 0
+            self.sample_bucket = bs
         elif b.meta is not None:
             a.host_view("meta", b.meta.size).copy_(torch.from_numpy(b.meta.reshape(-1)))
             meta = a.dev_view("meta", b.meta.size).view(3, -1)
@@ -525,12 +529,11 @@ class GraphRunner:
         outputs already; a step with prompts copies its own there (the bucket holds all its rows;
         the rows past them are padding, sampled on the scratch slot)."""
         bs = self.sample_bucket
-        if bs and not self._staged:
+        if bs and logits.data_ptr() != self.decode_logits(bs).data_ptr():  # not that graph's outputs
             n = logits.shape[0]
             self.decode_logits(bs)[:n].copy_(logits)
             if hidden is not None:
                 self.decode_hidden(bs)[:n].copy_(hidden)
-            self._staged = True
         return bs
 
     def decode_tokens(self, hidden: torch.Tensor, c0: torch.Tensor, rows, where: Rows) -> torch.Tensor:
