@@ -198,6 +198,10 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     # from idling), not as soon as the step before it was launched: a prompt that arrives meanwhile
     # starts in that next step, a step sooner. GPU only.
     late_launch: str = "off"
+    # "on": a prompt that arrives while a step runs starts at once in the prompt lane, its first
+    # step on a CUDA stream of its own beside the step in flight (gpu_worker/runner/prompt_lane.py),
+    # rather than waiting for that step and the next; it joins the steps from its second row.
+    prompt_lane: str = "off"
 
     def check(self) -> None:
         if self.depth_compile not in ("auto", "on", "off"):
@@ -206,6 +210,8 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
             raise ValueError(f"--fused-step is on or off, not {self.fused_step!r}")
         if self.late_launch not in ("on", "off"):
             raise ValueError(f"--late-launch is on or off, not {self.late_launch!r}")
+        if self.prompt_lane not in ("on", "off"):
+            raise ValueError(f"--prompt-lane is on or off, not {self.prompt_lane!r}")
         if self.page_size < 1 or self.max_batch_size < 0 or self.max_context < 0 or self.num_pages < 0:
             raise ValueError(
                 "--page-size must be positive; --max-batch-size, --max-context, --num-pages >= 0"

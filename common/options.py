@@ -175,6 +175,15 @@ OPTIONS: tuple[Option, ...] = (
         path="gpu.late_launch",
     ),
     Option(
+        "prompt_lane",
+        "GPU: a prompt that arrives while a step runs starts at once, its first step on a CUDA stream "
+        "of its own beside the step in flight, rather than after that step and the next (on, off: the "
+        "default unless the model chooses on; `voxpipe models`)",
+        ("serve", "gpu_worker"),
+        choices=("on", "off"),
+        path="gpu.prompt_lane",
+    ),
+    Option(
         "codec_compile",
         "compile the codec's regular windows (and a codec stream's merged ones) with torch.compile "
         "(fuses its elementwise work; tens of seconds at startup, cached on disk): auto (on a GPU "

@@ -23,6 +23,12 @@ is that of a step that starts prompts while prompts wait (laying a prompt out an
 attention take longer than a decode step's launch), else a decode step's. The margin follows the
 device's idle time before each step: it grows when the GPU waited for the launch, and shrinks
 slowly while it did not.
+
+With `--prompt-lane on` a prompt need not wait for the step in flight at all: `lane_step` (the
+worker calls it while it takes messages) starts the first waiting prompt in the prompt lane, its
+first step on a stream of its own beside the step in flight (gpu_worker/runner/prompt_lane.py), and
+once that row is on the host turns it into the request's first audio like any step's; the request
+runs in the steps from its second row.
 """
 
 from __future__ import annotations
@@ -70,6 +76,8 @@ class Engine:
             getattr(self.runner.forward_runner, "sizes", None), real_time=self.device.type == "cuda",
         )  # fmt: skip
         self._inflight: InFlight | None = None
+        self._lane: InFlight | None = None  # a prompt's first step in the prompt lane
+        self.lane_prompts = 0  # prompts started in the lane, all time
         self._appends = HeldAppends()  # written at the next step
         self.step_count = 0
         self.tokens_total = 0  # sampled rows consumed, all requests
@@ -159,7 +167,7 @@ class Engine:
     def fail_all(self, message: str) -> None:
         """After a failed step: end every request with an explicit error and reclaim all state
         (every slot and KV page free again, also those the books had lost: `Scheduler.reset`)."""
-        self._inflight = None
+        self._inflight = self._lane = None
         self.scheduler.end_all(FinishReason.ERROR, message, 500)
         self.scheduler.reset()
 
@@ -180,7 +188,7 @@ class Engine:
         s = self.scheduler
         # A request waiting for appended text is no work until its text comes (the worker blocks).
         runnable = any(not s.waits(r) for r in s.running.values())
-        return bool(runnable or s.waiting or s.finished or self._inflight or self._appends)
+        return bool(runnable or s.waiting or s.finished or self._inflight or self._lane or self._appends)
 
     def metrics(self) -> dict[str, float]:
         s, r = self.scheduler, self.runner
@@ -208,6 +216,7 @@ class Engine:
             "late_margin_ms": round(1000 * self.late_margin_s, 3) if self.late else 0.0,
             "step_hold_ms": round(1000 * self.hold_avg_s, 3),
             "prompts_started_total": s.prompts_started,
+            "prompts_in_lane_total": self.lane_prompts,
             **{f"admission_stopped_by_{k}_total": v for k, v in s.admission_stops.items()},
         }
 
@@ -280,6 +289,11 @@ class Engine:
         # 2. run: launch it on the device
         previous, self._inflight = self._inflight, None
         if batch:
+            lane = self._lane
+            if lane is not None and lane.ready is not None and lane.batch[0].done:
+                # the lane's request ended while its step runs: what it gave back may go to this
+                # step's requests, whose writes must follow the lane's
+                torch.cuda.current_stream().wait_event(lane.ready)
             # When it begins on the device, as the host can tell: its launch's start, unless the
             # step before it is still running then (`_process` dates it from that one's end).
             self._began = time.perf_counter()
@@ -313,14 +327,49 @@ class Engine:
         except Exception:
             return True
 
-    def _process(self, step: InFlight) -> list[DetokChunk]:
-        """A completed step's sampled rows → request state, audio chunks and finished requests."""
+    # --- the prompt lane ----------------------------------------------------------------------
+    def lane_step(self) -> DetokBatch | None:
+        """With the prompt lane: collect its step if it has ended (→ that request's first row as
+        audio, or None), then start the first waiting prompt there if a step is in flight (else
+        the next step starts it anyway) and the lane is free (`Scheduler.admit_lane`, away from
+        the slots and pages the step in flight may still write)."""
+        if not self.runner.lane_on:
+            return None
+        out = None
+        lane = self._lane
+        if lane is not None and (lane.ready is None or self._ended(lane)):
+            self._lane = None
+            out = self._batch(self._process(lane, in_lane=True))
+        step = self._inflight
+        if self._lane is None and step is not None and self.scheduler.waiting and not self._ended(step):
+            slots, pages = set(), set()
+            for r in step.batch:
+                if r.done and r.released is not None:
+                    slots.add(r.released[0])
+                    pages.update(r.released[1])
+            req = self.scheduler.admit_lane(slots, pages, self.runner.lane_fits, self.runner.lane_admitting())
+            if req is not None:
+                self._lane = self.runner.launch_lane(req)
+                self.lane_prompts += 1
+        return out
+
+    def _process(self, step: InFlight, in_lane: bool = False) -> list[DetokChunk]:
+        """A completed step's sampled rows → request state, audio chunks and finished requests
+        (`in_lane`: the prompt lane's, which leaves the steps' timing alone)."""
+        if in_lane:
+            if step.ready is not None:
+                step.ready.synchronize()
+            step.batch[0].lane = False
+            return self._consume(step)
         self._waited = self.runner.wait(step)
         if self._waited > 5e-5 and self._inflight is not None:  # the next step began as this one ended
             self._began = time.perf_counter()
         if self.late:
             self._follow_idle()
         self.step_count += 1
+        return self._consume(step)
+
+    def _consume(self, step: InFlight) -> list[DetokChunk]:
         res = step.host.numpy()
         c = self.program.n_codebooks
         chunks: list[DetokChunk] = []

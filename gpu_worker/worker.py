@@ -92,20 +92,11 @@ class GpuWorker:
             try:
                 out = engine.step()
             except Exception as e:
-                # Every request in flight ends with an explicit error rather than a hang. A CUDA
-                # error leaves the context unusable: then exit and let the supervisor restart us.
-                log.exception("step failed; failing %d requests", engine.num_active)
-                engine.fail_all(f"gpu_worker step failed: {type(e).__name__}: {e}")
-                out = engine.step()
-                if out is not None:
-                    self.to_codec.send(out)
-                if isinstance(e, torch.cuda.CudaError) or "CUDA" in str(e):
-                    raise
+                self.failed(e)
                 continue
             # 4. emit one message for the step
-            self.stages.publish(engine)
-            if out is not None:
-                self.to_codec.send(out)
+            self.emit(out)
+            self.lane()
             # The gauges (the capacity estimate among them) at most every METRICS_S: heartbeats
             # carry the latest, a few per second, so computing them every step is wasted work.
             now = time.monotonic()
@@ -114,19 +105,52 @@ class GpuWorker:
                 metrics, self._metrics_at = engine.metrics(), now
             self.status.set_load(engine.num_active, engine.limits.max_batch_size, metrics)
 
+    def failed(self, e: Exception) -> None:
+        """After a failed step: every request in flight ends with an explicit error rather than a
+        hang. A CUDA error leaves the context unusable: then exit and let the supervisor restart us."""
+        engine = self.engine
+        log.exception("step failed; failing %d requests", engine.num_active)
+        engine.fail_all(f"gpu_worker step failed: {type(e).__name__}: {e}")
+        out = engine.step()
+        if out is not None:
+            self.to_codec.send(out)
+        if isinstance(e, torch.cuda.CudaError) or "CUDA" in str(e):
+            raise e
+
+    def emit(self, out) -> None:
+        """A step's one message to the codec worker (if it made any), and the tap's stage events."""
+        self.stages.publish(self.engine)
+        if out is not None:
+            self.to_codec.send(out)
+
+    def lane(self) -> None:
+        """The prompt lane's turn (`Engine.lane_step`): its first row out at once, the next waiting
+        prompt into it."""
+        if not self.engine.runner.lane_on:
+            return
+        try:
+            out = self.engine.lane_step()
+        except Exception as e:
+            self.failed(e)
+            return
+        self.emit(out)
+
     def receive(self) -> None:
         """Drain the inbox: block briefly only when idle, or 2 ms when every running request sat
         the last step out (streams past --max-lead, open input waiting for text); with
         --late-launch, go on taking messages until the step in flight is about to end
-        (`Engine.hold_s`), so that what arrives meanwhile joins the next step."""
+        (`Engine.hold_s`), so that what arrives meanwhile joins the next step. With the prompt
+        lane, each drain is followed by its turn (`lane`)."""
         engine = self.engine
         wait_ms = (0 if engine.scheduler.last_batch_size else 2) if engine.has_work() else 50
         self.take(self.inbox.drain(timeout_ms=wait_ms))
+        self.lane()
         if not engine.late:
             return
         t0 = time.perf_counter()
         while engine.hold_s() >= 0.001:  # in drains of 1 ms: the step may end sooner than expected
             self.take(self.inbox.drain(timeout_ms=1))
+            self.lane()
         if engine.scheduler.last_batch_size:
             engine.held(time.perf_counter() - t0)
 

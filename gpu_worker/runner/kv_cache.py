@@ -25,11 +25,19 @@ class PageAllocator:
     def num_used(self) -> int:
         return self.num_pages - 1 - len(self._free)
 
-    def alloc(self, n: int) -> list[int] | None:
-        """n pages, or None (and nothing taken) when fewer are free."""
-        if n > len(self._free):
+    def alloc(self, n: int, avoid: set[int] | frozenset[int] = frozenset()) -> list[int] | None:
+        """n pages, none of them in `avoid`, or None (and nothing taken) when fewer are free."""
+        if not avoid:
+            if n > len(self._free):
+                return None
+            return [self._free.pop() for _ in range(n)]
+        picked = [i for i in range(len(self._free) - 1, -1, -1) if self._free[i] not in avoid][:n]
+        if len(picked) < n:
             return None
-        return [self._free.pop() for _ in range(n)]
+        pages = [self._free[i] for i in picked]
+        for i in picked:  # from the end: the indices still to delete stay valid
+            del self._free[i]
+        return pages
 
     def free(self, pages: list[int]) -> None:
         self._free.extend(reversed(pages))

@@ -15,6 +15,7 @@ audio-row count that constrained sampling depends on is kept on the device.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -67,6 +68,7 @@ class InFlight:
 class ModelRunner:
     def __init__(self, program: LMProgram, limits: GpuWorkerSettings, progress=None) -> None:
         self.program = program
+        self.limits = limits
         self.device = program.device
         # +1 token per request: a launched step may run once past a stop it has not seen yet.
         per_request = pages_for(limits.max_context + 1, limits.page_size) * kv_sequences(program)
@@ -106,6 +108,10 @@ class ModelRunner:
             self.head = HeadColumns(program.head_ids, program.vocab_size)
             self.stop_ids = self.head.column[self.stop_ids]
         self.sample_graphs = None
+        # The prompt lane (gpu_worker/runner/prompt_lane.py): a graph-runner's is captured with the
+        # sampling graphs; an eager runner runs a lane request's first step in its place.
+        self.lane_on = limits.prompt_lane == "on" and not program.guidance
+        self.lane = None
         # On the device (exponential averages, seconds, from CUDA events): a step's forward pass
         # (prefill and decode graphs), all its work (with sampling), and how long the device sat
         # idle before it, waiting for the host to launch it. Work from other processes sharing the
@@ -339,6 +345,44 @@ class ModelRunner:
         self.forward_runner.scratch_slot = self.slots.scratch  # where its padded decode rows sample
         modes = (False, True) if self.program.can_constrain else (False,)
         self.sample_graphs = SampleGraphs(self._sample_all, self.forward_runner, modes, progress)
+        if self.lane_on:
+            from gpu_worker.runner.prompt_lane import PromptLane
+
+            self.lane = PromptLane(
+                self.program,
+                self.kv_cache,
+                self.limits,
+                self._sample_all,
+                modes,
+                self.slots.scratch,
+                progress,
+            )
+
+    # --- the prompt lane -----------------------------------------------------------------------
+    def lane_fits(self, rows: int) -> bool:
+        """Whether a prompt of `rows` rows can start in the prompt lane."""
+        return self.lane is None or self.lane.fits(rows)
+
+    def lane_admitting(self):
+        """Where a lane request's admission writes go: the lane's stream (a context)."""
+        return contextlib.nullcontext() if self.lane is None else self.lane.admitting()
+
+    @torch.inference_mode()
+    def launch_lane(self, req: Request) -> InFlight:
+        """The new request `req`'s first step in the prompt lane, beside the step in flight (eagerly
+        in its place without a lane of graphs): prefill, sampling, its row's copy to the host."""
+        self.check_state()
+        b = self.layout([req])
+        if self.has_graphs:  # the steps' decode attention reads its pages by slot from now on
+            self.forward_runner.attn.admit(b.meta[0, :1], [req.pages])
+        req.n_ctx += len(req.prompt)
+        req.n_launched += 1
+        if self.lane is None:
+            logits, meta, hidden = self.forward_runner.forward(b)
+            result = self._sample([req], logits, meta, hidden)
+            return InFlight([req], result.clone(), None)
+        host, ready = self.lane.launch(b, req.sp.constrained)
+        return InFlight([req], host, ready)
 
     def _sample_all(
         self, logits: torch.Tensor, meta: torch.Tensor, hidden: torch.Tensor | None, constrained: bool

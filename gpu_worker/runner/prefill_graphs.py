@@ -165,7 +165,7 @@ class PrefillGraphs:
         buckets: list[tuple[int, int]],
         max_pages: int,
         progress: Callable[[str], None] | None = None,
-        lane: int = 0,
+        lane: int | str = 0,
     ) -> None:
         self.program, self.kv_cache, self.arena, self.attn, self.lane = program, kv_cache, arena, attn, lane
         self.prefix = lane_prefix(lane)
@@ -178,7 +178,7 @@ class PrefillGraphs:
             if progress:
                 progress(f"capturing prefill graphs, lane {lane}: {rows} rows ({i + 1}/{len(buckets)})")
             self.graphs[rows] = self._capture(rows, reqs, pool, max_pages)
-        log.info("captured %d prefill graphs (rows, requests) %s for lane %d in %.1f s", len(buckets), buckets,
+        log.info("captured %d prefill graphs (rows, requests) %s for lane %s in %.1f s", len(buckets), buckets,
                  lane, time.monotonic() - t0)  # fmt: skip
 
     @torch.inference_mode()

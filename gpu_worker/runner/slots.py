@@ -53,13 +53,15 @@ class SlotState:
         prompt_ids: np.ndarray,
         penalty: bool = True,
         last_row: np.ndarray | None = None,
+        avoid: set[int] | frozenset[int] = frozenset(),
     ) -> int:
         """Claim a slot for a request whose codebook-0 prompt ids are `prompt_ids` [R]. With
         `penalty` False (a program without one) the penalty is off and the prompt stays out of the
         history: its ids need not be sampleable (a program's text rows). `last_row` [C]: the
         prompt's last row, the request's previous row when it samples its first
-        (programs.base.Rows.prev)."""
-        slot = self._free.pop()
+        (programs.base.Rows.prev). `avoid`: slots not to take (`free_outside` says one is left)."""
+        i = next(i for i in range(len(self._free) - 1, -1, -1) if self._free[i] not in avoid)
+        slot = self._free.pop(i)
         if last_row is not None:
             self.last[slot] = to_device(torch.from_numpy(np.asarray(last_row, dtype=np.int64)), self.device)
         if not penalty:
@@ -87,6 +89,10 @@ class SlotState:
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    def free_outside(self, avoid: set[int] | frozenset[int]) -> bool:
+        """Whether a free slot is left outside `avoid`."""
+        return any(s not in avoid for s in self._free)
 
     def record(
         self, slots: torch.Tensor, pos: torch.Tensor, tokens: torch.Tensor, kinds: torch.Tensor

@@ -42,6 +42,10 @@ class Request:
     grouped: list = field(default_factory=list)
     admitted_at: float = 0.0
     gen_budget: int = 0  # rows it may generate: budget less the prompt
+    # its first step runs in the prompt lane (gpu_worker/runner/prompt_lane.py): out of the steps
+    lane: bool = False
+    # the slot and KV pages it gave back when it ended (a step launched before may still write them)
+    released: tuple[int, list[int]] | None = None
     input_open: bool = False  # more text may be appended (gpu_worker/appends.py)
     n_text: int = 0  # appendable rows its state holds (the program's `appended_rows`)
 

@@ -16,7 +16,10 @@
 KV pages for a request's whole budget (max_tokens, prompt included) are reserved when it is
 admitted, so a running request never runs out of pages mid-stream; when pages are short, requests
 wait in arrival order instead. Freeing pages or a slot while a launched step still uses them is
-safe: later writes by a new owner are queued on the same stream, after that step.
+safe: later writes by a new owner are queued on the same stream, after that step. The prompt lane
+(`admit_lane`) runs on a stream of its own, so a request it starts takes no slot or page that the
+step in flight may still write (the engine names them: what the requests of that step that have
+ended since gave back, `Request.released`).
 """
 
 from __future__ import annotations
@@ -256,6 +259,8 @@ class Scheduler:
             self.outputs[req.rid] = (req.generated, reason)
         req.done = True
         self.running.pop(req.rid, None)
+        if req.slot >= 0 or req.pages:
+            req.released = (req.slot, req.pages)
         if req.slot >= 0:
             self.slots.release(req.slot)
             req.slot = -1
@@ -285,7 +290,9 @@ class Scheduler:
         # Requests whose budget is used up by launched steps wait for their last results; those
         # whose input is open and whose text runs out wait for more (gpu_worker/appends.py).
         batch = [
-            r for r in self.running.values() if len(r.prompt) + r.n_launched < r.budget and not self.waits(r)
+            r
+            for r in self.running.values()
+            if len(r.prompt) + r.n_launched < r.budget and not self.waits(r) and not r.lane
         ]
         served = len(batch)
         n_pre = sum(r.n_ctx == 0 for r in batch)  # prompts, which never sit out
@@ -366,11 +373,41 @@ class Scheduler:
             )
         self.clock.expect(expected)
 
-    def start(self, req: Request, pages: list[int]) -> None:
-        """A waiting request into a sampling slot with its KV pages: it runs from the next step."""
+    def admit_lane(
+        self, avoid_slots: set[int], avoid_pages: set[int], fits: Callable[[int], bool], admitting
+    ) -> Request | None:
+        """The first waiting request into the prompt lane (gpu_worker/runner/prompt_lane.py), or None:
+        when a slot and its pages are free outside `avoid_slots` and `avoid_pages` (what the step in
+        flight may still write), its prompt `fits` the lane, and its input is whole (a request
+        whose text is still coming starts in a step). Its admission writes go where `admitting` (a
+        context) queues them: the lane's stream. It stays out of the steps (`Request.lane`) until
+        the engine has its first row."""
+        limits = self.limits
+        if not self.waiting or self.sequences != 1 or len(self.running) >= limits.max_batch_size:
+            return None
+        req = self.waiting[0]
+        if req.input_open or not fits(len(req.prompt)) or not self.slots.free_outside(avoid_slots):
+            return None
+        pages = self.allocator.alloc(pages_for(req.budget + 1, limits.page_size), avoid_pages)
+        if pages is None:
+            return None
+        self.waiting.popleft()
+        with admitting:
+            self.start(req, pages, avoid_slots)
+        req.lane = True
+        self.prompts_started += 1
+        return req
+
+    def start(
+        self, req: Request, pages: list[int], avoid_slots: set[int] | frozenset[int] = frozenset()
+    ) -> None:
+        """A waiting request into a sampling slot (none of `avoid_slots`) with its KV pages: it runs
+        from the next step."""
         req.pages = pages
         p = self.program
-        req.slot = self.slots.admit(req.sp, req.prompt[:, 0], p.uses_repetition_penalty, req.prompt[-1])
+        req.slot = self.slots.admit(
+            req.sp, req.prompt[:, 0], p.uses_repetition_penalty, req.prompt[-1], avoid_slots
+        )
         p.admit(req.slot, req.state)
         req.audio = np.zeros((req.budget, p.n_codebooks), dtype="<i4")
         req.admitted_at = time.time()

@@ -1,0 +1,92 @@
+"""The prompt lane on the GPU (Qwen3-TTS 1.7B CustomVoice, dummy weights, bf16, as served: fused
+layers, graphs): prompts that arrive while a step is in flight start in the lane, on a stream of its
+own beside that step, and a request's frames, greedy and sampled, equal its frames alone (where it
+starts in a step of its own). The report holds how many started in the lane and how long the host
+took to launch one."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from common.config import GpuWorkerSettings
+from common.messages import Prompt, SamplingParams
+from gpu_worker.engine import Engine
+from tokenizer_worker.worker import wire_array
+
+MODEL = "qwen3-tts"
+
+
+@pytest.fixture(scope="module")
+def lane():
+    from gpu_worker.runner.sampler import use_tail_kernel
+    from programs import get_spec, load_program_class
+
+    prog = load_program_class(MODEL)(
+        get_spec(MODEL), load_format="dummy", device="cuda", dtype=torch.bfloat16
+    )
+    prog.load_lm()
+    assert prog.fuse_layers() and use_tail_kernel(True)
+    eng = Engine(prog, GpuWorkerSettings(max_batch_size=64, max_context=1024, prompt_lane="on"))
+    assert eng.runner.lane is not None
+    yield prog, eng
+    use_tail_kernel(False)
+
+
+def test_frames_started_in_the_lane_equal_those_alone(lane, gpu_report):
+    prog, eng = lane
+    launch_ms: list[float] = []
+    timed = eng.runner.launch_lane
+
+    def launch(req):
+        t0 = time.perf_counter()
+        try:
+            return timed(req)
+        finally:
+            launch_ms.append(1000 * (time.perf_counter() - t0))
+
+    eng.runner.launch_lane = launch
+
+    def prompt(rid: str, text: str, seed: int, temperature: float, new: int = 40) -> Prompt:
+        built = prog.preprocess(text, {})
+        rows = built.rows.astype("<i4")
+        sp = SamplingParams(
+            temperature=temperature, top_k=50, seed=seed, max_tokens=len(rows) + new, min_tokens=new
+        )
+        state = {k: wire_array(v) for k, v in built.state.items()}
+        return Prompt(rid, rows.tobytes(), len(rows), sp, state=state)
+
+    def generate(order: list[Prompt]) -> dict:
+        eng.outputs = {}
+        for i, p in enumerate(order):
+            eng.add(p)
+            eng.lane_step()  # a step in flight: the prompt starts beside it
+            for _ in range(1 + i % 3):
+                eng.step()
+                eng.lane_step()
+        while eng.has_work():
+            eng.step()
+            eng.lane_step()
+        return {rid: rows for rid, (rows, _) in eng.outputs.items()}
+
+    report = gpu_report("qwen3-tts-prompt-lane")
+    first_diff = {}
+    for temperature in (0.0, 0.9):
+        texts = [f"Request {i} says a sentence of its own." for i in range(6)]
+        order = [prompt(f"r{i}", t, 10 + i, temperature) for i, t in enumerate(texts)]
+        alone = {}
+        for p in order:
+            alone |= generate([p])
+        before = eng.lane_prompts
+        got = generate(order)
+        started = eng.lane_prompts - before
+        assert started >= len(order) // 2, f"only {started} of {len(order)} prompts started in the lane"
+        for p in order:
+            first_diff[f"T={temperature} {p.rid}"] = next(
+                (i for i, (a, b) in enumerate(zip(got[p.rid], alone[p.rid], strict=True)) if a != b), None
+            )
+    report["frames_lane_vs_alone_first_difference"] = first_diff
+    report["lane_launch_ms_p50"] = sorted(launch_ms)[len(launch_ms) // 2]
+    assert first_diff == dict.fromkeys(first_diff, None)
