@@ -15,10 +15,14 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-def capture(step: Callable[[], T], pool: Any) -> tuple[torch.cuda.CUDAGraph, T]:
+def capture(step: Callable[[], T], pool: Any, stream: Any = None) -> tuple[torch.cuda.CUDAGraph, T]:
     """Warm up `step` on a side stream (kernel selection and JIT happen outside the capture), then
     capture it into `pool` (a `torch.cuda.graph_pool_handle()`); → (graph, its output, rewritten in
-    place by each replay)."""
+    place by each replay).
+
+    `stream`: the stream to capture on (default: torch's one capture stream). A captured GEMM keeps
+    the cuBLAS workspace of the stream it was captured on, so graphs that may replay at the same
+    time on different streams (gpu_worker/runner/prompt_lane.py) are captured on different ones."""
     import torch
 
     stream = torch.cuda.Stream()
@@ -27,6 +31,6 @@ def capture(step: Callable[[], T], pool: Any) -> tuple[torch.cuda.CUDAGraph, T]:
         step()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
         out = step()
     return graph, out

@@ -135,7 +135,7 @@ class _Graph:
             o.copy_(n)
 
 
-def _capture(step, pool):
+def _capture(step, pool, stream=None):
     out = step()
     return _Graph(step, out), out
 

@@ -123,7 +123,7 @@ def test_a_depth_graphs_padding_rows_write_only_the_scratch_slots_window():
         def replay(self) -> None:
             self.out.copy_(self.step())
 
-    def capture(step, pool):
+    def capture(step, pool, stream=None):
         out = step()
         return Replay(step, out), out
 

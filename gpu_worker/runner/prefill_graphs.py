@@ -166,8 +166,11 @@ class PrefillGraphs:
         max_pages: int,
         progress: Callable[[str], None] | None = None,
         lane: int | str = 0,
+        stream=None,
     ) -> None:
+        """`stream`: the one to capture on (`common.graphs.capture`), where not torch's."""
         self.program, self.kv_cache, self.arena, self.attn, self.lane = program, kv_cache, arena, attn, lane
+        self.stream = stream
         self.prefix = lane_prefix(lane)
         self.sequences = kv_sequences(program)  # KV sequences a request (attention requests a prompt)
         self.page_size = kv_cache.shape[3]
@@ -203,7 +206,7 @@ class PrefillGraphs:
             # [reqs / S, C', V], [reqs / S, H]: a guided request's sequences paired
             return paired(p, p.head(hidden).float(), hidden, w[last, 0], self.sequences)
 
-        graph, out = capture(step, pool)
+        graph, out = capture(step, pool, self.stream)
         return graph, wrapper, out
 
     def layout(self, pre: StepBatch) -> PrefillLayout | None:

@@ -9,7 +9,8 @@ so the two overlap. Once the host has the lane's row, the request runs in the en
 any other (gpu_worker/engine.py: `Engine.lane_step`).
 
 Nothing the lane touches is touched by the step in flight: the lane has its own input arena,
-attention wrappers (their own workspace), graph pools and sampling inputs; the request's slot and KV
+attention wrappers (their own workspace), graph pools, cuBLAS workspace (its graphs are captured
+on its own stream) and sampling inputs; the request's slot and KV
 pages are none that a request of the step in flight held (`Scheduler.admit_lane`: a request that
 ended while that step ran may still be written by it); the slot's admission writes are queued on
 the lane's stream, ahead of its step. The engine includes the request in a step only after the
@@ -68,7 +69,11 @@ class PromptLane:
     ) -> None:
         self.program = program
         dev, c = program.device, program.n_codebooks
-        self.stream = torch.cuda.Stream(device=dev)
+        # High priority: the GPU's scheduler prefers the lane's kernels to the step's, so the first
+        # row comes soon. The lane's graphs are captured on this stream too: a captured GEMM keeps
+        # its capture stream's cuBLAS workspace, and the steps' graphs (captured on torch's capture
+        # stream) must not share it with the lane's while both run.
+        self.stream = torch.cuda.Stream(device=dev, priority=-1)
         self.page_size = kv_cache.shape[3]
         buckets = prefill_buckets(limits.max_context, 1)
         rows, reqs = buckets[-1]
@@ -79,7 +84,7 @@ class PromptLane:
         pool = torch.cuda.graph_pool_handle()
         t0 = time.monotonic()
         self.prefill = PrefillGraphs(program, kv_cache, self.arena, self.attn, pool, buckets, p_pages, progress,
-                                     LANE)  # fmt: skip
+                                     LANE, self.stream)  # fmt: skip
         # the sampling graphs' inputs, where a replay's prefill graph (one per bucket) copies its outputs
         logits, hidden = next(iter(self.prefill.graphs.values()))[2]
         self.logits = torch.zeros_like(logits[:1])  # [1, C', V]
@@ -96,7 +101,7 @@ class PromptLane:
                 self.meta.zero_()  # the warm-up samples for real, on the scratch slot
                 self.meta[0].fill_(scratch_slot)
                 self.samples[constrained] = capture(
-                    lambda m=constrained: sample(self.logits, self.meta, self.hidden, m), spool
+                    lambda m=constrained: sample(self.logits, self.meta, self.hidden, m), spool, self.stream
                 )
         log.info("captured the prompt lane: %d prefill graphs and %d sampling graphs in %.1f s",
                  len(self.prefill.graphs), len(self.samples), time.monotonic() - t0)  # fmt: skip
