@@ -71,22 +71,42 @@ def test_frames_started_in_the_lane_equal_those_alone(lane, gpu_report):
             eng.lane_step()
         return {rid: rows for rid, (rows, _) in eng.outputs.items()}
 
+    def diffs(got: dict, alone: dict) -> dict:
+        return {
+            rid: next((i for i, (a, b) in enumerate(zip(got[rid], alone[rid], strict=True)) if a != b), None)
+            for rid in alone
+        }
+
+    def serialized(req):  # the lane alone on the device: nothing runs beside it
+        torch.cuda.synchronize()
+        out = launch(req)
+        torch.cuda.synchronize()
+        return out
+
     report = gpu_report("qwen3-tts-prompt-lane")
-    first_diff = {}
+    first_diff, variants = {}, {}
     for temperature in (0.0, 0.9):
         texts = [f"Request {i} says a sentence of its own." for i in range(6)]
         order = [prompt(f"r{i}", t, 10 + i, temperature) for i, t in enumerate(texts)]
         alone = {}
         for p in order:
             alone |= generate([p])
+        eng.runner.lane_on = False  # the same arrivals, every prompt in a step
+        variants[f"T={temperature} lane off"] = diffs(generate(order), alone)
+        eng.runner.lane_on = True
+        eng.runner.launch_lane = serialized
+        variants[f"T={temperature} lane serialized"] = diffs(generate(order), alone)
+        eng.runner.launch_lane = launch
+        own = eng.runner.lane.stream
+        eng.runner.lane.stream = torch.cuda.current_stream()  # the lane's work in the steps' order
+        variants[f"T={temperature} lane on the steps' stream"] = diffs(generate(order), alone)
+        eng.runner.lane.stream = own
         before = eng.lane_prompts
         got = generate(order)
         started = eng.lane_prompts - before
         assert started >= len(order) // 2, f"only {started} of {len(order)} prompts started in the lane"
-        for p in order:
-            first_diff[f"T={temperature} {p.rid}"] = next(
-                (i for i, (a, b) in enumerate(zip(got[p.rid], alone[p.rid], strict=True)) if a != b), None
-            )
+        first_diff |= {f"T={temperature} {rid}": d for rid, d in diffs(got, alone).items()}
     report["frames_lane_vs_alone_first_difference"] = first_diff
+    report["variants_first_difference"] = variants
     report["lane_launch_ms_p50"] = sorted(launch_ms)[len(launch_ms) // 2]
     assert first_diff == dict.fromkeys(first_diff, None)
