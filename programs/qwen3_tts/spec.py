@@ -165,12 +165,13 @@ _BASE = {
 
 # The settings the CustomVoice and VoiceDesign checkpoints serve with unless told otherwise
 # (`common.options.model_defaults`): the talker and predictor in fused kernels, each step launched
-# as the one before it ends, a busy codec decoding a stream's waiting frames as one window. On one
+# as the one before it ends, a prompt that arrives while a step runs started beside it in the prompt
+# lane, a busy codec decoding a stream's waiting frames as one window. On one
 # H200 (Poisson arrivals, MPS with the codec unrestricted) they keep every request on time at
 # 80 req/s, with TTFA p95 85 ms for the 1.7B and 61 ms for the 0.6B, where the runtime's defaults
 # give the 0.6B 446 ms and 99.1 % on time (docs/models/qwen3-tts.md, Serving settings). The Base
 # models' cloning prompts are unmeasured with them on a GPU: they serve with the runtime's defaults.
-_SERVE = {"fused_step": "on", "late_launch": "on", "codec_merge": 8}
+_SERVE = {"fused_step": "on", "late_launch": "on", "prompt_lane": "on", "codec_merge": 8}
 
 SPECS = {
     "qwen3-tts": {
