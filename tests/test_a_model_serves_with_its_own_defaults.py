@@ -33,7 +33,11 @@ def test_qwen3_tts_serves_with_the_fused_step_late_launch_and_merged_windows(mod
 def test_a_flag_or_a_variable_overrides_the_models_choice():
     settings = parse_role("serve", ["--model", "qwen3-tts", "--fused-step", "off"], {})
     assert (settings.cfg.gpu.fused_step, settings.cfg.gpu.late_launch) == ("off", "on")
-    assert settings.chosen == {"late_launch": "on", "codec_merge": 8}  # what serve logs it chose
+    assert settings.chosen == {
+        "late_launch": "on",
+        "prompt_lane": "on",
+        "codec_merge": 8,
+    }  # what serve logs it chose
     cfg = parse_role("serve", [], {"VOXPIPE_MODEL": "qwen3-tts", "VOXPIPE_CODEC_MERGE": "2"}).cfg
     assert (cfg.codec.merge, cfg.gpu.late_launch) == (2, "on")
 
@@ -76,9 +80,14 @@ def test_a_bench_result_names_the_settings_the_model_chose_and_the_command_did_n
 
     assert model_settings("qwen3-tts", ["--max-batch-size", "256", "--fused-step", "off"]) == {
         "late_launch": "on",
+        "prompt_lane": "on",
         "codec_merge": 8,
     }
-    assert model_settings("qwen3-tts", ["--codec-merge=2"]) == {"fused_step": "on", "late_launch": "on"}
+    assert model_settings("qwen3-tts", ["--codec-merge=2"]) == {
+        "fused_step": "on",
+        "late_launch": "on",
+        "prompt_lane": "on",
+    }
     assert model_settings("orpheus", []) == {}
 
 
