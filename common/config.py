@@ -202,6 +202,12 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     # step on a CUDA stream of its own beside the step in flight (gpu_worker/runner/prompt_lane.py),
     # rather than waiting for that step and the next; it joins the steps from its second row.
     prompt_lane: str = "off"
+    # The prompt lane starts a prompt only while at most this many requests run (0: at any batch).
+    # Its first step is work beside the step, not in it: on the H200 (Qwen3-TTS 1.7B) it shortened
+    # first audio at every Poisson rate whose batch stayed under ~90, and at 80 req/s (batch
+    # 115-160) it lengthened the steps and 3 of 949 requests had a late chunk
+    # (bench/results/h200-qwen3-tts-prompt-lane.json).
+    prompt_lane_max_batch: int = 96
 
     def check(self) -> None:
         if self.depth_compile not in ("auto", "on", "off"):
@@ -212,6 +218,10 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
             raise ValueError(f"--late-launch is on or off, not {self.late_launch!r}")
         if self.prompt_lane not in ("on", "off"):
             raise ValueError(f"--prompt-lane is on or off, not {self.prompt_lane!r}")
+        if self.prompt_lane_max_batch < 0:
+            raise ValueError(
+                f"--prompt-lane-max-batch must be >= 0 (0: any), got {self.prompt_lane_max_batch}"
+            )
         if self.page_size < 1 or self.max_batch_size < 0 or self.max_context < 0 or self.num_pages < 0:
             raise ValueError(
                 "--page-size must be positive; --max-batch-size, --max-context, --num-pages >= 0"

@@ -184,6 +184,14 @@ OPTIONS: tuple[Option, ...] = (
         path="gpu.prompt_lane",
     ),
     Option(
+        "prompt_lane_max_batch",
+        "GPU: the prompt lane starts a prompt only while at most this many requests run; above it "
+        "prompts start in the steps (default 96; 0: at any batch)",
+        ("serve", "gpu_worker"),
+        int,
+        path="gpu.prompt_lane_max_batch",
+    ),
+    Option(
         "codec_compile",
         "compile the codec's regular windows (and a codec stream's merged ones) with torch.compile "
         "(fuses its elementwise work; tens of seconds at startup, cached on disk): auto (on a GPU "

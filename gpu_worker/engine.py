@@ -331,8 +331,9 @@ class Engine:
     def lane_step(self) -> DetokBatch | None:
         """With the prompt lane: collect its step if it has ended (→ that request's first row as
         audio, or None), then start the first waiting prompt there if a step is in flight (else
-        the next step starts it anyway) and the lane is free (`Scheduler.admit_lane`, away from
-        the slots and pages the step in flight may still write)."""
+        the next step starts it anyway), the lane is free and at most `prompt_lane_max_batch`
+        requests run (`Scheduler.admit_lane`, away from the slots and pages the step in flight may
+        still write)."""
         if not self.runner.lane_on:
             return None
         out = None
@@ -341,7 +342,15 @@ class Engine:
             self._lane = None
             out = self._batch(self._process(lane, in_lane=True))
         step = self._inflight
-        if self._lane is None and step is not None and self.scheduler.waiting and not self._ended(step):
+        cap = self.limits.prompt_lane_max_batch
+        busy = cap and len(self.scheduler.running) > cap  # the lane's work would slow the steps
+        if (
+            self._lane is None
+            and step is not None
+            and self.scheduler.waiting
+            and not busy
+            and not self._ended(step)
+        ):
             slots, pages = set(), set()
             for r in step.batch:
                 if r.done and r.released is not None:

@@ -141,6 +141,30 @@ def test_a_request_aborted_in_the_lane_ends_and_leaks_nothing(program):
     assert eng.allocator.num_used == 0 and eng.slots.num_free == eng.limits.max_batch_size
 
 
+def test_above_its_batch_cap_the_lane_leaves_prompts_to_the_steps(program):
+    ps = prompts(program, 3)
+    eng = Engine(program, limits(prompt_lane="on", prompt_lane_max_batch=1))
+    eng.outputs = {}
+    eng.add(ps[0])
+    eng.step()
+    eng.add(ps[1])
+    eng.lane_step()  # one request runs: at the cap, not above it
+    assert eng.running[ps[1].rid].lane and eng.lane_prompts == 1
+    eng.step()
+    eng.lane_step()  # the lane's row collected
+    eng.add(ps[2])
+    eng.lane_step()  # two run: above the cap, the prompt waits for a step
+    assert eng.lane_prompts == 1 and [r.rid for r in eng.waiting] == [ps[2].rid]
+    eng.step()
+    assert ps[2].rid in eng.running and not eng.running[ps[2].rid].lane
+    while eng.has_work():
+        eng.step()
+        eng.lane_step()
+    assert all(eng.outputs[p.rid][1] in (FinishReason.STOP, FinishReason.LENGTH) for p in ps)
+    eng.scheduler.check()
+    assert eng.allocator.num_used == 0
+
+
 def test_with_the_lane_off_the_lane_step_does_nothing(program):
     first, second = prompts(program, 2)
     eng = Engine(program, limits())
