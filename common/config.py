@@ -203,10 +203,9 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     # rather than waiting for that step and the next; it joins the steps from its second row.
     prompt_lane: str = "off"
     # The prompt lane starts a prompt only while at most this many requests run (0: at any batch).
-    # Its first step is work beside the step, not in it: on the H200 (Qwen3-TTS 1.7B) it shortened
-    # first audio at every Poisson rate whose batch stayed under ~90, and at 80 req/s (batch
-    # 115-160) it lengthened the steps and 3 of 949 requests had a late chunk
-    # (bench/results/h200-qwen3-tts-prompt-lane.json).
+    # Its first step is work beside the step, not in it: measured on the H200 it shortened first
+    # audio at every Poisson rate whose batch stayed under ~90, and at a batch of 115-160 it
+    # lengthened the steps and a few requests had a late chunk (docs/operations.md, --prompt-lane).
     prompt_lane_max_batch: int = 96
 
     def check(self) -> None:
