@@ -31,7 +31,7 @@ def program(request):
     yield from tiny_lm_on_one_thread(request.param, dtype=torch.float64, **kw)
 
 
-def prompts(program, n: int) -> list[Prompt]:
+def prompts(program, n: int, extra: int = 12) -> list[Prompt]:
     """n prompts, every other one greedy, the rest sampled with their own seeds."""
     out = []
     for i in range(n):
@@ -41,7 +41,7 @@ def prompts(program, n: int) -> list[Prompt]:
         sp = dict(temperature=0.0) if i % 2 else dict(temperature=0.9, top_k=50, seed=100 + i)
         if program.can_constrain:
             sp["constrained"] = True
-        sampling = SamplingParams(max_tokens=len(rows) + 12, **sp)
+        sampling = SamplingParams(max_tokens=len(rows) + extra, **sp)
         out.append(Prompt(f"r{i}", rows.tobytes(), len(rows), sampling, state=state))
     return out
 

@@ -18,9 +18,7 @@ from gpu_worker.engine import Engine
 from gpu_worker.runner.kv_cache import PageAllocator
 from gpu_worker.runner.slots import SlotState
 from tests.conftest import tiny_lm_on_one_thread
-from tokenizer_worker.worker import wire_array
-
-TEXTS = ["Hello there.", "A longer sentence, to speak slowly.", "Yes.", "One more, please.", "Fine."]
+from tests.test_a_burst_is_admitted_several_prompts_a_step_with_the_tokens_each_gets_alone import prompts
 
 
 @pytest.fixture(scope="module", params=["orpheus-tiny", "csm-tiny", "qwen3-tts-tiny"])
@@ -29,21 +27,6 @@ def program(request):
     (see test_a_burst_is_admitted_several_prompts_a_step_with_the_tokens_each_gets_alone.py)."""
     kw = {"lm_head": "audio"} if request.param == "orpheus-tiny" else {}
     yield from tiny_lm_on_one_thread(request.param, dtype=torch.float64, **kw)
-
-
-def prompts(program, n: int, extra: int = 12) -> list[Prompt]:
-    """n prompts, every other one greedy, the rest sampled with their own seeds."""
-    out = []
-    for i in range(n):
-        built = program.preprocess(TEXTS[i % len(TEXTS)], {})
-        rows = np.asarray(getattr(built, "rows", built)).astype("<i4")
-        state = {k: wire_array(v) for k, v in getattr(built, "state", {}).items()}
-        sp = dict(temperature=0.0) if i % 2 else dict(temperature=0.9, top_k=50, seed=100 + i)
-        if program.can_constrain:
-            sp["constrained"] = True
-        sampling = SamplingParams(max_tokens=len(rows) + extra, **sp)
-        out.append(Prompt(f"r{i}", rows.tobytes(), len(rows), sampling, state=state))
-    return out
 
 
 def limits(**kw) -> GpuWorkerSettings:
