@@ -164,6 +164,8 @@ class Qwen3TtsLM(nn.Module):
         half = sin.shape[-1] // 2
         signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
         self.register_buffer("predictor_sin_signed", signed, persistent=False)  # [C, Dp]
+        # The same angles in float32, cos then sin (FlashInfer's layout), for the fused path's kernel.
+        self.register_buffer("predictor_cos_sin", cos_sin_table(inv, self.n_codebooks), persistent=False)
         self.register_buffer(
             "predictor_positions", torch.arange(self.n_codebooks, device=dev), persistent=False
         )
@@ -266,33 +268,25 @@ class Qwen3TtsLM(nn.Module):
         self, x: torch.Tensor, t: int, keys: torch.Tensor, values: torch.Tensor
     ) -> torch.Tensor:
         """`_predictor_position` then the final norm, in FlashInfer's kernels (see `fuse`): the
-        residual adds fused with the norms, QK-norm and RoPE in place in the q/k/v GEMM's output,
-        SiLU-and-mul. Thirteen kernels a layer where the eager position takes about twenty-five."""
+        residual adds fused with the norms, SiLU-and-mul, and between the q/k/v GEMM and o_proj one
+        Triton kernel (QK-norm, RoPE, the cache's slot t, attention: blocks/depth_attention.py).
+        Eight kernels a layer where the eager position takes about twenty-five."""
         import flashinfer
 
+        from programs.blocks.depth_attention import depth_attention
+
         m = self.code_predictor.model
-        b, dh = x.shape[0], m.head_dim
         layers = m.layers
-        if b > self._predictor_pos.shape[1]:  # a batch past the table: a wider one
-            # the narrower ones stay alive: graphs captured before read them
-            self._predictor_pos_kept.append(self._predictor_pos)
-            self._predictor_pos = self.predictor_positions[:, None].repeat(1, b)
-        pos = self._predictor_pos[t, :b]  # [B] position t
         residual = x.clone()  # fused_add_rmsnorm adds into it in place
         h = flashinfer.rmsnorm(x, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
         for i, layer in enumerate(layers):
             a = layer.self_attn
-            hq, hkv = a.num_heads, a.num_kv_heads
             qkv = F.linear(h, self._qkv[i])  # [B, (Hq + 2 Hkv) D]
-            q, k, v = qkv.split((hq * dh, hkv * dh, hkv * dh), dim=-1)
-            _qk_norm_rope(q, k, pos, a, dh, self._predictor_cos_sin)
-            keys[i, :, :, t] = k.view(b, hkv, dh)
-            values[i, :, :, t] = v.view(b, hkv, dh)
-            kk, vv = keys[i, :, :, : t + 1], values[i, :, :, : t + 1]  # [B, Hkv, t+1, D]
-            o = F.scaled_dot_product_attention(
-                q.view(b, hq, 1, dh), kk, vv, enable_gqa=hq != hkv
-            )  # [B, Hq, 1, D]
-            h = a.o_proj(o.reshape(b, hq * dh))
+            qn, kn = a.q_norm, a.k_norm  # one eps: both from the config's rms_norm_eps
+            o = depth_attention(
+                qkv, qn.weight, kn.weight, qn.eps, self.predictor_cos_sin, keys[i], values[i], t
+            )
+            h = a.o_proj(o)  # o [B, Hq D]
             pn = layer.post_attention_layernorm
             flashinfer.fused_add_rmsnorm(h, residual, pn.weight, pn.eps)  # residual += h; h = norm
             h = layer.mlp.down_proj(flashinfer.silu_and_mul(F.linear(h, self._gate_up[i])))
@@ -329,22 +323,18 @@ class Qwen3TtsLM(nn.Module):
         """Run the talker and the predictor in FlashInfer's kernels on a GPU: q/k/v and gate/up as
         one GEMM each (the separate weights become views of the joint ones, so both paths stay and
         no memory is added), RMSNorm fused with the residual add, QK-norm and RoPE (from float32
-        cos/sin tables) in place, SiLU-and-mul. A decode step at small batches is made of its
-        kernel launches; this cuts the talker's from about forty a layer to thirteen. Same math as
-        the eager layers in another rounding order (bf16 tolerance, not bitwise); every kernel is
-        row-wise, so a row's bits do not depend on its batch. Rows of fp16/bf16 only."""
+        cos/sin tables) in place, SiLU-and-mul; the predictor's QK-norm, RoPE, cache write and
+        attention as one Triton kernel (blocks/depth_attention.py). A decode step at small batches
+        is made of its kernel launches; this cuts the talker's from about forty a layer to
+        thirteen, the predictor's from about twenty-five to eight. Same math as the eager layers in
+        another rounding order (bf16 tolerance, not bitwise); every kernel is row-wise, so a row's
+        bits do not depend on its batch. Rows of fp16/bf16 only."""
         for layer in self.model.layers:
             a, mlp = layer.self_attn, layer.mlp
             a.qkv_weight = _joint(a.q_proj, a.k_proj, a.v_proj)
             mlp.gate_up_weight = _joint(mlp.gate_proj, mlp.up_proj)
         self.fuse_predictor()
-        dev = self.inv_freq.device
         self._talker_cos_sin = cos_sin_table(self.inv_freq, max_positions)
-        inv = llama3_inv_freq(self.predictor_config, self.code_predictor.model.head_dim).to(dev)
-        self._predictor_cos_sin = cos_sin_table(inv, self.n_codebooks)
-        # [C, B]: each position for every row of a batch up to 4096 (FlashInfer's RoPE takes a row's)
-        self._predictor_pos = self.predictor_positions[:, None].repeat(1, 4096)
-        self._predictor_pos_kept: list[torch.Tensor] = []
         self.fused = True
 
     def compile_predictor(self, enabled: bool = True, compiler=None) -> None:
