@@ -37,8 +37,8 @@ MODEL = "qwen3-tts"
 @pytest.fixture(scope="module", params=["eager", "fused", "fused-0.6b"])
 def qwen(request):
     """(program, engine, eager runner): the layers as served by default, then with --fused-step on
-    (FlashInfer's fused layers and the sampler's Triton tail), then the 0.6B model's with it; each
-    writes a report of its own."""
+    (FlashInfer's fused layers, the predictor's depth-attention kernel and the sampler's Triton
+    tail), then the 0.6B model's with it; each writes a report of its own."""
     fused = request.param.startswith("fused")
     model = "qwen3-tts-0.6b" if request.param.endswith("0.6b") else MODEL
     yield (*bf16_engines(model, fused=fused), f"{model}-parity" + ("-fused-step" if fused else ""))
