@@ -284,16 +284,17 @@ class Engine:
             return out
         # 1. schedule: who runs this step (with the text appended since the last)
         t0 = time.perf_counter()
+        lane = self._lane
+        if lane is not None and lane.ready is not None and lane.batch[0].done:
+            # the lane's request ended while its step runs: what it gave back may go to this step's
+            # requests, whose admission writes (queued as they are admitted) and step must follow
+            # the lane's work
+            torch.cuda.current_stream().wait_event(lane.ready)
         self._appends.write(self.scheduler)
         batch = self.scheduler.schedule(self.runner.max_prefills_per_step, self.runner.prompt_groups)
         # 2. run: launch it on the device
         previous, self._inflight = self._inflight, None
         if batch:
-            lane = self._lane
-            if lane is not None and lane.ready is not None and lane.batch[0].done:
-                # the lane's request ended while its step runs: what it gave back may go to this
-                # step's requests, whose writes must follow the lane's
-                torch.cuda.current_stream().wait_event(lane.ready)
             # When it begins on the device, as the host can tell: its launch's start, unless the
             # step before it is still running then (`_process` dates it from that one's end).
             self._began = time.perf_counter()
