@@ -78,9 +78,9 @@ class Engine:
         )  # fmt: skip
         self._inflight: InFlight | None = None
         self._lanes: list[InFlight] = []  # prompts' first steps in the prompt lanes, in flight
-        # Events of lane or step work the engine dropped unfinished (`fail_all`) while what it
-        # writes went back to the pool: the main stream and each lane's stream wait on them before
-        # admission writes, until they have passed.
+        # Events of lane or step work that `fail_all` drops unfinished while it puts the slots and
+        # pages that work writes back in the pool: the main stream and each lane's stream wait on
+        # them before admission writes, until they have passed.
         self._lane_fences: list[torch.cuda.Event] = []
         self.lane_prompts = 0  # prompts started in a lane, all time
         self._appends = HeldAppends()  # written at the next step

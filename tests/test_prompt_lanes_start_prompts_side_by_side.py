@@ -61,7 +61,8 @@ class Held:
 
 
 def hold_lanes(eng: Engine) -> list[Held]:
-    """From now on each lane's step stays in flight until its `Held` (in launch order) is done."""
+    """Each lane's step launched after this call stays in flight until its `Held` (in launch order)
+    is done."""
     launch, held = eng.runner.launch_lane, []
 
     def launch_held(req, lane):
