@@ -32,6 +32,15 @@ def check_sit_out(spare_s: float) -> None:
         )
 
 
+def check_prompt_lanes(lanes: int) -> None:
+    """`--prompt-lanes` (for `voxpipe serve`, and the engine of a gpu_worker run alone)."""
+    if lanes < 1:
+        raise ValueError(
+            f"--prompt-lanes is how many prompts may run their first step beside the step in flight "
+            f"at once (with --prompt-lane on): 1 or more, got {lanes}"
+        )
+
+
 def check_headroom(headroom: float, flag: str = "--realtime-headroom") -> None:
     """`--realtime-headroom` or `--capacity-headroom` (for `voxpipe serve`, and the engine of a
     gpu_worker run alone)."""
@@ -207,6 +216,12 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     # audio at every Poisson rate whose batch stayed under ~90, and at a batch of 115-160 it
     # lengthened the steps and a few requests had a late chunk (docs/operations.md, --prompt-lane).
     prompt_lane_max_batch: int = 96
+    # With the prompt lane on: lanes of their own (a stream, input arena, attention workspace, graphs
+    # and sampling inputs each), so that this many prompts can start beside the step in flight at
+    # once; with one, a prompt that arrives while the lane is busy waits for it or the next step.
+    # Each lane's graphs take device memory of their own, after the KV cache (out of
+    # --gpu-memory-reserve).
+    prompt_lanes: int = 1
 
     def check(self) -> None:
         if self.depth_compile not in ("auto", "on", "off"):
@@ -217,6 +232,7 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
             raise ValueError(f"--late-launch is on or off, not {self.late_launch!r}")
         if self.prompt_lane not in ("on", "off"):
             raise ValueError(f"--prompt-lane is on or off, not {self.prompt_lane!r}")
+        check_prompt_lanes(self.prompt_lanes)
         if self.prompt_lane_max_batch < 0:
             raise ValueError(
                 f"--prompt-lane-max-batch must be >= 0 (0: any), got {self.prompt_lane_max_batch}"

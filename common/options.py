@@ -192,6 +192,16 @@ OPTIONS: tuple[Option, ...] = (
         path="gpu.prompt_lane_max_batch",
     ),
     Option(
+        "prompt_lanes",
+        "GPU, with --prompt-lane on: how many prompts may run their first step beside the step in "
+        "flight at once, each in a lane of its own (its stream, graphs and buffers; device memory "
+        "for each lane's graphs); with 1 a prompt that finds the lane busy waits for it or the next "
+        "step (default 1)",
+        ("serve", "gpu_worker"),
+        int,
+        path="gpu.prompt_lanes",
+    ),
+    Option(
         "codec_compile",
         "compile the codec's regular windows (and a codec stream's merged ones) with torch.compile "
         "(fuses its elementwise work; tens of seconds at startup, cached on disk): auto (on a GPU "

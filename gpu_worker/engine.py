@@ -25,10 +25,11 @@ device's idle time before each step: it grows when the GPU waited for the launch
 slowly while it did not.
 
 With `--prompt-lane on` a prompt need not wait for the step in flight at all: `lane_step` (the
-worker calls it while it takes messages) starts the first waiting prompt in the prompt lane, its
-first step on a stream of its own beside the step in flight (gpu_worker/runner/prompt_lane.py), and
-once that row is on the host turns it into the request's first audio like any step's; the request
-runs in the steps from its second row.
+worker calls it while it takes messages) starts waiting prompts in the free prompt lanes
+(`--prompt-lanes`, one by default), each its first step on a stream of its own beside the step in
+flight (gpu_worker/runner/prompt_lane.py), and once a lane's row is on the host turns it into the
+request's first audio like any step's; the request runs in the steps from its second row. What
+keeps the lanes, and the steps, off each other's slots and KV pages: `lane_step`.
 """
 
 from __future__ import annotations
@@ -76,8 +77,12 @@ class Engine:
             getattr(self.runner.forward_runner, "sizes", None), real_time=self.device.type == "cuda",
         )  # fmt: skip
         self._inflight: InFlight | None = None
-        self._lane: InFlight | None = None  # a prompt's first step in the prompt lane
-        self.lane_prompts = 0  # prompts started in the lane, all time
+        self._lanes: list[InFlight] = []  # prompts' first steps in the prompt lanes, in flight
+        # Events of lane or step work that `fail_all` drops unfinished while it puts the slots and
+        # pages that work writes back in the pool: the main stream and each lane's stream wait on
+        # them before admission writes, until they have passed.
+        self._lane_fences: list[torch.cuda.Event] = []
+        self.lane_prompts = 0  # prompts started in a lane, all time
         self._appends = HeldAppends()  # written at the next step
         self.step_count = 0
         self.tokens_total = 0  # sampled rows consumed, all requests
@@ -167,7 +172,9 @@ class Engine:
     def fail_all(self, message: str) -> None:
         """After a failed step: end every request with an explicit error and reclaim all state
         (every slot and KV page free again, also those the books had lost: `Scheduler.reset`)."""
-        self._inflight = self._lane = None
+        dropped = [s.ready for s in (self._inflight, *self._lanes) if s is not None and s.ready is not None]
+        self._lane_fences += dropped  # their work may still run on the device
+        self._inflight, self._lanes = None, []
         self.scheduler.end_all(FinishReason.ERROR, message, 500)
         self.scheduler.reset()
 
@@ -188,7 +195,7 @@ class Engine:
         s = self.scheduler
         # A request waiting for appended text is no work until its text comes (the worker blocks).
         runnable = any(not s.waits(r) for r in s.running.values())
-        return bool(runnable or s.waiting or s.finished or self._inflight or self._lane or self._appends)
+        return bool(runnable or s.waiting or s.finished or self._inflight or self._lanes or self._appends)
 
     def metrics(self) -> dict[str, float]:
         s, r = self.scheduler, self.runner
@@ -284,16 +291,14 @@ class Engine:
             return out
         # 1. schedule: who runs this step (with the text appended since the last)
         t0 = time.perf_counter()
+        # What a lane whose request ended while it runs gave back may go to this step's requests:
+        # their admission writes, and the step's, follow that lane's work (and any dropped work's).
+        self.runner.follow(self._fences())
         self._appends.write(self.scheduler)
         batch = self.scheduler.schedule(self.runner.max_prefills_per_step, self.runner.prompt_groups)
         # 2. run: launch it on the device
         previous, self._inflight = self._inflight, None
         if batch:
-            lane = self._lane
-            if lane is not None and lane.ready is not None and lane.batch[0].done:
-                # the lane's request ended while its step runs: what it gave back may go to this
-                # step's requests, whose writes must follow the lane's
-                torch.cuda.current_stream().wait_event(lane.ready)
             # When it begins on the device, as the host can tell: its launch's start, unless the
             # step before it is still running then (`_process` dates it from that one's end).
             self._began = time.perf_counter()
@@ -320,47 +325,89 @@ class Engine:
     def _ended(step: InFlight | None) -> bool:
         """Whether `step` has ended on the device (a device error counts: the step's wait raises
         it, where the worker handles it)."""
-        if step is None or step.ready is None:
-            return False
-        try:
-            return bool(step.ready.query())
-        except Exception:
-            return True
+        return step is not None and step.ready is not None and Engine._passed(step.ready)
 
-    # --- the prompt lane ----------------------------------------------------------------------
+    # --- the prompt lanes ---------------------------------------------------------------------
     def lane_step(self) -> DetokBatch | None:
-        """With the prompt lane: collect its step if it has ended (→ that request's first row as
-        audio, or None), then start the first waiting prompt there if a step is in flight (else
-        the next step starts it anyway), the lane is free and at most `prompt_lane_max_batch`
-        requests run (`Scheduler.admit_lane`, away from the slots and pages the step in flight may
-        still write)."""
+        """With the prompt lanes: collect every lane whose step has ended (→ those requests' first
+        rows as audio, or None), then start waiting prompts in the free lanes, one each, while a
+        step is in flight (else the next step starts them anyway) and at most
+        `prompt_lane_max_batch` requests run (`Scheduler.admit_lane`).
+
+        The rules that keep slots and KV pages apart (each lane runs on a stream of its own):
+        - a lane's request takes none that the step in flight or another lane in flight may still
+          write (`_lane_avoids`): what the requests of that step that ended since gave back, and
+          what the request of each lane in flight holds or gave back;
+        - what a lane's request gives back while its lane runs is reused only after the lane's work:
+          the main stream waits on the lane's event before the next step's admission (`_fences`),
+          and no other lane takes it while that lane is in flight; a lane dropped unfinished leaves
+          a fence (`_lane_fences`) that each new lane's stream waits on before its admission writes;
+        - the step in flight stays untouched: a lane's request joins the steps only once its row
+          is on the host (`_process`), its lane's work done."""
         if not self.runner.lane_on:
             return None
-        out = None
-        lane = self._lane
-        if lane is not None and (lane.ready is None or self._ended(lane)):
-            self._lane = None
-            out = self._batch(self._process(lane, in_lane=True))
+        chunks: list[DetokChunk] = []
+        ended = [lane for lane in self._lanes if lane.ready is None or self._ended(lane)]
+        for lane in ended:
+            self._lanes.remove(lane)
+            chunks += self._process(lane, in_lane=True)
+        out = self._batch(chunks) if ended else None
+        self._lane_fences = [e for e in self._lane_fences if not self._passed(e)]
         step = self._inflight
         cap = self.limits.prompt_lane_max_batch
-        busy = cap and len(self.scheduler.running) > cap  # the lane's work would slow the steps
-        if (
-            self._lane is None
+        busy = {lane.lane for lane in self._lanes}
+        free = [i for i in range(self.runner.num_lanes) if i not in busy]
+        while (
+            free
             and step is not None
             and self.scheduler.waiting
-            and not busy
+            and not (cap and len(self.scheduler.running) > cap)  # the lane's work would slow the steps
             and not self._ended(step)
         ):
-            slots, pages = set(), set()
-            for r in step.batch:
-                if r.done and r.released is not None:
+            slots, pages = self._lane_avoids(step)
+            admitting = self.runner.lane_admitting(free[0], self._lane_fences)
+            req = self.scheduler.admit_lane(slots, pages, self.runner.lane_fits, admitting)
+            if req is None:
+                break
+            self._lanes.append(self.runner.launch_lane(req, free.pop(0)))
+            self.lane_prompts += 1
+        return out
+
+    def _lane_avoids(self, step: InFlight) -> tuple[set[int], set[int]]:
+        """The slots and KV pages a new lane request must not take: those the step in flight
+        (`step`) may still write, what its requests that ended since gave back; and those of every
+        lane in flight, what its request holds or gave back (its lane may still write them)."""
+        slots, pages = set(), set()
+        for r in step.batch:
+            if r.done and r.released is not None:
+                slots.add(r.released[0])
+                pages.update(r.released[1])
+        for lane in self._lanes:
+            r = lane.batch[0]
+            if r.done:
+                if r.released is not None:
                     slots.add(r.released[0])
                     pages.update(r.released[1])
-            req = self.scheduler.admit_lane(slots, pages, self.runner.lane_fits, self.runner.lane_admitting())
-            if req is not None:
-                self._lane = self.runner.launch_lane(req)
-                self.lane_prompts += 1
-        return out
+            else:
+                slots.add(r.slot)
+                pages.update(r.pages)
+        return slots, pages
+
+    def _fences(self) -> list[torch.cuda.Event]:
+        """What the main stream waits on before a step's admission: each lane in flight whose
+        request ended (what it gave back may go to the step's requests), and the fences of dropped
+        work that have not passed."""
+        self._lane_fences = [e for e in self._lane_fences if not self._passed(e)]
+        ended = [lane.ready for lane in self._lanes if lane.ready is not None and lane.batch[0].done]
+        return ended + self._lane_fences
+
+    @staticmethod
+    def _passed(event) -> bool:
+        """Whether the device has passed `event` (an error counts: the work it marks runs no more)."""
+        try:
+            return bool(event.query())
+        except Exception:
+            return True
 
     def _process(self, step: InFlight, in_lane: bool = False) -> list[DetokChunk]:
         """A completed step's sampled rows → request state, audio chunks and finished requests

@@ -124,8 +124,8 @@ class GpuWorker:
             self.to_codec.send(out)
 
     def lane(self) -> None:
-        """The prompt lane's turn (`Engine.lane_step`): its first row out at once, the next waiting
-        prompt into it."""
+        """The prompt lanes' turn (`Engine.lane_step`): the first rows of those that ended out at
+        once, waiting prompts into the free ones."""
         if not self.engine.runner.lane_on:
             return
         try:
@@ -140,7 +140,7 @@ class GpuWorker:
         the last step out (streams past --max-lead, open input waiting for text); with
         --late-launch, go on taking messages until the step in flight is about to end
         (`Engine.hold_s`), so that what arrives meanwhile joins the next step. With the prompt
-        lane, each drain is followed by its turn (`lane`)."""
+        lanes, each drain is followed by their turn (`lane`)."""
         engine = self.engine
         wait_ms = (0 if engine.scheduler.last_batch_size else 2) if engine.has_work() else 50
         self.take(self.inbox.drain(timeout_ms=wait_ms))

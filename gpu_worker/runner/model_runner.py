@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from common.config import GpuWorkerSettings
+from common.config import GpuWorkerSettings, check_prompt_lanes
 from gpu_worker.attention.select import eager_attention
 from gpu_worker.runner.batch import StepBatch, kv_sequences
 from gpu_worker.runner.eager import EagerRunner
@@ -35,6 +35,7 @@ from gpu_worker.runner.slots import SlotState, to_device
 from programs.base import LMProgram, Rows
 
 if TYPE_CHECKING:
+    from gpu_worker.runner.prompt_lane import PromptLane
     from gpu_worker.scheduler.request import Request
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class InFlight:
     # GPU only, timing events: where the device reached the step's launch, and its forward pass's end
     began: torch.cuda.Event | None = None
     forwarded: torch.cuda.Event | None = None
+    lane: int | None = None  # a prompt's first step in a prompt lane: which one (else a step)
 
 
 class ModelRunner:
@@ -108,10 +110,12 @@ class ModelRunner:
             self.head = HeadColumns(program.head_ids, program.vocab_size)
             self.stop_ids = self.head.column[self.stop_ids]
         self.sample_graphs = None
-        # The prompt lane (gpu_worker/runner/prompt_lane.py): a graph-runner's is captured with the
-        # sampling graphs; an eager runner runs a lane request's first step in its place.
+        # The prompt lanes (gpu_worker/runner/prompt_lane.py): a graph-runner's are captured with
+        # the sampling graphs; an eager runner runs a lane request's first step in its place.
+        check_prompt_lanes(limits.prompt_lanes)
         self.lane_on = limits.prompt_lane == "on" and not program.guidance
-        self.lane = None
+        self.num_lanes = limits.prompt_lanes if self.lane_on else 0
+        self.lanes: list[PromptLane] = []
         # On the device (exponential averages, seconds, from CUDA events): a step's forward pass
         # (prefill and decode graphs), all its work (with sampling), and how long the device sat
         # idle before it, waiting for the host to launch it. Work from other processes sharing the
@@ -345,44 +349,53 @@ class ModelRunner:
         self.forward_runner.scratch_slot = self.slots.scratch  # where its padded decode rows sample
         modes = (False, True) if self.program.can_constrain else (False,)
         self.sample_graphs = SampleGraphs(self._sample_all, self.forward_runner, modes, progress)
-        if self.lane_on:
+        if self.num_lanes:
             from gpu_worker.runner.prompt_lane import PromptLane
 
-            self.lane = PromptLane(
-                self.program,
-                self.kv_cache,
-                self.limits,
-                self._sample_all,
-                modes,
-                self.slots.scratch,
-                progress,
-            )
+            t0, held = time.monotonic(), torch.cuda.memory_reserved(self.device)
+            args = (self.program, self.kv_cache, self.limits, self._sample_all, modes, self.slots.scratch)
+            self.lanes = [PromptLane(*args, progress, i, self.num_lanes) for i in range(self.num_lanes)]
+            log.info("captured %d prompt lanes in %.1f s (%.2f GiB of device memory)", self.num_lanes,
+                     time.monotonic() - t0, (torch.cuda.memory_reserved(self.device) - held) / 2**30)  # fmt: skip
 
-    # --- the prompt lane -----------------------------------------------------------------------
+    # --- the prompt lanes ----------------------------------------------------------------------
     def lane_fits(self, rows: int) -> bool:
-        """Whether a prompt of `rows` rows can start in the prompt lane."""
-        return self.lane is None or self.lane.fits(rows)
+        """Whether a prompt of `rows` rows can start in a prompt lane (the lanes' graphs are alike)."""
+        return not self.lanes or self.lanes[0].fits(rows)
 
-    def lane_admitting(self):
-        """Where a lane request's admission writes go: the lane's stream (a context)."""
-        return contextlib.nullcontext() if self.lane is None else self.lane.admitting()
+    @contextlib.contextmanager
+    def lane_admitting(self, lane: int, fences: list[torch.cuda.Event]):
+        """Where the admission writes of a request for prompt lane `lane` go: that lane's stream
+        (eagerly in place without lanes of graphs), after `fences` (events of work that may still
+        write what the request takes: `Engine._lane_fences`)."""
+        with self.lanes[lane].admitting() if self.lanes else contextlib.nullcontext():
+            for event in fences:
+                event.wait()  # the current stream: the lane's
+            yield
+
+    def follow(self, events: list[torch.cuda.Event]) -> None:
+        """The main stream's next work waits for `events` (what a lane or dropped work may still
+        write: `Engine._fences`)."""
+        for event in events:
+            event.wait()
 
     @torch.inference_mode()
-    def launch_lane(self, req: Request) -> InFlight:
-        """The new request `req`'s first step in the prompt lane, beside the step in flight (eagerly
-        in its place without a lane of graphs): prefill, sampling, its row's copy to the host."""
+    def launch_lane(self, req: Request, lane: int) -> InFlight:
+        """The new request `req`'s first step in prompt lane `lane`, beside the step in flight
+        (eagerly in its place without lanes of graphs): prefill, sampling, its row's copy to the
+        host."""
         self.check_state()
         b = self.layout([req])
         if self.has_graphs:  # the steps' decode attention reads its pages by slot from now on
             self.forward_runner.attn.admit(b.meta[0, :1], [req.pages])
         req.n_ctx += len(req.prompt)
         req.n_launched += 1
-        if self.lane is None:
+        if not self.lanes:
             logits, meta, hidden = self.forward_runner.forward(b)
             result = self._sample([req], logits, meta, hidden)
-            return InFlight([req], result.clone(), None)
-        host, ready = self.lane.launch(b, req.sp.constrained)
-        return InFlight([req], host, ready)
+            return InFlight([req], result.clone(), None, lane=lane)
+        host, ready = self.lanes[lane].launch(b, req.sp.constrained)
+        return InFlight([req], host, ready, lane=lane)
 
     def _sample_all(
         self, logits: torch.Tensor, meta: torch.Tensor, hidden: torch.Tensor | None, constrained: bool

@@ -1,22 +1,34 @@
-"""The prompt lane: a new request's first step beside the step in flight, on a stream of its own.
+"""The prompt lanes: a new request's first step beside the step in flight, on a stream of its own.
 
 A prompt that arrives while a step runs on the device would otherwise wait for that step to end and
 then for the whole next step: for a model whose step takes ~10 ms (a 16-codebook model's depth
-step is most of it), that wait is much of its first audio under load. The lane starts the prompt at once: its prefill (a prefill graph of the lane's own) and
-its first sampling (a sampling graph for one row, the program's depth step inside it) run on a CUDA
-stream of their own while the step in flight goes on; small steps leave most of the GPU's SMs idle,
-so the two overlap. Once the host has the lane's row, the request runs in the engine's steps like
-any other (gpu_worker/engine.py: `Engine.lane_step`).
+step is most of it), that wait is much of its first audio under load. A lane starts the prompt at
+once: its prefill (a prefill graph of the lane's own) and its first sampling (a sampling graph for
+one row, the program's depth step inside it) run on a CUDA stream of their own while the step in
+flight goes on; small steps leave most of the GPU's SMs idle, so the two overlap. Once the host has
+the lane's row, the request runs in the engine's steps like any other (gpu_worker/engine.py:
+`Engine.lane_step`). With `--prompt-lanes N` there are N lanes, each a `PromptLane`, so that N
+prompts can start beside the step in flight at once; a prompt that finds every lane busy waits for
+one or for the next step.
 
-Nothing the lane touches is touched by the step in flight: the lane has its own input arena,
-attention wrappers (their own workspace), graph pools, cuBLAS workspace (its graphs are captured
-on its own stream) and sampling inputs; the request's slot and KV
-pages are none that a request of the step in flight held (`Scheduler.admit_lane`: a request that
-ended while that step ran may still be written by it); the slot's admission writes are queued on
-the lane's stream, ahead of its step. The engine includes the request in a step only after the
-lane's results reached the host, so the main stream never reads what the lane has not written.
+Nothing a lane touches is touched by the step in flight or by another lane: each lane has its own
+stream, input arena, attention wrappers (their own workspace), graph pools, cuBLAS workspace (its
+graphs are captured on its own stream) and sampling inputs. The rules that keep the slots and KV
+pages apart (`Engine.lane_step`, `Scheduler.admit_lane`):
 
-A request's first row is the one it samples alone: the lane's prefill graphs are those of a step's
+- a lane's request takes no slot or page that the step in flight or another lane in flight may
+  still write: none that a request of that step gave back since (it ended while the step ran), and
+  none that the request of another lane in flight holds or gave back;
+- what a lane's request gives back while its lane runs (an abort) is reused only after the lane's
+  work: the main stream waits on the lane's event before a step's admission, and another lane
+  takes none of it while that lane is in flight; a lane the engine drops unfinished (after a failed
+  step) leaves a fence (`Engine._lane_fences`) that the main stream and every lane's stream wait on
+  before their admission writes;
+- a lane's admission writes are queued on its own stream, ahead of its step, and the step in
+  flight stays untouched: the engine includes the request in a step only after the lane's row
+  reached the host, so the main stream never reads what a lane has not written.
+
+A request's first row is the one it samples alone: a lane's prefill graphs are those of a step's
 prefill lanes (one request each, so the same rounding), and its sampling is the same function as
 every step's. Guided programs (two KV sequences a request) take no lane.
 
@@ -48,14 +60,20 @@ from programs.base import LMProgram
 
 log = logging.getLogger(__name__)
 
-LANE = "s_"  # the lane's arena span prefix
+
+def lane_prefix(index: int) -> str:
+    """A prompt lane's arena span prefix (each lane has an arena of its own; the prefix names its
+    graphs in the startup progress)."""
+    return "s_" if index == 0 else f"s{index}_"
+
 
 # sample(logits [1, C', V], meta [3, 1], hidden [1, H] or None, constrained) → [1, C + 1]
 Sample = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, bool], torch.Tensor]
 
 
 class PromptLane:
-    """One prompt at a time, its prefill and first sampling as two graph replays on a side stream."""
+    """One prompt at a time, its prefill and first sampling as two graph replays on a side stream;
+    lane `index` of `count`."""
 
     def __init__(
         self,
@@ -66,8 +84,12 @@ class PromptLane:
         modes: tuple[bool, ...],
         scratch_slot: int,
         progress: Callable[[str], None] | None = None,
+        index: int = 0,
+        count: int = 1,
     ) -> None:
         self.program = program
+        self.index = index
+        x = self.prefix = lane_prefix(index)
         dev, c = program.device, program.n_codebooks
         # High priority: the GPU's scheduler prefers the lane's kernels to the step's, so the first
         # row comes soon. The lane's graphs are captured on this stream too: a captured GEMM keeps
@@ -78,33 +100,34 @@ class PromptLane:
         buckets = prefill_buckets(limits.max_context, 1)
         rows, reqs = buckets[-1]
         p_pages = max_prefill_pages(rows, reqs, limits.max_context, self.page_size)
-        self.arena = InputArena({LANE + "meta": 3} | prefill_spans(rows, reqs, c, p_pages, LANE), dev)
+        self.arena = InputArena({x + "meta": 3} | prefill_spans(rows, reqs, c, p_pages, x), dev)
         # attention of its own: FlashInfer's wrappers share their backend's workspace
         _, self.attn = graph_attention(program, kv_cache, limits, 1, p_pages, 1)
         pool = torch.cuda.graph_pool_handle()
         t0 = time.monotonic()
         self.prefill = PrefillGraphs(program, kv_cache, self.arena, self.attn, pool, buckets, p_pages, progress,
-                                     LANE, self.stream)  # fmt: skip
+                                     x, self.stream)  # fmt: skip
         # the sampling graphs' inputs, where a replay's prefill graph (one per bucket) copies its outputs
         logits, hidden = next(iter(self.prefill.graphs.values()))[2]
         self.logits = torch.zeros_like(logits[:1])  # [1, C', V]
         self.hidden = torch.zeros_like(hidden[:1]) if c > 1 else None  # [1, H]
-        self.meta = self.arena.dev_view(LANE + "meta").view(3, 1)
+        self.meta = self.arena.dev_view(x + "meta").view(3, 1)
         self.samples: dict[bool, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         spool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
             for constrained in modes:
                 if progress:
                     progress(
-                        f"capturing the prompt lane's sampling graph ({'constrained' if constrained else 'free'})"
+                        f"capturing prompt lane {index + 1}/{count}'s sampling graph "
+                        f"({'constrained' if constrained else 'free'})"
                     )
                 self.meta.zero_()  # the warm-up samples for real, on the scratch slot
                 self.meta[0].fill_(scratch_slot)
                 self.samples[constrained] = capture(
                     lambda m=constrained: sample(self.logits, self.meta, self.hidden, m), spool, self.stream
                 )
-        log.info("captured the prompt lane: %d prefill graphs and %d sampling graphs in %.1f s",
-                 len(self.prefill.graphs), len(self.samples), time.monotonic() - t0)  # fmt: skip
+        log.info("captured prompt lane %d/%d: %d prefill graphs and %d sampling graphs in %.1f s",
+                 index + 1, count, len(self.prefill.graphs), len(self.samples), time.monotonic() - t0)  # fmt: skip
 
     def fits(self, rows: int) -> bool:
         """Whether a prompt of `rows` rows fits one of the lane's prefill graphs."""
@@ -120,12 +143,12 @@ class PromptLane:
         [1, C + 1] in pinned host memory, the event that marks them there)."""
         lay = self.prefill.layout(b)
         assert lay is not None, "a lane prompt fits a prefill graph (`fits`)"
-        a = self.arena
-        upto = a.spans[LANE + "kv"][0] + len(lay.kv_indices)
+        a, x = self.arena, self.prefix
+        upto = a.spans[x + "kv"][0] + len(lay.kv_indices)
         with torch.cuda.stream(self.stream):
             a.begin(upto)
-            fill_prefill(a, b, lay, LANE)
-            a.host_view(LANE + "meta").copy_(torch.from_numpy(b.meta.reshape(-1)))
+            fill_prefill(a, b, lay, x)
+            a.host_view(x + "meta").copy_(torch.from_numpy(b.meta.reshape(-1)))
             a.send(upto)
             self.prefill.plan(lay)
             a.seal()

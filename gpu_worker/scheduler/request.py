@@ -42,7 +42,7 @@ class Request:
     grouped: list = field(default_factory=list)
     admitted_at: float = 0.0
     gen_budget: int = 0  # rows it may generate: budget less the prompt
-    # its first step runs in the prompt lane (gpu_worker/runner/prompt_lane.py): out of the steps
+    # its first step runs in a prompt lane (gpu_worker/runner/prompt_lane.py): out of the steps
     lane: bool = False
     # the slot and KV pages it gave back when it ended (a step launched before may still write them)
     released: tuple[int, list[int]] | None = None

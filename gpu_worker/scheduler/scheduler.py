@@ -16,10 +16,11 @@
 KV pages for a request's whole budget (max_tokens, prompt included) are reserved when it is
 admitted, so a running request never runs out of pages mid-stream; when pages are short, requests
 wait in arrival order instead. Freeing pages or a slot while a launched step still uses them is
-safe: later writes by a new owner are queued on the same stream, after that step. The prompt lane
+safe: later writes by a new owner are queued on the same stream, after that step. Each prompt lane
 (`admit_lane`) runs on a stream of its own, so a request it starts takes no slot or page that the
-step in flight may still write (the engine names them: what the requests of that step that have
-ended since gave back, `Request.released`).
+step in flight or another lane in flight may still write (the engine names them: what the requests
+of that step that have ended since gave back, `Request.released`, and what each lane's request
+holds or gave back).
 """
 
 from __future__ import annotations
@@ -376,12 +377,12 @@ class Scheduler:
     def admit_lane(
         self, avoid_slots: set[int], avoid_pages: set[int], fits: Callable[[int], bool], admitting
     ) -> Request | None:
-        """The first waiting request into the prompt lane (gpu_worker/runner/prompt_lane.py), or None:
+        """The first waiting request into a prompt lane (gpu_worker/runner/prompt_lane.py), or None:
         when a slot and its pages are free outside `avoid_slots` and `avoid_pages` (what the step in
-        flight may still write), its prompt `fits` the lane, and its input is whole (a request
-        whose text is still coming starts in a step). Its admission writes go where `admitting` (a
-        context) queues them: the lane's stream. It stays out of the steps (`Request.lane`) until
-        the engine has its first row."""
+        flight and the other lanes in flight may still write), its prompt `fits` a lane, and its
+        input is whole (a request whose text is still coming starts in a step). Its admission writes
+        go where `admitting` (a context) queues them: the lane's stream, after the fences it waits
+        on. It stays out of the steps (`Request.lane`) until the engine has its first row."""
         limits = self.limits
         if not self.waiting or self.sequences != 1 or len(self.running) >= limits.max_batch_size:
             return None

@@ -1,8 +1,9 @@
-"""The prompt lane on the GPU (Qwen3-TTS 1.7B CustomVoice, dummy weights, bf16, as served: fused
-layers, graphs): prompts that arrive while a step is in flight start in the lane, on a stream of its
-own beside that step, and a request's frames, greedy and sampled, equal its frames alone (where it
-starts in a step of its own). The report holds how many started in the lane and how long the host
-took to launch one."""
+"""The prompt lanes on the GPU (Qwen3-TTS 1.7B CustomVoice, dummy weights, bf16, as served: fused
+layers, graphs; two lanes): prompts that arrive while a step is in flight start in the lanes, each
+on a stream of its own beside that step and beside each other, and a request's frames, greedy and
+sampled, equal its frames alone (where it starts in a step of its own). The report holds how many
+started in a lane, how many lanes ran at once and how long the host took to launch one.
+"""
 
 from __future__ import annotations
 
@@ -29,21 +30,22 @@ def lane():
     )
     prog.load_lm()
     assert prog.fuse_layers() and use_tail_kernel(True)
-    eng = Engine(prog, GpuWorkerSettings(max_batch_size=64, max_context=1024, prompt_lane="on"))
-    assert eng.runner.lane is not None
+    settings = GpuWorkerSettings(max_batch_size=64, max_context=1024, prompt_lane="on", prompt_lanes=2)
+    eng = Engine(prog, settings)
+    assert len(eng.runner.lanes) == 2
     yield prog, eng
     use_tail_kernel(False)
 
 
-def test_frames_started_in_the_lane_equal_those_alone(lane, gpu_report):
+def test_frames_started_in_the_lanes_equal_those_alone(lane, gpu_report):
     prog, eng = lane
     launch_ms: list[float] = []
     timed = eng.runner.launch_lane
 
-    def launch(req):
+    def launch(req, lane):
         t0 = time.perf_counter()
         try:
-            return timed(req)
+            return timed(req, lane)
         finally:
             launch_ms.append(1000 * (time.perf_counter() - t0))
 
@@ -58,17 +60,26 @@ def test_frames_started_in_the_lane_equal_those_alone(lane, gpu_report):
         state = {k: wire_array(v) for k, v in built.state.items()}
         return Prompt(rid, rows.tobytes(), len(rows), sp, state=state)
 
+    # Steps after each arrival: a prompt that arrives with no step after the one before finds that
+    # one's lane still busy and takes the other.
+    gaps = (1, 0, 2, 0, 1, 0)
+    most = [0]  # the most lanes in flight at once
+
+    def turn() -> None:
+        eng.lane_step()
+        most[0] = max(most[0], len(eng._lanes))
+
     def generate(order: list[Prompt]) -> dict:
         eng.outputs = {}
         for i, p in enumerate(order):
             eng.add(p)
-            eng.lane_step()  # a step in flight: the prompt starts beside it
-            for _ in range(1 + i % 3):
+            turn()  # a step in flight: the prompt starts beside it
+            for _ in range(gaps[i % len(gaps)]):
                 eng.step()
-                eng.lane_step()
+                turn()
         while eng.has_work():
             eng.step()
-            eng.lane_step()
+            turn()
         return {rid: rows for rid, (rows, _) in eng.outputs.items()}
 
     def diffs(got: dict, alone: dict) -> dict:
@@ -77,9 +88,9 @@ def test_frames_started_in_the_lane_equal_those_alone(lane, gpu_report):
             for rid in alone
         }
 
-    def serialized(req):  # the lane alone on the device: nothing runs beside it
+    def serialized(req, lane):  # the lane alone on the device: nothing runs beside it
         torch.cuda.synchronize()
-        out = launch(req)
+        out = launch(req, lane)
         torch.cuda.synchronize()
         return out
 
@@ -97,15 +108,24 @@ def test_frames_started_in_the_lane_equal_those_alone(lane, gpu_report):
         eng.runner.launch_lane = serialized
         variants[f"T={temperature} lane serialized"] = diffs(generate(order), alone)
         eng.runner.launch_lane = launch
-        own = eng.runner.lane.stream
-        eng.runner.lane.stream = torch.cuda.current_stream()  # the lane's work in the steps' order
-        variants[f"T={temperature} lane on the steps' stream"] = diffs(generate(order), alone)
-        eng.runner.lane.stream = own
+        own = [pl.stream for pl in eng.runner.lanes]
+        for pl in eng.runner.lanes:  # the lanes' work in the steps' order
+            pl.stream = torch.cuda.current_stream()
+        variants[f"T={temperature} lanes on the steps' stream"] = diffs(generate(order), alone)
+        for pl, stream in zip(eng.runner.lanes, own, strict=True):
+            pl.stream = stream
+        eng.runner.num_lanes = 1  # one lane: a prompt that finds it busy waits
+        variants[f"T={temperature} one lane"] = diffs(generate(order), alone)
+        eng.runner.num_lanes = 2
         before = eng.lane_prompts
+        most[0] = 0
         got = generate(order)
         started = eng.lane_prompts - before
-        assert started >= len(order) // 2, f"only {started} of {len(order)} prompts started in the lane"
+        report[f"T={temperature} lanes_in_flight_most"] = most[0]
+        report[f"T={temperature} prompts_started_in_a_lane"] = f"{started} of {len(order)}"
         first_diff |= {f"T={temperature} {rid}": d for rid, d in diffs(got, alone).items()}
+        assert started >= len(order) // 2, f"only {started} of {len(order)} prompts started in a lane"
+        assert most[0] == 2, "no prompt started beside another lane's"
     report["frames_lane_vs_alone_first_difference"] = first_diff
     report["variants_first_difference"] = variants
     report["lane_launch_ms_p50"] = sorted(launch_ms)[len(launch_ms) // 2]
