@@ -11,27 +11,17 @@ and the next lanes wait on until it has passed."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from common.cli import _validate
 from common.config import GpuWorkerSettings, ServeConfig
 from common.messages import FinishReason, Prompt
 from common.options import parse_role
 from gpu_worker.engine import Engine
-from tests.conftest import tiny_lm_on_one_thread
+from tests import test_prompt_lane_starts_a_prompt_beside_the_step_in_flight as one_lane
 from tests.test_a_burst_is_admitted_several_prompts_a_step_with_the_tokens_each_gets_alone import prompts
 
-
-@pytest.fixture(scope="module", params=["orpheus-tiny", "csm-tiny", "qwen3-tts-tiny"])
-def program(request):
-    """float64: a GEMM of one row rounds as that row among others far below any sampling boundary
-    (see test_a_burst_is_admitted_several_prompts_a_step_with_the_tokens_each_gets_alone.py)."""
-    kw = {"lm_head": "audio"} if request.param == "orpheus-tiny" else {}
-    yield from tiny_lm_on_one_thread(request.param, dtype=torch.float64, **kw)
-
-
-def limits(**kw) -> GpuWorkerSettings:
-    return GpuWorkerSettings(**{"max_batch_size": 8, "max_context": 200, "first_chunk": "reference", **kw})
+# the same tiny programs (float64, the fixture) and settings as the one lane's tests
+program, limits = one_lane.program, one_lane.limits
 
 
 def lanes(program, n: int = 2, **kw) -> Engine:
@@ -73,6 +63,19 @@ def hold_lanes(eng: Engine) -> list[Held]:
 
     eng.runner.launch_lane = launch_held
     return held
+
+
+def one_in_a_lane(program, n_prompts: int, n_lanes: int) -> tuple[list[Prompt], Engine, list[Held]]:
+    """`n_prompts` prompts and an engine of `n_lanes` held lanes: the first prompt runs in a step,
+    the second in lane 0 beside it."""
+    ps = prompts(program, n_prompts)
+    eng = lanes(program, n_lanes)
+    held = hold_lanes(eng)
+    eng.add(ps[0])
+    eng.step()
+    eng.add(ps[1])
+    eng.lane_step()
+    return ps, eng, held
 
 
 def alone(program, ps: list[Prompt]) -> dict:
@@ -184,13 +187,7 @@ def test_a_free_lane_takes_the_next_prompt_while_the_others_are_busy(program):
 
 
 def test_a_lane_request_avoids_what_another_lane_in_flight_holds_or_gave_back(program):
-    ps = prompts(program, 4)
-    eng = lanes(program, 3)
-    held = hold_lanes(eng)
-    eng.add(ps[0])
-    eng.step()
-    eng.add(ps[1])
-    eng.lane_step()
+    ps, eng, held = one_in_a_lane(program, 4, 3)
     first = eng.running[ps[1].rid]
     eng.abort(ps[1].rid)  # ends while its lane runs
     slot, pages = first.released
@@ -218,13 +215,7 @@ def test_a_lane_request_avoids_what_another_lane_in_flight_holds_or_gave_back(pr
 
 
 def test_what_a_lane_request_gave_back_goes_to_a_step_only_after_the_main_stream_waits(program):
-    ps = prompts(program, 3)
-    eng = lanes(program, 2)
-    held = hold_lanes(eng)
-    eng.add(ps[0])
-    eng.step()
-    eng.add(ps[1])
-    eng.lane_step()
+    ps, eng, held = one_in_a_lane(program, 3, 2)
     eng.abort(ps[1].rid)
     admitted_then = []
     held[0].on_wait = lambda: admitted_then.append(ps[2].rid in eng.running)
@@ -241,13 +232,7 @@ def test_what_a_lane_request_gave_back_goes_to_a_step_only_after_the_main_stream
 
 
 def test_a_lane_dropped_unfinished_leaves_a_fence_the_steps_and_next_lanes_wait_on(program):
-    ps = prompts(program, 4)
-    eng = lanes(program, 2)
-    held = hold_lanes(eng)
-    eng.add(ps[0])
-    eng.step()
-    eng.add(ps[1])
-    eng.lane_step()
+    ps, eng, held = one_in_a_lane(program, 4, 2)
     eng.fail_all("a step failed")  # its lane's work may still run on the device
     assert eng._lane_fences == [held[0]] and not eng._lanes
     assert eng.allocator.num_used == 0  # everything back in the pool
