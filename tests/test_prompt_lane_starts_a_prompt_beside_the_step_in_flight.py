@@ -33,10 +33,13 @@ def limits(**kw) -> GpuWorkerSettings:
     return GpuWorkerSettings(**{"max_batch_size": 8, "max_context": 200, "first_chunk": "reference", **kw})
 
 
-def serve(program, ps: list[Prompt], lane: str, every: int = 2) -> tuple[dict, dict, Engine]:
-    """Prompt i arrives after i * `every` steps; the worker's turns: a step, then the lane's →
-    (outputs, each request's audio windows in order, the engine)."""
-    eng = Engine(program, limits(prompt_lane=lane))
+def serve(
+    program, ps: list[Prompt], lane: str, every: int = 2, lanes: int = 1, at_once: int = 1
+) -> tuple[dict, dict, Engine]:
+    """Prompts arrive `at_once` at a time every `every` steps, each arrival followed by the lanes'
+    turn (`lanes` of them); the worker's turns: a step, then the lanes' → (outputs, each request's
+    audio windows in order, the engine)."""
+    eng = Engine(program, limits(prompt_lane=lane, prompt_lanes=lanes))
     eng.outputs = {}
     windows: dict[str, list] = {}
 
@@ -48,8 +51,9 @@ def serve(program, ps: list[Prompt], lane: str, every: int = 2) -> tuple[dict, d
     steps = 0
     while pending or eng.has_work():
         if pending and steps % every == 0:
-            eng.add(pending.pop(0))
-            turn(eng.lane_step())  # the worker's turn right after taking a message
+            for _ in range(min(at_once, len(pending))):
+                eng.add(pending.pop(0))
+            turn(eng.lane_step())  # the worker's turn right after taking its messages
         turn(eng.step())
         turn(eng.lane_step())
         steps += 1

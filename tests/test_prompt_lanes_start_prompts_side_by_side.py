@@ -102,28 +102,9 @@ def finish(eng: Engine, held: list[Held] = ()) -> None:
 
 
 def serve(program, ps: list[Prompt], lane: str, n: int) -> tuple[dict, dict, Engine]:
-    """Prompts arrive `n` at a time, a burst every other step, each followed by the lanes' turn;
-    the worker's turns: a step, then the lanes' → (outputs, each request's audio windows in order,
-    the engine)."""
-    eng = Engine(program, limits(prompt_lane=lane, prompt_lanes=n))
-    eng.outputs = {}
-    windows: dict[str, list] = {}
-
-    def turn(out) -> None:
-        for c in out.chunks if out is not None else []:
-            windows.setdefault(c.rid, []).append((c.index, c.tokens, c.noise_id, c.tail_rows))
-
-    pending = list(ps)
-    steps = 0
-    while pending or eng.has_work():
-        if pending and steps % 2 == 0:
-            for _ in range(min(n, len(pending))):
-                eng.add(pending.pop(0))
-            turn(eng.lane_step())
-        turn(eng.step())
-        turn(eng.lane_step())
-        steps += 1
-    return eng.outputs, windows, eng
+    """Prompts arrive `n` at a time, a burst every other step, to `n` lanes (the one lane's
+    `serve`) → (outputs, each request's audio windows in order, the engine)."""
+    return one_lane.serve(program, ps, lane, lanes=n, at_once=n)
 
 
 def test_prompts_start_in_lanes_side_by_side_and_sample_what_they_sample_alone(program):
