@@ -173,7 +173,9 @@ class Engine:
         """After a failed step: end every request with an explicit error and reclaim all state
         (every slot and KV page free again, also those the books had lost: `Scheduler.reset`)."""
         dropped = [s.ready for s in (self._inflight, *self._lanes) if s is not None and s.ready is not None]
-        self._lane_fences += dropped  # their work may still run on the device
+        # Their work may still run on the device, and so may work queued by a launch that raised
+        # before its handle was kept (a step's, or a lane's admission writes): all of it fenced.
+        self._lane_fences += dropped + self.runner.queued()
         self._inflight, self._lanes = None, []
         self.scheduler.end_all(FinishReason.ERROR, message, 500)
         self.scheduler.reset()

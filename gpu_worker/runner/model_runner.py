@@ -111,9 +111,14 @@ class ModelRunner:
             self.stop_ids = self.head.column[self.stop_ids]
         self.sample_graphs = None
         # The prompt lanes (gpu_worker/runner/prompt_lane.py): a graph-runner's are captured with
-        # the sampling graphs; an eager runner runs a lane request's first step in its place.
+        # the sampling graphs; on a CPU a lane request's first step runs eagerly in its place. A GPU
+        # without graphs has none: an eager lane would plan the step in flight's attention wrappers
+        # again beside it.
         check_prompt_lanes(limits.prompt_lanes)
-        self.lane_on = limits.prompt_lane == "on" and not program.guidance
+        eager_gpu = self.device.type == "cuda" and not limits.cuda_graphs
+        if limits.prompt_lane == "on" and eager_gpu:
+            log.warning("--prompt-lane needs CUDA graphs on a GPU: without them prompts start in the steps")
+        self.lane_on = limits.prompt_lane == "on" and not program.guidance and not eager_gpu
         self.num_lanes = limits.prompt_lanes if self.lane_on else 0
         self.lanes: list[PromptLane] = []
         # On the device (exponential averages, seconds, from CUDA events): a step's forward pass
@@ -372,6 +377,19 @@ class ModelRunner:
             for event in fences:
                 event.wait()  # the current stream: the lane's
             yield
+
+    def queued(self) -> list[torch.cuda.Event]:
+        """Events marking everything queued so far on the main stream and on each lane's stream (none
+        without a CUDA device): what a failure drops may still run there, including work whose
+        launch raised before the engine kept a handle on it."""
+        if self.device.type != "cuda":
+            return []
+        events = []
+        for stream in [torch.cuda.current_stream(self.device), *(lane.stream for lane in self.lanes)]:
+            event = torch.cuda.Event()
+            event.record(stream)
+            events.append(event)
+        return events
 
     def follow(self, events: list[torch.cuda.Event]) -> None:
         """The main stream's next work waits for `events` (what a lane or dropped work may still
