@@ -1,5 +1,5 @@
-"""A closed-loop load on a simulated GPU, scheduled by the engine's own pacing: to weigh admission and
-sit-out policies before spending GPU time on them.
+"""A closed-loop or open-loop load on a simulated GPU, scheduled by the engine's own pacing: to weigh
+admission, sit-out and first-chunk policies before spending GPU time on them.
 
 The parts that decide are the real ones: `gpu_worker.scheduler.pacing.StepClock` measures the steps and gives
 the capacity, `SitOut` leaves streams ahead out of slow steps, progressive first chunks wait for
@@ -13,17 +13,22 @@ prompts beyond its first), and some noise; with `--forward`, the steps timed at 
 the H200's forward pass alone takes. The load is bench/load's: `clients` closed-loop clients
 started over `ramp_s`, each sending its next request when the last one has finished generating,
 until `duration_s`, after the levels `--before` on the same worker (idle between, as `voxpipe
-bench ttfa --load` runs its levels on one server).
+bench ttfa --load` runs its levels on one server). With `--rate`, the load is open-loop instead,
+as `voxpipe bench ttfa --rate` sends it: requests of `--tokens` rows (360: ~4.4 s of audio) at the
+times of a Poisson process of each rate, for `--duration` (12 s) on a fresh worker, until the last
+one ends.
 
     voxpipe bench sim --clients 400,480 [--h200 [--calibrate]] [--ramp 0] --out /tmp/sim.json
     voxpipe bench sim --clients 448 --batched --forward --ramp 0 --before 64,256 --duration 12 --seeds 1
+    voxpipe bench sim --rate 20,40,80 --batched --forward --seeds 1
 
 It reports, per policy and load, what bench/load reports (TTFA p50/p99, the share of requests on
-time) and the streams admitted. The step model's constants are fitted to the H200 runs (fp8 weights
-and cache, the codec beside the LM under MPS): ~4 ms a step at 40 streams, ~10 ms at 340 rows of
-~550 tokens, and 416 streams held on time with about a sixth of them sitting out
-(bench/results/h200-orpheus-load-sit-out.json). It is a model: it ranks policies, the GPU
-decides.
+time) and the streams admitted; with `--rate`, TTFA p50/p95/p99, the streams running, the step
+interval (mean, p95) and the first chunks' sizes in frames besides (`open_level`). The step model's
+constants are fitted to the H200 runs (fp8 weights and cache, the codec beside the LM under MPS):
+~4 ms a step at 40 streams, ~10 ms at 340 rows of ~550 tokens, and 416 streams held on time with
+about a sixth of them sitting out (bench/results/h200-orpheus-load-sit-out.json). It is a model: it
+ranks policies, the GPU decides.
 """
 
 from __future__ import annotations
@@ -46,6 +51,9 @@ from gpu_worker.scheduler.step_cost import Lives
 ROWS_PER_S = 82.03  # Orpheus: a row is 1/82.03 s of audio; a frame is 7 rows
 FRAME, LEADS = 7, (7, 14, 21)
 DELIVERY_S = 0.025  # gpu_worker.windows.DELIVERY_S
+# The per-row time (`rows_time_high` over a frame's rows) at which a first frame goes out alone:
+# `lead_fits(FRAME, FRAME / ROWS_PER_S, p, 1.15, DELIVERY_S)` holds for p up to this (7.5 ms).
+ONE_FRAME_S = (FRAME / ROWS_PER_S - DELIVERY_S) / (FRAME * 1.15)
 CODEC_S = 0.010  # a chunk's codec pass and trip to the client
 METRICS_S = 0.05  # how often the gateway hears the capacity
 IDLE_S = 2.0  # between two levels on one worker
@@ -142,6 +150,7 @@ class Worker:
     tokens: int = 1024
     prompt_len: int = 40
     gpu_charge: bool = False
+    rows: int = 0  # the last step's rows
 
     def prompts_now(self, run: dict[int, dict]) -> int:
         """Prompts the next step may start beside the `run`ning streams."""
@@ -190,6 +199,56 @@ def simulate(
     `before` on the same worker (each for `duration_s`, idle between: as `voxpipe bench ttfa --load`
     runs its levels on one server); a step starts prompts as `Worker` says (`gpu_charge`). → the last
     level's figures."""
+    worker = new_worker(
+        gpu, life, sit_out, tokens, prompt_len, seed, calibrate, startup, prompts_a_step, room, gpu_charge
+    )
+    t = 0.0
+    for n in before:
+        t = level(worker, n, t, ramp_s, duration_s)["t_end"] + IDLE_S
+        worker.clock.tick(0)
+    return level(worker, clients, t, ramp_s, duration_s)
+
+
+def simulate_poisson(
+    rate: float,
+    *,
+    life: bool = True,
+    sit_out: bool = True,
+    gpu: GPU | None = None,
+    tokens: int = 360,
+    prompt_len: int = 40,
+    duration_s: float = 12.0,
+    seed: int = 0,
+    calibrate: bool = False,
+    startup: GPU | None = None,
+    prompts_a_step: int = 4,
+    room: bool = True,
+    gpu_charge: bool = False,
+) -> dict:
+    """Requests of `tokens` rows arriving open-loop at `rate` a second (Poisson) for `duration_s` on a
+    fresh worker (its GPU and policy as `simulate` takes them), until the last one ends. → figures as
+    `voxpipe bench ttfa --rate` reports them (`open_level`)."""
+    worker = new_worker(
+        gpu, life, sit_out, tokens, prompt_len, seed, calibrate, startup, prompts_a_step, room, gpu_charge
+    )
+    return open_level(worker, rate, 0.0, duration_s, np.random.default_rng([seed, 1]))
+
+
+def new_worker(
+    gpu: GPU | None,
+    life: bool,
+    sit_out: bool,
+    tokens: int,
+    prompt_len: int,
+    seed: int,
+    calibrate: bool,
+    startup: GPU | None,
+    prompts_a_step: int,
+    room: bool,
+    gpu_charge: bool,
+) -> Worker:
+    """A fresh worker on `gpu` (default `GPU()`), its clock `calibrate`d from startup steps timed on
+    `startup` (default `gpu`), its steps' noise drawn from `seed`."""
     gpu = gpu or GPU()
     clock = StepClock(ROWS_PER_S, 512)
     if calibrate:
@@ -198,29 +257,87 @@ def simulate(
         clock.seed(steps, now=0.0)
     sit = SitOut(clock, decode_buckets(512), GpuWorkerSettings().sit_out_lead_s) if sit_out else None
     rng = np.random.default_rng(seed)
-    worker = Worker(gpu, clock, sit, rng, life, prompts_a_step, room, tokens, prompt_len, gpu_charge)
-    t = 0.0
-    for n in before:
-        t = level(worker, n, t, ramp_s, duration_s)["t_end"] + IDLE_S
-        clock.tick(0)
-    return level(worker, clients, t, ramp_s, duration_s)
+    return Worker(gpu, clock, sit, rng, life, prompts_a_step, room, tokens, prompt_len, gpu_charge)
 
 
-def level(w: Worker, clients: int, t0: float, ramp_s: float, duration_s: float) -> dict:
-    """`clients` closed-loop clients from `t0` (seconds on the worker's clock) for `duration_s`, until
-    the last request ends. → figures as bench/load reports them, and `t_end`."""
-    t, cap, cap_at, end = t0, float(512), -1.0, t0 + duration_s
-    clock, run, tokens, prompt_len = w.clock, {}, w.tokens, w.prompt_len  # run: client → its request
-    next_send = [t0 + i * ramp_s / clients for i in range(clients)]
-    queue: list[tuple[int, float]] = []  # (client, sent at) waiting at the gateway
+class Clients:
+    """Closed-loop arrivals: `clients` clients started over `ramp_s` from `t0`, each sending its next
+    request when the last one has finished generating, until `end`."""
+
+    def __init__(self, clients: int, t0: float, ramp_s: float, end: float) -> None:
+        self.clients, self.end = clients, end
+        self.next_send = [t0 + i * ramp_s / clients for i in range(clients)]
+
+    def due(self, t: float) -> list[tuple[int, float]]:
+        """(client, sent at) of the requests sent by `t`."""
+        sent = []
+        for c in range(self.clients):
+            if self.next_send[c] <= t and self.next_send[c] < self.end:
+                sent.append((c, self.next_send[c]))
+                self.next_send[c] = math.inf
+        return sent
+
+    def idle_until(self, t: float) -> float:
+        """Where the worker, idle at `t`, next has a request to wait for."""
+        later = [s for s in self.next_send if s < self.end]
+        return min(later) if later else max(t, self.end)
+
+    def finished(self, c: int, t: float) -> None:
+        self.next_send[c] = t + 0.005
+
+
+class Poisson:
+    """Open-loop arrivals: requests at the times of a Poisson process of `rate` a second from `t0`
+    until `end`, whatever the worker serves."""
+
+    def __init__(self, rate: float, t0: float, end: float, rng: np.random.Generator) -> None:
+        gaps = rng.exponential(1.0 / rate, size=int(rate * (end - t0) * 1.5) + 64)
+        times = t0 + np.cumsum(gaps)
+        while times[-1] < end:  # rarely: more arrivals than the draw held
+            times = np.concatenate([times, times[-1] + np.cumsum(rng.exponential(1.0 / rate, 64))])
+        self.times, self.end, self.i = [float(x) for x in times[times < end]], end, 0
+
+    def due(self, t: float) -> list[tuple[int, float]]:
+        """(request, sent at) of the requests sent by `t`."""
+        sent = []
+        while self.i < len(self.times) and self.times[self.i] <= t:
+            sent.append((self.i, self.times[self.i]))
+            self.i += 1
+        return sent
+
+    def idle_until(self, t: float) -> float:
+        return self.times[self.i] if self.i < len(self.times) else max(t, self.end)
+
+    def finished(self, c: int, t: float) -> None:
+        pass
+
+
+@dataclass
+class Served:
+    """What a level's requests and steps did: the requests `done`, the streams each step `served`
+    (its rows and those sitting out), `steps` (start, seconds, rows), the capacity the gateway
+    heard while requests came (`caps`), the most streams admitted at once, and the time it ended."""
+
+    done: list[dict]
+    served: list[int]
+    steps: list[tuple[float, float, int]]
+    caps: list[float]
+    admitted_max: int
+    t_end: float
+
+
+def serve(w: Worker, arrivals: Clients | Poisson, t0: float, end: float) -> Served:
+    """The worker's steps from `t0`, the gateway admitting `arrivals` up to the capacity the worker
+    last reported, until the requests sent by `end` have all ended."""
+    t, cap, cap_at = t0, float(512), -1.0
+    clock, run, tokens, prompt_len = w.clock, {}, w.tokens, w.prompt_len  # run: request id → it
+    queue: list[tuple[int, float]] = []  # (request id, sent at) waiting at the gateway
     waiting: list[tuple[int, float]] = []  # admitted, not yet prefilled
     done: list[dict] = []
-    admitted_max, served, caps = 0, [], []  # caps: the capacity the gateway heard while clients sent
-    while t < end or queue or waiting or run:
-        for c in range(clients):
-            if next_send[c] <= t and next_send[c] < end:
-                queue.append((c, next_send[c]))
-                next_send[c] = math.inf
+    admitted_max, served, steps, caps = 0, [], [], []
+    sending = True
+    while sending or queue or waiting or run:
+        queue.extend(arrivals.due(t))
         if t - cap_at >= METRICS_S:
             cap = clock.capacity(
                 now=t, lives=Lives(prompt_len + tokens / 2, prompt_len, tokens) if w.life else None
@@ -236,10 +353,13 @@ def level(w: Worker, clients: int, t0: float, ramp_s: float, duration_s: float) 
             run[c] = dict(sent=sent, gen=0, first=None, late=0.0, admitted=t, prompt=True, cap=cap)
         admitted_max = max(admitted_max, len(run) + len(waiting))
         if not run:
-            t = min(s for s in next_send if s < end) if any(s < end for s in next_send) else t
+            t = arrivals.idle_until(t)
             clock.tick(0)
+            sending = t < end
             continue
-        t += step(w, run, t)
+        dt = step(w, run, t)
+        steps.append((t, dt, w.rows))
+        t += dt
         served.append(len(run))
         for c in list(run):
             r = run[c]
@@ -248,11 +368,20 @@ def level(w: Worker, clients: int, t0: float, ramp_s: float, duration_s: float) 
                 r["late"] = max(r["late"], (t + CODEC_S - r["first"]) - r["sent_audio"] - CODEC_S)
             if r["gen"] >= tokens:
                 done.append(run.pop(c))
-                next_send[c] = t + 0.005
+                arrivals.finished(c, t)
+        sending = t < end
+    return Served(done, served, steps, caps, admitted_max, t)
+
+
+def level(w: Worker, clients: int, t0: float, ramp_s: float, duration_s: float) -> dict:
+    """`clients` closed-loop clients from `t0` (seconds on the worker's clock) for `duration_s`, until
+    the last request ends. → figures as bench/load reports them, and `t_end`."""
+    end = t0 + duration_s
+    s = serve(w, Clients(clients, t0, ramp_s, end), t0, end)
+    done, served, caps, clock = s.done, s.served, s.caps, w.clock
     ttfa = np.array([r["first"] - r["sent"] for r in done])
     wait = np.array([r["admitted"] - r["sent"] for r in done])
     late = np.array([r["late"] for r in done])
-    ms = lambda x: round(1000 * float(x), 1)  # noqa: E731
     return {
         "clients": clients,
         "requests": len(done),
@@ -262,14 +391,71 @@ def level(w: Worker, clients: int, t0: float, ramp_s: float, duration_s: float) 
         "wait_p99_ms": ms(np.percentile(wait, 99)),
         "on_time_share": round(float((late <= 0.0).mean()), 4),
         "worst_late_ms": ms(late.max()),
-        "admitted_max": admitted_max,
+        "admitted_max": s.admitted_max,
         "served_mean": round(float(np.mean(served[len(served) // 3 : 2 * len(served) // 3])), 1),
         "capacity_min": round(min(caps), 1),
         "capacity_p50": round(float(np.median(caps)), 1),
         "capacity_max": round(max(caps), 1),
         "cost_fit": [round(x * 1e6, 2) for x in clock.cost.coefficients() or ()],
-        "t_end": t,
+        "t_end": s.t_end,
     }
+
+
+def open_level(w: Worker, rate: float, t0: float, duration_s: float, rng: np.random.Generator) -> dict:
+    """Requests arriving at `rate` a second (Poisson, drawn from `rng`) from `t0` for `duration_s`,
+    until the last one ends. → figures as bench/load reports them for `--rate`: TTFA over every
+    request (and over those sent in the second half, the load grown), the share on time, the streams
+    running, the step interval (each running stream's row period but while it sits out) and
+    throughput; and the first chunks' sizes in frames with the per-row time `lead_fits` weighed
+    where a first frame was ready (`StepClock.rows_time_high` over a frame's rows: at most
+    `ONE_FRAME_S` sends it alone). Streams and steps are averaged over the last three quarters of
+    the arrivals, the first quarter filling the worker."""
+    end = t0 + duration_s
+    s = serve(w, Poisson(rate, t0, end, rng), t0, end)
+    done = s.done
+    ttfa = np.array([r["first"] - r["sent"] for r in done])
+    later = np.array([r["first"] - r["sent"] for r in done if r["sent"] >= t0 + duration_s / 2])
+    late = np.array([r["late"] for r in done])
+    wait = np.array([r["admitted"] - r["sent"] for r in done])
+    frames = np.array([r["first_rows"] // FRAME for r in done])
+    high = np.array([r["high"] for r in done if "high" in r])
+    steady = [
+        (dt, n)
+        for (start, dt, _), n in zip(s.steps, s.served, strict=True)
+        if t0 + duration_s / 4 <= start < end
+    ]
+    dts = np.array([dt for dt, _ in steady])
+    rows = np.array([rows for (start, _, rows) in s.steps if t0 + duration_s / 4 <= start < end])
+    streams = np.array([n for _, n in steady])
+    return {
+        "rate": rate,
+        "requests": len(done),
+        "ttfa_p50_ms": ms(np.percentile(ttfa, 50)),
+        "ttfa_p95_ms": ms(np.percentile(ttfa, 95)),
+        "ttfa_p99_ms": ms(np.percentile(ttfa, 99)),
+        "ttfa_max_ms": ms(ttfa.max()),
+        "ttfa_p50_ms_second_half": ms(np.percentile(later, 50)) if len(later) else None,
+        "wait_p99_ms": ms(np.percentile(wait, 99)),
+        "on_time_share": round(float((late <= 0.0).mean()), 4),
+        "worst_late_ms": ms(late.max()),
+        "first_frames": {f: round(float((frames == f).mean()), 3) for f in (1, 2, 3)},
+        "first_period_high_p50_ms": ms(np.median(high)) if len(high) else None,
+        "one_frame_period_ms": ms(ONE_FRAME_S),
+        "streams_mean": round(float((streams * dts).sum() / dts.sum()), 1),
+        "sitting_out_mean": round(float(((streams - rows) * dts).sum() / dts.sum()), 1),
+        "row_period_mean_ms": ms(dts.mean()),
+        "row_period_p95_ms": ms(np.percentile(dts, 95)),
+        "x_realtime": round(len(done) * w.tokens / ROWS_PER_S / (s.t_end - t0), 1),
+        "admitted_max": s.admitted_max,
+        "capacity_min": round(min(s.caps), 1),
+        "capacity_p50": round(float(np.median(s.caps)), 1),
+        "cost_fit": [round(x * 1e6, 2) for x in w.clock.cost.coefficients() or ()],
+        "t_end": s.t_end,
+    }
+
+
+def ms(x: float) -> float:
+    return round(1000 * float(x), 1)
 
 
 def step(w: Worker, run: dict, t: float) -> float:
@@ -288,6 +474,7 @@ def step(w: Worker, run: dict, t: float) -> float:
     rows = [c for i, c in enumerate(ids) if i not in out]
     ctx = np.array([prompt_len + run[c]["gen"] for c in rows if not run[c]["prompt"]], dtype=float)
     dt = w.gpu.step_s(ctx, prompts, w.rng)
+    w.rows = len(rows)
     t += dt
     cost = (len(rows) - prompts + prompts * prompt_len, int(ctx.sum()), prompts, w.gpu.groups(prompts))
     clock.record(len(rows), dt, now=t, streams=len(ids), cost=cost)
@@ -297,9 +484,12 @@ def step(w: Worker, run: dict, t: float) -> float:
         r["gen"] += 1
         n = r["gen"]
         if r["first"] is None and n % FRAME == 0:
-            fits = lead_fits(FRAME, n * period, clock.rows_time_high(FRAME) / FRAME, latency_s=DELIVERY_S)
+            high = clock.rows_time_high(FRAME) / FRAME
+            if n == FRAME:
+                r["high"] = high
+            fits = lead_fits(FRAME, n * period, high, latency_s=DELIVERY_S)
             if fits or n >= LEADS[-1] or n >= w.tokens:
-                r["first"], r["sent_audio"] = t + CODEC_S, n * period
+                r["first"], r["sent_audio"], r["first_rows"] = t + CODEC_S, n * period, n
         elif r["first"] is not None and n % FRAME == 0:
             r["sent_audio"] = n * period  # a frame's chunk: reaches the listener CODEC_S later
     return dt
@@ -308,6 +498,14 @@ def step(w: Worker, run: dict, t: float) -> float:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--clients", default="384,400,416,480")
+    ap.add_argument(
+        "--rate",
+        default="",
+        help="open-loop Poisson arrivals at these rates (req/s, e.g. 20,40,80), not clients",
+    )
+    ap.add_argument(
+        "--tokens", type=int, default=None, help="rows a request generates (1024; 360 with --rate)"
+    )
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--out", default=None)
     ap.add_argument("--h200", action="store_true", help="the curved GPU of the session-12 H200 runs (H200)")
@@ -320,35 +518,58 @@ def main(argv: list[str] | None = None) -> None:
         "each prompt charged what the GPU's own prompts cost",
     )
     ap.add_argument("--ramp", type=float, default=8.0, help="seconds the clients start over (0: a burst)")
-    ap.add_argument("--duration", type=float, default=20.0, help="seconds each level's clients send")
+    ap.add_argument(
+        "--duration", type=float, default=None, help="seconds each level's requests come (20; 12 with --rate)"
+    )
     ap.add_argument("--before", default="", help="levels the worker serves first, e.g. 64,256")
     args = ap.parse_args(argv)
+    poisson = bool(args.rate)
+    tokens = args.tokens or (360 if poisson else 1024)
     rows = []
     common = dict(
         gpu=H200_BATCHED if args.batched else H200 if args.h200 else None,
         calibrate=args.calibrate or args.forward,
         startup=H200_FORWARD if args.forward else None,
-        ramp_s=args.ramp,
-        duration_s=args.duration,
-        before=tuple(int(x) for x in args.before.split(",") if x),
+        duration_s=args.duration or (12.0 if poisson else 20.0),
         prompts_a_step=9 if args.batched else 4,
+        tokens=tokens,
     )
-    policies = [("pace", dict(life=False, **common)), ("life", dict(life=True, **common))]
-    if args.batched:
-        policies.append(("life, the GPU's prompt costs", dict(life=True, gpu_charge=True, **common)))
+    if poisson:  # the engine's policy on a fresh worker, as `voxpipe bench ttfa --rate` serves
+        policies = [("life", dict(life=True, **common))]
+        levels, run = [float(x) for x in args.rate.split(",")], simulate_poisson
+    else:
+        common.update(ramp_s=args.ramp, before=tuple(int(x) for x in args.before.split(",") if x))
+        policies = [("pace", dict(life=False, **common)), ("life", dict(life=True, **common))]
+        if args.batched:
+            policies.append(("life, the GPU's prompt costs", dict(life=True, gpu_charge=True, **common)))
+        levels, run = [int(x) for x in args.clients.split(",")], simulate
     for name, kw in policies:
-        for n in (int(x) for x in args.clients.split(",")):
-            runs = [simulate(n, seed=s, **kw) for s in range(args.seeds)]
-            row = {
-                "policy": name,
-                **{k: max(r[k] for r in runs) for k in runs[0] if k not in ("on_time_share", "t_end")},
-            }
-            row["on_time_share"] = min(r["on_time_share"] for r in runs)
-            rows.append(row)
-            print(json.dumps(row))
+        for n in levels:
+            rows.append({"policy": name, **worst([run(n, seed=s, **kw) for s in range(args.seeds)])})
+            print(json.dumps(rows[-1]))
     if args.out:
+        what = "worst of the seeds per policy and load" + (
+            " (first chunks' frames: their mean)" if poisson else ""
+        )
         with open(args.out, "w") as f:
-            json.dump({"what": "worst of the seeds per policy and load", "rows": rows}, f, indent=1)
+            json.dump({"what": what, "rows": rows}, f, indent=1)
+
+
+def worst(runs: list[dict]) -> dict:
+    """Each figure at its worst over `runs` (the least share on time and throughput, the most of the
+    others), and the mean share of first chunks of each size."""
+    row = {}
+    for k, v in runs[0].items():
+        if k == "t_end":
+            continue
+        if k in ("on_time_share", "x_realtime"):
+            row[k] = min(r[k] for r in runs)
+        elif isinstance(v, dict):
+            row[k] = {f: round(float(np.mean([r[k][f] for r in runs])), 3) for f in v}
+        elif v is None or isinstance(v, (int, float, list)):
+            row[k] = max((r[k] for r in runs), key=lambda x: (x is not None, x))
+    row["on_time_share"] = row.pop("on_time_share")
+    return row
 
 
 if __name__ == "__main__":
