@@ -110,6 +110,13 @@ H200 = GPU(fixed_ms=3.0, row_us=15.5, row_us_per_1k_ctx=11.0, prompt_ms=1.6, kne
 # burst of 256 (2.0-2.2 ms a prompt at 2-3 prompts a step: 1.6 + 2.7 + 0.6 (k - 1) over k prompts
 # is 2.2 ms at k = 2.5), and the fixed part it reads there, 3.4 ms.
 H200_BATCHED = dataclasses.replace(H200, fixed_ms=3.4, extra_prompt_ms=0.6, pass_ms=2.7)
+# The H200's step as its fit reads open-loop arrivals of short requests (the joiners server of
+# bench/results/h200-orpheus-mixed-joiners.json: Poisson at 80 req/s, 360 rows a request, ~228
+# streams at ~243 tokens of context, 7.1 ms a step): 3.4 ms fixed, 9.9 us a token, 12.2 us per
+# thousand tokens of context, linear in the rows; its prompts as H200_BATCHED's. H200's knee (rows
+# below 128 at 2 us) is fitted to 340-416 rows of ~550 tokens, and between 128 and 250 rows of short
+# context makes steps ~1 ms (at 150 rows ~1.4 ms) shorter than the H200's there.
+H200_RATE = dataclasses.replace(H200_BATCHED, row_us=9.9, row_us_per_1k_ctx=12.2, knee=0)
 H200_FORWARD = GPU(fixed_ms=2.28, row_us=5.94, row_us_per_1k_ctx=13.1, prompt_ms=1.6, noise=0.0)
 
 
@@ -509,6 +516,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--out", default=None)
     ap.add_argument("--h200", action="store_true", help="the curved GPU of the session-12 H200 runs (H200)")
+    ap.add_argument(
+        "--h200-rate",
+        action="store_true",
+        help="the H200's step as its fit reads Poisson arrivals of short requests (H200_RATE, linear in rows)",
+    )
     ap.add_argument("--calibrate", action="store_true", help="the fit starts from the startup steps")
     ap.add_argument("--forward", action="store_true", help="startup steps timed as the H200's (H200_FORWARD)")
     ap.add_argument(
@@ -527,11 +539,11 @@ def main(argv: list[str] | None = None) -> None:
     tokens = args.tokens or (360 if poisson else 1024)
     rows = []
     common = dict(
-        gpu=H200_BATCHED if args.batched else H200 if args.h200 else None,
+        gpu=H200_RATE if args.h200_rate else H200_BATCHED if args.batched else H200 if args.h200 else None,
         calibrate=args.calibrate or args.forward,
         startup=H200_FORWARD if args.forward else None,
         duration_s=args.duration or (12.0 if poisson else 20.0),
-        prompts_a_step=9 if args.batched else 4,
+        prompts_a_step=9 if args.batched or args.h200_rate else 4,
         tokens=tokens,
     )
     if poisson:  # the engine's policy on a fresh worker, as `voxpipe bench ttfa --rate` serves
