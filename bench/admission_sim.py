@@ -76,18 +76,24 @@ class GPU:
     # whatever the rows), the rest `row_us`; 0 = linear.
     knee: int = 0
     row_us_below_knee: float = 2.0
+    # Up to this many prompts beyond a step's first join its pass (a mixed graph's joiners), `join_ms`
+    # each; the prompts beyond them as above.
+    joiners: int = 0
+    join_ms: float = 0.0
 
     def groups(self, prompts: int) -> int:
-        """The groups a step's prompts run in (`StepCost`'s term): the first alone, the rest in one
-        batched pass (with `pass_ms`) or a pass each."""
-        return min(prompts, 1) + ((prompts > 1) if self.pass_ms else max(0, prompts - 1))
+        """The groups a step's prompts run in (`StepCost`'s term): the first (and its joiners) alone,
+        the rest in one batched pass (with `pass_ms`) or a pass each."""
+        rest = max(0, prompts - 1 - self.joiners)
+        return min(prompts, 1) + ((rest > 0) if self.pass_ms else rest)
 
     def step_s(self, ctx: np.ndarray, prompts: int, rng: np.random.Generator | None) -> float:
         """A step of len(ctx) decode rows (each at its context) and `prompts` prompts; without `rng`
         the noiseless time."""
         extra = self.extra_prompt_ms or self.prompt_ms
-        ms = self.fixed_ms + self.prompt_ms * min(prompts, 1) + extra * max(0, prompts - 1)
-        ms += self.pass_ms * (prompts > 1)
+        joined, rest = min(max(0, prompts - 1), self.joiners), max(0, prompts - 1 - self.joiners)
+        ms = self.fixed_ms + self.prompt_ms * min(prompts, 1) + self.join_ms * joined + extra * rest
+        ms += self.pass_ms * (rest > 0)
         below = min(len(ctx), self.knee)
         rows_us = self.row_us_below_knee * below + self.row_us * (len(ctx) - below)
         ms += (rows_us + self.row_us_per_1k_ctx * ctx.sum() / 1000) / 1000
@@ -113,10 +119,14 @@ H200_BATCHED = dataclasses.replace(H200, fixed_ms=3.4, extra_prompt_ms=0.6, pass
 # The H200's step as its fit reads open-loop arrivals of short requests (the joiners server of
 # bench/results/h200-orpheus-mixed-joiners.json: Poisson at 80 req/s, 360 rows a request, ~228
 # streams at ~243 tokens of context, 7.1 ms a step): 3.4 ms fixed, 9.9 us a token, 12.2 us per
-# thousand tokens of context, linear in the rows; its prompts as H200_BATCHED's. H200's knee (rows
-# below 128 at 2 us) is fitted to 340-416 rows of ~550 tokens, and between 128 and 250 rows of short
-# context makes steps ~1 ms (at 150 rows ~1.4 ms) shorter than the H200's there.
-H200_RATE = dataclasses.replace(H200_BATCHED, row_us=9.9, row_us_per_1k_ctx=12.2, knee=0)
+# thousand tokens of context, linear in the rows; a step's second prompt joins its first's mixed
+# graph for 0.9 ms (its startup steps: two joiners +1.88 ms), the rest share a batched pass as
+# H200_BATCHED's. H200's knee (rows below 128 at 2 us) is fitted to 340-416 rows of ~550 tokens,
+# and between 128 and 250 rows of short context makes steps ~1 ms (at 150 rows ~1.4 ms) shorter
+# than the H200's there.
+H200_RATE = dataclasses.replace(
+    H200_BATCHED, row_us=9.9, row_us_per_1k_ctx=12.2, knee=0, joiners=1, join_ms=0.9
+)
 H200_FORWARD = GPU(fixed_ms=2.28, row_us=5.94, row_us_per_1k_ctx=13.1, prompt_ms=1.6, noise=0.0)
 
 
@@ -129,7 +139,7 @@ def startup_differences(gpu: GPU, steps: dict[int, float] | None = None) -> list
 
         @staticmethod
         def prompt_groups(rows: list[int]) -> int | None:  # lane 0 and a batched graph of 8, or 4 lanes
-            return gpu.groups(len(rows)) if len(rows) <= (9 if gpu.pass_ms else 4) else None
+            return gpu.groups(len(rows)) if len(rows) <= (9 + gpu.joiners if gpu.pass_ms else 4) else None
 
     def timer(_, b) -> float:
         decode = np.array(b.kv_lens[b.num_prefill :], dtype=float) - 1  # context before the step
@@ -543,7 +553,7 @@ def main(argv: list[str] | None = None) -> None:
         calibrate=args.calibrate or args.forward,
         startup=H200_FORWARD if args.forward else None,
         duration_s=args.duration or (12.0 if poisson else 20.0),
-        prompts_a_step=9 if args.batched or args.h200_rate else 4,
+        prompts_a_step=10 if args.h200_rate else 9 if args.batched else 4,
         tokens=tokens,
     )
     if poisson:  # the engine's policy on a fresh worker, as `voxpipe bench ttfa --rate` serves
