@@ -21,6 +21,7 @@ one ends.
     voxpipe bench sim --clients 400,480 [--h200 [--calibrate]] [--ramp 0] --out /tmp/sim.json
     voxpipe bench sim --clients 448 --batched --forward --ramp 0 --before 64,256 --duration 12 --seeds 1
     voxpipe bench sim --rate 20,40,80 --batched --forward --seeds 1
+    voxpipe bench sim --rate 20,40,80,90 --h200-rate --forward --first-audio-sit-out
 
 It reports, per policy and load, what bench/load reports (TTFA p50/p99, the share of requests on
 time) and the streams admitted; with `--rate`, TTFA p50/p95/p99, the streams running, the step
@@ -45,7 +46,7 @@ from common.config import GpuWorkerSettings
 from gpu_worker.runner.graphs import decode_buckets
 from gpu_worker.scheduler.calibrate import step_differences
 from gpu_worker.scheduler.pacing import StepClock, lead_fits
-from gpu_worker.scheduler.sit_out import SitOut
+from gpu_worker.scheduler.sit_out import SIT_OUT_MAX, SitOut
 from gpu_worker.scheduler.step_cost import Lives
 
 ROWS_PER_S = 82.03  # Orpheus: a row is 1/82.03 s of audio; a frame is 7 rows
@@ -54,6 +55,8 @@ DELIVERY_S = 0.025  # gpu_worker.windows.DELIVERY_S
 # The per-row time (`rows_time_high` over a frame's rows) at which a first frame goes out alone:
 # `lead_fits(FRAME, FRAME / ROWS_PER_S, p, 1.15, DELIVERY_S)` holds for p up to this (7.5 ms).
 ONE_FRAME_S = (FRAME / ROWS_PER_S - DELIVERY_S) / (FRAME * 1.15)
+# Rows from a frame's end to the next regular window's (a 28-row window every frame: 21)
+REGULAR_WAIT = 21
 CODEC_S = 0.010  # a chunk's codec pass and trip to the client
 METRICS_S = 0.05  # how often the gateway hears the capacity
 IDLE_S = 2.0  # between two levels on one worker
@@ -148,6 +151,84 @@ def startup_differences(gpu: GPU, steps: dict[int, float] | None = None) -> list
     return step_differences(Runner(), 1 + 512 * 70, 16, 1200, 1, timer=timer, steps=steps)
 
 
+class FirstAudioSitOut:
+    """A policy to weigh (`--first-audio-sit-out`): while a running stream waits for its first chunk
+    or still sends tail windows, streams with `spare_s` of audio in hand sit out so that each step,
+    by the clock's fitted cost (`StepCost`, times its `slowness`), comes to at most ONE_FRAME_S /
+    `margin`: the pace at which a first frame goes out alone (`lead_fits` on `rows_time_high`, the
+    high quantile of seven-step spans, hence the margin for the steps' spread). Those with the most
+    audio in hand sit out first, no more than SIT_OUT_MAX of the streams a step serves, the rows
+    left rounded down to a decode graph's bucket (its padding is paid anyway), as `SitOut` leaves
+    them; beside `SitOut`, whose streams it counts as out.
+
+    Sitting out moves a step's rows to later steps, it does not take them away: under a steady
+    load the steps' mean interval stays what the load makes it, and only its spread shrinks (the
+    steps with prompts give rows to those without). So the policy acts only while the mean
+    interval (over ~100 steps) is within ONE_FRAME_S, and while the streams are within `room` of
+    the capacity.
+
+    Simulated on H200_RATE (Poisson arrivals of 360 rows, 5 seeds, every request on time either
+    way): at 80 req/s first chunks of one frame 94 % of them against 66 %, TTFA p50 / p95 / p99
+    58 / 90 / 103 ms against 61 / 114 / 119, ~41 of ~221 streams sitting out; at 90 req/s 78 %
+    against 26 %, 62 / 123 / 135 ms against 114 / 127 / 134, ~86 of ~300 out; at 100-110 req/s
+    (mean interval past the bound) it stays off but while the load grows, and its streams coming
+    back then take p99 from 167 to 202 ms at 110; nothing changes at 20-40 req/s."""
+
+    def __init__(
+        self,
+        clock: StepClock,
+        sizes: list[int],
+        spare_s: float,
+        margin: float = 1.1,
+        room: float = 0.85,
+    ) -> None:
+        self.clock, self.sizes, self.spare_s, self.margin = clock, sorted(sizes), spare_s, margin
+        self.room = room
+        self.period = 0.0  # the step interval over the last ~100 steps
+
+    def choose(
+        self,
+        leads: list[float],
+        context: list[int],
+        prompts: int,
+        groups: int,
+        prompt_len: int,
+        out: set[int],
+        capacity: float,
+    ) -> list[int]:
+        """`leads[i]`: seconds of audio row i's listener has in hand (-inf where it may not sit out);
+        `context[i]`: the tokens it attends over (0 for a prompt); `prompts` of the rows are
+        prompts, in `groups`; `out`: the rows sitting out already; `capacity`: the streams the
+        worker reports it keeps real time → the rows to leave out besides. None once the streams
+        pass `room` of the capacity: a stream sitting out lives longer, so more streams run at once,
+        and near the capacity they would hold new requests at admission."""
+        self.period += (0.01 if self.period else 1.0) * (self.clock.row_period() - self.period)
+        fit = self.clock.cost.coefficients()
+        if fit is None or len(leads) > self.room * capacity or self.period > ONE_FRAME_S:
+            return []
+        a, b, c, d, e = fit
+        slow, target = self.clock.slowness(), ONE_FRAME_S / self.margin
+        rows = [i for i in range(len(leads)) if i not in out]
+        tokens = len(rows) - prompts + prompts * prompt_len
+        ctx = sum(context[i] for i in rows)
+        step = slow * (a + b * tokens + c * ctx / 1000.0 + d * prompts + e * groups)
+        if step <= target:
+            return []
+        ahead = sorted((i for i in rows if leads[i] >= self.spare_s), key=lambda i: leads[i], reverse=True)
+        most = min(len(ahead), math.floor(SIT_OUT_MAX * len(leads)) - len(out))
+        chosen = []
+        for i in ahead[: max(0, most)]:
+            if step <= target:
+                break
+            chosen.append(i)
+            step -= slow * (b + c * context[i] / 1000.0)
+        dec = len(rows) - prompts  # decode rows left, rounded down to a bucket within `most`
+        below = [z for z in self.sizes if z <= dec - len(chosen)]
+        if chosen and below and dec - below[-1] <= most:
+            chosen = ahead[: dec - below[-1]]
+        return chosen
+
+
 @dataclass
 class Worker:
     """One gpu_worker on a simulated GPU, its clock kept across the levels it serves, and its policy:
@@ -168,6 +249,8 @@ class Worker:
     prompt_len: int = 40
     gpu_charge: bool = False
     rows: int = 0  # the last step's rows
+    first_audio: FirstAudioSitOut | None = None
+    cap: float = 512.0  # the capacity the worker last reported
 
     def prompts_now(self, run: dict[int, dict]) -> int:
         """Prompts the next step may start beside the `run`ning streams."""
@@ -210,15 +293,18 @@ def simulate(
     prompts_a_step: int = 4,
     room: bool = True,
     gpu_charge: bool = False,
+    first_audio: bool = False,
 ) -> dict:
     """`clients` closed-loop clients (all at once where `ramp_s` is 0: a burst) on `gpu` (its startup
     steps, with `calibrate`, timed on `startup`, default `gpu`), after the levels of clients
     `before` on the same worker (each for `duration_s`, idle between: as `voxpipe bench ttfa --load`
-    runs its levels on one server); a step starts prompts as `Worker` says (`gpu_charge`). → the last
-    level's figures."""
+    runs its levels on one server); a step starts prompts as `Worker` says (`gpu_charge`), and with
+    `first_audio` streams ahead sit out for first chunks (`FirstAudioSitOut`). → the last level's
+    figures."""
     worker = new_worker(
         gpu, life, sit_out, tokens, prompt_len, seed, calibrate, startup, prompts_a_step, room, gpu_charge
     )
+    worker.first_audio = first_audio_sit_out(worker) if first_audio else None
     t = 0.0
     for n in before:
         t = level(worker, n, t, ramp_s, duration_s)["t_end"] + IDLE_S
@@ -241,6 +327,7 @@ def simulate_poisson(
     prompts_a_step: int = 4,
     room: bool = True,
     gpu_charge: bool = False,
+    first_audio: bool = False,
 ) -> dict:
     """Requests of `tokens` rows arriving open-loop at `rate` a second (Poisson) for `duration_s` on a
     fresh worker (its GPU and policy as `simulate` takes them), until the last one ends. → figures as
@@ -248,7 +335,13 @@ def simulate_poisson(
     worker = new_worker(
         gpu, life, sit_out, tokens, prompt_len, seed, calibrate, startup, prompts_a_step, room, gpu_charge
     )
+    worker.first_audio = first_audio_sit_out(worker) if first_audio else None
     return open_level(worker, rate, 0.0, duration_s, np.random.default_rng([seed, 1]))
+
+
+def first_audio_sit_out(w: Worker) -> FirstAudioSitOut:
+    """The first-audio policy on `w`'s clock, streams with the sit-out's audio in hand sitting out."""
+    return FirstAudioSitOut(w.clock, decode_buckets(512), GpuWorkerSettings().sit_out_lead_s)
 
 
 def new_worker(
@@ -359,7 +452,7 @@ def serve(w: Worker, arrivals: Clients | Poisson, t0: float, end: float) -> Serv
             cap = clock.capacity(
                 now=t, lives=Lives(prompt_len + tokens / 2, prompt_len, tokens) if w.life else None
             )
-            cap_at = t
+            cap_at, w.cap = t, cap
             if t < end:
                 caps.append(cap)
         while queue and len(run) + len(waiting) < cap:
@@ -488,6 +581,10 @@ def step(w: Worker, run: dict, t: float) -> float:
     ]
     prompts = sum(run[c]["prompt"] for c in ids)
     out = set(w.sit.choose(leads, prompts)) if w.sit is not None else set()
+    if w.first_audio is not None and any(not run[c].get("switched") for c in ids):
+        context = [0 if run[c]["prompt"] else prompt_len + run[c]["gen"] for c in ids]
+        groups = w.gpu.groups(prompts)
+        out |= set(w.first_audio.choose(leads, context, prompts, groups, prompt_len, out, w.cap))
     rows = [c for i, c in enumerate(ids) if i not in out]
     ctx = np.array([prompt_len + run[c]["gen"] for c in rows if not run[c]["prompt"]], dtype=float)
     dt = w.gpu.step_s(ctx, prompts, w.rng)
@@ -509,6 +606,11 @@ def step(w: Worker, run: dict, t: float) -> float:
                 r["first"], r["sent_audio"], r["first_rows"] = t + CODEC_S, n * period, n
         elif r["first"] is not None and n % FRAME == 0:
             r["sent_audio"] = n * period  # a frame's chunk: reaches the listener CODEC_S later
+        if r["first"] is not None and n % FRAME == 0 and not r.get("switched"):
+            # progressive tail windows until the audio in hand (by the engine's clock, from when the
+            # first chunk left) outlasts the wait for the next regular window (windows.py: `_tail`)
+            ahead, wait = r["sent_audio"] - (t - r["first"] + CODEC_S), REGULAR_WAIT
+            r["switched"] = lead_fits(wait, ahead, clock.rows_time_high(wait) / wait, latency_s=DELIVERY_S)
     return dt
 
 
@@ -544,6 +646,11 @@ def main(argv: list[str] | None = None) -> None:
         "--duration", type=float, default=None, help="seconds each level's requests come (20; 12 with --rate)"
     )
     ap.add_argument("--before", default="", help="levels the worker serves first, e.g. 64,256")
+    ap.add_argument(
+        "--first-audio-sit-out",
+        action="store_true",
+        help="beside the engine's policy: streams ahead sit out while first chunks wait (FirstAudioSitOut)",
+    )
     args = ap.parse_args(argv)
     poisson = bool(args.rate)
     tokens = args.tokens or (360 if poisson else 1024)
@@ -565,6 +672,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.batched:
             policies.append(("life, the GPU's prompt costs", dict(life=True, gpu_charge=True, **common)))
         levels, run = [int(x) for x in args.clients.split(",")], simulate
+    if args.first_audio_sit_out:
+        policies.append(("life, first-audio sit-out", dict(life=True, first_audio=True, **common)))
     for name, kw in policies:
         for n in levels:
             rows.append({"policy": name, **worst([run(n, seed=s, **kw) for s in range(args.seeds)])})
