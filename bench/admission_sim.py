@@ -126,7 +126,11 @@ H200_BATCHED = dataclasses.replace(H200, fixed_ms=3.4, extra_prompt_ms=0.6, pass
 # graph for 0.9 ms (its startup steps: two joiners +1.88 ms), the rest share a batched pass as
 # H200_BATCHED's. H200's knee (rows below 128 at 2 us) is fitted to 340-416 rows of ~550 tokens,
 # and between 128 and 250 rows of short context makes steps ~1 ms (at 150 rows ~1.4 ms) shorter
-# than the H200's there.
+# than the H200's there. Simulated at 80 req/s (5 seeds): ~184 streams, 6.5 ms a step (p95 8.4),
+# first chunks of two frames for a third of the requests, TTFA p50 / p95 61 / 114 ms, where the
+# H200 runs ~225 streams at ~7 ms with most first chunks of two frames (TTFA p50 ~132 ms): its step
+# at a given load is the H200's, the load it settles at lower; at 90 req/s it runs ~228 streams at
+# 7.2 ms, three quarters of first chunks of two frames, TTFA p50 114 ms.
 H200_RATE = dataclasses.replace(
     H200_BATCHED, row_us=9.9, row_us_per_1k_ctx=12.2, knee=0, joiners=1, join_ms=0.9
 )
