@@ -45,7 +45,7 @@ import numpy as np
 from common.config import GpuWorkerSettings
 from gpu_worker.runner.graphs import decode_buckets
 from gpu_worker.scheduler.calibrate import step_differences
-from gpu_worker.scheduler.pacing import StepClock, lead_fits
+from gpu_worker.scheduler.pacing import MIN_SPANS, SPAN_QUANTILE, StepClock, lead_fits
 from gpu_worker.scheduler.sit_out import SIT_OUT_MAX, SitOut
 from gpu_worker.scheduler.step_cost import Lives
 
@@ -54,7 +54,15 @@ FRAME, LEADS = 7, (7, 14, 21)
 DELIVERY_S = 0.025  # gpu_worker.windows.DELIVERY_S
 # The per-row time (`rows_time_high` over a frame's rows) at which a first frame goes out alone:
 # `lead_fits(FRAME, FRAME / ROWS_PER_S, p, 1.15, DELIVERY_S)` holds for p up to this (7.5 ms).
-ONE_FRAME_S = (FRAME / ROWS_PER_S - DELIVERY_S) / (FRAME * 1.15)
+MARGIN = 1.15  # lead_fits's margin
+
+
+def one_frame_s(margin: float = MARGIN) -> float:
+    """The per-row time up to which `lead_fits` with `margin` sends a first frame alone."""
+    return (FRAME / ROWS_PER_S - DELIVERY_S) / (FRAME * margin)
+
+
+ONE_FRAME_S = one_frame_s()
 # Rows from a frame's end to the next regular window's (a 28-row window every frame: 21)
 REGULAR_WAIT = 21
 CODEC_S = 0.010  # a chunk's codec pass and trip to the client
@@ -176,7 +184,9 @@ class FirstAudioSitOut:
     58 / 90 / 103 ms against 61 / 114 / 119, ~41 of ~221 streams sitting out; at 90 req/s 78 %
     against 26 %, 62 / 123 / 135 ms against 114 / 127 / 134, ~86 of ~300 out; at 100-110 req/s
     (mean interval past the bound) it stays off but while the load grows, and its streams coming
-    back then take p99 from 167 to 202 ms at 110; nothing changes at 20-40 req/s."""
+    back then take p99 from 167 to 202 ms at 110; nothing changes at 20-40 req/s. `bound`: the
+    one-frame pace of the first-chunk decision in use (ONE_FRAME_S, or `one_frame_s` of a
+    `--first-margin`)."""
 
     def __init__(
         self,
@@ -185,9 +195,10 @@ class FirstAudioSitOut:
         spare_s: float,
         margin: float = 1.1,
         room: float = 0.85,
+        bound: float = ONE_FRAME_S,
     ) -> None:
         self.clock, self.sizes, self.spare_s, self.margin = clock, sorted(sizes), spare_s, margin
-        self.room = room
+        self.room, self.bound = room, bound
         self.period = 0.0  # the step interval over the last ~100 steps
 
     def choose(
@@ -208,10 +219,10 @@ class FirstAudioSitOut:
         and near the capacity they would hold new requests at admission."""
         self.period += (0.01 if self.period else 1.0) * (self.clock.row_period() - self.period)
         fit = self.clock.cost.coefficients()
-        if fit is None or len(leads) > self.room * capacity or self.period > ONE_FRAME_S:
+        if fit is None or len(leads) > self.room * capacity or self.period > self.bound:
             return []
         a, b, c, d, e = fit
-        slow, target = self.clock.slowness(), ONE_FRAME_S / self.margin
+        slow, target = self.clock.slowness(), self.bound / self.margin
         rows = [i for i in range(len(leads)) if i not in out]
         tokens = len(rows) - prompts + prompts * prompt_len
         ctx = sum(context[i] for i in rows)
@@ -255,6 +266,13 @@ class Worker:
     rows: int = 0  # the last step's rows
     first_audio: FirstAudioSitOut | None = None
     cap: float = 512.0  # the capacity the worker last reported
+    # The first-chunk decision (`lead_fits` on the frame's span): the span quantile and the margin
+    # (the engine's: SPAN_QUANTILE, MARGIN), `--first-quantile` / `--first-margin`
+    first_quantile: float = SPAN_QUANTILE
+    first_margin: float = MARGIN
+    # while a running stream waits for its first chunk, a step starts at most this many prompts
+    # (`--prompts-while-first`; 0: as `prompts_now`)
+    prompts_while_first: int = 0
 
     def prompts_now(self, run: dict[int, dict]) -> int:
         """Prompts the next step may start beside the `run`ning streams."""
@@ -279,6 +297,35 @@ class Worker:
             return more
         return k
 
+    def prompts_next(self, run: dict[int, dict]) -> int:
+        """`prompts_now`, at most `prompts_while_first` while a running stream waits for its first
+        chunk: the steps of its frame then carry no batched prefill pass (nor, at 1, a joiner)."""
+        k = self.prompts_now(run)
+        if self.prompts_while_first and any(r["first"] is None for r in run.values()):
+            return min(k, self.prompts_while_first)
+        return k
+
+    def first_period_high(self, rows: int) -> float:
+        """The per-row time the first-chunk decision weighs over `rows` steps: the clock's
+        `rows_time_high`, at `first_quantile` (`span_high`)."""
+        if self.first_quantile == SPAN_QUANTILE:
+            return self.clock.rows_time_high(rows) / rows
+        return span_high(self.clock, rows, self.first_quantile) / rows
+
+
+def span_high(clock: StepClock, rows: int, q: float) -> float:
+    """`StepClock.rows_time_high` with the quantile `q` in place of SPAN_QUANTILE (its steps read
+    from the clock): the q-quantile of the times of every `rows` consecutive steps among the last
+    RECENT_STEPS or the latest span if slower, no less than the clock's `expect`."""
+    dts = clock._dts
+    if len(dts) < rows + MIN_SPANS:
+        high = rows * clock.row_period_high()
+    else:
+        ends = np.cumsum(np.fromiter(dts, float, len(dts)))
+        spans = ends[rows - 1 :] - np.concatenate([[0.0], ends[:-rows]])
+        high = max(float(np.quantile(spans, q)), float(spans[-1]))
+    return max(high, rows * clock._expected)
+
 
 def simulate(
     clients: int,
@@ -298,16 +345,22 @@ def simulate(
     room: bool = True,
     gpu_charge: bool = False,
     first_audio: bool = False,
+    first_quantile: float = SPAN_QUANTILE,
+    first_margin: float = MARGIN,
+    prompts_while_first: int = 0,
 ) -> dict:
     """`clients` closed-loop clients (all at once where `ramp_s` is 0: a burst) on `gpu` (its startup
     steps, with `calibrate`, timed on `startup`, default `gpu`), after the levels of clients
     `before` on the same worker (each for `duration_s`, idle between: as `voxpipe bench ttfa --load`
     runs its levels on one server); a step starts prompts as `Worker` says (`gpu_charge`), and with
-    `first_audio` streams ahead sit out for first chunks (`FirstAudioSitOut`). → the last level's
-    figures."""
+    `first_audio` streams ahead sit out for first chunks (`FirstAudioSitOut`); the first-chunk
+    decision at `first_quantile` and `first_margin`, at most `prompts_while_first` prompts a step
+    while a first chunk waits (`Worker`). → the last level's figures."""
     worker = new_worker(
         gpu, life, sit_out, tokens, prompt_len, seed, calibrate, startup, prompts_a_step, room, gpu_charge
     )
+    worker.first_quantile, worker.first_margin = first_quantile, first_margin
+    worker.prompts_while_first = prompts_while_first
     worker.first_audio = first_audio_sit_out(worker) if first_audio else None
     t = 0.0
     for n in before:
@@ -332,6 +385,9 @@ def simulate_poisson(
     room: bool = True,
     gpu_charge: bool = False,
     first_audio: bool = False,
+    first_quantile: float = SPAN_QUANTILE,
+    first_margin: float = MARGIN,
+    prompts_while_first: int = 0,
 ) -> dict:
     """Requests of `tokens` rows arriving open-loop at `rate` a second (Poisson) for `duration_s` on a
     fresh worker (its GPU and policy as `simulate` takes them), until the last one ends. → figures as
@@ -339,13 +395,17 @@ def simulate_poisson(
     worker = new_worker(
         gpu, life, sit_out, tokens, prompt_len, seed, calibrate, startup, prompts_a_step, room, gpu_charge
     )
+    worker.first_quantile, worker.first_margin = first_quantile, first_margin
+    worker.prompts_while_first = prompts_while_first
     worker.first_audio = first_audio_sit_out(worker) if first_audio else None
     return open_level(worker, rate, 0.0, duration_s, np.random.default_rng([seed, 1]))
 
 
 def first_audio_sit_out(w: Worker) -> FirstAudioSitOut:
-    """The first-audio policy on `w`'s clock, streams with the sit-out's audio in hand sitting out."""
-    return FirstAudioSitOut(w.clock, decode_buckets(512), GpuWorkerSettings().sit_out_lead_s)
+    """The first-audio policy on `w`'s clock, streams with the sit-out's audio in hand sitting out,
+    steps held under the one-frame pace of `w`'s first-chunk margin."""
+    lead = GpuWorkerSettings().sit_out_lead_s
+    return FirstAudioSitOut(w.clock, decode_buckets(512), lead, bound=one_frame_s(w.first_margin))
 
 
 def new_worker(
@@ -461,7 +521,7 @@ def serve(w: Worker, arrivals: Clients | Poisson, t0: float, end: float) -> Serv
                 caps.append(cap)
         while queue and len(run) + len(waiting) < cap:
             waiting.append(queue.pop(0))
-        k = w.prompts_now(run)
+        k = w.prompts_next(run)
         new, waiting = waiting[:k], waiting[k:]
         for c, sent in new:
             run[c] = dict(sent=sent, gen=0, first=None, late=0.0, admitted=t, prompt=True, cap=cap)
@@ -522,8 +582,12 @@ def open_level(w: Worker, rate: float, t0: float, duration_s: float, rng: np.ran
     running, the step interval (each running stream's row period but while it sits out) and
     throughput; and the first chunks' sizes in frames with the per-row time `lead_fits` weighed
     where a first frame was ready (`StepClock.rows_time_high` over a frame's rows: at most
-    `ONE_FRAME_S` sends it alone). Streams and steps are averaged over the last three quarters of
-    the arrivals, the first quarter filling the worker."""
+    `ONE_FRAME_S` sends it alone); and the second chunks' slack: the first chunk's audio left when
+    the second is made, the most its trip may take beyond the first's (the least, the 1st
+    percentile, and the share below DELIVERY_S, what `lead_fits` promises it). The sim's trip is a
+    constant CODEC_S, so a second chunk comes late only where the slack is negative; the GPU's trips
+    jitter. Streams and steps are averaged over the last three quarters of the arrivals, the first
+    quarter filling the worker."""
     end = t0 + duration_s
     s = serve(w, Poisson(rate, t0, end, rng), t0, end)
     done = s.done
@@ -533,6 +597,7 @@ def open_level(w: Worker, rate: float, t0: float, duration_s: float, rng: np.ran
     wait = np.array([r["admitted"] - r["sent"] for r in done])
     frames = np.array([r["first_rows"] // FRAME for r in done])
     high = np.array([r["high"] for r in done if "high" in r])
+    slack = np.array([r["second_slack"] for r in done if "second_slack" in r])
     steady = [
         (dt, n)
         for (start, dt, _), n in zip(s.steps, s.served, strict=True)
@@ -552,9 +617,12 @@ def open_level(w: Worker, rate: float, t0: float, duration_s: float, rng: np.ran
         "wait_p99_ms": ms(np.percentile(wait, 99)),
         "on_time_share": round(float((late <= 0.0).mean()), 4),
         "worst_late_ms": ms(late.max()),
+        "second_slack_min_ms": ms(slack.min()) if len(slack) else None,
+        "second_slack_p1_ms": ms(np.percentile(slack, 1)) if len(slack) else None,
+        "second_under_delivery_share": round(float((slack < DELIVERY_S).mean()), 4) if len(slack) else None,
         "first_frames": {f: round(float((frames == f).mean()), 3) for f in (1, 2, 3)},
         "first_period_high_p50_ms": ms(np.median(high)) if len(high) else None,
-        "one_frame_period_ms": ms(ONE_FRAME_S),
+        "one_frame_period_ms": ms(one_frame_s(w.first_margin)),
         "streams_mean": round(float((streams * dts).sum() / dts.sum()), 1),
         "sitting_out_mean": round(float(((streams - rows) * dts).sum() / dts.sum()), 1),
         "row_period_mean_ms": ms(dts.mean()),
@@ -602,14 +670,18 @@ def step(w: Worker, run: dict, t: float) -> float:
         r["gen"] += 1
         n = r["gen"]
         if r["first"] is None and n % FRAME == 0:
-            high = clock.rows_time_high(FRAME) / FRAME
+            high = w.first_period_high(FRAME)
             if n == FRAME:
                 r["high"] = high
-            fits = lead_fits(FRAME, n * period, high, latency_s=DELIVERY_S)
+            fits = lead_fits(FRAME, n * period, high, w.first_margin, latency_s=DELIVERY_S)
             if fits or n >= LEADS[-1] or n >= w.tokens:
                 r["first"], r["sent_audio"], r["first_rows"] = t + CODEC_S, n * period, n
         elif r["first"] is not None and n % FRAME == 0:
             r["sent_audio"] = n * period  # a frame's chunk: reaches the listener CODEC_S later
+            if n == r["first_rows"] + FRAME:
+                # the first chunk's audio left when the second is made: what a second chunk's trip
+                # may take beyond the first's (lead_fits's promise: DELIVERY_S)
+                r["second_slack"] = r["first_rows"] * period - (t - (r["first"] - CODEC_S))
         if r["first"] is not None and n % FRAME == 0 and not r.get("switched"):
             # progressive tail windows until the audio in hand (by the engine's clock, from when the
             # first chunk left) outlasts the wait for the next regular window (windows.py: `_tail`)
@@ -653,7 +725,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--first-audio-sit-out",
         action="store_true",
-        help="beside the engine's policy: streams ahead sit out while first chunks wait (FirstAudioSitOut)",
+        help="beside each policy: streams ahead sit out while first chunks wait (FirstAudioSitOut)",
+    )
+    ap.add_argument(
+        "--first-quantile",
+        default="",
+        help=f"policies besides: the first-chunk decision at these span quantiles (e.g. 0.8,0.9; "
+        f"the engine's {SPAN_QUANTILE})",
+    )
+    ap.add_argument(
+        "--first-margin",
+        default="",
+        help=f"policies besides: the first-chunk decision at these margins (e.g. 1.0; the engine's {MARGIN})",
+    )
+    ap.add_argument(
+        "--prompts-while-first",
+        default="",
+        help="policies besides: at most this many prompts a step while a first chunk waits (e.g. 1,2)",
     )
     args = ap.parse_args(argv)
     poisson = bool(args.rate)
@@ -676,8 +764,17 @@ def main(argv: list[str] | None = None) -> None:
         if args.batched:
             policies.append(("life, the GPU's prompt costs", dict(life=True, gpu_charge=True, **common)))
         levels, run = [int(x) for x in args.clients.split(",")], simulate
+    levers = [(f"first quantile {q}", dict(first_quantile=float(q))) for q in split(args.first_quantile)]
+    levers += [(f"first margin {m}", dict(first_margin=float(m))) for m in split(args.first_margin)]
+    levers += [
+        (f"<= {k} prompts while first", dict(prompts_while_first=int(k)))
+        for k in split(args.prompts_while_first)
+    ]
+    weighed = [("life", dict(life=True, **common))]
+    weighed += [(f"life, {lever}", dict(life=True, **kw, **common)) for lever, kw in levers]
+    policies += weighed[1:]
     if args.first_audio_sit_out:
-        policies.append(("life, first-audio sit-out", dict(life=True, first_audio=True, **common)))
+        policies += [(f"{name}, first-audio sit-out", dict(kw, first_audio=True)) for name, kw in weighed]
     for name, kw in policies:
         for n in levels:
             rows.append({"policy": name, **worst([run(n, seed=s, **kw) for s in range(args.seeds)])})
@@ -690,15 +787,19 @@ def main(argv: list[str] | None = None) -> None:
             json.dump({"what": what, "rows": rows}, f, indent=1)
 
 
+def split(values: str) -> list[str]:
+    return [x for x in values.split(",") if x]
+
+
 def worst(runs: list[dict]) -> dict:
-    """Each figure at its worst over `runs` (the least share on time and throughput, the most of the
-    others), and the mean share of first chunks of each size."""
+    """Each figure at its worst over `runs` (the least share on time, throughput and second chunks'
+    slack, the most of the others), and the mean share of first chunks of each size."""
     row = {}
     for k, v in runs[0].items():
         if k == "t_end":
             continue
-        if k in ("on_time_share", "x_realtime"):
-            row[k] = min(r[k] for r in runs)
+        if k in ("on_time_share", "x_realtime", "second_slack_min_ms", "second_slack_p1_ms"):
+            row[k] = min((r[k] for r in runs if r[k] is not None), default=None)
         elif isinstance(v, dict):
             row[k] = {f: round(float(np.mean([r[k][f] for r in runs])), 3) for f in v}
         elif v is None or isinstance(v, (int, float, list)):
