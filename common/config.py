@@ -145,6 +145,12 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     # sends the smallest lead (deterministic: for tests); "progressive" sends each first frame as a
     # tail window as soon as it exists, until the stream is far enough ahead (gpu_worker/windows.py).
     first_chunk: str = "adaptive"
+    # The first chunk's jitter margin: it goes out (a lead window, a progressive first frame) only
+    # when the steps that make the next window, this many times their pessimistic time (the 95th
+    # percentile of recent spans), leave it in time (gpu_worker.scheduler.pacing.lead_fits). Lower
+    # sends more first chunks after one frame under load, and spends the second chunk's slack
+    # (bench/admission_sim.py --first-margin weighs it); at least 1.
+    first_chunk_margin: float = 1.15
     # Admission (gpu_worker.scheduler.pacing.StepClock.capacity): the load whose step, every stream
     # in it at its life-average context, takes at most this share of a row's playback time by the
     # fitted step cost (StepCost.capacity). The rest, and the streams' leads (SitOut), carry the
@@ -252,6 +258,10 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
         check_headroom(self.realtime_headroom)
         check_headroom(self.capacity_headroom, "--capacity-headroom")
         check_sit_out(self.sit_out_lead_s)
+        if not 1.0 <= self.first_chunk_margin <= 2.0:
+            raise ValueError(
+                f"--first-chunk-margin is a factor on the steps' pessimistic time in [1, 2], got {self.first_chunk_margin}"
+            )
         if self.max_lead_s and self.max_lead_s < 1.0:
             raise ValueError(f"--max-lead caps audio in hand at 1 s or more (0 = off), got {self.max_lead_s}")
 

@@ -320,6 +320,15 @@ OPTIONS: tuple[Option, ...] = (
         path="gpu.first_chunk",
     ),
     Option(
+        "first_chunk_margin",
+        "the first chunk's jitter margin: it goes out when the steps that make the next window, "
+        "this many times their pessimistic time, leave it in time (1..2; lower: more first chunks "
+        "after one frame under load, less slack for the second)",
+        ("serve", "gpu_worker"),
+        float,
+        path="gpu.first_chunk_margin",
+    ),
+    Option(
         "capacity_headroom",
         "admission: the share of a row's playback time (1 / the model's rows per second) that an engine step of "
         "every admitted stream, at the context each attends over on average in its life, may take "

@@ -71,7 +71,9 @@ class Engine:
         self.device = program.device
         self.runner = ModelRunner(program, limits, progress)
         clock = step_clock(program, limits)
-        self.windows = AudioWindows(program, limits.first_chunk, clock)
+        self.windows = AudioWindows(
+            program, limits.first_chunk, clock, first_margin=limits.first_chunk_margin
+        )
         self.scheduler = Scheduler(
             program, limits, self.runner.num_pages, self.runner.slots, clock, self.windows,
             getattr(self.runner.forward_runner, "sizes", None), real_time=self.device.type == "cuda",

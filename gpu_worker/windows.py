@@ -36,6 +36,8 @@ FIRST_CHUNK_MODES = ("reference", "adaptive", "fastest", "progressive")
 # pass, the decode, the gateway, the network). On the H200 at 128 streams, with a frame's worth of
 # steps as the only allowance, the second frame comes ~6 ms late for 1 stream in 5.
 DELIVERY_S = 0.025
+# The first chunk's jitter margin by default (`--first-chunk-margin`): `lead_fits`'s own.
+FIRST_MARGIN = 1.15
 
 
 def clock_window(program: LMProgram) -> int:
@@ -79,6 +81,7 @@ class AudioWindows:
         first_chunk: str,
         clock: StepClock,
         now: Callable[[], float] = time.monotonic,
+        first_margin: float = FIRST_MARGIN,
     ) -> None:
         if first_chunk not in FIRST_CHUNK_MODES:
             raise ValueError(
@@ -109,6 +112,7 @@ class AudioWindows:
         self.leads = () if first_chunk in ("reference", "progressive") else tuple(program.detok_lead)
         self.clock = clock
         self.now = now
+        self.first_margin = first_margin  # the first chunk's decision (`_first_now`, `lead_now`)
         # The rows n (mod stride) at which after_row may make a window (it returns None at any other):
         # the end of a regular window, of a lead, of a frame in progressive mode. The engine calls
         # it at those rows only.
@@ -236,7 +240,8 @@ class AudioWindows:
         leads = self.program.detok_lead
         if not leads or n >= max(leads):
             return True
-        return lead_fits(self.stride, self._audio_s(n), self._period_high(self.stride), latency_s=DELIVERY_S)
+        period = self._period_high(self.stride)
+        return lead_fits(self.stride, self._audio_s(n), period, self.first_margin, latency_s=DELIVERY_S)
 
     def _tail(self, req, n: int = -1) -> DetokChunk:
         """The newest frame as a tail window (a first chunk: every frame so far, decoded whole as a
@@ -285,7 +290,7 @@ class AudioWindows:
         if self.fastest:
             return True
         gap = self._rows_to_next_window(lead_rows)
-        return lead_fits(gap, self._audio_s(lead_rows), self._period_high(gap))
+        return lead_fits(gap, self._audio_s(lead_rows), self._period_high(gap), self.first_margin)
 
     def _period_high(self, rows: int) -> float:
         """A pessimistic seconds per row over the next `rows` steps."""

@@ -35,8 +35,11 @@ def program():
     return p
 
 
-def chunks_of(program, first_chunk: str, step_s: float) -> list[DetokChunk]:
-    eng = Engine(program, GpuWorkerSettings(max_batch_size=4, max_context=200, first_chunk=first_chunk))
+def chunks_of(program, first_chunk: str, step_s: float, margin: float = 1.15) -> list[DetokChunk]:
+    settings = GpuWorkerSettings(
+        max_batch_size=4, max_context=200, first_chunk=first_chunk, first_chunk_margin=margin
+    )
+    eng = Engine(program, settings)
     for _ in range(10):
         eng.clock.record(1, step_s)  # the pace the engine believes it steps at
     # Keep it there, and let the listener's clock run at that pace (the CPU's real pace would vary).
@@ -47,6 +50,29 @@ def chunks_of(program, first_chunk: str, step_s: float) -> list[DetokChunk]:
     sp = SamplingParams(max_tokens=150, min_tokens=130, constrained=True, seed=3)
     eng.add(Prompt("r", rows.tobytes(), len(rows), sp))
     return [c for batch in eng.run_until_idle() for c in batch.chunks]
+
+
+@pytest.mark.parametrize("margin, first_rows", [(1.15, 14), (1.0, 7)])
+def test_a_lower_first_chunk_margin_sends_one_frame_where_the_default_waits_for_two(
+    program, margin, first_rows
+):
+    # 8 ms steps: 7 of them at 1.15 plus DELIVERY_S is 89 ms, past a frame's 85 ms (two frames);
+    # at 1.0, 81 ms (one). The audio after the first chunk is the reference's either way.
+    got = chunks_of(program, "progressive", 0.008, margin)
+    assert (len(got[0].tokens) // 4, got[0].tail_rows) == (first_rows, first_rows)
+    ref = chunks_of(program, "reference", 0.008)
+    windows = [np.frombuffer(c.tokens, "<i4") for c in ref]  # window j: rows [7j, 7j + 28)
+    full = np.concatenate([windows[0], *(w[-7:] for w in windows[1:])])  # the audio rows
+    assert np.frombuffer(got[0].tokens, "<i4").tolist() == full[:first_rows].tolist()
+    late = [(c.tokens, c.noise_id) for c in got if not c.tail_rows]  # the reference's, at the end
+    assert late == [(c.tokens, c.noise_id) for c in ref[len(ref) - len(late) :]]
+
+
+def test_the_first_chunk_margin_is_checked():
+    GpuWorkerSettings(first_chunk_margin=1.0).check()
+    for bad in (0.9, 2.5):
+        with pytest.raises(ValueError, match="--first-chunk-margin"):
+            GpuWorkerSettings(first_chunk_margin=bad).check()
 
 
 @pytest.mark.parametrize("step_ms, first_rows, n_early", [(3.0, 7, 2), (8.0, 14, 3)])
