@@ -380,11 +380,9 @@ def simulate(
     decision at `first_quantile` and `first_margin`, at most `prompts_while_first` prompts a step
     while a first chunk waits (`Worker`). → the last level's figures."""
     worker = new_worker(
-        gpu, life, sit_out, tokens, prompt_len, seed, calibrate, startup, prompts_a_step, room, gpu_charge
-    )
-    worker.first_quantile, worker.first_margin = first_quantile, first_margin
-    worker.prompts_while_first = prompts_while_first
-    worker.first_audio = first_audio_sit_out(worker) if first_audio else None
+        gpu, life, sit_out, tokens, prompt_len, seed, calibrate, startup, prompts_a_step, room, gpu_charge,
+        first_audio, first_quantile, first_margin, prompts_while_first,
+    )  # fmt: skip
     t = 0.0
     for n in before:
         t = level(worker, n, t, ramp_s, duration_s)["t_end"] + IDLE_S
@@ -416,11 +414,9 @@ def simulate_poisson(
     fresh worker (its GPU and policy as `simulate` takes them), until the last one ends. → figures as
     `voxpipe bench ttfa --rate` reports them (`open_level`)."""
     worker = new_worker(
-        gpu, life, sit_out, tokens, prompt_len, seed, calibrate, startup, prompts_a_step, room, gpu_charge
-    )
-    worker.first_quantile, worker.first_margin = first_quantile, first_margin
-    worker.prompts_while_first = prompts_while_first
-    worker.first_audio = first_audio_sit_out(worker) if first_audio else None
+        gpu, life, sit_out, tokens, prompt_len, seed, calibrate, startup, prompts_a_step, room, gpu_charge,
+        first_audio, first_quantile, first_margin, prompts_while_first,
+    )  # fmt: skip
     return open_level(worker, rate, 0.0, duration_s, np.random.default_rng([seed, 1]))
 
 
@@ -443,9 +439,14 @@ def new_worker(
     prompts_a_step: int,
     room: bool,
     gpu_charge: bool,
+    first_audio: bool = False,
+    first_quantile: float = SPAN_QUANTILE,
+    first_margin: float = MARGIN,
+    prompts_while_first: int = 0,
 ) -> Worker:
     """A fresh worker on `gpu` (default `GPU()`), its clock `calibrate`d from startup steps timed on
-    `startup` (default `gpu`), its steps' noise drawn from `seed`."""
+    `startup` (default `gpu`), its steps' noise drawn from `seed`; its first-chunk levers as
+    `simulate` takes them."""
     gpu = gpu or GPU()
     clock = StepClock(ROWS_PER_S, 512)
     if calibrate:
@@ -454,7 +455,14 @@ def new_worker(
         clock.seed(steps, now=0.0)
     sit = SitOut(clock, decode_buckets(512), GpuWorkerSettings().sit_out_lead_s) if sit_out else None
     rng = np.random.default_rng(seed)
-    return Worker(gpu, clock, sit, rng, life, prompts_a_step, room, tokens, prompt_len, gpu_charge)
+    w = Worker(gpu, clock, sit, rng, life, prompts_a_step, room, tokens, prompt_len, gpu_charge)
+    w.first_quantile, w.first_margin, w.prompts_while_first = (
+        first_quantile,
+        first_margin,
+        prompts_while_first,
+    )
+    w.first_audio = first_audio_sit_out(w) if first_audio else None
+    return w
 
 
 class Clients:
