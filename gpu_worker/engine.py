@@ -356,7 +356,7 @@ class Engine:
             self._lanes.remove(lane)
             chunks += self._process(lane, in_lane=True)
         out = self._batch(chunks) if ended else None
-        self._lane_fences = [e for e in self._lane_fences if not self._passed(e)]
+        fences = self._pending_fences()
         step = self._inflight
         cap = self.limits.prompt_lane_max_batch
         busy = {lane.lane for lane in self._lanes}
@@ -369,7 +369,7 @@ class Engine:
             and not self._ended(step)
         ):
             slots, pages = self._lane_avoids(step)
-            admitting = self.runner.lane_admitting(free[0], self._lane_fences)
+            admitting = self.runner.lane_admitting(free[0], fences)
             req = self.scheduler.admit_lane(slots, pages, self.runner.lane_fits, admitting)
             if req is None:
                 break
@@ -382,28 +382,24 @@ class Engine:
         (`step`) may still write, what its requests that ended since gave back; and those of every
         lane in flight, what its request holds or gave back (its lane may still write them)."""
         slots, pages = set(), set()
-        for r in step.batch:
-            if r.done and r.released is not None:
-                slots.add(r.released[0])
-                pages.update(r.released[1])
-        for lane in self._lanes:
-            r = lane.batch[0]
-            if r.done:
-                if r.released is not None:
-                    slots.add(r.released[0])
-                    pages.update(r.released[1])
-            else:
-                slots.add(r.slot)
-                pages.update(r.pages)
+        for r in [*(r for r in step.batch if r.done), *(lane.batch[0] for lane in self._lanes)]:
+            where = r.released if r.done else (r.slot, r.pages)
+            if where is not None:
+                slots.add(where[0])
+                pages.update(where[1])
         return slots, pages
 
     def _fences(self) -> list[torch.cuda.Event]:
         """What the main stream waits on before a step's admission: each lane in flight whose
         request ended (what it gave back may go to the step's requests), and the fences of dropped
         work that have not passed."""
-        self._lane_fences = [e for e in self._lane_fences if not self._passed(e)]
         ended = [lane.ready for lane in self._lanes if lane.ready is not None and lane.batch[0].done]
-        return ended + self._lane_fences
+        return ended + self._pending_fences()
+
+    def _pending_fences(self) -> list[torch.cuda.Event]:
+        """`_lane_fences` less those the device has passed (dropped from it)."""
+        self._lane_fences = [e for e in self._lane_fences if not self._passed(e)]
+        return self._lane_fences
 
     @staticmethod
     def _passed(event) -> bool:

@@ -374,8 +374,7 @@ class ModelRunner:
         (eagerly in place without lanes of graphs), after `fences` (events of work that may still
         write what the request takes: `Engine._lane_fences`)."""
         with self.lanes[lane].admitting() if self.lanes else contextlib.nullcontext():
-            for event in fences:
-                event.wait()  # the current stream: the lane's
+            self.follow(fences)  # the current stream: the lane's
             yield
 
     def queued(self) -> list[torch.cuda.Event]:
@@ -392,8 +391,8 @@ class ModelRunner:
         return events
 
     def follow(self, events: list[torch.cuda.Event]) -> None:
-        """The main stream's next work waits for `events` (what a lane or dropped work may still
-        write: `Engine._fences`)."""
+        """The current stream's next work (the main stream's, or a lane's while it admits) waits for
+        `events` (what a lane or dropped work may still write: `Engine._fences`)."""
         for event in events:
             event.wait()
 
