@@ -60,15 +60,21 @@ def serve(
     return eng.outputs, windows, eng
 
 
-def test_prompts_start_in_the_lane_and_sample_what_they_sample_alone(program):
-    ps = prompts(program, 5)
-    alone = {}
+def alone(program, ps: list[Prompt]) -> dict:
+    """Each prompt's outputs served by an engine of its own, nothing beside it."""
+    out = {}
     for p in ps:
         eng = Engine(program, limits())
         eng.outputs = {}
         eng.add(p)
         eng.run_until_idle()
-        alone |= eng.outputs
+        out |= eng.outputs
+    return out
+
+
+def test_prompts_start_in_the_lane_and_sample_what_they_sample_alone(program):
+    ps = prompts(program, 5)
+    by_itself = alone(program, ps)
     on, windows_on, eng = serve(program, ps, "on")
     off, windows_off, _ = serve(program, ps, "off")
     assert eng.lane_prompts == len(ps) - 1  # the first found no step in flight
@@ -76,7 +82,7 @@ def test_prompts_start_in_the_lane_and_sample_what_they_sample_alone(program):
     for p in ps:
         rows_on, reason = on[p.rid]
         assert reason in (FinishReason.STOP, FinishReason.LENGTH)
-        assert rows_on == alone[p.rid][0], f"{p.rid}: the lane changed its rows"
+        assert rows_on == by_itself[p.rid][0], f"{p.rid}: the lane changed its rows"
         assert rows_on == off[p.rid][0]
     assert windows_on == windows_off
     eng.scheduler.check()

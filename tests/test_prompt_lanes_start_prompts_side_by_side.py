@@ -20,8 +20,8 @@ from gpu_worker.engine import Engine
 from tests import test_prompt_lane_starts_a_prompt_beside_the_step_in_flight as one_lane
 from tests.test_a_burst_is_admitted_several_prompts_a_step_with_the_tokens_each_gets_alone import prompts
 
-# the same tiny programs (float64, the fixture) and settings as the one lane's tests
-program, limits = one_lane.program, one_lane.limits
+# the one lane's tests' tiny programs (float64, the fixture), settings and outputs alone
+program, limits, alone = one_lane.program, one_lane.limits, one_lane.alone
 
 
 def lanes(program, n: int = 2, **kw) -> Engine:
@@ -76,17 +76,6 @@ def one_in_a_lane(program, n_prompts: int, n_lanes: int) -> tuple[list[Prompt], 
     eng.add(ps[1])
     eng.lane_step()
     return ps, eng, held
-
-
-def alone(program, ps: list[Prompt]) -> dict:
-    out = {}
-    for p in ps:
-        eng = Engine(program, limits())
-        eng.outputs = {}
-        eng.add(p)
-        eng.run_until_idle()
-        out |= eng.outputs
-    return out
 
 
 def finish(eng: Engine, held: list[Held] = ()) -> None:
