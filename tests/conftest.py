@@ -11,6 +11,7 @@ if not os.path.exists("/dev/nvidia0") and not os.environ.get("CUDA_VISIBLE_DEVIC
 
 import asyncio
 import contextlib
+import importlib
 import importlib.util
 import json
 import shutil
@@ -89,6 +90,15 @@ def tiny_lm_on_one_thread(model: str, **program_kw) -> Iterator:
         yield p
     finally:
         torch.set_num_threads(before)
+
+
+def interpreted_kernel(module: str, name: str):
+    """`name` of the Triton kernel module `module`, for a test that runs it in Triton's interpreter
+    (set above where there is no GPU); skips where triton is missing or the interpreter is off."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs in Triton's interpreter (tests/conftest.py sets it where there is no GPU)")
+    return getattr(importlib.import_module(module), name)
 
 
 def free_port() -> int:

@@ -9,21 +9,16 @@ interpreter on the CPU (TRITON_INTERPRET=1, which tests/conftest.py sets there).
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
 from programs.blocks.rope import cos_sin_table
+from tests.conftest import interpreted_kernel
 
 
 @pytest.fixture(scope="module")
 def depth_attention():
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("runs in Triton's interpreter (tests/conftest.py sets it where there is no GPU)")
-    return importlib.import_module("programs.blocks.depth_attention").depth_attention
+    return interpreted_kernel("programs.blocks.depth_attention", "depth_attention")
 
 
 def reference(qkv, q_norm, k_norm, eps, cos_sin, keys, values, t):

@@ -6,21 +6,16 @@ Triton's interpreter on the CPU (TRITON_INTERPRET=1, which tests/conftest.py set
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
 from gpu_worker.runner.sampler import SamplingRows, _sample_tail
+from tests.conftest import interpreted_kernel
 
 
 @pytest.fixture(scope="module")
 def sample_tail():
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("runs in Triton's interpreter (tests/conftest.py sets it where there is no GPU)")
-    return importlib.import_module("gpu_worker.runner.sample_kernel").sample_tail
+    return interpreted_kernel("gpu_worker.runner.sample_kernel", "sample_tail")
 
 
 def rows_of(b: int, gen: torch.Generator) -> SamplingRows:
