@@ -7,7 +7,6 @@ functions written from their documented contracts and the Triton kernel in Trito
 
 from __future__ import annotations
 
-import os
 import sys
 import types
 
@@ -16,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from programs import get_spec, load_program_class
+from tests.conftest import interpreted_kernel
 from tests.test_qwen3_tts_one_shape_predictor_equals_the_eager_step import rows
 
 
@@ -99,9 +99,7 @@ def test_fused_talker_equals_the_eager_one(fake_flashinfer) -> None:
 
 
 def test_fused_predictor_draws_the_eager_frames(fake_flashinfer) -> None:
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("its attention kernel runs in Triton's interpreter (tests/conftest.py sets it)")
+    interpreted_kernel("programs.blocks.depth_attention", "depth_attention")  # its attention kernel
     eager, fused = _lm(), _lm()
     fused.fuse(max_positions=64)
     gen = torch.Generator().manual_seed(2)
