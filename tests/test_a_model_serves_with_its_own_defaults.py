@@ -36,6 +36,7 @@ def test_a_flag_or_a_variable_overrides_the_models_choice():
     assert settings.chosen == {
         "late_launch": "on",
         "prompt_lane": "on",
+        "prompt_lanes": 2,
         "codec_merge": 8,
     }  # what serve logs it chose
     cfg = parse_role("serve", [], {"VOXPIPE_MODEL": "qwen3-tts", "VOXPIPE_CODEC_MERGE": "2"}).cfg
@@ -81,12 +82,14 @@ def test_a_bench_result_names_the_settings_the_model_chose_and_the_command_did_n
     assert model_settings("qwen3-tts", ["--max-batch-size", "256", "--fused-step", "off"]) == {
         "late_launch": "on",
         "prompt_lane": "on",
+        "prompt_lanes": 2,
         "codec_merge": 8,
     }
     assert model_settings("qwen3-tts", ["--codec-merge=2"]) == {
         "fused_step": "on",
         "late_launch": "on",
         "prompt_lane": "on",
+        "prompt_lanes": 2,
     }
     assert model_settings("orpheus", []) == {}
 

@@ -171,7 +171,7 @@ _BASE = {
 # 80 req/s, with TTFA p95 85 ms for the 1.7B and 61 ms for the 0.6B, where the runtime's defaults
 # give the 0.6B 446 ms and 99.1 % on time (docs/models/qwen3-tts.md, Serving settings). The Base
 # models' cloning prompts are unmeasured with them on a GPU: they serve with the runtime's defaults.
-_SERVE = {"fused_step": "on", "late_launch": "on", "prompt_lane": "on", "codec_merge": 8}
+_SERVE = {"fused_step": "on", "late_launch": "on", "prompt_lane": "on", "prompt_lanes": 2, "codec_merge": 8}
 
 SPECS = {
     "qwen3-tts": {
