@@ -56,7 +56,8 @@
 # VOXPIPE_LOAD / VOXPIPE_LOAD_S (load levels and seconds per level), VOXPIPE_SERVE_EXTRA (more
 # `voxpipe serve` flags), VOXPIPE_LM_SIZES, VOXPIPE_LM_CONFIGS, VOXPIPE_ATTN_VARIANTS / _SIZES,
 # VOXPIPE_CODEC_BATCH / _OTHER, VOXPIPE_COMPILE_MODES, VOXPIPE_PROFILE_BATCH / _FLAGS,
-# VOXPIPE_TAP_LEVEL (load, burst and the rate stages: a tap of that level), VOXPIPE_PROFILE_LEVEL, VOXPIPE_CLONE_MODEL, VOXPIPE_QWEN3_MODEL, VOXPIPE_RATES,
+# VOXPIPE_TAP_LEVEL / VOXPIPE_PROFILE_LEVEL / VOXPIPE_PROFILE_ROLES (load, burst and the rate
+# stages: a tap, py-spy profiles of those workers, at that level), VOXPIPE_CLONE_MODEL, VOXPIPE_QWEN3_MODEL, VOXPIPE_RATES,
 # VOXPIPE_WS_SESSIONS, VOXPIPE_LABEL (device label, default: nvidia-smi's).
 # bench/device.sh wraps this script for a bare machine that gets the packages carried with the tree.
 set -u
@@ -78,6 +79,11 @@ run() {  # run NAME CMD...: timed, logged, never stops the other stages
     timeout "$STAGE_S" "$@" >"$OUT/$name.log" 2>&1
     echo "$name: rc $? in $((SECONDS - t0)) s"
     tail -n 3 "$OUT/$name.log"
+}
+observe() {  # observe STAGE: bench ttfa's flags for a tap and py-spy profiles of one load level
+    echo ${VOXPIPE_TAP_LEVEL:+--tap-level $VOXPIPE_TAP_LEVEL --tap-out $OUT/$1-tap.jsonl.gz} \
+        ${VOXPIPE_PROFILE_LEVEL:+--profile-level $VOXPIPE_PROFILE_LEVEL --profile-out $OUT/$1-py-spy} \
+        ${VOXPIPE_PROFILE_ROLES:+--profile-roles $VOXPIPE_PROFILE_ROLES}
 }
 gpu_tests() {  # gpu_tests NAME FILES...: the GPU tests, their reports to $OUT
     local name=$1
@@ -128,26 +134,25 @@ for stage in "$@"; do
         [ "$stage" = load-mps ] && extra="--mps on"
         run "$stage" $bench ttfa --reps 15 --tokens 200 --load "${VOXPIPE_LOAD:-128,192,256,320,384}" \
             --load-duration "${VOXPIPE_LOAD_S:-20}" --ramp 8 --label "$LABEL" --load-out "$OUT/$stage.json" \
-            --out "$OUT/$stage-ttfa.json" ${VOXPIPE_TAP_LEVEL:+--tap-level $VOXPIPE_TAP_LEVEL --tap-out $OUT/$stage-tap.jsonl.gz} \
-            ${VOXPIPE_PROFILE_LEVEL:+--profile-level $VOXPIPE_PROFILE_LEVEL --profile-out $OUT/$stage-py-spy} \
+            --out "$OUT/$stage-ttfa.json" $(observe "$stage") \
             -- $serve_flags --first-chunk $first $extra ${VOXPIPE_SERVE_EXTRA:-}
         ;;
     burst)
         run burst $bench ttfa --reps 15 --tokens 200 --load "${VOXPIPE_LOAD:-32,64,128,256,384,448,512}" \
             --load-duration "${VOXPIPE_LOAD_S:-20}" --burst --label "$LABEL" --load-out "$OUT/burst.json" \
-            --out "$OUT/burst-ttfa.json" ${VOXPIPE_TAP_LEVEL:+--tap-level $VOXPIPE_TAP_LEVEL --tap-out $OUT/burst-tap.jsonl.gz} -- $serve_flags $record_flags ${VOXPIPE_SERVE_EXTRA:-}
+            --out "$OUT/burst-ttfa.json" $(observe burst) -- $serve_flags $record_flags ${VOXPIPE_SERVE_EXTRA:-}
         ;;
     orpheus-rate)
         run orpheus-rate $bench ttfa --reps 15 --tokens 200 --rate "${VOXPIPE_RATES:-20,40,80}" --texts sentences \
             --load-duration "${VOXPIPE_LOAD_S:-20}" --load-tokens 360 --label "$LABEL" \
-            --load-out "$OUT/orpheus-rate.json" --out "$OUT/orpheus-rate-ttfa.json" ${VOXPIPE_TAP_LEVEL:+--tap-level $VOXPIPE_TAP_LEVEL --tap-out $OUT/orpheus-rate-tap.jsonl.gz} -- $serve_flags $record_flags \
+            --load-out "$OUT/orpheus-rate.json" --out "$OUT/orpheus-rate-ttfa.json" $(observe orpheus-rate) -- $serve_flags $record_flags \
             ${VOXPIPE_SERVE_EXTRA:-}
         ;;
     qwen3-rate)
         run qwen3-rate $bench ttfa --model "${VOXPIPE_QWEN3_MODEL:-qwen3-tts}" --reps 15 --tokens 60 \
             --rate "${VOXPIPE_RATES:-1,10,20,40,60,80}" --texts sentences --load-duration "${VOXPIPE_LOAD_S:-20}" \
             --load-tokens 60 --prompt-allowance 40 --label "$LABEL" --load-out "$OUT/qwen3-rate.json" \
-            --out "$OUT/qwen3-ttfa.json" ${VOXPIPE_TAP_LEVEL:+--tap-level $VOXPIPE_TAP_LEVEL --tap-out $OUT/qwen3-rate-tap.jsonl.gz} -- --max-batch-size 256 --codec-dtype float16 --mps on \
+            --out "$OUT/qwen3-ttfa.json" $(observe qwen3-rate) -- --max-batch-size 256 --codec-dtype float16 --mps on \
             ${VOXPIPE_SERVE_EXTRA:-}
         ;;
     csm-load)
