@@ -15,6 +15,7 @@
 #   xqa            tests/gpu/test_gpu_xqa_parity.py, then `voxpipe bench options` for the XQA configs
 #   csm            tests/gpu/test_gpu_csm_parity.py
 #   qwen3          tests/gpu/test_gpu_qwen3_tts_parity.py
+#   lanes          tests/gpu/test_gpu_prompt_lane.py: the prompt lanes on the GPU
 #   higgs          tests/gpu/test_gpu_higgs_tts_parity.py, tests/gpu/test_gpu_higgs_tts_clone.py
 #   codec-merge    tests/gpu/test_gpu_codec_merge.py: merged codec windows (--codec-merge) against window by
 #                  window, their times (serve a load with VOXPIPE_SERVE_EXTRA="--codec-merge 8" to compare)
@@ -99,6 +100,7 @@ for stage in "$@"; do
     invariance) gpu_tests invariance tests/gpu/test_gpu_batch_invariance.py tests/gpu/test_gpu_op_invariance.py tests/gpu/test_gpu_burst_prefill_invariance.py ;;
     csm) gpu_tests csm tests/gpu/test_gpu_csm_parity.py ;;
     qwen3) gpu_tests qwen3 tests/gpu/test_gpu_qwen3_tts_parity.py ;;
+    lanes) gpu_tests lanes tests/gpu/test_gpu_prompt_lane.py ;;
     higgs) gpu_tests higgs tests/gpu/test_gpu_higgs_tts_parity.py tests/gpu/test_gpu_higgs_tts_clone.py ;;
     codec-merge) gpu_tests codec-merge tests/gpu/test_gpu_codec_merge.py ;;
     chatterbox) gpu_tests chatterbox tests/gpu/test_gpu_chatterbox_parity.py tests/gpu/test_gpu_chatterbox_s3gen.py ;;

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -84,6 +85,11 @@ class Engine:
         # pages that work writes back in the pool: the main stream and each lane's stream wait on
         # them before admission writes, until they have passed.
         self._lane_fences: list[torch.cuda.Event] = []
+        # What the host does while it waits for a step on the device (the worker's: prompts that
+        # arrive meanwhile and ended lanes take their turn, `lane_step`); None: it blocks. The step
+        # waited for is `_waiting` meanwhile: it still writes what its requests hold or gave back.
+        self.on_wait: Callable[[], None] | None = None
+        self._waiting: InFlight | None = None
         self.lane_prompts = 0  # prompts started in a lane, all time
         self._appends = HeldAppends()  # written at the next step
         self.step_count = 0
@@ -379,10 +385,13 @@ class Engine:
 
     def _lane_avoids(self, step: InFlight) -> tuple[set[int], set[int]]:
         """The slots and KV pages a new lane request must not take: those the step in flight
-        (`step`) may still write, what its requests that ended since gave back; and those of every
-        lane in flight, what its request holds or gave back (its lane may still write them)."""
+        (`step`), and the step the host waits for meanwhile (`_waiting`), may still write, what
+        their requests that ended since gave back; and those of every lane in flight, what its
+        request holds or gave back (its lane may still write them)."""
         slots, pages = set(), set()
-        for r in [*(r for r in step.batch if r.done), *(lane.batch[0] for lane in self._lanes)]:
+        steps = [s for s in (step, self._waiting) if s is not None]
+        ended = [r for s in steps for r in s.batch if r.done]
+        for r in [*ended, *(lane.batch[0] for lane in self._lanes)]:
             where = r.released if r.done else (r.slot, r.pages)
             if where is not None:
                 slots.add(where[0])
@@ -417,7 +426,11 @@ class Engine:
                 step.ready.synchronize()
             step.batch[0].lane = False
             return self._consume(step)
-        self._waited = self.runner.wait(step)
+        self._waiting = step
+        try:
+            self._waited = self.runner.wait(step, self.on_wait)
+        finally:
+            self._waiting = None
         if self._waited > 5e-5 and self._inflight is not None:  # the next step began as this one ended
             self._began = time.perf_counter()
         if self.late:

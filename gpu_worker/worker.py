@@ -79,6 +79,11 @@ class GpuWorker:
         )
         self.to_codec: PushChannel[CodecInMsg] = PushChannel(cfg.addresses.codec_in)
         self.stages = StageReporter()  # tap-only events: admitted, first token
+        # With the prompt lanes, the host's waits for a step take prompts and lanes' turns
+        # (`while_waiting`); what else arrives meanwhile waits here for the next drain.
+        self._deferred: list[GpuInMsg] = []
+        if self.engine.runner.lane_on:
+            self.engine.on_wait = self.while_waiting
         self._metrics_at = 0.0
 
     def run(self) -> None:
@@ -142,6 +147,8 @@ class GpuWorker:
         (`Engine.hold_s`), so that what arrives meanwhile joins the next step. With the prompt
         lanes, each drain is followed by their turn (`lane`)."""
         engine = self.engine
+        deferred, self._deferred = self._deferred, []
+        self.take(deferred)
         wait_ms = (0 if engine.scheduler.last_batch_size else 2) if engine.has_work() else 50
         self.take(self.inbox.drain(timeout_ms=wait_ms))
         self.lane()
@@ -153,6 +160,19 @@ class GpuWorker:
             self.lane()
         if engine.scheduler.last_batch_size:
             engine.held(time.perf_counter() - t0)
+
+    def while_waiting(self) -> None:
+        """While the host waits for a step on the device (`Engine.on_wait`): prompts that arrived
+        start in a free lane, and a lane whose step ended sends its first rows, at once rather than
+        after the step. Aborts and appended text wait for the next drain (`_deferred`): they
+        change requests of the steps in flight. A failure propagates to the step's caller."""
+        msgs = self.inbox.drain()
+        if msgs:
+            self._deferred += [m for m in msgs if not isinstance(m, Prompt)]
+            self.take([m for m in msgs if isinstance(m, Prompt)])
+        out = self.engine.lane_step()
+        if out is not None:  # the tap's stage events with it (admissions carry their own time)
+            self.emit(out)
 
     def take(self, msgs: list[GpuInMsg]) -> None:
         """The inbox's messages into the engine: a bad one ends its request, never the worker."""

@@ -225,6 +225,71 @@ def test_a_lane_dropped_unfinished_leaves_a_fence_the_steps_and_next_lanes_wait_
     assert all(eng.outputs[p.rid][1] in (FinishReason.STOP, FinishReason.LENGTH) for p in ps[2:])
 
 
+class Waited(Held):
+    """A step's event that the host finds running once (the engine's wait then takes its turn,
+    `Engine.on_wait`) and ended the next time it looks."""
+
+    def query(self) -> bool:
+        done, self.done = self.done, True
+        return done
+
+    def synchronize(self) -> None:  # blocks until it has ended
+        self.done = True
+
+
+def test_a_prompt_arriving_while_the_host_waits_for_a_step_starts_in_a_lane_then(program, monkeypatch):
+    ps = prompts(program, 4)
+    eng = lanes(program, 2)
+    held = hold_lanes(eng)
+    for p in ps[:2]:
+        eng.add(p)
+    while len(eng.running) < 2 or any(eng.running[p.rid].n_gen == 0 for p in ps[:2]):
+        eng.step()
+    # From here each step's event is found running once by the wait for its results.
+    launch = eng.runner.launch
+
+    def launch_waited(batch):
+        step = launch(batch)
+        step.ready = Waited()
+        return step
+
+    monkeypatch.setattr(eng.runner, "launch", launch_waited)
+    monkeypatch.setattr(eng.runner, "_time_on_device", lambda step: None)  # a CPU step has no timing
+    seen = []
+
+    def on_wait() -> None:  # the worker's turn while it waits: a prompt arrives, the lanes' turn
+        waited = eng._waiting
+        if not seen:
+            eng.add(ps[2])
+        eng.lane_step()
+        seen.append((waited, ps[2].rid in eng.running and eng.running[ps[2].rid].lane))
+
+    eng.on_wait = on_wait
+    eng.step()  # launches a step with both requests in it, collects the one before
+    in_flight = eng._inflight
+    eng.abort(ps[1].rid)  # ends while that step runs: it gave back what the step still writes
+    gone = next(r for r in in_flight.batch if r.rid == ps[1].rid)
+    slot, pages = gone.released
+    assert slot == eng.slots._free[-1]  # free, and next in line
+    eng.step()  # launches the next step, then waits for the one in flight: a lane takes ps[2]
+    assert seen and seen[0] == (in_flight, True)
+    started = eng.running[ps[2].rid]
+    assert started.slot != slot and not set(started.pages) & set(pages)
+    assert [s.batch[0] for s in eng._lanes] == [started]
+    eng.on_wait = None
+    for h in held:
+        h.done = True
+    eng.add(ps[3])
+    while eng.has_work():
+        eng.step()
+        eng.lane_step()
+    eng.scheduler.check()
+    assert eng.allocator.num_used == 0 and eng.slots.num_free == eng.limits.max_batch_size
+    by_itself = alone(program, ps)
+    assert eng.outputs[ps[1].rid][1] == FinishReason.ABORT
+    assert all(eng.outputs[p.rid][0] == by_itself[p.rid][0] for p in (ps[0], ps[2], ps[3]))
+
+
 def test_without_held_lanes_on_a_cpu_n_prompts_start_in_one_turn(program):
     ps = prompts(program, 3)
     eng = lanes(program, 2)

@@ -267,11 +267,15 @@ class ModelRunner:
         """No step this time: the gap before the next one is not the host's lateness."""
         self._last_ready = None
 
-    def wait(self, step: InFlight) -> float:
-        """Wait for a launched step's results on the host → the seconds waited."""
+    def wait(self, step: InFlight, on_wait: Callable[[], None] | None = None) -> float:
+        """Wait for a launched step's results on the host → the seconds waited; `on_wait` (if any)
+        runs again and again meanwhile (it must be brief: the step's results wait for its return)."""
         if step.ready is None:
             return 0.0
         t0 = time.perf_counter()
+        if on_wait is not None:
+            while not step.ready.query():
+                on_wait()
         step.ready.synchronize()
         waited = time.perf_counter() - t0
         self._time_on_device(step)

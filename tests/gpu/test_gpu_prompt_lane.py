@@ -1,8 +1,10 @@
 """The prompt lanes on the GPU (Qwen3-TTS 1.7B CustomVoice, dummy weights, bf16, as served: fused
 layers, graphs; two lanes): prompts that arrive while a step is in flight start in the lanes, each
 on a stream of its own beside that step and beside each other, and a request's frames, greedy and
-sampled, equal its frames alone (where it starts in a step of its own). The report holds how many
-started in a lane, how many lanes ran at once and how long the host took to launch one.
+sampled, equal its frames alone (where it starts in a step of its own), also when prompts start
+while the host waits for a step's results (`Engine.on_wait`, as the worker runs it). The report
+holds how many started in a lane, how many lanes ran at once and how long the host took to launch
+one.
 """
 
 from __future__ import annotations
@@ -82,6 +84,28 @@ def test_frames_started_in_the_lanes_equal_those_alone(lane, gpu_report):
             turn()
         return {rid: rows for rid, (rows, _) in eng.outputs.items()}
 
+    def generate_while_waiting(order: list[Prompt]) -> dict:
+        """The worker's way with the lanes (`Engine.on_wait`): a prompt arrives during each wait
+        of the host for a step's results and starts in a free lane then."""
+        eng.outputs = {}
+        pending, waited = list(order[1:]), [None]
+
+        def on_wait() -> None:
+            if pending and eng._waiting is not waited[0]:
+                waited[0] = eng._waiting
+                eng.add(pending.pop(0))
+            turn()
+
+        eng.add(order[0])
+        eng.on_wait = on_wait
+        try:
+            while pending or eng.has_work():
+                eng.step()
+                turn()
+        finally:
+            eng.on_wait = None
+        return {rid: rows for rid, (rows, _) in eng.outputs.items()}
+
     def diffs(got: dict, alone: dict) -> dict:
         return {
             rid: next((i for i, (a, b) in enumerate(zip(got[rid], alone[rid], strict=True)) if a != b), None)
@@ -117,6 +141,12 @@ def test_frames_started_in_the_lanes_equal_those_alone(lane, gpu_report):
         eng.runner.num_lanes = 1  # one lane: a prompt that finds it busy waits
         variants[f"T={temperature} one lane"] = diffs(generate(order), alone)
         eng.runner.num_lanes = 2
+        before = eng.lane_prompts
+        variants[f"T={temperature} prompts while the host waits"] = diffs(
+            generate_while_waiting(order), alone
+        )
+        report[f"T={temperature} prompts_started_in_a_lane_while_waiting"] = eng.lane_prompts - before
+        assert eng.lane_prompts > before, "no prompt started in a lane while the host waited"
         before = eng.lane_prompts
         most[0] = 0
         got = generate(order)
