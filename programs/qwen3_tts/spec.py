@@ -165,12 +165,13 @@ _BASE = {
 
 # The settings the CustomVoice and VoiceDesign checkpoints serve with unless told otherwise
 # (`common.options.model_defaults`): the talker and predictor in fused kernels, each step launched
-# as the one before it ends, a prompt that arrives while a step runs started beside it in the prompt
-# lane, a busy codec decoding a stream's waiting frames as one window. On one
-# H200 (Poisson arrivals, MPS with the codec unrestricted) they keep every request on time at
-# 80 req/s, with TTFA p95 85 ms for the 1.7B and 61 ms for the 0.6B, where the runtime's defaults
-# give the 0.6B 446 ms and 99.1 % on time (docs/models/qwen3-tts.md, Serving settings). The Base
-# models' cloning prompts are unmeasured with them on a GPU: they serve with the runtime's defaults.
+# as the one before it ends, a prompt that arrives while a step runs started beside it in one of
+# two prompt lanes, a busy codec decoding a stream's waiting frames as one window. On one H200
+# (Poisson arrivals, MPS with the codec unrestricted) the 1.7B keeps TTFA p95 at 28-33 ms at 20
+# req/s and 47 ms at 60 with every request on time, 77 ms at 80 (1 of 961 late); the 0.6B (measured
+# with one lane) 61 ms at 80 req/s, where the runtime's defaults give it 446 ms and 99.1 % on time
+# (docs/models/qwen3-tts.md, Serving settings). The Base models' cloning prompts are unmeasured with them on a GPU: they serve
+# with the runtime's defaults.
 _SERVE = {"fused_step": "on", "late_launch": "on", "prompt_lane": "on", "prompt_lanes": 2, "codec_merge": 8}
 
 SPECS = {
