@@ -42,35 +42,38 @@ class HeldAppends:
         for item in msg.items:
             self._items.setdefault(item.rid, []).append(item)
 
-    def write(self, scheduler: Scheduler) -> None:
-        """Every held item into its request's state (an Abort since then drops its request's)."""
+    def write(self, scheduler: Scheduler) -> list[Request]:
+        """Every held item into its request's state (an Abort since then drops its request's) → the
+        requests whose slot it wrote into (on the current stream, ahead of the next step)."""
         held, self._items = self._items, {}
-        for rid, items in held.items():
-            take_appends(scheduler, rid, items)
+        written = [take_appends(scheduler, rid, items) for rid, items in held.items()]
+        return [r for r in written if r is not None]
 
 
-def take_appends(scheduler: Scheduler, rid: str, items: list[Append]) -> None:
+def take_appends(scheduler: Scheduler, rid: str, items: list[Append]) -> Request | None:
     """`rid`'s items, in order, into its state as one write; the first that cannot be taken ends the
-    request (nothing of them written)."""
+    request (nothing of them written) → the request if its slot was written into."""
     req = scheduler.running.get(rid) or next((r for r in scheduler.waiting if r.rid == rid), None)
     if req is None or req.done:
         log.debug("[%s] dropped %d appends for a request not held here", rid, len(items))
-        return
+        return None
     parts: dict[str, list[np.ndarray]] = {}
     n, open_ = 0, req.input_open
     for item in items:
         state, why = _checked(scheduler.program, req, item, open_, req.n_text + n)
         if why:
             fail(scheduler, req, why)
-            return
+            return None
         for name, a in state.items():
             parts.setdefault(name, []).append(a)
         n += item.n_rows
         open_ = open_ and not item.end
+    written = None
     if n:
         state = {name: np.concatenate(a) if len(a) > 1 else a[0] for name, a in parts.items()}
         if req.slot >= 0:
             scheduler.program.extend(req.slot, state, req.n_text)
+            written = req
         else:  # admission writes the whole state into the slot
             merged = dict(req.state)
             for name, a in state.items():
@@ -78,6 +81,7 @@ def take_appends(scheduler: Scheduler, rid: str, items: list[Append]) -> None:
             req.state = merged
         req.n_text += n
     req.input_open = open_
+    return written
 
 
 def _checked(

@@ -92,6 +92,7 @@ class Engine:
         self._waiting: InFlight | None = None
         self.lane_prompts = 0  # prompts started in a lane, all time
         self._appends = HeldAppends()  # written at the next step
+        self._written: list[Request] = []  # whose slots appends wrote since the last launch
         self.step_count = 0
         self.tokens_total = 0  # sampled rows consumed, all requests
         # Where a step's wall time goes (exponential averages, seconds): the host's own work (admit,
@@ -184,7 +185,7 @@ class Engine:
         # Their work may still run on the device, and so may work queued by a launch that raised
         # before its handle was kept (a step's, or a lane's admission writes): all of it fenced.
         self._lane_fences += dropped + self.runner.queued()
-        self._inflight, self._lanes = None, []
+        self._inflight, self._lanes, self._written = None, [], []
         self.scheduler.end_all(FinishReason.ERROR, message, 500)
         self.scheduler.reset()
 
@@ -304,7 +305,7 @@ class Engine:
         # What a lane whose request ended while it runs gave back may go to this step's requests:
         # their admission writes, and the step's, follow that lane's work (and any dropped work's).
         self.runner.follow(self._fences())
-        self._appends.write(self.scheduler)
+        self._written += self._appends.write(self.scheduler)
         batch = self.scheduler.schedule(self.runner.max_prefills_per_step, self.runner.prompt_groups)
         # 2. run: launch it on the device
         previous, self._inflight = self._inflight, None
@@ -314,6 +315,7 @@ class Engine:
             self._began = time.perf_counter()
             prompts = batch[0].n_ctx == 0  # new requests come first
             self._inflight = self.runner.launch(batch)
+            self._inflight.touched, self._written = self._written, []
             took = time.perf_counter() - t0
             if prompts:
                 self.launch_prompt_s += 0.05 * (took - self.launch_prompt_s)
@@ -386,11 +388,12 @@ class Engine:
     def _lane_avoids(self, step: InFlight) -> tuple[set[int], set[int]]:
         """The slots and KV pages a new lane request must not take: those the step in flight
         (`step`), and the step the host waits for meanwhile (`_waiting`), may still write, what
-        their requests that ended since gave back; and those of every lane in flight, what its
-        request holds or gave back (its lane may still write them)."""
+        their requests, and those whose slots were written ahead of them (`InFlight.touched`),
+        gave back since they ended; and those of every lane in flight, what its request holds or
+        gave back (its lane may still write them)."""
         slots, pages = set(), set()
         steps = [s for s in (step, self._waiting) if s is not None]
-        ended = [r for s in steps for r in s.batch if r.done]
+        ended = [r for s in steps for r in (*s.batch, *s.touched) if r.done]
         for r in [*ended, *(lane.batch[0] for lane in self._lanes)]:
             where = r.released if r.done else (r.slot, r.pages)
             if where is not None:

@@ -134,6 +134,44 @@ def test_text_past_capacity_or_after_the_end_ends_the_request_with_a_400(program
     assert eng.allocator.num_used == 0 and eng.slots.num_free == LIMITS["max_batch_size"]
 
 
+def test_a_lane_request_avoids_a_slot_whose_appended_text_the_step_in_flight_may_still_write(
+    program, monkeypatch
+):
+    """Text appended to a request that then sits the step out is written into its slot ahead of
+    that step, on the steps' stream; if the request ends while the step runs, a prompt lane (a
+    stream of its own) must not take its slot or pages until the step has ended."""
+    ids = program.preprocess(TEXT, {"non_streaming_mode": "false"}).state["text"]
+    eng = Engine(program, GpuWorkerSettings(**LIMITS, prompt_lane="on"))
+    eng.outputs = {}
+    eng.add(prompt(program, "r", TEXT, dict(temperature=0.0), n_open=2))
+    eng.add(prompt(program, "other", "Yes, that is right.", dict(temperature=0.8, seed=3)))
+    for _ in range(6):
+        eng.step()
+    req = eng.running["r"]
+    assert eng.scheduler.waits(req)
+    eng.append(append("r", ids[2:5]))
+    waits = eng.scheduler.waits
+    monkeypatch.setattr(eng.scheduler, "waits", lambda q: q is req or waits(q))  # it sits out anyway
+    eng.step()  # writes its text into its slot, then launches a step without it
+    step = eng._inflight
+    assert req not in step.batch and step.touched == [req]
+    eng.abort("r")
+    slot, pages = req.released
+    assert slot == eng.slots._free[-1]  # free, and next in line
+    avoid_slots, avoid_pages = eng._lane_avoids(step)
+    assert slot in avoid_slots and set(pages) <= avoid_pages
+    eng.add(prompt(program, "new", "A new one.", dict(temperature=0.0)))
+    eng.lane_step()
+    new = eng.running["new"]
+    assert new.lane and new.slot != slot and not set(new.pages) & set(pages)
+    monkeypatch.setattr(eng.scheduler, "waits", waits)
+    while eng.has_work():  # the worker's turns: a step, then the lanes'
+        eng.step()
+        eng.lane_step()
+    assert eng.outputs["r"][1] == FinishReason.ABORT and "new" in eng.outputs
+    assert eng.allocator.num_used == 0 and eng.slots.num_free == LIMITS["max_batch_size"]
+
+
 def test_text_cut_anywhere_keeps_the_ids_of_the_whole(program):
     rng = random.Random(0)
     texts = [TEXT, "Well,  honestly\n\nI don't know... 3.5 km!", "Ünïcode wörds, and  spaces  "]

@@ -19,7 +19,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -65,6 +65,9 @@ class InFlight:
     began: torch.cuda.Event | None = None
     forwarded: torch.cuda.Event | None = None
     lane: int | None = None  # a prompt's first step in a prompt lane: which one (else a step)
+    # Requests outside `batch` whose slot the host wrote into ahead of the step, on its stream
+    # (appended text): until the step has ended those writes may still run.
+    touched: list[Request] = field(default_factory=list)
 
 
 class ModelRunner:
