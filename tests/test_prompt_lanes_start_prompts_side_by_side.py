@@ -290,6 +290,41 @@ def test_a_prompt_arriving_while_the_host_waits_for_a_step_starts_in_a_lane_then
     assert all(eng.outputs[p.rid][0] == by_itself[p.rid][0] for p in (ps[0], ps[2], ps[3]))
 
 
+class Inbox:
+    """The worker's inbox: what `drain` returns, one list a call (then nothing)."""
+
+    def __init__(self, *drains: list) -> None:
+        self.drains = list(drains)
+
+    def drain(self, timeout_ms: int = 0) -> list:
+        return self.drains.pop(0) if self.drains else []
+
+
+def test_the_worker_starts_prompts_while_it_waits_and_keeps_aborts_for_its_next_drain(program):
+    from common.messages import Abort
+    from gpu_worker.stages import StageReporter
+    from gpu_worker.worker import GpuWorker
+
+    ps = prompts(program, 2)
+    eng = lanes(program, 2)
+    held = hold_lanes(eng)
+    sent = []
+    worker = GpuWorker.__new__(GpuWorker)  # its turns alone: no sockets, no process
+    worker.engine, worker.stages, worker._deferred = eng, StageReporter(), []
+    worker.to_codec = type("Push", (), {"send": staticmethod(sent.append)})()
+    eng.add(ps[0])
+    eng.step()  # in flight
+    abort = Abort([ps[0].rid])
+    worker.inbox = Inbox([ps[1], abort])
+    worker.while_waiting()
+    assert eng.running[ps[1].rid].lane  # started at once, in a lane
+    assert not eng.running[ps[0].rid].done and worker._deferred == [abort]  # the abort waits
+    worker.receive()  # the next drain takes it first
+    assert eng.outputs[ps[0].rid][1] == FinishReason.ABORT and worker._deferred == []
+    finish(eng, held)
+    assert eng.outputs[ps[1].rid][0] == alone(program, ps[1:])[ps[1].rid][0]
+
+
 def test_without_held_lanes_on_a_cpu_n_prompts_start_in_one_turn(program):
     ps = prompts(program, 3)
     eng = lanes(program, 2)
