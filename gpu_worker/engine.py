@@ -385,6 +385,10 @@ class Engine:
             self.lane_prompts += 1
         return out
 
+    def lane_ended(self) -> bool:
+        """Whether a lane in flight has ended: its first row waits for `lane_step`."""
+        return any(lane.ready is None or self._ended(lane) for lane in self._lanes)
+
     def _lane_avoids(self, step: InFlight) -> tuple[set[int], set[int]]:
         """The slots and KV pages a new lane request must not take: those the step in flight
         (`step`), and the step the host waits for meanwhile (`_waiting`), may still write, what

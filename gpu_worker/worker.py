@@ -167,12 +167,14 @@ class GpuWorker:
         after the step. Aborts and appended text wait for the next drain (`_deferred`): they
         change requests of the steps in flight. A failure propagates to the step's caller."""
         msgs = self.inbox.drain()
-        if msgs:
-            self._deferred += [m for m in msgs if not isinstance(m, Prompt)]
-            self.take([m for m in msgs if isinstance(m, Prompt)])
-        out = self.engine.lane_step()
-        if out is not None:  # the tap's stage events with it (admissions carry their own time)
-            self.emit(out)
+        prompts = [m for m in msgs if isinstance(m, Prompt)]
+        self._deferred += [m for m in msgs if not isinstance(m, Prompt)]
+        self.take(prompts)
+        # The lanes' turn only when something came for it: this runs again and again meanwhile.
+        if prompts or self.engine.lane_ended():
+            out = self.engine.lane_step()
+            if out is not None:  # the tap's stage events with it (admissions carry their own time)
+                self.emit(out)
 
     def take(self, msgs: list[GpuInMsg]) -> None:
         """The inbox's messages into the engine: a bad one ends its request, never the worker."""

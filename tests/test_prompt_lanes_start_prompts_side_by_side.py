@@ -319,6 +319,12 @@ def test_the_worker_starts_prompts_while_it_waits_and_keeps_aborts_for_its_next_
     worker.while_waiting()
     assert eng.running[ps[1].rid].lane  # started at once, in a lane
     assert not eng.running[ps[0].rid].done and worker._deferred == [abort]  # the abort waits
+    turns = []
+    lane_step = eng.lane_step
+    eng.lane_step = lambda: turns.append(1) or lane_step()
+    worker.while_waiting()  # nothing came and no lane ended: no lanes' turn
+    assert turns == [] and not eng.lane_ended()
+    eng.lane_step = lane_step
     worker.receive()  # the next drain takes it first
     assert eng.outputs[ps[0].rid][1] == FinishReason.ABORT and worker._deferred == []
     finish(eng, held)
