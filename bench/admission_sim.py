@@ -734,7 +734,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--h200", action="store_true", help="the curved GPU of the session-12 H200 runs (H200)")
+    ap.add_argument("--h200", action="store_true", help="the curved GPU fitted to the H200 load runs (H200)")
     ap.add_argument(
         "--h200-rate",
         action="store_true",
