@@ -145,7 +145,7 @@ def test_the_worker_takes_what_arrives_during_the_hold_before_it_steps(program):
     eng = late_engine(program)
     eng.runner.gpu_step_s = 0.060
     worker = GpuWorker.__new__(GpuWorker)  # its loop's parts alone: no sockets, no model load
-    worker.engine = eng
+    worker.engine, worker._deferred = eng, []
     rows = np.array([128259, 300, 301, 128009, 128260, 128261, 128257], dtype="<i4")
     prompts = [
         Prompt(rid=f"r{i}", tokens=rows.tobytes(), n_rows=len(rows), sampling=SamplingParams(max_tokens=8))
@@ -190,7 +190,7 @@ def test_the_engine_knows_when_the_step_in_flight_began_and_holds_to_its_end(pro
         step.ready = _DeviceEvent(queue["end"])
         return step
 
-    def wait(step):
+    def wait(step, on_wait=None):
         t0 = time.perf_counter()
         while not step.ready.query():
             time.sleep(0.0005)
@@ -241,7 +241,7 @@ def test_a_step_that_ended_before_the_next_launch_sends_its_frames_first(program
             return step
 
         eng.runner.launch = launch_ended
-        eng.runner.wait = lambda step: 0.0  # the CPU's step is computed at its launch
+        eng.runner.wait = lambda step, on_wait=None: 0.0  # the CPU's step is computed at its launch
         eng._process = lambda step, process=process, calls=calls: (calls.append("process"), process(step))[1]
         eng.add(
             Prompt(rid="r0", tokens=rows.tobytes(), n_rows=len(rows), sampling=SamplingParams(max_tokens=40))
@@ -273,7 +273,9 @@ def test_an_empty_step_leaves_the_device_idle_from_the_processed_steps_end(progr
     eng.step()
     calls: list[str] = []
     wait, idle = eng.runner.wait, eng.runner.idle
-    monkeypatch.setattr(eng.runner, "wait", lambda step: (calls.append("wait"), wait(step))[1])
+    monkeypatch.setattr(
+        eng.runner, "wait", lambda step, on_wait=None: (calls.append("wait"), wait(step, on_wait))[1]
+    )
     monkeypatch.setattr(eng.runner, "idle", lambda: (calls.append("idle"), idle())[1])
     monkeypatch.setattr(eng.scheduler, "schedule", lambda *a, **k: [])
     eng.step()
@@ -299,7 +301,7 @@ def test_a_collect_only_step_returns_its_results_and_idles_the_device_when_nothi
         step.ready.done = True
         return step
 
-    eng.runner.launch, eng.runner.wait = launch_ended, lambda step: 0.0
+    eng.runner.launch, eng.runner.wait = launch_ended, lambda step, on_wait=None: 0.0
     eng._process = lambda step: (calls.append("process"), process(step))[1]
     eng.runner.idle = lambda: (calls.append("idle"), idle())[1]
     eng.add(Prompt(rid="r0", tokens=rows.tobytes(), n_rows=len(rows), sampling=SamplingParams(max_tokens=10)))
