@@ -385,6 +385,11 @@ class Engine:
             self.lane_prompts += 1
         return out
 
+    @property
+    def waiting_on(self) -> InFlight | None:
+        """The step whose results the host waits for now (`on_wait` runs meanwhile), else None."""
+        return self._waiting
+
     def lane_ended(self) -> bool:
         """Whether a lane in flight has ended: its first row waits for `lane_step`."""
         return any(lane.ready is None or self._ended(lane) for lane in self._lanes)
@@ -439,7 +444,8 @@ class Engine:
         finally:
             self._waiting = None
         if self._waited > 5e-5 and self._inflight is not None:  # the next step began as this one ended
-            self._began = time.perf_counter()
+            # (by the host's clock: the earliest it may have, `ModelRunner.ended_after`)
+            self._began = min(time.perf_counter(), self.runner.ended_after)
         if self.late:
             self._follow_idle()
         self.step_count += 1

@@ -82,6 +82,7 @@ class GpuWorker:
         # With the prompt lanes, the host's waits for a step take prompts and lanes' turns
         # (`while_waiting`); what else arrives meanwhile waits here for the next drain.
         self._deferred: list[GpuInMsg] = []
+        self._waited_on = None  # the step of the last wait `while_waiting` ran in
         if self.engine.runner.lane_on:
             self.engine.on_wait = self.while_waiting
         self._metrics_at = 0.0
@@ -165,14 +166,22 @@ class GpuWorker:
         """While the host waits for a step on the device (`Engine.on_wait`): prompts that arrived
         start in a free lane, and a lane whose step ended sends its first rows, at once rather than
         after the step. Aborts and appended text wait for the next drain (`_deferred`): they
-        change requests of the steps in flight. A failure propagates to the step's caller."""
-        msgs = self.inbox.drain()
-        prompts = [m for m in msgs if isinstance(m, Prompt)]
-        self._deferred += [m for m in msgs if not isinstance(m, Prompt)]
-        self.take(prompts)
-        # The lanes' turn only when something came for it: this runs again and again meanwhile.
-        if prompts or self.engine.lane_ended():
-            out = self.engine.lane_step()
+        change requests of the steps in flight; so does everything after them, in arrival order
+        (a new gateway's `Abort(everything)` comes before its first prompts, which it must not
+        end). A failure propagates to the step's caller."""
+        engine, taken = self.engine, []
+        for msg in self.inbox.drain():
+            if isinstance(msg, Prompt) and not self._deferred:
+                taken.append(msg)
+            else:
+                self._deferred.append(msg)
+        self.take(taken)
+        # The lanes' turn when something came for it, and once a wait (prompts the step left
+        # waiting may fit a lane): this runs again and again meanwhile.
+        first = engine.waiting_on is not self._waited_on
+        self._waited_on = engine.waiting_on
+        if taken or first or engine.lane_ended():
+            out = engine.lane_step()
             if out is not None:  # the tap's stage events with it (admissions carry their own time)
                 self.emit(out)
 

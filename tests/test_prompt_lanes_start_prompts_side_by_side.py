@@ -300,18 +300,26 @@ class Inbox:
         return self.drains.pop(0) if self.drains else []
 
 
-def test_the_worker_starts_prompts_while_it_waits_and_keeps_aborts_for_its_next_drain(program):
-    from common.messages import Abort
+def turns_of(eng: Engine, sent: list):
+    """A gpu_worker's turns alone over `eng` (no sockets, no process): what it sends to the codec
+    into `sent`."""
     from gpu_worker.stages import StageReporter
     from gpu_worker.worker import GpuWorker
+
+    worker = GpuWorker.__new__(GpuWorker)
+    worker.engine, worker.stages, worker._deferred, worker._waited_on = eng, StageReporter(), [], None
+    worker.to_codec = type("Push", (), {"send": staticmethod(sent.append)})()
+    return worker
+
+
+def test_the_worker_starts_prompts_while_it_waits_and_keeps_aborts_for_its_next_drain(program):
+    from common.messages import Abort
 
     ps = prompts(program, 2)
     eng = lanes(program, 2)
     held = hold_lanes(eng)
     sent = []
-    worker = GpuWorker.__new__(GpuWorker)  # its turns alone: no sockets, no process
-    worker.engine, worker.stages, worker._deferred = eng, StageReporter(), []
-    worker.to_codec = type("Push", (), {"send": staticmethod(sent.append)})()
+    worker = turns_of(eng, sent)
     eng.add(ps[0])
     eng.step()  # in flight
     abort = Abort([ps[0].rid])
@@ -329,6 +337,76 @@ def test_the_worker_starts_prompts_while_it_waits_and_keeps_aborts_for_its_next_
     assert eng.outputs[ps[0].rid][1] == FinishReason.ABORT and worker._deferred == []
     finish(eng, held)
     assert eng.outputs[ps[1].rid][0] == alone(program, ps[1:])[ps[1].rid][0]
+
+
+def test_what_arrives_after_a_deferred_message_waits_behind_it(program):
+    """A new gateway greets a busy worker with Abort(everything) and then sends its prompts: taken
+    during a wait, the prompts would start before the abort that must not end them."""
+    from common.messages import Abort
+
+    ps = prompts(program, 3)
+    eng = lanes(program, 2)
+    held = hold_lanes(eng)
+    worker = turns_of(eng, [])
+    eng.add(ps[0])  # the old gateway's
+    eng.step()
+    greeting = Abort([], everything=True)
+    worker.inbox = Inbox([greeting, ps[1]], [ps[2]])
+    worker.while_waiting()
+    worker.while_waiting()
+    assert ps[1].rid not in eng.running and ps[2].rid not in eng.running
+    assert worker._deferred == [greeting, ps[1], ps[2]]
+    worker.receive()  # in arrival order: the old requests end, the new ones start
+    assert eng.outputs[ps[0].rid][1] == FinishReason.ABORT
+    assert {ps[1].rid, ps[2].rid} <= set(eng.running) | {r.rid for r in eng.waiting}
+    finish(eng, held)
+    assert all(eng.outputs[p.rid][1] in (FinishReason.STOP, FinishReason.LENGTH) for p in ps[1:])
+
+
+def test_the_lanes_take_a_turn_once_a_wait_for_prompts_the_step_left_waiting(program):
+    ps = prompts(program, 2)
+    eng = lanes(program, 2)
+    held = hold_lanes(eng)
+    worker = turns_of(eng, [])
+    worker.inbox = Inbox()
+    eng.add(ps[0])
+    eng.step()  # in flight
+    eng.add(ps[1])  # left waiting by the step (no lanes' turn since)
+    turns = []
+    lane_step = eng.lane_step
+    eng.lane_step = lambda: turns.append(1) or lane_step()
+    eng._waiting = eng._inflight  # the host waits for a step
+    worker.while_waiting()
+    assert turns == [1] and eng.running[ps[1].rid].lane
+    worker.while_waiting()  # the same wait, nothing new: no turn
+    assert turns == [1]
+    eng._waiting = None
+    eng.lane_step = lane_step
+    finish(eng, held)
+
+
+def test_the_runners_wait_leaves_out_its_turns_and_dates_the_steps_end_after_the_last_look():
+    import math
+    import time
+
+    from gpu_worker.runner.model_runner import ModelRunner
+
+    runner = ModelRunner.__new__(ModelRunner)
+    runner._time_on_device = lambda step: None
+    looks = iter([False, False, True])
+    event = type("Event", (), {"query": lambda self: next(looks), "synchronize": lambda self: None})()
+    step = type("Step", (), {"ready": event})()
+    started = []
+
+    def turn() -> None:
+        started.append(time.perf_counter())
+        time.sleep(0.02)
+
+    waited = runner.wait(step, turn)
+    assert len(started) == 2 and waited < 0.02  # the turns' 40 ms are not the device's
+    # it was running when the last turn began: the step's end is dated then, not at the return
+    assert started[0] + 0.02 <= runner.ended_after <= started[-1]
+    assert runner.wait(type("Step", (), {"ready": None})()) == 0.0 and runner.ended_after == math.inf
 
 
 def test_without_held_lanes_on_a_cpu_n_prompts_start_in_one_turn(program):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -113,6 +114,7 @@ class ModelRunner:
             self.head = HeadColumns(program.head_ids, program.vocab_size)
             self.stop_ids = self.head.column[self.stop_ids]
         self.sample_graphs = None
+        self.ended_after = math.inf  # of the last step waited for (`wait`)
         # The prompt lanes (gpu_worker/runner/prompt_lane.py): a graph-runner's are captured with
         # the sampling graphs; on a CPU a lane request's first step runs eagerly in its place. A GPU
         # without graphs has none: an eager lane would plan the step in flight's attention wrappers
@@ -271,16 +273,25 @@ class ModelRunner:
         self._last_ready = None
 
     def wait(self, step: InFlight, on_wait: Callable[[], None] | None = None) -> float:
-        """Wait for a launched step's results on the host → the seconds waited; `on_wait` (if any)
-        runs again and again meanwhile (it must be brief: the step's results wait for its return)."""
+        """Wait for a launched step's results on the host → the seconds waited, less those spent in
+        `on_wait` (if any), which runs again and again meanwhile (it must be brief: the step's
+        results wait for its return). `ended_after`: the host's time after which the step ended
+        (the start of the `on_wait` call during which it ended; else the return)."""
+        self.ended_after = math.inf
         if step.ready is None:
             return 0.0
         t0 = time.perf_counter()
+        busy = 0.0
         if on_wait is not None:
             while not step.ready.query():
+                t1 = time.perf_counter()
                 on_wait()
+                self.ended_after, busy = t1, busy + time.perf_counter() - t1
         step.ready.synchronize()
-        waited = time.perf_counter() - t0
+        now = time.perf_counter()
+        waited = now - t0 - busy
+        if busy == 0.0:
+            self.ended_after = now
         self._time_on_device(step)
         return waited
 

@@ -142,9 +142,9 @@ def test_frames_started_in_the_lanes_equal_those_alone(lane, gpu_report):
         variants[f"T={temperature} one lane"] = diffs(generate(order), alone)
         eng.runner.num_lanes = 2
         before = eng.lane_prompts
-        variants[f"T={temperature} prompts while the host waits"] = diffs(
-            generate_while_waiting(order), alone
-        )
+        waiting = diffs(generate_while_waiting(order), alone)
+        variants[f"T={temperature} prompts while the host waits"] = waiting
+        first_diff |= {f"T={temperature} {rid} (while the host waits)": d for rid, d in waiting.items()}
         report[f"T={temperature} prompts_started_in_a_lane_while_waiting"] = eng.lane_prompts - before
         assert eng.lane_prompts > before, "no prompt started in a lane while the host waited"
         before = eng.lane_prompts
