@@ -353,71 +353,33 @@ def span_high(clock: StepClock, rows: int, q: float) -> float:
 def simulate(
     clients: int,
     *,
-    life: bool = True,
-    sit_out: bool = True,
-    gpu: GPU | None = None,
     tokens: int = 1024,
-    prompt_len: int = 40,
     ramp_s: float = 8.0,
     duration_s: float = 20.0,
     seed: int = 0,
-    calibrate: bool = False,
-    startup: GPU | None = None,
     before: tuple[int, ...] = (),
-    prompts_a_step: int = 4,
-    room: bool = True,
-    gpu_charge: bool = False,
-    first_audio: bool = False,
-    first_quantile: float = SPAN_QUANTILE,
-    first_margin: float = MARGIN,
-    prompts_while_first: int = 0,
+    **worker,
 ) -> dict:
-    """`clients` closed-loop clients (all at once where `ramp_s` is 0: a burst) on `gpu` (its startup
-    steps, with `calibrate`, timed on `startup`, default `gpu`), after the levels of clients
+    """`clients` closed-loop clients (all at once where `ramp_s` is 0: a burst) of `tokens` rows each
+    on a fresh worker (its GPU and policy: `new_worker`'s keywords), after the levels of clients
     `before` on the same worker (each for `duration_s`, idle between: as `voxpipe bench ttfa --load`
-    runs its levels on one server); a step starts prompts as `Worker` says (`gpu_charge`), and with
-    `first_audio` streams ahead sit out for first chunks (`FirstAudioSitOut`); the first-chunk
-    decision at `first_quantile` and `first_margin`, at most `prompts_while_first` prompts a step
-    while a first chunk waits (`Worker`). → the last level's figures."""
-    worker = new_worker(
-        gpu, life, sit_out, tokens, prompt_len, seed, calibrate, startup, prompts_a_step, room, gpu_charge,
-        first_audio, first_quantile, first_margin, prompts_while_first,
-    )  # fmt: skip
+    runs its levels on one server). → the last level's figures."""
+    w = new_worker(tokens=tokens, seed=seed, **worker)
     t = 0.0
     for n in before:
-        t = level(worker, n, t, ramp_s, duration_s)["t_end"] + IDLE_S
-        worker.clock.tick(0)
-    return level(worker, clients, t, ramp_s, duration_s)
+        t = level(w, n, t, ramp_s, duration_s)["t_end"] + IDLE_S
+        w.clock.tick(0)
+    return level(w, clients, t, ramp_s, duration_s)
 
 
 def simulate_poisson(
-    rate: float,
-    *,
-    life: bool = True,
-    sit_out: bool = True,
-    gpu: GPU | None = None,
-    tokens: int = 360,
-    prompt_len: int = 40,
-    duration_s: float = 12.0,
-    seed: int = 0,
-    calibrate: bool = False,
-    startup: GPU | None = None,
-    prompts_a_step: int = 4,
-    room: bool = True,
-    gpu_charge: bool = False,
-    first_audio: bool = False,
-    first_quantile: float = SPAN_QUANTILE,
-    first_margin: float = MARGIN,
-    prompts_while_first: int = 0,
+    rate: float, *, tokens: int = 360, duration_s: float = 12.0, seed: int = 0, **worker
 ) -> dict:
     """Requests of `tokens` rows arriving open-loop at `rate` a second (Poisson) for `duration_s` on a
-    fresh worker (its GPU and policy as `simulate` takes them), until the last one ends. → figures as
+    fresh worker (its GPU and policy: `new_worker`'s keywords), until the last one ends. → figures as
     `voxpipe bench ttfa --rate` reports them (`open_level`)."""
-    worker = new_worker(
-        gpu, life, sit_out, tokens, prompt_len, seed, calibrate, startup, prompts_a_step, room, gpu_charge,
-        first_audio, first_quantile, first_margin, prompts_while_first,
-    )  # fmt: skip
-    return open_level(worker, rate, 0.0, duration_s, np.random.default_rng([seed, 1]))
+    w = new_worker(tokens=tokens, seed=seed, **worker)
+    return open_level(w, rate, 0.0, duration_s, np.random.default_rng([seed, 1]))
 
 
 def first_audio_sit_out(w: Worker) -> FirstAudioSitOut:
@@ -428,25 +390,30 @@ def first_audio_sit_out(w: Worker) -> FirstAudioSitOut:
 
 
 def new_worker(
-    gpu: GPU | None,
-    life: bool,
-    sit_out: bool,
-    tokens: int,
-    prompt_len: int,
-    seed: int,
-    calibrate: bool,
-    startup: GPU | None,
-    prompts_a_step: int,
-    room: bool,
-    gpu_charge: bool,
+    *,
+    gpu: GPU | None = None,
+    life: bool = True,
+    sit_out: bool = True,
+    tokens: int = 1024,
+    prompt_len: int = 40,
+    seed: int = 0,
+    calibrate: bool = False,
+    startup: GPU | None = None,
+    prompts_a_step: int = 4,
+    room: bool = True,
+    gpu_charge: bool = False,
     first_audio: bool = False,
     first_quantile: float = SPAN_QUANTILE,
     first_margin: float = MARGIN,
     prompts_while_first: int = 0,
 ) -> Worker:
     """A fresh worker on `gpu` (default `GPU()`), its clock `calibrate`d from startup steps timed on
-    `startup` (default `gpu`), its steps' noise drawn from `seed`; its first-chunk levers as
-    `simulate` takes them."""
+    `startup` (default `gpu`), its steps' noise drawn from `seed`, its requests `tokens` rows after
+    prompts of `prompt_len`; a step starts prompts as `Worker` says (`prompts_a_step`, `room`,
+    `gpu_charge`, admission by `life`), streams ahead sit out slow steps (`sit_out`) and, with
+    `first_audio`, for first chunks (`FirstAudioSitOut`); the first-chunk decision at
+    `first_quantile` and `first_margin`, at most `prompts_while_first` prompts a step while a first
+    chunk waits."""
     gpu = gpu or GPU()
     clock = StepClock(ROWS_PER_S, 512)
     if calibrate:

@@ -22,7 +22,7 @@ def test_the_span_high_at_the_engines_quantile_is_the_clocks():
 
 
 def test_a_step_starts_at_most_the_cap_of_prompts_while_a_first_chunk_waits():
-    w = new_worker(H200_RATE, True, True, 360, 40, 0, False, None, 10, True, False)
+    w = new_worker(gpu=H200_RATE, tokens=360, prompts_a_step=10)
     streaming = {c: dict(first=0.1, gen=30) for c in range(4)}
     assert w.prompts_next(streaming) == w.prompts_now(streaming) == 10  # nothing measured: the most
     w.prompts_while_first = 1
