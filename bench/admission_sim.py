@@ -45,7 +45,7 @@ import numpy as np
 from common.config import GpuWorkerSettings
 from gpu_worker.runner.graphs import decode_buckets
 from gpu_worker.scheduler.calibrate import step_differences
-from gpu_worker.scheduler.pacing import MIN_SPANS, SPAN_QUANTILE, StepClock, lead_fits
+from gpu_worker.scheduler.pacing import LEAD_MARGIN, MIN_SPANS, SPAN_QUANTILE, StepClock, lead_fits
 from gpu_worker.scheduler.sit_out import SIT_OUT_MAX, SitOut
 from gpu_worker.scheduler.step_cost import Lives
 
@@ -54,7 +54,7 @@ FRAME, LEADS = 7, (7, 14, 21)
 DELIVERY_S = 0.025  # gpu_worker.windows.DELIVERY_S
 # The per-row time (`rows_time_high` over a frame's rows) at which a first frame goes out alone:
 # `lead_fits(FRAME, FRAME / ROWS_PER_S, p, 1.15, DELIVERY_S)` holds for p up to this (7.5 ms).
-MARGIN = 1.15  # lead_fits's margin
+MARGIN = LEAD_MARGIN  # lead_fits's margin
 
 
 def one_frame_s(margin: float = MARGIN) -> float:

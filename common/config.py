@@ -149,7 +149,8 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     # when the steps that make the next window, this many times their pessimistic time (the 95th
     # percentile of recent spans), leave it in time (gpu_worker.scheduler.pacing.lead_fits). Lower
     # sends more first chunks after one frame under load, and spends the second chunk's slack
-    # (bench/admission_sim.py --first-margin weighs it); at least 1.
+    # (bench/admission_sim.py --first-margin weighs it); at least 1. The default is lead_fits's
+    # (gpu_worker.scheduler.pacing.LEAD_MARGIN).
     first_chunk_margin: float = 1.15
     # Admission (gpu_worker.scheduler.pacing.StepClock.capacity): the load whose step, every stream
     # in it at its life-average context, takes at most this share of a row's playback time by the

@@ -28,7 +28,7 @@ import numpy as np
 
 from common.arrays import wire_array
 from common.messages import LEAD_NOISE_BASE, Array, DetokChunk
-from gpu_worker.scheduler.pacing import StepClock, lead_fits
+from gpu_worker.scheduler.pacing import LEAD_MARGIN, StepClock, lead_fits
 from programs.base import LMProgram
 
 FIRST_CHUNK_MODES = ("reference", "adaptive", "fastest", "progressive")
@@ -36,8 +36,6 @@ FIRST_CHUNK_MODES = ("reference", "adaptive", "fastest", "progressive")
 # pass, the decode, the gateway, the network). On the H200 at 128 streams, with a frame's worth of
 # steps as the only allowance, the second frame comes ~6 ms late for 1 stream in 5.
 DELIVERY_S = 0.025
-# The first chunk's jitter margin by default (`--first-chunk-margin`): `lead_fits`'s own.
-FIRST_MARGIN = 1.15
 
 
 def clock_window(program: LMProgram) -> int:
@@ -81,7 +79,7 @@ class AudioWindows:
         first_chunk: str,
         clock: StepClock,
         now: Callable[[], float] = time.monotonic,
-        first_margin: float = FIRST_MARGIN,
+        first_margin: float = LEAD_MARGIN,
     ) -> None:
         if first_chunk not in FIRST_CHUNK_MODES:
             raise ValueError(

@@ -69,6 +69,9 @@ def test_a_lower_first_chunk_margin_sends_one_frame_where_the_default_waits_for_
 
 
 def test_the_first_chunk_margin_is_checked():
+    from gpu_worker.scheduler.pacing import LEAD_MARGIN
+
+    assert GpuWorkerSettings().first_chunk_margin == LEAD_MARGIN  # the steps' own margin by default
     GpuWorkerSettings(first_chunk_margin=1.0).check()
     for bad in (0.9, 2.5):
         with pytest.raises(ValueError, match="--first-chunk-margin"):

@@ -372,8 +372,12 @@ class StepClock:
         return float(min(self.max_batch, max(b1, ahead, min(line, reach))))
 
 
+# `lead_fits`'s margin for jitter in the steps (the first chunk's by default: `--first-chunk-margin`).
+LEAD_MARGIN = 1.15
+
+
 def lead_fits(
-    gap_rows: int, lead_audio_s: float, row_period: float, margin: float = 1.15, latency_s: float = 0.0
+    gap_rows: int, lead_audio_s: float, row_period: float, margin: float = LEAD_MARGIN, latency_s: float = 0.0
 ) -> bool:
     """A lead window of `lead_audio_s` seconds keeps its listener fed if the next regular window,
     `gap_rows` steps later, arrives before the lead has played out (with `margin` for jitter in the
