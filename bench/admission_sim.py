@@ -45,7 +45,15 @@ import numpy as np
 from common.config import GpuWorkerSettings
 from gpu_worker.runner.graphs import decode_buckets
 from gpu_worker.scheduler.calibrate import step_differences
-from gpu_worker.scheduler.pacing import LEAD_MARGIN, MIN_SPANS, SPAN_QUANTILE, StepClock, lead_fits
+from gpu_worker.scheduler.pacing import (
+    LEAD_MARGIN,
+    MIN_SPANS,
+    SPAN_QUANTILE,
+    StepClock,
+    borrowable,
+    lead_fits,
+    step_allowance,
+)
 from gpu_worker.scheduler.sit_out import SIT_OUT_MAX, SitOut
 from gpu_worker.scheduler.step_cost import Lives
 
@@ -296,29 +304,42 @@ class Worker:
     # while a running stream waits for its first chunk, a step starts at most this many prompts
     # (`--prompts-while-first`; 0: as `prompts_now`)
     prompts_while_first: int = 0
+    # a step's prompts may take what its playing streams can spare beyond the budget (`--lead-borrow`)
+    lead_borrow: bool = False
+    now: float = 0.0  # the time of the next step
 
     def prompts_now(self, run: dict[int, dict]) -> int:
         """Prompts the next step may start beside the `run`ning streams."""
         k, n = self.prompts_a_step, self.prompt_len
-        fit = self.clock.cost.prompt_room(
-            self.clock.headroom / ROWS_PER_S, len(run), sum(n + r["gen"] for r in run.values())
-        )
+        budget = self.clock.headroom / ROWS_PER_S
+        fit = self.clock.cost.prompt_room(budget, len(run), sum(n + r["gen"] for r in run.values()))
         if self.room and run and fit is not None:
+            room = fit.room + (self.borrowed(run, budget) if self.lead_borrow else 0.0)
             g, more = self.gpu, 1  # the first prompt, then as many more as the room leaves
             if not self.gpu_charge:  # as the scheduler: the fitted cost of a prompt and the group it opens
                 spent = fit.cost(n, 1)
-                while (
-                    more < k and spent + (c := fit.cost(n, g.groups(more + 1) - g.groups(more))) <= fit.room
-                ):
+                while more < k and spent + (c := fit.cost(n, g.groups(more + 1) - g.groups(more))) <= room:
                     spent, more = spent + c, more + 1
                 return more
             while (
                 more < k
-                and g.prompt_ms + g.pass_ms + (g.extra_prompt_ms or g.prompt_ms) * more <= 1000 * fit.room
+                and g.prompt_ms + g.pass_ms + (g.extra_prompt_ms or g.prompt_ms) * more <= 1000 * room
             ):
                 more += 1
             return more
         return k
+
+    def borrowed(self, run: dict[int, dict], budget: float) -> float:
+        """What the next step may take past `budget` (the scheduler's `borrowed`): every playing
+        stream's audio in hand (since its chunk left, CODEC_S before it arrived) and the rows until
+        its next frame's chunk."""
+        playing = [
+            (r["sent_audio"] - (self.now - r["first"] + CODEC_S), FRAME - r["gen"] % FRAME)
+            for r in run.values()
+            if r["first"] is not None
+        ]
+        allow = step_allowance(playing, self.clock.rows_time_high, self.first_margin, DELIVERY_S, budget)
+        return borrowable(allow, budget, self.clock.slowness())
 
     def prompts_next(self, run: dict[int, dict]) -> int:
         """`prompts_now`, at most `prompts_while_first` while a running stream waits for its first
@@ -406,6 +427,7 @@ def new_worker(
     first_quantile: float = SPAN_QUANTILE,
     first_margin: float = MARGIN,
     prompts_while_first: int = 0,
+    lead_borrow: bool = False,
 ) -> Worker:
     """A fresh worker on `gpu` (default `GPU()`), its clock `calibrate`d from startup steps timed on
     `startup` (default `gpu`), its steps' noise drawn from `seed`, its requests `tokens` rows after
@@ -413,7 +435,7 @@ def new_worker(
     `gpu_charge`, admission by `life`), streams ahead sit out slow steps (`sit_out`) and, with
     `first_audio`, for first chunks (`FirstAudioSitOut`); the first-chunk decision at
     `first_quantile` and `first_margin`, at most `prompts_while_first` prompts a step while a first
-    chunk waits."""
+    chunk waits, a step's prompts taking what the playing streams spare with `lead_borrow`."""
     gpu = gpu or GPU()
     clock = StepClock(ROWS_PER_S, 512)
     if calibrate:
@@ -423,10 +445,11 @@ def new_worker(
     sit = SitOut(clock, decode_buckets(512), GpuWorkerSettings().sit_out_lead_s) if sit_out else None
     rng = np.random.default_rng(seed)
     w = Worker(gpu, clock, sit, rng, life, prompts_a_step, room, tokens, prompt_len, gpu_charge)
-    w.first_quantile, w.first_margin, w.prompts_while_first = (
+    w.first_quantile, w.first_margin, w.prompts_while_first, w.lead_borrow = (
         first_quantile,
         first_margin,
         prompts_while_first,
+        lead_borrow,
     )
     w.first_audio = first_audio_sit_out(w) if first_audio else None
     return w
@@ -519,6 +542,7 @@ def serve(w: Worker, arrivals: Clients | Poisson, t0: float, end: float) -> Serv
                 caps.append(cap)
         while queue and len(run) + len(waiting) < cap:
             waiting.append(queue.pop(0))
+        w.now = t
         k = w.prompts_next(run)
         new, waiting = waiting[:k], waiting[k:]
         for c, sent in new:
@@ -737,6 +761,11 @@ def main(argv: list[str] | None = None) -> None:
         help=f"policies besides: the first-chunk decision at these margins (e.g. 1.0; the engine's {MARGIN})",
     )
     ap.add_argument(
+        "--lead-borrow",
+        action="store_true",
+        help="policies besides: a step's prompts take what the playing streams spare past the budget",
+    )
+    ap.add_argument(
         "--prompts-while-first",
         default="",
         help="policies besides: at most this many prompts a step while a first chunk waits (e.g. 1,2)",
@@ -768,6 +797,7 @@ def main(argv: list[str] | None = None) -> None:
         (f"<= {k} prompts while first", dict(prompts_while_first=int(k)))
         for k in split(args.prompts_while_first)
     ]
+    levers += [("lead borrow", dict(lead_borrow=True))] if args.lead_borrow else []
     weighed = [("life", dict(life=True, **common))]
     weighed += [(f"life, {lever}", dict(life=True, **kw, **common)) for lever, kw in levers]
     policies += weighed[1:]

@@ -176,6 +176,11 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     # up; 0 = no cap. Where the codec bounds the streams (a heavy vocoder sharing the GPU), rows
     # generated far ahead of playback take GPU time the codec needs now.
     max_lead_s: float = 0.0
+    # While prompts wait, a step may take longer than the budget by what every playing stream's
+    # listener has in hand beyond its next chunk's wait (gpu_worker.scheduler.pacing.step_allowance),
+    # up to BORROW_MAX budgets: a burst starts more prompts a step where the streams running can
+    # spare it. Off: every step keeps the budget.
+    lead_borrow: bool = False
     # "full" vocabulary, or "audio": logits for codec tokens + stop only; "auto": audio where the LM
     # runs on the CPU, full on a GPU (`head_for`). On a CPU the full head's rows (a text LLM's whole
     # vocabulary) are most of a small model's step: the default model on 2 cores steps in ~4 ms

@@ -366,6 +366,15 @@ OPTIONS: tuple[Option, ...] = (
         path="gpu.max_lead_s",
     ),
     Option(
+        "lead_borrow",
+        "while prompts wait, let a step run past the headroom by the audio every playing stream's "
+        "listener has in hand beyond what its next chunk needs (at most twice the headroom), so that "
+        "a burst starts more prompts a step; off: every step keeps within the headroom",
+        ("serve", "gpu_worker"),
+        _parse_bool,
+        path="gpu.lead_borrow",
+    ),
+    Option(
         "lm_head",
         "full (whole vocabulary), audio (logits only for codec tokens and stop: less work per step; "
         "text tokens can no longer be sampled) or auto (audio on a CPU, full on a GPU)",

@@ -28,7 +28,7 @@ import numpy as np
 
 from common.arrays import wire_array
 from common.messages import LEAD_NOISE_BASE, Array, DetokChunk
-from gpu_worker.scheduler.pacing import LEAD_MARGIN, StepClock, lead_fits
+from gpu_worker.scheduler.pacing import LEAD_MARGIN, StepClock, lead_fits, step_allowance
 from programs.base import LMProgram
 
 FIRST_CHUNK_MODES = ("reference", "adaptive", "fastest", "progressive")
@@ -178,6 +178,31 @@ class AudioWindows:
             return 0
         first, m = self.group(req.grouped[0][0].index if req.grouped else req.n_chunks)
         return max(0, (first + m) * self.program.detok_interval - req.n_audio)
+
+    def rows_to_next_send(self, req) -> int:
+        """Audio rows `req` still needs before its next chunk leaves (its newest row's step
+        included): the next frame while it sends tail windows, else its next regular window, or the
+        end of the window group that window falls in."""
+        n, s = req.n_audio, self.stride
+        if self.progressive and not req.switched:
+            return s - n % s
+        interval = self.program.detok_interval
+        j = max(req.first_window, -(-(n + 1 - interval) // s))  # the first window ending past row n
+        return max(1, j * s + interval - n, self.rows_to_group_end(req))
+
+    def step_allowance(self, reqs) -> float:
+        """The longest the next step may take with every playing stream among `reqs` (its first
+        chunk sent) still getting its next chunk in time (`pacing.step_allowance`, at the first
+        chunk's margin and `DELIVERY_S`, its other rows at least a step budget each); inf where
+        none plays."""
+        now, clock = self.now(), self.clock
+        playing = [
+            (r.sent_s - (now - r.t_first), self.rows_to_next_send(r))
+            for r in reqs
+            if r.n_chunks > self.clock_window
+        ]
+        budget = clock.headroom * clock.period
+        return step_allowance(playing, clock.rows_time_high, self.first_margin, DELIVERY_S, budget)
 
     def _release(self, req, out: list[DetokChunk]) -> None:
         """`req`'s grouped windows into `out`, each counted as sent now, in order."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -385,3 +386,36 @@ def lead_fits(
     single stream steps every ~3.4 ms: 21 rows take 71 ms against a one-frame lead's 85 ms, which a
     margin of 1.3 would refuse (TTFA 57 ms instead of 29 ms)."""
     return row_period > 0 and gap_rows * row_period * margin + latency_s <= lead_audio_s
+
+
+# `step_allowance` (`--lead-borrow`): a step takes at most this many times its budget, however much
+# audio its streams' listeners have in hand, so that the first audio of the streams not yet playing
+# is not put off for long.
+BORROW_MAX = 2.0
+
+
+def step_allowance(
+    streams: Iterable[tuple[float, int]],
+    rows_time_high: Callable[[int], float],
+    margin: float = LEAD_MARGIN,
+    latency_s: float = 0.0,
+    row_s_min: float = 0.0,
+) -> float:
+    """The longest the next step may take with every playing stream's next chunk still reaching its
+    listener in time (`lead_fits`' promise kept): for each stream (`streams`: the seconds of audio
+    its listener has in hand, the rows until its next chunk leaves, this step's among them), its
+    audio in hand, less the next chunk's trip (`latency_s`) and the other rows' time at the
+    pessimistic rate (`rows_time_high`, at least `row_s_min` a row: the step budget, which a clock
+    that has measured little may not know), all over `margin`; inf where no stream plays."""
+    allow = math.inf
+    for in_hand_s, rows in streams:
+        others = max(rows_time_high(rows - 1), (rows - 1) * row_s_min) if rows > 1 else 0.0
+        allow = min(allow, (in_hand_s - latency_s - margin * others) / margin)
+    return allow
+
+
+def borrowable(allow: float, budget: float, slowness: float = 1.0) -> float:
+    """Seconds a step may take past its `budget` (`--lead-borrow`) where the streams playing allow
+    it `allow` seconds by `step_allowance` (a step taken `slowness` times what the fit says): at
+    most BORROW_MAX budgets in all."""
+    return max(0.0, min(allow / max(1.0, slowness), BORROW_MAX * budget) - budget)

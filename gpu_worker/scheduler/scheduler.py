@@ -25,6 +25,7 @@ holds or gave back).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -38,7 +39,7 @@ from common.messages import Finished, FinishReason, Prompt
 from gpu_worker.runner.eager import EagerRunner
 from gpu_worker.runner.kv_cache import PageAllocator, pages_for
 from gpu_worker.runner.slots import SlotState
-from gpu_worker.scheduler.pacing import StepClock
+from gpu_worker.scheduler.pacing import StepClock, borrowable
 from gpu_worker.scheduler.request import Request
 from gpu_worker.scheduler.sit_out import SitOut
 from gpu_worker.scheduler.step_cost import Lives, PromptRoom
@@ -324,7 +325,7 @@ class Scheduler:
         clock what the next steps may take while prompts still wait (`StepClock.expect`)."""
         cap, limits = self.prefill_cap(max_prefills), self.limits
         fit = self.prompt_room()
-        room = fit.room
+        room = fit.room + fit.borrowed
         prefill_rows = admitted = n_groups = 0
         spent, lengths = 0.0, []
         stop = ""  # why prompts are left waiting, if they are
@@ -363,15 +364,12 @@ class Scheduler:
         if self.waiting:
             self.admission_stops[stop] += 1
         # Prompts still waiting make the next steps as heavy as this one (by the fit, else up to the
-        # budget): a first chunk promised on the lighter steps before them would come late
-        # (gpu_worker/windows.py).
+        # budget and what it may borrow): a first chunk promised on the lighter steps before them
+        # would come late (gpu_worker/windows.py).
         expected = 0.0
         if self.waiting:
-            expected = (
-                self.step_budget()
-                if math.isinf(room)
-                else min(self.step_budget(), self.step_budget() - room + spent)
-            )
+            most = self.step_budget() + (0.0 if math.isinf(room) else fit.borrowed)
+            expected = most if math.isinf(room) else min(most, self.step_budget() - fit.room + spent)
         self.clock.expect(expected)
 
     def admit_lane(
@@ -428,13 +426,32 @@ class Scheduler:
     def prompt_room(self) -> PromptRoom:
         """What this step leaves for prompts: the step budget less the fitted time of the running
         streams' decode rows at their contexts (`StepCost`), each prompt at the fitted cost per
-        prompt, per token and per group it opens. Unbounded where no stream runs, nothing is paced
-        (CPU) or the cost is not fitted yet (the caps alone)."""
+        prompt, per token and per group it opens; with `--lead-borrow`, plus what the step may take
+        beyond the budget (`borrowed`). Unbounded where no stream runs, nothing is paced (CPU) or
+        the cost is not fitted yet (the caps alone)."""
         if not self.real_time or not self.running:
             return PromptRoom(math.inf)
         context = sum(r.n_ctx for r in self.running.values())
         room = self.clock.cost.prompt_room(self.step_budget(), len(self.running), context)
-        return PromptRoom(math.inf) if room is None else room
+        if room is None:
+            return PromptRoom(math.inf)
+        if self.limits.lead_borrow:
+            room = dataclasses.replace(room, borrowed=self.borrowed())
+        return room
+
+    def borrowed(self) -> float:
+        """Seconds the next step may take beyond the budget (`--lead-borrow`): up to what every
+        playing stream's listener can spare (`AudioWindows.step_allowance`: its audio in hand beyond
+        its next chunk's wait; the step taken as much slower than the fit as the steps served lately
+        are), at most BORROW_MAX budgets in all. Streams waiting for appended text, or whose last
+        rows are launched, make no more chunks in these steps and spare nothing."""
+        making = [
+            r
+            for r in self.running.values()
+            if len(r.prompt) + r.n_launched < r.budget and not self.waits(r) and not r.lane
+        ]
+        allow = self.windows.step_allowance(making)
+        return borrowable(allow, self.step_budget(), self.clock.slowness())
 
     def leave_out_streams_ahead(self, batch: list[Request], prompts: int) -> list[Request]:
         """The batch (`prompts` of its requests new) less the streams sitting this step out

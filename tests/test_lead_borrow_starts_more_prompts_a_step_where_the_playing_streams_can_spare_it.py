@@ -1,0 +1,155 @@
+"""`--lead-borrow`: while prompts wait, a step may run past its budget by what every playing stream's
+listener has in hand beyond its next chunk's wait (`pacing.step_allowance`), up to BORROW_MAX
+budgets. A stream that has just started playing spares nothing, so the step keeps its budget; a
+stream well ahead lets the step start more prompts; and the next steps' expected time, on which
+first chunks are promised, is the heavier step's. On the simulated H200 a burst from idle starts
+sooner, every stream on time."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from bench.admission_sim import H200_FORWARD, H200_RATE, simulate
+from common.config import GpuWorkerSettings
+from common.messages import DetokChunk, Prompt, SamplingParams
+from gpu_worker.engine import Engine
+from gpu_worker.scheduler.pacing import BORROW_MAX, StepClock, borrowable, step_allowance
+from gpu_worker.windows import AudioWindows
+from programs import get_spec, load_program_class
+
+ROWS = np.array([128259, 300, 301, 128009, 128260, 128261, 128257], dtype="<i4")
+BUDGET = 0.88 / 82.03  # a step budget: 0.88 of a 12.19 ms row
+
+
+@pytest.fixture(scope="module")
+def program():
+    p = load_program_class("orpheus-tiny")(get_spec("orpheus-tiny"), load_format="dummy", lm_head="audio")
+    p.load_lm()
+    return p
+
+
+def test_the_allowance_is_the_least_any_playing_stream_can_spare():
+    def high(rows: int) -> float:  # 10 ms a row at the pessimistic rate
+        return 0.010 * rows
+
+    assert step_allowance([], high) == math.inf  # no stream plays: nothing to keep
+    # 0.5 s in hand, its chunk after this step and 6 more: (0.5 - 0.025 - 1.15 * 0.06) / 1.15
+    one = step_allowance([(0.5, 7)], high, 1.15, 0.025)
+    assert one == pytest.approx((0.5 - 0.025 - 1.15 * 0.060) / 1.15)
+    assert step_allowance([(0.5, 7), (0.1, 1), (2.0, 3)], high, 1.15, 0.025) == pytest.approx(
+        (0.1 - 0.025) / 1.15
+    )  # the stream whose chunk comes after this step, with the least in hand
+    assert step_allowance([(0.05, 7)], high, 1.15, 0.025) < 0  # already short: nothing to spare
+
+    assert borrowable(math.inf, BUDGET) == pytest.approx((BORROW_MAX - 1) * BUDGET)  # at most
+    assert borrowable(0.5 * BUDGET, BUDGET) == 0.0  # less than the budget itself: no borrowing
+    assert borrowable(1.5 * BUDGET, BUDGET) == pytest.approx(0.5 * BUDGET)
+    assert borrowable(1.5 * BUDGET, BUDGET, slowness=1.5) == 0.0  # steps run 1.5x the fit
+
+
+class Req:
+    """What AudioWindows reads of a request."""
+
+    def __init__(self, rows: int, switched: bool) -> None:
+        self.rid, self.sp = "r", SamplingParams(seed=1)
+        self.audio = np.zeros((rows, 7), dtype="<i4")
+        self.n_audio, self.n_chunks, self.first_window, self.switched = 0, 0, 0, switched
+        self.t_first, self.sent_s = 0.0, 0.0
+        self.held, self.grouped, self.state = [], [], {}
+
+
+@pytest.mark.parametrize("mode", ["progressive", "reference"])
+def test_the_rows_to_a_streams_next_chunk_are_those_after_which_its_next_window_leaves(program, mode):
+    """`rows_to_next_send` against the windows themselves: add rows one at a time and count those
+    until `after_row` sends a window, from every row of a stream's first 80 (progressive: while it
+    sends tail windows, one each frame; reference: the regular windows)."""
+    windows = AudioWindows(program, mode, StepClock(program.rows_per_second, 8), now=lambda: 1.0)
+    req = Req(200, switched=False)
+    predicted: dict[int, int] = {}
+    sent_at: list[int] = []
+    while req.n_audio < 120:
+        if req.n_chunks > windows.clock_window:
+            predicted[req.n_audio] = windows.rows_to_next_send(req)
+        req.n_audio += 1
+        out: list[DetokChunk] = []
+        windows.after_row(req, out)
+        if out:
+            sent_at.append(req.n_audio)
+    assert len(sent_at) > 5 and not req.switched  # a clock that measured nothing: tail windows only
+    for n, rows in predicted.items():
+        if n < 80:
+            assert n + rows == next(s for s in sent_at if s > n), n
+
+
+def engine(program, borrow: bool, in_hand_s: float) -> Engine:
+    """One stream playing with `in_hand_s` of audio in hand, a fitted step cost of 6 ms of decode,
+    0.5 ms a prompt and 1.5 ms a group (a prompt a group: the budget leaves room for two), eleven
+    prompts waiting."""
+    eng = Engine(
+        program,
+        GpuWorkerSettings(
+            max_batch_size=16, max_context=64, max_prefills=8, first_chunk="reference", lead_borrow=borrow
+        ),
+    )
+    s = eng.scheduler
+    s.real_time = True  # paced as on a GPU
+    sampling = SamplingParams(max_tokens=len(ROWS) + 40, temperature=0.0)
+    eng.add(Prompt(rid="playing", tokens=ROWS.tobytes(), n_rows=len(ROWS), sampling=sampling))
+    eng.step()
+    cost, rng = s.clock.cost, np.random.default_rng(0)
+    for _ in range(400):
+        n = int(rng.integers(0, 4))
+        cost.add(int(rng.integers(1, 300)), int(rng.integers(0, 50_000)), n, 0.006 + 0.002 * n, n)
+    req = s.running["playing"]
+    req.n_chunks, req.t_first, req.sent_s = 1, eng.windows.now(), in_hand_s
+    for i in range(11):
+        eng.add(Prompt(rid=f"r{i}", tokens=ROWS.tobytes(), n_rows=len(ROWS), sampling=sampling))
+    return eng
+
+
+def test_a_stream_well_ahead_lets_a_step_start_more_prompts_and_first_audio_is_promised_on_it(
+    program, monkeypatch
+):
+    keep = engine(program, borrow=False, in_hand_s=1.0)
+    monkeypatch.setattr(keep.runner, "prompt_groups", lambda rows: len(rows))  # a lane each
+    keep.scheduler.admit(0, keep.runner.prompt_groups)
+    assert keep.scheduler.admitted_last == 2  # (10.7 - 6) / (0.5 + 1.5) ms
+
+    borrow = engine(program, borrow=True, in_hand_s=1.0)
+    s = borrow.scheduler
+    fit = s.prompt_room()
+    assert fit.borrowed == pytest.approx((BORROW_MAX - 1) * s.step_budget())  # 1 s in hand: the most
+    s.admit(0, lambda rows: len(rows))
+    assert s.admitted_last == 7  # (2 x 10.7 - 6) / 2 ms
+    assert s.admission_stops["room"] == 1
+    # prompts still wait: the next steps are expected to take the heavier step's time
+    assert s.clock.rows_time_high(7) == pytest.approx(7 * (0.006 + 7 * 0.002), rel=0.01)
+
+
+def test_a_stream_that_just_started_playing_keeps_the_step_within_its_budget(program):
+    eng = engine(program, borrow=True, in_hand_s=0.04)  # a first frame's 85 ms, half of it played
+    s = eng.scheduler
+    assert s.prompt_room().borrowed == 0.0
+    s.admit(0, lambda rows: len(rows))
+    assert s.admitted_last == 2
+
+
+def test_a_stream_waiting_for_appended_text_spares_nothing_and_holds_nothing_back(program):
+    eng = engine(program, borrow=True, in_hand_s=0.04)
+    s = eng.scheduler
+    req = s.running["playing"]
+    req.input_open = True  # its text has run out: it makes no chunk until more comes
+    assert s.waits(req)
+    assert s.prompt_room().borrowed == pytest.approx((BORROW_MAX - 1) * s.step_budget())  # none plays
+
+
+def test_on_the_simulated_h200_a_burst_starts_sooner_with_every_stream_on_time():
+    kw = dict(tokens=400, ramp_s=0.0, duration_s=3.0, gpu=H200_RATE, calibrate=True, startup=H200_FORWARD,
+              prompts_a_step=10)  # fmt: skip
+    base, lent = simulate(256, **kw), simulate(256, lead_borrow=True, **kw)
+    assert base["on_time_share"] == lent["on_time_share"] == 1.0
+    assert lent["ttfa_p99_ms"] < 0.9 * base["ttfa_p99_ms"]
+    assert lent["ttfa_p50_ms"] <= base["ttfa_p50_ms"]
