@@ -129,6 +129,18 @@ def test_a_stream_well_ahead_lets_a_step_start_more_prompts_and_first_audio_is_p
     assert s.clock.rows_time_high(7) == pytest.approx(7 * (0.006 + 7 * 0.002), rel=0.01)
 
 
+def test_a_step_past_its_budget_is_expected_heavy_though_no_prompt_waits(program):
+    eng = engine(program, borrow=True, in_hand_s=1.0)
+    s = eng.scheduler
+    for _ in range(5):  # six prompts left: every one starts in this step
+        s.waiting.pop()
+    s.admit(0, lambda rows: len(rows))
+    assert s.admitted_last == 6 and not s.waiting
+    assert s.clock.rows_time_high(7) == pytest.approx(7 * (0.006 + 6 * 0.002), rel=0.01)
+    s.admit(0, lambda rows: len(rows))  # nothing to start: no longer expected heavy
+    assert s.clock.rows_time_high(7) < 7 * s.step_budget()
+
+
 def test_a_stream_that_just_started_playing_keeps_the_step_within_its_budget(program):
     eng = engine(program, borrow=True, in_hand_s=0.04)  # a first frame's 85 ms, half of it played
     s = eng.scheduler

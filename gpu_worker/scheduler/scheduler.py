@@ -365,9 +365,10 @@ class Scheduler:
             self.admission_stops[stop] += 1
         # Prompts still waiting make the next steps as heavy as this one (by the fit, else up to the
         # budget and what it may borrow): a first chunk promised on the lighter steps before them
-        # would come late (gpu_worker/windows.py).
+        # would come late (gpu_worker/windows.py). A step that runs past its budget (`borrowed`) is
+        # as heavy for the promises made while it is in flight, whether or not prompts still wait.
         expected = 0.0
-        if self.waiting:
+        if self.waiting or (fit.borrowed and spent > fit.room):
             most = self.step_budget() + (0.0 if math.isinf(room) else fit.borrowed)
             expected = most if math.isinf(room) else min(most, self.step_budget() - fit.room + spent)
         self.clock.expect(expected)
