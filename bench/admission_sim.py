@@ -54,7 +54,7 @@ from gpu_worker.scheduler.pacing import (
     lead_fits,
     step_allowance,
 )
-from gpu_worker.scheduler.sit_out import SIT_OUT_MAX, SitOut
+from gpu_worker.scheduler.sit_out import FirstAudioSitOut, SitOut
 from gpu_worker.scheduler.step_cost import Lives
 
 ROWS_PER_S = 82.03  # Orpheus: a row is 1/82.03 s of audio; a frame is 7 rows
@@ -192,87 +192,6 @@ def startup_differences(gpu: GPU, steps: dict[int, float] | None = None) -> list
         return gpu.step_s(decode, b.num_prefill, None)
 
     return step_differences(Runner(), 1 + 512 * 70, 16, 1200, 1, timer=timer, steps=steps)
-
-
-class FirstAudioSitOut:
-    """A policy to weigh (`--first-audio-sit-out`): while a running stream waits for its first chunk
-    or still sends tail windows, streams with `spare_s` of audio in hand sit out so that each step,
-    by the clock's fitted cost (`StepCost`, times its `slowness`), comes to at most ONE_FRAME_S /
-    `margin`: the pace at which a first frame goes out alone (`lead_fits` on `rows_time_high`, the
-    high quantile of seven-step spans, hence the margin for the steps' spread). Those with the most
-    audio in hand sit out first, no more than SIT_OUT_MAX of the streams a step serves, the rows
-    left rounded down to a decode graph's bucket (its padding is paid anyway), as `SitOut` leaves
-    them; beside `SitOut`, whose streams it counts as out.
-
-    Sitting out moves a step's rows to later steps, it does not take them away: under a steady
-    load the steps' mean interval stays what the load makes it, and only its spread shrinks (the
-    steps with prompts give rows to those without). So the policy acts only while the mean
-    interval (over ~100 steps) is within ONE_FRAME_S, and while the streams are within `room` of
-    the capacity.
-
-    Simulated on H200_RATE (Poisson arrivals of 360 rows, 5 seeds, every request on time either
-    way): at 80 req/s first chunks of one frame 94 % of them against 66 %, TTFA p50 / p95 / p99
-    58 / 90 / 103 ms against 61 / 114 / 119, ~41 of ~221 streams sitting out; at 90 req/s 78 %
-    against 26 %, 62 / 123 / 135 ms against 114 / 127 / 134, ~86 of ~300 out; at 100-110 req/s
-    (mean interval past the bound) it stays off but while the load grows, and its streams coming
-    back then take p99 from 167 to 202 ms at 110; nothing changes at 20-40 req/s. `bound`: the
-    one-frame pace of the first-chunk decision in use (ONE_FRAME_S, or `one_frame_s` of a
-    `--first-margin`)."""
-
-    def __init__(
-        self,
-        clock: StepClock,
-        sizes: list[int],
-        spare_s: float,
-        margin: float = 1.1,
-        room: float = 0.85,
-        bound: float = ONE_FRAME_S,
-    ) -> None:
-        self.clock, self.sizes, self.spare_s, self.margin = clock, sorted(sizes), spare_s, margin
-        self.room, self.bound = room, bound
-        self.period = 0.0  # the step interval over the last ~100 steps
-
-    def choose(
-        self,
-        leads: list[float],
-        context: list[int],
-        prompts: int,
-        groups: int,
-        prompt_len: int,
-        out: set[int],
-        capacity: float,
-    ) -> list[int]:
-        """`leads[i]`: seconds of audio row i's listener has in hand (-inf where it may not sit out);
-        `context[i]`: the tokens it attends over (0 for a prompt); `prompts` of the rows are
-        prompts, in `groups`; `out`: the rows sitting out already; `capacity`: the streams the
-        worker reports it keeps real time → the rows to leave out besides. None once the streams
-        pass `room` of the capacity: a stream sitting out lives longer, so more streams run at once,
-        and near the capacity they would hold new requests at admission."""
-        self.period += (0.01 if self.period else 1.0) * (self.clock.row_period() - self.period)
-        fit = self.clock.cost.coefficients()
-        if fit is None or len(leads) > self.room * capacity or self.period > self.bound:
-            return []
-        a, b, c, d, e = fit
-        slow, target = self.clock.slowness(), self.bound / self.margin
-        rows = [i for i in range(len(leads)) if i not in out]
-        tokens = len(rows) - prompts + prompts * prompt_len
-        ctx = sum(context[i] for i in rows)
-        step = slow * (a + b * tokens + c * ctx / 1000.0 + d * prompts + e * groups)
-        if step <= target:
-            return []
-        ahead = sorted((i for i in rows if leads[i] >= self.spare_s), key=lambda i: leads[i], reverse=True)
-        most = min(len(ahead), math.floor(SIT_OUT_MAX * len(leads)) - len(out))
-        chosen = []
-        for i in ahead[: max(0, most)]:
-            if step <= target:
-                break
-            chosen.append(i)
-            step -= slow * (b + c * context[i] / 1000.0)
-        dec = len(rows) - prompts  # decode rows left, rounded down to a bucket within `most`
-        below = [z for z in self.sizes if z <= dec - len(chosen)]
-        if chosen and below and dec - below[-1] <= most:
-            chosen = ahead[: dec - below[-1]]
-        return chosen
 
 
 @dataclass
@@ -678,7 +597,7 @@ def step(w: Worker, run: dict, t: float) -> float:
     if w.first_audio is not None and any(not run[c].get("switched") for c in ids):
         context = [0 if run[c]["prompt"] else prompt_len + run[c]["gen"] for c in ids]
         groups = w.gpu.groups(prompts)
-        out |= set(w.first_audio.choose(leads, context, prompts, groups, prompt_len, out, w.cap))
+        out |= set(w.first_audio.choose(leads, context, prompts, groups, prompts * prompt_len, out, w.cap))
     rows = [c for i, c in enumerate(ids) if i not in out]
     ctx = np.array([prompt_len + run[c]["gen"] for c in rows if not run[c]["prompt"]], dtype=float)
     dt = w.gpu.step_s(ctx, prompts, w.rng)

@@ -181,6 +181,12 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     # up to BORROW_MAX budgets: a burst starts more prompts a step where the streams running can
     # spare it. Off: every step keeps the budget.
     lead_borrow: bool = False
+    # With progressive first chunks: while a running stream waits for its first chunk or still sends
+    # tail windows, streams with --sit-out's audio in hand (0.5 s when it is off) sit out so that a
+    # step, by the fitted cost, comes to the pace that sends a first frame alone
+    # (gpu_worker.scheduler.sit_out.FirstAudioSitOut). Off: only steps over the budget leave
+    # streams out.
+    first_audio_sit_out: bool = False
     # "full" vocabulary, or "audio": logits for codec tokens + stop only; "auto": audio where the LM
     # runs on the CPU, full on a GPU (`head_for`). On a CPU the full head's rows (a text LLM's whole
     # vocabulary) are most of a small model's step: the default model on 2 cores steps in ~4 ms

@@ -375,6 +375,16 @@ OPTIONS: tuple[Option, ...] = (
         path="gpu.lead_borrow",
     ),
     Option(
+        "first_audio_sit_out",
+        "with --first-chunk progressive: while a stream waits for its first chunk or still sends tail "
+        "windows, streams with --sit-out's audio in hand sit out so that a step comes to the pace that "
+        "sends a first frame alone (first audio after one frame under load); off: streams sit out only "
+        "steps over the headroom",
+        ("serve", "gpu_worker"),
+        _parse_bool,
+        path="gpu.first_audio_sit_out",
+    ),
+    Option(
         "lm_head",
         "full (whole vocabulary), audio (logits only for codec tokens and stop: less work per step; "
         "text tokens can no longer be sampled) or auto (audio on a CPU, full on a GPU)",

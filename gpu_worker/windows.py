@@ -190,6 +190,12 @@ class AudioWindows:
         j = max(req.first_window, -(-(n + 1 - interval) // s))  # the first window ending past row n
         return max(1, j * s + interval - n, self.rows_to_group_end(req))
 
+    def one_frame_row_s(self) -> float:
+        """Progressive mode: the pessimistic seconds per row up to which a first chunk goes out
+        after one frame (`_first_now`: the next frame's steps, with the first chunk's margin, and
+        the trip, within the frame's audio)."""
+        return (self._audio_s(self.stride) - DELIVERY_S) / (self.stride * self.first_margin)
+
     def step_allowance(self, reqs) -> float:
         """The longest the next step may take with every playing stream among `reqs` (its first
         chunk sent) still getting its next chunk in time (`pacing.step_allowance`, at the first

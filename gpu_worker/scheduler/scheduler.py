@@ -41,7 +41,7 @@ from gpu_worker.runner.kv_cache import PageAllocator, pages_for
 from gpu_worker.runner.slots import SlotState
 from gpu_worker.scheduler.pacing import StepClock, borrowable
 from gpu_worker.scheduler.request import Request
-from gpu_worker.scheduler.sit_out import SitOut
+from gpu_worker.scheduler.sit_out import FirstAudioSitOut, SitOut
 from gpu_worker.scheduler.step_cost import Lives, PromptRoom
 from gpu_worker.windows import AudioWindows, group_pace
 from programs.base import LMProgram
@@ -130,6 +130,13 @@ class Scheduler:
         if limits.sit_out_lead_s > 0:
             self.sit_out = SitOut(clock, sizes, limits.sit_out_lead_s)
         self.sitting_out = 0.0  # streams left out of a step (SitOut), averaged
+        self.first_audio = None  # `FirstAudioSitOut` (--first-audio-sit-out)
+        if limits.first_audio_sit_out:
+            if not windows.progressive:
+                raise ValueError("--first-audio-sit-out needs --first-chunk progressive")
+            spare = limits.sit_out_lead_s or GpuWorkerSettings().sit_out_lead_s
+            self.first_audio = FirstAudioSitOut(clock, sizes, spare, windows.one_frame_row_s())
+        self.last_capacity = float(limits.max_batch_size)  # as `capacity` last said
         # Rows a request generates before it ends (stop or budget), and their square, averaged over
         # the last ~100 that ended of themselves: what running requests grow to (`lives`).
         self.gen_rows, self.gen_rows2, self.n_ended = 0.0, 0.0, 0
@@ -461,7 +468,7 @@ class Scheduler:
         played by the clock since the first chunk left); with `--max-lead`, also every stream whose
         audio in hand reaches it."""
         cap = self.limits.max_lead_s
-        if (self.sit_out is None and not cap) or not batch:
+        if (self.sit_out is None and self.first_audio is None and not cap) or not batch:
             self.sitting_out = 0.0
             return batch
         now, progressive = self.windows.now(), self.windows.progressive
@@ -478,6 +485,14 @@ class Scheduler:
         out = self.sit_out.choose(leads, prompts) if self.sit_out is not None else []
         if cap:  # streams past the cap (--max-lead) sit out whatever the step time
             out = sorted(set(out).union(i for i, lead in enumerate(leads) if lead >= cap))
+        if self.first_audio is not None and any(not r.switched for r in batch):
+            # a stream's first frames wait for these steps: those ahead sit out to shorten them
+            tokens = sum(len(r.prompt) for r in batch if r.n_ctx == 0)
+            more = self.first_audio.choose(
+                leads, [r.n_ctx for r in batch], prompts, min(self.admitted_groups, prompts), tokens,
+                set(out), self.last_capacity,
+            )  # fmt: skip
+            out = sorted(set(out).union(more))
         self.sitting_out += 0.05 * (len(out) - self.sitting_out)
         if not out:
             return batch
@@ -498,7 +513,9 @@ class Scheduler:
     def capacity(self, lives: Lives | None) -> float:
         """Concurrent streams this worker keeps real time (`StepClock.capacity` at `lives`); its
         batch size where nothing is real time."""
-        return self.clock.capacity(lives=lives) if self.real_time else self.limits.max_batch_size
+        cap = self.clock.capacity(lives=lives) if self.real_time else self.limits.max_batch_size
+        self.last_capacity = cap
+        return cap
 
     def lives(self) -> Lives | None:
         """The requests this worker serves, over their lives (for `StepClock.capacity`): the

@@ -1,4 +1,6 @@
-"""Sit-out: streams well ahead of their listeners leave steps out while steps run over budget."""
+"""Sit-out: streams well ahead of their listeners leave steps out while steps run over budget
+(`SitOut`), and, with `--first-audio-sit-out`, while a stream's first frames wait for steps at the
+pace that sends them alone (`FirstAudioSitOut`)."""
 
 from __future__ import annotations
 
@@ -80,3 +82,86 @@ class SitOut:
             return []
         ahead.sort(key=lambda i: leads[i], reverse=True)
         return ahead[:out]
+
+
+class FirstAudioSitOut:
+    """First-audio sit-out (`--first-audio-sit-out`): while a running stream waits for its first
+    chunk or still sends tail windows (progressive first chunks), streams with `spare_s` of audio in
+    hand sit out so that each step, by the clock's fitted cost (`StepCost`, times its `slowness`),
+    comes to at most `bound` / `margin`: `bound` is the pace per row at which a first frame goes out
+    alone (`lead_fits` on `rows_time_high`, the high quantile of a frame's step spans, hence the
+    margin for the steps' spread). Those with the most audio in hand sit out first, no more than
+    SIT_OUT_MAX of the streams a step serves, the rows left rounded down to a decode graph's bucket
+    (its padding is paid anyway), as `SitOut` leaves them; beside `SitOut`, whose streams it counts
+    as out. It changes no token, as `SitOut` does not.
+
+    Sitting out moves a step's rows to later steps, it does not take them away: under a steady
+    load the steps' mean interval stays what the load makes it, and only its spread shrinks (the
+    steps with prompts give rows to those without). So the policy acts only while the mean
+    interval (over ~100 steps) is within `bound`, and while the streams are within `room` of the
+    capacity (a stream sitting out lives longer, so more streams run at once, and near the capacity
+    they would hold new requests at admission).
+
+    Simulated on the H200's step as its fit reads Poisson arrivals of 360-row requests
+    (bench/admission_sim.py H200_RATE, 5 seeds, every request on time either way): at 80 req/s first
+    chunks of one frame 94 % of them against 66 %, TTFA p50 / p95 / p99 58 / 90 / 103 ms against
+    61 / 114 / 119, ~41 of ~221 streams sitting out; at 90 req/s 78 % against 26 %, 62 / 123 / 135
+    ms against 114 / 127 / 134, ~86 of ~300 out; at 100-110 req/s (mean interval past the bound) it
+    stays off but while the load grows, and its streams coming back then take p99 from 167 to 202 ms
+    at 110; nothing changes at 20-40 req/s."""
+
+    def __init__(
+        self,
+        clock: StepClock,
+        sizes: list[int] | None,
+        spare_s: float,
+        bound: float,
+        margin: float = 1.1,
+        room: float = 0.85,
+    ) -> None:
+        if not spare_s > 0:
+            raise ValueError(f"a stream sits out steps only with audio in hand: spare_s > 0, got {spare_s}")
+        self.clock, self.sizes, self.spare_s, self.margin = clock, sorted(sizes or []), spare_s, margin
+        self.room, self.bound = room, bound
+        self.period = 0.0  # the step interval over the last ~100 steps
+
+    def choose(
+        self,
+        leads: list[float],
+        context: list[int],
+        prompts: int,
+        groups: int,
+        prompt_tokens: int,
+        out: set[int],
+        capacity: float,
+    ) -> list[int]:
+        """`leads[i]`: seconds of audio row i's listener has in hand (-inf where it may not sit out);
+        `context[i]`: the tokens it attends over (0 for a prompt); `prompts` of the rows are
+        prompts of `prompt_tokens` tokens in all, in `groups`; `out`: the rows sitting out already;
+        `capacity`: the streams the worker reports it keeps real time → the rows to leave out
+        besides (none once the streams pass `room` of the capacity)."""
+        self.period += (0.01 if self.period else 1.0) * (self.clock.row_period() - self.period)
+        fit = self.clock.cost.coefficients()
+        if fit is None or len(leads) > self.room * capacity or self.period > self.bound:
+            return []
+        a, b, c, d, e = fit
+        slow, target = self.clock.slowness(), self.bound / self.margin
+        rows = [i for i in range(len(leads)) if i not in out]
+        tokens = len(rows) - prompts + prompt_tokens
+        ctx = sum(context[i] for i in rows)
+        step = slow * (a + b * tokens + c * ctx / 1000.0 + d * prompts + e * groups)
+        if step <= target:
+            return []
+        ahead = sorted((i for i in rows if leads[i] >= self.spare_s), key=lambda i: leads[i], reverse=True)
+        most = min(len(ahead), math.floor(SIT_OUT_MAX * len(leads)) - len(out))
+        chosen = []
+        for i in ahead[: max(0, most)]:
+            if step <= target:
+                break
+            chosen.append(i)
+            step -= slow * (b + c * context[i] / 1000.0)
+        dec = len(rows) - prompts  # decode rows left, rounded down to a bucket within `most`
+        below = [z for z in self.sizes if z <= dec - len(chosen)]
+        if chosen and below and dec - below[-1] <= most:
+            chosen = ahead[: dec - below[-1]]
+        return chosen
