@@ -103,12 +103,15 @@ class FirstAudioSitOut:
     they would hold new requests at admission).
 
     Simulated on the H200's step as its fit reads Poisson arrivals of 360-row requests
-    (bench/admission_sim.py H200_RATE, 5 seeds, every request on time either way): at 80 req/s first
-    chunks of one frame 94 % of them against 66 %, TTFA p50 / p95 / p99 58 / 90 / 103 ms against
-    61 / 114 / 119, ~41 of ~221 streams sitting out; at 90 req/s 78 % against 26 %, 62 / 123 / 135
-    ms against 114 / 127 / 134, ~86 of ~300 out; at 100-110 req/s (mean interval past the bound) it
-    stays off but while the load grows, and its streams coming back then take p99 from 167 to 202 ms
-    at 110; nothing changes at 20-40 req/s."""
+    (bench/admission_sim.py H200_RATE, `voxpipe bench sim --rate 80,90 --h200-rate --forward
+    --seeds 5 --first-audio-sit-out`, worst of the seeds, every request on time either way): at 80
+    req/s first chunks of one frame 94 % of them against 66 %, TTFA p50 / p95 / p99 59 / 108 / 115
+    ms against 64 / 119 / 125, ~52 streams sitting out; at 90 req/s 78 % against 26 %, but 64 / 137 /
+    146 ms against 116 / 131 / 138 (its p95 and p99 worse), ~108 out; at 100-110 req/s (mean
+    interval past the bound) it acts only while the load grows, and at 110 its streams coming back
+    take p99 from 173 to 300 ms; nothing changes at 20-40 req/s. With `--first-chunk-margin 1.0`
+    (a bound 15 % higher) it holds 80 and 90 req/s to p95 67 and 72 ms
+    (bench/results/sim-orpheus-first-audio-sit-out.json)."""
 
     def __init__(
         self,
