@@ -443,7 +443,7 @@ class Scheduler:
         room = self.clock.cost.prompt_room(self.step_budget(), len(self.running), context)
         if room is None:
             return PromptRoom(math.inf)
-        if self.limits.lead_borrow:
+        if self.limits.lead_borrow and len(self.waiting) > 1:  # the first prompt starts anyway
             room = dataclasses.replace(room, borrowed=self.borrowed())
         return room
 
