@@ -274,6 +274,8 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
             raise ValueError(
                 f"--first-chunk-margin is a factor on the steps' pessimistic time in [1, 2], got {self.first_chunk_margin}"
             )
+        if self.first_audio_sit_out and self.first_chunk != "progressive":
+            raise ValueError("--first-audio-sit-out needs --first-chunk progressive")
         if self.max_lead_s and self.max_lead_s < 1.0:
             raise ValueError(f"--max-lead caps audio in hand at 1 s or more (0 = off), got {self.max_lead_s}")
 

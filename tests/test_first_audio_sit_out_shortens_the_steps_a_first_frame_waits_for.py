@@ -89,4 +89,6 @@ def test_never_more_than_half_the_streams(program):
 
 def test_it_needs_progressive_first_chunks(program):
     with pytest.raises(ValueError, match="progressive"):
+        GpuWorkerSettings(first_audio_sit_out=True, first_chunk="adaptive").check()
+    with pytest.raises(ValueError, match="progressive"):
         engine(program, first_audio_sit_out=True, first_chunk="adaptive")
