@@ -4,7 +4,8 @@
     voxpipe bench tap-stats tap.jsonl [--out stats.json]
 
 For requests whose arrival the tap saw, the first audio split by stage (gateway → prompt built →
-admitted → first token → first chunk ready → decoded → first byte sent), as p50/p90/p99 ms; for
+admitted → first token → first chunk ready → decoded → first byte sent), as p50/p90/p99 ms, and
+each stage's median among the slowest 5 % of them (where a tail's time goes); for
 every chunk, the codec's part (ready at the gpu_worker → decoded at the codec_worker); and the gaps
 between a request's consecutive chunks leaving the gpu_worker; given the client's own TTFA per request
 id (bench/ttfa_http.py --tap-level), what the client saw beyond the server's part.
@@ -15,7 +16,10 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import math
 from collections import defaultdict
+
+TAIL_SHARE = 0.05  # `first_audio_tail_ms`: the slowest requests' share
 
 FIRST = ("received", "prompt_built", "admitted", "first_token", "first_chunk_ready", "first_chunk_decoded",
          "first_byte_sent")  # fmt: skip
@@ -30,6 +34,28 @@ def _pct(values: list[float]) -> dict[str, float]:
         return round(v[min(len(v) - 1, int(q / 100 * len(v)))], 2)
 
     return {"n": len(v), "p50": at(50), "p90": at(90), "p99": at(99), "max": round(v[-1], 2)}
+
+
+def _tail(whole: list[dict[str, float]]) -> dict[str, float]:
+    """The requests whose first audio took longest (the slowest TAIL_SHARE, at least one): how
+    many, and each stage's median among them, so that a tail (a burst's, say) shows which stage
+    holds it: the stages' percentiles over all requests do not say which requests they come from."""
+    if not whole:
+        return {}
+    slowest = sorted(whole, key=lambda s: s[FIRST[-1]] - s[FIRST[0]])
+    tail = slowest[-max(1, math.ceil(TAIL_SHARE * len(slowest))) :]
+
+    def median(values: list[float]) -> float:
+        v = sorted(values)
+        return round(v[len(v) // 2] if len(v) % 2 else 0.5 * (v[len(v) // 2 - 1] + v[len(v) // 2]), 2)
+
+    out: dict[str, float] = {"n": len(tail)}
+    if all("http_received" in s for s in tail):  # the HTTP arrival: the wait for admission before it
+        out["http_received->received"] = median([s["received"] - s["http_received"] for s in tail])
+    for a, b in zip(FIRST, FIRST[1:], strict=False):
+        out[f"{a}->{b}"] = median([s[b] - s[a] for s in tail])
+    out["total"] = median([s[FIRST[-1]] - s[FIRST[0]] for s in tail])
+    return out
 
 
 def read(path: str) -> list[dict]:
@@ -59,6 +85,7 @@ def stats(events: list[dict], client_ttfa: dict[str, float] | None = None) -> di
         f"{a}->{b}": _pct([s[b] - s[a] for s in whole]) for a, b in zip(FIRST, FIRST[1:], strict=False)
     }
     out["first_audio_ms"]["total"] = _pct([s[FIRST[-1]] - s[FIRST[0]] for s in whole])
+    out["first_audio_tail_ms"] = _tail(whole)
     # Recordings that have it: the HTTP arrival, before reading the body and the admission wait.
     http = [s for s in whole if "http_received" in s]
     if http:
