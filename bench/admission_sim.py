@@ -594,6 +594,8 @@ def step(w: Worker, run: dict, t: float) -> float:
     ]
     prompts = sum(run[c]["prompt"] for c in ids)
     out = set(w.sit.choose(leads, prompts)) if w.sit is not None else set()
+    if w.first_audio is not None:
+        w.first_audio.tick()
     if w.first_audio is not None and any(not run[c].get("switched") for c in ids):
         context = [0 if run[c]["prompt"] else prompt_len + run[c]["gen"] for c in ids]
         groups = w.gpu.groups(prompts)

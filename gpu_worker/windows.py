@@ -196,17 +196,38 @@ class AudioWindows:
         the trip, within the frame's audio)."""
         return (self._audio_s(self.stride) - DELIVERY_S) / (self.stride * self.first_margin)
 
-    def step_allowance(self, reqs) -> float:
-        """The longest the next step may take with every playing stream among `reqs` (its first
-        chunk sent) still getting its next chunk in time (`pacing.step_allowance`, at the first
-        chunk's margin and `DELIVERY_S`, its other rows at least a step budget each); inf where
-        none plays."""
+    def spare(self, req, now: float) -> tuple[float, int]:
+        """(seconds of audio its listener has in hand, audio rows until its first chunk that waits for
+        the next step launched) of a playing stream. Rows launched before that step (`n_launched`
+        past `n_gen`: the step in flight) may complete its next chunk without it: then the chunk
+        after is the one that waits, and the audio of the one before counts as in hand (not with
+        window groups, whose next group's audio and rows are taken at the least and the most)."""
+        in_hand, rows = req.sent_s - (now - req.t_first), self.rows_to_next_send(req)
+        flight, groups, s = max(0, req.n_launched - req.n_gen), self.program.detok_groups, self.stride
+        while rows <= flight:
+            if groups:
+                rows += max(groups) * s
+            elif self.progressive and not req.switched:
+                in_hand += self._audio_s(s)
+                # a tail window may switch the stream to regular windows: the next one may be further
+                rows += max(s, self._rows_to_next_window(req.n_audio + rows))
+            else:
+                in_hand += self._audio_s(s)
+                rows += s
+        return in_hand, rows
+
+    def step_allowance(self, streams) -> float:
+        """The longest the next step may take with every playing stream among `streams` ((request,
+        steps it may wait besides: one for a stream whose text has run out, which resumes a step
+        after its text comes)) still getting its next chunk in time (`pacing.step_allowance` on
+        `spare`, at the first chunk's margin and `DELIVERY_S`, its other rows at least a step budget
+        each); inf where none plays."""
         now, clock = self.now(), self.clock
-        playing = [
-            (r.sent_s - (now - r.t_first), self.rows_to_next_send(r))
-            for r in reqs
-            if r.n_chunks > self.clock_window
-        ]
+        playing = []
+        for r, later in streams:
+            if r.n_chunks > self.clock_window:
+                in_hand, rows = self.spare(r, now)
+                playing.append((in_hand, rows + later))
         budget = clock.headroom * clock.period
         return step_allowance(playing, clock.rows_time_high, self.first_margin, DELIVERY_S, budget)
 

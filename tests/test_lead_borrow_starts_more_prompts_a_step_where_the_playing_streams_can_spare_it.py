@@ -105,6 +105,9 @@ def engine(program, borrow: bool, in_hand_s: float) -> Engine:
         cost.add(int(rng.integers(1, 300)), int(rng.integers(0, 50_000)), n, 0.006 + 0.002 * n, n)
     req = s.running["playing"]
     req.n_chunks, req.t_first, req.sent_s = 1, eng.windows.now(), in_hand_s
+    # 21 rows made, none in flight: its next window (rows 0..27) leaves after 7 more steps
+    req.n_audio = req.n_gen = req.n_launched = 21
+    assert eng.windows.rows_to_next_send(req) == 7
     for i in range(11):
         eng.add(Prompt(rid=f"r{i}", tokens=ROWS.tobytes(), n_rows=len(ROWS), sampling=sampling))
     return eng
@@ -141,21 +144,47 @@ def test_a_step_past_its_budget_is_expected_heavy_though_no_prompt_waits(program
     assert s.clock.rows_time_high(7) < 7 * s.step_budget()
 
 
-def test_a_stream_that_just_started_playing_keeps_the_step_within_its_budget(program):
-    eng = engine(program, borrow=True, in_hand_s=0.04)  # a first frame's 85 ms, half of it played
+@pytest.mark.parametrize("in_hand_s, borrows", [(0.04, False), (0.3, True)])
+def test_a_stream_that_just_started_playing_keeps_the_step_within_its_budget(program, in_hand_s, borrows):
+    """Its next window 7 steps away, each a step budget (10.7 ms) at the least, with the margin:
+    40 ms in hand spares nothing, 300 ms spares more than two budgets."""
+    eng = engine(program, borrow=True, in_hand_s=in_hand_s)
     s = eng.scheduler
-    assert s.prompt_room().borrowed == 0.0
+    assert (s.prompt_room().borrowed > 0) == borrows
     s.admit(0, lambda rows: len(rows))
-    assert s.admitted_last == 2
+    assert s.admitted_last == (7 if borrows else 2)
 
 
-def test_a_stream_waiting_for_appended_text_spares_nothing_and_holds_nothing_back(program):
-    eng = engine(program, borrow=True, in_hand_s=0.04)
+def test_a_stream_whose_text_has_run_out_counts_with_the_step_it_resumes_after(program):
+    eng = engine(program, borrow=True, in_hand_s=0.3)
     s = eng.scheduler
     req = s.running["playing"]
-    req.input_open = True  # its text has run out: it makes no chunk until more comes
+    before = s.prompt_room().borrowed
+    req.input_open = True  # its text has run out: it resumes a step after more comes
     assert s.waits(req)
+    assert 0 < s.prompt_room().borrowed <= before
+    req.sent_s = 0.04
+    assert s.prompt_room().borrowed == 0.0
+    req.n_launched = req.budget - len(req.prompt)  # its last rows launched: no step delays it
     assert s.prompt_room().borrowed == pytest.approx((BORROW_MAX - 1) * s.step_budget())  # none plays
+
+
+@pytest.mark.parametrize("mode", ["reference", "progressive"])
+def test_a_chunk_the_step_in_flight_completes_counts_as_in_hand_and_the_next_one_waits(program, mode):
+    """The step in flight makes row 28, which ends the next window (or frame): the step launched
+    next delays only the chunk after it, and the listener has that window's audio (85 ms) by then."""
+    windows = AudioWindows(program, mode, StepClock(program.rows_per_second, 8), now=lambda: 10.0)
+    req = Req(200, switched=True)
+    req.n_chunks, req.t_first, req.sent_s = 4, 10.0, 0.2
+    req.n_audio = req.n_gen = 27
+    req.n_launched = 27
+    assert windows.spare(req, 10.0) == (pytest.approx(0.2), 1)
+    req.n_launched = 28  # row 28's step in flight
+    frame = 7 / program.rows_per_second
+    assert windows.spare(req, 10.0) == (pytest.approx(0.2 + frame), 8)
+    if mode == "progressive":  # still sending tail windows: it may switch after row 28's frame,
+        req.switched = False  # and the regular window with the audio after row 28 ends at row 49
+        assert windows.spare(req, 10.0) == (pytest.approx(0.2 + frame), 22)
 
 
 def test_on_the_simulated_h200_a_burst_starts_sooner_with_every_stream_on_time():

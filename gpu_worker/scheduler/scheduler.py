@@ -371,13 +371,17 @@ class Scheduler:
         if self.waiting:
             self.admission_stops[stop] += 1
         # Prompts still waiting make the next steps as heavy as this one (by the fit, else up to the
-        # budget and what it may borrow): a first chunk promised on the lighter steps before them
-        # would come late (gpu_worker/windows.py). A step that runs past its budget (`borrowed`) is
-        # as heavy for the promises made while it is in flight, whether or not prompts still wait.
+        # budget): a first chunk promised on the lighter steps before them would come late
+        # (gpu_worker/windows.py). A step that may borrow (`borrowed`) is expected at its fitted time
+        # as much slower as the steps served lately run (what `borrowable` allows it), and one that
+        # runs past its budget is as heavy for the promises made while it is in flight, whether or
+        # not prompts still wait.
         expected = 0.0
-        if self.waiting or (fit.borrowed and spent > fit.room):
-            most = self.step_budget() + (0.0 if math.isinf(room) else fit.borrowed)
-            expected = most if math.isinf(room) else min(most, self.step_budget() - fit.room + spent)
+        if fit.borrowed and (self.waiting or spent > fit.room):
+            expected = self.clock.slowness() * (self.step_budget() - fit.room + spent)
+        elif self.waiting:
+            budget = self.step_budget()
+            expected = budget if math.isinf(room) else min(budget, budget - fit.room + spent)
         self.clock.expect(expected)
 
     def admit_lane(
@@ -451,12 +455,12 @@ class Scheduler:
         """Seconds the next step may take beyond the budget (`--lead-borrow`): up to what every
         playing stream's listener can spare (`AudioWindows.step_allowance`: its audio in hand beyond
         its next chunk's wait; the step taken as much slower than the fit as the steps served lately
-        are), at most BORROW_MAX budgets in all. Streams waiting for appended text, or whose last
-        rows are launched, make no more chunks in these steps and spare nothing."""
+        are), at most BORROW_MAX budgets in all. A stream whose text has run out counts with the
+        step it resumes after its text comes; one whose last rows are launched waits for no step."""
         making = [
-            r
+            (r, 1 if self.waits(r) else 0)
             for r in self.running.values()
-            if len(r.prompt) + r.n_launched < r.budget and not self.waits(r) and not r.lane
+            if len(r.prompt) + r.n_launched < r.budget and not r.lane
         ]
         allow = self.windows.step_allowance(making)
         return borrowable(allow, self.step_budget(), self.clock.slowness())
@@ -485,6 +489,8 @@ class Scheduler:
         out = self.sit_out.choose(leads, prompts) if self.sit_out is not None else []
         if cap:  # streams past the cap (--max-lead) sit out whatever the step time
             out = sorted(set(out).union(i for i, lead in enumerate(leads) if lead >= cap))
+        if self.first_audio is not None:
+            self.first_audio.tick()
         if self.first_audio is not None and any(not r.switched for r in batch):
             # a stream's first frames wait for these steps: those ahead sit out to shorten them
             tokens = sum(len(r.prompt) for r in batch if r.n_ctx == 0)

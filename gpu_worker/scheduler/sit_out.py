@@ -126,7 +126,11 @@ class FirstAudioSitOut:
             raise ValueError(f"a stream sits out steps only with audio in hand: spare_s > 0, got {spare_s}")
         self.clock, self.sizes, self.spare_s, self.margin = clock, sorted(sizes or []), spare_s, margin
         self.room, self.bound = room, bound
-        self.period = 0.0  # the step interval over the last ~100 steps
+        self.period = 0.0  # the step interval over the last ~100 steps (`tick`)
+
+    def tick(self) -> None:
+        """Every step: follow the steps' interval (~100 steps' average)."""
+        self.period += (0.01 if self.period else 1.0) * (self.clock.row_period() - self.period)
 
     def choose(
         self,
@@ -143,7 +147,6 @@ class FirstAudioSitOut:
         prompts of `prompt_tokens` tokens in all, in `groups`; `out`: the rows sitting out already;
         `capacity`: the streams the worker reports it keeps real time → the rows to leave out
         besides (none once the streams pass `room` of the capacity)."""
-        self.period += (0.01 if self.period else 1.0) * (self.clock.row_period() - self.period)
         fit = self.clock.cost.coefficients()
         if fit is None or len(leads) > self.room * capacity or self.period > self.bound:
             return []
