@@ -110,8 +110,8 @@ class FirstAudioSitOut:
     146 ms against 116 / 131 / 138 (its p95 and p99 worse), ~108 out; at 100-110 req/s (mean
     interval past the bound) it acts only while the load grows, and at 110 its streams coming back
     take p99 from 173 to 300 ms; nothing changes at 20-40 req/s. With `--first-chunk-margin 1.0`
-    (a bound 15 % higher) it holds 80 and 90 req/s to p95 67 and 72 ms (three seeds; both runs in
-    bench/results/sim-orpheus-first-audio-sit-out.json)."""
+    (a bound 15 % higher) it holds 80 and 90 req/s to p95 67 and 72 ms (three seeds; both runs are
+    results of record: docs/operations.md, First-audio sit-out)."""
 
     def __init__(
         self,
