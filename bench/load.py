@@ -185,7 +185,7 @@ def server_gauges(base: str) -> dict[str, float]:
     keep = (
         *_AVERAGED, "stream_capacity", "decode_batch_size", "kv_pages_used", "active_streams", "queue_depth",
         "codec_calls_total", "codec_windows_total", "codec_busy_seconds_total", "admission_queue_length",
-        "streams_sitting_out", "prompts_started_total", "steps_total",
+        "streams_sitting_out", "prompts_started_total", "steps_total", "steps_borrowing_total",
     )  # fmt: skip
     out: dict[str, float] = {}
     seen: dict[str, int] = {}
@@ -210,7 +210,12 @@ TIMELINE_GAUGES = (
     "step_cost_group_ms",
 )  # fmt: skip
 # ... and the counters whose rate it follows, sample to sample (a burst's admission, step by step).
-TIMELINE_RATES = ("prompts_started_total", "steps_total", "admission_stopped_by_room_total")
+TIMELINE_RATES = (
+    "prompts_started_total",
+    "steps_total",
+    "admission_stopped_by_room_total",
+    "steps_borrowing_total",
+)
 # How often a level's gauges are read: a burst's admission is over in a second or two.
 SAMPLE_S, BURST_SAMPLE_S = 1.0, 0.25
 

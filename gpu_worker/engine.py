@@ -234,6 +234,7 @@ class Engine:
             "late_margin_ms": round(1000 * self.late_margin_s, 3) if self.late else 0.0,
             "step_hold_ms": round(1000 * self.hold_avg_s, 3),
             "prompts_started_total": s.prompts_started,
+            "steps_borrowing_total": s.steps_borrowing,
             "prompts_in_lane_total": self.lane_prompts,
             **{f"admission_stopped_by_{k}_total": v for k, v in s.admission_stops.items()},
         }

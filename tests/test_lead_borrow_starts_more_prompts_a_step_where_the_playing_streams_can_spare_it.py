@@ -128,6 +128,7 @@ def test_a_stream_well_ahead_lets_a_step_start_more_prompts_and_first_audio_is_p
     s.admit(0, lambda rows: len(rows))
     assert s.admitted_last == 7  # (2 x 10.7 - 6) / 2 ms
     assert s.admission_stops["room"] == 1
+    assert borrow.metrics()["steps_borrowing_total"] == 1 and keep.metrics()["steps_borrowing_total"] == 0
     # prompts still wait: the next steps are expected to take the heavier step's time
     assert s.clock.rows_time_high(7) == pytest.approx(7 * (0.006 + 7 * 0.002), rel=0.01)
 

@@ -125,6 +125,7 @@ class Scheduler:
         self.prompts_started = 0  # prompts admitted, all steps
         # Steps that left prompts waiting, by what stopped admission (`ADMISSION_STOPS`).
         self.admission_stops = dict.fromkeys(ADMISSION_STOPS, 0)
+        self.steps_borrowing = 0  # steps whose prompts took time past the budget (--lead-borrow)
         self.sit_out = None
         check_sit_out(limits.sit_out_lead_s)
         if limits.sit_out_lead_s > 0:
@@ -377,6 +378,8 @@ class Scheduler:
         # runs past its budget is as heavy for the promises made while it is in flight, whether or
         # not prompts still wait.
         expected = 0.0
+        if fit.borrowed and spent > fit.room:
+            self.steps_borrowing += 1
         if fit.borrowed and (self.waiting or spent > fit.room):
             expected = self.clock.slowness() * (self.step_budget() - fit.room + spent)
         elif self.waiting:
