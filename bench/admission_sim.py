@@ -230,7 +230,7 @@ class Worker:
     def prompts_now(self, run: dict[int, dict]) -> int:
         """Prompts the next step may start beside the `run`ning streams."""
         k, n = self.prompts_a_step, self.prompt_len
-        budget = self.clock.headroom / ROWS_PER_S
+        budget = self.clock.budget
         fit = self.clock.cost.prompt_room(budget, len(run), sum(n + r["gen"] for r in run.values()))
         if self.room and run and fit is not None:
             room = fit.room + (self.borrowed(run, budget) if self.lead_borrow else 0.0)

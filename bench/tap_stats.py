@@ -17,6 +17,7 @@ import argparse
 import gzip
 import json
 import math
+import statistics
 from collections import defaultdict
 
 TAIL_SHARE = 0.05  # `first_audio_tail_ms`: the slowest requests' share
@@ -46,8 +47,7 @@ def _tail(whole: list[dict[str, float]]) -> dict[str, float]:
     tail = slowest[-max(1, math.ceil(TAIL_SHARE * len(slowest))) :]
 
     def median(values: list[float]) -> float:
-        v = sorted(values)
-        return round(v[len(v) // 2] if len(v) % 2 else 0.5 * (v[len(v) // 2 - 1] + v[len(v) // 2]), 2)
+        return round(statistics.median(values), 2)
 
     out: dict[str, float] = {"n": len(tail)}
     if all("http_received" in s for s in tail):  # the HTTP arrival: the wait for admission before it

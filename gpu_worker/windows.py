@@ -228,8 +228,7 @@ class AudioWindows:
             if r.n_chunks > self.clock_window:
                 in_hand, rows = self.spare(r, now)
                 playing.append((in_hand, rows + later))
-        budget = clock.headroom * clock.period
-        return step_allowance(playing, clock.rows_time_high, self.first_margin, DELIVERY_S, budget)
+        return step_allowance(playing, clock.rows_time_high, self.first_margin, DELIVERY_S, clock.budget)
 
     def _release(self, req, out: list[DetokChunk]) -> None:
         """`req`'s grouped windows into `out`, each counted as sent now, in order."""

@@ -120,6 +120,11 @@ class StepClock:
         # `tick`'s costs of the last steps launched, the latest last
         self._launched: deque[tuple[int, int, int] | None] = deque(maxlen=3)
 
+    @property
+    def budget(self) -> float:
+        """Seconds a step may take while its streams stay real time: `headroom` of the row period."""
+        return self.headroom * self.period
+
     def tick(self, batch: int, streams: int = 0, cost: tuple[int, ...] | None = None) -> None:
         """Call once per launched step with its batch size (0 when the engine had nothing to run)
         and the streams it served (its rows and those sitting it out, see `SitOut`; default batch);
@@ -335,7 +340,7 @@ class StepClock:
         return max(self._model_capacity(now), self.paced_capacity())
 
     def _model_capacity(self, now: float | None) -> float:
-        budget = self.headroom * self.period
+        budget = self.budget
         now = time.perf_counter() if now is None else now
         # (average batch, step time, bucket) of each bucket measured enough and lately
         points = sorted(

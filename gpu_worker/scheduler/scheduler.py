@@ -436,7 +436,7 @@ class Scheduler:
     def step_budget(self) -> float:
         """Seconds a step may take while its streams stay real time: `realtime_headroom` of the row
         period."""
-        return self.clock.headroom * self.clock.period  # the limits' headroom over the group pace
+        return self.clock.budget  # the limits' headroom over the group pace
 
     def prompt_room(self) -> PromptRoom:
         """What this step leaves for prompts: the step budget less the fitted time of the running
@@ -494,14 +494,14 @@ class Scheduler:
             out = sorted(set(out).union(i for i, lead in enumerate(leads) if lead >= cap))
         if self.first_audio is not None:
             self.first_audio.tick()
-        if self.first_audio is not None and any(not r.switched for r in batch):
-            # a stream's first frames wait for these steps: those ahead sit out to shorten them
-            tokens = sum(len(r.prompt) for r in batch if r.n_ctx == 0)
-            more = self.first_audio.choose(
-                leads, [r.n_ctx for r in batch], prompts, min(self.admitted_groups, prompts), tokens,
-                set(out), self.last_capacity,
-            )  # fmt: skip
-            out = sorted(set(out).union(more))
+            if any(not r.switched for r in batch):
+                # a stream's first frames wait for these steps: those ahead sit out to shorten them
+                tokens = sum(len(r.prompt) for r in batch if r.n_ctx == 0)
+                more = self.first_audio.choose(
+                    leads, [r.n_ctx for r in batch], prompts, min(self.admitted_groups, prompts), tokens,
+                    set(out), self.last_capacity,
+                )  # fmt: skip
+                out = sorted(set(out).union(more))
         self.sitting_out += 0.05 * (len(out) - self.sitting_out)
         if not out:
             return batch

@@ -58,7 +58,7 @@ class SitOut:
         out: a prompt, a stream before its regular windows); `prompts` of the rows are prompts,
         which a decode graph's bucket does not count → the rows to leave out of the next step."""
         clock, n = self.clock, len(leads)
-        interval, target = clock.row_period(), SIT_OUT_TARGET * clock.headroom * clock.period
+        interval, target = clock.row_period(), SIT_OUT_TARGET * clock.budget
         ahead = [i for i, lead in enumerate(leads) if lead >= self.spare_s]
         if interval <= 0.0 or n == 0:
             self.share = 0.0
@@ -147,15 +147,15 @@ class FirstAudioSitOut:
         prompts of `prompt_tokens` tokens in all, in `groups`; `out`: the rows sitting out already;
         `capacity`: the streams the worker reports it keeps real time → the rows to leave out
         besides (none once the streams pass `room` of the capacity)."""
-        fit = self.clock.cost.coefficients()
+        cost = self.clock.cost
+        fit = cost.coefficients()
         if fit is None or len(leads) > self.room * capacity or self.period > self.bound:
             return []
-        a, b, c, d, e = fit
+        _, b, c, _, _ = fit
         slow, target = self.clock.slowness(), self.bound / self.margin
         rows = [i for i in range(len(leads)) if i not in out]
         tokens = len(rows) - prompts + prompt_tokens
-        ctx = sum(context[i] for i in rows)
-        step = slow * (a + b * tokens + c * ctx / 1000.0 + d * prompts + e * groups)
+        step = slow * cost.predict(tokens, sum(context[i] for i in rows), prompts, groups)
         if step <= target:
             return []
         ahead = sorted((i for i in rows if leads[i] >= self.spare_s), key=lambda i: leads[i], reverse=True)
