@@ -347,6 +347,7 @@ def new_worker(
     first_margin: float = MARGIN,
     prompts_while_first: int = 0,
     lead_borrow: bool = False,
+    trust_startup: bool = False,
 ) -> Worker:
     """A fresh worker on `gpu` (default `GPU()`), its clock `calibrate`d from startup steps timed on
     `startup` (default `gpu`), its steps' noise drawn from `seed`, its requests `tokens` rows after
@@ -354,9 +355,10 @@ def new_worker(
     `gpu_charge`, admission by `life`), streams ahead sit out slow steps (`sit_out`) and, with
     `first_audio`, for first chunks (`FirstAudioSitOut`); the first-chunk decision at
     `first_quantile` and `first_margin`, at most `prompts_while_first` prompts a step while a first
-    chunk waits, a step's prompts taking what the playing streams spare with `lead_borrow`."""
+    chunk waits, a step's prompts taking what the playing streams spare with `lead_borrow`, and the
+    startup steps counted as measured with `trust_startup` (`--trust-startup-steps`)."""
     gpu = gpu or GPU()
-    clock = StepClock(ROWS_PER_S, 512)
+    clock = StepClock(ROWS_PER_S, 512, trust_startup=trust_startup)
     if calibrate:
         steps: dict[int, float] = {}
         clock.cost.calibrate(startup_differences(startup or gpu, steps))
@@ -687,6 +689,11 @@ def main(argv: list[str] | None = None) -> None:
         help="policies besides: a step's prompts take what the playing streams spare past the budget",
     )
     ap.add_argument(
+        "--trust-startup-steps",
+        action="store_true",
+        help="beside each policy: the startup steps count as measured (StepClock's trust_startup)",
+    )
+    ap.add_argument(
         "--prompts-while-first",
         default="",
         help="policies besides: at most this many prompts a step while a first chunk waits (e.g. 1,2)",
@@ -724,6 +731,8 @@ def main(argv: list[str] | None = None) -> None:
     policies += weighed[1:]
     if args.first_audio_sit_out:
         policies += [(f"{name}, first-audio sit-out", dict(kw, first_audio=True)) for name, kw in weighed]
+    if args.trust_startup_steps:
+        policies += [(f"{name}, trusted startup steps", dict(kw, trust_startup=True)) for name, kw in weighed]
     for name, kw in policies:
         for n in levels:
             rows.append({"policy": name, **worst([run(n, seed=s, **kw) for s in range(args.seeds)])})

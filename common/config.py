@@ -187,6 +187,12 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     # (gpu_worker.scheduler.sit_out.FirstAudioSitOut). Off: only steps over the budget leave
     # streams out.
     first_audio_sit_out: bool = False
+    # A fresh worker's capacity from the largest batches its startup steps timed, as if served
+    # (gpu_worker.scheduler.pacing.StepClock: each step taken STARTUP_SLOWNESS times the forward pass
+    # they timed until the steps served measure it): a burst on a fresh worker is admitted up to
+    # that at once. Off: the startup steps start the fit, and the capacity grows past the load
+    # served by measuring its way (a fresh H200 admits ~200-240 of a burst of 384 at first).
+    trust_startup_steps: bool = False
     # "full" vocabulary, or "audio": logits for codec tokens + stop only; "auto": audio where the LM
     # runs on the CPU, full on a GPU (`head_for`). On a CPU the full head's rows (a text LLM's whole
     # vocabulary) are most of a small model's step: the default model on 2 cores steps in ~4 ms

@@ -385,6 +385,16 @@ OPTIONS: tuple[Option, ...] = (
         path="gpu.first_audio_sit_out",
     ),
     Option(
+        "trust_startup_steps",
+        "a fresh worker admits up to what its startup steps (the largest batches, timed before "
+        "serving) say it keeps real time, each step taken 1.3 times their forward pass until the "
+        "steps served measure it, so that a burst is admitted at once; off: the capacity grows past "
+        "the load served by measuring its way there",
+        ("serve", "gpu_worker"),
+        _parse_bool,
+        path="gpu.trust_startup_steps",
+    ),
+    Option(
         "lm_head",
         "full (whole vocabulary), audio (logits only for codec tokens and stop: less work per step; "
         "text tokens can no longer be sampled) or auto (audio on a CPU, full on a GPU)",

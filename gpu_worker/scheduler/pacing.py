@@ -71,6 +71,10 @@ PACE_REACH = 0.25
 # The steps served against the fit (`slowness`): its ratio counts once this many of the last
 # ~PACE_STEPS steps since the engine was last idle were measured against a fit.
 SLOW_MIN_STEPS = 25
+# `--trust-startup-steps`: what the steps served take over the forward pass the startup steps timed
+# (sampling, the host's work, the codec beside them), assumed until the steps served measure it
+# (`slowness`): on the H200 at 352 streams the whole step takes ~1.3 times its forward pass.
+STARTUP_SLOWNESS = 1.3
 
 
 def _bucket(batch: int) -> int:
@@ -87,6 +91,7 @@ class StepClock:
         max_batch: int,
         headroom: float = GpuWorkerSettings().realtime_headroom,
         capacity_headroom: float = GpuWorkerSettings().capacity_headroom,
+        trust_startup: bool = False,
     ) -> None:
         self.period = 1.0 / rows_per_second  # seconds per row a real-time stream can afford
         self.max_batch = max_batch
@@ -115,6 +120,12 @@ class StepClock:
         # Averages over the last ~PACE_STEPS steps since the engine was last idle that started no
         # prompt, measured against a fit: their interval, and what the fit said of them (`slowness`).
         self._slow_n, self._slow_dt, self._slow_fit, self._slow_rows = 0, 0.0, 0.0, 0.0
+        # `trust_startup`: the startup steps (`seed`) count as measured rows, each step served taken
+        # as `_slow_last` times slower than the fit: STARTUP_SLOWNESS until the steps served have
+        # measured it, then the last they measured (also while the engine idles).
+        self.trust_startup = trust_startup
+        self._seeded_rows = 0
+        self._slow_last = STARTUP_SLOWNESS
         # Seconds a step may take over the next steps whatever the steps before took (`expect`)
         self._expected = 0.0
         # `tick`'s costs of the last steps launched, the latest last
@@ -207,6 +218,8 @@ class StepClock:
             self._slow_dt += a * (dt - self._slow_dt)
             self._slow_fit += a * (predicted - self._slow_fit)
             self._slow_rows += a * (batch - self._slow_rows)
+            if self._slow_n >= SLOW_MIN_STEPS and self._slow_fit > 0.0:
+                self._slow_last = self._slow_dt / self._slow_fit
 
     def largest_fitted(self) -> int:
         """The largest batch among the steps the fit holds (its last COST_STEPS) and the PACE_STEPS
@@ -219,9 +232,11 @@ class StepClock:
     def measured_rows(self) -> float:
         """The rows the capacity takes as measured: the largest batch the fit holds and the steps since
         have measured (`largest_fitted`), or the rows of the steps `slowness` averages, if more
-        (their slowness holds what the fit misses up to them)."""
+        (their slowness holds what the fit misses up to them). With `trust_startup`, the startup
+        steps' largest batch too, while the fit holds them (its first COST_STEPS steps served)."""
         lately = self._slow_rows if self._slow_n >= SLOW_MIN_STEPS else 0.0
-        return max(float(self.largest_fitted()), lately)
+        seeded = self._seeded_rows if self.trust_startup and self._fitted_n <= COST_STEPS else 0
+        return max(float(self.largest_fitted()), lately, float(seeded))
 
     def slowness(self) -> float:
         """The steps' intervals over what the fit said of them, over the last ~PACE_STEPS since the
@@ -232,9 +247,11 @@ class StepClock:
         and a burst's steps, each starting several prompts, are slower than a fit made of steps
         with one says by what the prompts cost (counted, they hold a fresh burst of 384 on the
         simulated H200 whose prompts beyond a step's first take a pass each to ~130 streams for a
-        while, and its TTFA p99 grows from 2.2 s to 2.6 s)."""
+        while, and its TTFA p99 grows from 2.2 s to 2.6 s). With `trust_startup`, until then the
+        last measured, STARTUP_SLOWNESS before any (the startup steps timed the forward pass alone,
+        and count as measured rows: `measured_rows`)."""
         if self._slow_n < SLOW_MIN_STEPS or self._slow_fit <= 0.0:
-            return 1.0
+            return self._slow_last if self.trust_startup and self._seeded_rows else 1.0
         return self._slow_dt / self._slow_fit
 
     def row_period(self) -> float:
@@ -263,6 +280,7 @@ class StepClock:
                     now,
                 )
                 self.cost.seed(rows, rows * (context - 1), dt)
+                self._seeded_rows = max(self._seeded_rows, rows)
 
     def expect(self, step_s: float) -> None:
         """The next steps may each take `step_s` seconds, whatever the last ones took (0: as they

@@ -82,6 +82,7 @@ def step_clock(program: LMProgram, limits: GpuWorkerSettings) -> StepClock:
         limits.max_batch_size,
         limits.realtime_headroom / pace,
         limits.capacity_headroom / pace,
+        trust_startup=limits.trust_startup_steps,
     )
 
 

@@ -1,0 +1,83 @@
+"""`--trust-startup-steps`: a fresh worker's capacity from the largest batches its startup steps
+timed, counted as measured rows, each step served taken STARTUP_SLOWNESS times the forward pass they
+timed until the steps served measure how much slower they are; off, the capacity past the load
+served carries the fit's extrapolation margin from PROBE_MIN rows on (a fresh H200 admits ~200-240
+of a burst of 384 at first)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.admission_sim import H200_FORWARD, H200_RATE, ROWS_PER_S, simulate, startup_differences
+from common.options import parse_role
+from gpu_worker.scheduler.pacing import PROBE_MIN, SLOW_MIN_STEPS, STARTUP_SLOWNESS, StepClock
+from gpu_worker.scheduler.step_cost import COST_STEPS, Lives
+
+LIVES = Lives(context=40 + 512, prompt_tokens=40, rows=1024)  # a burst's requests of 1024 rows
+
+
+def fresh(trust: bool) -> StepClock:
+    """A worker's clock after its startup steps on the simulated H200's forward pass."""
+    clock = StepClock(ROWS_PER_S, 512, trust_startup=trust)
+    steps: dict = {}
+    clock.cost.calibrate(startup_differences(H200_FORWARD, steps))
+    clock.seed(steps, now=0.0)
+    return clock
+
+
+def test_a_fresh_worker_counts_its_startup_batches_as_measured_and_assumes_the_steps_slower():
+    trusted, plain = fresh(True), fresh(False)
+    assert plain.measured_rows() == 0.0 and plain.slowness() == 1.0
+    assert trusted.measured_rows() == 512.0 and trusted.slowness() == STARTUP_SLOWNESS
+    budget = trusted.capacity_headroom * trusted.period
+    expect = trusted.cost.capacity(budget, LIVES, 512.0, STARTUP_SLOWNESS)
+    assert trusted.capacity(lives=LIVES) == pytest.approx(min(512.0, expect))
+    assert plain.capacity(lives=LIVES) == pytest.approx(plain.cost.capacity(budget, LIVES, PROBE_MIN, 1.0))
+    # on the H200's forward pass the trusted capacity takes a burst of 384 at once, the other not
+    assert plain.capacity(lives=LIVES) < 300 < 384 < trusted.capacity(lives=LIVES)
+
+
+def serve(clock: StepClock, steps: int, slow: float, rows: int = 256, ctx: int = 300) -> None:
+    """`steps` decode steps of `rows` streams, each `slow` times what the fit says of it."""
+    cost = (rows, rows * ctx, 0, 0)
+    for i in range(steps):
+        clock.record(rows, slow * clock.cost.predict(*cost), now=float(i), streams=rows, cost=cost)
+
+
+def test_the_steps_served_replace_the_assumed_slowness_and_it_outlasts_an_idle_spell():
+    clock = fresh(True)
+    serve(clock, SLOW_MIN_STEPS - 1, 1.6)
+    assert clock.slowness() == STARTUP_SLOWNESS  # not measured yet
+    serve(clock, 40, 1.6)
+    assert clock.slowness() == pytest.approx(1.6, rel=0.05)
+    measured = clock.slowness()
+    clock.tick(0)  # idle: the averages since the last idle start again
+    assert clock.slowness() == measured
+    plain = fresh(False)
+    serve(plain, 40, 1.6)
+    plain.tick(0)
+    assert plain.slowness() == 1.0
+
+
+def test_the_startup_batches_count_only_while_the_fit_holds_them():
+    clock = fresh(True)
+    serve(clock, COST_STEPS, 1.0, rows=64)
+    assert clock.measured_rows() == 512.0
+    serve(clock, 1, 1.0, rows=64)
+    assert clock.measured_rows() < 512.0  # the steps served, 64 rows, from here on
+
+
+def test_the_flag_reaches_the_workers_clock():
+    s = parse_role("gpu_worker", ["--model", "orpheus-tiny", "--trust-startup-steps"], {})
+    assert s.cfg.gpu.trust_startup_steps is True
+    assert parse_role("gpu_worker", ["--model", "orpheus-tiny"], {}).cfg.gpu.trust_startup_steps is False
+
+
+def test_on_the_simulated_h200_a_burst_of_384_is_admitted_sooner_with_every_stream_on_time():
+    kw = dict(tokens=400, ramp_s=0.0, duration_s=3.0, gpu=H200_RATE, calibrate=True, startup=H200_FORWARD,
+              prompts_a_step=10, lead_borrow=True)  # fmt: skip
+    base, trusted = simulate(384, **kw), simulate(384, trust_startup=True, **kw)
+    assert base["on_time_share"] == trusted["on_time_share"] == 1.0
+    assert trusted["capacity_min"] > base["capacity_min"]
+    assert trusted["wait_p99_ms"] < 0.8 * base["wait_p99_ms"]
+    assert trusted["ttfa_p99_ms"] < 0.8 * base["ttfa_p99_ms"]
