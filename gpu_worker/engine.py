@@ -360,7 +360,7 @@ class Engine:
         if not self.runner.lane_on:
             return None
         chunks: list[DetokChunk] = []
-        ended = [lane for lane in self._lanes if lane.ready is None or self._ended(lane)]
+        ended = [lane for lane in self._lanes if self._lane_done(lane)]
         for lane in ended:
             self._lanes.remove(lane)
             chunks += self._process(lane, in_lane=True)
@@ -393,7 +393,12 @@ class Engine:
 
     def lane_ended(self) -> bool:
         """Whether a lane in flight has ended: its first row waits for `lane_step`."""
-        return any(lane.ready is None or self._ended(lane) for lane in self._lanes)
+        return any(self._lane_done(lane) for lane in self._lanes)
+
+    @classmethod
+    def _lane_done(cls, lane: InFlight) -> bool:
+        """Whether a lane's row is on the host: run in place (no event), or its event passed."""
+        return lane.ready is None or cls._ended(lane)
 
     def _lane_avoids(self, step: InFlight) -> tuple[set[int], set[int]]:
         """The slots and KV pages a new lane request must not take: those the step in flight

@@ -72,9 +72,13 @@ async def _metrics(s: aiohttp.ClientSession, base: str) -> dict[tuple[str, tuple
 
 async def _held(s: aiohttp.ClientSession, base: str) -> dict[str, float]:
     """What the gateway and the gpu_worker hold now: KV pages, active streams, registered
-    generations, WebSocket sessions."""
-    m = await _metrics(s, base)
+    generations, WebSocket sessions; once the gpu_worker's heartbeat has reported its metrics."""
     gpu = (("process", "gpu_worker"), ("role", "gpu_worker"))
+    deadline = time.monotonic() + 10
+    m = await _metrics(s, base)
+    while ("voxpipe_kv_pages_used", gpu) not in m and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+        m = await _metrics(s, base)
     return {
         "kv_pages_used": m[("voxpipe_kv_pages_used", gpu)],
         "active_streams": m[("voxpipe_active_streams", gpu)],
