@@ -191,7 +191,7 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     # (gpu_worker.scheduler.pacing.StepClock: each step taken STARTUP_SLOWNESS times the forward pass
     # they timed until the steps served measure it): a burst on a fresh worker is admitted up to
     # that at once. Off: the startup steps start the fit, and the capacity grows past the load
-    # served by measuring its way (a fresh H200 admits ~200-240 of a burst of 384 at first).
+    # served by measuring its way (a fresh H200 reports ~195 streams at first, ~370-380 once served).
     trust_startup_steps: bool = False
     # "full" vocabulary, or "audio": logits for codec tokens + stop only; "auto": audio where the LM
     # runs on the CPU, full on a GPU (`head_for`). On a CPU the full head's rows (a text LLM's whole

@@ -1,8 +1,8 @@
 """`--trust-startup-steps`: a fresh worker's capacity from the largest batches its startup steps
 timed, counted as measured rows, each step served taken STARTUP_SLOWNESS times the forward pass they
 timed until the steps served measure how much slower they are; off, the capacity past the load
-served carries the fit's extrapolation margin from PROBE_MIN rows on (a fresh H200 admits ~200-240
-of a burst of 384 at first)."""
+served carries the fit's extrapolation margin from PROBE_MIN rows on (a fresh H200 reports ~195
+streams at first, ~370-380 once served)."""
 
 from __future__ import annotations
 
