@@ -6,9 +6,10 @@
 For requests whose arrival the tap saw, the first audio split by stage (gateway → prompt built →
 admitted → first token → first chunk ready → decoded → first byte sent), as p50/p90/p99 ms, and
 each stage's median among the slowest 5 % of them (where a tail's time goes); for
-every chunk, the codec's part (ready at the gpu_worker → decoded at the codec_worker); and the gaps
-between a request's consecutive chunks leaving the gpu_worker; given the client's own TTFA per request
-id (bench/ttfa_http.py --tap-level), what the client saw beyond the server's part.
+every chunk, the codec's part (ready at the gpu_worker → decoded at the codec_worker); the gaps
+between a request's consecutive chunks leaving the gpu_worker; the chunks that fell behind their
+listener and where (`chunks_behind`); given the client's own TTFA per request id (bench/ttfa_http.py
+--tap-level), what the client saw beyond the server's part.
 """
 
 from __future__ import annotations
@@ -58,6 +59,51 @@ def _tail(whole: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
+def _behind(chunks: dict[str, dict[int, dict[str, float]]]) -> dict:
+    """The chunks that fell behind their listener, by the gpu_worker's clock (it starts when a
+    request's first audible chunk leaves the gpu_worker, before the listener's does, so it errs
+    towards behind): each chunk's `slack_ms` is the listener's audio in hand when it left the
+    gpu_worker. Counted: a request's chunks that left after its first audible one (a decoded chunk
+    with samples; the windows that leave with it are stamped otherwise). Behind at the gpu_worker:
+    it left with no audio in hand (stamped 0: the LM's steps made it too late); at the codec: it left
+    in time, and the codec took longer than the slack it had. Each with when in its stream it came
+    (ms after the first audible chunk left, or the first the recording saw of a request it caught
+    midway) and, at the codec, the codec's time."""
+    counted = 0
+    slack: list[float] = []
+    gpu: list[float] = []
+    codec: list[tuple[float, float]] = []  # (since the first audible chunk, codec ms)
+    requests: set[str] = set()
+    for rid, by_index in chunks.items():
+        audible = [c["ready"] for c in by_index.values() if c.get("samples", 1) > 0 and "ready" in c]
+        if not audible:
+            continue
+        t0 = min(audible)
+        for c in by_index.values():
+            if "ready" not in c or "slack_ms" not in c or c["ready"] <= t0:
+                continue
+            counted += 1
+            slack.append(c["slack_ms"])
+            if c["slack_ms"] <= 0.0:
+                gpu.append(c["ready"] - t0)
+                requests.add(rid)
+            elif "decoded" in c and c["decoded"] - c["ready"] > c["slack_ms"]:
+                codec.append((c["ready"] - t0, c["decoded"] - c["ready"]))
+                requests.add(rid)
+    if not counted:
+        return {}
+    return {
+        "counted": counted,
+        "requests_behind": len(requests),
+        "at_gpu_worker": len(gpu),
+        "at_codec": len(codec),
+        "slack_ms": _pct(slack),
+        "at_gpu_worker_since_first_ms": _pct(gpu),
+        "at_codec_since_first_ms": _pct([t for t, _ in codec]),
+        "at_codec_codec_ms": _pct([ms for _, ms in codec]),
+    }
+
+
 def read(path: str) -> list[dict]:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
@@ -71,13 +117,22 @@ def stats(events: list[dict], client_ttfa: dict[str, float] | None = None) -> di
     by_rid: dict[str, dict[str, float]] = defaultdict(dict)
     ready: dict[tuple[str, int], float] = {}
     decoded: dict[tuple[str, int], float] = {}
+    chunks: dict[str, dict[int, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
     for e in events:
         stage, rid, t = e["stage"], e.get("rid", ""), 1000 * e["time"]
         by_rid[rid].setdefault(stage, t)
         if stage in ("chunk_ready", "first_chunk_ready"):
             ready[(rid, e.get("index", 0))] = t
+            chunk = chunks[rid][e.get("index", 0)]
+            chunk["ready"] = t
+            if "slack_ms" in e:
+                chunk["slack_ms"] = e["slack_ms"]
         elif stage in ("chunk_decoded", "first_chunk_decoded"):
             decoded[(rid, e.get("index", 0))] = t
+            chunk = chunks[rid][e.get("index", 0)]
+            chunk["decoded"] = t
+            if "samples" in e:
+                chunk["samples"] = e["samples"]
     out: dict = {"requests_seen": len(by_rid)}
     whole = [s for s in by_rid.values() if all(k in s for k in FIRST)]
     out["first_audio_complete"] = len(whole)
@@ -108,6 +163,7 @@ def stats(events: list[dict], client_ttfa: dict[str, float] | None = None) -> di
     out["ready_gap_ms_by_chunk_index"] = {
         ("10+" if i == 10 else str(i)): _pct(g) for i, g in sorted(gaps.items())
     }
+    out["chunks_behind"] = _behind(chunks)
     return out
 
 

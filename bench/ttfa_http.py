@@ -36,6 +36,9 @@ import aiohttp
 from bench.provenance import command, commit, model_settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# `--tap-level` at a burst: seconds the tap is given to start and subscribe before the burst's
+# requests go (its process starts in about a second), so that it sees the burst from its start.
+TAP_CONNECT_S = 2.0
 
 
 async def one(
@@ -130,7 +133,13 @@ def load_curve(base: str, args) -> None:
             else None
         )
         point = {key: level, "arrivals": arrivals(key == "rate", args.ramp)}
-        tap = start_tap(args, delay_s=args.ramp + 2) if level == args.tap_level else None
+        tap = None
+        if level == args.tap_level and point["arrivals"] == "burst":
+            # A burst's start is what to see: the tap connects before its requests go.
+            tap = start_tap(args, delay_s=0.0)
+            time.sleep(TAP_CONNECT_S)
+        elif level == args.tap_level:
+            tap = start_tap(args, delay_s=args.ramp + 2)
         spies = start_py_spy(args, delay_s=args.ramp + 2) if level == args.profile_level else []
         client_ttfa: dict[str, float] = {}
         point |= measure_level(base, 24000, client_ttfa, **{key: level}, duration=args.load_duration,
@@ -173,7 +182,7 @@ def load_curve(base: str, args) -> None:
 
 def start_tap(args, delay_s: float) -> threading.Thread:
     """`voxpipe tap --all-chunks` on this server for `--tap-seconds`, from `delay_s` into the level
-    (past the ramp), gzipped into `--tap-out`."""
+    (past the ramp; a burst's from before it), gzipped into `--tap-out`."""
 
     def go() -> None:
         cmd = [sys.executable, "-m", "common.cli", "tap", "--port", str(args.port), "--all-chunks",

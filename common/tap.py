@@ -10,7 +10,9 @@ arrival at the gateway. The stages of one request, in order:
     · first_chunk_ready (gpu_worker) · first_chunk_decoded (codec) · first_byte_sent (gateway)
     · finished (gpu_worker) · codec_finished (codec) · response_done (gateway)
 
-plus failed, abort, and (with --all-chunks) chunk_ready / chunk_decoded for every later chunk.
+plus failed, abort, and (with --all-chunks) chunk_ready / chunk_decoded for every later chunk; a
+chunk's `*_ready` event carries its listener's slack as the gpu_worker stamped it (`slack_ms`: audio
+sent before it less audio played since the first chunk left; 0 for a first chunk, or one late).
 Events from several processes are held for `--reorder-ms` and printed in time order.
 
 The state file (`state_path`) is how `voxpipe tap` without --connect finds a local `voxpipe serve`.
@@ -150,9 +152,10 @@ def events_of(header: TapHeader, msg: Any) -> list[Event]:
             return [ev(msg.rid, msg.stage, msg.time or t, detail=msg.detail)]
         case DetokBatch():
             out = [
-                ev(c.rid, "first_chunk_ready" if c.index == 0 else "chunk_ready", index=c.index)
+                ev(c.rid, "first_chunk_ready" if c.index == 0 else "chunk_ready", index=c.index,
+                   slack_ms=round(c.slack_ms, 2))
                 for c in msg.chunks
-            ]
+            ]  # fmt: skip
             return out + [_finished(ev, f, "finished") for f in msg.finished]
         case AudioChunks():
             out = [
