@@ -173,7 +173,114 @@ H200_BATCHED = dataclasses.replace(H200, fixed_ms=3.4, extra_prompt_ms=0.6, pass
 H200_RATE = dataclasses.replace(
     H200_BATCHED, row_us=9.9, row_us_per_1k_ctx=12.2, knee=0, joiners=1, join_ms=0.9
 )
+# The H200's step as it served Poisson arrivals at 80 req/s (the same run): H200_RATE settles at
+# ~180 streams stepping 6.5 ms where the H200 ran ~228 at 7.2 ms (sent rows at 1.59x real time per
+# stream), with most first chunks of two frames and TTFA p50 ~136 ms. A step ~0.7 ms longer than the
+# fit reads there (the sampling and the host's share of each interval, which a fit over a level
+# that grows from idle spreads over its terms) moves the load the simulation settles at to the
+# H200's: with the codec's passes (`--codec`), ~211 streams at 7.6 ms, 79 % of first chunks of two
+# frames, TTFA p50 / p95 120 / 135 ms (the H200's 136 / 163 ms include the gateway, the prompt
+# builder and the HTTP trips, which the simulation leaves out).
+H200_POISSON = dataclasses.replace(H200_RATE, fixed_ms=4.1)
 H200_FORWARD = GPU(fixed_ms=2.28, row_us=5.94, row_us_per_1k_ctx=13.1, prompt_ms=1.6, noise=0.0)
+
+
+@dataclass
+class Codec:
+    """The codec worker (`--codec`): windows gathered as codec_worker/gather.py gathers them (until
+    the earliest deadline, `max_wait_s` after the first, or a full batch), each pass decoding every
+    window waiting, the urgent requests' (no slack: a first chunk, a stream running late) in a group
+    of their own ahead of the rest; within a group each kind of window (a first chunk of 1-3 frames,
+    a tail window, a regular one: graphs of their own) costs `launch_ms` and each window `window_ms`.
+    A window's audio reaches its listener `trip_s` after its group ends; the listener starts playing
+    at its first chunk's and is late where a later chunk comes after the audio before it has played.
+    The constants are the H200's as the load runs read it (fp8 LM beside the codec under MPS, half
+    the SMs its share, float16 SNAC windows in calls of 16): passes of ~100-140 windows, mostly
+    regular ones, take 14-18 ms and those of ~70 11 ms (`server_during` of
+    h200-orpheus-load-curve.json, -burst-*.json, -late-launch.json); under Poisson arrivals at
+    80 req/s, with first chunks and tail windows in most passes, ~17.5 ms for ~86 windows
+    (h200-orpheus-mixed-joiners.json)."""
+
+    launch_ms: float = 2.5
+    window_ms: float = 0.1
+    max_wait_s: float = 0.030  # --codec-gather-ms
+    margin_s: float = 0.020  # codec_worker.gather.MARGIN_S
+    full_batch: int = 128  # the codec's largest batch on a GPU
+    trip_s: float = 0.003  # codec worker → gateway → client
+
+    def __post_init__(self) -> None:
+        # (arrival, slack, request, audio before, kind: the first chunk's rows, else "tail" or "regular")
+        self.waiting: list[tuple[float, float, dict, float, int | str]] = []
+        self.busy_until = 0.0
+        self.decode_s = 0.0  # a slowly forgotten maximum of recent passes (Gather.decode_s)
+        self.passes: list[tuple[float, float, int]] = []  # (start, seconds, windows)
+        self.first_waits: list[float] = []  # a first chunk's arrival → its audio at the listener
+
+    def add(self, r: dict, t: float, slack_s: float, audio_before_s: float, kind: int | str) -> None:
+        """A window of request `r` leaving the gpu_worker at `t` (its listener's slack then, the audio
+        its listener has before it, its kind: a first chunk's rows, else "tail" or "regular")."""
+        self.waiting.append((t, max(0.0, slack_s), r, audio_before_s, kind))
+
+    def _due(self) -> float:
+        arrivals = [w[0] for w in self.waiting]
+        due = min(arrivals) + self.max_wait_s
+        # a window's deadline (no earlier than it arrived: the worker sees it then)
+        due = min(due, min(max(a, a + sl - self.decode_s - self.margin_s) for a, sl, *_ in self.waiting))
+        if len(self.waiting) >= self.full_batch:
+            due = min(due, sorted(arrivals)[self.full_batch - 1])
+        return due
+
+    def advance(self, t: float) -> None:
+        """Run every pass that starts by `t`."""
+        while self.waiting:
+            start = max(self._due(), self.busy_until)
+            if start > t:
+                return
+            self._pass(start)
+
+    def flush(self) -> None:
+        while self.waiting:
+            self._pass(max(self._due(), self.busy_until))
+
+    def _pass(self, start: float) -> None:
+        taken = [w for w in self.waiting if w[0] <= start]
+        if not taken:  # the earliest window arrives after the codec frees up: start then
+            start = min(w[0] for w in self.waiting)
+            taken = [w for w in self.waiting if w[0] <= start]
+        self.waiting = [w for w in self.waiting if w[0] > start]
+        urgent_ids = {id(w[2]) for w in taken if w[1] <= 0.0}
+        urgent = [w for w in taken if id(w[2]) in urgent_ids]
+        rest = [w for w in taken if id(w[2]) not in urgent_ids]
+        t = start
+        for group in (urgent, rest):
+            if not group:
+                continue
+            kinds = {w[4] for w in group}
+            t += (self.launch_ms * len(kinds) + self.window_ms * len(group)) / 1000
+            for arrival, _, r, before, kind in group:
+                heard = t + self.trip_s
+                if isinstance(kind, int):  # a first chunk
+                    r["heard"] = heard
+                    self.first_waits.append(heard - arrival)
+                else:
+                    r["late"] = max(r["late"], heard - (r["heard"] + before))
+        self.decode_s = max(t - start, 0.95 * self.decode_s)
+        self.passes.append((start, t - start, len(taken)))
+        self.busy_until = t
+
+    def figures(self, t0: float, t1: float) -> dict:
+        """The codec's passes from `t0` to `t1`: a second's passes and busy share, windows a pass,
+        and a first chunk's wait from the gpu_worker to its listener (p50 / p95 ms)."""
+        passes = [p for p in self.passes if t0 <= p[0] < t1]
+        span = max(t1 - t0, 1e-9)
+        waits = np.array(self.first_waits) if self.first_waits else np.zeros(1)
+        return {
+            "codec_passes_per_s": round(len(passes) / span, 1),
+            "codec_busy_share": round(sum(p[1] for p in passes) / span, 3),
+            "codec_windows_per_pass": round(float(np.mean([p[2] for p in passes])), 1) if passes else 0.0,
+            "codec_first_wait_p50_ms": ms(np.percentile(waits, 50)),
+            "codec_first_wait_p95_ms": ms(np.percentile(waits, 95)),
+        }
 
 
 def startup_differences(gpu: GPU, steps: dict[int, float] | None = None) -> list:
@@ -226,6 +333,9 @@ class Worker:
     # a step's prompts may take what its playing streams can spare beyond the budget (`--lead-borrow`)
     lead_borrow: bool = False
     now: float = 0.0  # the time of the next step
+    # the codec worker's passes (`Codec`); None: every chunk reaches its listener CODEC_S after the
+    # step that made it
+    codec: Codec | None = None
 
     def prompts_now(self, run: dict[int, dict]) -> int:
         """Prompts the next step may start beside the `run`ning streams."""
@@ -348,6 +458,7 @@ def new_worker(
     prompts_while_first: int = 0,
     lead_borrow: bool = False,
     trust_startup: bool = False,
+    codec: bool = False,
 ) -> Worker:
     """A fresh worker on `gpu` (default `GPU()`), its clock `calibrate`d from startup steps timed on
     `startup` (default `gpu`), its steps' noise drawn from `seed`, its requests `tokens` rows after
@@ -356,7 +467,8 @@ def new_worker(
     `first_audio`, for first chunks (`FirstAudioSitOut`); the first-chunk decision at
     `first_quantile` and `first_margin`, at most `prompts_while_first` prompts a step while a first
     chunk waits, a step's prompts taking what the playing streams spare with `lead_borrow`, and the
-    startup steps counted as measured with `trust_startup` (`--trust-startup-steps`)."""
+    startup steps counted as measured with `trust_startup` (`--trust-startup-steps`); with `codec`,
+    the codec worker's passes between the steps and the listeners (`Codec`)."""
     gpu = gpu or GPU()
     clock = StepClock(ROWS_PER_S, 512, trust_startup=trust_startup)
     if calibrate:
@@ -373,6 +485,7 @@ def new_worker(
         lead_borrow,
     )
     w.first_audio = first_audio_sit_out(w) if first_audio else None
+    w.codec = Codec() if codec else None
     return w
 
 
@@ -478,15 +591,19 @@ def serve(w: Worker, arrivals: Clients | Poisson, t0: float, end: float) -> Serv
         steps.append((t, dt, w.rows))
         t += dt
         served.append(len(run))
+        if w.codec is not None:
+            w.codec.advance(t)
         for c in list(run):
             r = run[c]
-            if r["first"] is not None:
+            if r["first"] is not None and w.codec is None:
                 # audio in hand when the newest chunk arrives (it left CODEC_S ago at the latest)
                 r["late"] = max(r["late"], (t + CODEC_S - r["first"]) - r["sent_audio"] - CODEC_S)
             if r["gen"] >= tokens:
                 done.append(run.pop(c))
                 arrivals.finished(c, t)
         sending = t < end
+    if w.codec is not None:
+        w.codec.flush()
     return Served(done, served, steps, caps, admitted_max, t)
 
 
@@ -496,7 +613,7 @@ def level(w: Worker, clients: int, t0: float, ramp_s: float, duration_s: float) 
     end = t0 + duration_s
     s = serve(w, Clients(clients, t0, ramp_s, end), t0, end)
     done, served, caps, clock = s.done, s.served, s.caps, w.clock
-    ttfa = np.array([r["first"] - r["sent"] for r in done])
+    ttfa = np.array([heard(r) - r["sent"] for r in done])
     wait = np.array([r["admitted"] - r["sent"] for r in done])
     late = np.array([r["late"] for r in done])
     return {
@@ -514,8 +631,15 @@ def level(w: Worker, clients: int, t0: float, ramp_s: float, duration_s: float) 
         "capacity_p50": round(float(np.median(caps)), 1),
         "capacity_max": round(max(caps), 1),
         "cost_fit": [round(x * 1e6, 2) for x in clock.cost.coefficients() or ()],
+        **(w.codec.figures(t0, end) if w.codec is not None else {}),
         "t_end": s.t_end,
     }
+
+
+def heard(r: dict) -> float:
+    """When request `r`'s first audio reached its listener: from the codec's passes (`Codec`), else
+    CODEC_S after the step that made it."""
+    return r.get("heard", r["first"])
 
 
 def open_level(w: Worker, rate: float, t0: float, duration_s: float, rng: np.random.Generator) -> dict:
@@ -534,8 +658,8 @@ def open_level(w: Worker, rate: float, t0: float, duration_s: float, rng: np.ran
     end = t0 + duration_s
     s = serve(w, Poisson(rate, t0, end, rng), t0, end)
     done = s.done
-    ttfa = np.array([r["first"] - r["sent"] for r in done])
-    later = np.array([r["first"] - r["sent"] for r in done if r["sent"] >= t0 + duration_s / 2])
+    ttfa = np.array([heard(r) - r["sent"] for r in done])
+    later = np.array([heard(r) - r["sent"] for r in done if r["sent"] >= t0 + duration_s / 2])
     late = np.array([r["late"] for r in done])
     wait = np.array([r["admitted"] - r["sent"] for r in done])
     frames = np.array([r["first_rows"] // FRAME for r in done])
@@ -575,6 +699,7 @@ def open_level(w: Worker, rate: float, t0: float, duration_s: float, rng: np.ran
         "capacity_min": round(min(s.caps), 1),
         "capacity_p50": round(float(np.median(s.caps)), 1),
         "cost_fit": [round(x * 1e6, 2) for x in w.clock.cost.coefficients() or ()],
+        **(w.codec.figures(t0, end) if w.codec is not None else {}),
         "t_end": s.t_end,
     }
 
@@ -621,8 +746,13 @@ def step(w: Worker, run: dict, t: float) -> float:
             fits = lead_fits(FRAME, n * period, high, w.first_margin, latency_s=DELIVERY_S)
             if fits or n >= LEADS[-1] or n >= w.tokens:
                 r["first"], r["sent_audio"], r["first_rows"] = t + CODEC_S, n * period, n
+                if w.codec is not None:
+                    w.codec.add(r, t, 0.0, 0.0, kind=n)
         elif r["first"] is not None and n % FRAME == 0:
-            r["sent_audio"] = n * period  # a frame's chunk: reaches the listener CODEC_S later
+            before, r["sent_audio"] = r["sent_audio"], n * period  # a frame's chunk
+            if w.codec is not None:  # its slack: the audio before it less what played since the first left
+                slack = before - (t - (r["first"] - CODEC_S))
+                w.codec.add(r, t, slack, before, kind="regular" if r.get("switched") else "tail")
             if n == r["first_rows"] + FRAME:
                 # the first chunk's audio left when the second is made: what a second chunk's trip
                 # may take beyond the first's (lead_fits's promise: DELIVERY_S)
@@ -653,6 +783,11 @@ def main(argv: list[str] | None = None) -> None:
         "--h200-rate",
         action="store_true",
         help="the H200's step as its fit reads Poisson arrivals of short requests (H200_RATE, linear in rows)",
+    )
+    ap.add_argument(
+        "--h200-poisson",
+        action="store_true",
+        help="H200_RATE with the step the H200 served at 80 req/s (H200_POISSON: the load it settled at)",
     )
     ap.add_argument("--calibrate", action="store_true", help="the fit starts from the startup steps")
     ap.add_argument("--forward", action="store_true", help="startup steps timed as the H200's (H200_FORWARD)")
@@ -689,6 +824,11 @@ def main(argv: list[str] | None = None) -> None:
         help="policies besides: a step's prompts take what the playing streams spare past the budget",
     )
     ap.add_argument(
+        "--codec",
+        action="store_true",
+        help="the codec worker's passes between the steps and the listeners (Codec), not a constant trip",
+    )
+    ap.add_argument(
         "--trust-startup-steps",
         action="store_true",
         help="beside each policy: the startup steps count as measured (StepClock's trust_startup)",
@@ -701,14 +841,22 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     poisson = bool(args.rate)
     tokens = args.tokens or (360 if poisson else 1024)
+    # the simulated GPU: the first of these flags given, else GPU()
+    gpus = [
+        ("h200_poisson", H200_POISSON),
+        ("h200_rate", H200_RATE),
+        ("batched", H200_BATCHED),
+        ("h200", H200),
+    ]
     rows = []
     common = dict(
-        gpu=H200_RATE if args.h200_rate else H200_BATCHED if args.batched else H200 if args.h200 else None,
+        gpu=next((g for flag, g in gpus if getattr(args, flag)), None),
         calibrate=args.calibrate or args.forward,
         startup=H200_FORWARD if args.forward else None,
         duration_s=args.duration or (12.0 if poisson else 20.0),
-        prompts_a_step=10 if args.h200_rate else 9 if args.batched else 4,
+        prompts_a_step=10 if args.h200_rate or args.h200_poisson else 9 if args.batched else 4,
         tokens=tokens,
+        codec=args.codec,
     )
     if poisson:  # the engine's policy on a fresh worker, as `voxpipe bench ttfa --rate` serves
         policies = [("life", dict(life=True, **common))]

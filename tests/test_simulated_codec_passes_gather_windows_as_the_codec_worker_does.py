@@ -1,0 +1,74 @@
+"""bench/admission_sim.py `--codec`: the codec worker between the steps and the listeners. Windows
+wait as codec_worker/gather.py keeps them (until the earliest deadline, the gather's longest wait,
+or a full batch); a pass decodes all of them, the urgent requests' group first, each kind of window
+a launch; a listener is late where a chunk comes after the audio before it has played. On the
+simulated H200 its passes come as the H200's load runs read them."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.admission_sim import H200_FORWARD, H200_POISSON, H200_RATE, Codec, simulate, simulate_poisson
+
+
+def request() -> dict:
+    return {"late": 0.0}
+
+
+def test_a_first_chunk_goes_at_once_and_a_window_with_slack_waits_for_the_gather():
+    codec = Codec(launch_ms=2.0, window_ms=0.5, max_wait_s=0.030, margin_s=0.020, trip_s=0.001)
+    ahead, young = request(), request()
+    ahead["heard"] = 0.0
+    codec.add(ahead, 1.000, slack_s=0.5, audio_before_s=1.5, kind="regular")
+    codec.advance(1.020)
+    assert codec.passes == []  # half a second in hand: it waits up to max_wait_s
+    codec.add(young, 1.021, slack_s=0.0, audio_before_s=0.0, kind=7)
+    codec.advance(1.021)
+    # one pass at once: the first chunk's group (a launch, a window), then the rest's
+    ((start, took, windows),) = codec.passes
+    assert start == 1.021 and windows == 2 and took == pytest.approx(0.005)
+    assert young["heard"] == pytest.approx(1.021 + 0.0025 + 0.001)
+    assert codec.first_waits == [pytest.approx(0.0035)]
+    assert ahead["late"] == 0.0
+
+
+def test_a_full_batch_goes_at_once_and_a_pass_slower_than_the_slack_makes_its_listener_late():
+    codec = Codec(launch_ms=2.0, window_ms=1.0, full_batch=4, trip_s=0.0)
+    listeners = [request() for _ in range(4)]
+    for i, r in enumerate(listeners):
+        r["heard"] = 0.0
+        # the last one's audio before it plays out 3 ms after the window leaves
+        codec.add(
+            r, 1.0, slack_s=1.0 if i < 3 else 0.003, audio_before_s=2.0 if i < 3 else 1.003, kind="regular"
+        )
+    codec.advance(1.0)
+    ((start, took, windows),) = codec.passes
+    assert (start, windows) == (1.0, 4) and took == pytest.approx(0.006)
+    assert listeners[3]["late"] == pytest.approx(0.003)  # heard at 1.006, its audio due at 1.003
+    assert [r["late"] for r in listeners[:3]] == [0.0, 0.0, 0.0]
+
+
+def test_kinds_cost_a_launch_each_and_a_busy_codec_holds_the_next_pass():
+    codec = Codec(launch_ms=2.0, window_ms=0.0, trip_s=0.0)
+    for kind in ("tail", "regular", "regular"):
+        codec.add(request() | {"heard": 0.0}, 1.0, slack_s=0.0, audio_before_s=5.0, kind=kind)
+    codec.advance(1.0)
+    assert codec.passes[0][1] == pytest.approx(0.004)  # one group, two kinds
+    codec.add(request(), 1.001, slack_s=0.0, audio_before_s=0.0, kind=14)
+    codec.advance(1.010)
+    assert codec.passes[1][0] == pytest.approx(1.004)  # after the pass before it
+
+
+def test_on_the_simulated_h200_a_bursts_passes_come_as_the_h200s_and_poisson_arrivals_two_frame_first_chunks():
+    kw = dict(calibrate=True, startup=H200_FORWARD, prompts_a_step=10, codec=True)
+    burst = simulate(256, tokens=1024, ramp_s=0.0, duration_s=8.0, gpu=H200_RATE, **kw)
+    # the H200's bursts of 256: 39-40 passes a second of 118-121 windows, busy 0.56-0.59
+    assert 33 <= burst["codec_passes_per_s"] <= 45
+    assert 100 <= burst["codec_windows_per_pass"] <= 140
+    assert 0.45 <= burst["codec_busy_share"] <= 0.7
+    assert burst["on_time_share"] == 1.0
+    poisson = simulate_poisson(80.0, duration_s=8.0, gpu=H200_POISSON, **kw)
+    # the H200 at 80 req/s: ~228 streams at 7.2 ms a step, most first chunks of two frames
+    assert 190 <= poisson["streams_mean"] <= 240
+    assert poisson["first_frames"][2] > 0.6
+    assert poisson["ttfa_p50_ms"] > 100.0
