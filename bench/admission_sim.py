@@ -16,12 +16,16 @@ until `duration_s`, after the levels `--before` on the same worker (idle between
 bench ttfa --load` runs its levels on one server). With `--rate`, the load is open-loop instead,
 as `voxpipe bench ttfa --rate` sends it: requests of `--tokens` rows (360: ~4.4 s of audio) at the
 times of a Poisson process of each rate, for `--duration` (12 s) on a fresh worker, until the last
-one ends.
+one ends. With `--codec`, a chunk reaches its listener through the codec worker's passes (`Codec`:
+windows gathered as the codec worker gathers them, a pass's time by its windows and their kinds),
+and a listener is late where a chunk comes after the audio before it has played; without it, a
+constant CODEC_S after the step that made it.
 
     voxpipe bench sim --clients 400,480 [--h200 [--calibrate]] [--ramp 0] --out /tmp/sim.json
     voxpipe bench sim --clients 448 --batched --forward --ramp 0 --before 64,256 --duration 12 --seeds 1
     voxpipe bench sim --rate 20,40,80 --batched --forward --seeds 1
     voxpipe bench sim --rate 20,40,80,90 --h200-rate --forward --first-audio-sit-out
+    voxpipe bench sim --rate 40,80,90 --h200-poisson --forward --codec --first-margin 1.0 --first-audio-sit-out
 
 It reports, per policy and load, what bench/load reports (TTFA p50/p99, the share of requests on
 time) and the streams admitted; with `--rate`, TTFA p50/p95/p99, the streams running, the step
@@ -178,9 +182,10 @@ H200_RATE = dataclasses.replace(
 # stream), with most first chunks of two frames and TTFA p50 ~136 ms. A step ~0.7 ms longer than the
 # fit reads there (the sampling and the host's share of each interval, which a fit over a level
 # that grows from idle spreads over its terms) moves the load the simulation settles at to the
-# H200's: with the codec's passes (`--codec`), ~211 streams at 7.6 ms, 79 % of first chunks of two
-# frames, TTFA p50 / p95 120 / 135 ms (the H200's 136 / 163 ms include the gateway, the prompt
-# builder and the HTTP trips, which the simulation leaves out).
+# H200's: with the codec's passes (`--codec`, worst of three seeds), ~230 streams, 81 % of first
+# chunks of two frames, TTFA p50 / p95 124 / 140 ms (the H200's 136 / 163 ms include the gateway,
+# the prompt builder and the HTTP trips, which the simulation leaves out;
+# bench/results/sim-orpheus-poisson-h200-load.json).
 H200_POISSON = dataclasses.replace(H200_RATE, fixed_ms=4.1)
 H200_FORWARD = GPU(fixed_ms=2.28, row_us=5.94, row_us_per_1k_ctx=13.1, prompt_ms=1.6, noise=0.0)
 
