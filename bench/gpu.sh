@@ -27,6 +27,10 @@
 #   burst          Orpheus, the settings of record (docs/performance.md): `voxpipe bench ttfa`, then
 #                  closed-loop levels (VOXPIPE_LOAD, default 32..512) whose clients all start at once
 #                  (`--burst`), each level from an idle server; result burst.json
+#   offline-serve  Orpheus, the settings of record, as an offline batch through the whole server: VOXPIPE_LOAD
+#                  (default 512) closed-loop clients started at once for VOXPIPE_LOAD_S (default 30 s), every
+#                  one admitted (--max-streams) and in every step (--sit-out 0), the codec beside the LM;
+#                  its x_realtime is the server's offline throughput (result offline-serve.json)
 #   orpheus-rate   Orpheus, the settings of record: `voxpipe bench ttfa`, then open-loop Poisson arrivals
 #                  (VOXPIPE_RATES, default 20,40,80) of 8-15-word sentences, 360 tokens each (4.4 s of
 #                  audio: random weights never end a stream themselves); result orpheus-rate.json
@@ -143,6 +147,12 @@ for stage in "$@"; do
         run burst $bench ttfa --reps 15 --tokens 200 --load "${VOXPIPE_LOAD:-32,64,128,256,384,448,512}" \
             --load-duration "${VOXPIPE_LOAD_S:-20}" --burst --label "$LABEL" --load-out "$OUT/burst.json" \
             --out "$OUT/burst-ttfa.json" $(observe burst) -- $serve_flags $record_flags ${VOXPIPE_SERVE_EXTRA:-}
+        ;;
+    offline-serve)
+        run offline-serve $bench ttfa --reps 3 --tokens 200 --load "${VOXPIPE_LOAD:-512}" \
+            --load-duration "${VOXPIPE_LOAD_S:-30}" --burst --label "$LABEL" --load-out "$OUT/offline-serve.json" \
+            --out "$OUT/offline-serve-ttfa.json" -- $serve_flags $record_flags --max-streams "${VOXPIPE_LOAD:-512}" \
+            --sit-out 0 --queue-timeout 600 ${VOXPIPE_SERVE_EXTRA:-}
         ;;
     orpheus-rate)
         run orpheus-rate $bench ttfa --reps 15 --tokens 200 --rate "${VOXPIPE_RATES:-20,40,80}" --texts sentences \
