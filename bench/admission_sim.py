@@ -199,12 +199,15 @@ class Codec:
     a tail window, a regular one: graphs of their own) costs `launch_ms` and each window `window_ms`.
     A window's audio reaches its listener `trip_s` after its group ends; the listener starts playing
     at its first chunk's and is late where a later chunk comes after the audio before it has played.
-    The constants are the H200's as the load runs read it (fp8 LM beside the codec under MPS, half
-    the SMs its share, float16 SNAC windows in calls of 16): passes of ~100-140 windows, mostly
-    regular ones, take 14-18 ms and those of ~70 11 ms (`server_during` of
-    h200-orpheus-load-curve.json, -burst-*.json, -late-launch.json); under Poisson arrivals at
-    80 req/s, with first chunks and tail windows in most passes, ~17.5 ms for ~86 windows
-    (h200-orpheus-mixed-joiners.json)."""
+    The constants are the H200's as its closed-loop runs read it (fp8 LM beside the codec under
+    MPS, half the SMs its share, float16 SNAC windows in calls of 16): passes of ~100-140 windows,
+    mostly regular ones, take 14-18 ms and those of ~70 11 ms (`server_during` of
+    h200-orpheus-load-curve.json, -burst-*.json, -late-launch.json). Under Poisson arrivals it
+    makes shorter passes more often than the H200 did at 80 req/s (~61 a second of ~63 windows,
+    ~12.5 ms each, where the H200 made ~49 of ~85 at ~17.3 ms, h200-orpheus-mixed-joiners.json),
+    at a like busy share: the H200's kinds are finer (a tail window's graph by its rows) and a
+    window that arrives during a pass counts from the drain before it (codec_worker/worker.py), so
+    its deadlines come sooner than here."""
 
     launch_ms: float = 2.5
     window_ms: float = 0.1
@@ -219,7 +222,7 @@ class Codec:
         self.busy_until = 0.0
         self.decode_s = 0.0  # a slowly forgotten maximum of recent passes (Gather.decode_s)
         self.passes: list[tuple[float, float, int]] = []  # (start, seconds, windows)
-        self.first_waits: list[float] = []  # a first chunk's arrival → its audio at the listener
+        self.first_waits: list[tuple[float, float]] = []  # (a first chunk's arrival, → its audio heard)
 
     def add(self, r: dict, t: float, slack_s: float, audio_before_s: float, kind: int | str) -> None:
         """A window of request `r` leaving the gpu_worker at `t` (its listener's slack then, the audio
@@ -266,7 +269,7 @@ class Codec:
                 heard = t + self.trip_s
                 if isinstance(kind, int):  # a first chunk
                     r["heard"] = heard
-                    self.first_waits.append(heard - arrival)
+                    self.first_waits.append((arrival, heard - arrival))
                 else:
                     r["late"] = max(r["late"], heard - (r["heard"] + before))
         self.decode_s = max(t - start, 0.95 * self.decode_s)
@@ -278,7 +281,7 @@ class Codec:
         and a first chunk's wait from the gpu_worker to its listener (p50 / p95 ms)."""
         passes = [p for p in self.passes if t0 <= p[0] < t1]
         span = max(t1 - t0, 1e-9)
-        waits = np.array(self.first_waits) if self.first_waits else np.zeros(1)
+        waits = np.array([w for a, w in self.first_waits if t0 <= a < t1] or [0.0])
         return {
             "codec_passes_per_s": round(len(passes) / span, 1),
             "codec_busy_share": round(sum(p[1] for p in passes) / span, 3),

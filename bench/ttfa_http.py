@@ -136,7 +136,7 @@ def load_curve(base: str, args) -> None:
         tap = None
         if level == args.tap_level and point["arrivals"] == "burst":
             # A burst's start is what to see: the tap connects before its requests go.
-            tap = start_tap(args, delay_s=0.0)
+            tap = start_tap(args, delay_s=0.0, seconds=args.tap_seconds + TAP_CONNECT_S)
             time.sleep(TAP_CONNECT_S)
         elif level == args.tap_level:
             tap = start_tap(args, delay_s=args.ramp + 2)
@@ -180,13 +180,13 @@ def load_curve(base: str, args) -> None:
         plot([p for p in curve if p.get("clone_share", 0) == (shares or [0])[0]], levels[0][0], args.plot)
 
 
-def start_tap(args, delay_s: float) -> threading.Thread:
-    """`voxpipe tap --all-chunks` on this server for `--tap-seconds`, from `delay_s` into the level
-    (past the ramp; a burst's from before it), gzipped into `--tap-out`."""
+def start_tap(args, delay_s: float, seconds: float | None = None) -> threading.Thread:
+    """`voxpipe tap --all-chunks` on this server for `seconds` (`--tap-seconds`), from `delay_s` into
+    the level (past the ramp; a burst's from before it), gzipped into `--tap-out`."""
 
     def go() -> None:
         cmd = [sys.executable, "-m", "common.cli", "tap", "--port", str(args.port), "--all-chunks",
-               "--seconds", str(args.tap_seconds)]  # fmt: skip
+               "--seconds", str(args.tap_seconds if seconds is None else seconds)]  # fmt: skip
         with gzip.open(args.tap_out, "wb") as f:
             f.write(subprocess.run(cmd, cwd=ROOT, capture_output=True, check=False).stdout)
 

@@ -28,23 +28,24 @@ def test_a_first_chunk_goes_at_once_and_a_window_with_slack_waits_for_the_gather
     ((start, took, windows),) = codec.passes
     assert start == 1.021 and windows == 2 and took == pytest.approx(0.005)
     assert young["heard"] == pytest.approx(1.021 + 0.0025 + 0.001)
-    assert codec.first_waits == [pytest.approx(0.0035)]
+    assert codec.first_waits == [(1.021, pytest.approx(0.0035))]
     assert ahead["late"] == 0.0
 
 
 def test_a_full_batch_goes_at_once_and_a_pass_slower_than_the_slack_makes_its_listener_late():
-    codec = Codec(launch_ms=2.0, window_ms=1.0, full_batch=4, trip_s=0.0)
-    listeners = [request() for _ in range(4)]
-    for i, r in enumerate(listeners):
-        r["heard"] = 0.0
-        # the last one's audio before it plays out 3 ms after the window leaves
-        codec.add(
-            r, 1.0, slack_s=1.0 if i < 3 else 0.003, audio_before_s=2.0 if i < 3 else 1.003, kind="regular"
-        )
-    codec.advance(1.0)
+    codec = Codec(launch_ms=2.0, window_ms=1.0, full_batch=4, trip_s=0.0, max_wait_s=0.030)
+    listeners = [request() | {"heard": 0.0} for _ in range(4)]
+    for r in listeners[:3]:  # a second in hand each: only a full batch sends them before 30 ms
+        codec.add(r, 1.0, slack_s=1.0, audio_before_s=2.0, kind="regular")
+    codec.advance(1.010)
+    assert codec.passes == []
+    # the fourth fills the batch; its audio before it plays out 3 ms after it leaves (its 23 ms of
+    # slack, less the margin, would not send it yet)
+    codec.add(listeners[3], 1.010, slack_s=0.023, audio_before_s=1.013, kind="regular")
+    codec.advance(1.010)
     ((start, took, windows),) = codec.passes
-    assert (start, windows) == (1.0, 4) and took == pytest.approx(0.006)
-    assert listeners[3]["late"] == pytest.approx(0.003)  # heard at 1.006, its audio due at 1.003
+    assert (start, windows) == (1.010, 4) and took == pytest.approx(0.006)
+    assert listeners[3]["late"] == pytest.approx(0.003)  # heard at 1.016, its audio due at 1.013
     assert [r["late"] for r in listeners[:3]] == [0.0, 0.0, 0.0]
 
 

@@ -72,8 +72,9 @@ PACE_REACH = 0.25
 # ~PACE_STEPS steps since the engine was last idle were measured against a fit.
 SLOW_MIN_STEPS = 25
 # `--trust-startup-steps`: what the steps served take over the forward pass the startup steps timed
-# (sampling, the host's work, the codec beside them), assumed until the steps served measure it
-# (`slowness`): on the H200 at 352 streams the whole step takes ~1.3 times its forward pass.
+# (sampling, the host's work, the codec beside them), at least, where the capacity reaches past the
+# batches the steps served have measured: on the H200 at 352 streams the whole step takes ~1.3 times
+# its forward pass.
 STARTUP_SLOWNESS = 1.3
 
 
@@ -120,12 +121,11 @@ class StepClock:
         # Averages over the last ~PACE_STEPS steps since the engine was last idle that started no
         # prompt, measured against a fit: their interval, and what the fit said of them (`slowness`).
         self._slow_n, self._slow_dt, self._slow_fit, self._slow_rows = 0, 0.0, 0.0, 0.0
-        # `trust_startup`: the startup steps (`seed`) count as measured rows, each step served taken
-        # as `_slow_last` times slower than the fit: STARTUP_SLOWNESS until the steps served have
-        # measured it, then the last they measured (also while the engine idles).
+        # `trust_startup`: the startup steps' largest batch (`seed`) counts as measured rows
+        # (`measured_rows`), the steps at least STARTUP_SLOWNESS times the fit while it sets them
+        # (`capacity`, `_startup_sets_rows`).
         self.trust_startup = trust_startup
         self._seeded_rows = 0
-        self._slow_last = STARTUP_SLOWNESS
         # Seconds a step may take over the next steps whatever the steps before took (`expect`)
         self._expected = 0.0
         # `tick`'s costs of the last steps launched, the latest last
@@ -218,8 +218,6 @@ class StepClock:
             self._slow_dt += a * (dt - self._slow_dt)
             self._slow_fit += a * (predicted - self._slow_fit)
             self._slow_rows += a * (batch - self._slow_rows)
-            if self._slow_n >= SLOW_MIN_STEPS and self._slow_fit > 0.0:
-                self._slow_last = self._slow_dt / self._slow_fit
 
     def largest_fitted(self) -> int:
         """The largest batch among the steps the fit holds (its last COST_STEPS) and the PACE_STEPS
@@ -234,9 +232,20 @@ class StepClock:
         have measured (`largest_fitted`), or the rows of the steps `slowness` averages, if more
         (their slowness holds what the fit misses up to them). With `trust_startup`, the startup
         steps' largest batch too, while the fit holds them (its first COST_STEPS steps served)."""
-        lately = self._slow_rows if self._slow_n >= SLOW_MIN_STEPS else 0.0
         seeded = self._seeded_rows if self.trust_startup and self._fitted_n <= COST_STEPS else 0
-        return max(float(self.largest_fitted()), lately, float(seeded))
+        return max(self._served_rows(), float(seeded))
+
+    def _served_rows(self) -> float:
+        """`measured_rows` of the steps served alone."""
+        lately = self._slow_rows if self._slow_n >= SLOW_MIN_STEPS else 0.0
+        return max(float(self.largest_fitted()), lately)
+
+    def _startup_sets_rows(self) -> bool:
+        """With `trust_startup`: whether the startup steps' batch is the largest the capacity takes
+        as measured (the fit holds them, and no batch the steps served measured is as large)."""
+        if not self.trust_startup or self._fitted_n > COST_STEPS:
+            return False
+        return self._seeded_rows > self._served_rows()
 
     def slowness(self) -> float:
         """The steps' intervals over what the fit said of them, over the last ~PACE_STEPS since the
@@ -247,11 +256,9 @@ class StepClock:
         and a burst's steps, each starting several prompts, are slower than a fit made of steps
         with one says by what the prompts cost (counted, they hold a fresh burst of 384 on the
         simulated H200 whose prompts beyond a step's first take a pass each to ~130 streams for a
-        while, and its TTFA p99 grows from 2.2 s to 2.6 s). With `trust_startup`, until then the
-        last measured, STARTUP_SLOWNESS before any (the startup steps timed the forward pass alone,
-        and count as measured rows: `measured_rows`)."""
+        while, and its TTFA p99 grows from 2.2 s to 2.6 s)."""
         if self._slow_n < SLOW_MIN_STEPS or self._slow_fit <= 0.0:
-            return self._slow_last if self.trust_startup and self._seeded_rows else 1.0
+            return 1.0
         return self._slow_dt / self._slow_fit
 
     def row_period(self) -> float:
@@ -335,15 +342,18 @@ class StepClock:
         streams whose step takes `capacity_headroom` of a row period at their life-average context
         and prompt rate, each step as much slower than the fit as the steps served lately are
         (`slowness`), with a margin growing past the rows measured (`measured_rows`, at least
-        PROBE_MIN: `StepCost.capacity`), within PROBE of the load served lately. Else the per-bucket
-        model below, and never less than `paced_capacity`. The model alone dips below the load while every
-        stream keeps time: a bucket above the load is reached in bursts of admissions, so its steps
-        carry their prompts, it is measured slow, and the capacity is interpolated below it until
-        the bucket goes stale (STALE_S): on the H200 at 352 streams the model alone gives a
+        PROBE_MIN: `StepCost.capacity`; with `trust_startup`, at least STARTUP_SLOWNESS slower
+        where the startup steps' batch sets those rows), within PROBE of the load served lately.
+        Else the per-bucket model below, and never less than `paced_capacity`. The model alone dips
+        below the load while every stream keeps time: a bucket above the load is reached in bursts
+        of admissions, so its steps carry their prompts, it is measured slow, and the capacity is
+        interpolated below it until the bucket goes stale (STALE_S): on the H200 at 352 streams the model alone gives a
         capacity of median 362 but p10 235, and requests wait in 11 % of the samples."""
         if lives is not None:
-            seen = max(self.measured_rows(), PROBE_MIN)
-            life = self.cost.capacity(self.capacity_headroom * self.period, lives, seen, self.slowness())
+            seen, slow = max(self.measured_rows(), PROBE_MIN), self.slowness()
+            if self._startup_sets_rows():  # the startup steps timed the forward pass alone
+                slow = max(slow, STARTUP_SLOWNESS)
+            life = self.cost.capacity(self.capacity_headroom * self.period, lives, seen, slow)
             if life is not None:
                 # No further than PROBE beyond the load served lately: a fit made at a light load
                 # says little of a much larger one (a step's time is flat at small batches), and
