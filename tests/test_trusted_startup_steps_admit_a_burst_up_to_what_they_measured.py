@@ -62,6 +62,16 @@ def test_a_light_load_leaves_the_assumed_slowness_where_the_startup_batch_sets_t
     assert clock.slowness() > STARTUP_SLOWNESS
 
 
+def test_steps_served_at_half_the_startup_batch_speak_for_it():
+    clock = fresh(True)
+    serve(clock, 300, 1.05, rows=300, ctx=500)  # STARTUP_NEAR of 512 rows and more
+    assert clock.measured_rows() == 512.0 and clock.slowness() < STARTUP_SLOWNESS
+    assert clock.capacity(lives=LIVES) == pytest.approx(trusted_capacity(clock, clock.slowness()))
+    light = fresh(True)
+    serve(light, 300, 1.05, rows=200, ctx=500)  # below it: the assumed slowness holds
+    assert light.capacity(lives=LIVES) == pytest.approx(trusted_capacity(light, STARTUP_SLOWNESS))
+
+
 def test_once_the_steps_served_reach_the_startup_batch_their_slowness_alone_counts():
     clock = fresh(True)
     serve(clock, 800, 1.1, rows=512, ctx=500)

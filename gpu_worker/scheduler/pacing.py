@@ -74,8 +74,10 @@ SLOW_MIN_STEPS = 25
 # `--trust-startup-steps`: what the steps served take over the forward pass the startup steps timed
 # (sampling, the host's work, the codec beside them), at least, where the capacity reaches past the
 # batches the steps served have measured: on the H200 at 352 streams the whole step takes ~1.3 times
-# its forward pass.
-STARTUP_SLOWNESS = 1.3
+# its forward pass. The steps served lately speak for the startup batch once they average this share
+# of its rows (a light load's steps, which the fit has taken in, measure a slowness near 1 whatever
+# the largest batches cost).
+STARTUP_SLOWNESS, STARTUP_NEAR = 1.3, 0.5
 
 
 def _bucket(batch: int) -> int:
@@ -123,7 +125,7 @@ class StepClock:
         self._slow_n, self._slow_dt, self._slow_fit, self._slow_rows = 0, 0.0, 0.0, 0.0
         # `trust_startup`: the startup steps' largest batch (`seed`) counts as measured rows
         # (`measured_rows`), the steps at least STARTUP_SLOWNESS times the fit while it sets them
-        # (`capacity`, `_startup_sets_rows`).
+        # and the steps served are far smaller (`capacity`, `_startup_sets_rows`).
         self.trust_startup = trust_startup
         self._seeded_rows = 0
         # Seconds a step may take over the next steps whatever the steps before took (`expect`)
@@ -342,8 +344,9 @@ class StepClock:
         streams whose step takes `capacity_headroom` of a row period at their life-average context
         and prompt rate, each step as much slower than the fit as the steps served lately are
         (`slowness`), with a margin growing past the rows measured (`measured_rows`, at least
-        PROBE_MIN: `StepCost.capacity`; with `trust_startup`, at least STARTUP_SLOWNESS slower
-        where the startup steps' batch sets those rows), within PROBE of the load served lately.
+        PROBE_MIN: `StepCost.capacity`; with `trust_startup`, where the startup steps' batch sets
+        those rows, at least STARTUP_SLOWNESS slower until the steps served lately average
+        STARTUP_NEAR of its rows), within PROBE of the load served lately.
         Else the per-bucket model below, and never less than `paced_capacity`. The model alone dips
         below the load while every stream keeps time: a bucket above the load is reached in bursts
         of admissions, so its steps carry their prompts, it is measured slow, and the capacity is
@@ -352,7 +355,8 @@ class StepClock:
         if lives is not None:
             seen, slow = max(self.measured_rows(), PROBE_MIN), self.slowness()
             if self._startup_sets_rows():  # the startup steps timed the forward pass alone
-                slow = max(slow, STARTUP_SLOWNESS)
+                near = self._slow_n >= SLOW_MIN_STEPS and self._slow_rows >= STARTUP_NEAR * self._seeded_rows
+                slow = slow if near else max(slow, STARTUP_SLOWNESS)
             life = self.cost.capacity(self.capacity_headroom * self.period, lives, seen, slow)
             if life is not None:
                 # No further than PROBE beyond the load served lately: a fit made at a light load
