@@ -188,10 +188,11 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     # streams out.
     first_audio_sit_out: bool = False
     # A fresh worker's capacity from the largest batches its startup steps timed, as if served
-    # (gpu_worker.scheduler.pacing.StepClock: each step taken STARTUP_SLOWNESS times the forward pass
-    # they timed until the steps served measure it): a burst on a fresh worker is admitted up to
-    # that at once. Off: the startup steps start the fit, and the capacity grows past the load
-    # served by measuring its way (a fresh H200 reports ~195 streams at first, ~370-380 once served).
+    # (gpu_worker.scheduler.pacing.StepClock: each step taken at least STARTUP_SLOWNESS times the
+    # forward pass they timed until the steps served come near that batch): a burst on a fresh
+    # worker is admitted up to that at once. Off: the startup steps start the fit, and the capacity
+    # grows past the load served by measuring its way (a fresh H200 reports ~195 streams at first,
+    # ~370-380 once served).
     trust_startup_steps: bool = False
     # "full" vocabulary, or "audio": logits for codec tokens + stop only; "auto": audio where the LM
     # runs on the CPU, full on a GPU (`head_for`). On a CPU the full head's rows (a text LLM's whole

@@ -387,9 +387,9 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "trust_startup_steps",
         "a fresh worker admits up to what its startup steps (the largest batches, timed before "
-        "serving) say it keeps real time, each step taken 1.3 times their forward pass until the "
-        "steps served measure it, so that a burst is admitted at once; off: the capacity grows past "
-        "the load served by measuring its way there",
+        "serving) say it keeps real time, each step taken at least 1.3 times their forward pass "
+        "until the steps served come near that batch, so that a burst is admitted at once; off: the "
+        "capacity grows past the load served by measuring its way there",
         ("serve", "gpu_worker"),
         _parse_bool,
         path="gpu.trust_startup_steps",
