@@ -68,11 +68,13 @@ def _behind(chunks: dict[str, dict[int, dict[str, float]]]) -> dict:
     it left with no audio in hand (stamped 0: the LM's steps made it too late); at the codec: it left
     in time, and the codec took longer than the slack it had. Each with when in its stream it came
     (ms after the first audible chunk left, or the first the recording saw of a request it caught
-    midway) and, at the codec, the codec's time."""
+    midway), how many of them were tail windows (a progressive stream's first frames, where the
+    recording has `tail_rows`) and, at the codec, the codec's time."""
     counted = 0
     slack: list[float] = []
     gpu: list[float] = []
     codec: list[tuple[float, float]] = []  # (since the first audible chunk, codec ms)
+    tails = {"at_gpu_worker": 0, "at_codec": 0}  # of those, tail windows
     requests: set[str] = set()
     for rid, by_index in chunks.items():
         audible = [c["ready"] for c in by_index.values() if c.get("samples", 1) > 0 and "ready" in c]
@@ -87,9 +89,11 @@ def _behind(chunks: dict[str, dict[int, dict[str, float]]]) -> dict:
             if c["slack_ms"] <= 0.0:
                 gpu.append(c["ready"] - t0)
                 requests.add(rid)
+                tails["at_gpu_worker"] += c.get("tail_rows", 0) > 0
             elif "decoded" in c and c["decoded"] - c["ready"] > c["slack_ms"]:
                 codec.append((c["ready"] - t0, c["decoded"] - c["ready"]))
                 requests.add(rid)
+                tails["at_codec"] += c.get("tail_rows", 0) > 0
     if not counted:
         return {}
     return {
@@ -97,6 +101,8 @@ def _behind(chunks: dict[str, dict[int, dict[str, float]]]) -> dict:
         "requests_behind": len(requests),
         "at_gpu_worker": len(gpu),
         "at_codec": len(codec),
+        "tail_windows_at_gpu_worker": tails["at_gpu_worker"],
+        "tail_windows_at_codec": tails["at_codec"],
         "slack_ms": _pct(slack),
         "at_gpu_worker_since_first_ms": _pct(gpu),
         "at_codec_since_first_ms": _pct([t for t, _ in codec]),
@@ -125,8 +131,9 @@ def stats(events: list[dict], client_ttfa: dict[str, float] | None = None) -> di
             ready[(rid, e.get("index", 0))] = t
             chunk = chunks[rid][e.get("index", 0)]
             chunk["ready"] = t
-            if "slack_ms" in e:
-                chunk["slack_ms"] = e["slack_ms"]
+            for key in ("slack_ms", "tail_rows"):
+                if key in e:
+                    chunk[key] = e[key]
         elif stage in ("chunk_decoded", "first_chunk_decoded"):
             decoded[(rid, e.get("index", 0))] = t
             chunk = chunks[rid][e.get("index", 0)]

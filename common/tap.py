@@ -12,7 +12,8 @@ arrival at the gateway. The stages of one request, in order:
 
 plus failed, abort, and (with --all-chunks) chunk_ready / chunk_decoded for every later chunk; a
 chunk's `*_ready` event carries its listener's slack as the gpu_worker stamped it (`slack_ms`: audio
-sent before it less audio played since the first chunk left; 0 for a first chunk, or one late).
+sent before it less audio played since the first chunk left; 0 for a first chunk, or one late) and
+its `tail_rows` (> 0: a progressive tail window, its stream not yet on regular windows).
 Events from several processes are held for `--reorder-ms` and printed in time order.
 
 The state file (`state_path`) is how `voxpipe tap` without --connect finds a local `voxpipe serve`.
@@ -153,7 +154,7 @@ def events_of(header: TapHeader, msg: Any) -> list[Event]:
         case DetokBatch():
             out = [
                 ev(c.rid, "first_chunk_ready" if c.index == 0 else "chunk_ready", index=c.index,
-                   slack_ms=round(c.slack_ms, 2))
+                   slack_ms=round(c.slack_ms, 2), tail_rows=c.tail_rows)
                 for c in msg.chunks
             ]  # fmt: skip
             return out + [_finished(ev, f, "finished") for f in msg.finished]

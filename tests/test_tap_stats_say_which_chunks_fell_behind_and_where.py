@@ -11,12 +11,13 @@ from common.tap import events_of
 
 
 def chunk(
-    rid: str, index: int, ready_s: float, slack_ms: float, codec_ms: float, samples: int = 2048
+    rid: str, index: int, ready_s: float, slack_ms: float, codec_ms: float, samples: int = 2048, tail: int = 0
 ) -> list:
-    """A chunk's two tap events: ready at the gpu_worker with its slack, decoded `codec_ms` later."""
+    """A chunk's two tap events: ready at the gpu_worker with its slack (a tail window of `tail`
+    rows), decoded `codec_ms` later."""
     return [
         {"stage": "first_chunk_ready" if index == 0 else "chunk_ready", "rid": rid, "time": ready_s,
-         "index": index, "slack_ms": slack_ms},
+         "index": index, "slack_ms": slack_ms, "tail_rows": tail},
         {"stage": "first_chunk_decoded" if index == 0 else "chunk_decoded", "rid": rid,
          "time": ready_s + codec_ms / 1000, "index": index, "samples": samples},
     ]  # fmt: skip
@@ -28,12 +29,13 @@ def test_chunks_behind_at_the_gpu_worker_and_at_the_codec_are_told_apart():
         events += chunk("ok", i, 1.0 + 0.085 * i, 0.0 if i == 0 else 80.0, 10.0)
     events += chunk("late", 0, 5.0, 0.0, 10.0)
     events += chunk("late", 1, 5.085, 60.0, 10.0)
-    events += chunk("late", 2, 5.17, 0.0, 10.0)  # the steps made it after the listener ran out
+    events += chunk("late", 2, 5.17, 0.0, 10.0, tail=7)  # the steps made it after the listener ran out
     events += chunk("late", 3, 5.255, 30.0, 45.0)  # in time, but the codec took 45 ms of 30
     out = stats(events)["chunks_behind"]
     assert out["counted"] == 9 + 3  # every chunk after a request's first
     assert out["requests_behind"] == 1
     assert out["at_gpu_worker"] == 1 and out["at_codec"] == 1
+    assert out["tail_windows_at_gpu_worker"] == 1 and out["tail_windows_at_codec"] == 0
     assert out["at_gpu_worker_since_first_ms"]["p50"] == 170.0
     assert out["at_codec_codec_ms"]["p50"] == 45.0
     assert out["at_codec_since_first_ms"]["p50"] == 255.0
@@ -60,9 +62,10 @@ def test_no_slack_recorded_nothing_counted():
 
 def test_the_tap_event_of_a_chunk_carries_its_slack():
     header = TapHeader(proc="gpu_worker", time=3.0)
-    batch = DetokBatch(chunks=[DetokChunk("r", 4, 1, b"", slack_ms=41.234)], finished=[], step=7)
+    batch = DetokBatch(chunks=[DetokChunk("r", 4, 1, b"", tail_rows=7, slack_ms=41.234)], finished=[], step=7)
     (ready,) = events_of(header, batch)
     assert ready["stage"] == "chunk_ready" and ready["index"] == 4 and ready["slack_ms"] == 41.23
+    assert ready["tail_rows"] == 7
     decoded = events_of(
         TapHeader(proc="codec_worker", time=3.01), AudioChunks(chunks=[AudioChunk("r", 4, b"\0" * 8)])
     )
