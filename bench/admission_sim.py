@@ -77,6 +77,10 @@ def one_frame_s(margin: float = MARGIN) -> float:
 ONE_FRAME_S = one_frame_s()
 # Rows from a frame's end to the next regular window's (a 28-row window every frame: 21)
 REGULAR_WAIT = 21
+# A regular window's kind at the codec (codec_worker.codec's `_kind`: 28 rows, all kept)
+REGULAR_ROWS = 4 * FRAME
+REGULAR_KIND = (REGULAR_ROWS, 0)
+FULL_TAIL_KIND = (REGULAR_ROWS, FRAME)  # a tail window after a full window's rows
 CODEC_S = 0.010  # a chunk's codec pass and trip to the client
 METRICS_S = 0.05  # how often the gateway hears the capacity
 IDLE_S = 2.0  # between two levels on one worker
@@ -210,24 +214,37 @@ class Codec:
     its deadlines come sooner than here."""
 
     launch_ms: float = 2.5
-    window_ms: float = 0.1
+    window_ms: float = 0.1  # a regular window (the compiled decode)
+    graph_window_ms: float = 0.2  # any other kind (captured graphs: ~2x the compiled decode's time)
+    # `--codec-compile-tails`: a full window's tail (28 rows, its last frame kept) decodes as a
+    # regular window does (compiled)
+    compiled_tails: bool = False
     max_wait_s: float = 0.030  # --codec-gather-ms
     margin_s: float = 0.020  # codec_worker.gather.MARGIN_S
     full_batch: int = 128  # the codec's largest batch on a GPU
     trip_s: float = 0.003  # codec worker → gateway → client
 
     def __post_init__(self) -> None:
-        # (arrival, slack, request, audio before, kind: the first chunk's rows, else "tail" or "regular")
-        self.waiting: list[tuple[float, float, dict, float, int | str]] = []
+        # (arrival, slack, request, audio before, its kind: (rows, tail rows kept or 0), first chunk)
+        self.waiting: list[tuple[float, float, dict, float, tuple[int, int], bool]] = []
         self.busy_until = 0.0
         self.decode_s = 0.0  # a slowly forgotten maximum of recent passes (Gather.decode_s)
         self.passes: list[tuple[float, float, int]] = []  # (start, seconds, windows)
         self.first_waits: list[tuple[float, float]] = []  # (a first chunk's arrival, → its audio heard)
 
-    def add(self, r: dict, t: float, slack_s: float, audio_before_s: float, kind: int | str) -> None:
+    def add(
+        self,
+        r: dict,
+        t: float,
+        slack_s: float,
+        audio_before_s: float,
+        kind: tuple[int, int],
+        first: bool = False,
+    ) -> None:
         """A window of request `r` leaving the gpu_worker at `t` (its listener's slack then, the audio
-        its listener has before it, its kind: a first chunk's rows, else "tail" or "regular")."""
-        self.waiting.append((t, max(0.0, slack_s), r, audio_before_s, kind))
+        its listener has before it, its kind as the codec worker's `_kind`: (rows, tail rows kept or
+        0); `first`: the request's first chunk)."""
+        self.waiting.append((t, max(0.0, slack_s), r, audio_before_s, kind, first))
 
     def _due(self) -> float:
         arrivals = [w[0] for w in self.waiting]
@@ -264,10 +281,14 @@ class Codec:
             if not group:
                 continue
             kinds = {w[4] for w in group}
-            t += (self.launch_ms * len(kinds) + self.window_ms * len(group)) / 1000
-            for arrival, _, r, before, kind in group:
+            regular = sum(
+                w[4] == REGULAR_KIND or (self.compiled_tails and w[4] == FULL_TAIL_KIND) for w in group
+            )
+            windows = self.window_ms * regular + self.graph_window_ms * (len(group) - regular)
+            t += (self.launch_ms * len(kinds) + windows) / 1000
+            for arrival, _, r, before, _, first in group:
                 heard = t + self.trip_s
-                if isinstance(kind, int):  # a first chunk
+                if first:
                     r["heard"] = heard
                     self.first_waits.append((arrival, heard - arrival))
                 else:
@@ -467,6 +488,7 @@ def new_worker(
     lead_borrow: bool = False,
     trust_startup: bool = False,
     codec: bool = False,
+    compiled_tails: bool = False,
 ) -> Worker:
     """A fresh worker on `gpu` (default `GPU()`), its clock `calibrate`d from startup steps timed on
     `startup` (default `gpu`), its steps' noise drawn from `seed`, its requests `tokens` rows after
@@ -476,7 +498,8 @@ def new_worker(
     `first_quantile` and `first_margin`, at most `prompts_while_first` prompts a step while a first
     chunk waits, a step's prompts taking what the playing streams spare with `lead_borrow`, and the
     startup steps counted as measured with `trust_startup` (`--trust-startup-steps`); with `codec`,
-    the codec worker's passes between the steps and the listeners (`Codec`)."""
+    the codec worker's passes between the steps and the listeners (`Codec`; `compiled_tails`: its
+    full windows' tails compiled, `--codec-compile-tails`)."""
     gpu = gpu or GPU()
     clock = StepClock(ROWS_PER_S, 512, trust_startup=trust_startup)
     if calibrate:
@@ -493,7 +516,7 @@ def new_worker(
         lead_borrow,
     )
     w.first_audio = first_audio_sit_out(w) if first_audio else None
-    w.codec = Codec() if codec else None
+    w.codec = Codec(compiled_tails=compiled_tails) if codec else None
     return w
 
 
@@ -754,13 +777,15 @@ def step(w: Worker, run: dict, t: float) -> float:
             fits = lead_fits(FRAME, n * period, high, w.first_margin, latency_s=DELIVERY_S)
             if fits or n >= LEADS[-1] or n >= w.tokens:
                 r["first"], r["sent_audio"], r["first_rows"] = t + CODEC_S, n * period, n
-                if w.codec is not None:
-                    w.codec.add(r, t, 0.0, 0.0, kind=n)
+                if w.codec is not None:  # every frame so far, decoded whole
+                    w.codec.add(r, t, 0.0, 0.0, kind=(n, 0), first=True)
         elif r["first"] is not None and n % FRAME == 0:
             before, r["sent_audio"] = r["sent_audio"], n * period  # a frame's chunk
             if w.codec is not None:  # its slack: the audio before it less what played since the first left
                 slack = before - (t - (r["first"] - CODEC_S))
-                w.codec.add(r, t, slack, before, kind="regular" if r.get("switched") else "tail")
+                # a tail window: the newest frame after up to a regular window's rows of context
+                kind = REGULAR_KIND if r.get("switched") else (min(n, REGULAR_ROWS), FRAME)
+                w.codec.add(r, t, slack, before, kind=kind)
             if n == r["first_rows"] + FRAME:
                 # the first chunk's audio left when the second is made: what a second chunk's trip
                 # may take beyond the first's (lead_fits's promise: DELIVERY_S)
@@ -837,6 +862,11 @@ def main(argv: list[str] | None = None) -> None:
         help="the codec worker's passes between the steps and the listeners (Codec), not a constant trip",
     )
     ap.add_argument(
+        "--codec-compile-tails",
+        action="store_true",
+        help="with --codec: beside each policy, a full window's tails decoded as regular windows (compiled)",
+    )
+    ap.add_argument(
         "--trust-startup-steps",
         action="store_true",
         help="beside each policy: the startup steps count as measured (StepClock's trust_startup)",
@@ -889,6 +919,10 @@ def main(argv: list[str] | None = None) -> None:
         policies += [(f"{name}, first-audio sit-out", dict(kw, first_audio=True)) for name, kw in weighed]
     if args.trust_startup_steps:
         policies += [(f"{name}, trusted startup steps", dict(kw, trust_startup=True)) for name, kw in weighed]
+    if args.codec_compile_tails:
+        policies += [
+            (f"{name}, compiled tails", dict(kw, compiled_tails=True)) for name, kw in list(policies)
+        ]
     for name, kw in policies:
         for n in levels:
             rows.append({"policy": name, **worst([run(n, seed=s, **kw) for s in range(args.seeds)])})

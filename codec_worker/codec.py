@@ -77,6 +77,7 @@ class Codec:
         call_batch: int | None = None,
         merge: int = 1,
         benchmark_graphs: bool = False,
+        compile_tails: bool = False,
     ) -> None:
         self.program = program
         self.device = program.device
@@ -104,6 +105,9 @@ class Codec:
         # host, say), decode them uncompiled, with a warning.
         self.compile_fallback = compile_fallback
         self.compiled = None
+        # ... and with `compile_tails`, where the program's compiled decode takes them
+        # (`codec_compiled_tails`), the tail windows of a regular window's rows (`--codec-compile-tails`)
+        self.compile_tails = compile_tails and program.codec_compiled_tails and program.detok_tail
         if compile_backend:
             try:
                 self.compiled = program.compiled_detokenize(compile_backend)
@@ -120,6 +124,8 @@ class Codec:
         kinds.update({(r, 0): LEAD_MAX_BATCH for r in p.detok_lead})
         if tails and p.detok_tail:
             kinds.update({self._kind(r, s): LEAD_MAX_BATCH for r in range(s, p.detok_interval + 1, s)})
+            if self.compile_tails:  # decoded as regular windows are: a burst's streams send them together
+                kinds[self._kind(p.detok_interval, s)] = max_batch
         self.limits = kinds
         self.graphs: dict[tuple[int, int], DetokGraphs] = {}
         if graphs and self.device.type == "cuda":
@@ -144,14 +150,14 @@ class Codec:
                 for rows, tail in self.limits:  # every kind the compiled decode takes
                     if self._compiles(rows, tail):
                         tokens = np.zeros((n, rows, p.n_codebooks), np.int64)
-                        self._decode_eager(tokens, np.zeros(n, np.int64), **streams)
+                        self._decode_eager(tokens, np.zeros(n, np.int64), tail=tail, **streams)
 
     def _capture(self, progress) -> None:
         p = self.program
         pool = torch.cuda.graph_pool_handle()
         scratch = None if self.slots is None else self.slots.scratch
         for (rows, tail), limit in self.limits.items():
-            fn = self.compiled if self._compiles(rows, tail) else None
+            fn = self._compiled_fn(tail) if self._compiles(rows, tail) else None
             graphs = None
             try:  # a compile happens in the warm-up before the first capture
                 graphs = DetokGraphs(
@@ -161,7 +167,7 @@ class Codec:
             except Exception as e:
                 if fn is None:
                     raise
-                self._compile_failed(e)
+                self._compile_failed(e, tail)
             if graphs is None:  # captured again uncompiled, the failed attempt released
                 # into a pool of its own: a pool whose graphs were all freed cannot be captured
                 # into again (PyTorch's allocator asserts), as when the first kind's attempt fails
@@ -178,23 +184,39 @@ class Codec:
                 )
             self.graphs[rows, tail] = graphs
 
-    def _compile_failed(self, error: Exception) -> None:
-        """Decode every window uncompiled from here on, or (`--codec-compile on`) fail. Running
-        out of GPU memory is no compile failure: it goes on up."""
+    def _compiled_fn(self, tail: int) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+        """The compiled decode of windows keeping `tail` rows (0: a regular window's)."""
+        compiled = self.compiled
+        return compiled if not tail else lambda t, k: compiled(t, k, tail_rows=tail)
+
+    def _compile_failed(self, error: Exception, tail: int = 0) -> None:
+        """Decode every window uncompiled from here on (a tail window's compile failing: the tail
+        windows only), or (`--codec-compile on`) fail. Running out of GPU memory is no compile
+        failure: it goes on up."""
         if not self.compile_fallback or isinstance(error, torch.cuda.OutOfMemoryError):
             raise error
+        if tail:
+            log.warning(
+                "codec: the compiled decode of tail windows failed (%s: %s); decoding them uncompiled",
+                type(error).__name__, error,
+            )  # fmt: skip
+            self.compile_tails = False
+            return
         log.warning(
             "codec: the compiled decode failed (%s: %s); decoding uncompiled", type(error).__name__, error
         )
         self.compiled = None
 
     def _compiles(self, rows: int, tail: int) -> bool:
-        """Whether windows of this kind go through the compiled decode: regular windows, and with
-        codec streams merged ones too (a stream's decoder takes any number of frames)."""
-        interval = self.program.detok_interval
-        return (
-            self.compiled is not None and not tail and rows in (interval, *(m * interval for m in self.merge))
-        )
+        """Whether windows of this kind go through the compiled decode: regular windows, with
+        codec streams merged ones too (a stream's decoder takes any number of frames), and with
+        `compile_tails` the tail windows of a regular window's rows."""
+        p = self.program
+        if self.compiled is None:
+            return False
+        if tail:
+            return self.compile_tails and rows == p.detok_interval and tail == p.detok_stride
+        return rows in (p.detok_interval, *(m * p.detok_interval for m in self.merge))
 
     @staticmethod
     def _kind(rows: int, tail: int) -> tuple[int, int]:
@@ -231,11 +253,10 @@ class Codec:
             if self._compiles(t.shape[1], tail):
                 try:
                     args = (t[lo : lo + k], kt[lo : lo + k])
-                    audio, ok = (
-                        self.compiled(*args) if streams is None else self.compiled(*args, streams=streams)
-                    )
+                    fn = self._compiled_fn(tail)
+                    audio, ok = fn(*args) if streams is None else fn(*args, streams=streams)
                 except Exception as e:  # compiled at its first call
-                    self._compile_failed(e)
+                    self._compile_failed(e, tail)
             if audio is None:
                 audio, ok = self.program.detokenize(
                     t[lo : lo + k], kt[lo : lo + k], tail_rows=tail, streams=streams

@@ -107,6 +107,7 @@ class CodecWorker:
             call_batch=None if cfg.codec.call_batch < 0 else cfg.codec.call_batch,
             merge=cfg.codec.merge,
             benchmark_graphs=benchmark_graphs,
+            compile_tails=cfg.codec.compile_tails,
         )
         self.status = status
         self.inbox: PullChannel[CodecInMsg] = PullChannel(cfg.addresses.codec_in, CodecInMsg, bind=True)

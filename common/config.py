@@ -319,6 +319,11 @@ class CodecSettings(msgspec.Struct, kw_only=True):
     device: str = "auto"  # auto = the gpu_worker's device; a list like --device
     dtype: str = "auto"  # auto = the model's choice (its program's codec_dtype)
     compile: str = "auto"  # auto | on | off (torch.compile of regular windows, codec streams' merged too)
+    # With progressive first chunks: the tail windows of a regular window's rows (a stream's newest
+    # frame until it switches to regular windows) decoded as regular windows are, compiled where the
+    # model's compiled codec takes them (with `compile`) and in batches up to `max_batch` (else
+    # uncompiled, in graphs of up to 16). Off: as lead windows.
+    compile_tails: bool = False
     max_batch: int = 0  # windows per decode call (0 = 128 on GPU, 64 on CPU)
     # Windows per codec call inside a decode: -1 = by device (16 GPU, 4 CPU), 0 = a whole batch
     # (codec_worker/codec.py: a window's bits then depend on its batch bucket).

@@ -211,6 +211,16 @@ OPTIONS: tuple[Option, ...] = (
         path="codec.compile",
     ),
     Option(
+        "codec_compile_tails",
+        "with --first-chunk progressive: decode the tail windows of a full window (a stream's newest "
+        "frame until it switches to regular windows) as regular windows are, compiled (with "
+        "--codec-compile, where the model's compiled codec takes them: one more compile at startup) "
+        "and in batches up to --codec-max-batch; off: uncompiled, in graphs of up to 16",
+        ("serve", "codec_worker"),
+        _parse_bool,
+        path="codec.compile_tails",
+    ),
+    Option(
         "codec_max_batch",
         "windows decoded in one codec call, and the largest codec graph (0 = 128 on GPU, 64 on CPU)",
         ("serve", "codec_worker"),

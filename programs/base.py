@@ -33,7 +33,7 @@ apart from N/B/Bd, state only in buffers, randomness only from the keys passed i
 | `init_codec_streams(n_slots)` | codec_worker | no | with `codec_streams`: allocates the state of n_slots codec slots on the codec's device (see Codec streams) |
 | `prime_codec_streams(tokens, keys, slots)` | codec_worker | no | with `codec_streams` and a `codec_prefix`: [B, P, C] int64 rows, keys [B], slots [B] int64 → None; starts each slot's stream with its rows, audio dropped (default: one fresh `detokenize` call; see Codec streams) |
 | `set_codec_voice(slot, voice)` | codec_worker | no | with `codec_voices`: writes a stream's conditioning (name → tensor on the codec's device, or None: the default voice) into codec slot `slot` before its first window (see Codec streams) |
-| `compiled_detokenize()` | codec_worker | — | optional: a function equal to `detokenize(tokens, keys)` for regular windows (with `codec_streams`: `detokenize(tokens, keys, streams=…)` for regular and merged windows), compiled (`torch.compile`), or None (the default): the codec_worker captures it in those windows' graphs (`--codec-compile`) |
+| `compiled_detokenize()` | codec_worker | — | optional: a function equal to `detokenize(tokens, keys)` for regular windows (with `codec_streams`: `detokenize(tokens, keys, streams=…)` for regular and merged windows; with `codec_compiled_tails`: also `detokenize(tokens, keys, tail_rows=detok_stride)` for the tail windows of a regular window's rows), compiled (`torch.compile`), or None (the default): the codec_worker captures it in those windows' graphs (`--codec-compile`, `--codec-compile-tails`) |
 | `load_encoders()` | codec_worker | no | with `reference_sample_rate`: loads what `encode_references` needs (see Reference audio) |
 | `encode_references(clips)` | codec_worker | no | `Reference`s (mono float32 audio at `reference_sample_rate`, its text) → one `Voice.features` dict per clip, batched |
 | `preprocess(text, model_kwargs, voice=None)` | tokenizer_worker | no | → prompt rows [R, C] int32, or `PromptRows` (rows and state arrays); `voice` a `Voice` (a cloned voice) or None; ValueError → HTTP 400 |
@@ -361,6 +361,9 @@ class LMProgram:
     detok_offset: int = 0  # window j's audio covers audio rows from j*s + detok_offset (s: stride)
     detok_lead: tuple[int, ...] = ()  # row counts a lead window may have (see Lead windows)
     detok_tail: bool = False  # detokenize takes tail windows (see Progressive first chunks)
+    # `compiled_detokenize`'s function also takes the tail windows of a regular window's rows
+    # (tail_rows = detok_stride: a progressive stream's newest frame after a full window of context).
+    codec_compiled_tails: bool = False
     codec_dtype: torch.dtype = torch.float32  # the codec's weights and activations
     # Windows per codec call (None: the codec_worker's default by device, 16 on a GPU): 1 for a codec
     # whose lone window already fills the device, so that a call of few windows is not padded.

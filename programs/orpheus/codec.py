@@ -235,8 +235,9 @@ class SnacCodec:
     def compiled(
         self, backend: str = "inductor", options: dict | None = None
     ) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-        """`decode_orpheus_window` of regular windows under `torch.compile`, its batch dimension
-        dynamic (one compile serves every batch size; size 1 gets its own). The compiler fuses every
+        """`decode_orpheus_window` of regular windows, and of tail windows of a regular window's rows
+        (`tail_rows`: a progressive stream's newest frame), under `torch.compile`, its batch dimension
+        dynamic (one compile per kind serves every batch size; size 1 gets its own). The compiler fuses every
         Snake, noise draw, residual add and depthwise convolution (as shifted sums: `taps`) with its
         neighbours, leaving the dense convolutions to cuDNN. On the H200, a window in a batch of 128 in
         fp16: 0.40x the graphed eager decode (23.5 against 58.5 µs; bench/codec_profile.py). Compiling
@@ -245,8 +246,10 @@ class SnacCodec:
         if self.cropped_taps is None or not self.crop:
             raise ValueError("the compiled SNAC decode needs the cropped decoder")
 
-        def window_taps(tokens: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return self.decode_orpheus_window(tokens, keys, taps=True)
+        def window_taps(
+            tokens: torch.Tensor, keys: torch.Tensor, tail_rows: int = 0
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.decode_orpheus_window(tokens, keys, tail_rows=tail_rows, taps=True)
 
         # Every compiled codec of a process shares `window_taps`'s code object, and dynamo keeps
         # 8 compiles per code object by default, then runs the rest uncompiled: one codec needs 2-3
@@ -260,13 +263,19 @@ class SnacCodec:
             options=(REALIZE_REUSED if options is None else options) if backend == "inductor" else None,
         )
 
-        def decode(tokens: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def decode(
+            tokens: torch.Tensor, keys: torch.Tensor, tail_rows: int = 0
+        ) -> tuple[torch.Tensor, torch.Tensor]:
             if tokens.shape[1] != WINDOW:
                 raise ValueError(
                     f"the compiled decode takes regular {WINDOW}-row windows, not {tokens.shape[1]}"
                 )
+            if tail_rows % FRAME or not 0 <= tail_rows < WINDOW:
+                raise ValueError(
+                    f"a tail window keeps whole frames of fewer than {WINDOW} rows, not {tail_rows}"
+                )
             torch._dynamo.maybe_mark_dynamic(tokens, 0)
             torch._dynamo.maybe_mark_dynamic(keys, 0)
-            return fn(tokens, keys)
+            return fn(tokens, keys, tail_rows)
 
         return decode

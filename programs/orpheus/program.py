@@ -42,6 +42,7 @@ class OrpheusProgram(LMProgram):
     # SNAC is small (20 M parameters) and tanh-saturating; fp32 keeps it faithful to the reference
     # (--codec-dtype bfloat16/float16 trade that for speed; tests/test_codec_precision.py: SNR).
     codec_dtype: torch.dtype = torch.float32
+    codec_compiled_tails = True  # SnacCodec.compiled takes a full window's last frame as well
     mixed_prefill = True  # LlamaLM's GEMMs all go through fp8.linear, fused or not
 
     def __init__(self, spec: dict[str, Any], **kwargs: Any) -> None:
@@ -130,7 +131,8 @@ class OrpheusProgram(LMProgram):
         return self.codec.decode_orpheus_window(tokens, keys, tail_rows=tail_rows)
 
     def compiled_detokenize(self, backend: str = "inductor"):
-        """The cropped SNAC decode of regular windows under torch.compile (SnacCodec.compiled)."""
+        """The cropped SNAC decode of regular windows and of their tails under torch.compile
+        (SnacCodec.compiled)."""
         return self.codec.compiled(backend) if self.codec.crop else None
 
     # --- prompts (tokenizer_worker) ------------------------------------------------------------

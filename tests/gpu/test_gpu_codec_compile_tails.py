@@ -1,0 +1,63 @@
+"""On a GPU, `--codec-compile-tails`: Orpheus's full-context tail windows (a progressive stream's
+newest frame) through the compiled SNAC decode, in graphs up to the codec's largest batch, decode to
+the graphed uncompiled audio within one LSB; and a burst's pass of them (128 tail windows, as 128
+young streams send them together) takes less GPU time. The report holds both passes' times."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from codec_worker.codec import Codec
+from codec_worker.worker import codec_compile_backend
+from common.messages import DetokChunk
+from programs import get_spec, load_program_class
+
+
+def tails(n: int, seed: int) -> list[DetokChunk]:
+    """n tail windows of 28 rows (random codes), each stream's chunk 3."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 4096, (n, 28, 1), generator=gen)
+    tokens = (128266 + 4096 * (torch.arange(28) % 7)[None, :, None] + codes).int().numpy().astype("<i4")
+    return [DetokChunk(f"t{seed}-{i}", 3, 11 + i, tokens[i].tobytes(), 3, tail_rows=7) for i in range(n)]
+
+
+def pass_ms(codec: Codec, chunks: list[DetokChunk], reps: int = 10) -> float:
+    codec.decode(chunks)  # warm
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        codec.decode(chunks)
+    torch.cuda.synchronize()
+    return 1000 * (time.perf_counter() - t0) / reps
+
+
+@pytest.mark.parametrize("model", ["orpheus-tiny", "orpheus"])
+def test_full_context_tails_compiled_decode_as_the_graphs_do_and_faster(model: str, gpu_report) -> None:
+    program = load_program_class(model)(
+        get_spec(model), load_format="dummy", device="cuda", codec_dtype="float16"
+    )
+    program.load_codec()
+    backend = codec_compile_backend("auto", "cuda", program, True)
+    if backend is None:
+        pytest.skip("no Triton: no compiled codec on this GPU")
+    plain = Codec(program, max_batch=128, tails=True)
+    fast = Codec(program, max_batch=128, tails=True, compile_backend=backend, compile_tails=True)
+    assert fast.compile_tails and fast.limits[28, 7] == 128 and plain.limits[28, 7] == 16
+    chunks = tails(128, seed=1)
+    got, want = fast.decode(chunks), plain.decode(chunks)
+    worst = max(
+        int(np.abs(np.frombuffer(a.pcm, "<i2").astype(int) - np.frombuffer(b.pcm, "<i2").astype(int)).max())
+        for a, b in zip(got, want, strict=True)
+    )
+    report = gpu_report(f"codec_compile_tails_{model}")
+    report |= {
+        "pcm_max_lsb": worst,
+        "plain_pass_ms": pass_ms(plain, chunks),
+        "fast_pass_ms": pass_ms(fast, chunks),
+    }
+    assert worst <= 1
+    assert report["fast_pass_ms"] < report["plain_pass_ms"]
