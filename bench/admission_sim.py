@@ -187,7 +187,7 @@ H200_RATE = dataclasses.replace(
 # fit reads there (the sampling and the host's share of each interval, which a fit over a level
 # that grows from idle spreads over its terms) moves the load the simulation settles at to the
 # H200's: with the codec's passes (`--codec`, worst of three seeds), ~230 streams, 81 % of first
-# chunks of two frames, TTFA p50 / p95 124 / 140 ms (the H200's 136 / 163 ms include the gateway,
+# chunks of two frames, TTFA p50 / p95 126 / 143 ms (the H200's 136 / 163 ms include the gateway,
 # the prompt builder and the HTTP trips, which the simulation leaves out;
 # bench/results/sim-orpheus-poisson-h200-load.json).
 H200_POISSON = dataclasses.replace(H200_RATE, fixed_ms=4.1)
@@ -199,19 +199,19 @@ class Codec:
     """The codec worker (`--codec`): windows gathered as codec_worker/gather.py gathers them (until
     the earliest deadline, `max_wait_s` after the first, or a full batch), each pass decoding every
     window waiting, the urgent requests' (no slack: a first chunk, a stream running late) in a group
-    of their own ahead of the rest; within a group each kind of window (a first chunk of 1-3 frames,
-    a tail window, a regular one: graphs of their own) costs `launch_ms` and each window `window_ms`.
-    A window's audio reaches its listener `trip_s` after its group ends; the listener starts playing
-    at its first chunk's and is late where a later chunk comes after the audio before it has played.
-    The constants are the H200's as its closed-loop runs read it (fp8 LM beside the codec under
-    MPS, half the SMs its share, float16 SNAC windows in calls of 16): passes of ~100-140 windows,
-    mostly regular ones, take 14-18 ms and those of ~70 11 ms (`server_during` of
-    h200-orpheus-load-curve.json, -burst-*.json, -late-launch.json). Under Poisson arrivals it
-    makes shorter passes more often than the H200 did at 80 req/s (~61 a second of ~63 windows,
-    ~12.5 ms each, where the H200 made ~49 of ~85 at ~17.3 ms, h200-orpheus-mixed-joiners.json),
-    at a like busy share: the H200's kinds are finer (a tail window's graph by its rows) and a
-    window that arrives during a pass counts from the drain before it (codec_worker/worker.py), so
-    its deadlines come sooner than here."""
+    of their own ahead of the rest; within a group each kind of window (the codec worker's `_kind`:
+    a first chunk of 1-3 frames, a tail window after 14, 21 or 28 rows, a regular window; graphs of
+    their own) costs `launch_ms`, a regular window `window_ms` (the compiled decode) and any other
+    `graph_window_ms`. A window's audio reaches its listener `trip_s` after its group ends; the
+    listener starts playing at its first chunk's and is late where a later chunk comes after the
+    audio before it has played. The constants are the H200's as its runs read them (fp8 LM beside
+    the codec under MPS, half the SMs its share, float16 SNAC windows in calls of 16): bursts' passes
+    of ~120 windows, mostly regular ones, 14-18 ms and those of ~70 11 ms (`server_during` of
+    h200-orpheus-load-curve.json, -burst-*.json, -late-launch.json); at 80 req/s (Poisson, with
+    H200_POISSON) ~55 passes a second of ~70 windows, busy ~0.84, where the H200 made ~49 of ~85,
+    busy 0.84 (h200-orpheus-mixed-joiners.json). A window that arrives during a pass counts, in the
+    codec worker, from the drain before it (codec_worker/worker.py), so its deadlines come a little
+    sooner than here."""
 
     launch_ms: float = 2.5
     window_ms: float = 0.1  # a regular window (the compiled decode)
