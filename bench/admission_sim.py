@@ -42,6 +42,7 @@ import argparse
 import dataclasses
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,6 +82,7 @@ REGULAR_WAIT = 21
 REGULAR_ROWS = 4 * FRAME
 REGULAR_KIND = (REGULAR_ROWS, 0)
 FULL_TAIL_KIND = (REGULAR_ROWS, FRAME)  # a tail window after a full window's rows
+SMALL_GRAPH = 16  # lead and tail windows' largest codec graph (codec_worker.codec.LEAD_MAX_BATCH)
 CODEC_S = 0.010  # a chunk's codec pass and trip to the client
 METRICS_S = 0.05  # how often the gateway hears the capacity
 IDLE_S = 2.0  # between two levels on one worker
@@ -216,8 +218,14 @@ class Codec:
     launch_ms: float = 2.5
     window_ms: float = 0.1  # a regular window (the compiled decode)
     graph_window_ms: float = 0.2  # any other kind (captured graphs: ~2x the compiled decode's time)
+    # each part of a kind beyond its first where it decodes in graphs of up to SMALL_GRAPH windows
+    # (lead and tail windows: codec_worker.codec.LEAD_MAX_BATCH), replayed in turn: not measured
+    # apart on the H200. 0.25 ms keeps its bursts of 256 on time and leaves those of 384 partly late
+    # (81-84 % on time with the engine's policy; the H200's 50-95 %); 0 to 1 ms gives 98 to 47 %
+    # (bench/results/sim-orpheus-burst-codec.json).
+    part_ms: float = 0.25
     # `--codec-compile-tails`: a full window's tail (28 rows, its last frame kept) decodes as a
-    # regular window does (compiled)
+    # regular window does (compiled, in graphs up to the codec's largest batch)
     compiled_tails: bool = False
     max_wait_s: float = 0.030  # --codec-gather-ms
     margin_s: float = 0.020  # codec_worker.gather.MARGIN_S
@@ -280,12 +288,15 @@ class Codec:
         for group in (urgent, rest):
             if not group:
                 continue
-            kinds = {w[4] for w in group}
-            regular = sum(
-                w[4] == REGULAR_KIND or (self.compiled_tails and w[4] == FULL_TAIL_KIND) for w in group
+            counts = Counter(w[4] for w in group)
+            as_regular = {REGULAR_KIND, FULL_TAIL_KIND} if self.compiled_tails else {REGULAR_KIND}
+            regular = sum(n for kind, n in counts.items() if kind in as_regular)
+            # a kind decoded in graphs of up to SMALL_GRAPH windows replays one per part, in turn
+            parts = sum(
+                math.ceil(n / SMALL_GRAPH) - 1 for kind, n in counts.items() if kind not in as_regular
             )
             windows = self.window_ms * regular + self.graph_window_ms * (len(group) - regular)
-            t += (self.launch_ms * len(kinds) + windows) / 1000
+            t += (self.launch_ms * len(counts) + self.part_ms * parts + windows) / 1000
             for arrival, _, r, before, _, first in group:
                 heard = t + self.trip_s
                 if first:

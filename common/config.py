@@ -318,11 +318,14 @@ class CodecSettings(msgspec.Struct, kw_only=True):
 
     device: str = "auto"  # auto = the gpu_worker's device; a list like --device
     dtype: str = "auto"  # auto = the model's choice (its program's codec_dtype)
-    compile: str = "auto"  # auto | on | off (torch.compile of regular windows, codec streams' merged too)
+    # auto | on | off: torch.compile of regular windows (codec streams' merged ones too; with
+    # `compile_tails`, a full window's tails)
+    compile: str = "auto"
     # With progressive first chunks: the tail windows of a regular window's rows (a stream's newest
-    # frame until it switches to regular windows) decoded as regular windows are, compiled where the
-    # model's compiled codec takes them (with `compile`) and in batches up to `max_batch` (else
-    # uncompiled, in graphs of up to 16). Off: as lead windows.
+    # frame until it switches to regular windows) decoded as regular windows are, in graphs up to
+    # `max_batch`, and compiled where the model's compiled codec takes them and `compile` compiles
+    # (else, or after their compile failed under auto, uncompiled in those larger graphs). Off: as
+    # lead windows, uncompiled in graphs of up to 16.
     compile_tails: bool = False
     max_batch: int = 0  # windows per decode call (0 = 128 on GPU, 64 on CPU)
     # Windows per codec call inside a decode: -1 = by device (16 GPU, 4 CPU), 0 = a whole batch

@@ -213,9 +213,9 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "codec_compile_tails",
         "with --first-chunk progressive: decode the tail windows of a full window (a stream's newest "
-        "frame until it switches to regular windows) as regular windows are, compiled (with "
-        "--codec-compile, where the model's compiled codec takes them: one more compile at startup) "
-        "and in batches up to --codec-max-batch; off: uncompiled, in graphs of up to 16",
+        "frame until it switches to regular windows) as regular windows are, in graphs up to "
+        "--codec-max-batch and compiled where --codec-compile compiles and the model's compiled codec "
+        "takes them (one more compile at startup); off: uncompiled, in graphs of up to 16",
         ("serve", "codec_worker"),
         _parse_bool,
         path="codec.compile_tails",

@@ -55,6 +55,7 @@ Attributes a program sets (defaults on LMProgram; any model may use each):
 | `input_vocab_size` | prompt ids lie in [0, input_vocab_size) (above vocab_size when prompt rows carry text ids) |
 | `detok_interval`, `detok_overlap`, `detok_samples`, `detok_offset` | codec windows (Audio chunks) |
 | `detok_lead`, `detok_tail` | lead windows, tail windows (below) |
+| `codec_compiled_tails` | `compiled_detokenize`'s function also takes the tail windows of a regular window's rows (`tail_rows = detok_stride`) |
 | `codec_dtype`, `head_ids` | codec precision, output heads (below) |
 | `codec_call_batch`, `codec_max_batch` | windows per codec call and per codec pass (None: the codec_worker's defaults): a codec whose lone window fills the device decodes in calls of one |
 | `uses_repetition_penalty` | False: the model has none; requests' repetition_penalty is ignored |
