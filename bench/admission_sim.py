@@ -221,7 +221,7 @@ class Codec:
     # each part of a kind beyond its first where it decodes in graphs of up to SMALL_GRAPH windows
     # (lead and tail windows: codec_worker.codec.LEAD_MAX_BATCH), replayed in turn: not measured
     # apart on the H200. 0.25 ms keeps its bursts of 256 on time and leaves those of 384 partly late
-    # (81-84 % on time with the engine's policy; the H200's 50-95 %); 0 to 1 ms gives 98 to 47 %
+    # (81-84 % on time with the engine's policy; the H200's 50-95 %); 0 to 1 ms gives 96 to 47 %
     # (bench/results/sim-orpheus-burst-codec.json).
     part_ms: float = 0.25
     # `--codec-compile-tails`: a full window's tail (28 rows, its last frame kept) decodes as a
