@@ -500,6 +500,7 @@ def new_worker(
     trust_startup: bool = False,
     codec: bool = False,
     compiled_tails: bool = False,
+    codec_part_ms: float | None = None,
 ) -> Worker:
     """A fresh worker on `gpu` (default `GPU()`), its clock `calibrate`d from startup steps timed on
     `startup` (default `gpu`), its steps' noise drawn from `seed`, its requests `tokens` rows after
@@ -510,7 +511,7 @@ def new_worker(
     chunk waits, a step's prompts taking what the playing streams spare with `lead_borrow`, and the
     startup steps counted as measured with `trust_startup` (`--trust-startup-steps`); with `codec`,
     the codec worker's passes between the steps and the listeners (`Codec`; `compiled_tails`: its
-    full windows' tails compiled, `--codec-compile-tails`)."""
+    full windows' tails compiled, `--codec-compile-tails`; `codec_part_ms`: its `part_ms`)."""
     gpu = gpu or GPU()
     clock = StepClock(ROWS_PER_S, 512, trust_startup=trust_startup)
     if calibrate:
@@ -527,7 +528,10 @@ def new_worker(
         lead_borrow,
     )
     w.first_audio = first_audio_sit_out(w) if first_audio else None
-    w.codec = Codec(compiled_tails=compiled_tails) if codec else None
+    w.codec = None
+    if codec:
+        part = {} if codec_part_ms is None else {"part_ms": codec_part_ms}
+        w.codec = Codec(compiled_tails=compiled_tails, **part)
     return w
 
 
@@ -878,6 +882,12 @@ def main(argv: list[str] | None = None) -> None:
         help="with --codec: beside each policy, a full window's tails decoded as regular windows (compiled)",
     )
     ap.add_argument(
+        "--codec-part-ms",
+        type=float,
+        default=None,
+        help=f"with --codec: each further replay of a small codec graph (Codec.part_ms, {Codec.part_ms})",
+    )
+    ap.add_argument(
         "--trust-startup-steps",
         action="store_true",
         help="beside each policy: the startup steps count as measured (StepClock's trust_startup)",
@@ -906,6 +916,7 @@ def main(argv: list[str] | None = None) -> None:
         prompts_a_step=10 if args.h200_rate or args.h200_poisson else 9 if args.batched else 4,
         tokens=tokens,
         codec=args.codec,
+        codec_part_ms=args.codec_part_ms,
     )
     if poisson:  # the engine's policy on a fresh worker, as `voxpipe bench ttfa --rate` serves
         policies = [("life", dict(life=True, **common))]
