@@ -68,7 +68,7 @@ def _behind(chunks: dict[str, dict[int, dict[str, float]]]) -> dict:
     it left with no audio in hand (stamped 0: the LM's steps made it too late); at the codec: it left
     in time, and the codec took longer than the slack it had. Each with when in its stream it came
     (ms after the first audible chunk left, or the first the recording saw of a request it caught
-    midway), how many of them were tail windows (a progressive stream's first frames, where the
+    midway), how many of them are tail windows (a progressive stream's first frames, where the
     recording has `tail_rows`) and, at the codec, the codec's time."""
     counted = 0
     slack: list[float] = []
