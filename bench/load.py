@@ -12,8 +12,8 @@ server refuses at admission (503 with Retry-After: past capacity, the bounded wa
 For each load level it reports TTFA p50/p90/p99, the share of requests fully on time (and how late
 the late ones were), aggregate × real time (audio seconds delivered per wall second) and errors,
 and the server's own gauges sampled during the level (`server_during`: batch size, measured
-capacity, step host/wait time, codec windows per call and busy seconds per second); it writes JSON (and a PNG
-when matplotlib is installed). `max_streams_meeting_target` is the largest level with ≥ 99 % of
+capacity, step host/wait time, codec windows per call and busy seconds per second; `bound`: what
+sets the pace, `step_bounds`); it writes JSON (and a PNG when matplotlib is installed). `max_streams_meeting_target` is the largest level with ≥ 99 % of
 requests on time and p99 TTFA ≤ 250 ms. A server that requires a key gets VOXPIPE_API_KEY's.
 The command line (model limits from the server, progress, stopping on failures): `bench.load_cli`.
 """
@@ -272,6 +272,9 @@ class GaugeSampler:
                     else None
                     for (ta, a), (tb, b) in pairs
                 ]
+        bound = step_bounds(out)
+        if bound:
+            out["bound"] = bound
         if self.failures:
             out["sample_failures"] = len(self.failures)
             out["sample_failure_example"] = self.failures[0]
@@ -289,6 +292,46 @@ class GaugeSampler:
                     delta["codec_windows_total"] / delta["codec_calls_total"], 1
                 )
         return out
+
+
+# `step_bounds`: a share of the step interval past which that part sets the pace
+BOUND_SHARE = 0.9
+
+
+def step_bounds(gauges: dict) -> dict:
+    """What sets a level's pace, from its gauges' medians (`server_during`): the share of the step
+    interval the device spends on a step (`gpu_busy_share`), the host's own work per step
+    (`host_share`: overlapped with the device, it bounds only near 1, the device then idle between
+    steps) and the codec's busy seconds per second; the fitted step cost split at the level's batch
+    and life-average context into its fixed part (weights read, kernel launches), its part per row
+    (the GEMMs) and its part per token of context (attention), in ms; and the verdict: "codec",
+    "host", "gpu: <its largest part>" (each at BOUND_SHARE or more), or "none" (the steps wait for
+    work). {} without the gauges."""
+    interval, gpu = gauges.get("row_period_ms"), gauges.get("step_gpu_ms")
+    if not interval or gpu is None:
+        return {}
+    out = {
+        "gpu_busy_share": round(min(1.0, gpu / interval), 3),
+        "host_share": round(gauges.get("step_host_ms", 0.0) / interval, 3),
+        "codec_busy": gauges.get("codec_busy_seconds_per_s"),
+    }
+    batch, context = gauges.get("decode_batch_size", 0.0), gauges.get("life_context", 0.0)
+    fit = [gauges.get(k) for k in ("step_cost_fixed_ms", "step_cost_token_us", "step_cost_kcontext_us")]
+    parts = {}
+    if None not in fit:
+        a, b, c = fit
+        parts = {"fixed": a, "rows": b * batch / 1e3, "context": c * batch * context / 1e6}
+        out |= {f"fit_{k}_ms": round(v, 3) for k, v in parts.items()}
+    idle = gauges.get("step_gpu_idle_ms", 0.0) / interval
+    if (out["codec_busy"] or 0.0) >= BOUND_SHARE:
+        out["bound"] = "codec"
+    elif out["host_share"] >= BOUND_SHARE and idle >= 1 - BOUND_SHARE:
+        out["bound"] = "host"
+    elif out["gpu_busy_share"] >= BOUND_SHARE:
+        out["bound"] = "gpu" + (f": {max(parts, key=parts.get)}" if parts else "")
+    else:
+        out["bound"] = "none"
+    return out
 
 
 def measure_level(base: str, sample_rate: int, ttfa_by_rid: dict | None = None, **level) -> dict:
