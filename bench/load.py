@@ -302,7 +302,8 @@ def step_bounds(gauges: dict) -> dict:
     """What sets a level's pace, from its gauges' medians (`server_during`): the share of the step
     interval the device spends on a step (`gpu_busy_share`), the host's own work per step
     (`host_share`: overlapped with the device, it bounds only near 1, the device then idle between
-    steps) and the codec's busy seconds per second; the fitted step cost split at the level's batch
+    steps; without a device time, a CPU's, the host runs the steps) and the codec's busy seconds per
+    second; the fitted step cost split at the level's batch
     and life-average context into its fixed part (weights read, kernel launches), its part per row
     (the GEMMs) and its part per token of context (attention), in ms; and the verdict: "codec",
     "host", "gpu: <its largest part>" (each at BOUND_SHARE or more), or "none" (the steps wait for
@@ -310,8 +311,8 @@ def step_bounds(gauges: dict) -> dict:
     interval, gpu = gauges.get("row_period_ms"), gauges.get("step_gpu_ms")
     if not interval or gpu is None:
         return {}
-    out = {
-        "gpu_busy_share": round(min(1.0, gpu / interval), 3),
+    out = {  # no device time (a CPU, eager steps): the host runs the steps itself
+        "gpu_busy_share": round(min(1.0, gpu / interval), 3) if gpu else None,
         "host_share": round(gauges.get("step_host_ms", 0.0) / interval, 3),
         "codec_busy": gauges.get("codec_busy_seconds_per_s"),
     }
@@ -325,9 +326,9 @@ def step_bounds(gauges: dict) -> dict:
     idle = gauges.get("step_gpu_idle_ms", 0.0) / interval
     if (out["codec_busy"] or 0.0) >= BOUND_SHARE:
         out["bound"] = "codec"
-    elif out["host_share"] >= BOUND_SHARE and idle >= 1 - BOUND_SHARE:
+    elif out["host_share"] >= BOUND_SHARE and (idle >= 1 - BOUND_SHARE or not gpu):
         out["bound"] = "host"
-    elif out["gpu_busy_share"] >= BOUND_SHARE:
+    elif gpu and out["gpu_busy_share"] >= BOUND_SHARE:
         out["bound"] = "gpu" + (f": {max(parts, key=parts.get)}" if parts else "")
     else:
         out["bound"] = "none"

@@ -38,6 +38,8 @@ def test_the_parts_of_the_fitted_step_at_the_levels_load():
         (dict(step_host_ms=9.5, step_gpu_ms=6.0, step_gpu_idle_ms=3.5), "host"),
         (dict(step_gpu_ms=5.0, step_gpu_idle_ms=5.0), "none"),
         (dict(step_cost_fixed_ms=None), "gpu"),  # no fit yet: the device, parts unknown
+        (dict(step_gpu_ms=0.0, step_gpu_idle_ms=0.0, step_host_ms=9.9), "host"),  # a CPU runs the steps
+        (dict(step_gpu_ms=0.0, step_gpu_idle_ms=0.0, step_host_ms=5.0), "none"),
     ],
 )
 def test_the_verdict(change, bound):
