@@ -18,7 +18,7 @@ from gateway.procs import ProcessTable
 from tests.conftest import Server, get_json, wait_ready
 
 # min_tokens = max_tokens: every run of a body has one length, whatever the batches sampled
-BODIES = [{"text": f"Stream number {i}.", "seed": i, "max_tokens": 260, "min_tokens": 260} for i in range(3)]
+BODIES = [{"text": f"Stream number {i}.", "seed": i, "max_tokens": 400, "min_tokens": 400} for i in range(3)]
 
 
 @pytest.fixture(scope="module")
