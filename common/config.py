@@ -32,6 +32,12 @@ def check_sit_out(spare_s: float) -> None:
         )
 
 
+def check_first_audio_sit_out(on: bool, first_chunk: str) -> None:
+    """`--first-audio-sit-out` (for `voxpipe serve`, and the engine of a gpu_worker run alone)."""
+    if on and first_chunk != "progressive":
+        raise ValueError("--first-audio-sit-out needs --first-chunk progressive")
+
+
 def check_prompt_lanes(lanes: int) -> None:
     """`--prompt-lanes` (for `voxpipe serve`, and the engine of a gpu_worker run alone)."""
     if lanes < 1:
@@ -281,8 +287,7 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
             raise ValueError(
                 f"--first-chunk-margin is a factor on the steps' pessimistic time in [1, 2], got {self.first_chunk_margin}"
             )
-        if self.first_audio_sit_out and self.first_chunk != "progressive":
-            raise ValueError("--first-audio-sit-out needs --first-chunk progressive")
+        check_first_audio_sit_out(self.first_audio_sit_out, self.first_chunk)
         if self.max_lead_s and self.max_lead_s < 1.0:
             raise ValueError(f"--max-lead caps audio in hand at 1 s or more (0 = off), got {self.max_lead_s}")
 

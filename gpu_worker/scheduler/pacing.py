@@ -125,7 +125,7 @@ class StepClock:
         self._slow_n, self._slow_dt, self._slow_fit, self._slow_rows = 0, 0.0, 0.0, 0.0
         # `trust_startup`: the startup steps' largest batch (`seed`) counts as measured rows
         # (`measured_rows`), the steps at least STARTUP_SLOWNESS times the fit while it sets them
-        # and the steps served are far smaller (`capacity`, `_startup_sets_rows`).
+        # and the steps served are far smaller (`capacity`, `_startup_slowness_applies`).
         self.trust_startup = trust_startup
         self._seeded_rows = 0
         # Seconds a step may take over the next steps whatever the steps before took (`expect`)
@@ -235,19 +235,22 @@ class StepClock:
         (their slowness holds what the fit misses up to them). With `trust_startup`, the startup
         steps' largest batch too, while the fit holds them (its first COST_STEPS steps served)."""
         seeded = self._seeded_rows if self.trust_startup and self._fitted_n <= COST_STEPS else 0
-        return max(self._served_rows(), float(seeded))
+        return max(float(self.largest_fitted()), self._slow_rows_measured(), float(seeded))
 
-    def _served_rows(self) -> float:
-        """`measured_rows` of the steps served alone."""
-        lately = self._slow_rows if self._slow_n >= SLOW_MIN_STEPS else 0.0
-        return max(float(self.largest_fitted()), lately)
+    def _slow_rows_measured(self) -> float:
+        """The rows of the steps `slowness` averages, once it counts (else 0)."""
+        return self._slow_rows if self._slow_n >= SLOW_MIN_STEPS else 0.0
 
-    def _startup_sets_rows(self) -> bool:
+    def _startup_slowness_applies(self) -> bool:
         """With `trust_startup`: whether the startup steps' batch is the largest the capacity takes
-        as measured (the fit holds them, and no batch the steps served measured is as large)."""
+        as measured (the fit holds them, and no batch the steps served measured is as large) and the
+        steps served lately average less than STARTUP_NEAR of its rows (`capacity` then takes each
+        step at least STARTUP_SLOWNESS times the fit)."""
         if not self.trust_startup or self._fitted_n > COST_STEPS:
             return False
-        return self._seeded_rows > self._served_rows()
+        lately = self._slow_rows_measured()
+        seeded = self._seeded_rows
+        return seeded > max(float(self.largest_fitted()), lately) and lately < STARTUP_NEAR * seeded
 
     def slowness(self) -> float:
         """The steps' intervals over what the fit said of them, over the last ~PACE_STEPS since the
@@ -350,13 +353,13 @@ class StepClock:
         Else the per-bucket model below, and never less than `paced_capacity`. The model alone dips
         below the load while every stream keeps time: a bucket above the load is reached in bursts
         of admissions, so its steps carry their prompts, it is measured slow, and the capacity is
-        interpolated below it until the bucket goes stale (STALE_S): on the H200 at 352 streams the model alone gives a
-        capacity of median 362 but p10 235, and requests wait in 11 % of the samples."""
+        interpolated below it until the bucket goes stale (STALE_S): on the H200 at 352 streams the
+        model alone gives a capacity of median 362 but p10 235, and requests wait in 11 % of the
+        samples."""
         if lives is not None:
             seen, slow = max(self.measured_rows(), PROBE_MIN), self.slowness()
-            if self._startup_sets_rows():  # the startup steps timed the forward pass alone
-                near = self._slow_n >= SLOW_MIN_STEPS and self._slow_rows >= STARTUP_NEAR * self._seeded_rows
-                slow = slow if near else max(slow, STARTUP_SLOWNESS)
+            if self._startup_slowness_applies():  # the startup steps timed the forward pass alone
+                slow = max(slow, STARTUP_SLOWNESS)
             life = self.cost.capacity(self.capacity_headroom * self.period, lives, seen, slow)
             if life is not None:
                 # No further than PROBE beyond the load served lately: a fit made at a light load

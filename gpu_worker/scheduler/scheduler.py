@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from common.config import GpuWorkerSettings, check_headroom, check_sit_out
+from common.config import GpuWorkerSettings, check_first_audio_sit_out, check_headroom, check_sit_out
 from common.messages import Finished, FinishReason, Prompt
 from gpu_worker.runner.eager import EagerRunner
 from gpu_worker.runner.kv_cache import PageAllocator, pages_for
@@ -133,9 +133,8 @@ class Scheduler:
             self.sit_out = SitOut(clock, sizes, limits.sit_out_lead_s)
         self.sitting_out = 0.0  # streams left out of a step (SitOut), averaged
         self.first_audio = None  # `FirstAudioSitOut` (--first-audio-sit-out)
+        check_first_audio_sit_out(limits.first_audio_sit_out, limits.first_chunk)
         if limits.first_audio_sit_out:
-            if not windows.progressive:
-                raise ValueError("--first-audio-sit-out needs --first-chunk progressive")
             spare = limits.sit_out_lead_s or GpuWorkerSettings().sit_out_lead_s
             self.first_audio = FirstAudioSitOut(clock, sizes, spare, windows.one_frame_row_s())
         self.last_capacity = float(limits.max_batch_size)  # as `capacity` last said

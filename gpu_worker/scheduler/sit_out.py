@@ -19,6 +19,13 @@ SIT_OUT_GAIN = 0.05
 SIT_OUT_MAX = 0.5  # of the streams a step serves (its rows and those sitting out)
 
 
+def out_to_bucket(sizes: list[int], rows: int, out: int, most: int) -> int | None:
+    """Streams to leave out of `rows` decode rows so that the rows left fill the decode bucket at
+    or below `rows - out` (`sizes` ascending), if that is at most `most`; else None."""
+    below = [b for b in sizes if b <= rows - out]
+    return rows - below[-1] if below and rows - below[-1] <= most else None
+
+
 class SitOut:
     """Streams well ahead of their listeners sit out steps while steps run slower than the budget.
 
@@ -73,11 +80,8 @@ class SitOut:
             # Decode rows left: the bucket at or below, else the next one up (the padding is paid
             # anyway), within what the streams ahead and SIT_OUT_MAX allow.
             dec = n - prompts
-            below = [b for b in self.sizes if b <= dec - out]
-            if below and dec - below[-1] <= most_out:
-                out = dec - below[-1]
-            else:
-                out = dec - next((b for b in self.sizes if b >= dec - out), dec)
+            down = out_to_bucket(self.sizes, dec, out, most_out)
+            out = down if down is not None else dec - next((b for b in self.sizes if b >= dec - out), dec)
         if out <= 0:
             return []
         ahead.sort(key=lambda i: leads[i], reverse=True)
@@ -166,8 +170,8 @@ class FirstAudioSitOut:
                 break
             chosen.append(i)
             step -= slow * (b + c * context[i] / 1000.0)
-        dec = len(rows) - prompts  # decode rows left, rounded down to a bucket within `most`
-        below = [z for z in self.sizes if z <= dec - len(chosen)]
-        if chosen and below and dec - below[-1] <= most:
-            chosen = ahead[: dec - below[-1]]
+        # decode rows left, rounded down to a bucket within `most`
+        down = out_to_bucket(self.sizes, len(rows) - prompts, len(chosen), most)
+        if chosen and down is not None:
+            chosen = ahead[:down]
         return chosen
