@@ -21,6 +21,9 @@ import math
 import statistics
 from collections import defaultdict
 
+# The tap's chunk stages, and which time of a chunk each records
+CHUNK_STAGES = {"chunk_ready": "ready", "first_chunk_ready": "ready", "chunk_decoded": "decoded",
+                "first_chunk_decoded": "decoded"}  # fmt: skip
 TAIL_SHARE = 0.05  # `first_audio_tail_ms`: the slowest requests' share
 
 FIRST = ("received", "prompt_built", "admitted", "first_token", "first_chunk_ready", "first_chunk_decoded",
@@ -121,25 +124,16 @@ def stats(events: list[dict], client_ttfa: dict[str, float] | None = None) -> di
     the client saw beyond the server's arrival (the HTTP request's, where the recording has it) → first
     byte sent (`client_minus_server_ms`)."""
     by_rid: dict[str, dict[str, float]] = defaultdict(dict)
-    ready: dict[tuple[str, int], float] = {}
-    decoded: dict[tuple[str, int], float] = {}
+    # request id → chunk index → its times (ready at the gpu_worker, decoded) and details
     chunks: dict[str, dict[int, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
     for e in events:
         stage, rid, t = e["stage"], e.get("rid", ""), 1000 * e["time"]
         by_rid[rid].setdefault(stage, t)
-        if stage in ("chunk_ready", "first_chunk_ready"):
-            ready[(rid, e.get("index", 0))] = t
+        when = CHUNK_STAGES.get(stage)
+        if when is not None:
             chunk = chunks[rid][e.get("index", 0)]
-            chunk["ready"] = t
-            for key in ("slack_ms", "tail_rows"):
-                if key in e:
-                    chunk[key] = e[key]
-        elif stage in ("chunk_decoded", "first_chunk_decoded"):
-            decoded[(rid, e.get("index", 0))] = t
-            chunk = chunks[rid][e.get("index", 0)]
-            chunk["decoded"] = t
-            if "samples" in e:
-                chunk["samples"] = e["samples"]
+            chunk[when] = t
+            chunk.update((key, e[key]) for key in ("slack_ms", "tail_rows", "samples") if key in e)
     out: dict = {"requests_seen": len(by_rid)}
     whole = [s for s in by_rid.values() if all(k in s for k in FIRST)]
     out["first_audio_complete"] = len(whole)
@@ -162,11 +156,14 @@ def stats(events: list[dict], client_ttfa: dict[str, float] | None = None) -> di
             [client_ttfa[rid] - (s[FIRST[-1]] - s.get("http_received", s[FIRST[0]]))
              for rid, s in server.items() if rid in client_ttfa]
         )  # fmt: skip
-    out["codec_ms_per_chunk"] = _pct([decoded[k] - ready[k] for k in ready if k in decoded])
+    ready = [c for by_index in chunks.values() for c in by_index.values() if "ready" in c]
+    out["codec_ms_per_chunk"] = _pct([c["decoded"] - c["ready"] for c in ready if "decoded" in c])
     gaps: dict[int, list[float]] = defaultdict(list)  # chunk index -> ms since the previous chunk left
-    for (rid, i), t in ready.items():
-        if i and (rid, i - 1) in ready:
-            gaps[min(i, 10)].append(t - ready[(rid, i - 1)])
+    for by_index in chunks.values():
+        for i, c in by_index.items():
+            before = by_index.get(i - 1, {})
+            if i and "ready" in c and "ready" in before:
+                gaps[min(i, 10)].append(c["ready"] - before["ready"])
     out["ready_gap_ms_by_chunk_index"] = {
         ("10+" if i == 10 else str(i)): _pct(g) for i, g in sorted(gaps.items())
     }
