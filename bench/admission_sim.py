@@ -47,7 +47,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.config import GpuWorkerSettings
+from codec_worker.codec import LEAD_MAX_BATCH
+from codec_worker.gather import MARGIN_S
+from common.config import CodecSettings, GpuWorkerSettings
 from gpu_worker.runner.graphs import decode_buckets
 from gpu_worker.scheduler.calibrate import step_differences
 from gpu_worker.scheduler.pacing import (
@@ -82,7 +84,6 @@ REGULAR_WAIT = 21
 REGULAR_ROWS = 4 * FRAME
 REGULAR_KIND = (REGULAR_ROWS, 0)
 FULL_TAIL_KIND = (REGULAR_ROWS, FRAME)  # a tail window after a full window's rows
-SMALL_GRAPH = 16  # lead and tail windows' largest codec graph (codec_worker.codec.LEAD_MAX_BATCH)
 CODEC_S = 0.010  # a chunk's codec pass and trip to the client
 METRICS_S = 0.05  # how often the gateway hears the capacity
 IDLE_S = 2.0  # between two levels on one worker
@@ -218,8 +219,8 @@ class Codec:
     launch_ms: float = 2.5
     window_ms: float = 0.1  # a regular window (the compiled decode)
     graph_window_ms: float = 0.2  # any other kind (captured graphs: ~2x the compiled decode's time)
-    # each part of a kind beyond its first where it decodes in graphs of up to SMALL_GRAPH windows
-    # (lead and tail windows: codec_worker.codec.LEAD_MAX_BATCH), replayed in turn: not measured
+    # each part of a kind beyond its first where it decodes in graphs of up to LEAD_MAX_BATCH windows
+    # (lead and tail windows), replayed in turn: not measured
     # apart on the H200. 0.25 ms keeps its bursts of 256 on time and leaves those of 384 partly late
     # (81-84 % on time with the engine's policy; the H200's 50-95 %); 0 to 1 ms gives 96 to 47 %
     # (bench/results/sim-orpheus-burst-codec.json).
@@ -227,8 +228,8 @@ class Codec:
     # `--codec-compile-tails`: a full window's tail (28 rows, its last frame kept) decodes as a
     # regular window does (compiled, in graphs up to the codec's largest batch)
     compiled_tails: bool = False
-    max_wait_s: float = 0.030  # --codec-gather-ms
-    margin_s: float = 0.020  # codec_worker.gather.MARGIN_S
+    max_wait_s: float = CodecSettings().gather_ms / 1000  # --codec-gather-ms
+    margin_s: float = MARGIN_S
     full_batch: int = 128  # the codec's largest batch on a GPU
     trip_s: float = 0.003  # codec worker → gateway → client
 
@@ -291,9 +292,9 @@ class Codec:
             counts = Counter(w[4] for w in group)
             as_regular = {REGULAR_KIND, FULL_TAIL_KIND} if self.compiled_tails else {REGULAR_KIND}
             regular = sum(n for kind, n in counts.items() if kind in as_regular)
-            # a kind decoded in graphs of up to SMALL_GRAPH windows replays one per part, in turn
+            # a kind decoded in graphs of up to LEAD_MAX_BATCH windows replays one per part, in turn
             parts = sum(
-                math.ceil(n / SMALL_GRAPH) - 1 for kind, n in counts.items() if kind not in as_regular
+                math.ceil(n / LEAD_MAX_BATCH) - 1 for kind, n in counts.items() if kind not in as_regular
             )
             windows = self.window_ms * regular + self.graph_window_ms * (len(group) - regular)
             t += (self.launch_ms * len(counts) + self.part_ms * parts + windows) / 1000
