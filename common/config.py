@@ -331,7 +331,7 @@ class CodecSettings(msgspec.Struct, kw_only=True):
     # `max_batch`, and compiled where the model's compiled codec takes them and `compile` compiles
     # (else, or after their compile failed under auto, uncompiled in those larger graphs). Off: as
     # lead windows, uncompiled in graphs of up to 16.
-    compile_tails: bool = False
+    compile_tails: bool = True
     max_batch: int = 0  # windows per decode call (0 = 128 on GPU, 64 on CPU)
     # Windows per codec call inside a decode: -1 = by device (16 GPU, 4 CPU), 0 = a whole batch
     # (codec_worker/codec.py: a window's bits then depend on its batch bucket).

@@ -110,7 +110,7 @@ def test_a_failing_tail_compile_falls_back_for_the_tails_alone(program, codec, m
 
 
 def test_the_setting_reaches_the_codec_worker() -> None:
-    assert parse_role(
-        "codec_worker", ["--model", "orpheus-tiny", "--codec-compile-tails"], {}
+    assert parse_role("codec_worker", ["--model", "orpheus-tiny"], {}).cfg.codec.compile_tails  # the default
+    assert not parse_role(
+        "codec_worker", ["--model", "orpheus-tiny", "--no-codec-compile-tails"], {}
     ).cfg.codec.compile_tails
-    assert not parse_role("codec_worker", ["--model", "orpheus-tiny"], {}).cfg.codec.compile_tails
