@@ -10,7 +10,7 @@ import pytest
 
 from bench.admission_sim import H200_FORWARD, H200_RATE, ROWS_PER_S, simulate, startup_differences
 from common.options import parse_role
-from gpu_worker.scheduler.pacing import PROBE_MIN, STARTUP_SLOWNESS, StepClock
+from gpu_worker.scheduler.pacing import PACE_STEPS, PROBE_MIN, STARTUP_SLOWNESS, StepClock
 from gpu_worker.scheduler.step_cost import COST_STEPS, Lives
 
 LIVES = Lives(context=40 + 512, prompt_tokens=40, rows=1024)  # a burst's requests of 1024 rows
@@ -83,12 +83,18 @@ def test_once_the_steps_served_reach_the_startup_batch_their_slowness_alone_coun
     assert clock.capacity(lives=LIVES) == pytest.approx(min(512.0, expect))
 
 
-def test_the_startup_batches_count_only_while_the_fit_holds_them():
+def test_the_startup_batches_count_while_the_fit_holds_them_or_the_steps_it_holds_are_light():
     clock = fresh(True)
-    serve(clock, COST_STEPS, 1.0, rows=64)
+    serve(clock, COST_STEPS, 1.0, rows=96)
     assert clock.measured_rows() == 512.0
-    serve(clock, 1, 1.0, rows=64)
-    assert clock.measured_rows() < 512.0  # the steps served, 64 rows, from here on
+    serve(clock, 1, 1.0, rows=96)
+    assert clock.measured_rows() == 96.0  # the steps served, larger than light, from here on
+    light = fresh(True)  # single streams and small batches for longer than the fit holds steps
+    serve(light, COST_STEPS + 500, 1.0, rows=PROBE_MIN)
+    assert light.measured_rows() == 512.0
+    assert light.capacity(lives=LIVES) == pytest.approx(trusted_capacity(light, STARTUP_SLOWNESS))
+    serve(light, 2 * PACE_STEPS, 1.0, rows=PROBE_MIN + 1)  # once it holds a step past light
+    assert light.measured_rows() == PROBE_MIN + 1
 
 
 def test_the_flag_reaches_the_workers_clock():

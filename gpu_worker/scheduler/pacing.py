@@ -233,9 +233,22 @@ class StepClock:
         """The rows the capacity takes as measured: the largest batch the fit holds and the steps since
         have measured (`largest_fitted`), or the rows of the steps `slowness` averages, if more
         (their slowness holds what the fit misses up to them). With `trust_startup`, the startup
-        steps' largest batch too, while the fit holds them (its first COST_STEPS steps served)."""
-        seeded = self._seeded_rows if self.trust_startup and self._fitted_n <= COST_STEPS else 0
+        steps' largest batch too, while it speaks for the fit (`_seed_counts`)."""
+        seeded = self._seeded_rows if self._seed_counts() else 0
         return max(float(self.largest_fitted()), self._slow_rows_measured(), float(seeded))
+
+    def _seed_counts(self) -> bool:
+        """With `trust_startup`: whether the startup steps' largest batch counts as measured rows.
+        While the fit holds those steps (its first COST_STEPS steps served), and after, while the
+        steps it holds are all light (PROBE_MIN rows or fewer, those measured lately too): a light
+        load's steps say nothing of a large batch, and the fit keeps the parts they do not tell
+        apart from the fits before them (`StepCost`'s ridge), the startup steps' among them. A
+        worker that served single streams for a while (`voxpipe bench ttfa` measures them before
+        its load levels) still admits a burst up to what its startup steps measured."""
+        if not self.trust_startup or not self._seeded_rows:
+            return False
+        served = max(float(self.largest_fitted()), self._slow_rows_measured())
+        return self._fitted_n <= COST_STEPS or served <= PROBE_MIN
 
     def _slow_rows_measured(self) -> float:
         """The rows of the steps `slowness` averages, once it counts (else 0)."""
@@ -243,10 +256,10 @@ class StepClock:
 
     def _startup_slowness_applies(self) -> bool:
         """With `trust_startup`: whether the startup steps' batch is the largest the capacity takes
-        as measured (the fit holds them, and no batch the steps served measured is as large) and the
+        as measured (it counts, `_seed_counts`, and no batch the steps served measured is as large) and the
         steps served lately average less than STARTUP_NEAR of its rows (`capacity` then takes each
         step at least STARTUP_SLOWNESS times the fit)."""
-        if not self.trust_startup or self._fitted_n > COST_STEPS:
+        if not self._seed_counts():
             return False
         lately = self._slow_rows_measured()
         seeded = self._seeded_rows
