@@ -83,17 +83,19 @@ def test_once_the_steps_served_reach_the_startup_batch_their_slowness_alone_coun
     assert clock.capacity(lives=LIVES) == pytest.approx(min(512.0, expect))
 
 
-def test_the_startup_batches_count_while_the_fit_holds_them_or_the_steps_it_holds_are_light():
+def test_the_startup_batches_count_until_the_fit_has_taken_its_steps_of_more_than_light_batches():
     clock = fresh(True)
-    serve(clock, COST_STEPS, 1.0, rows=96)
+    serve(clock, COST_STEPS, 1.0, rows=PROBE_MIN + 32)
     assert clock.measured_rows() == 512.0
-    serve(clock, 1, 1.0, rows=96)
-    assert clock.measured_rows() == 96.0  # the steps served, larger than light, from here on
+    serve(clock, 1, 1.0, rows=PROBE_MIN + 32)
+    assert clock.measured_rows() == PROBE_MIN + 32  # the steps served, from here on
     light = fresh(True)  # single streams and small batches for longer than the fit holds steps
     serve(light, COST_STEPS + 500, 1.0, rows=PROBE_MIN)
     assert light.measured_rows() == 512.0
     assert light.capacity(lives=LIVES) == pytest.approx(trusted_capacity(light, STARTUP_SLOWNESS))
-    serve(light, 2 * PACE_STEPS, 1.0, rows=PROBE_MIN + 1)  # once it holds a step past light
+    serve(light, 2 * PACE_STEPS, 1.0, rows=PROBE_MIN + 1)  # a burst's first steps: too few to speak
+    assert light.measured_rows() == 512.0
+    serve(light, COST_STEPS, 1.0, rows=PROBE_MIN + 1)
     assert light.measured_rows() == PROBE_MIN + 1
 
 

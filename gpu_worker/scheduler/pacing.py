@@ -128,6 +128,7 @@ class StepClock:
         # and the steps served are far smaller (`capacity`, `_startup_slowness_applies`).
         self.trust_startup = trust_startup
         self._seeded_rows = 0
+        self._heavy_n = 0  # steps of more than PROBE_MIN rows measured into the fit (`_seed_counts`)
         # Seconds a step may take over the next steps whatever the steps before took (`expect`)
         self._expected = 0.0
         # `tick`'s costs of the last steps launched, the latest last
@@ -205,6 +206,7 @@ class StepClock:
         """A step of `batch` rows that took `dt` seconds, about to go into the fit: into the largest
         batch the fit holds, and beside what the fit says of its `cost` (`slowness`)."""
         self._fitted_n += 1
+        self._heavy_n += batch > PROBE_MIN
         self._fitting.append(batch)
         if len(self._fitting) > PACE_STEPS:
             rows = self._fitting.popleft()
@@ -238,17 +240,14 @@ class StepClock:
         return max(float(self.largest_fitted()), self._slow_rows_measured(), float(seeded))
 
     def _seed_counts(self) -> bool:
-        """With `trust_startup`: whether the startup steps' largest batch counts as measured rows.
-        While the fit holds those steps (its first COST_STEPS steps served), and after, while the
-        steps it holds are all light (PROBE_MIN rows or fewer, those measured lately too): a light
-        load's steps say nothing of a large batch, and the fit keeps the parts they do not tell
-        apart from the fits before them (`StepCost`'s ridge), the startup steps' among them. A
-        worker that served single streams for a while (`voxpipe bench ttfa` measures them before
-        its load levels) still admits a burst up to what its startup steps measured."""
-        if not self.trust_startup or not self._seeded_rows:
-            return False
-        served = max(float(self.largest_fitted()), self._slow_rows_measured())
-        return self._fitted_n <= COST_STEPS or served <= PROBE_MIN
+        """With `trust_startup`: whether the startup steps' largest batch counts as measured rows:
+        until the fit has taken COST_STEPS steps of more than PROBE_MIN rows. A light load's steps
+        say nothing of a large batch, and the fit keeps the parts they do not tell apart from the
+        fits before them (`StepCost`'s ridge), the startup steps' among them: a worker that served
+        single streams for a while (`voxpipe bench ttfa` measures them before its load levels)
+        still admits a burst up to what its startup steps measured, and keeps doing so while the
+        burst's own steps are too few to speak for its largest batches."""
+        return self.trust_startup and self._seeded_rows > 0 and self._heavy_n <= COST_STEPS
 
     def _slow_rows_measured(self) -> float:
         """The rows of the steps `slowness` averages, once it counts (else 0)."""
