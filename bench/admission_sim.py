@@ -880,7 +880,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--codec-compile-tails",
         action="store_true",
-        help="with --codec: beside each policy, a full window's tails decoded as regular windows (compiled)",
+        help="with --codec: beside each policy, a full window's tails decoded as regular windows (compiled): "
+        "the server's default (--codec-compile-tails); without it the policies model uncompiled tails",
     )
     ap.add_argument(
         "--codec-part-ms",
