@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from codec_worker.codec import LEAD_MAX_BATCH
+from codec_worker.codec import GPU_MAX_BATCH, LEAD_MAX_BATCH
 from codec_worker.gather import MARGIN_S
 from common.config import CodecSettings, GpuWorkerSettings
 from gpu_worker.runner.graphs import decode_buckets
@@ -230,7 +230,7 @@ class Codec:
     compiled_tails: bool = False
     max_wait_s: float = CodecSettings().gather_ms / 1000  # --codec-gather-ms
     margin_s: float = MARGIN_S
-    full_batch: int = 128  # the codec's largest batch on a GPU
+    full_batch: int = GPU_MAX_BATCH  # the codec's largest batch on a GPU
     trip_s: float = 0.003  # codec worker → gateway → client
 
     def __post_init__(self) -> None:
@@ -286,11 +286,11 @@ class Codec:
         urgent = [w for w in taken if id(w[2]) in urgent_ids]
         rest = [w for w in taken if id(w[2]) not in urgent_ids]
         t = start
+        as_regular = {REGULAR_KIND, FULL_TAIL_KIND} if self.compiled_tails else {REGULAR_KIND}
         for group in (urgent, rest):
             if not group:
                 continue
             counts = Counter(w[4] for w in group)
-            as_regular = {REGULAR_KIND, FULL_TAIL_KIND} if self.compiled_tails else {REGULAR_KIND}
             regular = sum(n for kind, n in counts.items() if kind in as_regular)
             # a kind decoded in graphs of up to LEAD_MAX_BATCH windows replays one per part, in turn
             parts = sum(

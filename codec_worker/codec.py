@@ -38,6 +38,10 @@ from programs.blocks import rng
 
 log = logging.getLogger(__name__)
 
+# The largest batch decoded at once by default (--codec-max-batch 0, a model without its own): on a
+# GPU a full call's fixed cost is already spread thin at 128 (~1 ms over ~7 ms of windows on the
+# H200), and a first chunk arriving during a call waits for it: larger calls buy little.
+GPU_MAX_BATCH, CPU_MAX_BATCH = 128, 64
 LEAD_MAX_BATCH = 16  # lead windows are first chunks only: few per pass; graphs up to this batch
 # Windows per decode call (a call of fewer is padded): on a CPU 4 costs a lone window ~1.8x a call
 # of 1, and 16 windows take no longer than in one call of 16. On a GPU a graph runs its calls of 16

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from codec_worker.codec import LEAD_MAX_BATCH, Codec, Launched
+from codec_worker.codec import CPU_MAX_BATCH, GPU_MAX_BATCH, LEAD_MAX_BATCH, Codec, Launched
 from codec_worker.encode import Encodes
 from codec_worker.gather import Gather
 from common.config import ServeConfig, program_kwargs, resolve_device
@@ -92,11 +92,9 @@ class CodecWorker:
         self.decoded_last = False  # the last pass decoded windows (the next, with clips waiting, encodes)
         self.codec = Codec(
             program,
-            # 128: a full call's fixed cost is already spread thin (~1 ms over ~7 ms of windows on the
-            # H200), and a first chunk arriving during a call waits for it: larger calls buy little.
             max_batch=cfg.codec.max_batch
             or program.codec_max_batch
-            or (128 if device.startswith("cuda") else 64),
+            or (GPU_MAX_BATCH if device.startswith("cuda") else CPU_MAX_BATCH),
             graphs=cfg.codec.cuda_graphs,
             progress=lambda msg: status.set(ProcState.LOADING, msg),
             tails=cfg.gpu.first_chunk == "progressive",
