@@ -116,8 +116,8 @@ def test_on_the_simulated_h200_a_burst_of_384_is_admitted_sooner_with_every_stre
 
 
 def test_after_single_streams_a_burst_is_still_admitted_up_to_the_startup_steps():
-    # `voxpipe bench ttfa` serves one stream at a time first, for more steps than the fit holds: on
-    # the H200 a trust that lapsed after the fit's first COST_STEPS steps was gone by the burst
+    # `voxpipe bench ttfa` serves one stream at a time first, for more steps than the fit holds: a
+    # trust that ends after the fit's first COST_STEPS steps is gone by the burst (on the H200 too)
     kw = dict(tokens=400, ramp_s=0.0, duration_s=8.0, gpu=H200_RATE, calibrate=True, startup=H200_FORWARD,
               prompts_a_step=10, before=(1,))  # fmt: skip
     base, trusted = simulate(384, **kw), simulate(384, trust_startup=True, **kw)
