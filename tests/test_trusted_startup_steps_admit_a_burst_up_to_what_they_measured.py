@@ -99,6 +99,19 @@ def test_the_startup_batches_count_until_the_fit_has_taken_its_steps_of_more_tha
     assert light.measured_rows() == PROBE_MIN + 1
 
 
+def test_the_startup_batches_count_again_once_the_heavy_steps_have_left_the_fits_window():
+    # a burst's heavy steps end the trust; a long light spell after them (the heavy steps aged out
+    # of the window `largest_fitted` looks at) makes the next burst's worker a fresh one again
+    clock = fresh(True)
+    serve(clock, COST_STEPS + 1, 1.0, rows=300)
+    assert clock.measured_rows() == 300.0
+    serve(clock, COST_STEPS - 1, 1.0, rows=PROBE_MIN)
+    assert clock.measured_rows() == 300.0  # the last heavy step is still in the window
+    serve(clock, PACE_STEPS + 1, 1.0, rows=PROBE_MIN)
+    assert clock.largest_fitted() == PROBE_MIN and clock.measured_rows() == 512.0
+    assert clock.capacity(lives=LIVES) == pytest.approx(trusted_capacity(clock, STARTUP_SLOWNESS))
+
+
 def test_the_flag_reaches_the_workers_clock():
     s = parse_role("gpu_worker", ["--model", "orpheus-tiny", "--trust-startup-steps"], {})
     assert s.cfg.gpu.trust_startup_steps is True

@@ -128,7 +128,9 @@ class StepClock:
         # and the steps served are far smaller (`capacity`, `_startup_slowness_applies`).
         self.trust_startup = trust_startup
         self._seeded_rows = 0
-        self._heavy_n = 0  # steps of more than PROBE_MIN rows measured into the fit (`_seed_counts`)
+        # Steps of more than PROBE_MIN rows measured into the fit since the last COST_STEPS steps
+        # held none, and the step number of the latest (`_seed_counts`)
+        self._heavy_n, self._heavy_at = 0, 0
         # Seconds a step may take over the next steps whatever the steps before took (`expect`)
         self._expected = 0.0
         # `tick`'s costs of the last steps launched, the latest last
@@ -206,7 +208,10 @@ class StepClock:
         """A step of `batch` rows that took `dt` seconds, about to go into the fit: into the largest
         batch the fit holds, and beside what the fit says of its `cost` (`slowness`)."""
         self._fitted_n += 1
-        self._heavy_n += batch > PROBE_MIN
+        if batch > PROBE_MIN:
+            self._heavy_n, self._heavy_at = self._heavy_n + 1, self._fitted_n
+        elif self._fitted_n - self._heavy_at >= COST_STEPS:
+            self._heavy_n = 0  # the heavy steps have aged out of the fit's window
         self._fitting.append(batch)
         if len(self._fitting) > PACE_STEPS:
             rows = self._fitting.popleft()
@@ -241,8 +246,11 @@ class StepClock:
 
     def _seed_counts(self) -> bool:
         """With `trust_startup`: whether the startup steps' largest batch counts as measured rows:
-        until the fit has taken COST_STEPS steps of more than PROBE_MIN rows. A light load's steps
-        say nothing of a large batch, and the fit keeps the parts they do not tell apart from the
+        until the fit has taken COST_STEPS steps of more than PROBE_MIN rows, and again once
+        COST_STEPS steps in a row have been light (the heavy ones have left the window that
+        `largest_fitted` looks at: a burst after a long light spell is admitted as on a fresh
+        worker). A light load's steps say nothing of a large batch, and the fit keeps the parts
+        they do not tell apart from the
         fits before them (`StepCost`'s ridge), the startup steps' among them: a worker that served
         single streams for a while (`voxpipe bench ttfa` measures them before its load levels)
         still admits a burst up to what its startup steps measured, and keeps doing so while the
