@@ -63,10 +63,10 @@ from gpu_worker.scheduler.pacing import (
 )
 from gpu_worker.scheduler.sit_out import FirstAudioSitOut, SitOut
 from gpu_worker.scheduler.step_cost import Lives
+from gpu_worker.windows import DELIVERY_S
 
 ROWS_PER_S = 82.03  # Orpheus: a row is 1/82.03 s of audio; a frame is 7 rows
 FRAME, LEADS = 7, (7, 14, 21)
-DELIVERY_S = 0.025  # gpu_worker.windows.DELIVERY_S
 # The per-row time (`rows_time_high` over a frame's rows) at which a first frame goes out alone:
 # `lead_fits(FRAME, FRAME / ROWS_PER_S, p, 1.15, DELIVERY_S)` holds for p up to this (7.5 ms).
 MARGIN = LEAD_MARGIN  # lead_fits's margin
