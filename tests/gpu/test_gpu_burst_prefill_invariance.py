@@ -2,8 +2,10 @@
 dummy Orpheus-3B with float8 weights and KV cache, the audio-only head; 12 requests arrive at once
 and 4 more two steps later (prompts of the 32- and 64-row buckets), several of them starting together in one batched graph
 or joining a step's first prompt in its mixed graph with the decode rows, and each generates the
-tokens it generates alone, greedy and sampled (its own seed). Also records how many steps the burst
-took to start and the batched and mixed graphs replayed."""
+tokens it generates alone, greedy and sampled (its own seed). With `--max-prefills 16` the batched
+graphs take up to 16 prompts: 24 of the 32-row bucket arrive at once, so that a graph of more than
+the default 8 runs. Also records how many steps the burst took to start and the batched and
+mixed graphs replayed."""
 
 from __future__ import annotations
 
@@ -35,14 +37,19 @@ def greedy():
     return greedy_setup(p)
 
 
+@pytest.mark.parametrize("max_prefills", [0, 16], ids=["default", "max-prefills-16"])
 @pytest.mark.parametrize("temperature", [0.0, 0.6], ids=["greedy", "sampled"])
 def test_a_burst_started_in_batched_graphs_samples_what_each_request_samples_alone(
-    greedy, gpu_report, temperature
+    greedy, gpu_report, temperature, max_prefills
 ):
     prompt, engine = greedy
     # the serve settings of the program's weights (the runner reads float8 from the program itself)
-    kw = {"kv_cache_dtype": "fp8", "quantization": "fp8"}
-    prompts = [prompt(f"r{i}", TEXTS[i % len(TEXTS)], 10 + i, 200, temperature) for i in range(16)]
+    kw = {"kv_cache_dtype": "fp8", "quantization": "fp8", "max_prefills": max_prefills}
+    # with --max-prefills 16 the burst's prompts share one bucket (the short texts), so that one
+    # batched graph takes all but the step's first
+    at_once, stride = (24, 2) if max_prefills else (12, 1)
+    texts = [TEXTS[(stride * i if i < at_once else i) % len(TEXTS)] for i in range(at_once + 4)]
+    prompts = [prompt(f"r{i}", text, 10 + i, 200, temperature) for i, text in enumerate(texts)]
     alone = {}
     for p in prompts:
         eng = engine(**kw)
@@ -55,14 +62,14 @@ def test_a_burst_started_in_batched_graphs_samples_what_each_request_samples_alo
     replayed, graphs = [], [*runner.batched.graphs.items(), *runner.mixed.items()]
     for key, (graph, _) in graphs:
         graph.replay = lambda key=key, replay=graph.replay: replayed.append(key) or replay()
-    for p in prompts[:12]:
+    for p in prompts[:at_once]:
         eng.add(p)
     steps, t0 = 0, time.perf_counter()
     while eng.waiting or steps < 2:
         eng.step()
         steps += 1
         if steps == 2:  # four more while the first twelve decode: they join a step's first prompt
-            for p in prompts[12:]:
+            for p in prompts[at_once:]:
                 eng.add(p)
     torch.cuda.synchronize()
     admit_ms = 1000 * (time.perf_counter() - t0)
@@ -72,7 +79,7 @@ def test_a_burst_started_in_batched_graphs_samples_what_each_request_samples_alo
         for rid, want in alone.items()
     }
     res = gpu_report("burst-prefill-invariance")
-    res.setdefault("bursts", {})[f"temperature {temperature:g}"] = {
+    res.setdefault("bursts", {})[f"temperature {temperature:g}, max_prefills {max_prefills}"] = {
         "requests": len(prompts), "rows": sorted({p.n_rows for p in prompts}), "steps_to_start": steps,
         "start_ms": round(admit_ms, 1), "batched_graphs_replayed": [list(k) for k in replayed if len(k) == 2],
         "mixed_graphs_replayed": [list(k) for k in replayed if len(k) == 3], "first_difference": differ,
@@ -82,4 +89,6 @@ def test_a_burst_started_in_batched_graphs_samples_what_each_request_samples_alo
     assert any(len(k) == 2 for k in replayed), "several prompts of one bucket started in a batched graph"
     assert any(len(k) == 3 and k[2] > 1 for k in replayed), "prompts joined a step's first in a mixed graph"
     assert steps < len(prompts), "the burst started several prompts a step"
+    if max_prefills:
+        assert any(len(k) == 2 and k[0] > 8 for k in replayed), "a batched graph of more than 8 prompts ran"
     assert differ == dict.fromkeys(alone, None)
