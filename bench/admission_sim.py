@@ -895,6 +895,14 @@ def main(argv: list[str] | None = None) -> None:
         help="beside each policy: the startup steps count as measured (StepClock's trust_startup)",
     )
     ap.add_argument(
+        "--max-prefills",
+        type=int,
+        default=0,
+        help="every policy: a step starts at most this many prompts, as the server's --max-prefills "
+        "with batched prefill graphs of that many (0: the simulated GPU's own, 10 with --h200-rate: "
+        "a step's first prompt, its joiner and a batched graph of 8)",
+    )
+    ap.add_argument(
         "--prompts-while-first",
         default="",
         help="policies besides: at most this many prompts a step while a first chunk waits (e.g. 1,2)",
@@ -915,7 +923,8 @@ def main(argv: list[str] | None = None) -> None:
         calibrate=args.calibrate or args.forward,
         startup=H200_FORWARD if args.forward else None,
         duration_s=args.duration or (12.0 if poisson else 20.0),
-        prompts_a_step=10 if args.h200_rate or args.h200_poisson else 9 if args.batched else 4,
+        prompts_a_step=args.max_prefills
+        or (10 if args.h200_rate or args.h200_poisson else 9 if args.batched else 4),
         tokens=tokens,
         codec=args.codec,
         codec_part_ms=args.codec_part_ms,
