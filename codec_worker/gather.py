@@ -12,9 +12,13 @@ wait here until
 - `max_wait_s` has passed since the first of them arrived, or
 - a full batch is waiting.
 
-Then the urgent requests (any window with no slack) are decoded and sent first, on their own, and
-the rest after them: a first chunk waits for no gathered window. A request's end (`Finished`)
-goes out at once when none of its windows is waiting here, else right after them.
+Then the urgent requests are decoded and sent first, on their own, and the rest after them: those
+with a window whose listener has less audio left than a pass takes and the margin (`decode_s` and
+MARGIN_S; no slack at all for a first chunk or a stream running late), so that a first chunk waits
+for no gathered window and a window near its deadline waits for no window that could wait longer
+(under Poisson arrivals, the second chunk of a stream whose first went out after one frame). A
+request's end (`Finished`) goes out at once when none of its windows is waiting here, else right
+after them.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class Gather:
         self.max_wait_s = max_wait_s
         self.full_batch = full_batch
         self.chunks: list[DetokChunk] = []
+        self._arrived: list[float] = []  # when each of `chunks` reached this worker
         self.finished: list[Finished] = []  # ends of requests with windows waiting here
         self.deadline = float("inf")
         # A slowly forgotten maximum of recent decode calls: the deadlines leave room for a large
@@ -45,6 +50,7 @@ class Gather:
         for c in batch.chunks:
             self.deadline = min(self.deadline, arrived + c.slack_ms / 1000 - self.decode_s - MARGIN_S)
         self.chunks.extend(batch.chunks)
+        self._arrived.extend([arrived] * len(batch.chunks))
         if not batch.finished:
             return []
         waiting = {c.rid for c in self.chunks}
@@ -61,13 +67,20 @@ class Gather:
             return idle_ms
         return max(0, min(idle_ms, int((self.deadline - now) * 1000) + 1))
 
-    def take(self) -> tuple[list[DetokChunk], list[DetokChunk], list[Finished]]:
-        """(windows of urgent requests, the other windows, the held ends), each in arrival order."""
-        urgent = {c.rid for c in self.chunks if c.slack_ms <= 0}
+    def take(self, now: float | None = None) -> tuple[list[DetokChunk], list[DetokChunk], list[Finished]]:
+        """(windows of urgent requests, the other windows, the held ends), each in arrival order;
+        `now` (the clock of `add`'s `arrived`): what the windows' listeners have played since they
+        came counts against their slack (None: nothing yet)."""
+        tight = self.decode_s + MARGIN_S
+        urgent = {
+            c.rid
+            for c, at in zip(self.chunks, self._arrived, strict=True)
+            if c.slack_ms <= 0 or c.slack_ms / 1000 - (0.0 if now is None else now - at) < tight
+        }
         first = [c for c in self.chunks if c.rid in urgent]
         rest = [c for c in self.chunks if c.rid not in urgent]
         out = first, rest, self.finished
-        self.chunks, self.finished, self.deadline = [], [], float("inf")
+        self.chunks, self._arrived, self.finished, self.deadline = [], [], [], float("inf")
         return out
 
     def decoded(self, seconds: float) -> None:

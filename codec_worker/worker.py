@@ -176,7 +176,7 @@ class CodecWorker:
 
     def decode_pass(self) -> None:
         """Decode and send everything gathered: the urgent group, then the rest."""
-        urgent, rest, finished = self.gather.take()
+        urgent, rest, finished = self.gather.take(time.monotonic())
         self._decode_and_send([(urgent, [] if rest else finished), (rest, finished if rest else [])])
 
     def _decode_and_send(self, groups: list[tuple[list[DetokChunk], list[Finished]]]) -> None:

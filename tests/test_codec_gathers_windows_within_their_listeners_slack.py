@@ -1,8 +1,9 @@
 """The codec worker gathers windows from several steps into one decode call, but never past what a
 window's listener has buffered: the gpu_worker stamps each window with that slack (0 for a first
 chunk), and the codec worker decodes when the earliest deadline, its longest wait or a full batch
-comes. Urgent requests' windows go out first, on their own; a request's end goes after its last
-window, at once when none is waiting."""
+comes. Urgent requests' windows (a first chunk, a window with less audio left than a pass takes)
+go out first, on their own; a request's end goes after its last window, at once when none is
+waiting."""
 
 from __future__ import annotations
 
@@ -78,6 +79,20 @@ def test_urgent_requests_come_first_with_their_earlier_windows():
     urgent, rest, _ = g.take()
     assert [(c.rid, c.index) for c in urgent] == [("late", 6), ("new", 0), ("late", 7)]
     assert [c.rid for c in rest] == ["a"]
+
+
+def test_a_window_with_less_audio_left_than_a_pass_takes_is_urgent():
+    g = Gather(max_wait_s=0.030, full_batch=64)
+    g.decoded(0.040)  # a pass takes 40 ms
+    tight = 1000 * (0.040 + MARGIN_S)
+    g.add(DetokBatch([chunk(3, 500.0, "a"), chunk(1, tight - 1.0, "second")], []), arrived=10.0)
+    urgent, rest, _ = g.take(now=10.0)
+    assert [c.rid for c in urgent] == ["second"] and [c.rid for c in rest] == ["a"]
+    # what its listener played while the window waited here counts against its slack
+    g.add(DetokBatch([chunk(3, 500.0, "a"), chunk(2, tight + 5.0, "second")], []), arrived=20.0)
+    assert [c.rid for c in g.take(now=20.0)[0]] == []
+    g.add(DetokBatch([chunk(3, 500.0, "a"), chunk(2, tight + 5.0, "second")], []), arrived=20.0)
+    assert [c.rid for c in g.take(now=20.006)[0]] == ["second"]
 
 
 def test_an_end_waits_only_for_its_own_windows():
