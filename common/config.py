@@ -194,8 +194,8 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     # streams out.
     first_audio_sit_out: bool = False
     # A fresh worker's capacity from the largest batches its startup steps timed, as if served
-    # (gpu_worker.scheduler.pacing.StepClock: each step taken at least STARTUP_SLOWNESS times the
-    # forward pass they timed until the steps served come near that batch): a burst on a fresh
+    # (gpu_worker.scheduler.pacing.StepClock: each step taken up to STARTUP_SLOWNESS times the
+    # forward pass they timed, less as the steps served come near that batch): a burst on a fresh
     # worker is admitted up to that at once. Off: the startup steps start the fit, and the capacity
     # grows past the load served by measuring its way (a fresh H200 reports ~195 streams at first,
     # ~370-380 once served).

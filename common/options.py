@@ -397,8 +397,8 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "trust_startup_steps",
         "a fresh worker admits up to what its startup steps (the largest batches, timed before "
-        "serving) say it keeps real time, each step taken at least 1.3 times their forward pass "
-        "until the steps served come near that batch, so that a burst is admitted at once; off: the "
+        "serving) say it keeps real time, each step taken up to 1.3 times their forward pass "
+        "(less as the steps served come near that batch), so that a burst is admitted at once; off: the "
         "capacity grows past the load served by measuring its way there",
         ("serve", "gpu_worker"),
         _parse_bool,
