@@ -284,7 +284,7 @@ class Codec:
         self.waiting = [w for w in self.waiting if w[0] > start]
         # urgent: no slack, or less left than a pass takes and the margin (codec_worker.gather.Gather.take)
         tight = self.decode_s + self.margin_s
-        urgent_ids = {id(w[2]) for w in taken if w[1] <= 0.0 or w[1] - (start - w[0]) < tight}
+        urgent_ids = {id(w[2]) for w in taken if w[1] <= 0.0 or w[1] - (start - w[0]) <= tight}
         urgent = [w for w in taken if id(w[2]) in urgent_ids]
         rest = [w for w in taken if id(w[2]) not in urgent_ids]
         t = start
@@ -901,8 +901,9 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=0,
         help="every policy: a step starts at most this many prompts, as the server's --max-prefills "
-        "with batched prefill graphs of that many (0: the simulated GPU's own, 10 with --h200-rate: "
-        "a step's first prompt, its joiner and a batched graph of 8)",
+        "with batched prefill graphs of that many (0: the simulated GPU's own: 10 with --h200-rate or "
+        "--h200-poisson, a step's first prompt, its joiner and a batched graph of 8; 9 with --batched; 4 "
+        "otherwise)",
     )
     ap.add_argument(
         "--prompts-while-first",

@@ -75,7 +75,7 @@ class Gather:
         urgent = {
             c.rid
             for c, at in zip(self.chunks, self._arrived, strict=True)
-            if c.slack_ms <= 0 or c.slack_ms / 1000 - (0.0 if now is None else now - at) < tight
+            if c.slack_ms <= 0 or c.slack_ms / 1000 - (0.0 if now is None else now - at) <= tight
         }
         first = [c for c in self.chunks if c.rid in urgent]
         rest = [c for c in self.chunks if c.rid not in urgent]

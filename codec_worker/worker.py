@@ -181,7 +181,8 @@ class CodecWorker:
 
     def _decode_and_send(self, groups: list[tuple[list[DetokChunk], list[Finished]]]) -> None:
         """One pass: queue every group's decode, then wait for each in turn and send it with its
-        ends. The urgent group (first chunks, streams running late) goes first and leaves as soon
+        ends. The urgent group (first chunks, streams running late or with less audio left than a
+        pass takes) goes first and leaves as soon
         as its own decode is done; the GPU runs the whole pass in one go (see codec_worker/graphs.py
         on why the waits are what costs)."""
         t0 = time.perf_counter()

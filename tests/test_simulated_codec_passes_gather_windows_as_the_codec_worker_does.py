@@ -1,6 +1,7 @@
 """bench/admission_sim.py `--codec`: the codec worker between the steps and the listeners. Windows
 wait as codec_worker/gather.py keeps them (until the earliest deadline, the gather's longest wait,
-or a full batch); a pass decodes all of them, the urgent requests' group first, each kind of window
+or a full batch); a pass decodes all of them, the urgent requests' group first (no slack, or less
+left than a pass takes and the margin), each kind of window
 a launch; a listener is late where a chunk comes after the audio before it has played. On the
 simulated H200 its passes come as the H200's load runs read them."""
 
@@ -58,6 +59,19 @@ def test_a_full_batch_goes_at_once_and_a_pass_slower_than_the_slack_makes_its_li
     assert (start, windows) == (1.010, 4) and took == pytest.approx(0.006)
     assert listeners[3]["late"] == pytest.approx(0.003)  # heard at 1.016, its audio due at 1.013
     assert [r["late"] for r in listeners[:3]] == [0.0, 0.0, 0.0]
+
+
+def test_a_window_with_less_left_than_a_pass_and_the_margin_goes_in_the_urgent_group():
+    codec = Codec(launch_ms=2.0, window_ms=1.0, trip_s=0.0, max_wait_s=0.030, margin_s=0.020)
+    relaxed, tight = request() | {"heard": 0.0}, request() | {"heard": 0.0}
+    codec.add(relaxed, 1.0, slack_s=1.0, audio_before_s=2.0, kind=REGULAR_KIND)
+    # 15 ms of audio left, under the margin: decoded on its own first (3 ms), in time for its 3.5 ms;
+    # in one group with the other window it would take 4 ms and come late
+    codec.add(tight, 1.0, slack_s=0.015, audio_before_s=1.0035, kind=REGULAR_KIND)
+    codec.advance(1.0)
+    ((start, took, windows),) = codec.passes
+    assert (start, windows) == (1.0, 2) and took == pytest.approx(0.006)
+    assert tight["late"] == 0.0 and relaxed["late"] == 0.0
 
 
 def test_kinds_cost_a_launch_each_tails_their_graphs_and_a_busy_codec_holds_the_next_pass():

@@ -82,7 +82,7 @@ def test_steps_served_at_half_the_startup_batch_speak_for_it():
 
 def test_the_assumed_slowness_fades_without_a_step_in_the_capacity():
     # a steady load just below STARTUP_NEAR of the startup batch gets about the capacity of one just
-    # above it (a cliff there held the simulated H200 at 90 req/s near its load: TTFA p95 363 ms)
+    # above it (a step there would hold the simulated H200 at 90 req/s near its load: p95 363 ms)
     below, above = fresh(True), fresh(True)
     serve(below, 300, 1.0, rows=250, ctx=500)
     serve(above, 300, 1.0, rows=262, ctx=500)

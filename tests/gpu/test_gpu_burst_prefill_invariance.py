@@ -68,7 +68,7 @@ def test_a_burst_started_in_batched_graphs_samples_what_each_request_samples_alo
     while eng.waiting or steps < 2:
         eng.step()
         steps += 1
-        if steps == 2:  # four more while the first twelve decode: they join a step's first prompt
+        if steps == 2:  # four more while the first ones decode: they join a step's first prompt
             for p in prompts[at_once:]:
                 eng.add(p)
     torch.cuda.synchronize()
