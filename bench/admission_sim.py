@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from codec_worker.codec import GPU_MAX_BATCH, LEAD_MAX_BATCH
-from codec_worker.gather import MARGIN_S
+from codec_worker.gather import MARGIN_S, is_urgent
 from common.config import CodecSettings, GpuWorkerSettings
 from gpu_worker.runner.graphs import decode_buckets
 from gpu_worker.scheduler.calibrate import step_differences
@@ -201,11 +201,11 @@ H200_FORWARD = GPU(fixed_ms=2.28, row_us=5.94, row_us_per_1k_ctx=13.1, prompt_ms
 class Codec:
     """The codec worker (`--codec`): windows gathered as codec_worker/gather.py gathers them (until
     the earliest deadline, `max_wait_s` after the first, or a full batch), each pass decoding every
-    window waiting, the urgent requests' (no slack, a first chunk or a stream running late, or less
-    left than a pass takes and the margin) in a group of their own ahead of the rest; within a
-    group each kind of window (the codec worker's `_kind`: a first chunk of 1-3 frames, a tail
-    window after 14, 21 or 28 rows, a regular window; graphs of their own) costs `launch_ms`, a regular window `window_ms` (the compiled decode) and any other
-    `graph_window_ms`. A window's audio reaches its listener `trip_s` after its group ends; the
+    window waiting, the urgent requests' (`is_urgent`: no slack, a first chunk or a stream running
+    late, or less left than a pass takes and the margin) in a group of their own ahead of the rest;
+    within a group each kind of window (the codec worker's `_kind`: a first chunk of 1-3 frames, a
+    tail window after 14, 21 or 28 rows, a regular window; graphs of their own) costs `launch_ms`, a
+    regular window `window_ms` (the compiled decode) and any other `graph_window_ms`. A window's audio reaches its listener `trip_s` after its group ends; the
     listener starts playing at its first chunk's and is late where a later chunk comes after the
     audio before it has played. The constants are the H200's as its runs read them (fp8 LM beside
     the codec under MPS, half the SMs its share, float16 SNAC windows in calls of 16): bursts' passes
@@ -282,9 +282,7 @@ class Codec:
             start = min(w[0] for w in self.waiting)
             taken = [w for w in self.waiting if w[0] <= start]
         self.waiting = [w for w in self.waiting if w[0] > start]
-        # urgent: no slack, or less left than a pass takes and the margin (codec_worker.gather.Gather.take)
-        tight = self.decode_s + self.margin_s
-        urgent_ids = {id(w[2]) for w in taken if w[1] <= 0.0 or w[1] - (start - w[0]) <= tight}
+        urgent_ids = {id(w[2]) for w in taken if is_urgent(w[1], start - w[0], self.decode_s, self.margin_s)}
         urgent = [w for w in taken if id(w[2]) in urgent_ids]
         rest = [w for w in taken if id(w[2]) not in urgent_ids]
         t = start

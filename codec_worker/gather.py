@@ -30,6 +30,13 @@ from common.messages import DetokBatch, DetokChunk, Finished
 MARGIN_S = 0.020
 
 
+def is_urgent(slack_s: float, waited_s: float, decode_s: float, margin_s: float = MARGIN_S) -> bool:
+    """Whether a window goes in a pass's urgent group: its listener had `slack_s` of audio left when
+    it arrived (none: a first chunk, a stream running late) and has played `waited_s` of it since,
+    leaving no more than a pass takes (`decode_s`) and the margin."""
+    return slack_s <= 0 or slack_s - waited_s <= decode_s + margin_s
+
+
 class Gather:
     def __init__(self, max_wait_s: float, full_batch: int) -> None:
         self.max_wait_s = max_wait_s
@@ -71,11 +78,10 @@ class Gather:
         """(windows of urgent requests, the other windows, the held ends), each in arrival order;
         `now` (the clock of `add`'s `arrived`): what the windows' listeners have played since they
         came counts against their slack (None: nothing yet)."""
-        tight = self.decode_s + MARGIN_S
         urgent = {
             c.rid
             for c, at in zip(self.chunks, self._arrived, strict=True)
-            if c.slack_ms <= 0 or c.slack_ms / 1000 - (0.0 if now is None else now - at) <= tight
+            if is_urgent(c.slack_ms / 1000, 0.0 if now is None else now - at, self.decode_s)
         }
         first = [c for c in self.chunks if c.rid in urgent]
         rest = [c for c in self.chunks if c.rid not in urgent]

@@ -182,9 +182,8 @@ class CodecWorker:
     def _decode_and_send(self, groups: list[tuple[list[DetokChunk], list[Finished]]]) -> None:
         """One pass: queue every group's decode, then wait for each in turn and send it with its
         ends. The urgent group (first chunks, streams running late or with less audio left than a
-        pass takes) goes first and leaves as soon
-        as its own decode is done; the GPU runs the whole pass in one go (see codec_worker/graphs.py
-        on why the waits are what costs)."""
+        pass takes) goes first and leaves as soon as its own decode is done; the GPU runs the whole
+        pass in one go (see codec_worker/graphs.py on why the waits are what costs)."""
         t0 = time.perf_counter()
         launched: list[tuple[Launched | Exception, list[DetokChunk], list[Finished]]] = []
         for chunks, finished in groups:  # (pending or the launch's error, chunks, ends), in order
