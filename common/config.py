@@ -59,6 +59,11 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
 
     host: str = "127.0.0.1"  # HTTP bind address
     port: int = 8000
+    # Connections the kernel holds for the gateway to accept (listen(2)'s backlog; the kernel caps it
+    # at net.core.somaxconn). A burst of clients connecting at once beyond it has its SYNs dropped,
+    # and each of those connects ~1 s later, when its SYN is retried: 128 (aiohttp's default) puts
+    # a second into the first audio of two thirds of a burst of 384.
+    listen_backlog: int = 4096
     constrained: bool | None = None  # None = the model's default
     max_text_chars: int = 2000
     max_queue: int = 1024  # requests waiting for a slot beyond this get 503
@@ -85,6 +90,8 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     def check(self) -> None:
         if not 1 <= self.port <= 65535:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        if self.listen_backlog < 1:
+            raise ValueError(f"--listen-backlog must be at least 1, got {self.listen_backlog}")
         if self.max_queue < 0 or self.max_streams < 0 or not 0 < self.queue_timeout < float("inf"):
             raise ValueError(
                 "--max-queue and --max-streams must be >= 0 and --queue-timeout a positive number"

@@ -96,6 +96,14 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("port", "HTTP port", ("serve", "gateway"), int, path="gateway.port"),
     Option(
+        "listen_backlog",
+        "HTTP connections the kernel queues for the gateway to accept (at most net.core.somaxconn); "
+        "clients connecting at once beyond it wait ~1 s each",
+        ("serve", "gateway"),
+        int,
+        path="gateway.listen_backlog",
+    ),
+    Option(
         "tokenizer_workers",
         "serve: prompt-builder processes to start; gateway: how many must be ready for /ready",
         ("serve", "gateway"),

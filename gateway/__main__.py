@@ -26,6 +26,33 @@ log = logging.getLogger("gateway")
 LAUNCHER_AGENT = "voxpipe-serve"  # the User-Agent of `voxpipe serve`'s own /ready polls
 
 
+SOMAXCONN = "/proc/sys/net/core/somaxconn"
+
+
+def kernel_backlog_cap(path: str = SOMAXCONN) -> int | None:
+    """The most connections the kernel queues on a listening socket (Linux's net.core.somaxconn),
+    or None where it cannot be read."""
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def check_backlog(backlog: int, cap: int | None) -> None:
+    """Warn where the kernel holds the gateway's `--listen-backlog` to less (`cap`): a burst of
+    connects beyond the kernel's queue waits for the clients' SYN retries (~1 s each)."""
+    if cap is not None and cap < backlog:
+        log.warning(
+            "the kernel queues at most %d connections to accept (net.core.somaxconn), not the %d of "
+            "--listen-backlog: clients connecting at once beyond it wait ~1 s each; raise it with "
+            "`sysctl -w net.core.somaxconn=%d` (a container: its `sysctls`)",
+            cap,
+            backlog,
+            backlog,
+        )
+
+
 class AccessLog(AccessLogger):
     """aiohttp's access log, but `voxpipe serve`'s own /ready polls (five a second while the
     processes start) go at DEBUG: the log shows what clients asked."""
@@ -58,13 +85,15 @@ def main(argv: list[str] | None = None, settings: RoleSettings | None = None) ->
         app = build_app(cfg)
         freeze_startup_objects()
         url = f"http://{cfg.gateway.host}:{cfg.gateway.port}"
+        check_backlog(cfg.gateway.listen_backlog, kernel_backlog_cap())
         # handler_cancellation: a client that disconnects cancels its handler, which aborts the
         # request on the gpu_worker at once instead of after the next chunk. `print` is called
-        # once the socket listens.
+        # once the socket listens. `backlog`: a burst of clients connects at once (GatewaySettings).
         web.run_app(
             app,
             host=cfg.gateway.host,
             port=cfg.gateway.port,
+            backlog=cfg.gateway.listen_backlog,
             handler_cancellation=True,
             print=lambda _banner: log.info("listening on %s", url),
             access_log_class=AccessLog,
