@@ -6,6 +6,7 @@
     voxpipe bench codec | codec-profile                     GPU codec: windows per second, where time goes
     voxpipe bench codec-streams --model qwen3-tts          GPU codec streams: a pass by entries and frames
     voxpipe bench ws --sessions 1,100 --word-ms 10,30       WebSocket input streaming of a running server
+    voxpipe bench connect --clients 384                     a burst of connections to a running server
 
 `voxpipe bench --url …` (no sub-command) is `voxpipe bench load --url …`. Every sub-command takes
 `--help`. Each module's `main(argv)` parses the arguments after the sub-command; a preset's own
@@ -47,6 +48,11 @@ COMMANDS: dict[str, tuple[str, list[str], str]] = {
         "bench.websocket",
         [],
         "input streaming over the WebSocket: words appended at a set pace, N sessions (a running server)",
+    ),
+    "connect": (
+        "bench.connect_burst",
+        [],
+        "N clients connecting at once to a running server: each one's wait for /health (the accept queue)",
     ),
     "sim": ("bench.admission_sim", [], "admission and sit-out policies on a simulated GPU"),
     "tap-stats": ("bench.tap_stats", [], "where a request's time goes, from `voxpipe tap` output"),
