@@ -171,6 +171,26 @@ class StatusReporter:
         chan.close()
 
 
+def raise_open_files(want: int) -> tuple[int, int]:
+    """Raise this process's soft limit on open files to `want`, within its hard limit (a process may
+    do so itself); never lower it. Returns the (soft, hard) limits now, -1 for unlimited, or (-1, -1)
+    where the platform has no such limit."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX system
+        return -1, -1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (OSError, ValueError) as e:
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, target, e)
+    inf = resource.RLIM_INFINITY
+    return (-1 if soft == inf else soft), (-1 if hard == inf else hard)
+
+
 def use_uvloop() -> bool:
     """Run asyncio on uvloop where it is installed (a dependency on Linux and macOS): the gateway's
     one event loop writes every stream's chunks and takes every request, and uvloop's callbacks and

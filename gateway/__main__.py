@@ -17,9 +17,10 @@ from aiohttp.web_log import AccessLogger
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import StreamResponse
 
+from common.config import ServeConfig
 from common.ipc import install_tap
 from common.options import RoleSettings, parse_role
-from common.proc import REFUSED, freeze_startup_objects, secure, setup_logging, use_uvloop
+from common.proc import REFUSED, freeze_startup_objects, raise_open_files, secure, setup_logging, use_uvloop
 from common.threads import apply_threads
 
 log = logging.getLogger("gateway")
@@ -50,6 +51,32 @@ def check_backlog(backlog: int, cap: int | None) -> None:
             cap,
             backlog,
             backlog,
+        )
+
+
+# The gateway's open-file limit is raised to this (within the hard limit): a descriptor per client
+# connection, streaming or queued, beside its sockets and files.
+OPEN_FILES = 65536
+
+
+def files_needed(cfg: ServeConfig) -> int:
+    """Descriptors the gateway may hold at once: a connection for each request waiting in the queue
+    (`--max-queue`) and each stream (`--max-streams`, else the gpu_workers' batches: the most they
+    admit), and a margin for its own sockets and files."""
+    streams = cfg.gateway.max_streams or (cfg.gpu.max_batch_size or 512) * cfg.gpu_workers
+    return cfg.gateway.max_queue + streams + 256
+
+
+def check_open_files(need: int, soft: int) -> None:
+    """Warn where the open-file limit (`soft`, -1: none) is below what the gateway may hold (`need`):
+    past it, a client's connection is closed unanswered."""
+    if 0 <= soft < need:
+        log.warning(
+            "the gateway may hold %d connections (--max-queue and the streams) but may open only %d "
+            "files (the hard limit, `ulimit -Hn`): clients beyond it are cut off unanswered; raise "
+            "the hard limit (a container: its `ulimits`) or lower --max-queue",
+            need,
+            soft,
         )
 
 
@@ -86,6 +113,7 @@ def main(argv: list[str] | None = None, settings: RoleSettings | None = None) ->
         freeze_startup_objects()
         url = f"http://{cfg.gateway.host}:{cfg.gateway.port}"
         check_backlog(cfg.gateway.listen_backlog, kernel_backlog_cap())
+        check_open_files(files_needed(cfg), raise_open_files(OPEN_FILES)[0])
         # handler_cancellation: a client that disconnects cancels its handler, which aborts the
         # request on the gpu_worker at once instead of after the next chunk. `print` is called
         # once the socket listens. `backlog`: a burst of clients connects at once (GatewaySettings).

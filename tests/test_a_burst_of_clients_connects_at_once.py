@@ -29,8 +29,9 @@ from tests.conftest import ROOT, free_port, get_json, worker_env
 CONNECTS = 300  # a burst beyond aiohttp's 128 and within the default 4096
 
 
-def start_gateway(*args: str) -> tuple[subprocess.Popen, int]:
-    """`python -m gateway` alone (no workers: it listens and answers /health) on a free port."""
+def start_gateway(*args: str, preexec_fn=None) -> tuple[subprocess.Popen, int]:
+    """`python -m gateway` alone (no workers: it listens and answers /health) on a free port
+    (`preexec_fn`: run in the child before it starts)."""
     port = free_port()
     addrs = Addresses.tcp(ports={f: free_port() for f in Addresses.__struct_fields__})
     env = {**worker_env(), **{f"VOXPIPE_{f.upper()}": getattr(addrs, f) for f in Addresses.__struct_fields__}}
@@ -40,6 +41,7 @@ def start_gateway(*args: str) -> tuple[subprocess.Popen, int]:
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
+        preexec_fn=preexec_fn,
     )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -55,6 +57,16 @@ def start_gateway(*args: str) -> tuple[subprocess.Popen, int]:
         time.sleep(0.05)
     proc.kill()
     raise TimeoutError("the gateway did not listen within 60 s")
+
+
+def stop(proc: subprocess.Popen) -> str:
+    """Stop the gateway → what it logged."""
+    proc.terminate()
+    try:
+        return proc.communicate(timeout=15)[1].decode()
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.communicate()[1].decode()
 
 
 def queued_connections(pid: int, port: int, n: int) -> int:
@@ -98,12 +110,7 @@ def test_the_kernel_queues_a_whole_burst_of_connections_for_the_gateway(backlog:
         figures = summary(connect, answer)
         assert figures["connections"] == CONNECTS and figures["answer_p99_ms"] >= figures["connect_p50_ms"]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 def test_the_backlog_is_a_setting_checked_against_the_kernels_cap(caplog, tmp_path) -> None:
