@@ -69,18 +69,24 @@ def stop(proc: subprocess.Popen) -> str:
         return proc.communicate()[1].decode()
 
 
+def connect_at_once(port: int, n: int, into: list[socket.socket]) -> None:
+    """`n` non-blocking connects to `port` on this host, as fast as they go out, into `into` (the
+    caller closes them, also where one fails)."""
+    for _ in range(n):
+        s = socket.socket()
+        into.append(s)
+        s.setblocking(False)
+        s.connect_ex(("127.0.0.1", port))
+
+
 def queued_connections(pid: int, port: int, n: int) -> int:
     """With process `pid` stopped, `n` connections to `port` at once → how many completed their
     handshake (the kernel queued them for the process to accept) within half a second, well before
     a dropped SYN is retried."""
-    socks = []
+    socks: list[socket.socket] = []
     os.kill(pid, signal.SIGSTOP)
     try:
-        for _ in range(n):
-            s = socket.socket()
-            s.setblocking(False)
-            s.connect_ex(("127.0.0.1", port))
-            socks.append(s)
+        connect_at_once(port, n, socks)
         time.sleep(0.5)
         _, writable, _ = select.select([], socks, [], 0)
         return sum(s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0 for s in writable)

@@ -20,7 +20,7 @@ import pytest
 from common.config import GatewaySettings, ServeConfig
 from common.proc import raise_open_files
 from gateway.__main__ import OPEN_FILES, check_open_files, files_needed
-from tests.test_a_burst_of_clients_connects_at_once import start_gateway, stop
+from tests.test_a_burst_of_clients_connects_at_once import connect_at_once, start_gateway, stop
 
 HELD = 300  # connections held at once, beyond the soft limit the gateway starts with
 
@@ -33,14 +33,12 @@ def held_answers(port: int, n: int, timeout_s: float = 10.0) -> dict[bytes, int]
     """`n` connections at once, each asking for /health and kept open → how many got each kind of
     answer (its first 12 bytes; b"" where the connection closed unanswered)."""
     sel = selectors.DefaultSelector()
-    socks, asked, kinds = [], set(), {}
+    socks: list[socket.socket] = []
+    asked, kinds = set(), {}
     request = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"  # keep-alive: the connection stays
     try:
-        for _ in range(n):
-            s = socket.socket()
-            s.setblocking(False)
-            s.connect_ex(("127.0.0.1", port))
-            socks.append(s)
+        connect_at_once(port, n, socks)
+        for s in socks:
             sel.register(s, selectors.EVENT_WRITE)
         deadline = time.monotonic() + timeout_s
         while sum(kinds.values()) < n and time.monotonic() < deadline:
