@@ -77,6 +77,9 @@ class Result:
     rid: str = ""  # the X-Request-Id it was sent with (joins it to a `voxpipe tap` recording)
     retry_after_s: float = 0.0  # > 0: refused at admission (503 with Retry-After), come back then
     cloned: bool = False  # sent with a new reference clip (bench.clips)
+    # seconds its new connection took to open (0.0: the request reused one); ~1 s or more where the
+    # server's accept queue was full and the SYN went again (`voxpipe bench connect`)
+    connect_s: float = 0.0
 
     def on_time(self, sample_rate: int, slack_s: float = 0.0) -> bool:
         """Every chunk came before the audio received ahead of it had played out (give or take
@@ -141,9 +144,11 @@ async def one_request(
     res.sent_at = t0 - since
     got = 0
     headers = {"X-Request-Id": rid} if rid else None
+    timing: dict[str, float] = {}  # filled by CONNECT_TIMING where the session has it
     try:
         sent = {"json": body} if isinstance(body, dict) else {"data": body}
-        async with session.post(url, **sent, headers=headers) as r:
+        async with session.post(url, **sent, headers=headers, trace_request_ctx=timing) as r:
+            res.connect_s = timing.get("connect_s", 0.0)
             if r.status != 200:
                 res.error = f"HTTP {r.status}: {(await r.text())[:200]}"
                 if r.status == 503 and r.headers.get("Retry-After", "").isdigit():
@@ -160,6 +165,26 @@ async def one_request(
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         res.error = f"{type(e).__name__}: {e}"
     return res
+
+
+def connect_timing() -> aiohttp.TraceConfig:
+    """A session's trace that puts each new connection's opening time into its request's
+    `trace_request_ctx` (a dict: "connect_s")."""
+
+    async def start(_session, ctx, _params) -> None:
+        ctx.connect_t0 = time.perf_counter()
+
+    async def end(_session, ctx, _params) -> None:
+        if isinstance(ctx.trace_request_ctx, dict):
+            ctx.trace_request_ctx["connect_s"] = time.perf_counter() - ctx.connect_t0
+
+    trace = aiohttp.TraceConfig()
+    trace.on_connection_create_start.append(start)
+    trace.on_connection_create_end.append(end)
+    return trace
+
+
+RETRIED_CONNECT_S = 0.9  # a new connection this slow waited for a SYN retry (Linux's first: 1 s)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -384,7 +409,19 @@ def summarize(results: list[Result], wall_s: float, sample_rate: int, ramp_s: fl
         "x_realtime_per_stream_min": round(min(per_stream), 2) if per_stream else 0.0,
         **late_summary(ok, sample_rate),
         "ttfa_by_sent_second": ttfa_by_sent_second(ok),
+        # the requests that opened a connection: how long it took, and how many waited for a SYN
+        # retry (the server's accept queue full: part of their TTFA before the server saw them)
+        **connect_summary(results),
         "wall_s": round(wall_s, 2),
+    }
+
+
+def connect_summary(results: list[Result]) -> dict:
+    opened = [1000 * r.connect_s for r in results if r.connect_s > 0]
+    return {
+        "connects": len(opened),
+        "connect_p99_ms": round(percentile(opened, 99), 1) if opened else None,
+        "connects_retried": sum(c >= 1000 * RETRIED_CONNECT_S for c in opened),
     }
 
 
@@ -457,7 +494,9 @@ async def run_level(
     level_id = uuid.uuid4().hex[:8]
     rids = (f"load-{level_id}-{n}" for n in itertools.count())
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=auth_headers()) as s:
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=connector, headers=auth_headers(), trace_configs=[connect_timing()]
+    ) as s:
         t0 = time.perf_counter()
         deadline = t0 + duration
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from bench.load import Result, auth_headers, summarize
+from bench.load import Result, auth_headers, connect_summary, summarize
 from common.cli import main
 
 
@@ -71,6 +71,9 @@ def test_load_levels_report_ttfa_viability_and_throughput(server, tmp_path):
         assert 0 < point["ttfa_p50_ms"] <= point["ttfa_p99_ms"]
         assert 0.0 <= point["on_time_share"] <= 1.0 and point["x_realtime"] > 0
         assert point["late_requests"] <= point["requests"]
+        # each client opened its connection (a closed loop reuses it) within the level, none retried
+        assert point["concurrency"] <= point["connects"] <= point["requests"], point
+        assert point["connects_retried"] == 0 and 0 < point["connect_p99_ms"] < 900
     # The server's gauges, sampled every 2 s while the levels ran (3 s each, plus the drain).
     during = [p["server_during"] for p in res["curve"]]
     busy = [d for d in during if d["samples"] > 0]
@@ -100,3 +103,13 @@ def test_bench_commands_run_their_module_and_an_unknown_one_is_refused(tmp_path,
     with pytest.raises(SystemExit) as done:
         main(["bench", "no-such-bench"])
     assert done.value.code == 2 and "unknown command" in capsys.readouterr().err
+
+
+def test_a_level_counts_the_connects_that_waited_for_a_syn_retry():
+    results = [Result(ok=True, connect_s=c) for c in (0.0, 0.012, 0.015, 1.04, 0.0)]
+    assert connect_summary(results) == {"connects": 3, "connect_p99_ms": 1040.0, "connects_retried": 1}
+    assert connect_summary([Result(ok=True)]) == {
+        "connects": 0,
+        "connect_p99_ms": None,
+        "connects_retried": 0,
+    }
