@@ -26,6 +26,7 @@ import pytest
 from common.ipc import Addresses, AsyncPullChannel
 from common.messages import GatewayInMsg, GenerateRequest, ProcState, ProcStatus, Prompt, SamplingParams
 from common.pool import AsyncDispatchChannel
+from gateway.pipeline import TOKENIZER_RUN
 from tests.conftest import ROOT, worker_env
 
 SLOW_S = 1.5
@@ -49,7 +50,9 @@ class PoolRig:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     async def _open(self) -> None:
-        self.dispatch: AsyncDispatchChannel[GenerateRequest] = AsyncDispatchChannel(self.addrs.requests)
+        self.dispatch: AsyncDispatchChannel[GenerateRequest] = AsyncDispatchChannel(
+            self.addrs.requests, burst=TOKENIZER_RUN
+        )  # as the gateway's
         self.gw_in: AsyncPullChannel[GatewayInMsg] = AsyncPullChannel(self.addrs.gateway_in, GatewayInMsg)
         self._keep(self._collect())
 
@@ -81,6 +84,19 @@ class PoolRig:
             for name in names:
                 assert self.workers[name].poll() is None, f"{name} exited"
             time.sleep(0.05)
+
+    def only(self, name: str) -> None:
+        """`name` the pool's one worker: the others leave (SIGTERM) first."""
+        for other, proc in self.workers.items():
+            if other != name and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                assert proc.wait(10) == 0
+                self.ready.discard(other)
+        self.ensure(name)
+        deadline = time.monotonic() + 10
+        while set(self.dispatch.workers.values()) != {name}:  # the dispatcher saw them leave
+            assert time.monotonic() < deadline, self.dispatch.workers
+            time.sleep(0.02)
 
     def ensure(self, *names: str) -> None:
         for name in names:
@@ -163,3 +179,20 @@ def test_a_worker_stopped_with_sigterm_finishes_its_work_and_none_is_lost(pool):
     assert took["tok.b"] >= 1 and took["tok.a"] + took["tok.b"] == len(rids), took
     # Still serving without it.
     pool.wait_prompts(pool.submit("after the stop"))
+
+
+def test_requests_waiting_for_a_busy_worker_go_to_it_in_runs_in_order(pool):
+    pool.only("tok.a")
+    slow = pool.submit("slow first")
+    time.sleep(0.3)  # the worker is inside the slow prompt; the next ones wait in the dispatcher
+    runs_before = pool.dispatch.runs
+    rids = pool.submit(*(f"waiting {i}" for i in range(5 * TOKENIZER_RUN)))
+    got = pool.wait_prompts(rids, timeout=SLOW_S * 4)
+    pool.wait_prompts(slow)
+    assert sorted(got, key=got.get) == rids, "one worker builds its runs in the order they came"
+    # handed in runs of TOKENIZER_RUN (the last ones perhaps shorter), not one at a time
+    assert pool.dispatch.runs - runs_before >= 4, pool.dispatch.runs - runs_before
+    # and a lone request afterwards goes alone: the worker is free, nothing waits
+    before = pool.dispatch.runs
+    pool.wait_prompts(pool.submit("alone"))
+    assert pool.dispatch.runs == before
