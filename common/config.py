@@ -61,8 +61,8 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     port: int = 8000
     # Connections the kernel holds for the gateway to accept (listen(2)'s backlog; the kernel caps it
     # at net.core.somaxconn). A burst of clients connecting at once beyond it has its SYNs dropped,
-    # and each of those connects ~1 s later, when its SYN is retried: 128 (aiohttp's default) puts
-    # a second into the first audio of two thirds of a burst of 384.
+    # and each of those connects ~1 s later, when its SYN is retried: with aiohttp's default of 128,
+    # most connects of a burst of 384 on the H200 wait for the retry (the bursts' taps).
     listen_backlog: int = 4096
     constrained: bool | None = None  # None = the model's default
     max_text_chars: int = 2000
