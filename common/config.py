@@ -70,6 +70,10 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     queue_timeout: float = 30.0  # seconds a request may wait for a stream before a 503
     max_streams: int = 0  # active streams admitted at once (0 = what the gpu_workers measure)
     body_timeout: float = 30.0  # seconds a client may take to send a request body before a 408
+    # Seconds a streaming client may take to take one write of its audio (its buffers full: it
+    # stopped reading) before it is taken for gone and its connection dropped, so that a client
+    # that never reads cannot hold a stream's slot at admission for good.
+    send_timeout: float = 60.0
     api_key_file: str = ""  # file holding the HTTP API's Bearer key (or VOXPIPE_API_KEY)
     # Seconds a process may send no heartbeat before its requests fail, where the gateway cannot
     # see that it exited (another host or container; a hung one). Slow is not dead: a stall under
@@ -98,6 +102,8 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
             )
         if not 0 < self.body_timeout < float("inf"):
             raise ValueError(f"--body-timeout must be a positive number of seconds, got {self.body_timeout}")
+        if not 0 < self.send_timeout < float("inf"):
+            raise ValueError(f"--send-timeout must be a positive number of seconds, got {self.send_timeout}")
         if not 0 < self.ws_idle_timeout < float("inf"):
             raise ValueError(
                 f"--ws-idle-timeout must be a positive number of seconds, got {self.ws_idle_timeout}"

@@ -482,6 +482,14 @@ OPTIONS: tuple[Option, ...] = (
         path="gateway.body_timeout",
     ),
     Option(
+        "send_timeout",
+        "seconds a streaming client may take to take a write of its audio (it stopped reading) before "
+        "its connection is dropped and its stream's slot freed",
+        ("serve", "gateway"),
+        float,
+        path="gateway.send_timeout",
+    ),
+    Option(
         "ws_idle_timeout",
         "seconds a WebSocket session may send nothing while nothing is generating before it is closed",
         ("serve", "gateway"),

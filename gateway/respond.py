@@ -43,6 +43,35 @@ ABORTED_BEFORE_AUDIO = "the request was cancelled by the workers before any audi
 ABORTED_BEFORE_END = "the request was cancelled by the workers before it finished; retry"
 
 
+class _Writer:
+    """Writes a streamed response's bytes; a client that takes longer than `timeout_s` to take one
+    write (it stopped reading: its socket's buffers and aiohttp's are full) is taken for gone, and
+    its connection dropped, so that its stream's slot at admission comes back instead of waiting
+    on it for good (`--send-timeout`)."""
+
+    def __init__(self, request: web.Request, resp: web.StreamResponse, timeout_s: float) -> None:
+        self.request, self.resp, self.timeout_s = request, resp, timeout_s
+
+    async def write(self, data: bytes) -> None:
+        await self._within(self.resp.write(data))
+
+    async def write_eof(self) -> None:
+        await self._within(self.resp.write_eof())
+
+    async def _within(self, sending: Any) -> None:
+        try:
+            await asyncio.wait_for(sending, self.timeout_s)
+        except asyncio.TimeoutError:
+            log.info(
+                "[%s] the client took no audio for %g s (--send-timeout); dropping it",
+                self.resp.headers.get("X-Request-Id", ""),
+                self.timeout_s,
+            )
+            if self.request.transport is not None:
+                self.request.transport.abort()
+            raise ClientGone from None
+
+
 class _Coder:
     """Runs an encoder's calls in order, off the event loop when it is CPU-heavy, and closes it
     only once no call is running: a handler cancelled mid-call must not free libsndfile's state
@@ -118,10 +147,11 @@ async def speak(
             return error(first.status, first.message, headers)
         if isinstance(first, Done) and not first.complete:
             return error(503, ABORTED_BEFORE_AUDIO, headers)
+        send_timeout = gateway.cfg.gateway.send_timeout
         if mode == "sse":
-            resp, outcome = await _sse(request, synth, coder, first, headers)
+            resp, outcome = await _sse(request, synth, coder, first, headers, send_timeout)
         elif mode == "stream" and encoder.streaming:
-            resp, outcome = await _stream(request, synth, coder, first, headers)
+            resp, outcome = await _stream(request, synth, coder, first, headers, send_timeout)
         else:
             resp, outcome = await _whole(synth, coder, first, headers, error)
         return resp
@@ -144,11 +174,10 @@ async def speak(
 
 
 async def _pump(
-    resp: web.StreamResponse,
+    out: _Writer,
     synth: Synthesis,
     coder: _Coder,
     event: Event,
-    rid: str,
     wrap: Callable[[bytes], bytes],
 ) -> Event:
     """Encode and write audio events as they come; returns the first event that is not audio."""
@@ -156,7 +185,7 @@ async def _pump(
     while isinstance(event, bytes):
         data = await coder.feed(event)
         if data:
-            await resp.write(wrap(data))
+            await out.write(wrap(data))
             if first:
                 publish_stage(synth.rids[0], "first_byte_sent", bytes=len(data))  # the tap's id for it
                 first = False
@@ -169,21 +198,27 @@ def _delta(data: bytes) -> bytes:
 
 
 async def _stream(
-    request: web.Request, synth: Synthesis, coder: _Coder, event: Event, headers: dict[str, str]
+    request: web.Request,
+    synth: Synthesis,
+    coder: _Coder,
+    event: Event,
+    headers: dict[str, str],
+    send_timeout: float,
 ) -> tuple[web.StreamResponse, str]:
     resp = web.StreamResponse(
         status=200,
         headers={**headers, "Content-Type": coder.encoder.content_type, "Cache-Control": "no-store"},
     )
     rid = headers.get("X-Request-Id", "")
+    out = _Writer(request, resp, send_timeout)
     try:
         await resp.prepare(request)  # no Content-Length: aiohttp sends it chunked (HTTP/1.1)
-        event = await _pump(resp, synth, coder, event, rid, lambda data: data)
+        event = await _pump(out, synth, coder, event, lambda data: data)
         if isinstance(event, Done) and event.complete:
             tail = await coder.finish()
             if tail:
-                await resp.write(tail)
-            await resp.write_eof()
+                await out.write(tail)
+            await out.write_eof()
             log.info("[%s] streamed %.2f s of audio", rid, _seconds(synth))
             return resp, "ok"
     except (ConnectionError, ClientGone):
@@ -215,7 +250,12 @@ async def _whole(
 
 
 async def _sse(
-    request: web.Request, synth: Synthesis, coder: _Coder, event: Event, headers: dict[str, str]
+    request: web.Request,
+    synth: Synthesis,
+    coder: _Coder,
+    event: Event,
+    headers: dict[str, str],
+    send_timeout: float,
 ) -> tuple[web.StreamResponse, str]:
     resp = web.StreamResponse(
         status=200,
@@ -227,28 +267,29 @@ async def _sse(
         },
     )
     rid = headers.get("X-Request-Id", "")
+    out = _Writer(request, resp, send_timeout)
     try:
         await resp.prepare(request)
-        event = await _pump(resp, synth, coder, event, rid, _delta)
+        event = await _pump(out, synth, coder, event, _delta)
         if isinstance(event, Done) and event.complete:
             tail = await coder.finish()
             if tail:
-                await resp.write(_delta(tail))
+                await out.write(_delta(tail))
             usage = {
                 "input_tokens": event.n_prompt_tokens,
                 "output_tokens": event.n_tokens,
                 "total_tokens": event.n_prompt_tokens + event.n_tokens,
             }
-            await resp.write(sse_event({"type": "speech.audio.done", "usage": usage}))
-            await resp.write_eof()
+            await out.write(sse_event({"type": "speech.audio.done", "usage": usage}))
+            await out.write_eof()
             log.info("[%s] streamed %.2f s of audio as events", rid, _seconds(synth))
             return resp, "ok"
         status, message = (
             (event.status, event.message) if isinstance(event, Failed) else (503, ABORTED_BEFORE_END)
         )
         log.warning("[%s] failed after %.2f s of audio: %s", rid, _seconds(synth), message)
-        await resp.write(sse_event({"type": "error", "error": error_body(status, message)}))
-        await resp.write_eof()
+        await out.write(sse_event({"type": "error", "error": error_body(status, message)}))
+        await out.write_eof()
         return resp, outcome_of(status)
     except (ConnectionError, ClientGone):
         log.info("[%s] client disconnected after %.2f s of audio", rid, _seconds(synth))
