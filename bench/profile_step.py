@@ -4,7 +4,8 @@ where the host's time goes (cProfile over the engine's Python: schedule, layout,
 the wait for the device shows as `ModelRunner.wait`).
 
     voxpipe bench profile --batch 384 [--ctx 512] [--lm-head audio] [--quantization fp8]
-        [--kv-cache-dtype fp8] [--prompt-tokens 40 [--prompts-per-step 1,2]]
+        [--kv-cache-dtype fp8] [--prompt-tokens 40 [--prompts-per-step 1,2] [--profile-prompts K]
+        [--max-prefills 16]]
     voxpipe bench profile --model qwen3-tts --fused-step on --batch 16 --ctx 100 --host
 """
 
@@ -110,6 +111,18 @@ def main(argv: list[str] | None = None) -> int:
         "to a step (the load's fitted step cost reads 3.2-3.5 ms on the H200); 0 = off",
     )
     ap.add_argument("--prompts-per-step", default="1,2", help="new requests in each such step, per run")
+    ap.add_argument(
+        "--profile-prompts",
+        type=int,
+        default=0,
+        help="the prompts a step of the profiled prompt steps starts (0: the first of --prompts-per-step)",
+    )
+    ap.add_argument(
+        "--max-prefills",
+        type=int,
+        default=0,
+        help="as the server's: prompts a batched prefill graph takes (0: its default, 8)",
+    )
     args = ap.parse_args(argv)
     per_step = [int(k) for k in args.prompts_per_step.split(",")] if args.prompt_tokens else []
     p = load_program_class(args.model)(get_spec(args.model), load_format="dummy", device="cuda",
@@ -126,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             max_context=args.ctx + args.batch + 300,
             first_chunk="reference",
             kv_cache_dtype=args.kv_cache_dtype,
+            max_prefills=args.max_prefills,
         ),
     )
     if args.model == "orpheus":
@@ -167,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{k} prompt(s) of {args.prompt_tokens} tokens in every step: {with_prompts:.3f} ms/step against "
               f"{base:.3f} decode only: {(with_prompts - base) / k:.3f} ms a prompt (wall, not profiled)", flush=True)  # fmt: skip
     if per_step:
-        k = per_step[0]
+        k = args.profile_prompts or per_step[0]
         wall, events = profiled(eng, args.steps, new_prompts(k))
         report(f"batch {args.batch}, {k} {args.prompt_tokens}-token prompt(s) in every step", wall, events,
                args.steps, args.rows)  # fmt: skip
