@@ -147,11 +147,10 @@ async def speak(
             return error(first.status, first.message, headers)
         if isinstance(first, Done) and not first.complete:
             return error(503, ABORTED_BEFORE_AUDIO, headers)
-        send_timeout = gateway.cfg.gateway.send_timeout
         if mode == "sse":
-            resp, outcome = await _sse(request, synth, coder, first, headers, send_timeout)
+            resp, outcome = await _sse(request, synth, coder, first, headers)
         elif mode == "stream" and encoder.streaming:
-            resp, outcome = await _stream(request, synth, coder, first, headers, send_timeout)
+            resp, outcome = await _stream(request, synth, coder, first, headers)
         else:
             resp, outcome = await _whole(synth, coder, first, headers, error)
         return resp
@@ -198,19 +197,14 @@ def _delta(data: bytes) -> bytes:
 
 
 async def _stream(
-    request: web.Request,
-    synth: Synthesis,
-    coder: _Coder,
-    event: Event,
-    headers: dict[str, str],
-    send_timeout: float,
+    request: web.Request, synth: Synthesis, coder: _Coder, event: Event, headers: dict[str, str]
 ) -> tuple[web.StreamResponse, str]:
     resp = web.StreamResponse(
         status=200,
         headers={**headers, "Content-Type": coder.encoder.content_type, "Cache-Control": "no-store"},
     )
     rid = headers.get("X-Request-Id", "")
-    out = _Writer(request, resp, send_timeout)
+    out = _Writer(request, resp, synth.gateway.cfg.gateway.send_timeout)
     try:
         await resp.prepare(request)  # no Content-Length: aiohttp sends it chunked (HTTP/1.1)
         event = await _pump(out, synth, coder, event, lambda data: data)
@@ -250,12 +244,7 @@ async def _whole(
 
 
 async def _sse(
-    request: web.Request,
-    synth: Synthesis,
-    coder: _Coder,
-    event: Event,
-    headers: dict[str, str],
-    send_timeout: float,
+    request: web.Request, synth: Synthesis, coder: _Coder, event: Event, headers: dict[str, str]
 ) -> tuple[web.StreamResponse, str]:
     resp = web.StreamResponse(
         status=200,
@@ -267,7 +256,7 @@ async def _sse(
         },
     )
     rid = headers.get("X-Request-Id", "")
-    out = _Writer(request, resp, send_timeout)
+    out = _Writer(request, resp, synth.gateway.cfg.gateway.send_timeout)
     try:
         await resp.prepare(request)
         event = await _pump(out, synth, coder, event, _delta)
