@@ -56,6 +56,13 @@ class PoolRig:
         self.gw_in: AsyncPullChannel[GatewayInMsg] = AsyncPullChannel(self.addrs.gateway_in, GatewayInMsg)
         self._keep(self._collect())
 
+    async def _shut(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.dispatch.close()
+        self.gw_in.close()
+
     def _keep(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
@@ -132,6 +139,7 @@ class PoolRig:
         for proc in self.workers.values():
             if proc.poll() is None:
                 proc.kill()
+        self._call(self._shut())  # the loop's tasks end before it stops, none left pending
         self.loop.call_soon_threadsafe(self.loop.stop)
         shutil.rmtree(self.dir, ignore_errors=True)
 
