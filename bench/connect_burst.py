@@ -20,6 +20,8 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from common.proc import kernel_backlog_cap
+
 RETRY_S = 0.9  # a wait this long is a SYN retry (Linux's first is after 1 s), not a slow accept
 TIMEOUT_S = 15.0
 
@@ -67,15 +69,6 @@ def one_round(host: str, port: int, clients: int) -> tuple[list[float], list[flo
     return list(connected.values()), list(answered.values())
 
 
-def kernel_cap() -> int | None:
-    """This host's net.core.somaxconn (the client's host: the server's where both are one)."""
-    try:
-        with open("/proc/sys/net/core/somaxconn") as f:
-            return int(f.read())
-    except (OSError, ValueError):
-        return None
-
-
 def summary(connect: list[float], answer: list[float]) -> dict:
     c, a = np.array(connect) * 1000, np.array(answer) * 1000
     return {
@@ -113,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         "clients": args.clients,
         "rounds": rounds,
         "all": summary(connects, answers),
-        "somaxconn": kernel_cap(),
+        "somaxconn": kernel_backlog_cap(),  # the client's host: the server's where both are one
     }
     print(json.dumps(out))
     if args.out:

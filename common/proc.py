@@ -171,6 +171,19 @@ class StatusReporter:
         chan.close()
 
 
+SOMAXCONN = "/proc/sys/net/core/somaxconn"
+
+
+def kernel_backlog_cap(path: str = SOMAXCONN) -> int | None:
+    """The most connections the kernel queues on a listening socket (Linux's net.core.somaxconn),
+    or None where it cannot be read."""
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
 def raise_open_files(want: int) -> tuple[int, int]:
     """Raise this process's soft limit on open files to `want`, within its hard limit (a process may
     do so itself); never lower it. Returns the (soft, hard) limits now, -1 for unlimited, or (-1, -1)

@@ -20,24 +20,19 @@ from aiohttp.web_response import StreamResponse
 from common.config import ServeConfig
 from common.ipc import install_tap
 from common.options import RoleSettings, parse_role
-from common.proc import REFUSED, freeze_startup_objects, raise_open_files, secure, setup_logging, use_uvloop
+from common.proc import (
+    REFUSED,
+    freeze_startup_objects,
+    kernel_backlog_cap,
+    raise_open_files,
+    secure,
+    setup_logging,
+    use_uvloop,
+)
 from common.threads import apply_threads
 
 log = logging.getLogger("gateway")
 LAUNCHER_AGENT = "voxpipe-serve"  # the User-Agent of `voxpipe serve`'s own /ready polls
-
-
-SOMAXCONN = "/proc/sys/net/core/somaxconn"
-
-
-def kernel_backlog_cap(path: str = SOMAXCONN) -> int | None:
-    """The most connections the kernel queues on a listening socket (Linux's net.core.somaxconn),
-    or None where it cannot be read."""
-    try:
-        with open(path) as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return None
 
 
 def check_backlog(backlog: int, cap: int | None) -> None:

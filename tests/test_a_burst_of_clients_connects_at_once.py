@@ -23,7 +23,8 @@ import yaml
 from bench.connect_burst import one_round, summary
 from common.config import GatewaySettings
 from common.ipc import Addresses
-from gateway.__main__ import check_backlog, kernel_backlog_cap
+from common.proc import kernel_backlog_cap
+from gateway.__main__ import check_backlog
 from tests.conftest import ROOT, free_port, get_json, worker_env
 
 CONNECTS = 300  # a burst beyond aiohttp's 128 and within the default 4096
