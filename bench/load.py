@@ -144,7 +144,7 @@ async def one_request(
     res.sent_at = t0 - since
     got = 0
     headers = {"X-Request-Id": rid} if rid else None
-    timing: dict[str, float] = {}  # filled by CONNECT_TIMING where the session has it
+    timing: dict[str, float] = {}  # filled by `connect_timing` where the session traces with it
     try:
         sent = {"json": body} if isinstance(body, dict) else {"data": body}
         async with session.post(url, **sent, headers=headers, trace_request_ctx=timing) as r:

@@ -150,14 +150,14 @@ class AsyncDispatchChannel(Generic[T]):
         try:
             self._hand_out()
         finally:
-            for ident in runs:  # a worker that took part of its run is busy; one that took none is free
-                took = runs[ident] - self._credit.get(ident, 0) if ident in self._free else runs[ident]
-                self.runs += took > 1
-                if ident in self._free and self._credit.get(ident, 1) < runs[ident]:
-                    del self._free[ident]
-                    self._credit.pop(ident, None)
-                elif ident in self._free:
+            for ident, share in runs.items():
+                left = self._credit[ident] if ident in self._free else 0  # a spent run left `_free`
+                self.runs += share - left > 1
+                if left == share:  # took none of it: free, one at a time
                     self._credit[ident] = 1
+                elif left:  # took part of it: busy until it asks again
+                    del self._free[ident]
+                    del self._credit[ident]
 
     def _runs(self) -> dict[bytes, int]:
         """With `burst` > 1 and more messages waiting than workers free: each free one-at-a-time
