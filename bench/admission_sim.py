@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from codec_worker.codec import GPU_MAX_BATCH, LEAD_MAX_BATCH
-from codec_worker.gather import MARGIN_S, is_urgent
+from codec_worker.gather import MARGIN_S, is_urgent, urgent_at
 from common.config import CodecSettings, GpuWorkerSettings
 from gpu_worker.runner.graphs import decode_buckets
 from gpu_worker.scheduler.calibrate import step_differences
@@ -259,7 +259,9 @@ class Codec:
         arrivals = [w[0] for w in self.waiting]
         due = min(arrivals) + self.max_wait_s
         # a window's deadline (no earlier than it arrived: the worker sees it then)
-        due = min(due, min(max(a, a + sl - self.decode_s - self.margin_s) for a, sl, *_ in self.waiting))
+        due = min(
+            due, min(max(a, urgent_at(a, sl, self.decode_s, self.margin_s)) for a, sl, *_ in self.waiting)
+        )
         if len(self.waiting) >= self.full_batch:
             due = min(due, sorted(arrivals)[self.full_batch - 1])
         return due

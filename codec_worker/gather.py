@@ -30,11 +30,18 @@ from common.messages import DetokBatch, DetokChunk, Finished
 MARGIN_S = 0.020
 
 
+def urgent_at(arrived_s: float, slack_s: float, decode_s: float, margin_s: float = MARGIN_S) -> float:
+    """When a window that arrived at `arrived_s` with `slack_s` of its listener's audio left has no
+    more left than a pass takes (`decode_s`) and the margin: its deadline, and from then on it is
+    urgent (`is_urgent`)."""
+    return arrived_s + slack_s - decode_s - margin_s
+
+
 def is_urgent(slack_s: float, waited_s: float, decode_s: float, margin_s: float = MARGIN_S) -> bool:
     """Whether a window goes in a pass's urgent group: its listener had `slack_s` of audio left when
     it arrived (none: a first chunk, a stream running late) and has played `waited_s` of it since,
-    leaving no more than a pass takes (`decode_s`) and the margin."""
-    return slack_s <= 0 or slack_s - waited_s <= decode_s + margin_s
+    leaving no more than a pass takes (`decode_s`) and the margin (`urgent_at`)."""
+    return slack_s <= 0 or waited_s >= urgent_at(0.0, slack_s, decode_s, margin_s)
 
 
 class Gather:
@@ -55,7 +62,7 @@ class Gather:
         if batch.chunks and not self.chunks:
             self.deadline = arrived + self.max_wait_s
         for c in batch.chunks:
-            self.deadline = min(self.deadline, arrived + c.slack_ms / 1000 - self.decode_s - MARGIN_S)
+            self.deadline = min(self.deadline, urgent_at(arrived, c.slack_ms / 1000, self.decode_s))
         self.chunks.extend(batch.chunks)
         self._arrived.extend([arrived] * len(batch.chunks))
         if not batch.finished:
