@@ -205,9 +205,9 @@ class Codec:
     late, or less left than a pass takes and the margin) in a group of their own ahead of the rest;
     within a group each kind of window (the codec worker's `_kind`: a first chunk of 1-3 frames, a
     tail window after 14, 21 or 28 rows, a regular window; graphs of their own) costs `launch_ms`, a
-    regular window `window_ms` (the compiled decode) and any other `graph_window_ms`. A window's audio reaches its listener `trip_s` after its group ends; the
-    listener starts playing at its first chunk's and is late where a later chunk comes after the
-    audio before it has played. The constants are the H200's as its runs read them (fp8 LM beside
+    regular window `window_ms` (the compiled decode) and any other `graph_window_ms`. A window's
+    audio reaches its listener `trip_s` after its group ends; the listener starts playing at its
+    first chunk's and is late where a later chunk comes after the audio before it has played. The constants are the H200's as its runs read them (fp8 LM beside
     the codec under MPS, half the SMs its share, float16 SNAC windows in calls of 16): bursts' passes
     of ~120 windows, mostly regular ones, 14-18 ms and those of ~70 11 ms (`server_during` of
     h200-orpheus-load-curve.json, -burst-*.json, -late-launch.json); at 80 req/s (Poisson, with

@@ -251,9 +251,10 @@ class StepClock:
         `largest_fitted` looks at: a burst after a long light spell is admitted as on a fresh
         worker). A light load's steps say nothing of a large batch, and the fit keeps the parts
         they do not tell apart from the fits before them (`StepCost`'s ridge), the startup steps'
-        among them: a worker that served single streams for a while (`voxpipe bench ttfa` measures them before its load levels)
-        still admits a burst up to what its startup steps measured, and keeps doing so while the
-        burst's own steps are too few to speak for its largest batches."""
+        among them: a worker that served single streams for a while (`voxpipe bench ttfa` measures
+        them before its load levels) still admits a burst up to what its startup steps measured,
+        and keeps doing so while the burst's own steps are too few to speak for its largest
+        batches."""
         return self.trust_startup and self._seeded_rows > 0 and self._heavy_n <= COST_STEPS
 
     def _slow_rows_measured(self) -> float:
