@@ -13,9 +13,9 @@ to its output alone (None: identical at every size):
 - decode attention over a paged cache: FlashInfer without split-KV (bf16 cache), XQA told one SM so
   that it never splits a request's keys (fp8 cache), as the engine runs them;
 - the sampler's row-wise reductions over a row of probabilities (audio head, full vocabulary):
-  softmax, torch's cumsum (on CUDA a single row takes another scan than rows of a batch: measured on
-  the H200: a sampling request alone drew other tokens than in a batch), and the
-  sampler's `row_cumsum`, which scans a lone row as a batch of two.
+  softmax, torch's cumsum (on CUDA a single row takes another scan than rows of a batch, and a
+  batch from some row count on another again), and the sampler's running sum (`fixed_mass`: the
+  probabilities as integers of 2^-32, whose sum is exact in any order).
 
     voxpipe bench op-invariance --out op_invariance.json [--sizes 1,2,...,512]
 
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.runner.graphs import decode_buckets
-from gpu_worker.runner.sampler import row_cumsum
+from gpu_worker.runner.sampler import fixed_mass
 from programs.blocks import fp8
 
 HIDDEN, INTER, HQ, HKV, D, AUDIO_HEAD = 3072, 8192, 24, 8, 128, 4112
@@ -142,7 +142,7 @@ def sampling_checks(device: str, sizes: list[int], vocabs=VOCABS) -> dict:
     ops = {
         "softmax": lambda p: p.softmax(dim=-1),
         "cumsum": lambda p: p.cumsum(dim=-1),
-        "row_cumsum": row_cumsum,
+        "fixed_mass_cumsum": lambda p: fixed_mass(p).cumsum(dim=-1),
     }
     out: dict = {}
     for name, v in vocabs:

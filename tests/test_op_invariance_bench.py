@@ -52,8 +52,8 @@ def test_the_sampling_checks_report_each_reduction_and_the_samplers_scan_is_inva
     res = sampling_checks("cpu", [1, 2, 4, 8], vocabs=(("narrow", 33), ("wide", 4097)))
     assert set(res) == {"narrow", "wide"}
     for v in res.values():
-        assert set(v) == {"softmax", "cumsum", "row_cumsum"}
-        assert v["row_cumsum"] is None
+        assert set(v) == {"softmax", "cumsum", "fixed_mass_cumsum"}
+        assert v["fixed_mass_cumsum"] is None
 
 
 def test_the_mixed_gemm_check_finds_the_first_pair_of_part_sizes_that_rounds_apart(monkeypatch):

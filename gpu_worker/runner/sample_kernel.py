@@ -9,15 +9,16 @@ step at small batches. Here each row is one program that holds its whole row in 
   under each value (the float's bits made order-preserving, the index below them, so equal values
   keep the lower column first);
 - ranks at or past top-k (0: off) are masked, the softmax, then its running sum drops a token when
-  the tokens ranked above it already hold top-p of the mass, or when it holds less than min-p of
+  the tokens ranked above it already hold top-p of the mass (top-p 1: none), or when it holds less than min-p of
   the first token's;
 - the draw is the first rank whose running mass reaches u times the total (`searchsorted`'s
   left side), u the row's counter-based uniform number; a greedy row (temperature 0) takes the
   first column of the row's maximum (`argmax`).
 
-Same rules, same random numbers, another summation order than torch's: on a GPU the sampled ids
-equal torch's but where u falls within rounding of a bucket edge. Every row is computed by its own
-program, so a row's id does not depend on its batch (the property `row_cumsum` exists for).
+Same rules, same random numbers, another summation than torch's (float here, integers of 2^-32
+there: `sampler.fixed_mass`): on a GPU the sampled ids equal torch's but where u falls within
+rounding of a bucket edge. Every row is computed by its own program, so a row's id does not depend
+on its batch.
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ def _sample_kernel(
     probs = e / tl.sum(e, axis=0)
     mass_before = tl.cumsum(probs, axis=0) - probs
     first = tl.max(probs, axis=0)  # the first rank's, the largest
-    drop = (mass_before > tl.load(top_p_ptr + r)) | (probs < tl.load(min_p_ptr + r) * first)
+    top_p = tl.load(top_p_ptr + r)
+    top_p = tl.where(top_p < 1.0, top_p, float("inf"))  # 1: drops none
+    drop = (mass_before > top_p) | (probs < tl.load(min_p_ptr + r) * first)
     probs = tl.where(drop, 0.0, probs)
     cdf = tl.cumsum(probs, axis=0)
     u = tl.load(u_ptr + r * u_stride) * tl.max(cdf, axis=0)  # the scan's last value, as torch's cdf[-1]

@@ -44,15 +44,19 @@ def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor, penalt
     logits.scatter_(1, history, torch.where(seen > 0, seen / p, seen * p))
 
 
-def row_cumsum(x: torch.Tensor) -> torch.Tensor:
-    """Cumulative sums along each row of x [B, V], the same for a row whatever B is. PyTorch's CUDA
-    cumsum scans a tensor with a single row by another algorithm (one device-wide scan) than rows
-    of a batch (a tiled scan per row), which rounds differently: on the H200 a sampling request
-    alone draws other tokens from token 78 on than in any batch (tests/gpu/test_gpu_batch_invariance.py). A lone
-    row is scanned as a batch of two instead."""
-    if x.shape[0] == 1:
-        return torch.cat([x, x]).cumsum(dim=-1)[:1]
-    return x.cumsum(dim=-1)
+# Probabilities in units of 2^-32 (`fixed_mass`): the sampler's running sums are integer sums.
+MASS_ONE = 1 << 32
+
+
+def fixed_mass(probs: torch.Tensor) -> torch.Tensor:
+    """probs [B, V] float32 in [0, 1] → int64, each in units of 2^-32 (rounded; below 2^-33: 0).
+    The sampler's running sums (top-p's mass before a token, the draw's CDF) add these integers,
+    which is exact in any order: a row's sums have the same value whatever scan the device picks for
+    its batch. A float cumsum does not: CUDA scans a lone row otherwise than rows of a batch, and
+    rows of a batch from some row count on otherwise again (on the H200, a row of the audio head's
+    4,113 from 24 rows: bench/op_invariance.py), which moved a sampled draw across a bucket edge
+    (tests/gpu/test_gpu_burst_prefill_invariance.py, 28 requests)."""
+    return torch.round(probs * MASS_ONE).to(torch.int64)
 
 
 def sample_rows(
@@ -105,15 +109,16 @@ def _sample_tail(logits: torch.Tensor, rows: SamplingRows, u: torch.Tensor) -> t
     top_k = torch.where(rows.top_k > 0, rows.top_k, sorted_logits.shape[-1])[:, None]
     sorted_logits = sorted_logits.masked_fill(rank >= top_k, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
-    # top-p: drop a token when the tokens ranked above it already hold top_p of the mass
-    # (so the first token always stays).
-    mass_before = row_cumsum(probs) - probs
-    drop = mass_before > rows.top_p[:, None]
+    mass = fixed_mass(probs)  # [B, V'] int64
+    # top-p: drop a token when the tokens ranked above it already hold top_p of the mass (so the
+    # first token always stays); top_p 1 drops none (the rounded masses may sum past 2^32).
+    keep = (rows.top_p * MASS_ONE).long().masked_fill(rows.top_p >= 1, torch.iinfo(torch.int64).max)
+    drop = mass.cumsum(dim=-1) - mass > keep[:, None]
     drop |= probs < rows.min_p[:, None] * probs[:, :1]
-    probs = probs.masked_fill(drop, 0.0)
-    cdf = row_cumsum(probs)  # [B, V']
-    u = u[:, None] * cdf[:, -1:]
-    pick = torch.searchsorted(cdf, u).clamp_max(cdf.shape[-1] - 1)  # [B, 1]
+    cdf = mass.masked_fill(drop, 0).cumsum(dim=-1)  # [B, V'] int64
+    # the first rank whose running mass reaches u times the total (cdf >= x ⇔ cdf >= ceil(x))
+    at = (u.double() * cdf[:, -1].double()).ceil().long()[:, None]
+    pick = torch.searchsorted(cdf, at).clamp_max(cdf.shape[-1] - 1)  # [B, 1]
     sampled = order.gather(1, pick)[:, 0]
     return torch.where(rows.temperature > 0, sampled, greedy)
 

@@ -43,7 +43,8 @@ def test_decode_attention_gives_a_row_the_same_bits_at_any_batch(sizes, gpu_repo
     assert res["attention"] == dict.fromkeys(res["attention"], None)
 
 
-def test_the_samplers_softmax_gives_a_row_the_same_bits_at_any_batch(sizes, gpu_report):
+def test_the_samplers_softmax_and_running_sums_give_a_row_the_same_bits_at_any_batch(sizes, gpu_report):
     res = gpu_report("op-invariance")
     res["sampling"] = sampling_checks("cuda", sizes)
-    assert {name: v["softmax"] for name, v in res["sampling"].items()} == dict.fromkeys(res["sampling"], None)
+    for op in ("softmax", "fixed_mass_cumsum"):
+        assert {name: v[op] for name, v in res["sampling"].items()} == dict.fromkeys(res["sampling"], None)
