@@ -126,3 +126,32 @@ def test_candidates_restrict_the_choice():
             assert out[i].item() in cand[i].tolist()
     greedy = sample_rows(logits.clone(), rows(3, temperature=torch.zeros(3), candidates=cand), NO_STOP)
     assert torch.equal(greedy, cand.gather(1, logits.gather(1, cand).argmax(-1, keepdim=True))[:, 0])
+
+
+def test_a_rows_draw_does_not_depend_on_how_the_device_scans_its_batch(monkeypatch):
+    """A GPU scans a lone row, a few rows and many rows each in its own order (float cumsums that
+    round apart). Played here by a scan that adds blocks of 64 and then their offsets from 24 rows
+    on: a row's draw at the edges of its own buckets is the same alone and among 31 others."""
+    plain = torch.Tensor.cumsum
+
+    def scan(x: torch.Tensor, dim: int = -1, **kw) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[0] < 24 or x.shape[1] % 64:
+            return plain(x, dim, **kw)
+        blocks = plain(x.view(x.shape[0], -1, 64), -1)
+        offsets = plain(blocks[:, :, -1], -1) - blocks[:, :, -1]
+        return (blocks + offsets[:, :, None]).view(x.shape)
+
+    monkeypatch.setattr(torch.Tensor, "cumsum", scan)
+    v, b = 4096, 32
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(b, v, generator=gen) * 0.5  # a flat row: thousands of buckets of its mass
+    mass = (logits[0] / 0.9).softmax(-1).sort(descending=True).values.double().cumsum(-1)
+    u = (mass[50:4000:13] / mass[-1]).float()  # draws at (within rounding of) the row's bucket edges
+    n = len(u)
+    many = dict(temperature=torch.full((b,), 0.9), rep_penalty=torch.ones(b), history=None)
+    one = dict(temperature=torch.full((1,), 0.9), rep_penalty=torch.ones(1), history=None)
+    alone = [sample_rows(logits[:1].clone(), rows(1, **one), NO_STOP, u[i : i + 1]).item() for i in range(n)]
+    together = [
+        sample_rows(logits.clone(), rows(b, **many), NO_STOP, u[i].repeat(b))[0].item() for i in range(n)
+    ]
+    assert len(set(alone)) > n // 2 and alone == together
