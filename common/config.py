@@ -199,7 +199,7 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     # listener has in hand beyond its next chunk's wait (gpu_worker.scheduler.pacing.step_allowance),
     # up to BORROW_MAX budgets: a burst starts more prompts a step where the streams running can
     # spare it. Off: every step keeps the budget.
-    lead_borrow: bool = False
+    lead_borrow: bool = True
     # With progressive first chunks: while a running stream waits for its first chunk or still sends
     # tail windows, streams with --sit-out's audio in hand (0.5 s when it is off) sit out so that a
     # step, by the fitted cost, comes to the pace that sends a first frame alone
@@ -212,7 +212,7 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     # worker is admitted up to that at once. Off: the startup steps start the fit, and the capacity
     # grows past the load served by measuring its way (a fresh H200 reports ~195 streams at first,
     # ~370-380 once served).
-    trust_startup_steps: bool = False
+    trust_startup_steps: bool = True
     # "full" vocabulary, or "audio": logits for codec tokens + stop only; "auto": audio where the LM
     # runs on the CPU, full on a GPU (`head_for`). On a CPU the full head's rows (a text LLM's whole
     # vocabulary) are most of a small model's step: the default model on 2 cores steps in ~4 ms

@@ -130,9 +130,9 @@ def test_the_startup_batches_count_again_once_the_heavy_steps_have_left_the_fits
 
 
 def test_the_flag_reaches_the_workers_clock():
-    s = parse_role("gpu_worker", ["--model", "orpheus-tiny", "--trust-startup-steps"], {})
-    assert s.cfg.gpu.trust_startup_steps is True
-    assert parse_role("gpu_worker", ["--model", "orpheus-tiny"], {}).cfg.gpu.trust_startup_steps is False
+    s = parse_role("gpu_worker", ["--model", "orpheus-tiny", "--no-trust-startup-steps"], {})
+    assert s.cfg.gpu.trust_startup_steps is False
+    assert parse_role("gpu_worker", ["--model", "orpheus-tiny"], {}).cfg.gpu.trust_startup_steps is True
 
 
 def test_on_the_simulated_h200_a_burst_of_384_is_admitted_sooner_with_every_stream_on_time():

@@ -50,8 +50,10 @@ from programs.base import LMProgram
 
 log = logging.getLogger(__name__)
 
-# Prompts one batched graph takes at most, unless `--max-prefills` says otherwise.
-MAX_BATCHED = 8
+# Prompts one batched graph takes at most, unless `--max-prefills` says otherwise: a burst on a
+# fresh worker starts that many beside a step's first and its joiner, where lead borrow gives the
+# step room for them (docs/operations.md, "Prompts per step").
+MAX_BATCHED = 16
 
 
 def batched_prefill_enabled(program: LMProgram, limits) -> bool:
