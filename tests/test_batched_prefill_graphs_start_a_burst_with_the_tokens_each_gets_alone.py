@@ -181,8 +181,9 @@ def test_admission_charges_a_prompt_joining_the_first_its_own_cost_and_a_new_gro
     """Streams running, and a fitted cost of 6 ms of decode, 0.5 ms a prompt and 3 ms a group of
     prompts run together: the 10.7 ms budget (0.88 of a 12.19 ms row) leaves 4.7 ms, so a step
     starts its first prompt (3.5 ms) and the one joining it in the mixed graph (0.5 ms), not a third
-    of their bucket, which would open a group (3.5 ms); the next step starts it."""
-    limits = GpuWorkerSettings(max_batch_size=8, max_context=120, first_chunk="reference")
+    of their bucket, which would open a group (3.5 ms); the next step starts it. (Without lead
+    borrow: the budget alone.)"""
+    limits = GpuWorkerSettings(max_batch_size=8, max_context=120, first_chunk="reference", lead_borrow=False)
     eng = Engine(tiny64, limits)
     eng.runner.forward_runner = graph_runner_cls(tiny64, eng.kv_cache, limits)
     s = eng.scheduler
