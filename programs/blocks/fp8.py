@@ -53,6 +53,11 @@ def compile_quantizer(device: torch.device, widths: tuple[int, ...] = (256,)) ->
     row in small blocks, 12 µs a call on the H200 at any batch, which cost an fp8 step more than
     its GEMMs saved (bench/results/h200-fp8-gemm.json)."""
     global _quantizer
+    # Dynamo counts every compile of one code object together (8 by default) and, under fullgraph,
+    # fails a compile past the limit outright. Each call compiles `quantize_rows` anew, two for
+    # each width (one row, any rows): a process that loads several models or engines (a test
+    # session, the op-invariance bench beside them) would run out.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     try:
         compiled = torch.compile(quantize_rows, dynamic=False, fullgraph=True)
 
