@@ -207,9 +207,10 @@ class Codec:
     tail window after 14, 21 or 28 rows, a regular window; graphs of their own) costs `launch_ms`, a
     regular window `window_ms` (the compiled decode) and any other `graph_window_ms`. A window's
     audio reaches its listener `trip_s` after its group ends; the listener starts playing at its
-    first chunk's and is late where a later chunk comes after the audio before it has played. The constants are the H200's as its runs read them (fp8 LM beside
-    the codec under MPS, half the SMs its share, float16 SNAC windows in calls of 16): bursts' passes
-    of ~120 windows, mostly regular ones, 14-18 ms and those of ~70 11 ms (`server_during` of
+    first chunk's and is late where a later chunk comes after the audio before it has played. The
+    constants are the H200's as its runs read them (fp8 LM beside the codec under MPS, half the SMs
+    its share, float16 SNAC windows in calls of 16): bursts' passes of ~120 windows, mostly regular
+    ones, 14-18 ms and those of ~70 11 ms (`server_during` of
     h200-orpheus-load-curve.json, -burst-*.json, -late-launch.json); at 80 req/s (Poisson, with
     H200_POISSON) ~55 passes a second of ~70 windows, busy ~0.84, where the H200 made ~49 of ~85,
     busy 0.84 (h200-orpheus-mixed-joiners.json). A window that arrives during a pass counts, in the

@@ -26,6 +26,7 @@ from bench.lm_options import fill_batch
 from common.config import GpuWorkerSettings
 from common.messages import Prompt, SamplingParams
 from gpu_worker.engine import Engine
+from gpu_worker.runner.batched_prefill import MAX_BATCHED
 from gpu_worker.runner.sampler import use_tail_kernel
 from programs import get_spec, load_program_class
 
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         "--max-prefills",
         type=int,
         default=0,
-        help="as the server's: prompts a batched prefill graph takes (0: its default, 8)",
+        help=f"as the server's: prompts a batched prefill graph takes (0: its default, {MAX_BATCHED})",
     )
     args = ap.parse_args(argv)
     per_step = [int(k) for k in args.prompts_per_step.split(",")] if args.prompt_tokens else []

@@ -9,8 +9,8 @@ step at small batches. Here each row is one program that holds its whole row in 
   under each value (the float's bits made order-preserving, the index below them, so equal values
   keep the lower column first);
 - ranks at or past top-k (0: off) are masked, the softmax, then its running sum drops a token when
-  the tokens ranked above it already hold top-p of the mass (top-p 1: none), or when it holds less than min-p of
-  the first token's;
+  the tokens ranked above it already hold top-p of the mass (top-p 1: none), or when it holds less
+  than min-p of the first token's;
 - the draw is the first rank whose running mass reaches u times the total (`searchsorted`'s
   left side), u the row's counter-based uniform number; a greedy row (temperature 0) takes the
   first column of the row's maximum (`argmax`).
