@@ -156,13 +156,20 @@ def main(argv: list[str] | None = None) -> int:
     report(f"batch {args.batch}", wall, events, args.steps, args.rows)
     if args.host:
         host_profile(eng, 3 * args.steps, args.rows)
-    fill = iter(list(eng.running))  # the batch's requests, the oldest first, to make room
     made = itertools.count()
+    gone: set[str] = set()
+
+    def oldest() -> str:
+        """The oldest running request that has run a step and is not leaving yet (the batch keeps
+        its size: one leaves as one comes, for as many prompt steps as the runs take)."""
+        rid = next(r for r, req in eng.running.items() if r not in gone and req.n_ctx > 0)
+        gone.add(rid)
+        return rid
 
     def new_prompts(k: int):
         def before(_: int) -> None:
             for _ in range(k):
-                eng.abort(next(fill))  # the batch keeps its size: one leaves as one comes
+                eng.abort(oldest())
                 i = next(made)
                 if args.model != "orpheus":
                     eng.add(

@@ -29,10 +29,17 @@ from tests.test_graph_runner_replays_match_eager_on_cpu import (  # noqa: F401 (
 PAGE, MAX_CONTEXT = 16, 400
 
 
-@pytest.fixture
-def batched(monkeypatch):
+@pytest.fixture(params=["a wrapper a segment", "one wrapper a graph"])
+def batched(monkeypatch, request):
+    """Batched graphs on; their segments' attention in a wrapper each, or (where the backend plans
+    segments as one: FlashInfer's FA2 over a float8 cache, a GPU's) in one wrapper per graph."""
     monkeypatch.setattr("gpu_worker.runner.batched_prefill.capture", _capture)
     monkeypatch.setattr("gpu_worker.runner.graphs.batched_prefill_enabled", lambda *a: True)
+    joined = request.param == "one wrapper a graph"
+    monkeypatch.setattr(
+        "gpu_worker.attention.flashinfer.FlashInferGraphs.segments_plan_as_one", lambda self, rows: joined
+    )
+    return joined
 
 
 def test_a_steps_prompts_run_in_lanes_batched_and_mixed_graphs_as_eagerly(
@@ -48,6 +55,8 @@ def test_a_steps_prompts_run_in_lanes_batched_and_mixed_graphs_as_eagerly(
     graphs = graph_runner_cls(program, kv_g, limits)
     eager = EagerRunner(program, TorchPagedAttention(kv_e, program.num_qo_heads))
     assert sorted(graphs.batched.graphs) == [(k, r) for k in (2, 3) for r in (32, 64, 128)]
+    assert sorted(graphs.batched.joined) == (sorted(graphs.batched.graphs) if batched else [])
+    assert sorted(graphs.batched.wrappers) == ([] if batched else [32, 64, 128])
     replayed = []
     for key, (graph, _) in graphs.batched.graphs.items():
         graph.replay = lambda key=key, replay=graph.replay: replayed.append(key) or replay()

@@ -195,6 +195,20 @@ class FlashInferGraphs:
         self.prepare_replay_prefill(wrapper, layout, torch.from_numpy(layout.kv_indices))
         return wrapper
 
+    def segments_plan_as_one(self, rows: int) -> bool:
+        """FlashInfer's FA2 prefill kernel (the one it takes over a float8 cache) works in tiles of
+        one request's query rows (packed with their query heads), each over the request's whole KV
+        in one chunk with split-KV off, so a row's bits depend on the tile size alone. In a graph
+        plan that size (CTA_TILE_Q, `FA2DetermineCtaTileQ`) follows the longest request the row
+        total allows, (rows - entries + 1) x the query heads per KV head, and is 128 past 64 such
+        rows (head dims under 256). A segment alone allows rows - 1; k segments in one plan allow
+        more: where rows - 1 already passes 64, both take 128. Over a 16-bit cache FlashInfer
+        takes its FA3 kernel on Hopper, not checked here: a wrapper a segment."""
+        p = self.program
+        packed = (rows - 1) * (p.num_qo_heads // p.num_kv_heads)
+        fa2 = self.kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        return fa2 and self.no_split_kv and p.head_dim < 256 and packed > 64
+
     def prepare_replay_prefill(self, wrapper, layout, kv_indices: torch.Tensor) -> None:
         p, dt = self.program, self.kv_cache.dtype
         host = plan_arrays(layout.kv_indptr, layout.kv_last, self.page_size, p.device)

@@ -111,6 +111,14 @@ class GraphAttentionBackend(Protocol):
         """A decode graph's attention for `batch` rows whose positions the graph reads at `pos`."""
         ...
 
+    def segments_plan_as_one(self, rows: int) -> bool:
+        """Whether prefill segments of `rows` rows, each a request and its padding entry as a prefill
+        graph of one request lays them out (`reqs` 1), may share one wrapper planned over all of
+        them (`prepare_capture_prefill` with 2k - 1 requests) and still attend each segment's rows to
+        the same bits as a wrapper of its own: then a batched prefill graph runs one attention call
+        a layer instead of one a segment."""
+        ...
+
     def in_graph(self, wrapper: AttentionWrapper) -> None:
         """Inside a captured decode step, before the layers (device work captured with it)."""
         ...

@@ -157,6 +157,9 @@ class XqaGraphs:
     def prepare_replay_prefill(self, wrapper, layout, kv_indices: torch.Tensor) -> None:
         self.prefill.prepare_replay_prefill(wrapper, layout, kv_indices)
 
+    def segments_plan_as_one(self, rows: int) -> bool:
+        return self.prefill.segments_plan_as_one(rows)
+
     def decode_index_span(self, max_pages: int) -> int:
         return 0  # each slot's pages live on the device
 

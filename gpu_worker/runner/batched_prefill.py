@@ -4,9 +4,14 @@
 of one pass (its weights read once) instead of a pass each.
 
 Each prompt rounds as it does alone, so a request's tokens do not depend on who arrived with it:
-- a prompt has a segment of R rows of its own (its rows, then padding), with arena spans and an
-  attention wrapper of its own, planned exactly as its prefill graph plans it alone (one request
-  and one padding entry in bucket R);
+- a prompt has a segment of R rows of its own (its rows, then padding), with arena spans of its own,
+  attended as its prefill graph attends it alone (one request and one padding entry in bucket R):
+  by one wrapper over all the graph's segments, where the backend plans them as one with each
+  segment's bits (`segments_plan_as_one`: FlashInfer's FA2 kernel over a float8 cache, whose query
+  tile is then the one a segment alone gets), else by a wrapper a segment planned as alone. One
+  kernel a layer instead of one a segment: on an H100, 16 prompts of the 32-row bucket beside 288
+  streams take the step's kernels from 17.3 to 12.7 ms (the per-segment calls were 448 a step,
+  5.1 ms; bench/results/h100-orpheus-batched-prefill-attention.json);
 - the GEMMs take every segment's rows at once, which leaves each row's bits as they are only where
   the GEMMs are float8 (bench/op_invariance.py: a row the same at any row count on the H200). A
   bf16 GEMM can round a row otherwise at another row count, so these graphs exist only for float8
@@ -32,6 +37,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from common.graphs import capture
@@ -110,10 +116,27 @@ class Placement:
     joiners: list[int] = field(default_factory=list)
 
 
+def joined_layout(lays: list[PrefillLayout]) -> PrefillLayout:
+    """k segments' layouts (each a request and its padding entry in a bucket of R rows) as one
+    plan of 2k entries over k x R rows: segment j's rows, pages and page table entries follow
+    segment j - 1's."""
+    rows, pages = lays[0].rows, np.cumsum([0] + [int(lay.kv_indptr[-1]) for lay in lays])
+    cat = np.concatenate
+    return PrefillLayout(
+        rows * len(lays), 2 * len(lays) - 1,
+        cat([*(lay.qo_indptr[:-1] + j * rows for j, lay in enumerate(lays)), [rows * len(lays)]]).astype(np.int32),
+        cat([*(lay.kv_indptr[:-1] + pages[j] for j, lay in enumerate(lays)), pages[-1:]]).astype(np.int32),
+        cat([lay.kv_indices for lay in lays]).astype(np.int32), cat([lay.kv_last for lay in lays]).astype(np.int32),
+        cat([lay.page for lay in lays]), cat([lay.off for lay in lays]),
+        cat([lay.last + j * rows for j, lay in enumerate(lays)]),
+    )  # fmt: skip
+
+
 class PromptSegments:
     """Up to `count` segments of R rows per bucket R, one prompt each, each with arena spans
     (`kind`: their names' prefix) and an attention wrapper of its own, planned as its prefill
-    graph plans it alone: the segments a batched graph or a mixed graph's joiners run in."""
+    graph plans it alone: the segments a batched graph or a mixed graph's joiners run in.
+    `own_wrappers`: the buckets whose segments get a wrapper each (all by default)."""
 
     def __init__(
         self,
@@ -125,13 +148,14 @@ class PromptSegments:
         count: int,
         max_pages: int,
         kind: str = "b",
+        own_wrappers: Callable[[int], bool] = lambda rows: True,
     ) -> None:
         self.program, self.kv_cache, self.arena, self.attn = program, kv_cache, arena, attn
         self.page_size = kv_cache.shape[3]
         self.buckets, self.count, self.kind = sorted(buckets, reverse=True), count, kind
         self.wrappers: dict[int, list] = {}
         empty = empty_prefill(program.n_codebooks)
-        for rows in self.buckets:
+        for rows in filter(own_wrappers, self.buckets):
             lay = prefill_layout(empty, rows, 1, self.page_size)
             self.wrappers[rows] = [
                 attn.prepare_capture_prefill(rows, 1, max_pages, lay) for _ in range(count)
@@ -160,10 +184,16 @@ class PromptSegments:
         for j, (pre, lay) in enumerate(zip(pres, lays, strict=True)):
             fill_prefill(self.arena, pre, lay, self.prefix(rows, j))
 
+    def kv_indices(self, lays: list[PrefillLayout], rows: int) -> list[torch.Tensor]:
+        """Each segment's page indices on the device (the arena's, as the step filled them)."""
+        return [
+            self.arena.dev_view(self.prefix(rows, j) + "kv", len(lay.kv_indices))
+            for j, lay in enumerate(lays)
+        ]
+
     def plan(self, lays: list[PrefillLayout], rows: int) -> None:
-        for j, lay in enumerate(lays):
-            kv = self.arena.dev_view(self.prefix(rows, j) + "kv", len(lay.kv_indices))
-            self.attn.prepare_replay_prefill(self.wrappers[rows][j], lay, kv)
+        for wrapper, lay, kv in zip(self.wrappers[rows], lays, self.kv_indices(lays, rows), strict=False):
+            self.attn.prepare_replay_prefill(wrapper, lay, kv)
 
     def end(self, rows: int, k: int) -> int:
         """Where the arena's spans of the first k segments of bucket `rows` end (what a step sends)."""
@@ -198,7 +228,19 @@ class BatchedPrefill(PromptSegments):
         max_pages: int,
         progress: Callable[[str], None] | None = None,
     ) -> None:
-        super().__init__(program, kv_cache, arena, attn, buckets, max_k, max_pages)
+        # One attention wrapper for all of a graph's segments where the backend plans them as one
+        # with each segment's bits (`segments_plan_as_one`: one kernel a layer, not one a segment);
+        # elsewhere a wrapper a segment (`Segments`).
+        joined = [r for r in buckets if attn.segments_plan_as_one(r)]
+        super().__init__(
+            program, kv_cache, arena, attn, buckets, max_k, max_pages, own_wrappers=lambda r: r not in joined
+        )
+        self.joined: dict[tuple[int, int], object] = {}  # (k, rows) → the wrapper of k segments
+        for rows in joined:
+            alone = prefill_layout(empty_prefill(program.n_codebooks), rows, 1, self.page_size)
+            for k in range(2, max_k + 1):
+                lay = joined_layout([alone] * k)
+                self.joined[k, rows] = attn.prepare_capture_prefill(k * rows, 2 * k - 1, k * max_pages, lay)
         self.max_k = max_k  # capture (and replay) order: the buckets largest first
         # (k, rows) → (graph, (logits [k, C', V], hidden [k, H]))
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
@@ -214,7 +256,8 @@ class BatchedPrefill(PromptSegments):
     @torch.inference_mode()
     def _capture(self, k: int, rows: int, pool) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
         p = self.program
-        attn = GraphAttention(self.kv_cache, Segments(self.wrappers[rows][:k], rows), None, None)
+        wrapper = self.joined.get((k, rows)) or Segments(self.wrappers[rows][:k], rows)
+        attn = GraphAttention(self.kv_cache, wrapper, None, None)
 
         def step() -> tuple[torch.Tensor, torch.Tensor]:
             v = self.views(rows, k)  # the segments' spans as one batch, inside the graph
@@ -240,9 +283,9 @@ class BatchedPrefill(PromptSegments):
             if i == 0:
                 out.lanes.append(i)
                 first = bucket[0]
-            elif bucket[0] == first and len(out.joiners) < join and first in self.wrappers:
+            elif bucket[0] == first and len(out.joiners) < join and first in self.buckets:
                 out.joiners.append(i)
-            elif bucket[0] not in self.wrappers:
+            elif bucket[0] not in self.buckets:
                 out.lanes.append(i)
             else:
                 by_bucket.setdefault(bucket[0], []).append(i)
@@ -256,6 +299,14 @@ class BatchedPrefill(PromptSegments):
                 out.groups[r] = group
         out.lanes.sort()
         return out if len(out.lanes) <= lanes else None
+
+    def plan(self, lays: list[PrefillLayout], rows: int) -> None:
+        wrapper = self.joined.get((len(lays), rows))
+        if wrapper is None:
+            return super().plan(lays, rows)
+        # the segments' page indices side by side on the device, as the joined layout counts them
+        kv = torch.cat(self.kv_indices(lays, rows))
+        self.attn.prepare_replay_prefill(wrapper, joined_layout(lays), kv)
 
     def replay(self, k: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         graph, out = self.graphs[k, rows]
