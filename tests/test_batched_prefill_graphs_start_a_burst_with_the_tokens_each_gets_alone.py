@@ -226,3 +226,33 @@ def test_admission_charges_a_prompt_joining_the_first_its_own_cost_and_a_new_gro
     assert s.admitted_last == 2 and s.admitted_groups == 1 and s.admission_stops["room"] == 1
     eng.step()
     assert s.admitted_last == 1 and not eng.waiting
+
+
+@pytest.mark.parametrize(
+    "heads, head_dim, rows, cache, no_split_kv, joined",
+    [
+        ((24, 8), 128, 32, torch.float8_e4m3fn, True, True),  # Orpheus-3B: 31 x 3 = 93 packed rows
+        ((24, 8), 128, 16, torch.float8_e4m3fn, True, False),  # 15 x 3 = 45: a tile of 64 alone
+        ((16, 16), 64, 64, torch.float8_e4m3fn, True, False),  # 63 x 1: the same
+        ((16, 16), 64, 128, torch.float8_e5m2, True, True),  # 127 x 1
+        ((24, 8), 256, 128, torch.float8_e4m3fn, True, False),  # head dim 256: other tiles
+        ((24, 8), 128, 32, torch.bfloat16, True, False),  # a 16-bit cache: FA3 on Hopper
+        ((24, 8), 128, 32, torch.float8_e4m3fn, False, False),  # split KV: chunks by the plan
+    ],
+)
+def test_segments_share_a_flashinfer_plan_only_where_each_keeps_its_query_tile(
+    heads, head_dim, rows, cache, no_split_kv, joined
+):
+    """FlashInfer's FA2 kernel in graph plans takes query tiles of 128 rows past 64 packed query rows
+    (rows x query heads per KV head) for the longest request the row total allows: a segment alone
+    allows rows - 1, k segments more. Where the segment alone is past 64 the joined plan gives it the
+    same tile (the GPU test, tests/gpu/test_gpu_batched_prefill_attention.py, holds the bits equal);
+    elsewhere the segments keep a wrapper each."""
+    from types import SimpleNamespace
+
+    from gpu_worker.attention.flashinfer import FlashInferGraphs
+
+    attn = object.__new__(FlashInferGraphs)  # the rule alone: no FlashInfer on a CPU install
+    attn.program = SimpleNamespace(num_qo_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim)
+    attn.kv_cache, attn.no_split_kv = torch.zeros(1, 1, 1, 1, 1, 1, dtype=cache), no_split_kv
+    assert attn.segments_plan_as_one(rows) is joined

@@ -119,7 +119,8 @@ class Placement:
 def joined_layout(lays: list[PrefillLayout]) -> PrefillLayout:
     """k segments' layouts (each a request and its padding entry in a bucket of R rows) as one
     plan of 2k entries over k x R rows: segment j's rows, pages and page table entries follow
-    segment j - 1's."""
+    segment j - 1's. For planning only: its write slots (`page`, `off`) are the segments' real rows
+    one after the other, not at their rows in the k x R (each segment fills its own spans)."""
     rows, pages = lays[0].rows, np.cumsum([0] + [int(lay.kv_indptr[-1]) for lay in lays])
     cat = np.concatenate
     return PrefillLayout(
@@ -192,7 +193,8 @@ class PromptSegments:
         ]
 
     def plan(self, lays: list[PrefillLayout], rows: int) -> None:
-        for wrapper, lay, kv in zip(self.wrappers[rows], lays, self.kv_indices(lays, rows), strict=False):
+        own = self.wrappers[rows][: len(lays)]
+        for wrapper, lay, kv in zip(own, lays, self.kv_indices(lays, rows), strict=True):
             self.attn.prepare_replay_prefill(wrapper, lay, kv)
 
     def end(self, rows: int, k: int) -> int:
@@ -256,7 +258,9 @@ class BatchedPrefill(PromptSegments):
     @torch.inference_mode()
     def _capture(self, k: int, rows: int, pool) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
         p = self.program
-        wrapper = self.joined.get((k, rows)) or Segments(self.wrappers[rows][:k], rows)
+        wrapper = self.joined.get((k, rows))
+        if wrapper is None:
+            wrapper = Segments(self.wrappers[rows][:k], rows)
         attn = GraphAttention(self.kv_cache, wrapper, None, None)
 
         def step() -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,10 +1,11 @@
 """The batched prefill graphs' attention on the GPU (gpu_worker/runner/batched_prefill.py): where
 FlashInfer plans k prompt segments as one wrapper (`segments_plan_as_one`: its FA2 kernel over a
 float8 cache), every segment's rows get the same bits as from a wrapper of its own, planned as the
-segment's prefill graph plans it alone; and one call a layer takes less time than k. Orpheus-3B's
+segment's prefill graph plans it alone. Orpheus-3B's
 attention shape (24 query heads over 8 KV heads of 128), random queries and a random float8 cache,
 prompts of random lengths on scattered pages, each bucket of the batched graphs, 2 to 16 segments.
-Records each bucket's time of a layer's attention for 16 segments, both ways."""
+Records each bucket's time of a layer's attention for 16 segments, both ways (a call a segment
+against one call)."""
 
 from __future__ import annotations
 
