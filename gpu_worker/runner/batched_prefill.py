@@ -9,9 +9,9 @@ Each prompt rounds as it does alone, so a request's tokens do not depend on who 
   by one wrapper over all the graph's segments, where the backend plans them as one with each
   segment's bits (`segments_plan_as_one`: FlashInfer's FA2 kernel over a float8 cache, whose query
   tile is then the one a segment alone gets), else by a wrapper a segment planned as alone. One
-  kernel a layer instead of one a segment: on an H100, 16 prompts of the 32-row bucket beside 288
-  streams take the step's kernels from 17.3 to 12.7 ms (the per-segment calls were 448 a step,
-  5.1 ms; bench/results/h100-orpheus-batched-prefill-attention.json);
+  kernel a layer instead of one a segment: on an H100, a 3B model's 16 prompts of the 32-row
+  bucket beside 288 streams take the step's kernels from 17.3 to 12.7 ms (the per-segment calls
+  were 448 a step, 5.1 ms; docs/performance.md, "Batched prefill graphs");
 - the GEMMs take every segment's rows at once, which leaves each row's bits as they are only where
   the GEMMs are float8 (bench/op_invariance.py: a row the same at any row count on the H200). A
   bf16 GEMM can round a row otherwise at another row count, so these graphs exist only for float8
