@@ -29,17 +29,21 @@ from tests.test_graph_runner_replays_match_eager_on_cpu import (  # noqa: F401 (
 PAGE, MAX_CONTEXT = 16, 400
 
 
-@pytest.fixture(params=["a wrapper a segment", "one wrapper a graph"])
+@pytest.fixture(params=["a wrapper a segment", "one wrapper a graph", "one wrapper refused at startup"])
 def batched(monkeypatch, request):
     """Batched graphs on; their segments' attention in a wrapper each, or (where the backend plans
-    segments as one: FlashInfer's FA2 over a float8 cache, a GPU's) in one wrapper per graph."""
+    segments as one: FlashInfer's FA2 over a float8 cache, a GPU's) in one wrapper per graph, or
+    a wrapper each after all where the startup check finds other bits (`joined_keeps_bits`).
+    → whether the graphs run one wrapper each."""
     monkeypatch.setattr("gpu_worker.runner.batched_prefill.capture", _capture)
     monkeypatch.setattr("gpu_worker.runner.graphs.batched_prefill_enabled", lambda *a: True)
-    joined = request.param == "one wrapper a graph"
+    rule = request.param != "a wrapper a segment"
     monkeypatch.setattr(
-        "gpu_worker.attention.flashinfer.FlashInferGraphs.segments_plan_as_one", lambda self, rows: joined
+        "gpu_worker.attention.flashinfer.FlashInferGraphs.segments_plan_as_one", lambda self, rows: rule
     )
-    return joined
+    if request.param == "one wrapper refused at startup":
+        monkeypatch.setattr("gpu_worker.runner.batched_prefill.joined_keeps_bits", lambda *a: False)
+    return request.param == "one wrapper a graph"
 
 
 def test_a_steps_prompts_run_in_lanes_batched_and_mixed_graphs_as_eagerly(
@@ -57,6 +61,7 @@ def test_a_steps_prompts_run_in_lanes_batched_and_mixed_graphs_as_eagerly(
     assert sorted(graphs.batched.graphs) == [(k, r) for k in (2, 3) for r in (32, 64, 128)]
     assert sorted(graphs.batched.joined) == (sorted(graphs.batched.graphs) if batched else [])
     assert sorted(graphs.batched.wrappers) == ([] if batched else [32, 64, 128])
+    assert all(len(w) == 3 for w in graphs.batched.wrappers.values())
     replayed = []
     for key, (graph, _) in graphs.batched.graphs.items():
         graph.replay = lambda key=key, replay=graph.replay: replayed.append(key) or replay()
@@ -256,3 +261,26 @@ def test_segments_share_a_flashinfer_plan_only_where_each_keeps_its_query_tile(
     attn.program = SimpleNamespace(num_qo_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim)
     attn.kv_cache, attn.no_split_kv = torch.zeros(1, 1, 1, 1, 1, 1, dtype=cache), no_split_kv
     assert attn.segments_plan_as_one(rows) is joined
+
+
+def test_the_startup_check_refuses_a_joined_plan_that_attends_otherwise(program, graph_runner_cls):  # noqa: F811
+    """`joined_keeps_bits`: the backend's joined wrapper against a segment's own one, planned on
+    random prompts over a scratch cache: equal with the stand-in wrappers (the same attention per
+    entry); a joined wrapper whose rows differ, or that fails, is refused."""
+    from gpu_worker.attention.flashinfer import FlashInferGraphs
+    from gpu_worker.runner.batched_prefill import joined_keeps_bits, joined_layout
+    from gpu_worker.runner.prefill_graphs import empty_prefill, max_prefill_pages, prefill_layout
+
+    shape = (program.num_layers, 64, PAGE, program.num_kv_heads, program.head_dim)
+    kv = allocate_kv_cache(*shape, torch.float32, "cpu")
+    attn = FlashInferGraphs(program, kv, max_batch=8, max_pages=64, tensor_cores=True, no_split_kv=True)
+    rows, k, pages = 32, 3, max_prefill_pages(32, 1, 64, PAGE)
+    alone = prefill_layout(empty_prefill(program.n_codebooks), rows, 1, PAGE)
+    single = attn.prepare_capture_prefill(rows, 1, pages, alone)
+    joined = attn.prepare_capture_prefill(k * rows, 2 * k - 1, k * pages, joined_layout([alone] * k))
+    assert joined_keeps_bits(program, kv, attn, rows, k, joined, single)
+    run = joined.run
+    joined.run = lambda q, cache: run(q, cache) * (1 + 1e-6)  # one rounding off
+    assert not joined_keeps_bits(program, kv, attn, rows, k, joined, single)
+    joined.run = lambda q, cache: run(q[:-1], cache)  # a plan that does not take every row
+    assert not joined_keeps_bits(program, kv, attn, rows, k, joined, single)

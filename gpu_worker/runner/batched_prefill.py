@@ -44,6 +44,7 @@ from common.graphs import capture
 from gpu_worker.attention.interface import GraphAttention, GraphAttentionBackend
 from gpu_worker.runner.arena import InputArena
 from gpu_worker.runner.batch import StepBatch, rows_of
+from gpu_worker.runner.kv_cache import pages_for
 from gpu_worker.runner.prefill_graphs import (
     PrefillLayout,
     empty_prefill,
@@ -131,6 +132,44 @@ def joined_layout(lays: list[PrefillLayout]) -> PrefillLayout:
         cat([lay.page for lay in lays]), cat([lay.off for lay in lays]),
         cat([lay.last + j * rows for j, lay in enumerate(lays)]),
     )  # fmt: skip
+
+
+def joined_keeps_bits(
+    program: LMProgram, kv_cache: torch.Tensor, attn: GraphAttentionBackend, rows: int, k: int, joined, single
+) -> bool:
+    """The startup check of `segments_plan_as_one` (a rule read off the attention library): k
+    segments of `rows` rows, prompts of random lengths on random pages of a scratch cache of random
+    values (the cache's dtype), attended by `joined` (a wrapper planned over all k) and, one after
+    the other, by `single` (a segment's own wrapper): the same bits in every row? False, and the
+    batched graphs keep a wrapper a segment, where they differ or the check fails."""
+    try:
+        page = kv_cache.shape[3]
+        rng = np.random.default_rng(rows * 1000 + k)
+        pages = 1 + k * pages_for(rows, page)
+        cache = torch.randn(pages, 2, page, *kv_cache.shape[4:], device=kv_cache.device).to(kv_cache.dtype)
+        order = rng.permutation(np.arange(1, pages))
+        lays, used = [], 0
+        for _ in range(k):
+            n = int(rng.integers(1, rows))
+            table = order[used : used + pages_for(n, page)].tolist()
+            used += len(table)
+            pre = StepBatch(
+                np.zeros((n, program.n_codebooks), np.int64), np.arange(n), [0, n], [n], [table], 1
+            )
+            lays.append(prefill_layout(pre, rows, 1, page))
+        q = torch.randn(k * rows, program.num_qo_heads, program.head_dim, device=kv_cache.device).to(
+            program.dtype
+        )
+        want = []
+        for j, lay in enumerate(lays):
+            attn.prepare_replay_prefill(single, lay, torch.from_numpy(lay.kv_indices).to(kv_cache.device))
+            want.append(single.run(q[j * rows : (j + 1) * rows], cache))
+        lay = joined_layout(lays)
+        attn.prepare_replay_prefill(joined, lay, torch.from_numpy(lay.kv_indices).to(kv_cache.device))
+        return bool(torch.equal(joined.run(q, cache), torch.cat(want)))
+    except Exception:
+        log.exception("checking %d prefill segments of %d rows planned as one failed", k, rows)
+        return False
 
 
 class PromptSegments:
@@ -231,8 +270,9 @@ class BatchedPrefill(PromptSegments):
         progress: Callable[[str], None] | None = None,
     ) -> None:
         # One attention wrapper for all of a graph's segments where the backend plans them as one
-        # with each segment's bits (`segments_plan_as_one`: one kernel a layer, not one a segment);
-        # elsewhere a wrapper a segment (`Segments`).
+        # with each segment's bits (`segments_plan_as_one`: one kernel a layer, not one a segment)
+        # and a check at startup finds the same bits (`joined_keeps_bits`); elsewhere a wrapper a
+        # segment (`Segments`).
         joined = [r for r in buckets if attn.segments_plan_as_one(r)]
         super().__init__(
             program, kv_cache, arena, attn, buckets, max_k, max_pages, own_wrappers=lambda r: r not in joined
@@ -240,9 +280,30 @@ class BatchedPrefill(PromptSegments):
         self.joined: dict[tuple[int, int], object] = {}  # (k, rows) → the wrapper of k segments
         for rows in joined:
             alone = prefill_layout(empty_prefill(program.n_codebooks), rows, 1, self.page_size)
-            for k in range(2, max_k + 1):
+            wrappers = {
+                k: attn.prepare_capture_prefill(
+                    k * rows, 2 * k - 1, k * max_pages, joined_layout([alone] * k)
+                )
+                for k in range(2, max_k + 1)
+            }
+            single = attn.prepare_capture_prefill(rows, 1, max_pages, alone)
+            same = [
+                joined_keeps_bits(program, kv_cache, attn, rows, k, wrappers[k], single) for k in {2, max_k}
+            ]
+            for k in {2, max_k}:  # planned as at creation again: the check's pages are a scratch cache's
                 lay = joined_layout([alone] * k)
-                self.joined[k, rows] = attn.prepare_capture_prefill(k * rows, 2 * k - 1, k * max_pages, lay)
+                attn.prepare_replay_prefill(
+                    wrappers[k], lay, torch.from_numpy(lay.kv_indices).to(kv_cache.device)
+                )
+            if all(same):
+                self.joined |= {(k, rows): w for k, w in wrappers.items()}
+                continue
+            log.warning(
+                "prefill segments of %d rows planned as one attend otherwise than alone: a wrapper each", rows
+            )
+            self.wrappers[rows] = [
+                attn.prepare_capture_prefill(rows, 1, max_pages, alone) for _ in range(max_k)
+            ]
         self.max_k = max_k  # capture (and replay) order: the buckets largest first
         # (k, rows) → (graph, (logits [k, C', V], hidden [k, H]))
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
