@@ -29,28 +29,38 @@ from tests.test_graph_runner_replays_match_eager_on_cpu import (  # noqa: F401 (
 PAGE, MAX_CONTEXT = 16, 400
 
 
-@pytest.fixture(params=["a wrapper a segment", "one wrapper a graph", "one wrapper refused at startup"])
-def batched(monkeypatch, request):
+def batched_graphs(monkeypatch, how: str) -> bool:
     """Batched graphs on; their segments' attention in a wrapper each, or (where the backend plans
     segments as one: FlashInfer's FA2 over a float8 cache, a GPU's) in one wrapper per graph, or
     a wrapper each after all where the startup check finds other bits (`joined_keeps_bits`).
     → whether the graphs run one wrapper each."""
     monkeypatch.setattr("gpu_worker.runner.batched_prefill.capture", _capture)
     monkeypatch.setattr("gpu_worker.runner.graphs.batched_prefill_enabled", lambda *a: True)
-    rule = request.param != "a wrapper a segment"
+    rule = how != "a wrapper a segment"
     monkeypatch.setattr(
         "gpu_worker.attention.flashinfer.FlashInferGraphs.segments_plan_as_one", lambda self, rows: rule
     )
-    if request.param == "one wrapper refused at startup":
+    if how == "one wrapper refused at startup":
         monkeypatch.setattr("gpu_worker.runner.batched_prefill.joined_keeps_bits", lambda *a: False)
-    return request.param == "one wrapper a graph"
+    return how == "one wrapper a graph"
+
+
+@pytest.fixture(params=["a wrapper a segment", "one wrapper a graph"])
+def batched(monkeypatch, request):
+    return batched_graphs(monkeypatch, request.param)
+
+
+@pytest.fixture(params=["a wrapper a segment", "one wrapper a graph", "one wrapper refused at startup"])
+def batched_or_refused(monkeypatch, request):
+    return batched_graphs(monkeypatch, request.param)
 
 
 def test_a_steps_prompts_run_in_lanes_batched_and_mixed_graphs_as_eagerly(
     program,  # noqa: F811
     graph_runner_cls,  # noqa: F811
-    batched,
+    batched_or_refused,
 ):
+    batched = batched_or_refused
     n_seq, per = 12, pages_for(MAX_CONTEXT + 1, PAGE)
     shape = (program.num_layers, 1 + n_seq * per, PAGE, program.num_kv_heads, program.head_dim)
     kv_g = allocate_kv_cache(*shape, torch.float32, "cpu")
