@@ -157,17 +157,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.host:
         host_profile(eng, 3 * args.steps, args.rows)
     made = itertools.count()
-    gone: set[str] = set()
     # Every step starts the k prompts it is given, whatever room the fitted step cost leaves them
     # (the server paces admission by it; here prompts would queue from one timed run to the next).
     eng.scheduler.real_time = False
 
     def oldest() -> str:
-        """The oldest running request that has run a step and is not leaving yet (the batch keeps
-        its size: one leaves as one comes, for as many prompt steps as the runs take)."""
-        rid = next(r for r, req in eng.running.items() if r not in gone and req.n_ctx > 0)
-        gone.add(rid)
-        return rid
+        """The oldest running request that has run a step (an abort takes it out of `running` at
+        once): the batch keeps its size, one leaves as one comes, for as many prompt steps as the
+        runs take."""
+        return next(r for r, req in eng.running.items() if req.n_ctx > 0)
 
     def new_prompts(k: int):
         def before(_: int) -> None:

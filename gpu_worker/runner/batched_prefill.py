@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -176,7 +176,7 @@ class PromptSegments:
     """Up to `count` segments of R rows per bucket R, one prompt each, each with arena spans
     (`kind`: their names' prefix) and an attention wrapper of its own, planned as its prefill
     graph plans it alone: the segments a batched graph or a mixed graph's joiners run in.
-    `own_wrappers`: the buckets whose segments get a wrapper each (all by default)."""
+    `shared`: the buckets whose segments share a wrapper instead (their owner's), none by default."""
 
     def __init__(
         self,
@@ -188,14 +188,14 @@ class PromptSegments:
         count: int,
         max_pages: int,
         kind: str = "b",
-        own_wrappers: Callable[[int], bool] = lambda rows: True,
+        shared: Collection[int] = (),
     ) -> None:
         self.program, self.kv_cache, self.arena, self.attn = program, kv_cache, arena, attn
         self.page_size = kv_cache.shape[3]
         self.buckets, self.count, self.kind = sorted(buckets, reverse=True), count, kind
         self.wrappers: dict[int, list] = {}
         empty = empty_prefill(program.n_codebooks)
-        for rows in filter(own_wrappers, self.buckets):
+        for rows in (r for r in self.buckets if r not in shared):
             lay = prefill_layout(empty, rows, 1, self.page_size)
             self.wrappers[rows] = [
                 attn.prepare_capture_prefill(rows, 1, max_pages, lay) for _ in range(count)
@@ -273,37 +273,31 @@ class BatchedPrefill(PromptSegments):
         # with each segment's bits (`segments_plan_as_one`: one kernel a layer, not one a segment)
         # and a check at startup finds the same bits (`joined_keeps_bits`); elsewhere a wrapper a
         # segment (`Segments`).
-        joined = [r for r in buckets if attn.segments_plan_as_one(r)]
-        super().__init__(
-            program, kv_cache, arena, attn, buckets, max_k, max_pages, own_wrappers=lambda r: r not in joined
-        )
         self.joined: dict[tuple[int, int], object] = {}  # (k, rows) → the wrapper of k segments
-        for rows in joined:
-            alone = prefill_layout(empty_prefill(program.n_codebooks), rows, 1, self.page_size)
+        for rows in (r for r in buckets if attn.segments_plan_as_one(r)):
+            alone = prefill_layout(empty_prefill(program.n_codebooks), rows, 1, kv_cache.shape[3])
+            lays = {k: joined_layout([alone] * k) for k in range(2, max_k + 1)}
             wrappers = {
-                k: attn.prepare_capture_prefill(
-                    k * rows, 2 * k - 1, k * max_pages, joined_layout([alone] * k)
-                )
-                for k in range(2, max_k + 1)
+                k: attn.prepare_capture_prefill(k * rows, 2 * k - 1, k * max_pages, lay)
+                for k, lay in lays.items()
             }
             single = attn.prepare_capture_prefill(rows, 1, max_pages, alone)
             same = [
                 joined_keeps_bits(program, kv_cache, attn, rows, k, wrappers[k], single) for k in {2, max_k}
             ]
             for k in {2, max_k}:  # planned as at creation again: the check's pages are a scratch cache's
-                lay = joined_layout([alone] * k)
-                attn.prepare_replay_prefill(
-                    wrappers[k], lay, torch.from_numpy(lay.kv_indices).to(kv_cache.device)
-                )
+                kv = torch.from_numpy(lays[k].kv_indices).to(kv_cache.device)
+                attn.prepare_replay_prefill(wrappers[k], lays[k], kv)
             if all(same):
                 self.joined |= {(k, rows): w for k, w in wrappers.items()}
-                continue
-            log.warning(
-                "prefill segments of %d rows planned as one attend otherwise than alone: a wrapper each", rows
-            )
-            self.wrappers[rows] = [
-                attn.prepare_capture_prefill(rows, 1, max_pages, alone) for _ in range(max_k)
-            ]
+            else:
+                log.warning(
+                    "prefill segments of %d rows planned as one attend otherwise than alone: a wrapper each",
+                    rows,
+                )
+        super().__init__(
+            program, kv_cache, arena, attn, buckets, max_k, max_pages, shared={r for _, r in self.joined}
+        )
         self.max_k = max_k  # capture (and replay) order: the buckets largest first
         # (k, rows) → (graph, (logits [k, C', V], hidden [k, H]))
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
