@@ -158,6 +158,20 @@ async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse
         return _error(500, "internal error")
 
 
+@web.middleware
+async def _hang_up_on_408(request: web.Request, handler: Any) -> web.StreamResponse:
+    """A 408 (a body that stalled past --body-timeout) is sent and then the connection is closed:
+    aiohttp would otherwise linger up to 10 s reading the rest of a body that is not coming, which
+    keeps a stalled client's socket open that long past its answer."""
+    resp = await handler(request)
+    if resp.status == 408 and not resp.prepared:
+        resp.force_close()  # "Connection: close"
+        await resp.prepare(request)
+        await resp.write_eof()
+        request.protocol.force_close()  # the transport closes once the answer is written out
+    return resp
+
+
 def _allowed(e: web.HTTPException) -> set[str]:
     return set(getattr(e, "allowed_methods", ()) or ())
 
@@ -178,7 +192,7 @@ def build_app(
             "ServeConfig has neither addresses nor run_dir; set one so the gateway can find the workers"
         )
     pipeline = Pipeline(cfg, addresses, idle_timeout_s=idle_timeout_s, submit_timeout_s=submit_timeout_s)
-    middlewares = [_release_request_id, _json_errors]
+    middlewares = [_release_request_id, _hang_up_on_408, _json_errors]
     key = auth.load_api_key(cfg)
     if key is not None:
         middlewares.append(auth.middleware(key, error_body))

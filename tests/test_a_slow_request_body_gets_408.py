@@ -50,7 +50,8 @@ async def test_a_body_that_stalls_gets_408_and_the_connection_closes(rig: Rig, p
         )
     )
     assert "--body-timeout" in json.dumps(json.loads(await reader.readexactly(length)))
-    assert await asyncio.wait_for(reader.read(), 15) == b"", "the connection stays open"
+    # closed at once, not after aiohttp's lingering read of the body that is not coming
+    assert await asyncio.wait_for(reader.read(), 2) == b"", "the connection stays open"
     writer.close()
     # The gateway serves on: a prompt body is read as before.
     resp = await rig.client.post(path, data=b"{}", headers={"Content-Type": "application/json"})
