@@ -80,6 +80,9 @@ class Result:
     # seconds its new connection took to open (0.0: the request reused one); ~1 s or more where the
     # server's accept queue was full and the SYN went again (`voxpipe bench connect`)
     connect_s: float = 0.0
+    # seconds from its start to its request's headers written: the client's own wait (its event loop
+    # busy with the other streams of a burst, the connection) before the server can see it
+    send_s: float = float("nan")
 
     def on_time(self, sample_rate: int, slack_s: float = 0.0) -> bool:
         """Every chunk came before the audio received ahead of it had played out (give or take
@@ -149,6 +152,7 @@ async def one_request(
         sent = {"json": body} if isinstance(body, dict) else {"data": body}
         async with session.post(url, **sent, headers=headers, trace_request_ctx=timing) as r:
             res.connect_s = timing.get("connect_s", 0.0)
+            res.send_s = timing.get("sent_at", float("nan")) - t0
             if r.status != 200:
                 res.error = f"HTTP {r.status}: {(await r.text())[:200]}"
                 if r.status == 503 and r.headers.get("Retry-After", "").isdigit():
@@ -168,8 +172,9 @@ async def one_request(
 
 
 def connect_timing() -> aiohttp.TraceConfig:
-    """A session's trace that puts each new connection's opening time into its request's
-    `trace_request_ctx` (a dict: "connect_s")."""
+    """A session's trace that puts into each request's `trace_request_ctx` (a dict) its new
+    connection's opening time ("connect_s") and when its headers were written ("sent_at",
+    perf_counter)."""
 
     async def start(_session, ctx, _params) -> None:
         ctx.connect_t0 = time.perf_counter()
@@ -178,9 +183,14 @@ def connect_timing() -> aiohttp.TraceConfig:
         if isinstance(ctx.trace_request_ctx, dict):
             ctx.trace_request_ctx["connect_s"] = time.perf_counter() - ctx.connect_t0
 
+    async def sent(_session, ctx, _params) -> None:
+        if isinstance(ctx.trace_request_ctx, dict):
+            ctx.trace_request_ctx["sent_at"] = time.perf_counter()
+
     trace = aiohttp.TraceConfig()
     trace.on_connection_create_start.append(start)
     trace.on_connection_create_end.append(end)
+    trace.on_request_headers_sent.append(sent)
     return trace
 
 
@@ -417,11 +427,17 @@ def summarize(results: list[Result], wall_s: float, sample_rate: int, ramp_s: fl
 
 
 def connect_summary(results: list[Result]) -> dict:
+    """The connections opened (how long, how many waited for a SYN retry) and when the requests went
+    out (`send_ms`: from each one's start to its headers written, the part of its TTFA the server
+    never sees; in a burst, mostly the client's own event loop getting through the others)."""
     opened = [1000 * r.connect_s for r in results if r.connect_s > 0]
+    sent = [1000 * r.send_s for r in results if r.send_s == r.send_s]
     return {
         "connects": len(opened),
         "connect_p99_ms": round(percentile(opened, 99), 1) if opened else None,
         "connects_retried": sum(c >= 1000 * RETRIED_CONNECT_S for c in opened),
+        "send_ms_p50": round(percentile(sent, 50), 1) if sent else None,
+        "send_ms_p99": round(percentile(sent, 99), 1) if sent else None,
     }
 
 

@@ -74,6 +74,9 @@ def test_load_levels_report_ttfa_viability_and_throughput(server, tmp_path):
         # each client opened its connection (a closed loop reuses it) within the level, none retried
         assert point["concurrency"] <= point["connects"] <= point["requests"], point
         assert point["connects_retried"] == 0 and 0 < point["connect_p99_ms"] < 900
+        # every request went out, after its connection opened and before its first audio came
+        assert point["connect_p99_ms"] / 10 < point["send_ms_p99"] < point["ttfa_p99_ms"], point
+        assert 0 < point["send_ms_p50"] <= point["send_ms_p99"]
     # The server's gauges, sampled every 2 s while the levels ran (3 s each, plus the drain).
     during = [p["server_during"] for p in res["curve"]]
     busy = [d for d in during if d["samples"] > 0]
@@ -106,10 +109,18 @@ def test_bench_commands_run_their_module_and_an_unknown_one_is_refused(tmp_path,
 
 
 def test_a_level_counts_the_connects_that_waited_for_a_syn_retry():
-    results = [Result(ok=True, connect_s=c) for c in (0.0, 0.012, 0.015, 1.04, 0.0)]
-    assert connect_summary(results) == {"connects": 3, "connect_p99_ms": 1040.0, "connects_retried": 1}
+    results = [Result(ok=True, connect_s=c, send_s=c + 0.001) for c in (0.0, 0.012, 0.015, 1.04, 0.0)]
+    assert connect_summary(results) == {
+        "connects": 3,
+        "connect_p99_ms": 1040.0,
+        "connects_retried": 1,
+        "send_ms_p50": 13.0,
+        "send_ms_p99": 1041.0,
+    }
     assert connect_summary([Result(ok=True)]) == {
         "connects": 0,
         "connect_p99_ms": None,
         "connects_retried": 0,
+        "send_ms_p50": None,
+        "send_ms_p99": None,
     }
