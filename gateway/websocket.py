@@ -34,12 +34,13 @@ started is aborted upstream.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 from typing import Any
 
-from aiohttp import WSMsgType, web
+from aiohttp import WSMessage, WSMsgType, web
 
 from gateway.auth import UNVERIFIED, key_matches
 from gateway.body import MAX_BODY_BYTES, BodyError, check_unicode
@@ -95,6 +96,12 @@ class Session:
         self.admitted = False  # holds an active stream (gateway.admission) until the handler ends
         self._player: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()  # frames from the reader and the player never interleave
+        # The close the player asks for at the session's end (code, reason), which the reader makes
+        # (`_receive`), woken by `_wake`: aiohttp's close from a task other than the one receiving
+        # closes the socket without waiting for the client's close, and a client still sending
+        # then gets a reset that can drop the error event and close frame before it.
+        self._end: tuple[int, bytes] | None = None
+        self._wake = asyncio.Event()
 
     async def run(self) -> str:
         """Serve the session; returns its outcome (a metrics label)."""
@@ -187,6 +194,10 @@ class Session:
         no message for idle_s while nothing was generating or waiting to be sent."""
         heard = time.monotonic()
         while True:
+            if self._end is not None:  # the player's end: closed here, waiting for the client's close
+                code, reason = self._end
+                await self.ws.close(code=code, message=reason)
+                return None
             live = None if opening else self.live
             busy = live is not None and live.busy and not (self._player is None or self._player.done())
             quiet = heard if live is None else max(heard, live.quiet_since)
@@ -197,8 +208,10 @@ class Session:
                 self.outcome = "client_error" if opening else "ok"
                 return None
             try:
-                msg = await self.ws.receive(timeout=left)
+                msg = await self._next_message(left)
             except asyncio.TimeoutError:
+                continue
+            if msg is None:  # woken by the player's end
                 continue
             if msg.type == WSMsgType.TEXT:
                 return msg.data
@@ -209,6 +222,28 @@ class Session:
                     CLOSE_UNSUPPORTED,
                 )
             return None  # CLOSE, CLOSING, CLOSED, ERROR
+
+    async def _next_message(self, timeout: float) -> WSMessage | None:
+        """The next WebSocket message within `timeout` (else TimeoutError), or None once the player
+        asks for the session's end (`_end`); a message not yet taken stays queued."""
+        if self._player is None:
+            return await self.ws.receive(timeout=timeout)
+        receiving = asyncio.ensure_future(self.ws.receive(timeout=timeout))
+        woken = asyncio.ensure_future(self._wake.wait())
+        try:
+            await asyncio.wait((receiving, woken), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            woken.cancel()
+            if not receiving.done():
+                receiving.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await receiving
+        return receiving.result() if not receiving.cancelled() else None
+
+    def _end_session(self, code: int, reason: bytes) -> None:
+        """The player's end: the reader closes with `code` (`_receive`)."""
+        self._end = (code, reason)
+        self._wake.set()
 
     async def _read(self, live: LiveSynthesis | NativeSynthesis) -> None:
         while not self.ws.closed:
@@ -306,20 +341,20 @@ class Session:
                 await self.send({"type": "done", "usage": usage})
                 log.info("[%s] session done: %d chars, %.2f s of audio", self.sid, self.n_chars, seconds)
                 self.outcome = "ok"
-                await self.ws.close(code=CLOSE_NORMAL, message=b"done")
+                self._end_session(CLOSE_NORMAL, b"done")
                 return
             assert isinstance(result, Failed)
             log.warning("[%s] a segment failed: %d %s", self.sid, result.status, result.message)
             self.outcome = outcome_of(result.status)
             code = CLOSE_POLICY if 400 <= result.status < 500 else CLOSE_ERROR  # the client's text
-            await self._refuse(ProtocolError(result.message, True, code))
+            await self._refuse(ProtocolError(result.message, True, code), by_player=True)
         except (ConnectionError, ClientGone):
             log.info("[%s] client disconnected", self.sid)
             self.outcome = "cancelled"
         except Exception:
             log.exception("[%s] the session's player failed", self.sid)
             self.outcome = "server_error"
-            await self._refuse(ProtocolError("internal error", True, CLOSE_ERROR))
+            await self._refuse(ProtocolError("internal error", True, CLOSE_ERROR), by_player=True)
 
     # -- sending ----------------------------------------------------------------------------------
 
@@ -332,12 +367,15 @@ class Session:
     async def _error(self, message: str, param: str | None, fatal: bool) -> None:
         await self.send({"type": "error", "message": message, "param": param, "fatal": fatal})
 
-    async def _refuse(self, e: ProtocolError) -> None:
-        """A fatal error: the event, then the close."""
+    async def _refuse(self, e: ProtocolError, by_player: bool = False) -> None:
+        """A fatal error: the event, then the close (`by_player`: the reader's, `_end_session`)."""
         log.info("[%s] closing the session (%d): %s", self.sid, e.code, e)
         try:
             await self._error(str(e), e.param, fatal=True)
-            await self.ws.close(code=e.code, message=str(e)[:120].encode())
+            if by_player:
+                self._end_session(e.code, str(e)[:120].encode())
+            else:
+                await self.ws.close(code=e.code, message=str(e)[:120].encode())
         except ConnectionError:
             pass
 

@@ -132,11 +132,19 @@ async def test_text_past_one_generations_capacity_closes_with_1008_and_frees_all
             await _started(ws, 1)
             await ws.send_json({"type": "append", "text": "Hello there, how are"})
             await _first_audio(ws, [])  # running, waiting for text
-            for _ in range(8):  # unknown words: several tokens each, past the 600 a slot holds
-                try:
-                    await ws.send_json({"type": "append", "text": " zqxv plughj wvbk" * 60})
-                except ConnectionResetError:  # the server closed on an earlier one (the error below)
-                    break
+
+            async def flood() -> None:
+                # Unknown words (several tokens each) past the 600 a slot holds, and more while the
+                # server refuses them: its close must still reach a client that keeps sending.
+                while not ws.closed:
+                    try:
+                        await ws.send_json({"type": "append", "text": " zqxv plughj wvbk" * 60})
+                    except (ConnectionError, RuntimeError):  # the session closed meanwhile
+                        return
+                    await asyncio.sleep(0.005)
+
+            sending = asyncio.create_task(flood())
+            await asyncio.sleep(1.0)  # reading later: the server's close waits for the client's
             events: list[dict] = []
             while True:
                 msg = await ws.receive(timeout=60)
@@ -144,6 +152,7 @@ async def test_text_past_one_generations_capacity_closes_with_1008_and_frees_all
                     events.append(json.loads(msg.data))
                 elif msg.type != aiohttp.WSMsgType.BINARY:
                     break
+            await sending
         errors = [e for e in events if e["type"] == "error"]
         assert msg.type == aiohttp.WSMsgType.CLOSE and msg.data == 1008, msg
         assert (
