@@ -274,6 +274,7 @@ class BatchedPrefill(PromptSegments):
         # and a check at startup finds the same bits (`joined_keeps_bits`); elsewhere a wrapper a
         # segment (`Segments`).
         self.joined: dict[tuple[int, int], object] = {}  # (k, rows) → the wrapper of k segments
+        checked = {2, max_k}  # the segment counts the startup check plans
         for rows in (r for r in buckets if attn.segments_plan_as_one(r)):
             alone = prefill_layout(empty_prefill(program.n_codebooks), rows, 1, kv_cache.shape[3])
             lays = {k: joined_layout([alone] * k) for k in range(2, max_k + 1)}
@@ -282,10 +283,8 @@ class BatchedPrefill(PromptSegments):
                 for k, lay in lays.items()
             }
             single = attn.prepare_capture_prefill(rows, 1, max_pages, alone)
-            same = [
-                joined_keeps_bits(program, kv_cache, attn, rows, k, wrappers[k], single) for k in {2, max_k}
-            ]
-            for k in {2, max_k}:  # planned as at creation again: the check's pages are a scratch cache's
+            same = [joined_keeps_bits(program, kv_cache, attn, rows, k, wrappers[k], single) for k in checked]
+            for k in checked:  # planned as at creation again: the check's pages are a scratch cache's
                 kv = torch.from_numpy(lays[k].kv_indices).to(kv_cache.device)
                 attn.prepare_replay_prefill(wrappers[k], lays[k], kv)
             if all(same):
