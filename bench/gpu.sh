@@ -65,7 +65,8 @@
 # VOXPIPE_CODEC_BATCH / _OTHER, VOXPIPE_COMPILE_MODES, VOXPIPE_PROFILE_BATCH / _FLAGS,
 # VOXPIPE_TAP_LEVEL / VOXPIPE_PROFILE_LEVEL / VOXPIPE_PROFILE_ROLES (load, burst and the rate
 # stages: a tap, py-spy profiles of those workers, at that level), VOXPIPE_CLONE_MODEL, VOXPIPE_QWEN3_MODEL, VOXPIPE_RATES,
-# VOXPIPE_WS_SESSIONS, VOXPIPE_LABEL (device label, default: nvidia-smi's).
+# VOXPIPE_WS_SESSIONS, VOXPIPE_LABEL (device label, default: nvidia-smi's), VOXPIPE_CLIENT_PROCS
+# (the burst stage's client processes, default 4: a burst's requests go out side by side).
 # bench/device.sh wraps this script for a bare machine that gets the packages carried with the tree.
 set -u
 cd "$(dirname "$0")/.."
@@ -148,7 +149,8 @@ for stage in "$@"; do
         ;;
     burst)
         run burst $bench ttfa --reps 15 --tokens 200 --load "${VOXPIPE_LOAD:-32,64,128,256,384,448,512}" \
-            --load-duration "${VOXPIPE_LOAD_S:-20}" --burst --label "$LABEL" --load-out "$OUT/burst.json" \
+            --load-duration "${VOXPIPE_LOAD_S:-20}" --burst --client-procs "${VOXPIPE_CLIENT_PROCS:-4}" \
+            --label "$LABEL" --load-out "$OUT/burst.json" \
             --out "$OUT/burst-ttfa.json" $(observe burst) -- $serve_flags $record_flags ${VOXPIPE_SERVE_EXTRA:-}
         ;;
     offline-serve)

@@ -21,10 +21,13 @@ The command line (model limits from the server, progress, stopping on failures):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -194,6 +197,8 @@ def connect_timing() -> aiohttp.TraceConfig:
     return trace
 
 
+# A level split over client processes starts this long after they are told (each already waits).
+PART_START_S = 0.05
 RETRIED_CONNECT_S = 0.9  # a new connection this slow waited for a SYN retry (Linux's first: 1 s)
 
 
@@ -370,20 +375,29 @@ def step_bounds(gauges: dict) -> dict:
     return out
 
 
-def measure_level(base: str, sample_rate: int, ttfa_by_rid: dict | None = None, **level) -> dict:
+def measure_level(
+    base: str, sample_rate: int, ttfa_by_rid: dict | None = None, client_procs: int = 1, **level
+) -> dict:
     """One load level (`run_level`'s keywords) → its summary, with the server's gauges sampled
-    while it ran (`server_during`); each request's TTFA in ms goes into `ttfa_by_rid` if given."""
+    while it ran (`server_during`); each request's TTFA in ms goes into `ttfa_by_rid` if given.
+    `client_procs` > 1: the level's clients (or its Poisson rate) split over that many processes
+    (`run_level_parts`), started together."""
+    procs = max(1, client_procs)
+    children = start_parts(base, procs, level) if procs > 1 else []  # before the sampler's thread
     sampler = GaugeSampler(
         base, BURST_SAMPLE_S if arrivals(level.get("rate"), level.get("ramp", 0.0)) == "burst" else SAMPLE_S
     )
-    use_uvloop()  # the client's loop reads every stream's chunks: keep its own lag out of the timings
-    results, wall = asyncio.run(run_level(base, **level))
+    if children:
+        results, wall = run_level_parts(children)
+    else:
+        use_uvloop()  # the client's loop reads every stream's chunks: keep its own lag out of the timings
+        results, wall = asyncio.run(run_level(base, **level))
     if ttfa_by_rid is not None:
         ttfa_by_rid.update({r.rid: 1000 * r.ttfa for r in results if r.ok and r.chunks})
     summary = summarize(results, wall, sample_rate, ramp := level.get("ramp", 0.0))
     if level.get("cloning") is not None:  # the level's cloned and plain requests apart
         summary |= split(level["cloning"], results, lambda part: summarize(part, wall, sample_rate, ramp))
-    return {**summary, "server_during": sampler.summary()}
+    return {**summary, "client_procs": procs, "server_during": sampler.summary()}
 
 
 def summarize(results: list[Result], wall_s: float, sample_rate: int, ramp_s: float = 0.0) -> dict:
@@ -486,15 +500,24 @@ async def run_level(
     progress_s: float = 0.0,
     texts: str = "mixed",
     cloning: Cloning | None = None,
+    part: tuple[int, int] = (0, 1),
+    start_at: float = 0.0,
 ) -> tuple[list[Result], float]:
     """Closed loop (`concurrency` clients, each sending back to back, their first requests spread
     evenly over `ramp` seconds: 0, a burst, every one at once) or open loop (Poisson `rate`). A
     client refused at admission waits its Retry-After, within the level. With `max_errors` > 0 the
     level ends early once that many requests failed (rejections are not failures); with
     `progress_s` > 0 a line on stderr every that many seconds says how far it got. `cloning`: which
-    requests carry a new reference clip (bench.clips), and the plain ones' voice."""
-    rng = random.Random(seed)
+    requests carry a new reference clip (bench.clips), and the plain ones' voice. `part` (p, k):
+    this is process p of k running the level (`run_level_parts`): it runs the clients i with
+    i % k == p (each at its own place in the ramp), or a Poisson stream of rate / k (k of them are
+    one of `rate`), and stops at its share of `max_errors`; `start_at` (perf_counter, one clock
+    for the host's processes): when the level starts."""
+    p, k = part
+    rng = random.Random(seed if k == 1 else seed * 1_000_003 + p)
     cloning = cloning or Cloning()
+    if k > 1:
+        rate, max_errors = rate / k, -(-max_errors // k)
     url = base + "/generate"
     timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
     results: list[Result] = []
@@ -507,21 +530,25 @@ async def run_level(
             "min_tokens": tokens,
         }
 
-    level_id = uuid.uuid4().hex[:8]
+    level_id = uuid.uuid4().hex[:8] + (f"-{p}" if k > 1 else "")
     rids = (f"load-{level_id}-{n}" for n in itertools.count())
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(
         timeout=timeout, connector=connector, headers=auth_headers(), trace_configs=[connect_timing()]
     ) as s:
-        t0 = time.perf_counter()
+        while start_at and (wait := start_at - time.perf_counter()) > 0:  # a loop's timer may wake early
+            await asyncio.sleep(wait)
+        t0 = start_at or time.perf_counter()
         deadline = t0 + duration
 
         def going() -> bool:
             failed = max_errors > 0 and sum(not r.ok and not r.retry_after_s for r in results) >= max_errors
             return not failed and time.perf_counter() < deadline
 
-        ticker = (
-            asyncio.create_task(_report_progress(results, t0, duration, progress_s)) if progress_s else None
+        ticker = (  # of several processes, the first reports its part
+            asyncio.create_task(_report_progress(results, t0, duration, progress_s))
+            if progress_s and p == 0
+            else None
         )
         if concurrency:
 
@@ -534,7 +561,7 @@ async def run_level(
                     if res.retry_after_s:  # as a well-behaved client does, within the level
                         await asyncio.sleep(min(res.retry_after_s, max(0.0, deadline - time.perf_counter())))
 
-            await asyncio.gather(*(client(i) for i in range(concurrency)))
+            await asyncio.gather(*(client(i) for i in range(p, concurrency, k)))
         else:
             tasks = []
             while going():
@@ -545,6 +572,81 @@ async def run_level(
         if ticker is not None:
             ticker.cancel()
         return results, time.perf_counter() - t0
+
+
+def start_parts(base: str, procs: int, level: dict) -> list[subprocess.Popen]:
+    """`procs` client processes for one level (`run_level`'s keywords), each told its part
+    (`run_level`'s `part`) and ready: `run_level_parts` starts them. A burst's clients opening
+    their connections and writing their requests in one event loop go out one after the other
+    (~60 ms for the median request of 288 on an H100's host: `send_ms`), where independent clients
+    would not; several processes do that part side by side."""
+    cloning = level.get("cloning")
+    plain = {k: v for k, v in level.items() if k != "cloning"}
+    clips = None if cloning is None else {
+        "share": cloning.share, "voice": cloning.voice, "seconds": cloning.seconds, "nonce": cloning.nonce,
+    }  # fmt: skip
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    children = []
+    try:
+        for p in range(procs):
+            child = subprocess.Popen(
+                [sys.executable, "-m", "bench.load", "--part"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                text=True, env=env,
+            )  # fmt: skip
+            children.append(child)
+            assert child.stdin is not None
+            child.stdin.write(
+                json.dumps({"base": base, "level": plain, "cloning": clips, "part": [p, procs]}) + "\n"
+            )
+            child.stdin.flush()
+        for child in children:
+            assert child.stdout is not None
+            if child.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"a client process did not start (exit {child.wait()})")
+    except BaseException:
+        for child in children:
+            child.kill()
+        raise
+    return children
+
+
+def run_level_parts(children: list[subprocess.Popen]) -> tuple[list[Result], float]:
+    """Start the level in every process of `start_parts` at once → all their results, and the
+    level's wall time (its longest part's)."""
+    start_at = time.perf_counter() + PART_START_S
+    for child in children:
+        assert child.stdin is not None
+        child.stdin.write(f"{start_at!r}\n")
+        child.stdin.flush()
+    results, wall = [], 0.0
+    for child in children:
+        out, _ = child.communicate()
+        if child.returncode != 0:
+            for other in children:
+                other.kill()
+            raise RuntimeError(f"a client process of the level failed (exit {child.returncode})")
+        got = json.loads(out.splitlines()[-1])
+        wall = max(wall, got["wall"])
+        results += [Result(**{**r, "chunks": [tuple(c) for c in r["chunks"]]}) for r in got["results"]]
+    return results, wall
+
+
+def _part_main() -> None:
+    """A process of a level split over several (`start_parts`): its part on stdin's first line,
+    "ready" on stdout, the level's start (perf_counter) on stdin's next line, then its results as
+    one line of JSON."""
+    spec = json.loads(sys.stdin.readline())
+    level, clips, part = spec["level"], spec["cloning"], tuple(spec["part"])
+    if clips is not None:  # a clip nonce of its own: every cloned request's clip is new
+        level["cloning"] = Cloning(
+            clips["share"], clips["voice"], clips["seconds"], nonce=clips["nonce"] + part[0]
+        )
+    use_uvloop()
+    print("ready", flush=True)
+    start_at = float(sys.stdin.readline())
+    results, wall = asyncio.run(run_level(spec["base"], part=part, start_at=start_at, **level))
+    print(json.dumps({"wall": wall, "results": [dataclasses.asdict(r) for r in results]}), flush=True)
 
 
 async def _report_progress(results: list[Result], t0: float, duration: float, every: float) -> None:
@@ -616,3 +718,7 @@ def plot(curve: list[dict], key: str, path: str) -> bool:
     fig.savefig(path)
     plt.close(fig)
     return True
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--part"]:
+    _part_main()

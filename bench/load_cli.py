@@ -80,6 +80,13 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--progress", type=float, default=5.0, help="seconds between progress lines (0: none)")
     ap.add_argument(
+        "--client-procs",
+        type=int,
+        default=1,
+        help="client processes each level's clients (Poisson: its rate) are split over, started together: a burst's "
+        "requests then go out side by side as independent clients' do, not one after the other (default 1)",
+    )
+    ap.add_argument(
         "--texts",
         choices=sorted(TEXT_SETS),
         default="mixed",
@@ -145,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                 ramp=args.ramp,
                 max_errors=args.max_errors,
                 progress_s=args.progress,
+                client_procs=args.client_procs,
                 texts=args.texts,
                 cloning=None
                 if share is None and not voice

@@ -144,7 +144,7 @@ def load_curve(base: str, args) -> None:
         client_ttfa: dict[str, float] = {}
         point |= measure_level(base, 24000, client_ttfa, **{key: level}, duration=args.load_duration,
                                tokens=args.load_tokens, prompt_allowance=args.prompt_allowance, seed=i, ramp=args.ramp,
-                               texts=args.texts, cloning=cloning)  # fmt: skip
+                               texts=args.texts, cloning=cloning, client_procs=args.client_procs)  # fmt: skip
         point["server_after"] = server_gauges(base)
         if tap is not None:
             tap.join()
@@ -243,6 +243,13 @@ def main(argv: list[str] | None = None) -> int:
     starts = ap.add_mutually_exclusive_group()
     starts.add_argument("--ramp", type=float, default=0.0, help="closed loop: spread client starts over S s")
     starts.add_argument("--burst", action="store_true", help="closed loop: every client of a level at once")
+    ap.add_argument(
+        "--client-procs",
+        type=int,
+        default=1,
+        help="client processes each level's clients (Poisson: its rate) are split over, started together: a burst's "
+        "requests then go out side by side as independent clients' do, not one after the other (default 1)",
+    )
     ap.add_argument("--load-out", default="load.json")
     ap.add_argument("--plot", default="")
     ap.add_argument("--label", default="", help="device label for the load results")

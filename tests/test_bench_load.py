@@ -7,7 +7,15 @@ import math
 
 import pytest
 
-from bench.load import Result, auth_headers, connect_summary, summarize
+from bench.load import (
+    Result,
+    auth_headers,
+    connect_summary,
+    measure_level,
+    run_level_parts,
+    start_parts,
+    summarize,
+)
 from common.cli import main
 
 
@@ -87,6 +95,23 @@ def test_load_levels_report_ttfa_viability_and_throughput(server, tmp_path):
         assert 0.0 <= d["admission_queued_share"] <= 1.0
     assert any(d.get("codec_windows_per_call", 0) >= 1 for d in during), during
     assert res["max_streams_meeting_target"] in (0, 1, 3)
+
+
+def test_a_level_split_over_client_processes_starts_them_together(server):
+    """`--client-procs 2`: a burst's clients, and a Poisson rate, run in two processes started at
+    once; their results come back as one level's."""
+    level = {"duration": 1.5, "tokens": 60, "prompt_allowance": 100, "seed": 3}
+    burst, wall = run_level_parts(start_parts(server.base, 2, {**level, "concurrency": 4}))
+    assert wall >= 1.5 and all(r.ok and r.chunks for r in burst), [r.error for r in burst]
+    assert len({r.rid for r in burst}) == len(burst) >= 4
+    parts = {r.rid.split("-")[2] for r in burst}  # load-<level>-<part>-<n>
+    assert parts == {"0", "1"}, parts
+    first = sorted(r.sent_at for r in burst)[:4]  # every client's first request at the level's start
+    assert 0 <= first[0] and first[-1] < 0.3, first
+    poisson, _ = run_level_parts(start_parts(server.base, 2, {**level, "rate": 2.0}))
+    assert {r.rid.split("-")[2] for r in poisson} == {"0", "1"} and all(r.ok for r in poisson)
+    point = measure_level(server.base, 24000, client_procs=2, concurrency=2, **level)
+    assert point["client_procs"] == 2 and point["errors"] == 0 and point["requests"] >= 2
 
 
 def test_bench_commands_run_their_module_and_an_unknown_one_is_refused(tmp_path, capsys):
