@@ -574,6 +574,17 @@ async def run_level(
         return results, time.perf_counter() - t0
 
 
+def add_client_procs(ap) -> None:
+    """The `--client-procs` option of the commands that run load levels (`measure_level`)."""
+    ap.add_argument(
+        "--client-procs",
+        type=int,
+        default=1,
+        help="client processes each level's clients (Poisson: its rate) are split over, started together: a burst's "
+        "requests then go out side by side as independent clients' do, not one after the other (default 1)",
+    )
+
+
 def start_parts(base: str, procs: int, level: dict) -> list[subprocess.Popen]:
     """`procs` client processes for one level (`run_level`'s keywords), each told its part
     (`run_level`'s `part`) and ready: `run_level_parts` starts them. A burst's clients opening

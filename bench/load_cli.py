@@ -24,7 +24,16 @@ from typing import Any
 import aiohttp
 
 from bench.clips import Cloning, plain_voice
-from bench.load import TEXT_SETS, arrivals, auth_headers, device_label, measure_level, meets_target, plot
+from bench.load import (
+    TEXT_SETS,
+    add_client_procs,
+    arrivals,
+    auth_headers,
+    device_label,
+    measure_level,
+    meets_target,
+    plot,
+)
 from bench.provenance import command, commit
 
 DEFAULT_TOKENS = 1024
@@ -79,13 +88,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         "--max-errors", type=int, default=5, help="end the run once a level has this many failures"
     )
     ap.add_argument("--progress", type=float, default=5.0, help="seconds between progress lines (0: none)")
-    ap.add_argument(
-        "--client-procs",
-        type=int,
-        default=1,
-        help="client processes each level's clients (Poisson: its rate) are split over, started together: a burst's "
-        "requests then go out side by side as independent clients' do, not one after the other (default 1)",
-    )
+    add_client_procs(ap)
     ap.add_argument(
         "--texts",
         choices=sorted(TEXT_SETS),

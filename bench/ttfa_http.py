@@ -223,6 +223,8 @@ def later(delay_s: float, fn, *args) -> threading.Thread:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bench.load import add_client_procs
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="orpheus")
     ap.add_argument("--port", type=int, default=8123)
@@ -243,13 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     starts = ap.add_mutually_exclusive_group()
     starts.add_argument("--ramp", type=float, default=0.0, help="closed loop: spread client starts over S s")
     starts.add_argument("--burst", action="store_true", help="closed loop: every client of a level at once")
-    ap.add_argument(
-        "--client-procs",
-        type=int,
-        default=1,
-        help="client processes each level's clients (Poisson: its rate) are split over, started together: a burst's "
-        "requests then go out side by side as independent clients' do, not one after the other (default 1)",
-    )
+    add_client_procs(ap)
     ap.add_argument("--load-out", default="load.json")
     ap.add_argument("--plot", default="")
     ap.add_argument("--label", default="", help="device label for the load results")
