@@ -31,6 +31,15 @@ def segment(rng: np.random.Generator, rows: int) -> StepBatch:
     return StepBatch(np.zeros((n, 1), np.int64), np.arange(n), [0, n], [n], [table], 1)
 
 
+def settled(stage: str) -> None:
+    """Wait for the device's work so far: a fault of a kernel queued before (an illegal address
+    is reported at the next call that waits, and every call after) names the stage it came in."""
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError as e:
+        raise AssertionError(f"the device failed by the end of: {stage}") from e
+
+
 def timed(fn, reps: int = 50) -> float:
     """Mean ms of `fn` on the device."""
     fn()
@@ -60,15 +69,20 @@ def test_segments_planned_as_one_attend_as_each_alone(gpu_report, rows):
         own = [attn.prepare_capture_prefill(rows, 1, max_pages, alone) for _ in range(k)]
         for w, lay in zip(own, lays, strict=True):
             attn.prepare_replay_prefill(w, lay, torch.from_numpy(lay.kv_indices).cuda())
+        settled(f"k={k}: {k} wrappers of a segment each, planned")
         one = attn.prepare_capture_prefill(k * rows, 2 * k - 1, k * max_pages, joined_layout([alone] * k))
         joined = joined_layout(lays)
         attn.prepare_replay_prefill(one, joined, torch.from_numpy(joined.kv_indices).cuda())
+        settled(f"k={k}: one wrapper of the {k} segments, planned")
         q = torch.randn(k * rows, HQ, D, device="cuda", dtype=torch.bfloat16)
 
         def each(q=q, own=own) -> torch.Tensor:
             return torch.cat([w.run(q[j * rows : (j + 1) * rows], cache) for j, w in enumerate(own)])
 
-        want, got = each(), one.run(q, cache)
+        want = each()
+        settled(f"k={k}: the segments' own wrappers, run")
+        got = one.run(q, cache)
+        settled(f"k={k}: the one wrapper, run")
         assert torch.isfinite(want).all()
         for j, lay in enumerate(lays):  # every row of every segment, its padding entry's too
             seg = slice(j * rows, (j + 1) * rows)
