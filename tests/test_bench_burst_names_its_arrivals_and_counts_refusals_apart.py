@@ -1,7 +1,7 @@
-"""`voxpipe bench --burst`: every client of a level starts at once; each result file names its
-device, its arrivals (ramp, burst or poisson) and the largest level meeting the target; a request
-refused at admission (503 with Retry-After) is counted as rejected, not as a failure, and its client
-waits the Retry-After before the next."""
+"""`voxpipe bench --burst`: every client of a level starts at once (here in two client processes);
+each result file names its device, its arrivals (ramp, burst or poisson) and the largest level
+meeting the target; a request refused at admission (503 with Retry-After) is counted as rejected,
+not as a failure, and its client waits the Retry-After before the next."""
 
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ def test_a_burst_level_sends_every_clients_first_request_at_once(server, tmp_pat
         "2",
         "--tokens",
         "40",
+        "--client-procs",
+        "2",
     ]
     with pytest.raises(SystemExit) as done:
         main([*argv, "--device", "test-cpu", "--out", str(out)])
@@ -37,6 +39,7 @@ def test_a_burst_level_sends_every_clients_first_request_at_once(server, tmp_pat
     assert "--burst" in res["command"] and "max_streams_meeting_target" in res
     (point,) = res["curve"]
     assert point["arrivals"] == "burst" and point["errors"] == 0 and point["rejected"] == 0
+    assert point["client_procs"] == 2  # two clients in each of two processes, started together
     by = point["ttfa_by_sent_second"]
     assert by["t_s"][0] == 0 and by["n"][0] >= 4  # the four first requests went out in second 0
 

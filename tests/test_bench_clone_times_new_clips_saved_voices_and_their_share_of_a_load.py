@@ -77,7 +77,7 @@ def test_bench_ttfa_times_clips_and_saved_voices_then_a_load_with_a_clone_share(
     argv = ["--model", MODEL, "--port", str(free_port()), "--reps", "1", "--tokens", "10", "--clone-reps", "2",
             "--clip-seconds", "1", "--load", "2", "--clone-share", "0.5", "--load-duration", "2",
             "--load-tokens", "10", "--prompt-allowance", "60", "--out", str(out), "--load-out", str(load_out),
-            "--", "--tokenizer-workers", "1", "--voices-dir", str(voices)]  # fmt: skip
+            "--client-procs", "2", "--", "--tokenizer-workers", "1", "--voices-dir", str(voices)]  # fmt: skip
     assert ttfa_main(argv) == 0
     res = json.loads(out.read_text())
     for key in ("clip_ttfa_ms", "voice_ttfa_ms"):
@@ -87,7 +87,10 @@ def test_bench_ttfa_times_clips_and_saved_voices_then_a_load_with_a_clone_share(
     assert len(res["ttfa_ms"]) == 1 and res["clip_seconds"] == 1.0
     # the plain requests spoke by a saved voice (a Base model has none of its own), the others by one
     assert {"bench-plain.json", "bench-saved.json"} <= set(os.listdir(voices))
-    check_levels(json.loads(load_out.read_text())["curve"], [0.5])
+    # the cloning client and the plain one each in a process of its own (client i in process i % 2)
+    curve = json.loads(load_out.read_text())["curve"]
+    check_levels(curve, [0.5])
+    assert curve[0]["client_procs"] == 2
 
 
 @pytest.fixture(scope="module")
