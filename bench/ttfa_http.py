@@ -134,8 +134,9 @@ def load_curve(base: str, args) -> None:
         )
         point = {key: level, "arrivals": arrivals(key == "rate", args.ramp)}
         tap = None
-        if level == args.tap_level and point["arrivals"] == "burst":
-            # A burst's start is what to see: the tap connects before its requests go.
+        if level == args.tap_level and (point["arrivals"] == "burst" or args.tap_from_start):
+            # A burst's start is what to see (or, asked, any level's: the load coming to a server
+            # idle after the single streams): the tap connects before its requests go.
             tap = start_tap(args, delay_s=0.0, seconds=args.tap_seconds + TAP_CONNECT_S)
             time.sleep(TAP_CONNECT_S)
         elif level == args.tap_level:
@@ -251,6 +252,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--label", default="", help="device label for the load results")
     ap.add_argument("--tap-level", type=int, default=0, help="record `voxpipe tap` during this load level")
     ap.add_argument("--tap-seconds", type=float, default=8.0)
+    ap.add_argument(
+        "--tap-from-start",
+        action="store_true",
+        help="the tap records the tapped level from its first request (a burst's always; others: from 2 s "
+        "past the ramp)",
+    )
     ap.add_argument("--tap-out", default="tap.jsonl.gz")
     ap.add_argument("--profile-level", type=int, default=0, help="py-spy the workers during this load level")
     ap.add_argument("--profile-roles", default="gpu_worker,codec_worker")
