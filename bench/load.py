@@ -33,6 +33,7 @@ import threading
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -279,9 +280,12 @@ class GaugeSampler:
             except Exception as e:  # a 401, a server restarting, a torn read: say so in the summary
                 self.failures.append(f"{type(e).__name__}: {e}"[:200])
 
-    def summary(self) -> dict:
+    def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+
+    def summary(self) -> dict:
+        self.stop()
         busy = [s for _, s in self.samples if s.get("decode_batch_size", 0) > 0]
         keys = sorted({k for s in busy for k in s if not k.endswith("_total")})
         out: dict = {k: round(statistics.median(s[k] for s in busy if k in s), 3) for k in keys}
@@ -376,22 +380,33 @@ def step_bounds(gauges: dict) -> dict:
 
 
 def measure_level(
-    base: str, sample_rate: int, ttfa_by_rid: dict | None = None, client_procs: int = 1, **level
+    base: str,
+    sample_rate: int,
+    ttfa_by_rid: dict | None = None,
+    client_procs: int = 1,
+    before: Callable[[], object] | None = None,
+    **level,
 ) -> dict:
     """One load level (`run_level`'s keywords) → its summary, with the server's gauges sampled
     while it ran (`server_during`); each request's TTFA in ms goes into `ttfa_by_rid` if given.
     `client_procs` > 1: the level's clients (or its Poisson rate) split over that many processes
-    (`run_level_parts`), started together."""
+    (`run_level_parts`), started together. `before`: called just before the level starts (its
+    client processes ready), to start what records it (a tap)."""
     procs = max(1, client_procs)
     children = start_parts(base, procs, level) if procs > 1 else []  # before the sampler's thread
+    if before is not None:
+        before()
     sampler = GaugeSampler(
         base, BURST_SAMPLE_S if arrivals(level.get("rate"), level.get("ramp", 0.0)) == "burst" else SAMPLE_S
     )
-    if children:
-        results, wall = run_level_parts(children)
-    else:
-        use_uvloop()  # the client's loop reads every stream's chunks: keep its own lag out of the timings
-        results, wall = asyncio.run(run_level(base, **level))
+    try:
+        if children:
+            results, wall = run_level_parts(children)
+        else:
+            use_uvloop()  # the client's loop reads every stream's chunks: keep its own lag out of the timings
+            results, wall = asyncio.run(run_level(base, **level))
+    finally:
+        sampler.stop()
     if ttfa_by_rid is not None:
         ttfa_by_rid.update({r.rid: 1000 * r.ttfa for r in results if r.ok and r.chunks})
     summary = summarize(results, wall, sample_rate, ramp := level.get("ramp", 0.0))
@@ -511,8 +526,10 @@ async def run_level(
     requests carry a new reference clip (bench.clips), and the plain ones' voice. `part` (p, k):
     this is process p of k running the level (`run_level_parts`): it runs the clients i with
     i % k == p (each at its own place in the ramp), or a Poisson stream of rate / k (k of them are
-    one of `rate`), and stops at its share of `max_errors`; `start_at` (perf_counter, one clock
-    for the host's processes): when the level starts."""
+    one of `rate`; the first part's first request at the start, as in one process, the others'
+    after a gap), and ends once its own share of `max_errors` failed (the other parts go on), its
+    progress lines (the first part's) saying so; `start_at` (perf_counter, one clock for the
+    host's processes): when the level starts."""
     p, k = part
     rng = random.Random(seed if k == 1 else seed * 1_000_003 + p)
     cloning = cloning or Cloning()
@@ -546,7 +563,7 @@ async def run_level(
             return not failed and time.perf_counter() < deadline
 
         ticker = (  # of several processes, the first reports its part
-            asyncio.create_task(_report_progress(results, t0, duration, progress_s))
+            asyncio.create_task(_report_progress(results, t0, duration, progress_s, part))
             if progress_s and p == 0
             else None
         )
@@ -564,10 +581,12 @@ async def run_level(
             await asyncio.gather(*(client(i) for i in range(p, concurrency, k)))
         else:
             tasks = []
+            if p > 0:  # one Poisson stream of k: one request at the start, as in one process
+                await asyncio.sleep(min(rng.expovariate(rate), max(0.0, deadline - time.perf_counter())))
             while going():
                 sent = cloning.request(body(), cloning.request_clones(rng))
                 tasks.append(asyncio.create_task(one_request(s, url, sent, t0, next(rids))))
-                await asyncio.sleep(rng.expovariate(rate))
+                await asyncio.sleep(min(rng.expovariate(rate), max(0.0, deadline - time.perf_counter())))
             results.extend(await asyncio.gather(*tasks))
         if ticker is not None:
             ticker.cancel()
@@ -618,6 +637,7 @@ def start_parts(base: str, procs: int, level: dict) -> list[subprocess.Popen]:
     except BaseException:
         for child in children:
             child.kill()
+            child.wait()
         raise
     return children
 
@@ -626,20 +646,25 @@ def run_level_parts(children: list[subprocess.Popen]) -> tuple[list[Result], flo
     """Start the level in every process of `start_parts` at once → all their results, and the
     level's wall time (its longest part's)."""
     start_at = time.perf_counter() + PART_START_S
-    for child in children:
-        assert child.stdin is not None
-        child.stdin.write(f"{start_at!r}\n")
-        child.stdin.flush()
     results, wall = [], 0.0
-    for child in children:
-        out, _ = child.communicate()
-        if child.returncode != 0:
-            for other in children:
-                other.kill()
-            raise RuntimeError(f"a client process of the level failed (exit {child.returncode})")
-        got = json.loads(out.splitlines()[-1])
-        wall = max(wall, got["wall"])
-        results += [Result(**{**r, "chunks": [tuple(c) for c in r["chunks"]]}) for r in got["results"]]
+    try:
+        for child in children:
+            assert child.stdin is not None
+            child.stdin.write(f"{start_at!r}\n")
+            child.stdin.flush()
+        for child in children:
+            out, _ = child.communicate()
+            lines = out.splitlines()
+            if child.returncode != 0 or not lines:
+                raise RuntimeError(f"a client process of the level failed (exit {child.returncode})")
+            got = json.loads(lines[-1])
+            wall = max(wall, got["wall"])
+            results += [Result(**{**r, "chunks": [tuple(c) for c in r["chunks"]]}) for r in got["results"]]
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
     return results, wall
 
 
@@ -660,13 +685,16 @@ def _part_main() -> None:
     print(json.dumps({"wall": wall, "results": [dataclasses.asdict(r) for r in results]}), flush=True)
 
 
-async def _report_progress(results: list[Result], t0: float, duration: float, every: float) -> None:
+async def _report_progress(
+    results: list[Result], t0: float, duration: float, every: float, part: tuple[int, int] = (0, 1)
+) -> None:
+    of = f" (client process {part[0] + 1} of {part[1]})" if part[1] > 1 else ""
     while True:
         await asyncio.sleep(every)
         errors = sum(not r.ok for r in results)
         elapsed = time.perf_counter() - t0
         print(
-            f"  {elapsed:4.0f}/{duration:.0f} s: {len(results)} requests done, {errors} failed",
+            f"  {elapsed:4.0f}/{duration:.0f} s: {len(results)} requests done, {errors} failed{of}",
             file=sys.stderr,
             flush=True,
         )

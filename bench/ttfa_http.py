@@ -133,25 +133,30 @@ def load_curve(base: str, args) -> None:
             else None
         )
         point = {key: level, "arrivals": arrivals(key == "rate", args.ramp)}
-        tap = None
-        if level == args.tap_level and (point["arrivals"] == "burst" or args.tap_from_start):
-            # A burst's start is what to see (or, asked, any level's: the load coming to a server
-            # idle after the single streams): the tap connects before its requests go.
-            tap = start_tap(args, delay_s=0.0, seconds=args.tap_seconds + TAP_CONNECT_S)
-            time.sleep(TAP_CONNECT_S)
-        elif level == args.tap_level:
-            tap = start_tap(args, delay_s=args.ramp + 2)
-        spies = start_py_spy(args, delay_s=args.ramp + 2) if level == args.profile_level else []
+        watching: list[threading.Thread] = []  # the tap first, where this level has one
+
+        def observe(level=level, point=point, watching=watching) -> None:
+            """The level's tap and profiles, started as it is about to start (its clients ready)."""
+            if level == args.tap_level and (point["arrivals"] == "burst" or args.tap_from_start):
+                # A burst's start is what to see (or, asked, any level's: the load coming to a
+                # server idle after the single streams): the tap connects before its requests go.
+                watching.append(start_tap(args, delay_s=0.0, seconds=args.tap_seconds + TAP_CONNECT_S))
+                time.sleep(TAP_CONNECT_S)
+            elif level == args.tap_level:
+                watching.append(start_tap(args, delay_s=args.ramp + 2))
+            if level == args.profile_level:
+                watching.extend(start_py_spy(args, delay_s=args.ramp + 2))
+
         client_ttfa: dict[str, float] = {}
         point |= measure_level(base, 24000, client_ttfa, **{key: level}, duration=args.load_duration,
                                tokens=args.load_tokens, prompt_allowance=args.prompt_allowance, seed=i, ramp=args.ramp,
-                               texts=args.texts, cloning=cloning, client_procs=args.client_procs)  # fmt: skip
+                               texts=args.texts, cloning=cloning, client_procs=args.client_procs,
+                               before=observe)  # fmt: skip
         point["server_after"] = server_gauges(base)
-        if tap is not None:
-            tap.join()
+        for thread in watching:
+            thread.join()
+        if level == args.tap_level:
             point["tap"] = stats(read(args.tap_out), client_ttfa)
-        for spy in spies:
-            spy.join()
         curve.append(point)
         print(json.dumps(point), flush=True)
         out = {

@@ -114,6 +114,44 @@ def test_a_level_split_over_client_processes_starts_them_together(server):
     assert point["client_procs"] == 2 and point["errors"] == 0 and point["requests"] >= 2
 
 
+def test_a_part_of_a_level_runs_its_clients_its_rate_and_its_share_of_errors(monkeypatch):
+    """`run_level`'s part (p, k) without a server: the clients i % k == p at their place in the
+    ramp from the shared start, a Poisson stream of rate / k, the part's share of `max_errors`."""
+    import asyncio
+    import time
+
+    import bench.load as load
+
+    sends: list[float] = []
+
+    async def request(session, url, body, since, rid, ok=True, hold=1.0):
+        sends.append(time.perf_counter())
+        await asyncio.sleep(hold)  # each client sends once within the level
+        return Result(ok=ok, rid=rid, sent_at=sends[-1] - since)
+
+    def run(**level):
+        sends.clear()
+        start = time.perf_counter() + 0.2
+        common = {"tokens": 10, "prompt_allowance": 10, "seed": 1, "start_at": start}
+        results, _ = asyncio.run(load.run_level("http://127.0.0.1:9", **common, **level))
+        return start, results
+
+    monkeypatch.setattr(load, "one_request", request)
+    start, results = run(concurrency=4, duration=1.0, ramp=1.0, part=(1, 2))  # clients 1 and 3
+    offsets = [t - start for t in sends]
+    assert len(results) == 2 and abs(offsets[0] - 0.25) < 0.1 and abs(offsets[1] - 0.75) < 0.1, offsets
+    monkeypatch.setattr(load, "one_request", lambda *a: request(*a, hold=0.0))
+    counts = []
+    for p in (0, 1):
+        start, results = run(rate=60.0, duration=1.0, part=(p, 2))  # 30 req/s each
+        counts.append(len(results))
+        assert (sends[0] - start < 0.02) == (p == 0)  # one first request at the start, not two
+    assert 35 <= sum(counts) <= 95, counts  # ~60 (120 were each part at the whole rate)
+    monkeypatch.setattr(load, "one_request", lambda *a: request(*a, ok=False, hold=0.0))
+    _, results = run(concurrency=1, duration=5.0, max_errors=3, part=(0, 2))
+    assert len(results) == 2  # its share of 3 failures: 2
+
+
 def test_bench_commands_run_their_module_and_an_unknown_one_is_refused(tmp_path, capsys):
     from bench.cli import COMMANDS
 
