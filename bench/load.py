@@ -562,6 +562,10 @@ async def run_level(
             failed = max_errors > 0 and sum(not r.ok and not r.retry_after_s for r in results) >= max_errors
             return not failed and time.perf_counter() < deadline
 
+        def within(wait_s: float) -> float:
+            """`wait_s`, cut at the level's deadline."""
+            return min(wait_s, max(0.0, deadline - time.perf_counter()))
+
         ticker = (  # of several processes, the first reports its part
             asyncio.create_task(_report_progress(results, t0, duration, progress_s, part))
             if progress_s and p == 0
@@ -576,17 +580,17 @@ async def run_level(
                     res = await one_request(s, url, cloning.request(body(), clones), t0, next(rids))
                     results.append(res)
                     if res.retry_after_s:  # as a well-behaved client does, within the level
-                        await asyncio.sleep(min(res.retry_after_s, max(0.0, deadline - time.perf_counter())))
+                        await asyncio.sleep(within(res.retry_after_s))
 
             await asyncio.gather(*(client(i) for i in range(p, concurrency, k)))
         else:
             tasks = []
             if p > 0:  # one Poisson stream of k: one request at the start, as in one process
-                await asyncio.sleep(min(rng.expovariate(rate), max(0.0, deadline - time.perf_counter())))
+                await asyncio.sleep(within(rng.expovariate(rate)))
             while going():
                 sent = cloning.request(body(), cloning.request_clones(rng))
                 tasks.append(asyncio.create_task(one_request(s, url, sent, t0, next(rids))))
-                await asyncio.sleep(min(rng.expovariate(rate), max(0.0, deadline - time.perf_counter())))
+                await asyncio.sleep(within(rng.expovariate(rate)))
             results.extend(await asyncio.gather(*tasks))
         if ticker is not None:
             ticker.cancel()
