@@ -62,6 +62,7 @@ WORKER_METRICS = {
     "admission_stopped_by_room_total": "Steps that left prompts waiting because the fitted step cost left no more room beside the running streams.",
     "admission_stopped_by_graphs_total": "Steps that left prompts waiting because the runner's graphs take no more prompts together.",
     "admission_stopped_by_pages_total": "Steps that left prompts waiting for KV pages.",
+    "slow_steps_total": "Engine steps that took longer than 40 ms, wall time (the gpu_worker logs each one's parts, at most one line a second).",
     "codec_calls_total": "Codec decode passes (one burst of graph replays each: urgent windows, then the gathered rest).",
     "codec_windows_total": "Codec windows decoded.",
     "codec_busy_seconds_total": "Seconds the codec worker spent decoding.",

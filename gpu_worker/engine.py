@@ -62,6 +62,11 @@ _STOP, _AUDIO = int(TokenKind.STOP), int(TokenKind.AUDIO)
 # launch (on the H200 a step launched early still leaves the device ~0.05-0.1 ms idle on average).
 LATE_MARGIN_S, LATE_MARGIN_MIN_S, LATE_MARGIN_MAX_SHARE = 0.002, 0.0005, 0.5
 LATE_IDLE_S = 0.0005
+# On a GPU, a step whose wall time (schedule, launch, wait for the previous step, process) passes
+# this is recorded with its parts (`slow_step`): no step of a healthy server comes near it (a full
+# batch of 512 on the H200 takes ~15 ms), and one past it can make streams late. (A CPU's steps
+# vary with the machine's load: none is recorded there unless a test sets `slow_step_s`.)
+SLOW_STEP_S = 0.04
 
 
 class Engine:
@@ -110,6 +115,11 @@ class Engine:
         self.launch_s = self.launch_prompt_s = 0.0
         self.late_margin_s = LATE_MARGIN_S
         self.hold_avg_s = 0.0  # the worker's hold before each step (exponential average)
+        # The last step past SLOW_STEP_S, in ms by part (None until one), and how many there were.
+        self.slow_step: dict[str, float] | None = None
+        self.slow_steps = 0
+        self.slow_step_s = SLOW_STEP_S if self.device.type == "cuda" else float("inf")
+        self._parts = (0.0, 0.0, 0, 0)  # this step's schedule and launch (seconds), batch, prompts
         if self.runner.has_graphs:
             self.runner.capture_sampling(progress)
             self.scheduler.calibrate(self.runner.forward_runner, progress)
@@ -236,6 +246,7 @@ class Engine:
             "prompts_started_total": s.prompts_started,
             "steps_borrowing_total": s.steps_borrowing,
             "prompts_in_lane_total": self.lane_prompts,
+            "slow_steps_total": self.slow_steps,
             **{f"admission_stopped_by_{k}_total": v for k, v in s.admission_stops.items()},
         }
 
@@ -278,7 +289,11 @@ class Engine:
         t0 = time.perf_counter()
         self._waited = 0.0
         self._collected_only = False
+        self._parts = (0.0, 0.0, 0, 0)
         out = self._step()
+        wall = time.perf_counter() - t0
+        if wall > self.slow_step_s:
+            self._slow(wall)
         if self.scheduler.last_batch_size:
             # A collect-only call and the launch after it are one step's host work and wait.
             host = time.perf_counter() - t0 - self._waited + self._carried[0]
@@ -315,9 +330,11 @@ class Engine:
             # step before it is still running then (`_process` dates it from that one's end).
             self._began = time.perf_counter()
             prompts = batch[0].n_ctx == 0  # new requests come first
+            n_prompts = sum(r.n_ctx == 0 for r in batch) if prompts else 0
             self._inflight = self.runner.launch(batch)
             self._inflight.touched, self._written = self._written, []
             took = time.perf_counter() - t0
+            self._parts = (self._began - t0, took - (self._began - t0), len(batch), n_prompts)
             if prompts:
                 self.launch_prompt_s += 0.05 * (took - self.launch_prompt_s)
             else:
@@ -327,6 +344,18 @@ class Engine:
         if not batch:  # after `_process`, which dates the device's next idle from its step's end
             self.runner.idle()
         return self._batch(chunks)
+
+    def _slow(self, wall: float) -> None:
+        """Record a step past `slow_step_s` with where its time went (ms): `schedule` (admission,
+        appends, the layout), `launch`, `wait` (for the previous step on the device, and the lanes'
+        turns meanwhile) and `process` (its rows into windows and ends), with the batch it
+        launched and the prompts in it (0 and 0: it only collected a step)."""
+        schedule, launch, batch, prompts = self._parts
+        ms = {"wall": wall, "schedule": schedule, "launch": launch, "wait": self._waited}
+        ms["process"] = max(0.0, wall - schedule - launch - self._waited)
+        self.slow_steps += 1
+        self.slow_step = {k: round(1000 * v, 2) for k, v in ms.items()}
+        self.slow_step |= {"step": self.step_count, "batch": batch, "prompts": prompts}
 
     def _batch(self, chunks: list[DetokChunk]) -> DetokBatch | None:
         """A processed step's chunks and the requests finished since the last → one DetokBatch."""

@@ -25,6 +25,7 @@ from programs import get_spec, load_program_class
 log = logging.getLogger(__name__)
 
 METRICS_S = 0.05
+SLOW_LOG_S = 1.0  # at most one slow-step line a second
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -86,6 +87,8 @@ class GpuWorker:
         if self.engine.runner.lane_on:
             self.engine.on_wait = self.while_waiting
         self._metrics_at = 0.0
+        self._slow_seen = self._slow_logged = 0  # slow steps seen and logged (`report_slow`)
+        self._slow_log_at = -SLOW_LOG_S
 
     def run(self) -> None:
         engine = self.engine
@@ -102,6 +105,8 @@ class GpuWorker:
                 continue
             # 4. emit one message for the step
             self.emit(out)
+            if engine.slow_steps != self._slow_seen:
+                self.report_slow()
             self.lane()
             # The gauges (the capacity estimate among them) at most every METRICS_S: heartbeats
             # carry the latest, a few per second, so computing them every step is wasted work.
@@ -110,6 +115,21 @@ class GpuWorker:
             if now - self._metrics_at >= METRICS_S:
                 metrics, self._metrics_at = engine.metrics(), now
             self.status.set_load(engine.num_active, engine.limits.max_batch_size, metrics)
+
+    def report_slow(self) -> None:
+        """Log a step past the engine's SLOW_STEP_S with its parts, at most once every SLOW_LOG_S
+        (the line counts those not logged since): a stall, its cause named by the part it is in."""
+        engine = self.engine
+        self._slow_seen = engine.slow_steps
+        now = time.monotonic()
+        if now - self._slow_log_at < SLOW_LOG_S:
+            return
+        unlogged = engine.slow_steps - self._slow_logged - 1
+        self._slow_log_at, self._slow_logged = now, engine.slow_steps
+        parts = ", ".join(f"{k} {v}" for k, v in (engine.slow_step or {}).items())
+        log.warning(
+            "slow step (ms): %s%s", parts, f" ({unlogged} more since the last line)" if unlogged else ""
+        )
 
     def failed(self, e: Exception) -> None:
         """After a failed step: every request in flight ends with an explicit error rather than a
