@@ -40,6 +40,19 @@ def settled(stage: str) -> None:
         raise AssertionError(f"the device failed by the end of: {stage}") from e
 
 
+def differs(k: int, j: int, n: int, got: torch.Tensor, want: torch.Tensor) -> str:
+    """Where segment j's rows differ: which of its n prompt rows and of its padding entry's rows,
+    by how much at most, in how many heads."""
+    bad = (got != want).flatten(1).any(1).nonzero().flatten().tolist()
+    diff = (got.float() - want.float()).abs()
+    heads = int((got != want).any(2).any(0).sum())
+    return (
+        f"k={k}, segment {j}: prompt rows {[r for r in bad if r < n]} of {n} and padding rows "
+        f"{[r for r in bad if r >= n]} differ, by up to {diff.max().item():.3g} "
+        f"(prompt rows: {diff[:n].max().item():.3g}), in {heads} of {got.shape[1]} heads"
+    )
+
+
 def timed(fn, reps: int = 50) -> float:
     """Mean ms of `fn` on the device."""
     fn()
@@ -86,7 +99,7 @@ def test_segments_planned_as_one_attend_as_each_alone(gpu_report, rows):
         assert torch.isfinite(want).all()
         for j, lay in enumerate(lays):  # every row of every segment, its padding entry's too
             seg = slice(j * rows, (j + 1) * rows)
-            assert torch.equal(got[seg], want[seg]), f"k={k}, segment {j} ({lay.qo_indptr[1]} rows)"
+            assert torch.equal(got[seg], want[seg]), differs(k, j, int(lay.qo_indptr[1]), got[seg], want[seg])
         if k == 16:
             report[f"rows_{rows}_k16_ms"] = {
                 "a_wrapper_a_segment": timed(each),
