@@ -33,6 +33,7 @@ from codec_worker.graphs import DetokGraphs, Pending
 from codec_worker.streams import IDLE_S, Slots, StreamError, rounds
 from common.arrays import np_array
 from common.messages import AudioChunk, DetokChunk, Finished, FinishReason
+from common.pinned import ring, to_device
 from programs.base import CodecStreams, LMProgram, pcm16
 from programs.blocks import rng
 
@@ -85,6 +86,8 @@ class Codec:
     ) -> None:
         self.program = program
         self.device = program.device
+        if self.device.type == "cuda":  # the pinned ring now, not at the first cloned voice
+            ring("in")
         # Windows per decode call (None: the program's `codec_call_batch`, else CALL_BATCH for the
         # device; 0: graphs decode a bucket in one call, faster in large buckets but a window's bits
         # then depend on its bucket).
@@ -384,7 +387,7 @@ class Codec:
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """Host → the codec's device without waiting for its stream (a copy from pageable memory
         would wait for every decode queued before it)."""
-        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+        return to_device(t, self.device)
 
     def _launch_part(
         self, chunks: list[DetokChunk], kind: tuple[int, int], entries: list[tuple[list[int], int, bool]]

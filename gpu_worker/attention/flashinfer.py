@@ -20,6 +20,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
+from common.pinned import ring
 from gpu_worker.attention.interface import StepLayout, page_arrays, write_kv
 
 WORKSPACE_BYTES = 256 << 20
@@ -48,14 +49,15 @@ def import_flashinfer() -> ModuleType:
 
 def plan_arrays(indptr: np.ndarray, last: np.ndarray, page_size: int, device: torch.device) -> dict:
     """A graph plan's host arrays as `plan` takes them (kv indptr, last page length, and the
-    sequence lengths, from which it would otherwise build a tensor of its own), pinned on the GPU.
-    `plan` copies them into the graph's buffers with non-blocking copies, and from pageable memory
-    such a copy first waits for everything queued on the stream: the host would lose its lead."""
+    sequence lengths, from which it would otherwise build a tensor of its own), on the GPU staged in
+    the pinned ring (common/pinned.py: fence it once `plan` has queued its copies). `plan` copies
+    them into the graph's buffers with non-blocking copies, and from pageable memory such a copy
+    first waits for everything queued on the stream: the host would lose its lead."""
     seq_lens = np.maximum(np.diff(indptr) - 1, 0) * page_size + last
     out = {"indptr": indptr, "last": last, "seq_lens": seq_lens.astype(np.int32)}
     out = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in out.items()}
     if torch.device(device).type == "cuda":
-        out = {k: v.pin_memory() for k, v in out.items()}
+        out = {k: ring().stage(v) for k, v in out.items()}
     return out
 
 
@@ -214,12 +216,14 @@ class FlashInferGraphs:
         host = plan_arrays(layout.kv_indptr, layout.kv_last, self.page_size, p.device)
         qo_indptr = torch.from_numpy(layout.qo_indptr)
         if p.device.type == "cuda":
-            qo_indptr = qo_indptr.pin_memory()  # see plan_arrays
+            qo_indptr = ring().stage(qo_indptr)  # see plan_arrays
         wrapper.plan(
             qo_indptr, host["indptr"], kv_indices, host["last"], p.num_qo_heads, p.num_kv_heads, p.head_dim,
             self.page_size, causal=True, q_data_type=p.dtype, kv_data_type=dt, disable_split_kv=self.no_split_kv,
             seq_lens=host["seq_lens"],
         )  # fmt: skip
+        if p.device.type == "cuda":
+            ring().fence()
 
     # --- decode graphs -------------------------------------------------------------------------
     def prepare_capture_decode(self, batch: int, pos: torch.Tensor):
@@ -262,3 +266,5 @@ class FlashInferGraphs:
             q_data_type=p.dtype, kv_data_type=self.kv_cache.dtype, disable_split_kv=self.no_split_kv,
             seq_lens=host["seq_lens"],
         )  # fmt: skip
+        if p.device.type == "cuda":
+            ring().fence()

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from common.config import GpuWorkerSettings, check_prompt_lanes
+from common.pinned import ring
 from gpu_worker.attention.select import eager_attention
 from gpu_worker.runner.batch import StepBatch, kv_sequences
 from gpu_worker.runner.eager import EagerRunner
@@ -76,6 +77,8 @@ class ModelRunner:
         self.program = program
         self.limits = limits
         self.device = program.device
+        if self.device.type == "cuda":  # the pinned rings now, not at the first request
+            ring("in"), ring("out")
         # +1 token per request: a launched step may run once past a stop it has not seen yet.
         per_request = pages_for(limits.max_context + 1, limits.page_size) * kv_sequences(program)
         num_pages = limits.num_pages or 1 + limits.max_batch_size * per_request
@@ -262,10 +265,12 @@ class ModelRunner:
             result = self._sample(batch, logits, meta, hidden)
         if not cuda:  # a copy: a graph's output is rewritten by its next replay
             return InFlight(batch, result.clone(), None)
-        host = torch.empty(result.shape, dtype=torch.int64, pin_memory=True)
+        out = ring("out")
+        host = out.take(result.shape, torch.int64)
         host.copy_(result, non_blocking=True)
         ready = torch.cuda.Event(enable_timing=True)
         ready.record()
+        out.fence()
         return InFlight(batch, host, ready, began, forwarded)
 
     def idle(self) -> None:

@@ -45,6 +45,7 @@ from collections.abc import Callable
 import torch
 
 from common.graphs import capture
+from common.pinned import ring
 from gpu_worker.attention.select import graph_attention
 from gpu_worker.runner.arena import InputArena
 from gpu_worker.runner.batch import StepBatch
@@ -158,8 +159,10 @@ class PromptLane:
                 self.hidden.copy_(hidden)
             graph, out = self.samples[constrained]
             graph.replay()
-            host = torch.empty(out.shape, dtype=torch.int64, pin_memory=True)
+            results = ring("out")
+            host = results.take(out.shape, torch.int64)
             host.copy_(out, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
+            results.fence()
         return host, ready

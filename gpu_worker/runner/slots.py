@@ -13,13 +13,11 @@ import numpy as np
 import torch
 
 from common.messages import SamplingParams
+from common.pinned import ring, to_device
 from gpu_worker.runner.sampler import SamplingRows
 from programs.base import TokenKind
 
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host → device without waiting for the stream (a plain `.to` from pageable memory does)."""
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+__all__ = ["SlotState", "to_device"]  # to_device: for programs' own per-slot state at admission
 
 
 class SlotState:
@@ -62,21 +60,25 @@ class SlotState:
         (programs.base.Rows.prev). `avoid`: slots not to take (`free_outside` says one is left)."""
         i = next(i for i in range(len(self._free) - 1, -1, -1) if self._free[i] not in avoid)
         slot = self._free.pop(i)
-        if last_row is not None:
-            self.last[slot] = to_device(torch.from_numpy(np.asarray(last_row, dtype=np.int64)), self.device)
         if not penalty:
             sp, prompt_ids = msgspec.structs.replace(sp, repetition_penalty=1.0), np.zeros(1, np.int64)
-        # From pinned memory, without waiting: a write from pageable memory (a Python number into a
-        # device tensor, say) waits for every step queued on the stream, stalling the host's lead.
         penalty = sp.repetition_penalty if sp.repetition_window != 0 else 1.0
         floats = torch.tensor([sp.temperature, sp.top_p, sp.min_p, penalty], dtype=torch.float32)
         ints = torch.tensor([sp.top_k, sp.repetition_window, sp.seed, sp.min_tokens], dtype=torch.int64)
-        self.floats[slot] = to_device(floats, self.device)
-        self.ints[slot] = to_device(ints, self.device)
-        self.n_audio[slot : slot + 1].zero_()
         history = np.full(self.history.shape[1], prompt_ids[0], dtype=np.int64)
         history[: len(prompt_ids)] = prompt_ids
-        self.history[slot] = to_device(torch.from_numpy(history), self.device)
+        rows = [(self.floats, floats), (self.ints, ints), (self.history, torch.from_numpy(history))]
+        if last_row is not None:
+            rows.append((self.last, torch.from_numpy(np.asarray(last_row, dtype=np.int64))))
+        # From pinned memory (the process's ring), without waiting: a write from pageable memory (a
+        # Python number into a device tensor, say) waits for every step queued on the stream,
+        # stalling the host's lead; a fresh pinned block a write can cost milliseconds.
+        cuda = self.device.type == "cuda"
+        for dst, src in rows:
+            dst[slot].copy_(ring().stage(src) if cuda else src, non_blocking=cuda)
+        if cuda:
+            ring().fence()
+        self.n_audio[slot : slot + 1].zero_()
         return slot
 
     def release(self, slot: int) -> None:
