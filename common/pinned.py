@@ -2,14 +2,14 @@
 
 A copy from pageable memory first waits for everything queued on the stream (the host would lose
 its lead over the device), so small host arrays go through pinned memory. `tensor.pin_memory()`
-takes a block from torch's caching host allocator, which calls `cudaHostAlloc` whenever more
-blocks are in use at once than ever before: on an H100 under MPS that took milliseconds a block,
-and a step that admitted more prompts at once than any before it (four arrays a prompt) took 56 ms
-to schedule instead of well under one. `PinnedRing` is one pinned buffer allocated at startup and
-used round-robin: `stage` writes a host array into its next span, and `fence` records an event
-after the copies (or plans) that read the spans staged since the last fence; a span is written
-again only once its event has passed (a wait only where the ring went round within the copies'
-time on the device, which a ring many steps' staging long never does).
+takes a block from torch's caching host allocator, which calls `cudaHostAlloc` (a system call that
+pins and maps pages) whenever more blocks of a size are in use at once than ever before: the first
+step that admits more prompts together than any before it, or runs a larger batch. `PinnedRing` is
+one pinned buffer allocated at startup and used round-robin: `stage` writes a host array into its
+next span (`take`: a span to copy into), and `fence` records an event after the copies (or
+plans) that read the spans staged since the last fence; a span is written again only once its
+event has passed (a wait only where the ring went round within the copies' time on the device,
+which a ring many steps' staging long never does).
 """
 
 from __future__ import annotations

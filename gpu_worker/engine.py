@@ -34,6 +34,7 @@ keeps the lanes, and the steps, off each other's slots and KV pages: `lane_step`
 
 from __future__ import annotations
 
+import gc
 import time
 from collections import deque
 from collections.abc import Callable
@@ -67,6 +68,32 @@ LATE_IDLE_S = 0.0005
 # batch of 512 on the H200 takes ~15 ms), and one past it can make streams late. (A CPU's steps
 # vary with the machine's load: none is recorded there unless a test sets `slow_step_s`.)
 SLOW_STEP_S = 0.04
+
+
+class GcTimer:
+    """Seconds the cyclic garbage collector has run in this process since the timer began (a
+    `gc.callbacks` hook times each collection): one a process, `gc_timer()`."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._began = 0.0
+        gc.callbacks.append(self._hook)
+
+    def _hook(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._began
+
+
+_GC_TIMER: GcTimer | None = None
+
+
+def gc_timer() -> GcTimer:
+    global _GC_TIMER
+    if _GC_TIMER is None:
+        _GC_TIMER = GcTimer()
+    return _GC_TIMER
 
 
 class Engine:
@@ -119,6 +146,7 @@ class Engine:
         self.slow_step: dict[str, float] | None = None
         self.slow_steps = 0
         self.slow_step_s = SLOW_STEP_S if self.device.type == "cuda" else float("inf")
+        self._gc = gc_timer()
         self._parts = (0.0, 0.0, 0, 0)  # this step's schedule and launch (seconds), batch, prompts
         if self.runner.has_graphs:
             self.runner.capture_sampling(progress)
@@ -286,14 +314,14 @@ class Engine:
         """Launch the next step, then collect the previous one (with late launch, a step found
         ended is collected first and the next launched by the next call); what it produced, or
         None."""
-        t0 = time.perf_counter()
+        t0, cpu0, gc0 = time.perf_counter(), time.thread_time(), self._gc.seconds
         self._waited = 0.0
         self._collected_only = False
         self._parts = (0.0, 0.0, 0, 0)
         out = self._step()
         wall = time.perf_counter() - t0
         if wall > self.slow_step_s:
-            self._slow(wall)
+            self._slow(wall, time.thread_time() - cpu0, self._gc.seconds - gc0)
         if self.scheduler.last_batch_size:
             # A collect-only call and the launch after it are one step's host work and wait.
             host = time.perf_counter() - t0 - self._waited + self._carried[0]
@@ -345,14 +373,17 @@ class Engine:
             self.runner.idle()
         return self._batch(chunks)
 
-    def _slow(self, wall: float) -> None:
+    def _slow(self, wall: float, cpu: float, gc_s: float) -> None:
         """Record a step past `slow_step_s` with where its time went (ms): `schedule` (admission,
         appends, the layout), `launch`, `wait` (for the previous step on the device, and the lanes'
         turns meanwhile) and `process` (its rows into windows and ends), with the batch it
-        launched and the prompts in it (0 and 0: it only collected a step)."""
+        launched and the prompts in it (0 and 0: it only collected a step); also the host thread's
+        CPU time in the step (`cpu`: far below the wall outside `wait`, the thread was held off
+        the CPU or blocked) and the cyclic garbage collector's time (`gc`)."""
         schedule, launch, batch, prompts = self._parts
         ms = {"wall": wall, "schedule": schedule, "launch": launch, "wait": self._waited}
         ms["process"] = max(0.0, wall - schedule - launch - self._waited)
+        ms |= {"cpu": cpu, "gc": gc_s}
         self.slow_steps += 1
         self.slow_step = {k: round(1000 * v, 2) for k, v in ms.items()}
         self.slow_step |= {"step": self.step_count, "batch": batch, "prompts": prompts}

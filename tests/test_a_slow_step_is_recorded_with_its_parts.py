@@ -4,6 +4,8 @@ and counted (`slow_steps_total`); on a CPU no threshold applies unless one is se
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -40,9 +42,35 @@ def test_every_step_past_the_threshold_is_recorded_with_its_parts(program):
     parts = slow["schedule"] + slow["launch"] + slow["wait"] + slow["process"]
     assert slow["wall"] > 0 and abs(parts - slow["wall"]) < 0.05, slow
     assert min(slow["schedule"], slow["launch"], slow["wait"], slow["process"]) >= 0
+    assert 0 < slow["cpu"] <= slow["wall"] + 1 and slow["gc"] >= 0
     eng.step()  # decode only
     assert eng.slow_steps == 2 and (eng.slow_step["batch"], eng.slow_step["prompts"]) == (3, 0)
     assert eng.slow_step["step"] > slow["step"]
     assert eng.metrics()["slow_steps_total"] == 2
     eng.run_until_idle()
     assert eng.allocator.num_used == 0
+
+
+def test_a_collection_during_a_step_is_counted_as_its_gc_time(program):
+    eng = Engine(program, GpuWorkerSettings(max_batch_size=4, max_context=100))
+    eng.slow_step_s = 0.0
+    eng.add(prompt(program, "a"))
+    garbage = []
+    for _ in range(200_000):  # a heap for a full collection to walk, kept alive meanwhile
+        garbage.append([None])
+    real = eng.runner.launch
+
+    def launch_and_collect(batch):
+        gc.collect()
+        return real(batch)
+
+    eng.runner.launch = launch_and_collect
+    eng.step()
+    assert eng.slow_step["gc"] > 1.0, eng.slow_step  # ms: a full collection over 200k lists
+    assert eng.slow_step["gc"] <= eng.slow_step["launch"] + 0.5
+    eng.runner.launch = real
+    del garbage
+    gc.collect()
+    eng.step()
+    assert eng.slow_step["gc"] < 1.0  # none forced: at most a young generation's
+    eng.run_until_idle()
