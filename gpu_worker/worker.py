@@ -8,6 +8,7 @@ arrive on the same socket, broadcast to every gpu_worker."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import torch
@@ -20,6 +21,7 @@ from common.proc import StatusReporter
 from gpu_worker.engine import Engine
 from gpu_worker.runner.sampler import use_tail_kernel
 from gpu_worker.stages import StageReporter
+from gpu_worker.stall import StallWatch
 from programs import get_spec, load_program_class
 
 log = logging.getLogger(__name__)
@@ -89,6 +91,8 @@ class GpuWorker:
         self._metrics_at = 0.0
         self._slow_seen = self._slow_logged = 0  # slow steps seen and logged (`report_slow`)
         self._slow_log_at = -SLOW_LOG_S
+        # Where a slow step's thread was (the GPU, where slow steps are recorded): gpu_worker/stall.py
+        self.watch = StallWatch() if math.isfinite(self.engine.slow_step_s) else None
 
     def run(self) -> None:
         engine = self.engine
@@ -98,15 +102,20 @@ class GpuWorker:
             # 1. take what arrived
             self.receive()
             # 2-3. schedule and run one step
+            watch = self.watch
+            if watch is not None:
+                watch.begin()
             try:
                 out = engine.step()
             except Exception as e:
                 self.failed(e)
                 continue
+            finally:
+                stack = watch.end() if watch is not None else ""
             # 4. emit one message for the step
             self.emit(out)
             if engine.slow_steps != self._slow_seen:
-                self.report_slow()
+                self.report_slow(stack)
             self.lane()
             # The gauges (the capacity estimate among them) at most every METRICS_S: heartbeats
             # carry the latest, a few per second, so computing them every step is wasted work.
@@ -116,9 +125,10 @@ class GpuWorker:
                 metrics, self._metrics_at = engine.metrics(), now
             self.status.set_load(engine.num_active, engine.limits.max_batch_size, metrics)
 
-    def report_slow(self) -> None:
+    def report_slow(self, stack: str = "") -> None:
         """Log a step past the engine's SLOW_STEP_S with its parts, at most once every SLOW_LOG_S
-        (the line counts those not logged since): a stall, its cause named by the part it is in."""
+        (the line counts those not logged since): a stall, its cause named by the part it is in,
+        and by where the loop thread was once the step had run STALL_AFTER_S (`stack`)."""
         engine = self.engine
         self._slow_seen = engine.slow_steps
         now = time.monotonic()
@@ -127,9 +137,8 @@ class GpuWorker:
         unlogged = engine.slow_steps - self._slow_logged - 1
         self._slow_log_at, self._slow_logged = now, engine.slow_steps
         parts = ", ".join(f"{k} {v}" for k, v in (engine.slow_step or {}).items())
-        log.warning(
-            "slow step (ms): %s%s", parts, f" ({unlogged} more since the last line)" if unlogged else ""
-        )
+        more = f" ({unlogged} more since the last line)" if unlogged else ""
+        log.warning("slow step (ms): %s%s%s", parts, more, f"; the thread was at {stack}" if stack else "")
 
     def failed(self, e: Exception) -> None:
         """After a failed step: every request in flight ends with an explicit error rather than a
