@@ -99,7 +99,13 @@ def test_segments_planned_as_one_attend_as_each_alone(gpu_report, rows):
         assert torch.isfinite(want).all()
         for j, lay in enumerate(lays):  # every row of every segment, its padding entry's too
             seg = slice(j * rows, (j + 1) * rows)
-            assert torch.equal(got[seg], want[seg]), differs(k, j, int(lay.qo_indptr[1]), got[seg], want[seg])
+            if not torch.equal(got[seg], want[seg]):
+                # which side is off: a fresh wrapper of the segment alone, planned and run at once
+                fresh = attn.prepare_capture_prefill(rows, 1, max_pages, alone)
+                attn.prepare_replay_prefill(fresh, lay, torch.from_numpy(lay.kv_indices).cuda())
+                ref = fresh.run(q[seg], cache)
+                sides = f"; a fresh wrapper equals the own one: {torch.equal(ref, want[seg])}, the joined one: {torch.equal(ref, got[seg])}"
+                raise AssertionError(differs(k, j, int(lay.qo_indptr[1]), got[seg], want[seg]) + sides)
         if k == 16:
             report[f"rows_{rows}_k16_ms"] = {
                 "a_wrapper_a_segment": timed(each),
