@@ -86,8 +86,8 @@ class Codec:
     ) -> None:
         self.program = program
         self.device = program.device
-        if self.device.type == "cuda":  # the pinned ring now, not at the first cloned voice
-            ring("in")
+        if self.device.type == "cuda" and torch.cuda.is_available():  # the pinned ring now, not
+            ring("in")  # at the first cloned voice
         # Windows per decode call (None: the program's `codec_call_batch`, else CALL_BATCH for the
         # device; 0: graphs decode a bucket in one call, faster in large buckets but a window's bits
         # then depend on its bucket).

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import collections
 import math
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # common imports no torch when imported: each function does, as it runs
+    import torch
 
 ALIGN = 256  # bytes: a span's start, for the copy engine's alignment
 RING_BYTES = 8 << 20  # one ring a process: ~170 admissions of 12 k-token histories before it wraps
@@ -28,6 +30,8 @@ class PinnedRing:
     `event()`s (torch.cuda.Event)."""
 
     def __init__(self, nbytes: int = RING_BYTES, pinned: bool = True, event=None) -> None:
+        import torch
+
         self.buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
         self.event = event or torch.cuda.Event
         self.head = 0
@@ -48,6 +52,8 @@ class PinnedRing:
     def take(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """The ring's next span as an uninitialized pinned tensor (for a device → host copy queued
         before the next `fence`, say: its event marks the copy done)."""
+        import torch
+
         n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         size = -(-n // ALIGN) * ALIGN
         if size > self.buf.numel():
@@ -107,6 +113,8 @@ def ring(name: str = "in") -> PinnedRing:
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`t` on `device` by a copy queued on the current stream, without waiting for the stream; on a
     CPU `t` itself."""
+    import torch
+
     if torch.device(device).type != "cuda":
         return t
     r = ring()
