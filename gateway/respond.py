@@ -213,7 +213,7 @@ async def _stream(
             if tail:
                 await out.write(tail)
             await out.write_eof()
-            log.info("[%s] streamed %.2f s of audio", rid, _seconds(synth))
+            log.info("[%s] streamed %.2f s of audio (%s)", rid, _seconds(synth), _ending(event))
             return resp, "ok"
     except (ConnectionError, ClientGone):
         # The client went away; returning the prepared response lets aiohttp finish quietly.
@@ -223,6 +223,11 @@ async def _stream(
     log.warning("[%s] failed after %.2f s of audio: %s; breaking the stream", rid, _seconds(synth), why)
     _break_stream(request)
     return resp, outcome_of(event.status) if isinstance(event, Failed) else "server_error"
+
+
+def _ending(done: Done) -> str:
+    """How the workers ended a request, for its log line: "stop after 412 tokens"."""
+    return f"{done.reason.name.lower()} after {done.n_tokens} tokens"
 
 
 async def _whole(
@@ -239,7 +244,7 @@ async def _whole(
         return error(503, ABORTED_BEFORE_END, headers), "server_error"
     body = await coder.finish()
     publish_stage(synth.rids[0], "first_byte_sent", bytes=len(body))  # aiohttp sends it as we return
-    log.info("[%s] returning %.2f s of audio", rid, _seconds(synth))
+    log.info("[%s] returning %.2f s of audio (%s)", rid, _seconds(synth), _ending(event))
     return web.Response(body=body, headers={**headers, "Content-Type": coder.encoder.content_type}), "ok"
 
 
@@ -271,7 +276,7 @@ async def _sse(
             }
             await out.write(sse_event({"type": "speech.audio.done", "usage": usage}))
             await out.write_eof()
-            log.info("[%s] streamed %.2f s of audio as events", rid, _seconds(synth))
+            log.info("[%s] streamed %.2f s of audio as events (%s)", rid, _seconds(synth), _ending(event))
             return resp, "ok"
         status, message = (
             (event.status, event.message) if isinstance(event, Failed) else (503, ABORTED_BEFORE_END)
