@@ -16,6 +16,7 @@ windows gathered go first, so a window waits for at most one bounded encode pass
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 
@@ -43,6 +44,9 @@ from programs.base import LMProgram
 __all__ = ["LEAD_MAX_BATCH", "Codec", "CodecWorker", "codec_compile_backend", "cudnn_benchmark"]
 
 log = logging.getLogger(__name__)
+# On a GPU, a decode pass past this is logged with its windows (a pass of 128 regular windows takes
+# a few ms on the H200); at most one line every SLOW_LOG_S.
+SLOW_PASS_S, SLOW_LOG_S = 0.04, 1.0
 
 
 def cudnn_benchmark(choice: str) -> tuple[bool, bool]:
@@ -69,6 +73,10 @@ def codec_compile_backend(choice: str, device: str, program: LMProgram, graphs: 
 
 
 class CodecWorker:
+    slow_pass_s = float("inf")  # a pass logged past it (`_slow`): SLOW_PASS_S on a GPU
+    slow_passes = 0
+    _slow_log_at = -SLOW_LOG_S
+
     def __init__(self, cfg: ServeConfig, status: StatusReporter) -> None:
         assert cfg.addresses is not None
         cfg.codec.check()
@@ -121,6 +129,8 @@ class CodecWorker:
             "encode_busy_seconds_total": 0.0,
         }
         status.set_load(0, 0, dict(self.counters))
+        if self.codec.device.type == "cuda":
+            self.slow_pass_s = SLOW_PASS_S
 
     def run(self) -> None:
         drained = time.monotonic()
@@ -209,12 +219,30 @@ class CodecWorker:
         if not launched:
             return
         took = time.perf_counter() - t0
+        if took > self.slow_pass_s:
+            self._slow(took, groups)
         self.gather.decoded(took)
         c = self.counters
         c["codec_calls_total"] += 1  # passes: each waits for the GPU once per group at most
         c["codec_windows_total"] += n
         c["codec_busy_seconds_total"] += took
         self.status.set_load(0, 0, dict(c))
+
+    def _slow(self, took: float, groups: list[tuple[list[DetokChunk], list[Finished]]]) -> None:
+        """Log a pass past `slow_pass_s` with its windows by kind (rows, tail rows: count), at most
+        once every SLOW_LOG_S (a codec sharing the GPU with the LM is a suspect of the LM's slow
+        steps: gpu_worker/engine.py)."""
+        self.slow_passes += 1
+        now = time.monotonic()
+        if now - self._slow_log_at < SLOW_LOG_S:
+            return
+        self._slow_log_at = now
+        kinds = collections.Counter((len(c.tokens) // (4 * self.codec.program.n_codebooks), c.tail_rows)
+                                    for chunks, _ in groups for c in chunks)  # fmt: skip
+        log.warning(
+            "slow pass: %.1f ms for %s windows (rows, tail rows: count), %d slow passes so far",
+            1000 * took, dict(kinds), self.slow_passes,
+        )  # fmt: skip
 
     def _fail(self, chunks: list[DetokChunk], finished: list[Finished], message: str) -> None:
         """The requests with chunks in a failed decode end with an error; the other ends held

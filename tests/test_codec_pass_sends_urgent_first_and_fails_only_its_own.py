@@ -87,3 +87,15 @@ def test_a_failed_group_ends_only_its_own_requests(program):
             [("odd", FinishReason.ERROR), ("new", FinishReason.STOP), ("s1", FinishReason.STOP)],
         ),
     ]
+
+
+def test_a_slow_pass_is_logged_with_its_windows_by_kind(program, caplog):
+    log: list = []
+    w = worker(program, log)
+    w.slow_pass_s = 0.0  # every pass is slow (on a GPU: past SLOW_PASS_S)
+    with caplog.at_level("WARNING", logger="codec_worker.worker"):
+        w._decode_and_send([([window("new", 0)], []), ([window(f"s{i}", 3) for i in range(3)], [])])
+        w._decode_and_send([([window("t", 1)], [])])  # within SLOW_LOG_S of the first: counted, not logged
+    lines = [r.getMessage() for r in caplog.records if "slow pass" in r.getMessage()]
+    assert len(lines) == 1 and "{(28, 0): 4}" in lines[0] and "1 slow passes so far" in lines[0], lines
+    assert w.slow_passes == 2
