@@ -13,13 +13,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checko
 
 def commit() -> str:
     """The commit measured: VOXPIPE_COMMIT when set (a copy of the tree whose .git is not its own,
-    as a remote GPU tool makes), else the HEAD of the checkout this file is in ("" outside one)."""
+    as a remote GPU tool makes), else the HEAD of the checkout this file is in, "-dirty" after it
+    where tracked files differ from it (edits not committed, or a copy of a later tree over a .git
+    left behind) ("" outside a checkout)."""
     if os.environ.get("VOXPIPE_COMMIT"):
         return os.environ["VOXPIPE_COMMIT"]
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, cwd=ROOT
-        )
+            ["git", "describe", "--always", "--dirty", "--abbrev=7", "--exclude=*"],
+            capture_output=True, text=True, timeout=5, cwd=ROOT,
+        )  # fmt: skip
         return out.stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         return ""
