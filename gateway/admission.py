@@ -55,12 +55,14 @@ class Admission:
         self.queue_timeout_s = queue_timeout_s
         self.active = 0
         self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._queued = 0  # futures in `_waiting` not yet done (admitted or given up)
         self._done: collections.deque[float] = collections.deque()  # monotonic times of releases
         self.rejected: collections.Counter[str] = collections.Counter()  # reason → requests
 
     @property
     def queue_length(self) -> int:
-        return sum(not f.done() for f in self._waiting)
+        """Requests waiting for a stream (kept as a count: a burst asks for it with each request)."""
+        return self._queued
 
     def limit(self) -> int | None:
         """Streams that may be active now (None: no limit known); at least 1 once known."""
@@ -89,6 +91,7 @@ class Admission:
             )
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiting.append(fut)
+        self._queued += 1
         deadline = time.monotonic() + self.queue_timeout_s
         try:
             while not fut.done():
@@ -128,13 +131,14 @@ class Admission:
             if not self._has_room():
                 return
             self.active += 1
+            self._queued -= 1
             self._waiting.popleft().set_result(None)
 
     def _leave(self, fut: asyncio.Future[None]) -> None:
         if fut.done() and not fut.cancelled():
             self.release()  # admitted in the same instant it gave up: hand the stream back
-        else:
-            fut.cancel()
+        elif fut.cancel():
+            self._queued -= 1
         try:
             self._waiting.remove(fut)
         except ValueError:
