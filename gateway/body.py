@@ -20,6 +20,7 @@ import aiohttp
 from aiohttp import web
 
 from gateway.fields import FormFields
+from gateway.timeouts import within
 
 MAX_BODY_BYTES = 1 << 20  # the Application's client_max_size; a text request needs far less
 
@@ -66,14 +67,14 @@ async def read_fields(
         raise _too_large(total)  # refuse before reading a byte of it
     try:
         if ctype in JSON_TYPES or ctype.endswith("+json"):
-            raw = await asyncio.wait_for(request.read(), timeout_s)
+            raw = await within(request.read(), timeout_s)
             if len(raw) > limit:  # a chunked body: the app's cap is the largest endpoint's
                 raise _too_large(limit)
             return _json_object(raw)
         if ctype == "multipart/form-data":
-            return await asyncio.wait_for(_multipart(request, clip_bytes, limit), timeout_s)
+            return await within(_multipart(request, clip_bytes, limit), timeout_s)
         if ctype in FORM_TYPES:
-            raw = await asyncio.wait_for(request.read(), timeout_s)  # _form parses it from here
+            raw = await within(request.read(), timeout_s)  # _form parses it from here
             if len(raw) > limit:
                 raise _too_large(limit)
             return await _form(request)

@@ -57,6 +57,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.procs import ProcessTable
 from gateway.references import References
 from gateway.segments import MAX_TEXT_CHARS_LIMIT
+from gateway.timeouts import within
 from gateway.voices import VoiceStore
 
 log = logging.getLogger(__name__)
@@ -404,11 +405,13 @@ class Pipeline:
             self._building[req.rid] = (req, self._building.get(req.rid, (req, 0))[1] + 1)
         try:
             send = self._send_to_tokenizers.send(req, urgent=req.urgent)
-            ident = await asyncio.wait_for(send, self.submit_timeout_s)
+            ident = await within(send, self.submit_timeout_s)
             name = self._send_to_tokenizers.workers.get(ident, "")
             if req.rid in self._pending:
                 self._holder.setdefault(req.rid, name)
-                if self.procs.exited(name):  # handed over as it died, its death maybe seen already
+                # Handed over as it died: where its death was seen already, the requests it held
+                # were failed without this one; otherwise the watch fails them all when it sees it.
+                if self.procs.seen_dead(name):
                     self._fail_held_by(name)
         except asyncio.TimeoutError:
             return Failed(
@@ -448,7 +451,7 @@ class Pipeline:
                     504, f"no progress from the workers for {self.idle_timeout_s:g} s; request aborted"
                 )
             try:
-                event = await asyncio.wait_for(pending.queue.get(), min(left, DISCONNECT_POLL_S))
+                event = await within(pending.queue.get(), min(left, DISCONNECT_POLL_S))
             except asyncio.TimeoutError:
                 if request.transport is None or request.transport.is_closing():
                     raise ClientGone from None

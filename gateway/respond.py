@@ -30,6 +30,7 @@ from gateway.events import ClientGone, Done, Event, Failed
 from gateway.metrics import outcome_of
 from gateway.pipeline import Pipeline
 from gateway.synthesis import Synthesis
+from gateway.timeouts import within
 from gateway.validation import GenerateParams
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ class _Writer:
 
     async def _within(self, sending: Any) -> None:
         try:
-            await asyncio.wait_for(sending, self.timeout_s)
+            await within(sending, self.timeout_s)
         except asyncio.TimeoutError:
             log.info(
                 "[%s] the client took no audio for %g s (--send-timeout); dropping it",
