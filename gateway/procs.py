@@ -164,10 +164,10 @@ class ProcessTable:
         """The processes of `role` that are READY and not known to be gone, by name."""
         return sorted(n for n, e in self._entries.items() if e.status.role == role and self.ready(n))
 
-    def exited(self, name: str) -> bool:
-        """Whether the last process heard from under `name` is known to have exited (on this host)."""
-        e = self._entries.get(name)
-        return e is not None and e.exited()
+    def seen_dead(self, name: str) -> bool:
+        """Whether `newly_dead` has reported the process under `name` dead (and it has not been
+        heard from since): its requests were failed then, and one handed to it later is not."""
+        return name in self._dead
 
     def fresh_metrics(self) -> list[tuple[str, str, dict[str, float]]]:
         """(name, role, metrics) of every process heard from within `stale_after_s`: a process

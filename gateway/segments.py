@@ -25,6 +25,7 @@ segments. The gateway holds back those last samples until it knows the segment h
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -140,6 +141,15 @@ def _size(text: str) -> int:
     return len(text.encode("utf-8"))
 
 
+@functools.lru_cache(maxsize=8)
+def _ramp(fade: int) -> np.ndarray:
+    """The fade-in ramp of `fade` samples (a raised cosine), computed once per length: a Joiner is
+    made for every request."""
+    ramp = 0.5 - 0.5 * np.cos(np.pi * (np.arange(fade) + 0.5) / fade) if fade else np.zeros(0)
+    ramp.flags.writeable = False
+    return ramp
+
+
 class Joiner:
     """Joins the PCM16 streams of consecutive segments without a click.
 
@@ -151,7 +161,7 @@ class Joiner:
 
     def __init__(self, fade: int) -> None:
         self.fade = fade
-        self._ramp = (0.5 - 0.5 * np.cos(np.pi * (np.arange(fade) + 0.5) / fade)) if fade else np.zeros(0)
+        self._ramp = _ramp(fade)
         self._index = -1
         self._last = True
         self._pos = 0  # samples of this segment seen so far
