@@ -1,8 +1,9 @@
 """Where a step that stalls is: a watch thread that, once the worker's loop has been inside one
 step for `after_s`, takes the loop thread's Python stack (`sys._current_frames`) and keeps it for the
-slow-step line. A loop thread blocked in a call that lets go of the GIL (a device wait, a lock, a
-system call) is caught in it; one holding the GIL (a garbage collection, a long C call that keeps
-it) lets the watch run only once it is done, so the stack then shows where it went on (and the
+slow-step line with how far into the step it was taken. A loop thread blocked in a call that lets
+go of the GIL (a device wait, a lock, a system call) is caught in it, about `after_s` into the step;
+one holding the GIL (a garbage collection, a long C call that keeps it) lets the watch run only
+once it is done, so the stack is taken later and shows where the thread went on from there (and the
 slow step's `cpu` and `gc` times say which). The watch wakes every `period_s`, only while a step
 runs, and costs the loop a GIL hand-over each time.
 """
@@ -38,8 +39,8 @@ class StallWatch:
         self._wake.set()
 
     def end(self) -> str:
-        """The step is over: the stack taken during it ("dir/file:line function < …", innermost
-        first; "" if it never ran `after_s`)."""
+        """The step is over: the stack taken during it and when ("dir/file:line function < …,
+        31 ms into the step", innermost first; "" if it never ran `after_s`)."""
         self._began = 0.0
         step, stack = self._taken
         return stack if step == self._step else ""
@@ -59,11 +60,10 @@ class StallWatch:
             if step != self._taken[0] and time.perf_counter() - began >= self.after_s:
                 frame = sys._current_frames().get(self._loop)
                 if frame is not None:
+                    into = time.perf_counter() - began
                     frames = reversed(traceback.extract_stack(frame)[-FRAMES:])
-                    self._taken = (
-                        step,
-                        " < ".join(f"{_where(f.filename)}:{f.lineno} {f.name}" for f in frames),
-                    )
+                    stack = " < ".join(f"{_where(f.filename)}:{f.lineno} {f.name}" for f in frames)
+                    self._taken = (step, f"{stack}, {1000 * into:.0f} ms into the step")
             time.sleep(self.period_s)
 
 

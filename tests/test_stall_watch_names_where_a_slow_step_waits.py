@@ -1,11 +1,15 @@
 """The stall watch (gpu_worker/stall.py): a step that runs past its threshold comes back with the loop
-thread's stack at that moment, innermost first; a quick step, and a step after a slow one, with
-none; the watch sleeps between steps."""
+thread's stack at that moment, innermost first, and how far into the step it was taken (a thread
+that keeps the GIL is caught only after it lets go: the time says so); a quick step, and a step
+after a slow one, with none; the watch sleeps between steps."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
+
+import pytest
 
 from gpu_worker.stall import StallWatch
 
@@ -25,7 +29,9 @@ def test_a_stalled_step_names_where_its_thread_waits_and_a_quick_one_names_nothi
         watch.begin()
         a_step(slow=True)
         stack = watch.end()
-        first = stack.split(" < ")
+        where, when = stack.rsplit(", ", 1)
+        assert 30 <= float(when.split(" ms into the step")[0]) < 150, stack  # caught in the wait
+        first = where.split(" < ")
         assert first[0].endswith("blocked_in_the_device_wait"), stack
         assert "test_stall_watch_names_where_a_slow_step_waits.py:" in first[0]
         assert any(f.endswith("a_step") for f in first[1:]), stack
@@ -41,3 +47,32 @@ def test_a_stalled_step_names_where_its_thread_waits_and_a_quick_one_names_nothi
     finally:
         watch.close()
     assert not any(t.name == "stall-watch" and t.is_alive() for t in threading.enumerate())
+
+
+BACKTRACKS = re.compile(r"(a+)+$")
+
+
+def held_in_a_call_that_keeps_the_gil(n: int) -> None:
+    BACKTRACKS.match("a" * n + "b")  # one C call that keeps the GIL, ~2^n steps: no thread runs
+
+
+def test_a_thread_that_keeps_the_gil_is_caught_once_it_lets_go_and_the_time_says_so():
+    watch = StallWatch(after_s=0.03, period_s=0.005)
+    try:
+        for n in range(18, 26):  # until the match outlasts twice the threshold on this machine
+            watch.begin()
+            t0 = time.perf_counter()
+            held_in_a_call_that_keeps_the_gil(n)
+            took = time.perf_counter() - t0
+            time.sleep(0.02)  # the watch has had its turn by the end of this
+            stack = watch.end()
+            if took > 0.06:
+                break
+        else:
+            pytest.skip("the match took less than twice the threshold here")
+        ms = float(stack.rsplit(", ", 1)[1].split(" ms into the step")[0])
+        # Taken as the call let go of the GIL, not at the threshold: the time tells a thread that
+        # kept the GIL from one that waited (caught ~30 ms in)
+        assert ms >= 1000 * took - 10, (stack, took)
+    finally:
+        watch.close()
