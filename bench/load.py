@@ -227,6 +227,7 @@ def server_gauges(base: str) -> dict[str, float]:
         *_AVERAGED, "stream_capacity", "decode_batch_size", "kv_pages_used", "active_streams", "queue_depth",
         "codec_calls_total", "codec_windows_total", "codec_busy_seconds_total", "admission_queue_length",
         "streams_sitting_out", "prompts_started_total", "steps_total", "steps_borrowing_total",
+        "gateway_loop_lag_max_seconds",
     )  # fmt: skip
     out: dict[str, float] = {}
     seen: dict[str, int] = {}
@@ -248,7 +249,7 @@ def server_gauges(base: str) -> dict[str, float]:
 TIMELINE_GAUGES = (
     "active_streams", "stream_capacity", "admission_queue_length", "row_period_ms", "streams_sitting_out",
     "life_context", "step_cost_fixed_ms", "step_cost_token_us", "step_cost_kcontext_us", "step_cost_prompt_ms",
-    "step_cost_group_ms",
+    "step_cost_group_ms", "gateway_loop_lag_max_seconds",
 )  # fmt: skip
 # ... and the counters whose rate it follows, sample to sample (a burst's admission, step by step).
 TIMELINE_RATES = (

@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from gateway.admission import Admission
+from gateway.loop_lag import LoopLag
 from gateway.procs import ProcessTable
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -71,6 +72,7 @@ WORKER_METRICS = {
 # 85 ms is one 2048-sample chunk at 24 kHz: gaps above it mean slower than real time.
 TTFA_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 GAP_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.085, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
+LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 
 
 class WorkerCollector:
@@ -157,6 +159,19 @@ class GatewayMetrics:
         self.registry.register(WorkerCollector(procs))
         if admission is not None:
             self._watch(admission)
+        lag = Histogram(
+            "voxpipe_gateway_loop_lag_seconds",
+            "How much later than due the gateway's event loop ran a timer (sampled every 20 ms): "
+            "the wait of every request and chunk behind the loop's work.",
+            buckets=LAG_BUCKETS,
+            registry=self.registry,
+        )
+        self.loop_lag = LoopLag(observe=lag.observe)  # run by the pipeline while it serves
+        Gauge(
+            "voxpipe_gateway_loop_lag_max_seconds",
+            "The largest lag of the gateway's event loop over the last 10 s.",
+            registry=self.registry,
+        ).set_function(self.loop_lag.max_s)
 
     def _watch(self, admission: Admission) -> None:
         """Admission's state, read at scrape time."""

@@ -122,6 +122,7 @@ class Pipeline:
         self._tasks: set[asyncio.Task[Any]] = set()  # background sends, kept so they are not GC'd
         self._inbox_task: asyncio.Task[None] | None = None
         self._watch_task: asyncio.Task[None] | None = None
+        self._lag_task: asyncio.Task[None] | None = None
         self._send_to_tokenizers: AsyncDispatchChannel[GenerateRequest] | None = None
         self._send_to_gpu: AsyncDispatchChannel[GpuInMsg] | None = None
         self._routing: dict[str, asyncio.Task[Any]] = {}  # rid → prompt waiting for a gpu_worker
@@ -156,6 +157,7 @@ class Pipeline:
         self._recv_from_workers = AsyncPullChannel(a.gateway_in, GatewayInMsg, bind=True)
         self._inbox_task = asyncio.create_task(self._inbox_loop(), name="gateway-inbox")
         self._watch_task = asyncio.create_task(self._watch_processes(), name="gateway-watch")
+        self._lag_task = asyncio.create_task(self.metrics.loop_lag.run(), name="gateway-loop-lag")
         model = self.cfg.model or "the default model"
         log.info("gateway for %s: requests → %s, inbox ← %s", model, a.requests, a.gateway_in)
 
@@ -258,7 +260,7 @@ class Pipeline:
             self._put(req.rid, failed)
 
     async def stop(self, app: web.Application) -> None:
-        for task in (self._inbox_task, self._watch_task):
+        for task in (self._inbox_task, self._watch_task, self._lag_task):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
