@@ -7,6 +7,7 @@
     voxpipe bench codec-streams --model qwen3-tts          GPU codec streams: a pass by entries and frames
     voxpipe bench ws --sessions 1,100 --word-ms 10,30       WebSocket input streaming of a running server
     voxpipe bench connect --clients 384                     a burst of connections to a running server
+    voxpipe bench gateway --clients 400                     the gateway's CPU per request and per audio second
 
 `voxpipe bench --url …` (no sub-command) is `voxpipe bench load --url …`. Every sub-command takes
 `--help`. Each module's `main(argv)` parses the arguments after the sub-command; a preset's own
@@ -53,6 +54,11 @@ COMMANDS: dict[str, tuple[str, list[str], str]] = {
         "bench.connect_burst",
         [],
         "N clients connecting at once to a running server: each one's wait for /health (the accept queue)",
+    ),
+    "gateway": (
+        "bench.gateway_cost",
+        [],
+        "the gateway's CPU time per request and per second of audio, bursts against a server on this host",
     ),
     "sim": ("bench.admission_sim", [], "admission and sit-out policies on a simulated GPU"),
     "tap-stats": ("bench.tap_stats", [], "where a request's time goes, from `voxpipe tap` output"),
