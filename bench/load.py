@@ -242,6 +242,8 @@ def server_gauges(base: str) -> dict[str, float]:
     for k in _AVERAGED:
         if k in out:
             out[k] /= seen[k]
+    if "gateway_loop_lag_max_seconds" in out:  # in ms: the results round gauges to 0.01
+        out["gateway_loop_lag_max_ms"] = 1000 * out.pop("gateway_loop_lag_max_seconds")
     return out
 
 
@@ -249,7 +251,7 @@ def server_gauges(base: str) -> dict[str, float]:
 TIMELINE_GAUGES = (
     "active_streams", "stream_capacity", "admission_queue_length", "row_period_ms", "streams_sitting_out",
     "life_context", "step_cost_fixed_ms", "step_cost_token_us", "step_cost_kcontext_us", "step_cost_prompt_ms",
-    "step_cost_group_ms", "gateway_loop_lag_max_seconds",
+    "step_cost_group_ms", "gateway_loop_lag_max_ms",
 )  # fmt: skip
 # ... and the counters whose rate it follows, sample to sample (a burst's admission, step by step).
 TIMELINE_RATES = (

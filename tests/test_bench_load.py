@@ -93,6 +93,7 @@ def test_load_levels_report_ttfa_viability_and_throughput(server, tmp_path):
         assert d["max_decode_batch_size"] >= 1 and d["stream_capacity"] > 0 and "step_host_ms" in d
         assert d["min_stream_capacity"] <= d["stream_capacity_p10"] <= d["stream_capacity"]
         assert 0.0 <= d["admission_queued_share"] <= 1.0
+        assert 0.0 <= d["gateway_loop_lag_max_ms"] < 10_000  # the gateway's loop, in ms
     assert any(d.get("codec_windows_per_call", 0) >= 1 for d in during), during
     assert res["max_streams_meeting_target"] in (0, 1, 3)
 
