@@ -24,6 +24,7 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import math
 import os
 import random
 import statistics
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from bench.clips import Cloning, split
+from common.loop_lag import LoopLag
 from common.proc import use_uvloop
 
 HEADER = 44
@@ -402,12 +404,15 @@ def measure_level(
     sampler = GaugeSampler(
         base, BURST_SAMPLE_S if arrivals(level.get("rate"), level.get("ramp", 0.0)) == "burst" else SAMPLE_S
     )
+    lags: list[float] = []  # each client process's largest loop lag over the level (s)
     try:
         if children:
-            results, wall = run_level_parts(children)
+            results, wall = run_level_parts(children, lags)
         else:
             use_uvloop()  # the client's loop reads every stream's chunks: keep its own lag out of the timings
-            results, wall = asyncio.run(run_level(base, **level))
+            lag = LoopLag(window_s=math.inf)
+            results, wall = asyncio.run(run_level(base, lag=lag, **level))
+            lags.append(lag.max_s())
     finally:
         sampler.stop()
     if ttfa_by_rid is not None:
@@ -415,7 +420,9 @@ def measure_level(
     summary = summarize(results, wall, sample_rate, ramp := level.get("ramp", 0.0))
     if level.get("cloning") is not None:  # the level's cloned and plain requests apart
         summary |= split(level["cloning"], results, lambda part: summarize(part, wall, sample_rate, ramp))
-    return {**summary, "client_procs": procs, "server_during": sampler.summary()}
+    # The client's own lag: a process that read its streams late added it to the first audio it measured.
+    client = {"client_procs": procs, "client_loop_lag_max_ms": round(1000 * max(lags, default=0.0), 1)}
+    return {**summary, **client, "server_during": sampler.summary()}
 
 
 def summarize(results: list[Result], wall_s: float, sample_rate: int, ramp_s: float = 0.0) -> dict:
@@ -520,6 +527,7 @@ async def run_level(
     cloning: Cloning | None = None,
     part: tuple[int, int] = (0, 1),
     start_at: float = 0.0,
+    lag: LoopLag | None = None,
 ) -> tuple[list[Result], float]:
     """Closed loop (`concurrency` clients, each sending back to back, their first requests spread
     evenly over `ramp` seconds: 0, a burst, every one at once) or open loop (Poisson `rate`). A
@@ -532,7 +540,8 @@ async def run_level(
     one of `rate`; the first part's first request at the start, as in one process, the others'
     after a gap), and ends once its own share of `max_errors` failed (the other parts go on), its
     progress lines (the first part's) saying so; `start_at` (perf_counter, one clock for the
-    host's processes): when the level starts."""
+    host's processes): when the level starts. `lag`: watches this process's event loop while the
+    level runs."""
     p, k = part
     rng = random.Random(seed if k == 1 else seed * 1_000_003 + p)
     cloning = cloning or Cloning()
@@ -574,6 +583,7 @@ async def run_level(
             if progress_s and p == 0
             else None
         )
+        watch = asyncio.create_task(lag.run()) if lag is not None else None
         if concurrency:
 
             async def client(i: int) -> None:
@@ -595,8 +605,9 @@ async def run_level(
                 tasks.append(asyncio.create_task(one_request(s, url, sent, t0, next(rids))))
                 await asyncio.sleep(within(rng.expovariate(rate)))
             results.extend(await asyncio.gather(*tasks))
-        if ticker is not None:
-            ticker.cancel()
+        for task in (ticker, watch):
+            if task is not None:
+                task.cancel()
         return results, time.perf_counter() - t0
 
 
@@ -649,9 +660,11 @@ def start_parts(base: str, procs: int, level: dict) -> list[subprocess.Popen]:
     return children
 
 
-def run_level_parts(children: list[subprocess.Popen]) -> tuple[list[Result], float]:
+def run_level_parts(
+    children: list[subprocess.Popen], lags: list[float] | None = None
+) -> tuple[list[Result], float]:
     """Start the level in every process of `start_parts` at once → all their results, and the
-    level's wall time (its longest part's)."""
+    level's wall time (its longest part's); each process's largest event-loop lag (s) into `lags`."""
     start_at = time.perf_counter() + PART_START_S
     results, wall = [], 0.0
     try:
@@ -666,6 +679,8 @@ def run_level_parts(children: list[subprocess.Popen]) -> tuple[list[Result], flo
                 raise RuntimeError(f"a client process of the level failed (exit {child.returncode})")
             got = json.loads(lines[-1])
             wall = max(wall, got["wall"])
+            if lags is not None:
+                lags.append(got["lag_max_s"])
             results += [Result(**{**r, "chunks": [tuple(c) for c in r["chunks"]]}) for r in got["results"]]
     finally:
         for child in children:
@@ -688,8 +703,10 @@ def _part_main() -> None:
     use_uvloop()
     print("ready", flush=True)
     start_at = float(sys.stdin.readline())
-    results, wall = asyncio.run(run_level(spec["base"], part=part, start_at=start_at, **level))
-    print(json.dumps({"wall": wall, "results": [dataclasses.asdict(r) for r in results]}), flush=True)
+    lag = LoopLag(window_s=math.inf)
+    results, wall = asyncio.run(run_level(spec["base"], part=part, start_at=start_at, lag=lag, **level))
+    out = {"wall": wall, "lag_max_s": lag.max_s(), "results": [dataclasses.asdict(r) for r in results]}
+    print(json.dumps(out), flush=True)
 
 
 async def _report_progress(

@@ -17,8 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from common.loop_lag import LoopLag
 from gateway.admission import Admission
-from gateway.loop_lag import LoopLag
 from gateway.procs import ProcessTable
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST

@@ -79,6 +79,7 @@ def test_load_levels_report_ttfa_viability_and_throughput(server, tmp_path):
         assert 0 < point["ttfa_p50_ms"] <= point["ttfa_p99_ms"]
         assert 0.0 <= point["on_time_share"] <= 1.0 and point["x_realtime"] > 0
         assert point["late_requests"] <= point["requests"]
+        assert 0 <= point["client_loop_lag_max_ms"] < 10_000  # the client's own loop, watched
         # each client opened its connection (a closed loop reuses it) within the level, none retried
         assert point["concurrency"] <= point["connects"] <= point["requests"], point
         assert point["connects_retried"] == 0 and 0 < point["connect_p99_ms"] < 900
@@ -102,7 +103,9 @@ def test_a_level_split_over_client_processes_starts_them_together(server):
     """`--client-procs 2`: a burst's clients, and a Poisson rate, run in two processes started at
     once; their results come back as one level's."""
     level = {"duration": 1.5, "tokens": 60, "prompt_allowance": 100, "seed": 3}
-    burst, wall = run_level_parts(start_parts(server.base, 2, {**level, "concurrency": 4}))
+    lags: list[float] = []
+    burst, wall = run_level_parts(start_parts(server.base, 2, {**level, "concurrency": 4}), lags)
+    assert len(lags) == 2 and all(0 <= lag < 10 for lag in lags)  # each process's loop, watched
     assert wall >= 1.5 and all(r.ok and r.chunks for r in burst), [r.error for r in burst]
     assert len({r.rid for r in burst}) == len(burst) >= 4
     parts = {r.rid.split("-")[2] for r in burst}  # load-<level>-<part>-<n>
@@ -113,6 +116,7 @@ def test_a_level_split_over_client_processes_starts_them_together(server):
     assert {r.rid.split("-")[2] for r in poisson} == {"0", "1"} and all(r.ok for r in poisson)
     point = measure_level(server.base, 24000, client_procs=2, concurrency=2, **level)
     assert point["client_procs"] == 2 and point["errors"] == 0 and point["requests"] >= 2
+    assert point["client_loop_lag_max_ms"] >= 0
 
 
 def test_a_part_of_a_level_runs_its_clients_its_rate_and_its_share_of_errors(monkeypatch):

@@ -1,4 +1,4 @@
-"""The gateway's event-loop lag (gateway/loop_lag.py): a loop kept busy shows its delay in the lag
+"""The gateway's event-loop lag (common/loop_lag.py): a loop kept busy shows its delay in the lag
 and in its window's maximum, which forgets it once the window has passed; a served gateway exports
 both on /metrics."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from gateway.loop_lag import LoopLag
+from common.loop_lag import LoopLag
 from tests.test_admission_queues_then_refuses_with_retry_after import make_rig  # noqa: F401
 
 
