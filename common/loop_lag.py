@@ -5,10 +5,12 @@ The gateway's one event loop accepts every connection, parses every request, sub
 every audio chunk of every stream. When that work outgrows the loop (a burst's requests all parsed
 and submitted in turn, hundreds of streams' chunks), everything on it waits: a request's handler
 starts late and a chunk leaves late, and the times the gateway stamps on a request (from its
-handler's start) do not show it. The lag does: `voxpipe_gateway_loop_lag_seconds` (each wake's
-delay) and `voxpipe_gateway_loop_lag_max_seconds` (the largest over the last `window_s`). A load
-bench's client processes watch their own loops the same way: a client that reads its streams late
-adds its lag to the time to first audio it measures.
+handler's start) do not show it. The lag shows the loop's longest stretch of work without a turn
+for its timers: `voxpipe_gateway_loop_lag_seconds` (each wake's delay) and
+`voxpipe_gateway_loop_lag_max_seconds` (the largest over the last `window_s`). A queue of short
+stretches (a burst's requests, read a batch of connections at a time with the timers run between)
+shows only in part. A load bench's client processes watch their own loops the same way: a client
+that reads its streams late adds its lag to the time to first audio it measures.
 """
 
 from __future__ import annotations

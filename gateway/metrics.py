@@ -162,7 +162,7 @@ class GatewayMetrics:
         lag = Histogram(
             "voxpipe_gateway_loop_lag_seconds",
             "How much later than due the gateway's event loop ran a timer (sampled every 20 ms): "
-            "the wait of every request and chunk behind the loop's work.",
+            "its longest stretches of work, which every request and chunk behind them waits out.",
             buckets=LAG_BUCKETS,
             registry=self.registry,
         )
