@@ -54,7 +54,7 @@ class PinnedRing:
         before the next `fence`, say: its event marks the copy done)."""
         import torch
 
-        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        n = math.prod(shape) * dtype.itemsize
         size = -(-n // ALIGN) * ALIGN
         if size > self.buf.numel():
             return torch.empty(shape, dtype=dtype, pin_memory=self.buf.is_pinned())
