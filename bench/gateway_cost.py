@@ -4,8 +4,8 @@ requests at once and reads each to its end; a round at each `--max-tokens` budge
 the smallest leaves no room for audio, the largest makes seconds of it). From the rounds: the
 gateway's CPU per request with the least audio, and the slope per second of audio between the
 budgets, which bounds the streams one gateway process can carry (one event loop, one core); and
-the largest lag of its event loop over each burst (`voxpipe_gateway_loop_lag_max_seconds`): how
-long a burst's last request waited behind the others' work before its handler ran.
+the largest lag of its event loop over each burst (`voxpipe_gateway_loop_lag_max_seconds`): its
+longest stretch of work without a turn for its timers.
 
     voxpipe bench gateway --url http://127.0.0.1:8000 --clients 400 --max-tokens 30,250 [--rounds 5]
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import statistics
 import sys
@@ -27,7 +28,7 @@ import time
 import aiohttp
 import numpy as np
 
-from bench.load import auth_headers
+from bench.load import auth_headers, server_gauges
 from bench.provenance import command, commit
 
 TEXT = "Hello there, how are you today?"  # one text: the gateway does the same work for any
@@ -55,15 +56,7 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def lag_max_s(session: aiohttp.ClientSession, url: str) -> float:
-    async with session.get(url + "/metrics") as r:
-        for line in (await r.text()).splitlines():
-            if line.startswith("voxpipe_gateway_loop_lag_max_seconds "):
-                return float(line.split()[1])
-    return float("nan")
-
-
-async def one(session: aiohttp.ClientSession, url: str, i: int, max_tokens: int) -> float:
+async def one(session: aiohttp.ClientSession, url: str, max_tokens: int) -> float:
     """One streamed request to its end → seconds of audio (PCM16 mono WAV)."""
     body = {"text": TEXT, "max_tokens": max_tokens}
     async with session.post(url + "/generate", json=body) as r:
@@ -80,18 +73,18 @@ async def run(args) -> dict:
     budgets = [int(x) for x in args.max_tokens.split(",")]
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, headers=auth_headers()) as session:
-        await asyncio.gather(*(one(session, url, i, budgets[-1]) for i in range(4)))  # warm
+        await asyncio.gather(*(one(session, url, budgets[-1]) for _ in range(4)))  # warm
         rounds = []
         for _ in range(args.rounds):
             for budget in budgets:
                 await asyncio.sleep(args.pause)  # the lag window's last burst apart from this one
                 c0, t0 = cpu_s(pid), time.perf_counter()
-                audio = await asyncio.gather(*(one(session, url, i, budget) for i in range(args.clients)))
+                audio = await asyncio.gather(*(one(session, url, budget) for _ in range(args.clients)))
                 wall, cpu = time.perf_counter() - t0, cpu_s(pid) - c0
                 rounds.append({
                     "max_tokens": budget, "wall_s": round(wall, 3), "gateway_cpu_s": round(cpu, 3),
                     "audio_s_per_request": round(float(np.mean(audio)), 3),
-                    "loop_lag_max_ms": round(1000 * await lag_max_s(session, url), 1),
+                    "loop_lag_max_ms": round(server_gauges(url).get("gateway_loop_lag_max_ms", math.nan), 1),
                 })  # fmt: skip
                 print(json.dumps(rounds[-1]), flush=True)
     n = args.clients
