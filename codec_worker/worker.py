@@ -27,6 +27,7 @@ from codec_worker.encode import Encodes
 from codec_worker.gather import Gather
 from common.config import ServeConfig, program_kwargs, resolve_device
 from common.ipc import PullChannel, PushChannel
+from common.late_imports import LateImports, describe
 from common.messages import (
     AudioChunks,
     CodecInMsg,
@@ -134,8 +135,12 @@ class CodecWorker:
 
     def run(self) -> None:
         drained = time.monotonic()
+        late = LateImports()  # what startup loaded: an import from here on waits inside a pass
         while True:
             drained = self.turn(drained)
+            imported = late.check()
+            if imported:
+                log.warning("a pass imported %s: import them at startup", describe(imported))
 
     def turn(self, drained: float) -> float:
         """One turn of the loop: take what arrived, decode what is due, else encode one bounded

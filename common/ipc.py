@@ -40,6 +40,10 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+# pyzmq imports it at the first send without a copy of a frame past zmq.COPY_THRESHOLD (a pass of
+# audio, say): at startup, not inside a pass.
+import zmq.utils.garbage  # noqa: F401
+
 from common import curve
 from common.curve import CurveKeys, create_curve_keys, ensure_curve_keys, use_curve  # noqa: F401 (re-exported)
 from common.messages import StageEvent, TapHeader

@@ -35,6 +35,7 @@ from aiohttp import web
 
 from common.config import ServeConfig, check_model_settings
 from common.ipc import Addresses, AsyncPullChannel, publish_stage
+from common.late_imports import LateImports, describe
 from common.messages import (
     Abort,
     AppendedText,
@@ -214,9 +215,14 @@ class Pipeline:
 
     async def _watch_processes(self) -> None:
         """Every request a process held when it died ends now with an explicit 503 (a stream is
-        broken, a whole response is a JSON error), instead of waiting out the idle timeout."""
+        broken, a whole response is a JSON error), instead of waiting out the idle timeout. Also
+        says which modules the gateway imported while serving (common/late_imports.py)."""
+        late = LateImports()  # what startup loaded: an import from here on holds every stream
         while not self.closing:
             await asyncio.sleep(WATCH_INTERVAL_S)
+            imported = late.check()
+            if imported:
+                log.warning("imported while serving %s: import them at startup", describe(imported))
             for name in self.procs.newly_dead():
                 self._fail_held_by(name)
             self.admission.pump()  # capacity grows when a gpu_worker reports

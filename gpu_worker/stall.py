@@ -61,7 +61,11 @@ class StallWatch:
                 frame = sys._current_frames().get(self._loop)
                 if frame is not None:
                     into = time.perf_counter() - began
-                    frames = reversed(traceback.extract_stack(frame)[-FRAMES:])
+                    # An import's machinery (`<frozen importlib._bootstrap>`) hides what imports
+                    frames = [
+                        f for f in traceback.extract_stack(frame) if not f.filename.startswith("<frozen")
+                    ]
+                    frames = reversed(frames[-FRAMES:])
                     stack = " < ".join(f"{_where(f.filename)}:{f.lineno} {f.name}" for f in frames)
                     self._taken = (step, f"{stack}, {1000 * into:.0f} ms into the step")
             time.sleep(self.period_s)

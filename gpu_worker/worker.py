@@ -15,6 +15,7 @@ import torch
 
 from common.config import GpuWorkerSettings, ServeConfig, program_kwargs, resolve_device
 from common.ipc import PushChannel
+from common.late_imports import LateImports, describe
 from common.messages import Abort, Appends, CodecInMsg, GpuInMsg, ProcState, Prompt
 from common.pool import CreditWorkChannel
 from common.proc import StatusReporter
@@ -96,6 +97,7 @@ class GpuWorker:
 
     def run(self) -> None:
         engine = self.engine
+        late = LateImports()  # what startup loaded: an import from here on waits inside a step
         while True:
             # 0. say how many more prompts this worker can start now
             self.inbox.offer(self.credits())
@@ -114,6 +116,11 @@ class GpuWorker:
                 stack = watch.end() if watch is not None else ""
             # 4. emit one message for the step
             self.emit(out)
+            imported = late.check()
+            if imported:
+                log.warning(
+                    "step %d imported %s: import them at startup", engine.step_count, describe(imported)
+                )
             if engine.slow_steps != self._slow_seen:
                 self.report_slow(stack)
             self.lane()

@@ -76,3 +76,27 @@ def test_a_thread_that_keeps_the_gil_is_caught_once_it_lets_go_and_the_time_says
         assert ms >= 1000 * took - 10, (stack, took)
     finally:
         watch.close()
+
+
+def test_a_step_stalled_in_an_import_names_the_module_and_the_line_importing_it(tmp_path, monkeypatch):
+    """An import's own frames (`<frozen importlib._bootstrap>`) are left out: the stack shows the
+    module being run and the line of the step that imported it."""
+    (tmp_path / "slow_to_import_xyz.py").write_text(
+        "import time\n\ntime.sleep(0.15)  # a large module's load\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    watch = StallWatch(after_s=0.03, period_s=0.005)
+    try:
+        watch.begin()
+        import slow_to_import_xyz  # noqa: F401
+
+        stack = watch.end()
+    finally:
+        watch.close()
+    frames = stack.rsplit(", ", 1)[0].split(" < ")
+    assert not any("<frozen" in f for f in stack.split(" < ")), stack
+    assert frames[0] == f"{tmp_path.name}/slow_to_import_xyz.py:3 <module>", stack
+    assert frames[1].startswith("tests/test_stall_watch_names_where_a_slow_step_waits.py:"), stack
+    assert frames[1].endswith(
+        " test_a_step_stalled_in_an_import_names_the_module_and_the_line_importing_it"
+    ), stack

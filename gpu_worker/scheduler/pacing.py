@@ -36,6 +36,10 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
+# np.quantile (`rows_time_high`) imports numpy.ma at its first call, which comes only under a
+# load that varies the batch: 50-80 ms inside a step of the first busy second on the H100.
+import numpy.ma  # noqa: F401  (imported here, at startup)
+
 from common.config import GpuWorkerSettings
 from gpu_worker.scheduler.step_cost import COST_STEPS, Lives, StepCost
 
