@@ -385,16 +385,42 @@ class AsyncPullChannel(Generic[T]):
         self, addr: str, msg_type: Any, bind: bool = True, ctx: zmq.asyncio.Context | None = None
     ) -> None:
         self._sock = make_socket(ctx or zmq.asyncio.Context.instance(), zmq.PULL, addr, bind)
+        # The same socket without the asyncio layer: what is queued already is taken without a
+        # future, a readiness check and a handler update per message (`recv_batch`).
+        self._now = zmq.Socket.shadow(self._sock.underlying)
         self._dec = msgspec.msgpack.Decoder(msg_type)
 
     async def recv(self) -> T:
         """The next message that decodes; malformed ones are logged and skipped."""
         while True:
-            frame = await self._sock.recv(copy=False)
-            try:
-                return self._dec.decode(frame.buffer)
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                log.warning("dropped a malformed message (%d bytes): %s", len(frame.buffer), e)
+            msg = self._decode(await self._sock.recv(copy=False))
+            if msg is not None:
+                return msg
+
+    async def recv_batch(self, limit: int = 256) -> list[T]:
+        """The next message that decodes and those queued behind it (at most `limit` in all): one
+        wait for a burst of messages instead of one each. Malformed ones are logged and skipped."""
+        out: list[T] = []
+        while not out:
+            msg = self._decode(await self._sock.recv(copy=False))
+            if msg is not None:
+                out.append(msg)
+            for _ in range(limit - 1):
+                try:
+                    frame = self._now.recv(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                msg = self._decode(frame)
+                if msg is not None:
+                    out.append(msg)
+        return out
+
+    def _decode(self, frame: zmq.Frame) -> T | None:
+        try:
+            return self._dec.decode(frame.buffer)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            log.warning("dropped a malformed message (%d bytes): %s", len(frame.buffer), e)
+            return None
 
     def close(self) -> None:
         self._sock.close(linger=0)

@@ -284,11 +284,11 @@ class Pipeline:
     async def _inbox_loop(self) -> None:
         assert self._recv_from_workers is not None
         while True:
-            msg = await self._recv_from_workers.recv()
-            try:
-                self.dispatch(msg)
-            except Exception:
-                log.exception("failed to handle %s from a worker", type(msg).__name__)
+            for msg in await self._recv_from_workers.recv_batch():
+                try:
+                    self.dispatch(msg)
+                except Exception:
+                    log.exception("failed to handle %s from a worker", type(msg).__name__)
 
     def dispatch(self, msg: GatewayInMsg) -> None:
         match msg:
