@@ -21,6 +21,7 @@ The command line (model limits from the server, progress, stopping on failures):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -30,6 +31,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -642,11 +644,16 @@ def start_parts(base: str, procs: int, level: dict) -> list[subprocess.Popen]:
                 [sys.executable, "-m", "bench.load", "--part"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 text=True, env=env,
             )  # fmt: skip
+            # Its results (hundreds of kB for a long level) go to a file: one line of them through
+            # the stdout pipe came back cut at 64 KiB in some runs.
+            fd, child.results_path = tempfile.mkstemp(prefix="voxpipe-part-", suffix=".json")
+            os.close(fd)
             children.append(child)
             assert child.stdin is not None
             child.stdin.write(
-                json.dumps({"base": base, "level": plain, "cloning": clips, "part": [p, procs]}) + "\n"
-            )
+                json.dumps({"base": base, "level": plain, "cloning": clips, "part": [p, procs],
+                            "out": child.results_path}) + "\n"
+            )  # fmt: skip
             child.stdin.flush()
         for child in children:
             assert child.stdout is not None
@@ -656,6 +663,8 @@ def start_parts(base: str, procs: int, level: dict) -> list[subprocess.Popen]:
         for child in children:
             child.kill()
             child.wait()
+            with contextlib.suppress(OSError):
+                os.unlink(child.results_path)
         raise
     return children
 
@@ -674,10 +683,10 @@ def run_level_parts(
             child.stdin.flush()
         for child in children:
             out, _ = child.communicate()
-            lines = out.splitlines()
-            if child.returncode != 0 or not lines:
+            if child.returncode != 0 or out.splitlines()[-1:] != ["done"]:
                 raise RuntimeError(f"a client process of the level failed (exit {child.returncode})")
-            got = json.loads(lines[-1])
+            with open(child.results_path) as f:
+                got = json.load(f)
             wall = max(wall, got["wall"])
             if lags is not None:
                 lags.append(got["lag_max_s"])
@@ -687,13 +696,15 @@ def run_level_parts(
             if child.poll() is None:
                 child.kill()
                 child.wait()
+            with contextlib.suppress(OSError):
+                os.unlink(child.results_path)
     return results, wall
 
 
 def _part_main() -> None:
     """A process of a level split over several (`start_parts`): its part on stdin's first line,
     "ready" on stdout, the level's start (perf_counter) on stdin's next line, then its results as
-    one line of JSON."""
+    JSON into the part's file ("out") and "done" on stdout."""
     spec = json.loads(sys.stdin.readline())
     level, clips, part = spec["level"], spec["cloning"], tuple(spec["part"])
     if clips is not None:  # a clip nonce of its own: every cloned request's clip is new
@@ -706,7 +717,9 @@ def _part_main() -> None:
     lag = LoopLag(window_s=math.inf)
     results, wall = asyncio.run(run_level(spec["base"], part=part, start_at=start_at, lag=lag, **level))
     out = {"wall": wall, "lag_max_s": lag.max_s(), "results": [dataclasses.asdict(r) for r in results]}
-    print(json.dumps(out), flush=True)
+    with open(spec["out"], "w") as f:
+        json.dump(out, f)
+    print("done", flush=True)
 
 
 async def _report_progress(
