@@ -320,6 +320,28 @@ class PushChannel(Generic[T]):
         self._sock.close(linger=0)
 
 
+def _decoded(dec: msgspec.msgpack.Decoder, frame: zmq.Frame) -> Any | None:
+    """`frame` decoded; None for a malformed one (logged, and the receiver serves on)."""
+    try:
+        return dec.decode(frame.buffer)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        log.warning("dropped a malformed message (%d bytes): %s", len(frame.buffer), e)
+        return None
+
+
+def _take_queued(sock: zmq.Socket, dec: msgspec.msgpack.Decoder, out: list, frames: int) -> None:
+    """Up to `frames` frames queued at `sock` now (no wait), decoded into `out`, malformed ones
+    skipped."""
+    for _ in range(frames):
+        try:
+            frame = sock.recv(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
+        msg = _decoded(dec, frame)
+        if msg is not None:
+            out.append(msg)
+
+
 class PullChannel(Generic[T]):
     """Receives one union type. Messages that do not decode are logged and dropped: a peer's bug
     or a stranger on the socket must never take the receiver down."""
@@ -339,24 +361,12 @@ class PullChannel(Generic[T]):
     def drain(self, timeout_ms: int = 0, limit: int = 100_000) -> list[T]:
         """Everything queued now; waits up to `timeout_ms` for the first message."""
         out: list[T] = []
-        if not self._poller.poll(timeout_ms):
-            return out
-        while len(out) < limit:
-            try:
-                frame = self._sock.recv(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
-            msg = self._decode(frame)
-            if msg is not None:
-                out.append(msg)
+        if self._poller.poll(timeout_ms):
+            _take_queued(self._sock, self._dec, out, limit)
         return out
 
     def _decode(self, frame: zmq.Frame) -> T | None:
-        try:
-            return self._dec.decode(frame.buffer)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            log.warning("dropped a malformed message (%d bytes): %s", len(frame.buffer), e)
-            return None
+        return _decoded(self._dec, frame)
 
     def close(self) -> None:
         self._sock.close(linger=0)
@@ -405,22 +415,11 @@ class AsyncPullChannel(Generic[T]):
             msg = self._decode(await self._sock.recv(copy=False))
             if msg is not None:
                 out.append(msg)
-            for _ in range(limit - 1):
-                try:
-                    frame = self._now.recv(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                msg = self._decode(frame)
-                if msg is not None:
-                    out.append(msg)
+            _take_queued(self._now, self._dec, out, limit - 1)
         return out
 
     def _decode(self, frame: zmq.Frame) -> T | None:
-        try:
-            return self._dec.decode(frame.buffer)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            log.warning("dropped a malformed message (%d bytes): %s", len(frame.buffer), e)
-            return None
+        return _decoded(self._dec, frame)
 
     def close(self) -> None:
         self._sock.close(linger=0)
