@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import json
 import math
 import os
@@ -65,8 +66,10 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+@functools.lru_cache(maxsize=8)
 def _cpu_clock(pid: int) -> int | None:
-    """Process `pid`'s CPU-time clock id (POSIX clock_getcpuclockid), None where libc has none."""
+    """Process `pid`'s CPU-time clock id (POSIX clock_getcpuclockid), None where libc has none;
+    looked up once a pid (finding libc runs ldconfig), not at every reading."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
         clock = ctypes.c_int()
