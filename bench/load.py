@@ -644,8 +644,8 @@ def start_parts(base: str, procs: int, level: dict) -> list[subprocess.Popen]:
                 [sys.executable, "-m", "bench.load", "--part"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 text=True, env=env,
             )  # fmt: skip
-            # Its results (hundreds of kB for a long level) go to a file: one line of them through
-            # the stdout pipe came back cut at 64 KiB in some runs.
+            # Its results (hundreds of kB for a long level) go to a file: as one line on the stdout
+            # pipe they can arrive cut at 64 KiB (seen on the H100 host; cause not known).
             fd, child.results_path = tempfile.mkstemp(prefix="voxpipe-part-", suffix=".json")
             os.close(fd)
             children.append(child)
