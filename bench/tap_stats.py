@@ -9,7 +9,10 @@ each stage's median among the slowest 5 % of them (where a tail's time goes); fo
 every chunk, the codec's part (ready at the gpu_worker → decoded at the codec_worker); the gaps
 between a request's consecutive chunks leaving the gpu_worker; the chunks that fell behind their
 listener and where (`chunks_behind`); given the client's own TTFA per request id (bench/ttfa_http.py
---tap-level), what the client saw beyond the server's part.
+--tap-level), what the client saw beyond the server's part; from the gpu_worker's step events
+(gpu_worker/stages.py), where its steps' time went (`steps`): the steps that start prompts and those
+that do not, and those after which prompts still wait (a burst's admission), each part's p50/p90/max
+and mean in ms.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from collections import defaultdict
 CHUNK_STAGES = {"chunk_ready": "ready", "first_chunk_ready": "ready", "chunk_decoded": "decoded",
                 "first_chunk_decoded": "decoded"}  # fmt: skip
 TAIL_SHARE = 0.05  # `first_audio_tail_ms`: the slowest requests' share
+# A gpu_worker step event's parts (ms), as `steps` reports them
+STEP_PARTS = ("loop", "wall", "gpu", "schedule", "launch", "wait", "process")
 
 FIRST = ("received", "prompt_built", "admitted", "first_token", "first_chunk_ready", "first_chunk_decoded",
          "first_byte_sent")  # fmt: skip
@@ -126,8 +131,11 @@ def stats(events: list[dict], client_ttfa: dict[str, float] | None = None) -> di
     by_rid: dict[str, dict[str, float]] = defaultdict(dict)
     # request id → chunk index → its times (ready at the gpu_worker, decoded) and details
     chunks: dict[str, dict[int, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
+    steps = [e for e in events if e["stage"] == "step"]
     for e in events:
         stage, rid, t = e["stage"], e.get("rid", ""), 1000 * e["time"]
+        if stage == "step":
+            continue
         by_rid[rid].setdefault(stage, t)
         when = CHUNK_STAGES.get(stage)
         if when is not None:
@@ -168,6 +176,37 @@ def stats(events: list[dict], client_ttfa: dict[str, float] | None = None) -> di
         ("10+" if i == 10 else str(i)): _pct(g) for i, g in sorted(gaps.items())
     }
     out["chunks_behind"] = _behind(chunks)
+    if steps:
+        out["steps"] = _steps(steps)
+    return out
+
+
+def _steps(events: list[dict]) -> dict:
+    """The gpu_worker's steps that launched work, in three sets: those that start prompts, those
+    that do not, and those after which prompts still wait (`waiting` > 0: a burst's admission): how
+    many, the prompts they start (mean, max) and each part's p50/p90/max and mean (ms)."""
+    launched = [e for e in events if e.get("batch", 0) > 0]
+    sets = {
+        "with_prompts": [e for e in launched if e.get("prompts", 0) > 0],
+        "decode_only": [e for e in launched if e.get("prompts", 0) == 0],
+        "prompts_waiting": [e for e in launched if e.get("waiting", 0) > 0],
+    }
+    out: dict = {"launched": len(launched)}
+    for name, group in sets.items():
+        if not group:
+            continue
+        prompts = [e.get("prompts", 0) for e in group]
+        row: dict = {
+            "n": len(group),
+            "prompts_mean": round(statistics.fmean(prompts), 2),
+            "prompts_max": max(prompts),
+        }
+        row["batch_mean"] = round(statistics.fmean(e["batch"] for e in group), 1)
+        for part in STEP_PARTS:
+            values = [e[f"{part}_ms"] for e in group if f"{part}_ms" in e]
+            if values:
+                row[f"{part}_ms"] = {**_pct(values), "mean": round(statistics.fmean(values), 2)}
+        out[name] = row
     return out
 
 

@@ -13,7 +13,10 @@ arrival at the gateway. The stages of one request, in order:
 plus failed, abort, and (with --all-chunks) chunk_ready / chunk_decoded for every later chunk; a
 chunk's `*_ready` event carries its listener's slack as the gpu_worker stamped it (`slack_ms`: audio
 sent before it less audio played since the first chunk left; 0 for a first chunk, or one late) and
-its `tail_rows` (> 0: a progressive tail window, its stream not yet on regular windows).
+its `tail_rows` (> 0: a progressive tail window, its stream not yet on regular windows). The
+gpu_worker also publishes one `step` event a step, under request id "" (gpu_worker/stages.py: its
+batch, the prompts it started, where its time went); `--rid` leaves them out, `--stage step` keeps
+them alone.
 Events from several processes are held for `--reorder-ms` and printed in time order.
 
 The state file (`state_path`) is how `voxpipe tap` without --connect finds a local `voxpipe serve`.

@@ -148,6 +148,9 @@ class Engine:
         self.slow_step_s = SLOW_STEP_S if self.device.type == "cuda" else float("inf")
         self._gc = gc_timer()
         self._parts = (0.0, 0.0, 0, 0)  # this step's schedule and launch (seconds), batch, prompts
+        # The last call of `step`: its wall time, its parts as `_parts`, and its wait for the device
+        # (seconds); the tap's step events report it (gpu_worker/stages.py).
+        self.last_step: tuple[float, tuple[float, float, int, int], float] = (0.0, self._parts, 0.0)
         if self.runner.has_graphs:
             self.runner.capture_sampling(progress)
             self.scheduler.calibrate(self.runner.forward_runner, progress)
@@ -320,6 +323,7 @@ class Engine:
         self._parts = (0.0, 0.0, 0, 0)
         out = self._step()
         wall = time.perf_counter() - t0
+        self.last_step = (wall, self._parts, self._waited)
         if wall > self.slow_step_s:
             self._slow(wall, time.thread_time() - cpu0, self._gc.seconds - gc0)
         if self.scheduler.last_batch_size:

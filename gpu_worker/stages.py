@@ -1,10 +1,20 @@
-"""Tap-only stage events of the gpu_worker: when a request was admitted (got a slot and KV pages)
-and when its first token was sampled. No wire message marks these, so the worker publishes them as
-`StageEvent`s, and only while someone listens on its tap: otherwise `publish` is one flag check.
+"""Tap-only events of the gpu_worker: when a request was admitted (got a slot and KV pages), when its
+first token was sampled, and one `step` event a step (its batch, its prompts and where its time
+went). No wire message marks these, so the worker publishes them as `StageEvent`s, and only while
+someone listens on its tap: otherwise `publish` is one flag check.
+
+A step event (request id "") carries `step` (the engine's count of steps collected), `batch` (requests launched,
+prompts among them `prompts`), `running` and `waiting` after it, and in ms: `wall` (the engine's
+call: `schedule` admission and layout, `launch`, `wait` for the step before it on the device, and
+`process`, the rest: its results into windows and ends), `gpu` (the device time of the step it
+collected, from its launch to its results; 0 without CUDA events) and `loop` (the worker's loop
+since the last step event: receiving, the step, sending its message). A step that only collected
+the one before it has batch 0. `voxpipe bench tap-stats` sums them up (`steps`).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from common.ipc import publish_stage, tap_listening
@@ -15,18 +25,22 @@ class StageReporter:
         self._active = False
         self._admitted: set[str] = set()  # running requests already reported as admitted
         self._first: set[str] = set()  # ... and as having their first token
+        self._last = 0.0  # perf_counter at the last step event
 
     def publish(self, engine: Any) -> None:
-        """After each step: events for requests admitted or given their first token since the last."""
+        """After each step: events for requests admitted or given their first token since the
+        last, and the step's own event."""
         if not tap_listening():
             self._active = False
             return
         running = engine.running  # rid → Request (admitted_at, n_gen)
+        now = time.perf_counter()
         if not self._active:
             # A listener just arrived: what is already running happened before it, so only
             # requests admitted from now on get events.
             self._active = True
             self._admitted, self._first = set(running), set(running)
+            self._last = now
             return
         for rid in running.keys() - self._admitted:
             req = running[rid]
@@ -37,3 +51,22 @@ class StageReporter:
                 self._first.add(rid)
         self._admitted = set(running)
         self._first &= self._admitted
+        self._step(engine, now)
+
+    def _step(self, engine: Any, now: float) -> None:
+        wall, (schedule, launch, batch, prompts), waited = engine.last_step
+        ms = {
+            "wall": wall,
+            "schedule": schedule,
+            "launch": launch,
+            "wait": waited,
+            "process": max(0.0, wall - schedule - launch - waited),
+            "gpu": engine.runner.last_gpu_s,
+            "loop": now - self._last,
+        }
+        self._last = now
+        publish_stage(
+            "", "step", None, step=engine.step_count, batch=batch, prompts=prompts,
+            running=len(engine.running), waiting=len(engine.waiting),
+            **{f"{k}_ms": round(1000 * v, 3) for k, v in ms.items()},
+        )  # fmt: skip

@@ -135,6 +135,7 @@ class ModelRunner:
         # GPU (the codec under MPS) slows these, as it slows the streams.
         self.gpu_forward_s = self.gpu_step_s = self.gpu_idle_s = 0.0
         self.last_idle_s: float | None = None  # the last step's idle before it (None: not known)
+        self.last_gpu_s = 0.0  # the last step collected: its time on the device (began → ready)
         self._last_ready: torch.cuda.Event | None = None
 
     @property
@@ -304,7 +305,8 @@ class ModelRunner:
         """Fold a completed step's device times into the averages (its events are all done)."""
         a = 0.05
         self.gpu_forward_s += a * (step.began.elapsed_time(step.forwarded) / 1000 - self.gpu_forward_s)
-        self.gpu_step_s += a * (step.began.elapsed_time(step.ready) / 1000 - self.gpu_step_s)
+        self.last_gpu_s = step.began.elapsed_time(step.ready) / 1000
+        self.gpu_step_s += a * (self.last_gpu_s - self.gpu_step_s)
         self.last_idle_s = None
         if self._last_ready is not None:  # the previous step's end to this one's start
             self.last_idle_s = max(0.0, self._last_ready.elapsed_time(step.began) / 1000)
