@@ -53,33 +53,66 @@ class SlotState:
         last_row: np.ndarray | None = None,
         avoid: set[int] | frozenset[int] = frozenset(),
     ) -> int:
-        """Claim a slot for a request whose codebook-0 prompt ids are `prompt_ids` [R]. With
-        `penalty` False (a program without one) the penalty is off and the prompt stays out of the
-        history: its ids need not be sampleable (a program's text rows). `last_row` [C]: the
-        prompt's last row, the request's previous row when it samples its first
-        (programs.base.Rows.prev). `avoid`: slots not to take (`free_outside` says one is left)."""
+        """Claim a slot for a request whose codebook-0 prompt ids are `prompt_ids` [R] and write
+        its settings (`claim`, then `write`)."""
+        slot = self.claim(avoid)
+        self.write([slot], [(sp, prompt_ids, penalty, last_row)])
+        return slot
+
+    def claim(self, avoid: set[int] | frozenset[int] = frozenset()) -> int:
+        """A free slot not in `avoid` (`free_outside` says one is left), its settings still to
+        `write`."""
         i = next(i for i in range(len(self._free) - 1, -1, -1) if self._free[i] not in avoid)
-        slot = self._free.pop(i)
-        if not penalty:
-            sp, prompt_ids = msgspec.structs.replace(sp, repetition_penalty=1.0), np.zeros(1, np.int64)
-        penalty = sp.repetition_penalty if sp.repetition_window != 0 else 1.0
-        floats = torch.tensor([sp.temperature, sp.top_p, sp.min_p, penalty], dtype=torch.float32)
-        ints = torch.tensor([sp.top_k, sp.repetition_window, sp.seed, sp.min_tokens], dtype=torch.int64)
-        history = np.full(self.history.shape[1], prompt_ids[0], dtype=np.int64)
-        history[: len(prompt_ids)] = prompt_ids
-        rows = [(self.floats, floats), (self.ints, ints), (self.history, torch.from_numpy(history))]
-        if last_row is not None:
-            rows.append((self.last, torch.from_numpy(np.asarray(last_row, dtype=np.int64))))
-        # From pinned memory (the process's ring), without waiting: a write from pageable memory (a
-        # Python number into a device tensor, say) waits for every step queued on the stream,
-        # stalling the host's lead; a fresh pinned block a write can cost milliseconds.
+        return self._free.pop(i)
+
+    def write(self, slots: list[int], requests: list[tuple]) -> None:
+        """The settings of new requests into their claimed `slots`, each of `requests` (sampling
+        params, codebook-0 prompt ids [R], penalty, last row [C] or None). With `penalty` False (a
+        program without one) the penalty is off and the prompt stays out of the history: its ids
+        need not be sampleable (a program's text rows). The last row is the prompt's, the
+        request's previous row when it samples its first (programs.base.Rows.prev).
+
+        All of them at once: one copy per tensor (floats, ints, histories, last rows, the slots),
+        from pinned memory (the process's ring) without waiting. A write from pageable memory (a
+        Python number into a device tensor, say) waits for every step queued on the stream,
+        stalling the host's lead; a fresh pinned block a write can cost milliseconds; and a copy a
+        request costs a burst's step the host time of several launches per prompt."""
+        k = len(slots)
+        if not k:
+            return
+        floats = np.empty((k, 4), dtype=np.float32)
+        ints = np.empty((k, 4), dtype=np.int64)
+        history = np.empty((k, self.history.shape[1]), dtype=np.int64)
+        last = np.zeros((k, self.last.shape[1]), dtype=np.int64)
+        has_last = np.zeros(k, dtype=bool)
+        for j, (sp, prompt_ids, penalty, last_row) in enumerate(requests):
+            if not penalty:
+                sp, prompt_ids = msgspec.structs.replace(sp, repetition_penalty=1.0), np.zeros(1, np.int64)
+            rep = sp.repetition_penalty if sp.repetition_window != 0 else 1.0
+            floats[j] = (sp.temperature, sp.top_p, sp.min_p, rep)
+            ints[j] = (sp.top_k, sp.repetition_window, sp.seed, sp.min_tokens)
+            history[j] = prompt_ids[0]
+            history[j, : len(prompt_ids)] = prompt_ids
+            if last_row is not None:
+                last[j], has_last[j] = np.asarray(last_row, dtype=np.int64), True
         cuda = self.device.type == "cuda"
-        for dst, src in rows:
-            dst[slot].copy_(ring().stage(src) if cuda else src, non_blocking=cuda)
+
+        def dev(a: np.ndarray) -> torch.Tensor:
+            t = torch.from_numpy(a)
+            return ring().stage(t).to(self.device, non_blocking=True) if cuda else t
+
+        idx = dev(np.asarray(slots, dtype=np.int64))
+        self.floats.index_copy_(0, idx, dev(floats))
+        self.ints.index_copy_(0, idx, dev(ints))
+        self.history.index_copy_(0, idx, dev(history))
+        if has_last.all():
+            self.last.index_copy_(0, idx, dev(last))
+        elif has_last.any():
+            rows = np.flatnonzero(has_last)
+            self.last.index_copy_(0, dev(np.asarray(slots, dtype=np.int64)[rows]), dev(last[rows]))
+        self.n_audio.index_fill_(0, idx, 0)
         if cuda:
             ring().fence()
-        self.n_audio[slot : slot + 1].zero_()
-        return slot
 
     def release(self, slot: int) -> None:
         self._free.append(slot)

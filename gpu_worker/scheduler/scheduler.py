@@ -336,6 +336,7 @@ class Scheduler:
         room = fit.room + fit.borrowed
         prefill_rows = admitted = n_groups = 0
         spent, lengths = 0.0, []
+        started: list[Request] = []  # their slots' settings written together after the loop
         stop = ""  # why prompts are left waiting, if they are
         while self.waiting:
             if len(self.running) >= limits.max_batch_size or not self.slots.num_free:
@@ -361,12 +362,14 @@ class Scheduler:
                 stop = "pages"
                 break  # wait for a running request to finish and free its pages
             self.waiting.popleft()
-            self.start(req, pages)
+            self.claim(req, pages)
+            started.append(req)
             admitted += 1
             prefill_rows += rows
             spent += cost
             lengths.append(rows)
             n_groups = max(n_groups, together or 1)  # a first prompt no graph takes runs eagerly: one
+        self.write_slots(started)
         self.admitted_last, self.admitted_groups = admitted, n_groups
         self.prompts_started += admitted
         if self.waiting:
@@ -417,11 +420,24 @@ class Scheduler:
     ) -> None:
         """A waiting request into a sampling slot (none of `avoid_slots`) with its KV pages: it runs
         from the next step."""
+        self.claim(req, pages, avoid_slots)
+        self.write_slots([req])
+
+    def write_slots(self, reqs: list[Request]) -> None:
+        """The sampling settings of requests that claimed their slots, in one write for them all."""
+        penalty = self.program.uses_repetition_penalty
+        self.slots.write(
+            [r.slot for r in reqs], [(r.sp, r.prompt[:, 0], penalty, r.prompt[-1]) for r in reqs]
+        )
+
+    def claim(
+        self, req: Request, pages: list[int], avoid_slots: set[int] | frozenset[int] = frozenset()
+    ) -> None:
+        """`start` but for its sampling settings, which `write_slots` writes (a step's admissions
+        together)."""
         req.pages = pages
         p = self.program
-        req.slot = self.slots.admit(
-            req.sp, req.prompt[:, 0], p.uses_repetition_penalty, req.prompt[-1], avoid_slots
-        )
+        req.slot = self.slots.claim(avoid_slots)
         p.admit(req.slot, req.state)
         req.audio = np.zeros((req.budget, p.n_codebooks), dtype="<i4")
         req.admitted_at = time.time()
