@@ -91,6 +91,8 @@ class Result:
     # seconds from its start to its request's headers written: the client's own wait (its event loop
     # busy with the other streams of a burst, the connection) before the server can see it
     send_s: float = float("nan")
+    # the wall clock (time.time()) at its start: joins it to a tap recording's times on one host
+    began: float = float("nan")
 
     def on_time(self, sample_rate: int, slack_s: float = 0.0) -> bool:
         """Every chunk came before the audio received ahead of it had played out (give or take
@@ -152,7 +154,7 @@ async def one_request(
     began (perf_counter), for `sent_at`; `rid`: sent as X-Request-Id when given."""
     res = Result(rid=rid, cloned=isinstance(body, aiohttp.FormData))
     t0 = time.perf_counter()
-    res.sent_at = t0 - since
+    res.sent_at, res.began = t0 - since, time.time()
     got = 0
     headers = {"X-Request-Id": rid} if rid else None
     timing: dict[str, float] = {}  # filled by `connect_timing` where the session traces with it
@@ -391,11 +393,13 @@ def measure_level(
     sample_rate: int,
     ttfa_by_rid: dict | None = None,
     client_procs: int = 1,
+    began_by_rid: dict | None = None,
     before: Callable[[], object] | None = None,
     **level,
 ) -> dict:
     """One load level (`run_level`'s keywords) → its summary, with the server's gauges sampled
-    while it ran (`server_during`); each request's TTFA in ms goes into `ttfa_by_rid` if given.
+    while it ran (`server_during`); each request's TTFA in ms goes into `ttfa_by_rid` if given, and
+    its start on the wall clock (time.time(), s) into `began_by_rid`.
     `client_procs` > 1: the level's clients (or its Poisson rate) split over that many processes
     (`run_level_parts`), started together. `before`: called just before the level starts (its
     client processes ready), to start what records it (a tap)."""
@@ -419,6 +423,8 @@ def measure_level(
         sampler.stop()
     if ttfa_by_rid is not None:
         ttfa_by_rid.update({r.rid: 1000 * r.ttfa for r in results if r.ok and r.chunks})
+    if began_by_rid is not None:
+        began_by_rid.update({r.rid: r.began for r in results if r.ok and r.chunks})
     summary = summarize(results, wall, sample_rate, ramp := level.get("ramp", 0.0))
     if level.get("cloning") is not None:  # the level's cloned and plain requests apart
         summary |= split(level["cloning"], results, lambda part: summarize(part, wall, sample_rate, ramp))

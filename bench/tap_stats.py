@@ -124,10 +124,18 @@ def read(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def stats(events: list[dict], client_ttfa: dict[str, float] | None = None) -> dict:
+def stats(
+    events: list[dict],
+    client_ttfa: dict[str, float] | None = None,
+    client_began: dict[str, float] | None = None,
+) -> dict:
     """The summary; with `client_ttfa` (ms by request id, as the HTTP client timed them), also what
     the client saw beyond the server's arrival (the HTTP request's, where the recording has it) → first
-    byte sent (`client_minus_server_ms`)."""
+    byte sent (`client_minus_server_ms`); with `client_began` too (each request's start on the
+    client's wall clock, s: a client on the server's host), that part split in two: from the
+    client's start to the gateway's handler (`client_to_handler_ms`: connecting, sending, the
+    gateway's accept and parse, its event loop's queue) and from the first byte sent to the
+    client's first audio (`first_byte_to_client_ms`: the way back, the client reading it)."""
     by_rid: dict[str, dict[str, float]] = defaultdict(dict)
     # request id → chunk index → its times (ready at the gpu_worker, decoded) and details
     chunks: dict[str, dict[int, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
@@ -164,6 +172,14 @@ def stats(events: list[dict], client_ttfa: dict[str, float] | None = None) -> di
             [client_ttfa[rid] - (s[FIRST[-1]] - s.get("http_received", s[FIRST[0]]))
              for rid, s in server.items() if rid in client_ttfa]
         )  # fmt: skip
+        if client_began:
+            both = [(rid, s) for rid, s in server.items() if rid in client_ttfa and rid in client_began]
+            out["client_to_handler_ms"] = _pct(
+                [s.get("http_received", s[FIRST[0]]) - 1000 * client_began[rid] for rid, s in both]
+            )
+            out["first_byte_to_client_ms"] = _pct(
+                [1000 * client_began[rid] + client_ttfa[rid] - s[FIRST[-1]] for rid, s in both]
+            )
     ready = [c for by_index in chunks.values() for c in by_index.values() if "ready" in c]
     out["codec_ms_per_chunk"] = _pct([c["decoded"] - c["ready"] for c in ready if "decoded" in c])
     gaps: dict[int, list[float]] = defaultdict(list)  # chunk index -> ms since the previous chunk left

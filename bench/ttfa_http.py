@@ -148,15 +148,16 @@ def load_curve(base: str, args) -> None:
                 watching.extend(start_py_spy(args, delay_s=args.ramp + 2))
 
         client_ttfa: dict[str, float] = {}
+        client_began: dict[str, float] = {}
         point |= measure_level(base, 24000, client_ttfa, **{key: level}, duration=args.load_duration,
                                tokens=args.load_tokens, prompt_allowance=args.prompt_allowance, seed=i, ramp=args.ramp,
                                texts=args.texts, cloning=cloning, client_procs=args.client_procs,
-                               before=observe)  # fmt: skip
+                               before=observe, began_by_rid=client_began)  # fmt: skip
         point["server_after"] = server_gauges(base)
         for thread in watching:
             thread.join()
         if level == args.tap_level:
-            point["tap"] = stats(read(args.tap_out), client_ttfa)
+            point["tap"] = stats(read(args.tap_out), client_ttfa, client_began)
         curve.append(point)
         print(json.dumps(point), flush=True)
         out = {

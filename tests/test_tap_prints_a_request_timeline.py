@@ -134,6 +134,11 @@ def test_tap_with_a_rid_prints_that_requests_stages_in_order(served):
     # Joined to the client's own timing of the same request id: what the client saw beyond it.
     joined = tap_stats(events, {rid: from_http + 7.5, "another": 1.0})["client_minus_server_ms"]
     assert joined["n"] == 1 and joined["p50"] == pytest.approx(7.5, abs=0.01)
+    # ... split at the gateway's handler, given when the client began (its wall clock, this host's)
+    began = {rid: at["http_received"] - 0.003}
+    split = tap_stats(events, {rid: from_http + 7.5}, began)
+    assert split["client_to_handler_ms"]["p50"] == pytest.approx(3.0, abs=0.01)
+    assert split["first_byte_to_client_ms"]["p50"] == pytest.approx(4.5, abs=0.01)
 
 
 def test_a_tap_mirrors_nothing_until_someone_subscribes_then_every_send(tmp_path):
