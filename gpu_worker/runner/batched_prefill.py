@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from common.graphs import capture
+from common.pinned import to_device
 from gpu_worker.attention.interface import GraphAttention, GraphAttentionBackend
 from gpu_worker.runner.arena import InputArena
 from gpu_worker.runner.batch import StepBatch, rows_of
@@ -382,10 +383,14 @@ def in_request_order(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """A step's prefill outputs, each (request indices, logits [n, C', V], hidden [n, H]), as
     lists of logits and hidden states in request order (lanes run in order; a batched graph takes
-    its requests out of it: then one gather each)."""
+    its requests out of it: then one gather each). The gather's index goes to the device through
+    pinned memory: a copy from pageable memory (`torch.tensor(..., device=...)`) would hold the
+    host until the device has run every pass queued before it, this step's prefill graphs
+    included, so that the host could not lay out the next step meanwhile."""
     ix = [i for part, _, _ in parts for i in part]
     logits, hiddens = [lg for _, lg, _ in parts], [h for _, _, h in parts]
     if ix == sorted(ix):
         return logits, hiddens
-    where = torch.tensor(sorted(range(len(ix)), key=ix.__getitem__), device=logits[0].device)
+    order = torch.tensor(sorted(range(len(ix)), key=ix.__getitem__), dtype=torch.int64)
+    where = to_device(order, logits[0].device)
     return [torch.cat(logits)[where]], [torch.cat(hiddens)[where]]

@@ -92,3 +92,44 @@ def test_a_burst_started_in_batched_graphs_samples_what_each_request_samples_alo
     if max_prefills:
         assert any(len(k) == 2 and k[0] > 8 for k in replayed), "a batched graph of more than 8 prompts ran"
     assert differ == dict.fromkeys(alone, None)
+
+
+def test_a_step_starting_prompts_out_of_request_order_launches_without_waiting_for_the_device(greedy):
+    """A step whose prompts of two buckets run in two batched graphs (their outputs out of request
+    order, gathered back) is laid out, planned and launched without one host-device synchronization
+    (torch's sync debug mode raises at a blocking copy, an `.item()`...): the host lays out the next
+    step while the device runs this one."""
+    from gpu_worker.runner import graphs as graphs_module
+
+    prompt, engine = greedy
+    eng = engine(kv_cache_dtype="fp8", quantization="fp8")
+    runner = eng.runner.forward_runner
+    gathered = []
+
+    def in_order(parts):
+        ix = [i for part, _, _ in parts for i in part]
+        gathered.append(ix != sorted(ix))
+        return order(parts)
+
+    def forward(b):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(b)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    order, launch = graphs_module.in_request_order, runner.forward
+    graphs_module.in_request_order, runner.forward = in_order, forward
+    try:
+        eng.add(prompt("first", TEXTS[0], 1, 40))
+        eng.step()  # a decoding stream for the burst's steps to join
+        for i, text in enumerate(TEXTS * 2):  # short and long texts in turn: the 32- and 64-row buckets
+            eng.add(prompt(f"r{i}", text, 10 + i, 40))
+        while eng.waiting or any(r.n_ctx == 0 for r in eng.running.values()):
+            eng.step()
+    finally:
+        graphs_module.in_request_order = order
+        vars(runner).pop("forward", None)
+    eng.run_until_idle()
+    assert any(gathered), "a step's prefill outputs came out of request order"
+    assert all(len(eng.outputs[f"r{i}"][0]) == 40 for i in range(2 * len(TEXTS)))
