@@ -98,11 +98,20 @@ def test_a_step_starting_prompts_out_of_request_order_launches_without_waiting_f
     """A step whose prompts of two buckets run in two batched graphs (their outputs out of request
     order, gathered back) is laid out, planned and launched without one host-device synchronization
     (torch's sync debug mode raises at a blocking copy, an `.item()`...): the host lays out the next
-    step while the device runs this one."""
+    step while the device runs this one. Its requests' slots (sampling settings, XQA page rows) are
+    written together, and each request generates the tokens it generates alone."""
     from gpu_worker.runner import graphs as graphs_module
 
     prompt, engine = greedy
     eng = engine(kv_cache_dtype="fp8", quantization="fp8")
+    prompts = [
+        prompt(f"r{i}", text, 10 + i, 30) for i, text in enumerate(TEXTS)
+    ]  # 32- and 64-row buckets in turn
+    alone = {}
+    for p in prompts:
+        eng.add(p)
+        eng.run_until_idle()
+        alone[p.rid] = eng.outputs[p.rid][0]
     runner = eng.runner.forward_runner
     gathered = []
 
@@ -121,10 +130,10 @@ def test_a_step_starting_prompts_out_of_request_order_launches_without_waiting_f
     order, launch = graphs_module.in_request_order, runner.forward
     graphs_module.in_request_order, runner.forward = in_order, forward
     try:
-        eng.add(prompt("first", TEXTS[0], 1, 40))
-        eng.step()  # a decoding stream for the burst's steps to join
-        for i, text in enumerate(TEXTS * 2):  # short and long texts in turn: the 32- and 64-row buckets
-            eng.add(prompt(f"r{i}", text, 10 + i, 40))
+        eng.add(prompt("first", TEXTS[0], 1, 30))
+        eng.step()  # a decoding stream for the burst's step to join
+        for p in prompts:
+            eng.add(p)
         while eng.waiting or any(r.n_ctx == 0 for r in eng.running.values()):
             eng.step()
     finally:
@@ -132,4 +141,4 @@ def test_a_step_starting_prompts_out_of_request_order_launches_without_waiting_f
         vars(runner).pop("forward", None)
     eng.run_until_idle()
     assert any(gathered), "a step's prefill outputs came out of request order"
-    assert all(len(eng.outputs[f"r{i}"][0]) == 40 for i in range(2 * len(TEXTS)))
+    assert {p.rid: eng.outputs[p.rid][0] for p in prompts} == alone
