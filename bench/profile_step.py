@@ -4,7 +4,7 @@ where the host's time goes (cProfile over the engine's Python: schedule, layout,
 the wait for the device shows as `ModelRunner.wait`).
 
     voxpipe bench profile --batch 384 [--ctx 512] [--lm-head audio] [--quantization fp8]
-        [--kv-cache-dtype fp8] [--prompt-tokens 40 [--prompts-per-step 1,2] [--profile-prompts K]
+        [--kv-cache-dtype fp8] [--prompt-tokens 40[,T2...] [--prompts-per-step 1,2] [--profile-prompts K]
         [--max-prefills 16]]
     voxpipe bench profile --model qwen3-tts --fused-step on --batch 16 --ctx 100 --host
 """
@@ -106,10 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument(
         "--prompt-tokens",
-        type=int,
-        default=0,
+        default="0",
         help="then steps with new requests of this many prompt tokens in them, and what a prompt adds "
-        "to a step (the load's fitted step cost reads 3.2-3.5 ms on the H200); 0 = off",
+        "to a step (the load's fitted step cost reads 3.2-3.5 ms on the H200); several lengths "
+        "(e.g. 21,38, a burst's sentences of two prompt buckets) are taken in turn; 0 = off",
     )
     ap.add_argument("--prompts-per-step", default="1,2", help="new requests in each such step, per run")
     ap.add_argument(
@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         help=f"as the server's: prompts a batched prefill graph takes (0: its default, {MAX_BATCHED})",
     )
     args = ap.parse_args(argv)
-    per_step = [int(k) for k in args.prompts_per_step.split(",")] if args.prompt_tokens else []
+    lengths = [int(n) for n in args.prompt_tokens.split(",") if int(n) > 0]
+    per_step = [int(k) for k in args.prompts_per_step.split(",")] if lengths else []
     p = load_program_class(args.model)(get_spec(args.model), load_format="dummy", device="cuda",
                                        dtype=torch.bfloat16, lm_head=args.lm_head,
                                        quantization=args.quantization)  # fmt: skip
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                         prompt(eng.program, f"prompt{i}", SENTENCE.format(i=i), 10_000 + i, args.ctx + 200)
                     )
                     continue
-                rows = np.full(args.prompt_tokens, 128300, dtype="<i4")
+                rows = np.full(lengths[i % len(lengths)], 128300, dtype="<i4")
                 rows[0] = 128259
                 sp = SamplingParams(temperature=0.6, top_p=0.8, seed=10_000 + i, constrained=True)
                 eng.add(Prompt(f"prompt{i}", rows.tobytes(), len(rows), sp))
