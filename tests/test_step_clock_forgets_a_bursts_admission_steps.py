@@ -56,3 +56,10 @@ def test_tick_marks_the_steps_launched_while_prompts_wait():
     marks = list(c._admitting)
     # each interval is the step launched two calls before it (`tick`), marked as launched
     assert marks[:5] == [True] * 5 and marks[-6:] == [False] * 6
+
+
+def test_prompts_waiting_again_weigh_every_step_at_once():
+    c = clock(True, 20)
+    light = c.rows_time_high(7)  # no prompt waits: the light steps alone
+    c.expect(0.011)  # a new burst's prompts wait: no step recorded since
+    assert c.rows_time_high(7) == clock(False, 20, waiting=True).rows_time_high(7) > max(light, 7 * 0.011)

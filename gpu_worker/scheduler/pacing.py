@@ -348,6 +348,8 @@ class StepClock:
         """The next steps may each take `step_s` seconds, whatever the last ones took (0: as they
         went): the scheduler says so while prompts wait, so that first audio is not promised on
         lighter steps than those that start them (`rows_time_high`)."""
+        if (step_s > 0.0) != (self._expected > 0.0):  # whether prompts wait decides `_light_spans`
+            self._span_high.clear()
         self._expected = step_s
 
     def rows_time_high(self, rows: int) -> float:
