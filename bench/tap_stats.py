@@ -139,10 +139,11 @@ def stats(
     by_rid: dict[str, dict[str, float]] = defaultdict(dict)
     # request id → chunk index → its times (ready at the gpu_worker, decoded) and details
     chunks: dict[str, dict[int, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
-    steps = [e for e in events if e["stage"] == "step"]
+    steps: list[dict] = []  # the gpu_worker's step events (no request's)
     for e in events:
         stage, rid, t = e["stage"], e.get("rid", ""), 1000 * e["time"]
         if stage == "step":
+            steps.append(e)
             continue
         by_rid[rid].setdefault(stage, t)
         when = CHUNK_STAGES.get(stage)

@@ -377,6 +377,19 @@ class Engine:
             self.runner.idle()
         return self._batch(chunks)
 
+    def step_parts(self) -> dict[str, float]:
+        """Where the last call of `step` went (seconds): its `wall` time, `schedule` (admission,
+        appends, the layout), `launch`, `wait` (for the previous step on the device, and the lanes'
+        turns meanwhile) and `process`, the rest (its rows into windows and ends)."""
+        wall, (schedule, launch, _, _), waited = self.last_step
+        return {
+            "wall": wall,
+            "schedule": schedule,
+            "launch": launch,
+            "wait": waited,
+            "process": max(0.0, wall - schedule - launch - waited),
+        }
+
     def _slow(self, wall: float, cpu: float, gc_s: float) -> None:
         """Record a step past `slow_step_s` with where its time went (ms): `schedule` (admission,
         appends, the layout), `launch`, `wait` (for the previous step on the device, and the lanes'
@@ -384,10 +397,8 @@ class Engine:
         launched and the prompts in it (0 and 0: it only collected a step); also the host thread's
         CPU time in the step (`cpu`: far below the wall outside `wait`, the thread was held off
         the CPU or blocked) and the cyclic garbage collector's time (`gc`)."""
-        schedule, launch, batch, prompts = self._parts
-        ms = {"wall": wall, "schedule": schedule, "launch": launch, "wait": self._waited}
-        ms["process"] = max(0.0, wall - schedule - launch - self._waited)
-        ms |= {"cpu": cpu, "gc": gc_s}
+        _, _, batch, prompts = self._parts
+        ms = self.step_parts() | {"cpu": cpu, "gc": gc_s}
         self.slow_steps += 1
         self.slow_step = {k: round(1000 * v, 2) for k, v in ms.items()}
         self.slow_step |= {"step": self.step_count, "batch": batch, "prompts": prompts}

@@ -54,16 +54,8 @@ class StageReporter:
         self._step(engine, now)
 
     def _step(self, engine: Any, now: float) -> None:
-        wall, (schedule, launch, batch, prompts), waited = engine.last_step
-        ms = {
-            "wall": wall,
-            "schedule": schedule,
-            "launch": launch,
-            "wait": waited,
-            "process": max(0.0, wall - schedule - launch - waited),
-            "gpu": engine.runner.last_gpu_s,
-            "loop": now - self._last,
-        }
+        _, (_, _, batch, prompts), _ = engine.last_step
+        ms = engine.step_parts() | {"gpu": engine.runner.last_gpu_s, "loop": now - self._last}
         self._last = now
         publish_stage(
             "", "step", None, step=engine.step_count, batch=batch, prompts=prompts,

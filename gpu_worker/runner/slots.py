@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from common.messages import SamplingParams
-from common.pinned import ring, to_device
+from common.pinned import to_device
 from gpu_worker.runner.sampler import SamplingRows
 from programs.base import TokenKind
 
@@ -95,24 +95,20 @@ class SlotState:
             history[j, : len(prompt_ids)] = prompt_ids
             if last_row is not None:
                 last[j], has_last[j] = np.asarray(last_row, dtype=np.int64), True
-        cuda = self.device.type == "cuda"
 
         def dev(a: np.ndarray) -> torch.Tensor:
-            t = torch.from_numpy(a)
-            return ring().stage(t).to(self.device, non_blocking=True) if cuda else t
+            return to_device(torch.from_numpy(a), self.device)
 
-        idx = dev(np.asarray(slots, dtype=np.int64))
+        ids = np.asarray(slots, dtype=np.int64)
+        idx = dev(ids)
         self.floats.index_copy_(0, idx, dev(floats))
         self.ints.index_copy_(0, idx, dev(ints))
         self.history.index_copy_(0, idx, dev(history))
         if has_last.all():
             self.last.index_copy_(0, idx, dev(last))
         elif has_last.any():
-            rows = np.flatnonzero(has_last)
-            self.last.index_copy_(0, dev(np.asarray(slots, dtype=np.int64)[rows]), dev(last[rows]))
+            self.last.index_copy_(0, dev(ids[has_last]), dev(last[has_last]))
         self.n_audio.index_fill_(0, idx, 0)
-        if cuda:
-            ring().fence()
 
     def release(self, slot: int) -> None:
         self._free.append(slot)

@@ -94,6 +94,14 @@ def _bucket(batch: int) -> int:
     return round(2 ** (round(math.log2(batch) * 4) / 4))
 
 
+def _span_high(dts: np.ndarray, rows: int) -> float:
+    """The SPAN_QUANTILE of the times of every `rows` consecutive steps of `dts` (in order), or the
+    latest such span if slower (a slowdown now)."""
+    ends = np.cumsum(dts)
+    spans = ends[rows - 1 :] - np.concatenate([[0.0], ends[:-rows]])
+    return max(float(np.quantile(spans, SPAN_QUANTILE)), float(spans[-1]))
+
+
 class StepClock:
     def __init__(
         self,
@@ -372,9 +380,7 @@ class StepClock:
             return light
         if len(self._dts) < rows + MIN_SPANS:
             return rows * self.row_period_high()
-        ends = np.cumsum(np.fromiter(self._dts, float, len(self._dts)))
-        spans = ends[rows - 1 :] - np.concatenate([[0.0], ends[:-rows]])
-        high = max(float(np.quantile(spans, SPAN_QUANTILE)), float(spans[-1]))  # the latest: a slowdown now
+        high = _span_high(np.fromiter(self._dts, float, len(self._dts)), rows)
         self._span_high[rows] = high
         return high
 
@@ -391,9 +397,7 @@ class StepClock:
             return None
         if len(light) < rows + MIN_SPANS:
             return rows * max(light)
-        ends = np.cumsum(light)
-        spans = ends[rows - 1 :] - np.concatenate([[0.0], ends[:-rows]])
-        return max(float(np.quantile(spans, SPAN_QUANTILE)), float(spans[-1]))
+        return _span_high(np.array(light), rows)
 
     def paced_capacity(self) -> float:
         """The streams served lately scaled by the budget over their average interval, at most
