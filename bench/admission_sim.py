@@ -377,7 +377,6 @@ class Worker:
     # a step's prompts may take what its playing streams can spare beyond the budget (`--lead-borrow`)
     lead_borrow: bool = False
     now: float = 0.0  # the time of the next step
-    admitting: bool = False  # prompts wait after the step being run (a burst's admission)
     # the codec worker's passes (`Codec`); None: every chunk reaches its listener CODEC_S after the
     # step that made it
     codec: Codec | None = None
@@ -506,7 +505,6 @@ def new_worker(
     codec: bool = False,
     compiled_tails: bool = False,
     codec_part_ms: float | None = None,
-    forget_admission: bool = False,
 ) -> Worker:
     """A fresh worker on `gpu` (default `GPU()`), its clock `calibrate`d from startup steps timed on
     `startup` (default `gpu`), its steps' noise drawn from `seed`, its requests `tokens` rows after
@@ -517,11 +515,9 @@ def new_worker(
     chunk waits, a step's prompts taking what the playing streams spare with `lead_borrow`, and the
     startup steps counted as measured with `trust_startup` (`--trust-startup-steps`); with `codec`,
     the codec worker's passes between the steps and the listeners (`Codec`; `compiled_tails`: its
-    full windows' tails compiled, `--codec-compile-tails`; `codec_part_ms`: its `part_ms`); with
-    `forget_admission`, the first-chunk decisions weigh the steps since a burst's admission alone
-    once its prompts no longer wait (`--forget-admission-steps`)."""
+    full windows' tails compiled, `--codec-compile-tails`; `codec_part_ms`: its `part_ms`)."""
     gpu = gpu or GPU()
-    clock = StepClock(ROWS_PER_S, 512, trust_startup=trust_startup, forget_admission=forget_admission)
+    clock = StepClock(ROWS_PER_S, 512, trust_startup=trust_startup)
     if calibrate:
         steps: dict[int, float] = {}
         clock.cost.calibrate(startup_differences(startup or gpu, steps))
@@ -634,8 +630,7 @@ def serve(w: Worker, arrivals: Clients | Poisson, t0: float, end: float) -> Serv
         k = w.prompts_next(run)
         new, waiting = waiting[:k], waiting[k:]
         # prompts left waiting: the next steps are expected as heavy as the budget (the scheduler's
-        # `expect`), and this one is an admission step (`StepClock.record`'s `admitting`)
-        w.admitting = bool(waiting)
+        # `expect`)
         clock.expect(clock.budget if waiting else 0.0)
         for c, sent in new:
             run[c] = dict(sent=sent, gen=0, first=None, late=0.0, admitted=t, prompt=True, cap=cap)
@@ -791,7 +786,7 @@ def step(w: Worker, run: dict, t: float) -> float:
     w.rows = len(rows)
     t += dt
     cost = (len(rows) - prompts + prompts * prompt_len, int(ctx.sum()), prompts, w.gpu.groups(prompts))
-    clock.record(len(rows), dt, now=t, streams=len(ids), cost=cost, admitting=w.admitting)
+    clock.record(len(rows), dt, now=t, streams=len(ids), cost=cost)
     for c in rows:
         r = run[c]
         r["prompt"] = False
@@ -901,12 +896,6 @@ def main(argv: list[str] | None = None) -> None:
         help=f"with --codec: each further replay of a small codec graph (Codec.part_ms, {Codec.part_ms})",
     )
     ap.add_argument(
-        "--forget-admission-steps",
-        action="store_true",
-        help="beside each policy: once a burst's prompts no longer wait, first chunks are decided by the "
-        "steps since its admission alone (StepClock's forget_admission)",
-    )
-    ap.add_argument(
         "--trust-startup-steps",
         action="store_true",
         help="beside each policy: the startup steps count as measured (StepClock's trust_startup)",
@@ -970,11 +959,6 @@ def main(argv: list[str] | None = None) -> None:
         policies += [(f"{name}, first-audio sit-out", dict(kw, first_audio=True)) for name, kw in weighed]
     if args.trust_startup_steps:
         policies += [(f"{name}, trusted startup steps", dict(kw, trust_startup=True)) for name, kw in weighed]
-    if args.forget_admission_steps:
-        policies += [
-            (f"{name}, forget admission steps", dict(kw, forget_admission=True))
-            for name, kw in list(policies)
-        ]
     if args.codec_compile_tails:
         policies += [
             (f"{name}, compiled tails", dict(kw, compiled_tails=True)) for name, kw in list(policies)

@@ -200,10 +200,6 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     # up to BORROW_MAX budgets: a burst starts more prompts a step where the streams running can
     # spare it. Off: every step keeps the budget.
     lead_borrow: bool = True
-    # With progressive first chunks: once a burst's prompts no longer wait, the first-chunk and
-    # tail-window decisions weigh the steps launched since its admission alone, not its heavier
-    # admission steps (gpu_worker.scheduler.pacing.StepClock._light_spans). Off: every recent step.
-    forget_admission_steps: bool = False
     # With progressive first chunks: while a running stream waits for its first chunk or still sends
     # tail windows, streams with --sit-out's audio in hand (0.5 s when it is off) sit out so that a
     # step, by the fitted cost, comes to the pace that sends a first frame alone

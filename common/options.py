@@ -393,15 +393,6 @@ OPTIONS: tuple[Option, ...] = (
         path="gpu.lead_borrow",
     ),
     Option(
-        "forget_admission_steps",
-        "with --first-chunk progressive: once a burst's prompts no longer wait, decide first chunks and "
-        "the switch to regular windows by the steps since its admission alone, not its heavier "
-        "admission steps (a first frame can then go alone right after a burst); off: by every recent step",
-        ("serve", "gpu_worker"),
-        _parse_bool,
-        path="gpu.forget_admission_steps",
-    ),
-    Option(
         "first_audio_sit_out",
         "with --first-chunk progressive: while a stream waits for its first chunk or still sends tail "
         "windows, streams with --sit-out's audio in hand sit out so that a step comes to the pace that "

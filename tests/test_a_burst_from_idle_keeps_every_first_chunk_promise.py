@@ -41,24 +41,14 @@ def step_s(rows: int, prompts: int) -> float:
     return FIXED_S + ROW_S * rows + PROMPT_S * max(0, prompts - 1)
 
 
-def burst(
-    program,
-    monkeypatch,
-    n: int,
-    warm: bool,
-    borrow: bool = True,
-    forget: bool = False,
-    first: list | None = None,
-) -> tuple[list[float], int]:
+def burst(program, monkeypatch, n: int, warm: bool, borrow: bool = True) -> tuple[list[float], int]:
     """n requests at once into an idle engine paced as on a GPU → (how late each chunk after a
     stream's first left: time since its first chunk less the audio sent before it, seconds; the
     steps the burst took to start). `warm`: the step cost fitted before, as on a server that served;
-    `borrow`: --lead-borrow; `forget`: --forget-admission-steps; `first`: gets each first chunk's
-    rows."""
+    `borrow`: --lead-borrow."""
     limits = GpuWorkerSettings(
-        max_batch_size=n, max_context=160, first_chunk="progressive", lead_borrow=borrow,
-        forget_admission_steps=forget,
-    )  # fmt: skip
+        max_batch_size=n, max_context=160, first_chunk="progressive", lead_borrow=borrow
+    )
     eng = Engine(program, limits)
     eng.runner.forward_runner.max_prefills_per_step = LANES
     monkeypatch.setattr(eng.runner, "prompt_groups", len)  # a lane each, as `step_s` charges them
@@ -78,8 +68,6 @@ def burst(
     def watched(req, chunk, audio_rows):
         if req.n_chunks:
             lateness.append((now[0] - req.t_first) - req.sent_s)
-        elif first is not None:
-            first.append(audio_rows)
         return sent(req, chunk, audio_rows)
 
     eng.windows._sent = watched
@@ -106,18 +94,3 @@ def test_no_chunk_of_a_burst_from_idle_comes_late(program, monkeypatch, warm, bo
         assert 8 < steps < 32
     else:  # four a step (the lanes): no cost fitted yet, or steps taking what the streams spare
         assert steps == 8
-
-
-def test_forgetting_a_bursts_admission_steps_keeps_every_chunk_on_time_with_shorter_first_chunks(
-    program, monkeypatch
-):
-    """--forget-admission-steps: once the burst's prompts no longer wait, its streams' first chunks
-    are decided by the lighter steps since, so some are shorter than with every step weighed, and
-    no chunk comes late."""
-    sizes = {}
-    for forget in (False, True):
-        sizes[forget] = []
-        lateness, _ = burst(program, monkeypatch, 32, True, forget=forget, first=sizes[forget])
-        assert max(lateness) <= 0.0, f"a chunk {1000 * max(lateness):.1f} ms late (forget {forget})"
-    assert len(sizes[True]) == len(sizes[False]) == 32
-    assert sum(sizes[True]) < sum(sizes[False])  # some first chunks of one frame where two were

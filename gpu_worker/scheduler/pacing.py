@@ -47,9 +47,6 @@ _MIN_SAMPLES = 8  # steps measured in a bucket before it counts
 # `rows_time_high`: the steps it looks back on (~1 s under load), the spans it needs among them
 # before it trusts them, and which of their span times it takes.
 RECENT_STEPS, MIN_SPANS, SPAN_QUANTILE = 96, 16, 0.95
-# With `forget_admission`: the steps since a burst's admission that `rows_time_high` needs before it
-# goes by them alone (the slowest of them for every row until they hold MIN_SPANS spans)
-LIGHT_MIN = 4
 # A bucket not measured for this long stops counting. Admission keeps batches below the capacity,
 # so a large batch once measured slow (a burst of prefills, say) would otherwise cap the capacity
 # for good (on the H200 one such moment can hold a server to ~140 streams for minutes while its
@@ -110,7 +107,6 @@ class StepClock:
         headroom: float = GpuWorkerSettings().realtime_headroom,
         capacity_headroom: float = GpuWorkerSettings().capacity_headroom,
         trust_startup: bool = False,
-        forget_admission: bool = False,
     ) -> None:
         self.period = 1.0 / rows_per_second  # seconds per row a real-time stream can afford
         self.max_batch = max_batch
@@ -124,11 +120,6 @@ class StepClock:
         self._spread = 0.0  # EMA of how far an interval lands from that average
         self._last: float | None = None
         self._dts: deque[float] = deque(maxlen=RECENT_STEPS)  # the latest intervals, any batch
-        # ... and for each, whether its step was launched while prompts waited after it (`expect`
-        # said so: a burst's admission); with `forget_admission`, `rows_time_high` leaves those out
-        # once no prompt waits (`_light_spans`)
-        self._admitting: deque[bool] = deque(maxlen=RECENT_STEPS)
-        self.forget_admission = forget_admission
         self._span_high: dict[int, float] = {}  # rows → rows_time_high, until the next record
         # Averages over the last ~PACE_STEPS steps since the engine was last idle: streams served
         # (rows, and streams sitting a step out), interval.
@@ -154,10 +145,8 @@ class StepClock:
         self._heavy_n, self._heavy_at = 0, 0
         # Seconds a step may take over the next steps whatever the steps before took (`expect`)
         self._expected = 0.0
-        # `tick`'s costs of the last steps launched, the latest last, and whether prompts waited
-        # after each
+        # `tick`'s costs of the last steps launched, the latest last
         self._launched: deque[tuple[int, int, int] | None] = deque(maxlen=3)
-        self._launched_admitting: deque[bool] = deque(maxlen=3)
 
     @property
     def budget(self) -> float:
@@ -180,19 +169,14 @@ class StepClock:
         last, self._last = self._last, (now if batch else None)
         if not batch:  # idle: the steps before say nothing of the next ones' pace
             self._dts.clear()
-            self._admitting.clear()
             self._span_high.clear()
             self._pace_n = self._slow_n = 0
             self._launched.clear()
-            self._launched_admitting.clear()
             return
         self._launched.append(cost)
-        self._launched_admitting.append(self._expected > 0.0)  # the scheduler's `expect` came first
         if last is not None:  # else the engine was idle in between: not a step
             lagged = self._launched[0] if len(self._launched) == self._launched.maxlen else None
-            self.record(
-                batch, now - last, streams=streams, cost=lagged, admitting=self._launched_admitting[0]
-            )
+            self.record(batch, now - last, streams=streams, cost=lagged)
 
     def record(
         self,
@@ -201,11 +185,9 @@ class StepClock:
         now: float | None = None,
         streams: int = 0,
         cost: tuple[int, ...] | None = None,
-        admitting: bool = False,
     ) -> None:
         """One step of `batch` requests took `dt` seconds from the previous one, serving `streams`
-        (default batch: more when some sat the step out); `cost`: that step's, as for `tick`;
-        `admitting`: prompts waited after its admission (a burst's)."""
+        (default batch: more when some sat the step out); `cost`: that step's, as for `tick`."""
         if cost is not None:
             self._measured_against_fit(batch, cost, dt)
             tokens, context, prompts, *groups = cost
@@ -213,7 +195,6 @@ class StepClock:
         key = _bucket(batch)
         now = time.perf_counter() if now is None else now
         self._dts.append(dt)
-        self._admitting.append(admitting)
         self._span_high.clear()
         if now - self._seen.get(key, now) > STALE_S:
             self._count[key] = 0  # stale: start this bucket's average afresh
@@ -356,8 +337,6 @@ class StepClock:
         """The next steps may each take `step_s` seconds, whatever the last ones took (0: as they
         went): the scheduler says so while prompts wait, so that first audio is not promised on
         lighter steps than those that start them (`rows_time_high`)."""
-        if (step_s > 0.0) != (self._expected > 0.0):  # whether prompts wait decides `_light_spans`
-            self._span_high.clear()
         self._expected = step_s
 
     def rows_time_high(self, rows: int) -> float:
@@ -374,30 +353,11 @@ class StepClock:
             return 0.0
         if rows in self._span_high:
             return self._span_high[rows]
-        light = self._light_spans(rows)
-        if light is not None:
-            self._span_high[rows] = light
-            return light
         if len(self._dts) < rows + MIN_SPANS:
             return rows * self.row_period_high()
         high = _span_high(np.fromiter(self._dts, float, len(self._dts)), rows)
         self._span_high[rows] = high
         return high
-
-    def _light_spans(self, rows: int) -> float | None:
-        """With `forget_admission`, once no prompt waits: `rows` steps' time from the steps launched
-        since a burst's admission (those after which prompts still waited left out: they started
-        prompts that no longer wait), their own spans' SPAN_QUANTILE where they hold enough, else
-        `rows` times the slowest of them; None where that rule does not apply or fewer than
-        LIGHT_MIN such steps have run (then every step counts)."""
-        if not self.forget_admission or self._expected > 0.0 or not any(self._admitting):
-            return None
-        light = [dt for dt, admitting in zip(self._dts, self._admitting, strict=True) if not admitting]
-        if len(light) < LIGHT_MIN:
-            return None
-        if len(light) < rows + MIN_SPANS:
-            return rows * max(light)
-        return _span_high(np.array(light), rows)
 
     def paced_capacity(self) -> float:
         """The streams served lately scaled by the budget over their average interval, at most

@@ -83,7 +83,6 @@ def step_clock(program: LMProgram, limits: GpuWorkerSettings) -> StepClock:
         limits.realtime_headroom / pace,
         limits.capacity_headroom / pace,
         trust_startup=limits.trust_startup_steps,
-        forget_admission=limits.forget_admission_steps,
     )
 
 
