@@ -103,10 +103,9 @@ def test_a_step_starting_prompts_out_of_request_order_launches_without_waiting_f
     from gpu_worker.runner import graphs as graphs_module
 
     prompt, engine = greedy
-    eng = engine(kv_cache_dtype="fp8", quantization="fp8")
-    prompts = [
-        prompt(f"r{i}", text, 10 + i, 30) for i, text in enumerate(TEXTS)
-    ]  # 32- and 64-row buckets in turn
+    eng = engine(kv_cache_dtype="fp8", quantization="fp8", max_prefills=0)  # the burst test's engine
+    # 32- and 64-row buckets in turn; max_tokens counts the prompt's tokens too
+    prompts = [prompt(f"r{i}", text, 10 + i, 90) for i, text in enumerate(TEXTS)]
     alone = {}
     for p in prompts:
         eng.add(p)
@@ -130,7 +129,7 @@ def test_a_step_starting_prompts_out_of_request_order_launches_without_waiting_f
     order, launch = graphs_module.in_request_order, runner.forward
     graphs_module.in_request_order, runner.forward = in_order, forward
     try:
-        eng.add(prompt("first", TEXTS[0], 1, 30))
+        eng.add(prompt("first", TEXTS[0], 1, 90))
         eng.step()  # a decoding stream for the burst's step to join
         for p in prompts:
             eng.add(p)
