@@ -8,6 +8,7 @@ tells the supervisor that it failed.
 from __future__ import annotations
 
 import errno
+import gc
 import logging
 import multiprocessing
 import sys
@@ -52,6 +53,12 @@ def check_backlog(backlog: int, cap: int | None) -> None:
 # The gateway's open-file limit is raised to this (within the hard limit): a descriptor per client
 # connection, streaming or queued, beside its sockets and files.
 OPEN_FILES = 65536
+# The cyclic collector's first-generation threshold in the gateway (CPython's default: 700). A
+# request in flight holds a few hundred tracked objects (aiohttp's request and response, the
+# handler's coroutines and futures) that reference counting frees when it ends, so at 700 a burst's
+# intake runs a collection every few requests that finds no garbage: 35-65 us a request, and pauses
+# of 2-6 ms when it reaches the older generations (a 2-core CPU host).
+GC_THRESHOLD_0 = 50_000
 
 
 def files_needed(cfg: ServeConfig) -> int:
@@ -106,6 +113,7 @@ def main(argv: list[str] | None = None, settings: RoleSettings | None = None) ->
 
         app = build_app(cfg)
         freeze_startup_objects()
+        gc.set_threshold(GC_THRESHOLD_0, *gc.get_threshold()[1:])
         url = f"http://{cfg.gateway.host}:{cfg.gateway.port}"
         check_backlog(cfg.gateway.listen_backlog, kernel_backlog_cap())
         check_open_files(files_needed(cfg), raise_open_files(OPEN_FILES)[0])

@@ -28,12 +28,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from common.messages import ModelSpec
-from gateway.fields import BadRequest, Field, show
+from gateway.fields import BadRequest, Field, per_spec, show
 
 TASK_TYPES = ("CustomVoice", "VoiceDesign", "Base")  # the task types vLLM-Omni and SGLang-Omni know
 CLONING_FIELDS = ("ref_audio", "ref_text")
 
 
+@per_spec
 def omni_fields(spec: ModelSpec) -> list[Field]:
     """The fields, as `gateway.validation.speech_fields` lists them after OpenAI's."""
     languages = ("auto", *spec.languages)

@@ -19,7 +19,7 @@ import msgspec
 from common.config import ServeConfig
 from common.messages import ModelSpec, SamplingParams, VoiceFeatures
 from gateway.encoders import available_formats, default_format
-from gateway.fields import BadRequest, Field, FormFields, parse_fields, show
+from gateway.fields import BadRequest, Field, FormFields, parse_fields, per_spec, show
 from gateway.omni_fields import check_omni, language_option, omni_fields, ref_text_field, streaming_choice
 from gateway.segments import MAX_TEXT_CHARS_LIMIT, segment_budget, split_text, text_limit
 
@@ -102,6 +102,7 @@ OPENAI_VOICES = (
 )
 
 
+@per_spec
 def voice_aliases(spec: ModelSpec) -> dict[str, str]:
     """OpenAI's voice names → the model's voices, in order and round again (alloy → the first, ash →
     the second, …); a name the model has as a voice of its own stays that voice."""
@@ -222,6 +223,7 @@ def sampling_fields(spec: ModelSpec, cfg: ServeConfig) -> list[Field]:
     ]
 
 
+@per_spec
 def generate_fields(spec: ModelSpec, cfg: ServeConfig, saved: tuple[str, ...] = ()) -> list[Field]:
     """The fields of `POST /generate`, in the order error messages list them (the reference clip,
     a multipart file `audio`, is read apart: gateway.body)."""
@@ -270,6 +272,7 @@ def _instructions_field(spec: ModelSpec) -> Field:
     )
 
 
+@per_spec
 def speech_fields(spec: ModelSpec, cfg: ServeConfig, saved: tuple[str, ...] = ()) -> list[Field]:
     """The fields of `POST /v1/audio/speech`: OpenAI's, then voxpipe's extras."""
     formats = tuple(available_formats(spec.sample_rate))
