@@ -12,7 +12,9 @@ listener and where (`chunks_behind`); given the client's own TTFA per request id
 --tap-level), what the client saw beyond the server's part; from the gpu_worker's step events
 (gpu_worker/stages.py), where its steps' time went (`steps`): the steps that start prompts and those
 that do not, and those after which prompts still wait (a burst's admission), each part's p50/p90/max
-and mean in ms.
+and mean in ms; when each stage happened over the requests, from the first one's arrival
+(`stage_timeline_ms`: a burst's critical path, as when its handlers started and its last prompt was
+admitted), and how many rows the first chunks held (`first_chunk_rows`).
 """
 
 from __future__ import annotations
@@ -64,6 +66,27 @@ def _tail(whole: list[dict[str, float]]) -> dict[str, float]:
     for a, b in zip(FIRST, FIRST[1:], strict=False):
         out[f"{a}->{b}"] = median([s[b] - s[a] for s in tail])
     out["total"] = median([s[FIRST[-1]] - s[FIRST[0]] for s in tail])
+    return out
+
+
+def _timeline(whole: list[dict[str, float]]) -> dict:
+    """Each first-audio stage's time over the requests that have them all, ms after the earliest
+    arrival among them (the HTTP handler's where recorded): the first, p50, p90 and last request to
+    reach it."""
+    if not whole:
+        return {}
+    stages = ("http_received", *FIRST) if all("http_received" in s for s in whole) else FIRST
+    t0 = min(s[stages[0]] for s in whole)
+    out = {}
+    for stage in stages:
+        times = sorted(s[stage] - t0 for s in whole)
+        pct = _pct(times)
+        out[stage] = {
+            "first": round(times[0], 1),
+            "p50": pct["p50"],
+            "p90": pct["p90"],
+            "last": round(times[-1], 1),
+        }
     return out
 
 
@@ -159,6 +182,9 @@ def stats(
     }
     out["first_audio_ms"]["total"] = _pct([s[FIRST[-1]] - s[FIRST[0]] for s in whole])
     out["first_audio_tail_ms"] = _tail(whole)
+    out["stage_timeline_ms"] = _timeline(whole)
+    rows = [by_index[0]["tail_rows"] for by_index in chunks.values() if "tail_rows" in by_index.get(0, {})]
+    out["first_chunk_rows"] = {str(r): rows.count(r) for r in sorted(set(rows))}
     # Recordings that have it: the HTTP arrival, before reading the body and the admission wait.
     http = [s for s in whole if "http_received" in s]
     if http:

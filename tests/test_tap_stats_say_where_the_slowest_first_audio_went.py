@@ -40,3 +40,24 @@ def test_the_slowest_requests_show_the_stage_that_holds_the_tail():
 
 def test_no_request_complete_no_tail():
     assert stats(request("a", 0.0, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0])[:-1])["first_audio_tail_ms"] == {}
+
+
+def test_the_timeline_says_when_a_burst_reached_each_stage():
+    """A burst of 20: handlers start 5 ms apart, each prompt is admitted 3 ms after it is built, and
+    every first chunk (of 21 rows) comes out 400 ms after the first arrival: the timeline gives each
+    stage's first, median and last time from the first handler's start."""
+    events = []
+    for i in range(20):
+        t0 = 10.0 + 0.005 * i  # the handler starts at t0 - 1 ms
+        events += request(f"b{i}", t0, [1.0, 3.0, 20.0, 0.0, 10.0, 1.0], http_ms=1.0)
+    for e in events:  # every first chunk at once
+        if e["stage"] == "first_chunk_ready":
+            e["time"], e["tail_rows"], e["index"] = 10.399, 21, 0
+    out = stats(events)
+    line = out["stage_timeline_ms"]
+    assert list(line)[0] == "http_received" and line["http_received"]["first"] == 0.0
+    assert line["http_received"]["last"] == 95.0
+    assert line["admitted"]["first"] == 5.0 and line["admitted"]["last"] == 100.0
+    assert line["first_chunk_ready"]["first"] == line["first_chunk_ready"]["last"] == 400.0
+    assert out["first_chunk_rows"] == {"21": 20}
+    assert stats([])["stage_timeline_ms"] == {}
