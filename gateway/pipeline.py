@@ -450,6 +450,10 @@ class Pipeline:
         cancellation (on in `main` and in test servers) also covers that; polling the transport
         keeps it true under any runner.
         """
+        if not pending.queue.empty():  # a chunk queued already: taken without arming a timer
+            event = pending.queue.get_nowait()
+            pending.ended_upstream = not isinstance(event, bytes)
+            return event
         deadline = time.monotonic() + self.idle_timeout_s
         while True:
             left = deadline - time.monotonic()
