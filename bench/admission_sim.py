@@ -60,6 +60,7 @@ from gpu_worker.scheduler.pacing import (
     borrowable,
     lead_fits,
     step_allowance,
+    withheld,
 )
 from gpu_worker.scheduler.sit_out import FirstAudioSitOut, SitOut
 from gpu_worker.scheduler.step_cost import Lives
@@ -387,7 +388,10 @@ class Worker:
         budget = self.clock.budget
         fit = self.clock.cost.prompt_room(budget, len(run), sum(n + r["gen"] for r in run.values()))
         if self.room and run and fit is not None:
-            room = fit.room + (self.borrowed(run, budget) if self.lead_borrow else 0.0)
+            borrow, keep = self.allowances(run, budget)
+            slow = self.clock.slowness()
+            room = fit.room + (borrowable(borrow, budget, slow) if self.lead_borrow else 0.0)
+            room -= withheld(keep, budget, slow)
             g, more = self.gpu, 1  # the first prompt, then as many more as the room leaves
             if not self.gpu_charge:  # as the scheduler: the fitted cost of a prompt and the group it opens
                 spent = fit.cost(n, 1)
@@ -402,17 +406,22 @@ class Worker:
             return more
         return k
 
-    def borrowed(self, run: dict[int, dict], budget: float) -> float:
-        """What the next step may take past `budget` (the scheduler's `borrowed`): every playing
-        stream's audio in hand (since its chunk left, CODEC_S before it arrived) and the rows until
-        its next frame's chunk."""
+    def allowances(self, run: dict[int, dict], budget: float) -> tuple[float, float]:
+        """What the next step may take with every playing stream's next frame in time (the
+        scheduler's `allowances`): every playing stream's audio in hand (since its chunk left,
+        CODEC_S before it arrived) and the rows until its next frame's chunk, the other rows at
+        least `budget` each (what it may borrow on) and at the clock's pace (what it may take of
+        the budget)."""
         playing = [
             (r["sent_audio"] - (self.now - r["first"] + CODEC_S), FRAME - r["gen"] % FRAME)
             for r in run.values()
             if r["first"] is not None
         ]
-        allow = step_allowance(playing, self.clock.rows_time_high, self.first_margin, DELIVERY_S, budget)
-        return borrowable(allow, budget, self.clock.slowness())
+        high, margin = self.clock.rows_time_high, self.first_margin
+        return (
+            step_allowance(playing, high, margin, DELIVERY_S, budget),
+            step_allowance(playing, high, margin, DELIVERY_S),
+        )
 
     def prompts_next(self, run: dict[int, dict]) -> int:
         """`prompts_now`, at most `prompts_while_first` while a running stream waits for its first

@@ -233,7 +233,7 @@ def server_gauges(base: str) -> dict[str, float]:
         *_AVERAGED, "stream_capacity", "decode_batch_size", "kv_pages_used", "active_streams", "queue_depth",
         "codec_calls_total", "codec_windows_total", "codec_busy_seconds_total", "admission_queue_length",
         "streams_sitting_out", "prompts_started_total", "steps_total", "steps_borrowing_total",
-        "gateway_loop_lag_max_seconds",
+        "steps_withholding_total", "gateway_loop_lag_max_seconds",
     )  # fmt: skip
     out: dict[str, float] = {}
     seen: dict[str, int] = {}
@@ -265,6 +265,7 @@ TIMELINE_RATES = (
     "steps_total",
     "admission_stopped_by_room_total",
     "steps_borrowing_total",
+    "steps_withholding_total",
 )
 # How often a level's gauges are read: a burst's admission is over in a second or two.
 SAMPLE_S, BURST_SAMPLE_S = 1.0, 0.25

@@ -57,6 +57,7 @@ WORKER_METRICS = {
     "step_hold_ms": "With --late-launch: time per engine step the worker held the next step back, averaged.",
     "prompts_started_total": "Prompts the worker's steps started (prefilled).",
     "steps_borrowing_total": "Steps whose prompts ran past the step budget on the playing streams' spare audio (--lead-borrow).",
+    "steps_withholding_total": "Steps that left prompts waiting for step time the playing streams could not spare (their next chunks' promises).",
     "admission_stopped_by_batch_total": "Steps that left prompts waiting because the batch or the sampling slots were full.",
     "admission_stopped_by_cap_total": "Steps that left prompts waiting at the cap on prompts a step (--max-prefills, the prefill graphs).",
     "admission_stopped_by_rows_total": "Steps that left prompts waiting at the cap on prompt rows a step (--max-prefill-rows).",

@@ -276,6 +276,7 @@ class Engine:
             "step_hold_ms": round(1000 * self.hold_avg_s, 3),
             "prompts_started_total": s.prompts_started,
             "steps_borrowing_total": s.steps_borrowing,
+            "steps_withholding_total": s.steps_withholding,
             "prompts_in_lane_total": self.lane_prompts,
             "slow_steps_total": self.slow_steps,
             **{f"admission_stopped_by_{k}_total": v for k, v in s.admission_stops.items()},

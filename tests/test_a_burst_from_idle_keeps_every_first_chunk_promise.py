@@ -12,7 +12,9 @@ wait, the scheduler's word that the next steps are as heavy (`StepClock.expect`)
 once the step cost is fitted the scheduler starts no more prompts a step than leave the running
 streams real time. (On this model of the steps no chunk comes late even without `expect`: what
 made the H200's late chunks, the codec's passes or prompts reaching the worker over several steps,
-is not modelled here.)"""
+is not modelled here.) A burst that comes right after a stream went out with a first chunk of one
+frame, whose steps run slower than the fit says, is admitted no faster than that stream's audio in
+hand allows (`PromptRoom.withheld`)."""
 
 from __future__ import annotations
 
@@ -41,13 +43,14 @@ def step_s(rows: int, prompts: int) -> float:
     return FIXED_S + ROW_S * rows + PROMPT_S * max(0, prompts - 1)
 
 
-def burst(program, monkeypatch, n: int, warm: bool, borrow: bool = True) -> tuple[list[float], int]:
-    """n requests at once into an idle engine paced as on a GPU → (how late each chunk after a
-    stream's first left: time since its first chunk less the audio sent before it, seconds; the
-    steps the burst took to start). `warm`: the step cost fitted before, as on a server that served;
-    `borrow`: --lead-borrow."""
+def paced(program, monkeypatch, batch: int, warm: bool, borrow: bool = True):
+    """An idle engine paced as on a GPU, on a fake clock → (the engine, the clock [seconds], how
+    late each chunk after a stream's first left: time since its first chunk less the audio sent
+    before it, seconds, and the rows of each stream's first chunk by request id, filled as they go).
+    `warm`: the step cost fitted before (`step_s`), as on a server that served; `borrow`:
+    --lead-borrow."""
     limits = GpuWorkerSettings(
-        max_batch_size=n, max_context=160, first_chunk="progressive", lead_borrow=borrow
+        max_batch_size=batch, max_context=160, first_chunk="progressive", lead_borrow=borrow
     )
     eng = Engine(program, limits)
     eng.runner.forward_runner.max_prefills_per_step = LANES
@@ -63,17 +66,32 @@ def burst(program, monkeypatch, n: int, warm: bool, borrow: bool = True) -> tupl
             rows, prompts = int(rng.integers(1, 200)), int(rng.integers(0, 5))
             s.clock.cost.add(rows + 8 * prompts, int(rng.integers(0, 20_000)), prompts, step_s(rows, prompts))
     lateness: list[float] = []
+    first_rows: dict[str, int] = {}
     sent = eng.windows._sent
 
     def watched(req, chunk, audio_rows):
         if req.n_chunks:
             lateness.append((now[0] - req.t_first) - req.sent_s)
+        else:
+            first_rows[req.rid] = audio_rows
         return sent(req, chunk, audio_rows)
 
     eng.windows._sent = watched
+    return eng, now, lateness, first_rows
+
+
+def add(eng: Engine, rid: str, seed: int) -> None:
+    sp = SamplingParams(max_tokens=150, min_tokens=140, constrained=True, seed=seed)
+    eng.add(Prompt(rid, PROMPT.tobytes(), len(PROMPT), sp))
+
+
+def burst(program, monkeypatch, n: int, warm: bool, borrow: bool = True) -> tuple[list[float], int]:
+    """n requests at once into an idle engine paced as on a GPU (`paced`) → (how late each chunk
+    after a stream's first left; the steps the burst took to start)."""
+    eng, now, lateness, _ = paced(program, monkeypatch, n, warm, borrow)
+    s = eng.scheduler
     for i in range(n):
-        sp = SamplingParams(max_tokens=150, min_tokens=140, constrained=True, seed=i)
-        eng.add(Prompt(f"r{i}", PROMPT.tobytes(), len(PROMPT), sp))
+        add(eng, f"r{i}", i)
     starting = 0
     while eng.has_work():
         waiting = bool(eng.waiting)
@@ -94,3 +112,28 @@ def test_no_chunk_of_a_burst_from_idle_comes_late(program, monkeypatch, warm, bo
         assert 8 < steps < 32
     else:  # four a step (the lanes): no cost fitted yet, or steps taking what the streams spare
         assert steps == 8
+
+
+def test_a_burst_right_after_a_stream_started_keeps_its_one_frame_promise(program, monkeypatch):
+    """A stream starts alone on light steps, so its first chunk goes out after one frame; then a burst
+    comes, whose steps run slower than the fit says (each prompt beyond the first costs half as much
+    again as the steps the fit was made of: on a GPU, batched prompts' steps beside a load the fit
+    has not measured). Within the step budget such steps would put the stream's next frame after its
+    first has played; the scheduler withholds what the stream cannot spare of the budget
+    (`PromptRoom.withheld`), and starts the burst as fast as that stream's audio in hand allows."""
+    eng, now, lateness, first_rows = paced(program, monkeypatch, 64, warm=True)
+    s = eng.scheduler
+    add(eng, "first", 0)
+    burst = False
+    while eng.has_work():
+        if "first" in first_rows and not burst:  # its first chunk has left: the burst comes
+            burst = True
+            for i in range(48):
+                add(eng, f"r{i}", i + 1)
+        eng.step()
+        prompts = s.admitted_last
+        now[0] += FIXED_S + ROW_S * s.last_batch_size + 1.5 * PROMPT_S * max(0, prompts - 1)
+    assert first_rows["first"] <= 7, "its first chunk is one frame (7 rows)"
+    assert burst and len(lateness) > 48 * 5
+    assert max(lateness) <= 0.0, f"a chunk {1000 * max(lateness):.1f} ms late"
+    assert eng.metrics()["steps_withholding_total"] > 0

@@ -490,6 +490,15 @@ def step_allowance(
     return allow
 
 
+def withheld(allow: float, budget: float, slowness: float = 1.0) -> float:
+    """Seconds of a step's `budget` that its prompts may not take where the streams playing allow the
+    step `allow` seconds by `step_allowance` (a step taken `slowness` times what the fit says): a
+    stream that went out with a first chunk of one frame, promised on the pace of the steps before a
+    burst came, spares less than a step budget until it is ahead; all of it where a stream is
+    already short (a step then starts only its first prompt)."""
+    return max(0.0, budget - allow / max(1.0, slowness))
+
+
 def borrowable(allow: float, budget: float, slowness: float = 1.0) -> float:
     """Seconds a step may take past its `budget` (`--lead-borrow`) where the streams playing allow
     it `allow` seconds by `step_allowance` (a step taken `slowness` times what the fit says): at

@@ -39,7 +39,7 @@ from common.messages import Finished, FinishReason, Prompt
 from gpu_worker.runner.eager import EagerRunner
 from gpu_worker.runner.kv_cache import PageAllocator, pages_for
 from gpu_worker.runner.slots import SlotState
-from gpu_worker.scheduler.pacing import StepClock, borrowable
+from gpu_worker.scheduler.pacing import StepClock, borrowable, withheld
 from gpu_worker.scheduler.request import Request
 from gpu_worker.scheduler.sit_out import FirstAudioSitOut, SitOut
 from gpu_worker.scheduler.step_cost import Lives, PromptRoom
@@ -127,6 +127,8 @@ class Scheduler:
         # Steps that left prompts waiting, by what stopped admission (`ADMISSION_STOPS`).
         self.admission_stops = dict.fromkeys(ADMISSION_STOPS, 0)
         self.steps_borrowing = 0  # steps whose prompts took time past the budget (--lead-borrow)
+        # steps that left prompts waiting for room the playing streams could not spare (`withheld`)
+        self.steps_withholding = 0
         self.sit_out = None
         check_sit_out(limits.sit_out_lead_s)
         if limits.sit_out_lead_s > 0:
@@ -333,7 +335,7 @@ class Scheduler:
         clock what the next steps may take while prompts still wait (`StepClock.expect`)."""
         cap, limits = self.prefill_cap(max_prefills), self.limits
         fit = self.prompt_room()
-        room = fit.room + fit.borrowed
+        room = fit.room + fit.borrowed - fit.withheld
         prefill_rows = admitted = n_groups = 0
         spent, lengths = 0.0, []
         started: list[Request] = []  # their slots' settings written together after the loop
@@ -356,6 +358,8 @@ class Scheduler:
                     else ""
                 )  # fmt: skip
                 if stop:
+                    # a step the budget had room for, held back for the playing streams' next chunks
+                    self.steps_withholding += stop == "room" and spent + cost <= room + fit.withheld
                     break
             pages = self.allocator.alloc(self.sequences * pages_for(req.budget + 1, limits.page_size))
             if pages is None:
@@ -457,32 +461,39 @@ class Scheduler:
     def prompt_room(self) -> PromptRoom:
         """What this step leaves for prompts: the step budget less the fitted time of the running
         streams' decode rows at their contexts (`StepCost`), each prompt at the fitted cost per
-        prompt, per token and per group it opens; with `--lead-borrow`, plus what the step may take
-        beyond the budget (`borrowed`). Unbounded where no stream runs, nothing is paced (CPU) or
-        the cost is not fitted yet (the caps alone)."""
+        prompt, per token and per group it opens; less what the playing streams cannot spare of the
+        budget (`withheld`), and with `--lead-borrow` plus what the step may take beyond it
+        (`borrowed`). Unbounded where no stream runs, nothing is paced (CPU) or the cost is not
+        fitted yet (the caps alone)."""
         if not self.real_time or not self.running:
             return PromptRoom(math.inf)
         context = sum(r.n_ctx for r in self.running.values())
-        room = self.clock.cost.prompt_room(self.step_budget(), len(self.running), context)
+        budget = self.step_budget()
+        room = self.clock.cost.prompt_room(budget, len(self.running), context)
         if room is None:
             return PromptRoom(math.inf)
-        if self.limits.lead_borrow and len(self.waiting) > 1:  # the first prompt starts anyway
-            room = dataclasses.replace(room, borrowed=self.borrowed())
+        if len(self.waiting) > 1:  # the first prompt starts anyway
+            borrow, keep = self.allowances()
+            slow = self.clock.slowness()
+            room = dataclasses.replace(
+                room,
+                borrowed=borrowable(borrow, budget, slow) if self.limits.lead_borrow else 0.0,
+                withheld=withheld(keep, budget, slow),
+            )
         return room
 
-    def borrowed(self) -> float:
-        """Seconds the next step may take beyond the budget (`--lead-borrow`): up to what every
-        playing stream's listener can spare (`AudioWindows.step_allowance`: its audio in hand beyond
-        its next chunk's wait; the step taken as much slower than the fit as the steps served lately
-        are), at most BORROW_MAX budgets in all. A stream whose text has run out counts with the
+    def allowances(self) -> tuple[float, float]:
+        """The longest the next step may take with every playing stream's listener fed
+        (`AudioWindows.step_allowances`: its audio in hand beyond its next chunk's wait), its other
+        rows taken at least a step budget each (what `--lead-borrow` borrows on) and at the clock's
+        pace (what the step may take of its budget). A stream whose text has run out counts with the
         step it resumes after its text comes; one whose last rows are launched waits for no step."""
         making = [
             (r, 1 if self.waits(r) else 0)
             for r in self.running.values()
             if len(r.prompt) + r.n_launched < r.budget and not r.lane
         ]
-        allow = self.windows.step_allowance(making)
-        return borrowable(allow, self.step_budget(), self.clock.slowness())
+        return self.windows.step_allowances(making)
 
     def leave_out_streams_ahead(self, batch: list[Request], prompts: int) -> list[Request]:
         """The batch (`prompts` of its requests new) less the streams sitting this step out

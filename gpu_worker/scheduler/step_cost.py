@@ -44,13 +44,15 @@ SUBSETS = [tuple(i for i in range(TERMS) if m >> i & 1) for m in range(1, 1 << T
 class PromptRoom:
     """What a step leaves for prompts beside its decode rows (`StepCost.prompt_room`), in seconds:
     a prompt of n tokens that opens g more groups costs `prompt + token * n + group * g`; the
-    prompts may also take what the step may run past its budget (`borrowed`: `--lead-borrow`)."""
+    prompts may also take what the step may run past its budget (`borrowed`: `--lead-borrow`), and
+    may not take what the playing streams cannot spare of it (`withheld`)."""
 
     room: float
     prompt: float = 0.0
     token: float = 0.0
     group: float = 0.0
     borrowed: float = 0.0
+    withheld: float = 0.0
 
     def cost(self, tokens: int, groups: int) -> float:
         return self.prompt + self.token * tokens + self.group * groups
