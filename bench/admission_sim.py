@@ -391,7 +391,7 @@ class Worker:
             borrow, keep = self.allowances(run, budget)
             slow = self.clock.slowness()
             room = fit.room + (borrowable(borrow, budget, slow) if self.lead_borrow else 0.0)
-            room -= withheld(keep, budget, slow)
+            room -= withheld(keep, budget)
             g, more = self.gpu, 1  # the first prompt, then as many more as the room leaves
             if not self.gpu_charge:  # as the scheduler: the fitted cost of a prompt and the group it opens
                 spent = fit.cost(n, 1)

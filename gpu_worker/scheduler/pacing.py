@@ -490,13 +490,16 @@ def step_allowance(
     return allow
 
 
-def withheld(allow: float, budget: float, slowness: float = 1.0) -> float:
+def withheld(allow: float, budget: float) -> float:
     """Seconds of a step's `budget` that its prompts may not take where the streams playing allow the
-    step `allow` seconds by `step_allowance` (a step taken `slowness` times what the fit says): a
-    stream that went out with a first chunk of one frame, promised on the pace of the steps before a
-    burst came, spares less than a step budget until it is ahead; all of it where a stream is
-    already short (a step then starts only its first prompt)."""
-    return max(0.0, budget - allow / max(1.0, slowness))
+    step `allow` seconds by `step_allowance`: a stream that went out with a first chunk of one frame,
+    promised on the pace of the light steps before a burst came, spares less than a step budget
+    until it is ahead; all of it where a stream is already short (a step then starts only its first
+    prompt). Taken on the fit's word for the step (not as much slower as the steps served lately
+    run: near capacity every young stream spares about the steps' own pace, and a cap below it
+    would start fewer prompts a step than arrive); a step that runs slower leaves the stream less
+    in hand, which the next steps' allowance sees."""
+    return max(0.0, budget - allow)
 
 
 def borrowable(allow: float, budget: float, slowness: float = 1.0) -> float:

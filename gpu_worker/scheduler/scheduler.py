@@ -478,7 +478,7 @@ class Scheduler:
             room = dataclasses.replace(
                 room,
                 borrowed=borrowable(borrow, budget, slow) if self.limits.lead_borrow else 0.0,
-                withheld=withheld(keep, budget, slow),
+                withheld=withheld(keep, budget),
             )
         return room
 
