@@ -16,7 +16,7 @@ from bench.admission_sim import H200_FORWARD, H200_RATE, simulate
 from common.config import GpuWorkerSettings
 from common.messages import DetokChunk, Prompt, SamplingParams
 from gpu_worker.engine import Engine
-from gpu_worker.scheduler.pacing import BORROW_MAX, StepClock, borrowable, step_allowance
+from gpu_worker.scheduler.pacing import BORROW_MAX, StepClock, borrowable, step_allowance, withheld
 from gpu_worker.windows import AudioWindows
 from programs import get_spec, load_program_class
 
@@ -48,6 +48,10 @@ def test_the_allowance_is_the_least_any_playing_stream_can_spare():
     assert borrowable(0.5 * BUDGET, BUDGET) == 0.0  # less than the budget itself: no borrowing
     assert borrowable(1.5 * BUDGET, BUDGET) == pytest.approx(0.5 * BUDGET)
     assert borrowable(1.5 * BUDGET, BUDGET, slowness=1.5) == 0.0  # steps run 1.5x the fit
+    # what a step may not take of its budget: what the streams cannot spare of it, all where short
+    assert withheld(math.inf, BUDGET) == 0.0 and withheld(1.5 * BUDGET, BUDGET) == 0.0
+    assert withheld(0.25 * BUDGET, BUDGET) == pytest.approx(0.75 * BUDGET)
+    assert withheld(-0.01, BUDGET) > BUDGET  # already short: not even a prompt's room is left
 
 
 class Req:
