@@ -164,7 +164,13 @@ class AsyncDispatchChannel(Generic[T]):
         worker's credit raised to its share of them (at most `burst`) → those workers and shares."""
         if self.burst <= 1 or not self._free:
             return {}
-        live = sum(not fut.done() for _, fut in self._waiting)
+        # Counted only up to what fills every free worker's run: a burst's queue is long, and the pump
+        # runs for each message that comes.
+        enough, live = self.burst * len(self._free), 0
+        for _, fut in self._waiting:
+            live += not fut.done()
+            if live >= enough:
+                break
         share = min(self.burst, -(-live // len(self._free)))
         if share <= 1:
             return {}
