@@ -3,7 +3,9 @@ server on this host (its gateway's CPU time from its CPU-time clock). Every roun
 requests at once and reads each to its end; a round at each `--max-tokens` budget (prompt included:
 the smallest leaves no room for audio, the largest makes seconds of it). From the rounds: the
 gateway's CPU per request with the least audio, and the slope per second of audio between the
-budgets, which bounds the streams one gateway process can carry (one event loop, one core); and
+budgets, which bounds the streams one gateway process can carry (one event loop, one core), each
+round's CPU less what the idle gateway takes over as long (its heartbeats, timers and process watch,
+timed in the pause before the round); and
 the largest lag of its event loop over each burst (`voxpipe_gateway_loop_lag_max_seconds`): its
 longest stretch of work without a turn for its timers.
 
@@ -101,21 +103,29 @@ async def run(args) -> dict:
         rounds = []
         for _ in range(args.rounds):
             for budget in budgets:
-                await asyncio.sleep(args.pause)  # the lag window's last burst apart from this one
+                # the pause keeps the lag window's last burst apart from this one, and times the idle
+                # gateway's own CPU (heartbeats, its timers, its process watch) to take off the round's
+                c0, t0 = cpu_s(pid), time.perf_counter()
+                await asyncio.sleep(args.pause)
+                idle = (cpu_s(pid) - c0) / (time.perf_counter() - t0)
                 c0, t0 = cpu_s(pid), time.perf_counter()
                 audio = await asyncio.gather(*(one(session, url, budget) for _ in range(args.clients)))
                 wall, cpu = time.perf_counter() - t0, cpu_s(pid) - c0
                 rounds.append({
                     "max_tokens": budget, "wall_s": round(wall, 3), "gateway_cpu_s": round(cpu, 3),
+                    "idle_cpu_ms_per_s": round(1000 * idle, 3),
+                    "requests_cpu_s": round(max(0.0, cpu - idle * wall), 3),
                     "audio_s_per_request": round(float(np.mean(audio)), 3),
                     "loop_lag_max_ms": round(server_gauges(url).get("gateway_loop_lag_max_ms", math.nan), 1),
                 })  # fmt: skip
                 print(json.dumps(rounds[-1]), flush=True)
     n = args.clients
+    # what the requests cost: the round's CPU less the idle gateway's over the round's wall time
     per_request = {
-        b: statistics.median(1000 * r["gateway_cpu_s"] / n for r in rounds if r["max_tokens"] == b)
+        b: statistics.median(1000 * r["requests_cpu_s"] / n for r in rounds if r["max_tokens"] == b)
         for b in budgets
     }
+    idle_ms_per_s = statistics.median(r["idle_cpu_ms_per_s"] for r in rounds)
     audio = {
         b: statistics.median(r["audio_s_per_request"] for r in rounds if r["max_tokens"] == b)
         for b in budgets
@@ -132,9 +142,11 @@ async def run(args) -> dict:
         "rounds": rounds,
         "cpu_ms_per_request": {str(b): round(v, 3) for b, v in per_request.items()},
         "audio_s_per_request": {str(b): round(v, 3) for b, v in audio.items()},
-        # the gateway's CPU per second of audio streamed: its one core carries 1000 / this streams
+        # the gateway's CPU per second of audio streamed: its one core, less what the idle gateway
+        # takes of it, carries (1000 - idle) / this streams
         "cpu_ms_per_audio_second": round(slope, 3),
-        "streams_per_gateway_core": round(1000 / slope, 1) if slope > 0 else None,
+        "idle_cpu_ms_per_s": round(idle_ms_per_s, 3),
+        "streams_per_gateway_core": round((1000 - idle_ms_per_s) / slope, 1) if slope > 0 else None,
         "loop_lag_max_ms_p50": {
             str(b): statistics.median(r["loop_lag_max_ms"] for r in rounds if r["max_tokens"] == b)
             for b in budgets

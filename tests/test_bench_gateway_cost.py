@@ -16,7 +16,7 @@ from bench.gateway_cost import cpu_s
 
 def test_bursts_at_two_budgets_give_the_gateways_cost_per_request_and_per_audio_second(server, tmp_path):
     out = tmp_path / "gateway.json"
-    argv = ["gateway", "--url", server.base, "--clients", "24", "--rounds", "1", "--pause", "0"]
+    argv = ["gateway", "--url", server.base, "--clients", "24", "--rounds", "1", "--pause", "0.5"]
     assert bench_main([*argv, "--max-tokens", "30,90", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["commit"] and res["command"].startswith("'voxpipe bench gateway' --url")
@@ -24,6 +24,12 @@ def test_bursts_at_two_budgets_give_the_gateways_cost_per_request_and_per_audio_
     audio = res["audio_s_per_request"]
     assert audio["30"] == 0.0 and audio["90"] > 0.5  # 3 tokens: no frame; 63: seconds of audio
     assert all(r["gateway_cpu_s"] >= 0 and r["loop_lag_max_ms"] >= 0 for r in res["rounds"])
+    # the requests' share: the round's CPU less the idle gateway's (timed in the pause) over its wall
+    for r in res["rounds"]:
+        assert r["idle_cpu_ms_per_s"] > 0  # heartbeats, timers: an idle gateway is never at zero
+        expect = r["gateway_cpu_s"] - r["idle_cpu_ms_per_s"] / 1000 * r["wall_s"]
+        assert abs(r["requests_cpu_s"] - max(0.0, expect)) <= 0.002
+    assert 0 < res["idle_cpu_ms_per_s"] < 200
     assert res["cpu_ms_per_request"]["30"] >= 0 and math.isfinite(res["cpu_ms_per_audio_second"])
 
 
