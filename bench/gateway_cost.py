@@ -161,11 +161,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", default="30,250", help="budgets, prompt included: least audio first")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument(
-        "--pause", type=float, default=11.0, help="seconds before each burst (the lag's 10 s window)"
+        "--pause",
+        type=float,
+        default=11.0,
+        help="seconds before each burst (the lag's 10 s window), over which the idle gateway's CPU is timed "
+        "(at least 0.5)",
     )
     ap.add_argument("--label", default="", help="the host measured")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
+    if args.pause < 0.5:
+        ap.error(f"--pause {args.pause:g}: the idle gateway's CPU is timed over it, at least 0.5 s")
     out = {"label": args.label, "commit": commit(), "command": command("voxpipe bench gateway", argv)}
     out |= asyncio.run(run(args))
     print(
