@@ -149,15 +149,27 @@ def test_a_step_past_its_budget_is_expected_heavy_though_no_prompt_waits(program
     assert s.clock.rows_time_high(7) < 7 * s.step_budget()
 
 
-@pytest.mark.parametrize("in_hand_s, borrows", [(0.04, False), (0.3, True)])
-def test_a_stream_that_just_started_playing_keeps_the_step_within_its_budget(program, in_hand_s, borrows):
-    """Its next window 7 steps away, each a step budget (10.7 ms) at the least, with the margin:
-    40 ms in hand spares nothing, 300 ms spares more than two budgets."""
+@pytest.mark.parametrize("in_hand_s, admitted", [(0.04, 1), (0.3, 7)])
+def test_a_stream_that_just_started_playing_keeps_the_step_within_what_it_spares(
+    program, in_hand_s, admitted
+):
+    """Its next window 7 steps away, on a clock whose pessimistic pace is 1 ms a row, with the margin
+    and the trip: 40 ms in hand spares 7 ms of a step, less than the budget (10.7 ms: the rest is
+    withheld and the step starts its first prompt alone), and nothing to borrow (its other rows at
+    a budget each); 300 ms in hand spares more than two budgets (the step borrows the most)."""
     eng = engine(program, borrow=True, in_hand_s=in_hand_s)
     s = eng.scheduler
-    assert (s.prompt_room().borrowed > 0) == borrows
+    t = eng.windows.now()
+    eng.windows.now = lambda: t  # the listener's clock stands still: exactly `in_hand_s` in hand
+    s.running["playing"].t_first = t
+    s.clock.rows_time_high = lambda rows: 0.001 * rows
+    fit = s.prompt_room()
+    assert (fit.borrowed > 0) == (admitted > 2) and (fit.withheld > 0) == (admitted < 2)
+    keep = (in_hand_s - 0.025 - 1.15 * 0.006) / 1.15
+    assert fit.withheld == pytest.approx(max(0.0, s.step_budget() - keep))
     s.admit(0, lambda rows: len(rows))
-    assert s.admitted_last == (7 if borrows else 2)
+    assert s.admitted_last == admitted
+    assert eng.metrics()["steps_withholding_total"] == (admitted < 2)
 
 
 def test_a_stream_whose_text_has_run_out_counts_with_the_step_it_resumes_after(program):
