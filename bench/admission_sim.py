@@ -59,7 +59,7 @@ from gpu_worker.scheduler.pacing import (
     StepClock,
     borrowable,
     lead_fits,
-    step_allowance,
+    step_allowances,
     withheld,
 )
 from gpu_worker.scheduler.sit_out import FirstAudioSitOut, SitOut
@@ -417,11 +417,7 @@ class Worker:
             for r in run.values()
             if r["first"] is not None
         ]
-        high, margin = self.clock.rows_time_high, self.first_margin
-        return (
-            step_allowance(playing, high, margin, DELIVERY_S, budget),
-            step_allowance(playing, high, margin, DELIVERY_S),
-        )
+        return step_allowances(playing, self.clock.rows_time_high, self.first_margin, DELIVERY_S, budget)
 
     def prompts_next(self, run: dict[int, dict]) -> int:
         """`prompts_now`, at most `prompts_while_first` while a running stream waits for its first

@@ -28,7 +28,7 @@ import numpy as np
 
 from common.arrays import wire_array
 from common.messages import LEAD_NOISE_BASE, Array, DetokChunk
-from gpu_worker.scheduler.pacing import LEAD_MARGIN, StepClock, lead_fits, step_allowance
+from gpu_worker.scheduler.pacing import LEAD_MARGIN, StepClock, lead_fits, step_allowances
 from programs.base import LMProgram
 
 FIRST_CHUNK_MODES = ("reference", "adaptive", "fastest", "progressive")
@@ -230,11 +230,7 @@ class AudioWindows:
             if r.n_chunks > self.clock_window:
                 in_hand, rows = self.spare(r, now)
                 playing.append((in_hand, rows + later))
-        high, margin = clock.rows_time_high, self.first_margin
-        return (
-            step_allowance(playing, high, margin, DELIVERY_S, clock.budget),
-            step_allowance(playing, high, margin, DELIVERY_S),
-        )
+        return step_allowances(playing, clock.rows_time_high, self.first_margin, DELIVERY_S, clock.budget)
 
     def _release(self, req, out: list[DetokChunk]) -> None:
         """`req`'s grouped windows into `out`, each counted as sent now, in order."""

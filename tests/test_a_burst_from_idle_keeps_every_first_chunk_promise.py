@@ -39,8 +39,8 @@ def program():
     return p
 
 
-def step_s(rows: int, prompts: int) -> float:
-    return FIXED_S + ROW_S * rows + PROMPT_S * max(0, prompts - 1)
+def step_s(rows: int, prompts: int, prompt_s: float = PROMPT_S) -> float:
+    return FIXED_S + ROW_S * rows + prompt_s * max(0, prompts - 1)
 
 
 def paced(program, monkeypatch, batch: int, warm: bool, borrow: bool = True):
@@ -131,8 +131,7 @@ def test_a_burst_right_after_a_stream_started_keeps_its_one_frame_promise(progra
             for i in range(48):
                 add(eng, f"r{i}", i + 1)
         eng.step()
-        prompts = s.admitted_last
-        now[0] += FIXED_S + ROW_S * s.last_batch_size + 1.5 * PROMPT_S * max(0, prompts - 1)
+        now[0] += step_s(s.last_batch_size, s.admitted_last, 1.5 * PROMPT_S)
     assert first_rows["first"] <= 7, "its first chunk is one frame (7 rows)"
     assert burst and len(lateness) > 48 * 5
     assert max(lateness) <= 0.0, f"a chunk {1000 * max(lateness):.1f} ms late"

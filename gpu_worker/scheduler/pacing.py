@@ -490,6 +490,23 @@ def step_allowance(
     return allow
 
 
+def step_allowances(
+    streams: list[tuple[float, int]],
+    rows_time_high: Callable[[int], float],
+    margin: float,
+    latency_s: float,
+    budget: float,
+) -> tuple[float, float]:
+    """`step_allowance` of the same playing `streams` two ways: their other rows at least a step
+    `budget` each (what `borrowable` lends on: a clock that has measured little may not know the
+    pace), and at the clock's pessimistic pace alone (the pace first chunks are promised on: what
+    `withheld` keeps of the budget)."""
+    return (
+        step_allowance(streams, rows_time_high, margin, latency_s, budget),
+        step_allowance(streams, rows_time_high, margin, latency_s),
+    )
+
+
 def withheld(allow: float, budget: float) -> float:
     """Seconds of a step's `budget` that its prompts may not take where the streams playing allow the
     step `allow` seconds by `step_allowance`: a stream that went out with a first chunk of one frame,
