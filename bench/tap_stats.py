@@ -141,9 +141,19 @@ def _behind(chunks: dict[str, dict[int, dict[str, float]]]) -> dict:
     }
 
 
+def _opener(path: str):
+    """A tap file is gzipped where its name ends in .gz, plain JSON lines otherwise."""
+    return gzip.open if path.endswith(".gz") else open
+
+
+def write(path: str, data: bytes) -> None:
+    """A tap's JSON lines (`voxpipe tap`'s output) into `path`, as `read` reads them back."""
+    with _opener(path)(path, "wb") as f:
+        f.write(data)
+
+
 def read(path: str) -> list[dict]:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
+    with _opener(path)(path, "rt") as f:
         return [json.loads(line) for line in f if line.strip()]
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gzip
 import json
 import os
 import signal
@@ -189,13 +188,14 @@ def load_curve(base: str, args) -> None:
 
 def start_tap(args, delay_s: float, seconds: float | None = None) -> threading.Thread:
     """`voxpipe tap --all-chunks` on this server for `seconds` (`--tap-seconds`), from `delay_s` into
-    the level (past the ramp; a burst's from before it), gzipped into `--tap-out`."""
+    the level (past the ramp; a burst's from before it), into `--tap-out` (gzipped where its name
+    ends in .gz)."""
+    from bench.tap_stats import write
 
     def go() -> None:
         cmd = [sys.executable, "-m", "common.cli", "tap", "--port", str(args.port), "--all-chunks",
                "--seconds", str(args.tap_seconds if seconds is None else seconds)]  # fmt: skip
-        with gzip.open(args.tap_out, "wb") as f:
-            f.write(subprocess.run(cmd, cwd=ROOT, capture_output=True, check=False).stdout)
+        write(args.tap_out, subprocess.run(cmd, cwd=ROOT, capture_output=True, check=False).stdout)
 
     return later(delay_s, go)
 
@@ -264,7 +264,11 @@ def main(argv: list[str] | None = None) -> int:
         help="the tap records the tapped level from its first request (a burst's always; others: from 2 s "
         "past the ramp)",
     )
-    ap.add_argument("--tap-out", default="tap.jsonl.gz")
+    ap.add_argument(
+        "--tap-out",
+        default="tap.jsonl.gz",
+        help="the tapped level's events: JSON lines, gzipped where the name ends in .gz",
+    )
     ap.add_argument("--profile-level", type=int, default=0, help="py-spy the workers during this load level")
     ap.add_argument("--profile-roles", default="gpu_worker,codec_worker")
     ap.add_argument("--profile-out", default="py-spy")
