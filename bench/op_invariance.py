@@ -104,7 +104,7 @@ def gemm_checks(device: str, sizes: list[int], shapes=GEMMS) -> dict:
     return out
 
 
-def mixed_checks(device: str, sizes: list[int], prompt_rows=(32, 64, 128), shapes=GEMMS) -> dict:
+def mixed_checks(device: str, sizes: list[int], prompt_rows=(32, 48, 64, 96, 128), shapes=GEMMS) -> dict:
     """A mixed step's GEMM (gpu_worker.runner.graphs: a prompt bucket's rows, then a decode bucket's):
     for each GEMM and weight kind, the first (prompt rows, decode rows) at which one GEMM over
     both parts differs, bit for bit, from a GEMM per part (null: never), which `fp8.rows_apart`

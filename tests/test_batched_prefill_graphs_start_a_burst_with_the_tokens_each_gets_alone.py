@@ -68,14 +68,15 @@ def test_a_steps_prompts_run_in_lanes_batched_and_mixed_graphs_as_eagerly(
     limits = GpuWorkerSettings(max_batch_size=16, max_context=MAX_CONTEXT, max_prefills=3)
     graphs = graph_runner_cls(program, kv_g, limits)
     eager = EagerRunner(program, TorchPagedAttention(kv_e, program.num_qo_heads))
-    assert sorted(graphs.batched.graphs) == [(k, r) for k in (2, 3) for r in (32, 64, 128)]
+    buckets = [32, 48, 64, 96, 128]  # the prefill buckets of at most MIXED_PREFILL_ROWS rows
+    assert sorted(graphs.batched.graphs) == [(k, r) for k in (2, 3) for r in buckets]
     assert sorted(graphs.batched.joined) == (sorted(graphs.batched.graphs) if batched else [])
-    assert sorted(graphs.batched.wrappers) == ([] if batched else [32, 64, 128])
+    assert sorted(graphs.batched.wrappers) == ([] if batched else buckets)
     assert all(len(w) == 3 for w in graphs.batched.wrappers.values())
     replayed = []
     for key, (graph, _) in graphs.batched.graphs.items():
         graph.replay = lambda key=key, replay=graph.replay: replayed.append(key) or replay()
-    # Step 0 (nothing decoding): 7 rows in lane 0; 20 and 25 (bucket 32) batched; 40 (bucket 64)
+    # Step 0 (nothing decoding): 7 rows in lane 0; 20 and 25 (bucket 32) batched; 40 (bucket 48)
     # alone in its bucket: lane 1; 300 rows: lane 2. Step 2 (5 decoding): 10 rows with them in a
     # mixed graph, and 12 (its bucket, 32) joining it there; 15 and 30 batched in bucket 32, 50 and
     # 60 in bucket 64.

@@ -195,7 +195,7 @@ def test_graph_runner_matches_eager_for_prefill_decode_and_mixed_steps(program, 
     kv_e = allocate_kv_cache(*shape, torch.float32, "cpu")
     graphs = graph_runner_cls(program, kv_g, GpuWorkerSettings(max_batch_size=16, max_context=MAX_CONTEXT))
     assert graphs.attn.name == graph_runner_cls.decode
-    assert [r for r, _ in graphs.prefill.buckets] == [32, 64, 128, 256, 512]
+    assert [r for r, _ in graphs.prefill.buckets] == [32, 48, 64, 96, 128, 256, 512]
     assert len(graphs.prefills) == graphs.max_prefills_per_step == 4
     eager = EagerRunner(program, TorchPagedAttention(kv_e, program.num_qo_heads))
     # The same graphs without mixed ones: a step's first prompt in lane 0's prefill graph.
@@ -205,7 +205,7 @@ def test_graph_runner_matches_eager_for_prefill_decode_and_mixed_steps(program, 
     rng = np.random.default_rng(0)
     tables = [list(range(1 + i * per, 1 + (i + 1) * per))[::-1] for i in range(n_seq)]
     # Sequence i: prompt length, step it joins at. Step 0 prefills 28 and 40 rows (two lanes:
-    # buckets 32 and 64); step 2 mixes 2 prefills with 2 decodes; step 4 brings 300 and 250 rows
+    # buckets 32 and 48); step 2 mixes 2 prefills with 2 decodes; step 4 brings 300 and 250 rows
     # (buckets 512 and 256); step 6 brings 4, one in every lane; step 7 brings 5 requests, more
     # than the lanes: all eagerly.
     lens = [28, 40, 7, 33, 300, 250, 20, 12, 9, 15, 30, 11, 13, 17, 19]
@@ -213,7 +213,7 @@ def test_graph_runner_matches_eager_for_prefill_decode_and_mixed_steps(program, 
     seqs = [rng.integers(0, 1000, size=n + 10) for n in lens]
     last_rows = torch.zeros(n_seq, 1, dtype=torch.int64)  # the device table of fed-back rows
     # The first new request of a step with decode rows rides in a mixed graph (prompts <= 128 rows).
-    assert {rows for _, rows, _ in graphs.mixed} == {32, 64, 128}
+    assert {rows for _, rows, _ in graphs.mixed} == {32, 48, 64, 96, 128}
     mixed = []
     for key, (graph, _) in graphs.mixed.items():
         graph.replay = lambda key=key, replay=graph.replay: mixed.append(key) or replay()

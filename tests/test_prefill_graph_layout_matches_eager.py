@@ -107,9 +107,12 @@ def test_padded_prefill_layout_gives_eager_logits_and_pages(program, lengths):
 
 def test_prefill_buckets_start_small_and_hold_a_whole_context():
     # The default: one request per graph (batch invariance); the layout supports more.
-    assert prefill_buckets(1200) == [(32, 1), (64, 1), (128, 1), (256, 1), (512, 1), (1024, 1), (1536, 1)]
+    # By half a power of two up to 128 rows (a short prompt pads by at most a third), then doubling.
+    assert prefill_buckets(1200) == [
+        (32, 1), (48, 1), (64, 1), (96, 1), (128, 1), (256, 1), (512, 1), (1024, 1), (1536, 1)
+    ]  # fmt: skip
     assert prefill_buckets(1200, max_reqs=16) == [
-        (32, 2), (64, 4), (128, 8), (256, 16), (512, 16), (1024, 16), (1536, 16)
+        (32, 2), (48, 3), (64, 4), (96, 6), (128, 8), (256, 16), (512, 16), (1024, 16), (1536, 16)
     ]  # fmt: skip
     for max_context in (100, 1200, 2048, 4096):
         buckets = prefill_buckets(max_context, max_reqs=16)
@@ -121,8 +124,9 @@ def test_pick_bucket_takes_the_smallest_that_fits_with_padding():
     b = prefill_buckets(1200, max_reqs=16)
     assert pick_bucket(b, 1, 28) == (32, 2)  # 28 rows + 1 one-row pad + the last entry's row
     assert pick_bucket(b, 1, 30) == (32, 2)
-    assert pick_bucket(b, 1, 31) == (64, 4)
-    assert pick_bucket(b, 1, 40) == (64, 4)
+    assert pick_bucket(b, 1, 31) == (48, 3)
+    assert pick_bucket(b, 1, 40) == (48, 3)  # a sentence's Orpheus prompt: 48 rows, not 64
+    assert pick_bucket(b, 1, 46) == (64, 4)
     assert pick_bucket(b, 4, 160) == (256, 16)
     assert pick_bucket(b, 16, 640) == (1024, 16)
     assert pick_bucket(b, 17, 170) is None  # more requests than a graph takes: eager

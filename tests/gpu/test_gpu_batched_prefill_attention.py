@@ -65,7 +65,7 @@ def timed(fn, reps: int = 50) -> float:
     return start.elapsed_time(end) / reps
 
 
-@pytest.mark.parametrize("rows", [32, 64, 128])
+@pytest.mark.parametrize("rows", [32, 48, 64, 96, 128])
 def test_segments_planned_as_one_attend_as_each_alone(gpu_report, rows):
     program = SimpleNamespace(num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, device=torch.device("cuda"),
                               dtype=torch.bfloat16)  # fmt: skip
