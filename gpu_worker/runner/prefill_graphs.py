@@ -49,9 +49,9 @@ MAX_PREFILL_REQS = 1
 MIN_PREFILL_ROWS = 32
 REQS_PER_ROWS = 16  # a bucket of R rows takes up to R // 16 requests, so small buckets stay small
 # Below this many rows the buckets grow by half a power of two (32, 48, 64, 96, 128), not double:
-# the prompts a burst brings are short (a sentence of Orpheus is 20-45 tokens), each pads to its
-# bucket, and a step of ~20 of them in 64-row segments spends a third of its prompt rows on padding
-# where a 38-token prompt would take 48 rows.
+# the prompts a burst brings are short (a TTS model's sentence is a few dozen tokens), each pads to
+# its bucket, and a step of ~20 of them in 64-row segments spends a third of its prompt rows on
+# padding where a 38-token prompt would take 48 rows.
 HALF_STEPS_BELOW = 128
 
 
