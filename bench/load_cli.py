@@ -33,6 +33,7 @@ from bench.load import (
     measure_level,
     meets_target,
     plot,
+    target_text,
 )
 from bench.provenance import command, commit
 
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_per_request": tokens,
         "duration_s_per_level": args.duration,
         "ramp_s": args.ramp,
-        "target": "no errors or rejections, >= 99% of requests fully on time, p99 TTFA <= 250 ms",
+        "target": target_text([how]),
         "max_streams_meeting_target": max(passing) if passing else 0,
         "failed": failed,
         "curve": curve,

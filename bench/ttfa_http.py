@@ -114,7 +114,15 @@ def quantiles(ms: list[float]) -> dict[str, float]:
 
 def load_curve(base: str, args) -> None:
     from bench.clips import Cloning
-    from bench.load import arrivals, device_label, measure_level, meets_target, plot, server_gauges
+    from bench.load import (
+        arrivals,
+        device_label,
+        measure_level,
+        meets_target,
+        plot,
+        server_gauges,
+        target_text,
+    )
     from bench.tap_stats import read, stats
 
     curve = []
@@ -171,7 +179,7 @@ def load_curve(base: str, args) -> None:
             "tokens_per_request": args.load_tokens,
             "duration_s_per_level": args.load_duration,
             "ramp_s": args.ramp,
-            "target": "no errors or rejections, >= 99% of requests fully on time, p99 TTFA <= 250 ms",
+            "target": target_text(p["arrivals"] for p in curve),
             "max_streams_meeting_target": max(
                 [p["concurrency"] for p in curve if "concurrency" in p and meets_target(p)], default=0
             ),
