@@ -14,7 +14,8 @@ listener and where (`chunks_behind`); given the client's own TTFA per request id
 that do not, and those after which prompts still wait (a burst's admission), each part's p50/p90/max
 and mean in ms; when each stage happened over the requests, from the first one's arrival
 (`stage_timeline_ms`: a burst's critical path, as when its handlers started and its last prompt was
-admitted), and how many rows the first chunks held (`first_chunk_rows`).
+admitted; given the burst's size, over its first wave alone: a closed loop's next requests come
+seconds later), and how many rows the first chunks held (`first_chunk_rows`).
 """
 
 from __future__ import annotations
@@ -161,6 +162,7 @@ def stats(
     events: list[dict],
     client_ttfa: dict[str, float] | None = None,
     client_began: dict[str, float] | None = None,
+    wave: int = 0,
 ) -> dict:
     """The summary; with `client_ttfa` (ms by request id, as the HTTP client timed them), also what
     the client saw beyond the server's arrival (the HTTP request's, where the recording has it) → first
@@ -168,7 +170,9 @@ def stats(
     client's wall clock, s: a client on the server's host), that part split in two: from the
     client's start to the gateway's handler (`client_to_handler_ms`: connecting, sending, the
     gateway's accept and parse, its event loop's queue) and from the first byte sent to the
-    client's first audio (`first_byte_to_client_ms`: the way back, the client reading it)."""
+    client's first audio (`first_byte_to_client_ms`: the way back, the client reading it). With
+    `wave` (a burst's size), the stage timeline covers the first `wave` requests to arrive: the
+    burst itself, not the requests its clients send as their streams end (`timeline_requests`)."""
     by_rid: dict[str, dict[str, float]] = defaultdict(dict)
     # request id → chunk index → its times (ready at the gpu_worker, decoded) and details
     chunks: dict[str, dict[int, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
@@ -192,7 +196,12 @@ def stats(
     }
     out["first_audio_ms"]["total"] = _pct([s[FIRST[-1]] - s[FIRST[0]] for s in whole])
     out["first_audio_tail_ms"] = _tail(whole)
-    out["stage_timeline_ms"] = _timeline(whole)
+    if wave:  # the burst: the first requests to arrive at the gateway
+        first = sorted(whole, key=lambda s: s.get("http_received", s[FIRST[0]]))[:wave]
+    else:
+        first = whole
+    out["timeline_requests"] = len(first)
+    out["stage_timeline_ms"] = _timeline(first)
     rows = [by_index[0]["tail_rows"] for by_index in chunks.values() if "tail_rows" in by_index.get(0, {})]
     out["first_chunk_rows"] = {str(r): rows.count(r) for r in sorted(set(rows))}
     # Recordings that have it: the HTTP arrival, before reading the body and the admission wait.

@@ -164,7 +164,8 @@ def load_curve(base: str, args) -> None:
         for thread in watching:
             thread.join()
         if level == args.tap_level:
-            point["tap"] = stats(read(args.tap_out), client_ttfa, client_began)
+            wave = level if point["arrivals"] == "burst" else 0  # the timeline of the burst itself
+            point["tap"] = stats(read(args.tap_out), client_ttfa, client_began, wave=int(wave))
         curve.append(point)
         print(json.dumps(point), flush=True)
         out = {

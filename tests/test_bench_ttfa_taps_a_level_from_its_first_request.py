@@ -23,3 +23,18 @@ def test_a_poisson_levels_tap_holds_its_first_request(tmp_path):
     received = {e["rid"] for e in map(json.loads, tap.read_text().splitlines()) if e["stage"] == "received"}
     first = next(r for r in received if r.startswith("load-") and r.endswith("-0"))  # the level's first
     assert first and point["tap"]["first_audio_complete"] == point["requests"], point["tap"]
+
+
+def test_a_bursts_timeline_is_its_first_wave(tmp_path):
+    """A burst level's tap follows the whole level, and its stage timeline the burst itself: the
+    first requests of its three clients, not those each sends as its stream ends."""
+    load_out, tap = tmp_path / "load.json", tmp_path / "tap.jsonl"
+    argv = ["--model", "orpheus-tiny", "--port", str(free_port()), "--reps", "1", "--tokens", "10",
+            "--load", "3", "--burst", "--load-duration", "2", "--load-tokens", "20",
+            "--prompt-allowance", "60", "--tap-level", "3", "--tap-seconds", "4", "--tap-out", str(tap),
+            "--out", str(tmp_path / "ttfa.json"), "--load-out", str(load_out), "--",
+            "--tokenizer-workers", "1"]  # fmt: skip
+    assert ttfa_main(argv) == 0
+    (point,) = json.loads(load_out.read_text())["curve"]
+    assert point["arrivals"] == "burst" and point["requests"] > 3  # the clients' next requests too
+    assert point["tap"]["first_audio_complete"] > 3 and point["tap"]["timeline_requests"] == 3, point["tap"]

@@ -61,3 +61,17 @@ def test_the_timeline_says_when_a_burst_reached_each_stage():
     assert line["first_chunk_ready"]["first"] == line["first_chunk_ready"]["last"] == 400.0
     assert out["first_chunk_rows"] == {"21": 20}
     assert stats([])["stage_timeline_ms"] == {}
+
+
+def test_a_bursts_timeline_is_its_first_wave():
+    """A closed loop's burst of 4, then each client's next request 5 s later: given the burst's
+    size the timeline covers the four that came at once, not the wave after them."""
+    events = []
+    for i in range(4):
+        events += request(f"b{i}", 10.0 + 0.01 * i, [1.0, 3.0, 20.0, 0.0, 10.0, 1.0], http_ms=1.0)
+        events += request(f"n{i}", 15.0 + 0.5 * i, [1.0, 3.0, 20.0, 0.0, 10.0, 1.0], http_ms=1.0)
+    burst = stats(events, wave=4)
+    assert burst["timeline_requests"] == 4 and burst["first_audio_complete"] == 8
+    assert burst["stage_timeline_ms"]["http_received"]["last"] == 30.0
+    both = stats(events)
+    assert both["timeline_requests"] == 8 and both["stage_timeline_ms"]["http_received"]["last"] == 6500.0
