@@ -161,7 +161,7 @@ def test_an_abort_reaches_the_worker_holding_the_request(two):
     def pages() -> dict[str, float]:
         return gpu_series(two).get("voxpipe_kv_pages_used", {})
 
-    tokens_before = gpu_series(two)["voxpipe_generated_tokens_total"]
+    tokens_before = gpu_series(two).get("voxpipe_generated_tokens_total", {})  # none yet on a fresh server
     conn = http.client.HTTPConnection("127.0.0.1", two.port, timeout=60)
     body = json.dumps({"text": "A long one, cut short.", "max_tokens": 400, "streaming": True})
     conn.request("POST", "/generate", body=body, headers={"Content-Type": "application/json"})
@@ -178,7 +178,7 @@ def test_an_abort_reaches_the_worker_holding_the_request(two):
     while any(v > 0 for v in pages().values()):
         assert time.monotonic() < deadline, f"KV pages still held after the abort: {pages()}"
         time.sleep(0.05)
-    generated = gpu_series(two)["voxpipe_generated_tokens_total"][holder] - tokens_before[holder]
+    generated = gpu_series(two)["voxpipe_generated_tokens_total"][holder] - tokens_before.get(holder, 0.0)
     assert generated < 300, "the request ran to its budget (400, prompt included) instead of being aborted"
 
 
