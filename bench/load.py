@@ -786,7 +786,8 @@ def meets_target(point: dict) -> bool:
 
 def target_text(kinds) -> str:
     """The targets of these arrivals, for a result file."""
-    kinds = [k for k in TARGETS if k in set(kinds)] or ["ramp"]
+    given = set(kinds)  # once: `kinds` may be a generator
+    kinds = [k for k in TARGETS if k in given] or ["ramp"]
     if len(kinds) == 1:
         return TARGETS[kinds[0]].text()
     return "; ".join(f"{k}: {TARGETS[k].text()}" for k in kinds)

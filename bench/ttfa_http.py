@@ -165,7 +165,7 @@ def load_curve(base: str, args) -> None:
             thread.join()
         if level == args.tap_level:
             wave = level if point["arrivals"] == "burst" else 0  # the timeline of the burst itself
-            point["tap"] = stats(read(args.tap_out), client_ttfa, client_began, wave=int(wave))
+            point["tap"] = stats(read(args.tap_out), client_ttfa, client_began, wave=wave)
         curve.append(point)
         print(json.dumps(point), flush=True)
         out = {

@@ -44,3 +44,5 @@ def test_a_result_file_states_the_targets_of_its_arrivals():
     both = target_text(["poisson", "burst"])
     assert both == f"burst: {TARGETS['burst'].text()}; poisson: {TARGETS['poisson'].text()}"
     assert target_text([]) == TARGETS["ramp"].text()
+    curve = [{"arrivals": "burst"}, {"arrivals": "burst"}]  # as a result file's levels name them
+    assert target_text(p["arrivals"] for p in curve) == TARGETS["burst"].text()
