@@ -430,6 +430,8 @@ def measure_level(
     if began_by_rid is not None:
         began_by_rid.update({r.rid: r.began for r in results if r.ok and r.chunks})
     summary = summarize(results, wall, sample_rate, ramp := level.get("ramp", 0.0))
+    if arrivals(level.get("rate"), ramp) == "burst":
+        summary |= burst_waves(results, level.get("concurrency", 0), sample_rate)
     if level.get("cloning") is not None:  # the level's cloned and plain requests apart
         summary |= split(level["cloning"], results, lambda part: summarize(part, wall, sample_rate, ramp))
     # The client's own lag: a process that read its streams late added it to the first audio it measured.
@@ -475,6 +477,26 @@ def summarize(results: list[Result], wall_s: float, sample_rate: int, ramp_s: fl
         **connect_summary(results),
         "wall_s": round(wall_s, 2),
     }
+
+
+def burst_waves(results: list[Result], clients: int, sample_rate: int) -> dict:
+    """A burst level's requests in two parts: the burst itself (the first request of each of its
+    `clients`, the first `clients` sent) and the closed loop's later requests (each client's next
+    one as its stream ends: the burst's streams, all of one length, end close together and make a
+    second wave), each with its TTFA p50 / p99 and on-time share. The level's own figures are of
+    both; these tell the burst's first audio from the waves after it."""
+    ordered = sorted(results, key=lambda r: r.sent_at)
+
+    def part(rs: list[Result]) -> dict:
+        ttfa = [1000 * r.ttfa for r in rs if r.ok and r.chunks]
+        return {
+            "requests": len(rs),
+            "ttfa_p50_ms": round(percentile(ttfa, 50), 2) if ttfa else None,
+            "ttfa_p99_ms": round(percentile(ttfa, 99), 2) if ttfa else None,
+            "on_time_share": round(sum(r.on_time(sample_rate) for r in rs) / len(rs), 4) if rs else None,
+        }
+
+    return {"burst_wave": part(ordered[:clients]), "after_burst": part(ordered[clients:])}
 
 
 def connect_summary(results: list[Result]) -> dict:

@@ -1,6 +1,7 @@
 """`voxpipe bench --burst`: every client of a level starts at once (here in two client processes);
 each result file names its device, its arrivals (ramp, burst or poisson) and the largest level
-meeting the target; a request refused at admission (503 with Retry-After) is counted as rejected,
+meeting the target; a burst level gives the burst's own first audio apart from the closed loop's
+later requests (`burst_wave`, `after_burst`); a request refused at admission (503 with Retry-After) is counted as rejected,
 not as a failure, and its client waits the Retry-After before the next."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import json
 
 import pytest
 
-from bench.load import Result, arrivals, meets_target, summarize
+from bench.load import Result, arrivals, burst_waves, meets_target, summarize
 from common.cli import main
 
 
@@ -42,6 +43,34 @@ def test_a_burst_level_sends_every_clients_first_request_at_once(server, tmp_pat
     assert point["client_procs"] == 2  # two clients in each of two processes, started together
     by = point["ttfa_by_sent_second"]
     assert by["t_s"][0] == 0 and by["n"][0] >= 4  # the four first requests went out in second 0
+    wave, after = point["burst_wave"], point["after_burst"]
+    assert wave["requests"] == 4 and after["requests"] == point["requests"] - 4
+    assert wave["on_time_share"] is not None and wave["ttfa_p99_ms"] > 0
+
+
+def test_a_bursts_own_first_audio_is_told_from_the_waves_after_it():
+    sr, chunk = 24000, 2 * 2400
+    # three clients: their first requests at 0 s (TTFA 0.2 s), then a second wave at 5 s that waits
+    # longer (TTFA 0.9 s), one of its streams late at its second chunk
+    first = [
+        Result(ok=True, ttfa=0.2, sent_at=0.001 * i, chunks=[(0.2, chunk), (0.25, 2 * chunk)])
+        for i in range(3)
+    ]
+    second = [
+        Result(ok=True, ttfa=0.9, sent_at=5.0 + 0.01 * i, chunks=[(0.9, chunk), (0.95, 2 * chunk)])
+        for i in range(2)
+    ]
+    second.append(Result(ok=True, ttfa=0.9, sent_at=5.2, chunks=[(0.9, chunk), (1.2, 2 * chunk)]))
+    out = burst_waves([*second, *first], clients=3, sample_rate=sr)  # in any order
+    assert out["burst_wave"] == {
+        "requests": 3,
+        "ttfa_p50_ms": 200.0,
+        "ttfa_p99_ms": 200.0,
+        "on_time_share": 1.0,
+    }
+    assert out["after_burst"]["requests"] == 3 and out["after_burst"]["ttfa_p99_ms"] == 900.0
+    assert out["after_burst"]["on_time_share"] == round(2 / 3, 4)
+    assert burst_waves(first, clients=3, sample_rate=sr)["after_burst"]["requests"] == 0
 
 
 def test_arrivals_are_named_by_how_a_level_starts():
