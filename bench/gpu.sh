@@ -65,9 +65,11 @@
 # VOXPIPE_CODEC_BATCH / _OTHER, VOXPIPE_COMPILE_MODES, VOXPIPE_PROFILE_BATCH / _FLAGS,
 # VOXPIPE_TAP_LEVEL / VOXPIPE_PROFILE_LEVEL / VOXPIPE_PROFILE_ROLES (load, burst and the rate
 # stages: a tap, py-spy profiles of those workers, at that level; VOXPIPE_TAP_FROM_START=1: the tap
-# from the level's first request), VOXPIPE_CLONE_MODEL, VOXPIPE_QWEN3_MODEL, VOXPIPE_RATES,
-# VOXPIPE_WS_SESSIONS, VOXPIPE_LABEL (device label, default: nvidia-smi's), VOXPIPE_CLIENT_PROCS
-# (the burst stage's client processes, default 4: a burst's requests go out side by side).
+# from the level's first request; VOXPIPE_TAP_SECONDS: how long the tap records, e.g. 14 to see a
+# burst level's second wave, ~9 s in with the default 1024-token streams), VOXPIPE_CLONE_MODEL,
+# VOXPIPE_QWEN3_MODEL, VOXPIPE_RATES, VOXPIPE_WS_SESSIONS, VOXPIPE_LABEL (device label, default:
+# nvidia-smi's), VOXPIPE_CLIENT_PROCS (the burst stage's client processes, default 4: a burst's
+# requests go out side by side).
 # bench/device.sh wraps this script for a bare machine that gets the packages carried with the tree.
 set -u
 cd "$(dirname "$0")/.."
@@ -91,7 +93,7 @@ run() {  # run NAME CMD...: timed, logged, never stops the other stages
 }
 observe() {  # observe STAGE: bench ttfa's flags for a tap and py-spy profiles of one load level
     echo ${VOXPIPE_TAP_LEVEL:+--tap-level $VOXPIPE_TAP_LEVEL --tap-out $OUT/$1-tap.jsonl.gz} \
-        ${VOXPIPE_TAP_FROM_START:+--tap-from-start} \
+        ${VOXPIPE_TAP_FROM_START:+--tap-from-start} ${VOXPIPE_TAP_SECONDS:+--tap-seconds $VOXPIPE_TAP_SECONDS} \
         ${VOXPIPE_PROFILE_LEVEL:+--profile-level $VOXPIPE_PROFILE_LEVEL --profile-out $OUT/$1-py-spy} \
         ${VOXPIPE_PROFILE_ROLES:+--profile-roles $VOXPIPE_PROFILE_ROLES}
 }
