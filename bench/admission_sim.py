@@ -819,9 +819,11 @@ def step(w: Worker, run: dict, t: float) -> float:
                 r["second_slack"] = r["first_rows"] * period - (t - (r["first"] - CODEC_S))
         if r["first"] is not None and n % FRAME == 0 and not r.get("switched"):
             # progressive tail windows until the audio in hand (by the engine's clock, from when the
-            # first chunk left) outlasts the wait for the next regular window (windows.py: `_tail`)
+            # first chunk left) outlasts the wait for the next regular window at the pessimistic
+            # pace and at the step budget, whichever is slower (windows.py: `switches`)
             ahead, wait = r["sent_audio"] - (t - r["first"] + CODEC_S), REGULAR_WAIT
-            r["switched"] = lead_fits(wait, ahead, clock.rows_time_high(wait) / wait, latency_s=DELIVERY_S)
+            pace = clock.rows_time_high(wait) / wait
+            r["switched"] = pace > 0 and lead_fits(wait, ahead, max(pace, clock.budget), latency_s=DELIVERY_S)
     return dt
 
 

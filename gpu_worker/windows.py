@@ -14,9 +14,11 @@ out after one frame when, at that step rate, the next frame will reach the liste
 one has played out (`DELIVERY_S` allowed for the trip), else after as many frames as that takes (a
 lead window, up to the largest `detok_lead`). Each new frame then goes out at once as a tail window
 (the frame decoded after up to detok_interval - s rows of context, nothing after it), until the
-audio sent and not yet played covers the wait for the next regular window; from then on, regular
-windows only. So the first audio comes after one frame at light load, and only the frames sent
-before the switch differ from the reference.
+audio sent and not yet played covers the wait for the next regular window with every step of it
+taking the full step budget (`switches`); from then on, regular windows only. So the first audio
+comes after one frame at light load, only the frames sent before the switch differ from the
+reference, and a switched stream never needs a step shorter than the budget: the admission may fill
+any step up to it beside streams that just switched (`step_allowances`, `pacing.withheld`).
 """
 
 from __future__ import annotations
@@ -204,13 +206,17 @@ class AudioWindows:
         window groups, whose next group's audio and rows are taken at the least and the most)."""
         in_hand, rows = req.sent_s - (now - req.t_first), self.rows_to_next_send(req)
         flight, groups, s = max(0, req.n_launched - req.n_gen), self.program.detok_groups, self.stride
+        tails = self.progressive and not req.switched
         while rows <= flight:
             if groups:
                 rows += max(groups) * s
-            elif self.progressive and not req.switched:
+            elif tails:
                 in_hand += self._audio_s(s)
-                # a tail window may switch the stream to regular windows: the next one may be further
-                rows += max(s, self._rows_to_next_window(req.n_audio + rows))
+                # That tail window switches the stream to regular windows where the audio in hand
+                # then covers the wait for the next one (`switches`: never more in hand than now).
+                wait = self._rows_to_next_window(req.n_audio + rows)
+                tails = not self.switches(wait, in_hand)
+                rows += s if tails else max(s, wait)
             else:
                 in_hand += self._audio_s(s)
                 rows += s
@@ -312,10 +318,21 @@ class AudioWindows:
         # The audio sent and not yet played (by the clock: the listener started no earlier than
         # the first chunk left) must outlast the wait for the next regular window.
         ahead_s = req.sent_s - (self.now() - req.t_first)
-        wait_rows = self._rows_to_next_window(n)
-        if lead_fits(wait_rows, ahead_s, self._period_high(wait_rows), latency_s=DELIVERY_S):
+        if self.switches(self._rows_to_next_window(n), ahead_s):
             req.first_window, req.switched = self.first_window_after(n), True
         return chunk
+
+    def switches(self, wait_rows: int, ahead_s: float) -> bool:
+        """Progressive mode: does a stream with `ahead_s` seconds of audio sent and not yet played
+        switch to regular windows, the next `wait_rows` rows away? When that audio outlasts their
+        steps (with `lead_fits`' margin and the trip) at the pessimistic pace and at the step budget,
+        whichever is slower (never before the clock has measured steps). A switched stream's next
+        audio is that far off, and a step the admission fills up to the budget must not make it
+        late: a stream that switched at the pace alone would spare the next steps no more than the
+        pace, and while streams switch the steps would start one prompt each (`pacing.withheld`).
+        Until then its frames go out as tail windows, one codec window a frame, as regular ones."""
+        pace = self._period_high(wait_rows)  # 0: the clock has measured no steps yet
+        return pace > 0 and lead_fits(wait_rows, ahead_s, max(pace, self.clock.budget), latency_s=DELIVERY_S)
 
     def flush(self, req, out: list[DetokChunk]) -> None:
         """At a request's natural end: into `out`, the windows it still holds (in progressive mode,
