@@ -25,7 +25,7 @@ import gzip
 import json
 import math
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 # The tap's chunk stages, and which time of a chunk each records
 CHUNK_STAGES = {"chunk_ready": "ready", "first_chunk_ready": "ready", "chunk_decoded": "decoded",
@@ -246,7 +246,9 @@ def stats(
 def _steps(events: list[dict]) -> dict:
     """The gpu_worker's steps that launched work, in three sets: those that start prompts, those
     that do not, and those after which prompts still wait (`waiting` > 0: a burst's admission): how
-    many, the prompts they start (mean, max) and each part's p50/p90/max and mean (ms)."""
+    many, the prompts they start (mean, max) and each part's p50/p90/max and mean (ms); for the
+    steps after which prompts wait, also what stopped their admission (`stops`: steps by
+    `ADMISSION_STOPS` name) and what it withheld of the budget (`withheld_ms`)."""
     launched = [e for e in events if e.get("batch", 0) > 0]
     sets = {
         "with_prompts": [e for e in launched if e.get("prompts", 0) > 0],
@@ -268,6 +270,11 @@ def _steps(events: list[dict]) -> dict:
             values = [e[f"{part}_ms"] for e in group if f"{part}_ms" in e]
             if values:
                 row[f"{part}_ms"] = {**_pct(values), "mean": round(statistics.fmean(values), 2)}
+        if name == "prompts_waiting":
+            row["stops"] = dict(Counter(e["stop"] for e in group if e.get("stop")))
+            withheld = [e["withheld_ms"] for e in group if "withheld_ms" in e]
+            if withheld:
+                row["withheld_ms"] = {**_pct(withheld), "mean": round(statistics.fmean(withheld), 2)}
         out[name] = row
     return out
 

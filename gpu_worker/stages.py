@@ -4,7 +4,9 @@ went). No wire message marks these, so the worker publishes them as `StageEvent`
 someone listens on its tap: otherwise `publish` is one flag check.
 
 A step event (request id "") carries `step` (the engine's count of steps collected), `batch` (requests launched,
-prompts among them `prompts`), `running` and `waiting` after it, and in ms: `wall` (the engine's
+prompts among them `prompts`), `running` and `waiting` after it, `stop` (what ended its admission
+with prompts left waiting: an `ADMISSION_STOPS` name, "" where none wait), and in ms: `withheld` (of
+the step budget, for the playing streams' next chunks: `pacing.withheld`), `wall` (the engine's
 call: `schedule` admission and layout, `launch`, `wait` for the step before it on the device, and
 `process`, the rest: its results into windows and ends), `gpu` (the device time of the step it
 collected, from its launch to its results; 0 without CUDA events) and `loop` (the worker's loop
@@ -55,10 +57,12 @@ class StageReporter:
 
     def _step(self, engine: Any, now: float) -> None:
         _, (_, _, batch, prompts), _ = engine.last_step
+        s = engine.scheduler
         ms = engine.step_parts() | {"gpu": engine.runner.last_gpu_s, "loop": now - self._last}
+        ms["withheld"] = min(s.last_withheld, 1.0)  # a stream already short withholds past the budget
         self._last = now
         publish_stage(
             "", "step", None, step=engine.step_count, batch=batch, prompts=prompts,
-            running=len(engine.running), waiting=len(engine.waiting),
+            running=len(engine.running), waiting=len(engine.waiting), stop=s.last_stop,
             **{f"{k}_ms": round(1000 * v, 3) for k, v in ms.items()},
         )  # fmt: skip

@@ -48,6 +48,8 @@ def test_each_step_publishes_its_batch_prompts_and_parts(program, monkeypatch):
     assert [d["step"] for d in steps] == list(range(6))  # steps collected before this one's results
     assert [d["prompts"] for d in steps[:3]] == [1, 1, 1] and steps[3]["prompts"] == 0
     assert [d["waiting"] for d in steps[:3]] == [2, 1, 0]
+    assert [d["stop"] for d in steps[:3]] == ["cap", "cap", ""]  # what left prompts waiting
+    assert all(d["withheld_ms"] == 0.0 for d in steps)  # on a CPU nothing is paced
     assert [d["running"] for d in steps] == [1, 2, 3, 3, 3, 3]
     assert all(d["batch"] >= d["prompts"] for d in steps) and steps[2]["batch"] == 3
     for d in steps:
@@ -58,14 +60,18 @@ def test_each_step_publishes_its_batch_prompts_and_parts(program, monkeypatch):
     assert admitted == ["r0", "r1", "r2"]
 
 
-def step(i: int, batch: int, prompts: int, waiting: int, loop: float, gpu: float) -> dict:
+def step(
+    i: int, batch: int, prompts: int, waiting: int, loop: float, gpu: float, withheld: float = 0.0
+) -> dict:
     parts = {"wall_ms": loop - 1, "gpu_ms": gpu, "schedule_ms": 1.0, "launch_ms": 2.0, "wait_ms": 3.0}
+    stop = "" if not waiting else "room" if withheld else "cap"
     return {"stage": "step", "rid": "", "time": 100.0 + i / 100, "step": i, "batch": batch, "prompts": prompts,
-            "waiting": waiting, "running": batch, "loop_ms": loop, "process_ms": loop - 7, **parts}  # fmt: skip
+            "waiting": waiting, "running": batch, "loop_ms": loop, "process_ms": loop - 7, "stop": stop,
+            "withheld_ms": withheld, **parts}  # fmt: skip
 
 
 def test_tap_stats_sums_up_the_steps_by_kind():
-    events = [step(i, 20 * (i + 1), 20, 100 - 20 * i, 30.0, 18.0) for i in range(5)]  # a burst admitted
+    events = [step(i, 20 * (i + 1), 20, 100 - 20 * i, 30.0, 18.0, 2.0 * (i < 2)) for i in range(5)]  # a burst
     events += [step(5, 100, 0, 0, 10.0, 9.0), step(6, 100, 0, 0, 12.0, 9.0), step(7, 101, 1, 0, 11.0, 9.5)]
     events += [step(8, 0, 0, 0, 5.0, 9.0)]  # collected only: not a launched step
     events += [{"stage": "received", "rid": "a", "time": 99.0}]
@@ -79,3 +85,5 @@ def test_tap_stats_sums_up_the_steps_by_kind():
     assert waiting["n"] == 5 and waiting["prompts_mean"] == 20.0 and waiting["batch_mean"] == 60.0
     assert waiting["loop_ms"]["p50"] == 30.0 and waiting["gpu_ms"]["mean"] == 18.0
     assert waiting["process_ms"]["max"] == 23.0
+    # two steps held to what the playing streams spared, three by the cap
+    assert waiting["stops"] == {"room": 2, "cap": 3} and waiting["withheld_ms"]["max"] == 2.0

@@ -129,6 +129,9 @@ class Scheduler:
         self.steps_borrowing = 0  # steps whose prompts took time past the budget (--lead-borrow)
         # steps that left prompts waiting for room the playing streams could not spare (`withheld`)
         self.steps_withholding = 0
+        # The last step's admission: what stopped it with prompts left waiting ("": none left, or no
+        # admission yet), and the seconds of its budget withheld for the playing streams
+        self.last_stop, self.last_withheld = "", 0.0
         self.sit_out = None
         check_sit_out(limits.sit_out_lead_s)
         if limits.sit_out_lead_s > 0:
@@ -378,6 +381,7 @@ class Scheduler:
         self.prompts_started += admitted
         if self.waiting:
             self.admission_stops[stop] += 1
+        self.last_stop, self.last_withheld = (stop if self.waiting else ""), fit.withheld
         # Prompts still waiting make the next steps as heavy as this one (by the fit, else up to the
         # budget): a first chunk promised on the lighter steps before them would come late
         # (gpu_worker/windows.py). A step that may borrow (`borrowed`) is expected at its fitted time
