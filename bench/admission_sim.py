@@ -820,10 +820,10 @@ def step(w: Worker, run: dict, t: float) -> float:
         if r["first"] is not None and n % FRAME == 0 and not r.get("switched"):
             # progressive tail windows until the audio in hand (by the engine's clock, from when the
             # first chunk left) outlasts the wait for the next regular window at the pessimistic
-            # pace and at the step budget, whichever is slower (windows.py: `switches`)
+            # pace or the step budget, whichever is slower (windows.py: `switches`)
             ahead, wait = r["sent_audio"] - (t - r["first"] + CODEC_S), REGULAR_WAIT
-            pace = clock.rows_time_high(wait) / wait
-            r["switched"] = pace > 0 and lead_fits(wait, ahead, max(pace, clock.budget), latency_s=DELIVERY_S)
+            pace, margin = clock.rows_time_high(wait) / wait, max(MARGIN, w.first_margin)
+            r["switched"] = pace > 0 and lead_fits(wait, ahead, max(pace, clock.budget), margin, DELIVERY_S)
     return dt
 
 

@@ -14,11 +14,12 @@ out after one frame when, at that step rate, the next frame will reach the liste
 one has played out (`DELIVERY_S` allowed for the trip), else after as many frames as that takes (a
 lead window, up to the largest `detok_lead`). Each new frame then goes out at once as a tail window
 (the frame decoded after up to detok_interval - s rows of context, nothing after it), until the
-audio sent and not yet played covers the wait for the next regular window with every step of it
-taking the full step budget (`switches`); from then on, regular windows only. So the first audio
-comes after one frame at light load, only the frames sent before the switch differ from the
-reference, and a switched stream never needs a step shorter than the budget: the admission may fill
-any step up to it beside streams that just switched (`step_allowances`, `pacing.withheld`).
+audio sent and not yet played covers the wait for the next regular window, its steps taken at the
+step budget or the pessimistic pace, whichever is slower (`switches`); from then on, regular windows
+only. So the first audio comes after one frame at light load, only the frames sent before the
+switch differ from the reference, and a stream that has switched spares the next step its whole
+budget while the steps keep the pace it switched on: the admission may fill a step up to the budget
+beside streams that just switched (`step_allowances`, `pacing.withheld`).
 """
 
 from __future__ import annotations
@@ -113,6 +114,8 @@ class AudioWindows:
         self.clock = clock
         self.now = now
         self.first_margin = first_margin  # the first chunk's decision (`_first_now`, `lead_now`)
+        # The switch to regular windows (`switches`) at no less margin than `step_allowances` takes
+        self.switch_margin = max(LEAD_MARGIN, first_margin)
         # The rows n (mod stride) at which after_row may make a window (it returns None at any other):
         # the end of a regular window, of a lead, of a frame in progressive mode. The engine calls
         # it at those rows only.
@@ -213,9 +216,12 @@ class AudioWindows:
             elif tails:
                 in_hand += self._audio_s(s)
                 # That tail window switches the stream to regular windows where the audio in hand
-                # then covers the wait for the next one (`switches`: never more in hand than now).
+                # when it leaves covers the wait for the next one (`switches`), taken as what is in
+                # hand now less the rows before it at the pessimistic pace: a switch foreseen so
+                # leaves the next step its budget, and one not foreseen still covers that step.
                 wait = self._rows_to_next_window(req.n_audio + rows)
-                tails = not self.switches(wait, in_hand)
+                left = in_hand - self.switch_margin * self.clock.rows_time_high(rows)
+                tails = not self.switches(wait, left)
                 rows += s if tails else max(s, wait)
             else:
                 in_hand += self._audio_s(s)
@@ -325,14 +331,15 @@ class AudioWindows:
     def switches(self, wait_rows: int, ahead_s: float) -> bool:
         """Progressive mode: does a stream with `ahead_s` seconds of audio sent and not yet played
         switch to regular windows, the next `wait_rows` rows away? When that audio outlasts their
-        steps (with `lead_fits`' margin and the trip) at the pessimistic pace and at the step budget,
-        whichever is slower (never before the clock has measured steps). A switched stream's next
-        audio is that far off, and a step the admission fills up to the budget must not make it
-        late: a stream that switched at the pace alone would spare the next steps no more than the
-        pace, and while streams switch the steps would start one prompt each (`pacing.withheld`).
-        Until then its frames go out as tail windows, one codec window a frame, as regular ones."""
-        pace = self._period_high(wait_rows)  # 0: the clock has measured no steps yet
-        return pace > 0 and lead_fits(wait_rows, ahead_s, max(pace, self.clock.budget), latency_s=DELIVERY_S)
+        steps (with the trip, and `switch_margin`: `lead_fits`' margin, or the allowances' if
+        higher) at the pessimistic pace or at the step budget, whichever is slower (never while the
+        clock has measured and expects nothing). A switched stream's next audio is that far off, and
+        a step the admission fills up to the budget must not make it late: switched at the pace
+        alone, it would spare the next step about the pace and no more (`pacing.withheld`). Until
+        then its frames go out as tail windows, one codec window a frame, as regular ones."""
+        pace = self._period_high(wait_rows)  # 0: nothing measured or expected
+        period = max(pace, self.clock.budget)
+        return pace > 0 and lead_fits(wait_rows, ahead_s, period, self.switch_margin, DELIVERY_S)
 
     def flush(self, req, out: list[DetokChunk]) -> None:
         """At a request's natural end: into `out`, the windows it still holds (in progressive mode,

@@ -131,8 +131,9 @@ Progressive first chunks (`detok_tail`, `--first-chunk progressive`): a request'
 go out as a *tail window*: rows [max(0, n - detok_interval), n) at every s-th audio row n, with
 `tail_rows` = s, for which `detokenize` returns only the audio of the last s rows (the newest
 frame, decoded with up to detok_interval - s rows before it and nothing after). Once the audio
-already sent covers the wait for the next regular window (every step of it at the step budget), the
-runtime switches to regular windows for good; the frames sent as tails are not sent again.
+already sent covers the wait for the next regular window (its steps at the step budget or the
+pessimistic pace, whichever is slower), the runtime switches to regular windows for good; the
+frames sent as tails are not sent again.
 
 The codec's precision is `codec_dtype` (the `codec_dtype` keyword: "auto" keeps the program's
 choice, else float32, bfloat16 or float16), read by `load_codec`.

@@ -204,48 +204,76 @@ def test_a_chunk_the_step_in_flight_completes_counts_as_in_hand_and_the_next_one
         assert windows.spare(req, 10.0) == (pytest.approx(0.2 + frame), 8)
 
 
-@pytest.mark.parametrize("in_hand_s, switches", [(0.1, False), (0.25, True)])
+@pytest.mark.parametrize("in_hand_s, switches", [(0.0, False), (0.1, False), (0.25, True)])
 def test_a_tail_window_in_flight_puts_the_next_chunk_off_only_where_it_switches(program, in_hand_s, switches):
     """Row 28's frame, in flight, goes out as a tail window. The stream switches to regular windows
-    there only if the audio in hand then (the frame's included) covers the 21 rows until the next
-    regular window at the step budget (10.7 ms a row, with the margin and the trip: 284 ms), though
-    the steps run at 4 ms a row: its next chunk is then 22 rows away, else 8 (the next frame). A
-    stream counted as switching where it cannot would seem short and hold every prompt but the
-    first out of the step."""
+    there only if the audio in hand then (the frame's included, the in-flight row's time at the
+    pessimistic pace and margin taken off) covers the 21 rows until the next regular window at the
+    step budget (10.7 ms a row, with the margin and the trip: 284 ms), though the steps run at 4 ms
+    a row: its next chunk is then 22 rows away, else 8 (the next frame). A stream counted as
+    switching where it cannot would seem short and hold every prompt but the first out of the
+    step."""
     clock = StepClock(program.rows_per_second, 8)
     clock.rows_time_high = lambda rows: 0.004 * rows
     windows = AudioWindows(program, "progressive", clock, now=lambda: 10.0)
-    req = Req(200, switched=False)
-    req.n_chunks, req.t_first, req.sent_s = 4, 10.0, in_hand_s
-    req.n_audio = req.n_gen = 27
-    req.n_launched = 28
+    req = tail_in_flight(in_hand_s)
     frame = 7 / program.rows_per_second
-    assert windows.switches(21, in_hand_s + frame) == switches
+    assert windows.switches(21, in_hand_s + frame - 1.15 * 0.004) == switches
     assert windows.spare(req, 10.0) == (pytest.approx(in_hand_s + frame), 22 if switches else 8)
     allow = windows.step_allowances([(req, 0)])[1]
     assert withheld(allow, clock.budget) == 0.0  # either way it spares the step its whole budget
 
 
-def test_a_stream_spares_a_whole_step_budget_from_its_switch_to_regular_windows(program):
-    """A row every 7 ms of a fake clock, at that pace (a step budget is 10.7 ms): the stream sends
-    tail windows until the audio in hand covers its wait for the next regular window at the budget,
-    so from its switch on, the next step may take the whole budget (`withheld` keeps none of it).
-    Switched at the pace alone (after its third chunk), it would spare a step 8.2 ms."""
+def tail_in_flight(in_hand_s: float) -> Req:
+    """A stream sending tail windows, `in_hand_s` of audio in hand, row 28 (a frame's end) in flight."""
+    req = Req(200, switched=False)
+    req.n_chunks, req.t_first, req.sent_s = 4, 10.0, in_hand_s
+    req.n_audio = req.n_gen = 27
+    req.n_launched = 28
+    return req
+
+
+@pytest.mark.parametrize("row_ms", [4.0, 1000 * BUDGET, 12.0])
+def test_a_switch_counted_for_a_tail_window_in_flight_withholds_nothing(program, row_ms):
+    """Whatever the audio in hand (0 to 0.6 s) and the pace (light, the budget's own, slower), where
+    the tail window in flight is taken to switch its stream, the stream spares the next step its
+    whole budget: the switch is foreseen on the audio left when the frame leaves, not on what is in
+    hand now."""
+    clock = StepClock(program.rows_per_second, 8)
+    clock.rows_time_high = lambda rows: row_ms / 1000 * rows
+    windows = AudioWindows(program, "progressive", clock, now=lambda: 10.0)
+    outcomes = set()
+    for in_hand_ms in range(0, 600, 2):
+        req = tail_in_flight(in_hand_ms / 1000)
+        rows = windows.spare(req, 10.0)[1]
+        outcomes.add(rows)
+        if rows == 22:  # counted as switching after that frame
+            allow = windows.step_allowances([(req, 0)])[1]
+            assert withheld(allow, clock.budget) == 0.0, (in_hand_ms, 1000 * allow)
+    assert outcomes == {8, 22}
+
+
+@pytest.mark.parametrize("row_ms", [7.0, 1000 * BUDGET])
+def test_a_stream_spares_a_whole_step_budget_from_its_switch_to_regular_windows(program, row_ms):
+    """A row every 7 ms of a fake clock (or every step budget, 10.7 ms), at that pace: the stream
+    sends tail windows until the audio in hand covers its wait for the next regular window at the
+    budget, so from its switch on, the next step may take the whole budget (`withheld` keeps none of
+    it). Switched at the pace alone (at 7 ms, after its third chunk), it would spare a step 8.2 ms."""
     now = [10.0]
     clock = StepClock(program.rows_per_second, 8)
-    clock.rows_time_high = lambda rows: 0.007 * rows
+    clock.rows_time_high = lambda rows: row_ms / 1000 * rows
     windows = AudioWindows(program, "progressive", clock, now=lambda: now[0])
     req = Req(400, switched=False)
     while not req.switched:  # tail windows
         req.n_audio += 1
         req.n_gen = req.n_launched = req.n_audio
-        now[0] += 0.007
+        now[0] += row_ms / 1000
         windows.after_row(req, [])
     tails, allowances = req.n_chunks, []
     for _ in range(60):  # its regular windows from then on
         req.n_audio += 1
         req.n_gen = req.n_launched = req.n_audio
-        now[0] += 0.007
+        now[0] += row_ms / 1000
         windows.after_row(req, [])
         allowances.append(windows.step_allowances([(req, 0)])[1])
     assert min(allowances) >= clock.budget, f"{1000 * min(allowances):.1f} ms"

@@ -1,8 +1,8 @@
 """`--first-chunk progressive`: a request's first chunk goes out after one frame when the next frame
 will arrive before it has played out (else after two or three, decoded whole), its next frames one
 by one as tail windows (the newest frame, decoded after up to three frames of context), until the
-audio already sent covers the wait for the next regular window with every step taking the step
-budget; after that, the reference's windows, unchanged."""
+audio already sent covers the wait for the next regular window, its steps at the step budget or
+the pessimistic pace, whichever is slower; after that, the reference's windows, unchanged."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def test_tails_until_the_stream_is_ahead_then_the_reference_windows(program, ste
     assert np.frombuffer(early[0].tokens, "<i4").tolist() == full[:first_rows].tolist()
     # Then one tail per frame (the newest frame after up to 3 of context) until the audio sent
     # not yet played covers the wait for the next regular window, 21 steps, at the step budget
-    # however fast the steps run (10.7 ms each, with the margin and the trip: 284 ms): at 3 ms, 5
+    # where the steps run faster (10.7 ms each, with the margin and the trip: 284 ms): at 3 ms, 5
     # frames sent, 343 ms ahead; at 8 ms, 6 frames, 288 ms ahead.
     n = first_rows
     for c in early[1:]:
