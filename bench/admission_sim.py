@@ -60,6 +60,7 @@ from gpu_worker.scheduler.pacing import (
     borrowable,
     lead_fits,
     step_allowances,
+    switch_fits,
     withheld,
 )
 from gpu_worker.scheduler.sit_out import FirstAudioSitOut, SitOut
@@ -823,7 +824,7 @@ def step(w: Worker, run: dict, t: float) -> float:
             # pace or the step budget, whichever is slower (windows.py: `switches`)
             ahead, wait = r["sent_audio"] - (t - r["first"] + CODEC_S), REGULAR_WAIT
             pace, margin = clock.rows_time_high(wait) / wait, max(MARGIN, w.first_margin)
-            r["switched"] = pace > 0 and lead_fits(wait, ahead, max(pace, clock.budget), margin, DELIVERY_S)
+            r["switched"] = switch_fits(wait, ahead, pace, clock.budget, margin, DELIVERY_S)
     return dt
 
 

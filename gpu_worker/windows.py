@@ -31,7 +31,7 @@ import numpy as np
 
 from common.arrays import wire_array
 from common.messages import LEAD_NOISE_BASE, Array, DetokChunk
-from gpu_worker.scheduler.pacing import LEAD_MARGIN, StepClock, lead_fits, step_allowances
+from gpu_worker.scheduler.pacing import LEAD_MARGIN, StepClock, lead_fits, step_allowances, switch_fits
 from programs.base import LMProgram
 
 FIRST_CHUNK_MODES = ("reference", "adaptive", "fastest", "progressive")
@@ -338,8 +338,7 @@ class AudioWindows:
         alone, it would spare the next step about the pace and no more (`pacing.withheld`). Until
         then its frames go out as tail windows, one codec window a frame, as regular ones."""
         pace = self._period_high(wait_rows)  # 0: nothing measured or expected
-        period = max(pace, self.clock.budget)
-        return pace > 0 and lead_fits(wait_rows, ahead_s, period, self.switch_margin, DELIVERY_S)
+        return switch_fits(wait_rows, ahead_s, pace, self.clock.budget, self.switch_margin, DELIVERY_S)
 
     def flush(self, req, out: list[DetokChunk]) -> None:
         """At a request's natural end: into `out`, the windows it still holds (in progressive mode,

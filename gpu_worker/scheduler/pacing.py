@@ -464,6 +464,17 @@ def lead_fits(
     return row_period > 0 and gap_rows * row_period * margin + latency_s <= lead_audio_s
 
 
+def switch_fits(
+    wait_rows: int, ahead_s: float, row_period: float, budget: float, margin: float = LEAD_MARGIN,
+    latency_s: float = 0.0,
+) -> bool:  # fmt: skip
+    """Progressive mode's switch from tail windows to regular ones (gpu_worker/windows.py
+    `switches`): `ahead_s` of audio sent and not yet played outlasts the `wait_rows` steps to the
+    next regular window (`lead_fits` with `margin` and `latency_s`) at the pessimistic `row_period`
+    or the step `budget`, whichever is slower; never where the pace is unknown (`row_period` 0)."""
+    return row_period > 0 and lead_fits(wait_rows, ahead_s, max(row_period, budget), margin, latency_s)
+
+
 # `step_allowance` (`--lead-borrow`): a step takes at most this many times its budget, however much
 # audio its streams' listeners have in hand, so that the first audio of the streams not yet playing
 # is not put off for long.
