@@ -15,8 +15,10 @@ import pytest
 from bench.admission_sim import H200_FORWARD, H200_RATE, simulate
 from common.config import GpuWorkerSettings
 from common.messages import DetokChunk, Prompt, SamplingParams
+from gpu_worker import stages
 from gpu_worker.engine import Engine
 from gpu_worker.scheduler.pacing import BORROW_MAX, StepClock, borrowable, step_allowance, withheld
+from gpu_worker.stages import StageReporter
 from gpu_worker.windows import AudioWindows
 from programs import get_spec, load_program_class
 
@@ -151,12 +153,13 @@ def test_a_step_past_its_budget_is_expected_heavy_though_no_prompt_waits(program
 
 @pytest.mark.parametrize("in_hand_s, admitted", [(0.04, 1), (0.3, 7)])
 def test_a_stream_that_just_started_playing_keeps_the_step_within_what_it_spares(
-    program, in_hand_s, admitted
+    program, in_hand_s, admitted, monkeypatch
 ):
     """Its next window 7 steps away, on a clock whose pessimistic pace is 1 ms a row, with the margin
     and the trip: 40 ms in hand spares 7 ms of a step, less than the budget (10.7 ms: the rest is
     withheld and the step starts its first prompt alone), and nothing to borrow (its other rows at
-    a budget each); 300 ms in hand spares more than two budgets (the step borrows the most)."""
+    a budget each); 300 ms in hand spares more than two budgets (the step borrows the most). The
+    tap's step event names what ended the admission (room) and what the step withheld."""
     eng = engine(program, borrow=True, in_hand_s=in_hand_s)
     s = eng.scheduler
     t = eng.windows.now()
@@ -170,6 +173,17 @@ def test_a_stream_that_just_started_playing_keeps_the_step_within_what_it_spares
     s.admit(0, lambda rows: len(rows))
     assert s.admitted_last == admitted
     assert eng.metrics()["steps_withholding_total"] == (admitted < 2)
+    # the tap's step event says what ended the admission and what the step withheld
+    published = []
+    monkeypatch.setattr(stages, "tap_listening", lambda: True)
+    monkeypatch.setattr(stages, "publish_stage", lambda rid, stage, t=None, **d: published.append(d))
+    reporter = StageReporter()
+    reporter.publish(eng)  # the listener arrives
+    reporter.publish(eng)
+    (event,) = published
+    assert event["stop"] == "room" and event["waiting"] == 11 - admitted
+    assert event["withheld_ms"] == pytest.approx(1000 * fit.withheld, abs=0.001)
+    assert (event["withheld_ms"] > 0) == (admitted < 2)
 
 
 def test_a_stream_whose_text_has_run_out_counts_with_the_step_it_resumes_after(program):
