@@ -15,7 +15,9 @@ that do not, and those after which prompts still wait (a burst's admission), eac
 and mean in ms; when each stage happened over the requests, from the first one's arrival
 (`stage_timeline_ms`: a burst's critical path, as when its handlers started and its last prompt was
 admitted; given the burst's size, over its first wave alone: a closed loop's next requests come
-seconds later), and how many rows the first chunks held (`first_chunk_rows`).
+seconds later), and how many rows the first chunks held (`first_chunk_rows`); the requests in waves
+(`waves`: split where arrivals pause, as a closed loop's burst and the next requests its clients send
+as their streams end), each with its admission's span, its steps and its streams' tail windows.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ CHUNK_STAGES = {"chunk_ready": "ready", "first_chunk_ready": "ready", "chunk_dec
 TAIL_SHARE = 0.05  # `first_audio_tail_ms`: the slowest requests' share
 # A gpu_worker step event's parts (ms), as `steps` reports them
 STEP_PARTS = ("loop", "wall", "gpu", "schedule", "launch", "wait", "process")
+WAVE_GAP_MS = 1000.0  # `waves`: arrivals further apart than this start a new wave
 
 FIRST = ("received", "prompt_built", "admitted", "first_token", "first_chunk_ready", "first_chunk_decoded",
          "first_byte_sent")  # fmt: skip
@@ -240,6 +243,61 @@ def stats(
     out["chunks_behind"] = _behind(chunks)
     if steps:
         out["steps"] = _steps(steps)
+    out["waves"] = _waves(by_rid, chunks, steps)
+    return out
+
+
+def _waves(
+    by_rid: dict[str, dict[str, float]], chunks: dict[str, dict[int, dict[str, float]]], steps: list[dict]
+) -> list[dict]:
+    """The requests whose arrival the tap saw (the HTTP handler's where recorded), in waves split
+    where arrivals pause for more than WAVE_GAP_MS: a closed loop's burst, then the requests its
+    clients send as their streams end. For each, from its first arrival (ms): over how long its
+    requests arrive and when its last one is admitted; its first audio at the server (arrival →
+    first byte sent: p50, p99); its first chunks' rows; how many tail windows its streams send
+    before their first regular window (`tail_windows_per_stream`: streams by count); and the gpu_worker's
+    steps that leave prompts waiting from its first arrival to its last admission (how many, the
+    prompts they start, how many start one, what stopped them). A wave's admission that takes
+    longer than its arrivals, through steps of one prompt, is a second wave admitted slowly."""
+    arrived = sorted(
+        (s.get("http_received", s["received"]), rid) for rid, s in by_rid.items() if rid and "received" in s
+    )
+    waves: list[list[tuple[float, str]]] = []
+    for t, rid in arrived:
+        if not waves or t - waves[-1][-1][0] > WAVE_GAP_MS:
+            waves.append([])
+        waves[-1].append((t, rid))
+    out = []
+    for wave in waves:
+        t0, rids = wave[0][0], [rid for _, rid in wave]
+        admitted = [by_rid[r]["admitted"] for r in rids if "admitted" in by_rid[r]]
+        end = max(admitted, default=t0)
+        first_audio = [by_rid[r]["first_byte_sent"] - t for t, r in wave if "first_byte_sent" in by_rid[r]]
+        rows = Counter(chunks[r][0]["tail_rows"] for r in rids if "tail_rows" in chunks.get(r, {}).get(0, {}))
+        tails: Counter = Counter()
+        for r in rids:
+            by_index = chunks.get(r, {})
+            n = 0
+            while by_index.get(n + 1, {}).get("tail_rows", 0) > 0:
+                n += 1
+            if by_index:
+                tails[n] += 1
+        waiting = [e for e in steps if e.get("waiting", 0) > 0 and e.get("batch", 0) > 0
+                   and t0 <= 1000 * e["time"] <= end]  # fmt: skip
+        pct = _pct(first_audio)
+        out.append({
+            "requests": len(wave),
+            "arrivals_over_ms": round(wave[-1][0] - t0, 1),
+            "admitted": len(admitted),
+            "last_admitted_ms": round(end - t0, 1),
+            "first_audio_ms": {k: pct[k] for k in ("p50", "p99")} if pct else {},
+            "first_chunk_rows": {str(k): rows[k] for k in sorted(rows)},
+            "tail_windows_per_stream": {str(k): tails[k] for k in sorted(tails)},
+            "steps_with_prompts_waiting": len(waiting),
+            "prompts_they_start": sum(e.get("prompts", 0) for e in waiting),
+            "one_prompt_steps": sum(e.get("prompts", 0) == 1 for e in waiting),
+            "stops": dict(Counter(e["stop"] for e in waiting if e.get("stop"))),
+        })  # fmt: skip
     return out
 
 
