@@ -259,8 +259,12 @@ def _waves(
     steps that leave prompts waiting from its first arrival to its last admission (how many, the
     prompts they start, how many start one, what stopped them). A wave's admission that takes
     longer than its arrivals, through steps of one prompt, is a second wave admitted slowly."""
+    # A text spoken in several segments arrives once: its first one's stages under "<request id>/0",
+    # the later ones' ("<request id>/<k>") submitted as each before ends.
     arrived = sorted(
-        (s.get("http_received", s["received"]), rid) for rid, s in by_rid.items() if rid and "received" in s
+        (by_rid.get(rid.removesuffix("/0"), s).get("http_received", s["received"]), rid)
+        for rid, s in by_rid.items()
+        if rid and "received" in s and not (rid.rpartition("/")[2].isdigit() and not rid.endswith("/0"))
     )
     waves: list[list[tuple[float, str]]] = []
     for t, rid in arrived:

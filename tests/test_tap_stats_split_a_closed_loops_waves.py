@@ -46,6 +46,11 @@ def test_a_closed_loops_burst_and_second_wave_are_summed_up_apart():
     # the second wave: its streams' next requests 0.5 s apart (one wave), the last admitted late
     events += request("b0", 102.0, 102.8, first_rows=14, tails=2)
     events += request("b1", 102.5, 103.0, first_rows=14, tails=0, regular=False)
+    # a text in two segments: the second is submitted as the first ends, no arrival of its own
+    events += [{"stage": "http_received", "rid": "c", "time": 102.2}]
+    events += request("c/0", 102.2, 102.4, first_rows=14, tails=2)[1:]
+    events += request("c/1", 103.5, 103.6, first_rows=14, tails=0)[1:]
+    # ("c/0" arrives with the HTTP request "c", at 102.2 s)
     events += [step(100.035, 1, 2, "cap"), step(100.045, 1, 1, "cap")]  # the burst's admission
     events += [step(102.6, 1, 1, "room"), step(102.9, 2, 1, "room")]  # the wave's
     events += [step(102.95, 0, 1, "", batch=0), step(104.0, 1, 1, "room")]  # collected only; after it
@@ -57,9 +62,10 @@ def test_a_closed_loops_burst_and_second_wave_are_summed_up_apart():
     assert burst["first_chunk_rows"] == {"21": 3} and burst["tail_windows_per_stream"] == {"1": 3}
     assert burst["first_audio_ms"]["p50"] == 230.0  # arrival → first byte sent, each 230 ms
     assert burst["steps_with_prompts_waiting"] == 2 and burst["stops"] == {"cap": 2}
+    assert second["requests"] == 3 and second["admitted"] == 3
     assert second["arrivals_over_ms"] == 500.0 and second["last_admitted_ms"] == 1000.0
-    assert second["first_chunk_rows"] == {"14": 2}
-    assert second["tail_windows_per_stream"] == {"0": 1, "2": 1}  # b1 ended before any tail window
+    assert second["first_chunk_rows"] == {"14": 3}
+    assert second["tail_windows_per_stream"] == {"0": 1, "2": 2}  # b1 ended before any tail window
     assert second["steps_with_prompts_waiting"] == 2 and second["prompts_they_start"] == 3
     assert second["one_prompt_steps"] == 1 and second["stops"] == {"room": 2}
     assert second["first_audio_ms"]["p99"] == 1000.0  # b0: its admission waited 800 ms
