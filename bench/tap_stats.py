@@ -205,8 +205,7 @@ def stats(
         first = whole
     out["timeline_requests"] = len(first)
     out["stage_timeline_ms"] = _timeline(first)
-    rows = [by_index[0]["tail_rows"] for by_index in chunks.values() if "tail_rows" in by_index.get(0, {})]
-    out["first_chunk_rows"] = {str(r): rows.count(r) for r in sorted(set(rows))}
+    out["first_chunk_rows"] = _first_chunk_rows(chunks, chunks)
     # Recordings that have it: the HTTP arrival, before reading the body and the admission wait.
     http = [s for s in whole if "http_received" in s]
     if http:
@@ -247,6 +246,12 @@ def stats(
     return out
 
 
+def _first_chunk_rows(chunks: dict[str, dict[int, dict[str, float]]], rids) -> dict[str, int]:
+    """How many of the requests `rids` had a first chunk of each number of rows."""
+    rows = Counter(chunks[r][0]["tail_rows"] for r in rids if "tail_rows" in chunks.get(r, {}).get(0, {}))
+    return {str(k): rows[k] for k in sorted(rows)}
+
+
 def _waves(
     by_rid: dict[str, dict[str, float]], chunks: dict[str, dict[int, dict[str, float]]], steps: list[dict]
 ) -> list[dict]:
@@ -277,7 +282,6 @@ def _waves(
         admitted = [by_rid[r]["admitted"] for r in rids if "admitted" in by_rid[r]]
         end = max(admitted, default=t0)
         first_audio = [by_rid[r]["first_byte_sent"] - t for t, r in wave if "first_byte_sent" in by_rid[r]]
-        rows = Counter(chunks[r][0]["tail_rows"] for r in rids if "tail_rows" in chunks.get(r, {}).get(0, {}))
         tails: Counter = Counter()
         for r in rids:
             by_index = chunks.get(r, {})
@@ -295,7 +299,7 @@ def _waves(
             "admitted": len(admitted),
             "last_admitted_ms": round(end - t0, 1),
             "first_audio_ms": {k: pct[k] for k in ("p50", "p99")} if pct else {},
-            "first_chunk_rows": {str(k): rows[k] for k in sorted(rows)},
+            "first_chunk_rows": _first_chunk_rows(chunks, rids),
             "tail_windows_per_stream": {str(k): tails[k] for k in sorted(tails)},
             "steps_with_prompts_waiting": len(waiting),
             "prompts_they_start": sum(e.get("prompts", 0) for e in waiting),
