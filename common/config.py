@@ -200,13 +200,6 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     # up to BORROW_MAX budgets: a burst starts more prompts a step where the streams running can
     # spare it. Off: every step keeps the budget.
     lead_borrow: bool = True
-    # While prompts wait, the steps after one that starts many are expected as heavy as it
-    # (gpu_worker.scheduler.pacing.StepClock.expect), and first chunks are promised on that. On,
-    # a step's allowance (what it may take of the budget and borrow past it) charges each playing
-    # stream's later rows at the pace the last steps measured instead: each later step checks its
-    # own allowance with the audio then in hand, so a stream is not counted short for steps the
-    # admission will hold to what it spares. Off: at the expected time too.
-    allowance_measured_pace: bool = False
     # With progressive first chunks: while a running stream waits for its first chunk or still sends
     # tail windows, streams with --sit-out's audio in hand (0.5 s when it is off) sit out so that a
     # step, by the fitted cost, comes to the pace that sends a first frame alone

@@ -393,17 +393,6 @@ OPTIONS: tuple[Option, ...] = (
         path="gpu.lead_borrow",
     ),
     Option(
-        "allowance_measured_pace",
-        "while prompts wait, take a playing stream's later rows at the pace the last steps measured "
-        "when a step's allowance is reckoned (what it may take of the headroom and borrow past it), "
-        "not at the time of the heavy steps the admission expects (each later step reckons its own); "
-        "off: at the expected time, so that after a step that starts many prompts the next may start "
-        "one",
-        ("serve", "gpu_worker"),
-        _parse_bool,
-        path="gpu.allowance_measured_pace",
-    ),
-    Option(
         "first_audio_sit_out",
         "with --first-chunk progressive: while a stream waits for its first chunk or still sends tail "
         "windows, streams with --sit-out's audio in hand sit out so that a step comes to the pace that "

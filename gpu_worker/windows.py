@@ -228,24 +228,21 @@ class AudioWindows:
                 rows += s
         return in_hand, rows
 
-    def step_allowances(self, streams, measured_pace: bool = False) -> tuple[float, float]:
+    def step_allowances(self, streams) -> tuple[float, float]:
         """The longest the next step may take with every playing stream among `streams` ((request,
         steps it may wait besides: one for a stream whose text has run out, which resumes a step
         after its text comes)) still getting its next chunk in time (`pacing.step_allowance` on
         `spare`, at the first chunk's margin and `DELIVERY_S`), inf where none plays: with its other
         rows at least a step budget each (what a step may borrow past its budget on: a clock that
         has measured little may not know the pace), and at the clock's pessimistic pace alone (the
-        pace its first chunk was promised on: what a step may take of its budget). With
-        `measured_pace`, the other rows at the pace the last steps measured, not at the heavier
-        steps the admission expects while prompts wait (`StepClock.rows_time_measured`)."""
+        pace its first chunk was promised on: what a step may take of its budget)."""
         now, clock = self.now(), self.clock
         playing = []
         for r, later in streams:
             if r.n_chunks > self.clock_window:
                 in_hand, rows = self.spare(r, now)
                 playing.append((in_hand, rows + later))
-        pace = clock.rows_time_measured if measured_pace else clock.rows_time_high
-        return step_allowances(playing, pace, self.first_margin, DELIVERY_S, clock.budget)
+        return step_allowances(playing, clock.rows_time_high, self.first_margin, DELIVERY_S, clock.budget)
 
     def _release(self, req, out: list[DetokChunk]) -> None:
         """`req`'s grouped windows into `out`, each counted as sent now, in order."""

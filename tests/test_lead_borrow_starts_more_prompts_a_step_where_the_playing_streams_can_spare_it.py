@@ -90,15 +90,16 @@ def test_the_rows_to_a_streams_next_chunk_are_those_after_which_its_next_window_
             assert n + rows == next(s for s in sent_at if s > n), n
 
 
-def engine(program, borrow: bool, in_hand_s: float, measured_pace: bool = False) -> Engine:
+def engine(program, borrow: bool, in_hand_s: float) -> Engine:
     """One stream playing with `in_hand_s` of audio in hand, a fitted step cost of 6 ms of decode,
     0.5 ms a prompt and 1.5 ms a group (a prompt a group: the budget leaves room for two), eleven
     prompts waiting."""
-    settings = GpuWorkerSettings(
-        max_batch_size=16, max_context=64, max_prefills=8, first_chunk="reference", lead_borrow=borrow,
-        allowance_measured_pace=measured_pace,
-    )  # fmt: skip
-    eng = Engine(program, settings)
+    eng = Engine(
+        program,
+        GpuWorkerSettings(
+            max_batch_size=16, max_context=64, max_prefills=8, first_chunk="reference", lead_borrow=borrow
+        ),
+    )
     s = eng.scheduler
     s.real_time = True  # paced as on a GPU
     sampling = SamplingParams(max_tokens=len(ROWS) + 40, temperature=0.0)
@@ -183,34 +184,6 @@ def test_a_stream_that_just_started_playing_keeps_the_step_within_what_it_spares
     assert event["stop"] == "room" and event["waiting"] == 11 - admitted
     assert event["withheld_ms"] == pytest.approx(1000 * fit.withheld, abs=0.001)
     assert (event["withheld_ms"] > 0) == (admitted < 2)
-
-
-@pytest.mark.parametrize("measured_pace", [False, True])
-def test_after_a_heavy_step_the_allowance_takes_the_later_rows_at_the_measured_pace_where_asked(
-    program, measured_pace
-):
-    """A step that started many prompts leaves the next steps expected as heavy (20 ms each, where
-    the last steps measured 6 ms a row). A stream with 0.15 s in hand and six more rows to its next
-    chunk after this step's: at the expected time it looks short (the whole budget withheld: the step
-    starts its first prompt alone); with --allowance-measured-pace its later rows are taken at the
-    measured pace (each later step reckons its own allowance), and it spares this step ~73 ms."""
-    eng = engine(program, borrow=True, in_hand_s=0.15, measured_pace=measured_pace)
-    s = eng.scheduler
-    t = eng.windows.now()
-    eng.windows.now = lambda: t  # exactly 0.15 s in hand
-    s.running["playing"].t_first = t
-    s.clock._rows_time_high = lambda rows: 0.006 * rows  # what the last steps measured
-    s.clock.expect(0.020)  # the admission's heavy steps
-    assert s.clock.rows_time_high(6) == pytest.approx(0.120)
-    borrow, keep = s.allowances()
-    pace = 0.006 if measured_pace else 0.020
-    assert keep == pytest.approx((0.15 - 0.025 - 1.15 * 6 * pace) / 1.15)
-    assert borrow == pytest.approx((0.15 - 0.025 - 1.15 * 6 * max(pace, s.step_budget())) / 1.15)
-    fit = s.prompt_room()
-    assert (fit.withheld > s.step_budget()) == (not measured_pace)
-    assert fit.withheld == (0.0 if measured_pace else pytest.approx(s.step_budget() - keep))
-    s.admit(0, lambda rows: len(rows))
-    assert (s.admitted_last == 1) == (not measured_pace)
 
 
 def test_a_stream_whose_text_has_run_out_counts_with_the_step_it_resumes_after(program):

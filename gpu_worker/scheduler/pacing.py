@@ -343,11 +343,6 @@ class StepClock:
         """Seconds the next `rows` steps may take: `_rows_time_high`, and no less than `expect` says."""
         return max(self._rows_time_high(rows), rows * self._expected)
 
-    def rows_time_measured(self, rows: int) -> float:
-        """Seconds the next `rows` steps may take by the last steps' own spans alone, whatever
-        `expect` says (`--allowance-measured-pace`)."""
-        return self._rows_time_high(rows)
-
     def _rows_time_high(self, rows: int) -> float:
         """Seconds the next `rows` steps may take: the SPAN_QUANTILE of the times of every `rows`
         consecutive steps among the last RECENT_STEPS, or the latest such span if slower (the load

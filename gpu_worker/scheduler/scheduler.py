@@ -491,14 +491,13 @@ class Scheduler:
         (`AudioWindows.step_allowances`: its audio in hand beyond its next chunk's wait), its other
         rows taken at least a step budget each (what `--lead-borrow` borrows on) and at the clock's
         pace (what the step may take of its budget). A stream whose text has run out counts with the
-        step it resumes after its text comes; one whose last rows are launched waits for no step.
-        With `--allowance-measured-pace`, their other rows at the pace the last steps measured."""
+        step it resumes after its text comes; one whose last rows are launched waits for no step."""
         making = [
             (r, 1 if self.waits(r) else 0)
             for r in self.running.values()
             if len(r.prompt) + r.n_launched < r.budget and not r.lane
         ]
-        return self.windows.step_allowances(making, self.limits.allowance_measured_pace)
+        return self.windows.step_allowances(making)
 
     def leave_out_streams_ahead(self, batch: list[Request], prompts: int) -> list[Request]:
         """The batch (`prompts` of its requests new) less the streams sitting this step out
