@@ -256,6 +256,20 @@ def server_gauges(base: str) -> dict[str, float]:
     return out
 
 
+def streams_behind(base: str) -> float | None:
+    """The gateway's count of streamed requests whose audio fell behind playback on its side
+    (`voxpipe_stream_behind_seconds_count`), None where it cannot be read."""
+    req = urllib.request.Request(base + "/metrics", headers=auth_headers())
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith("voxpipe_stream_behind_seconds_count "):
+                    return float(line.rsplit(" ", 1)[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 # The gauges a level's `timeline` follows (bench results: admission waits against capacity dips).
 TIMELINE_GAUGES = (
     "active_streams", "stream_capacity", "admission_queue_length", "row_period_ms", "streams_sitting_out",
@@ -414,6 +428,7 @@ def measure_level(
     sampler = GaugeSampler(
         base, BURST_SAMPLE_S if arrivals(level.get("rate"), level.get("ramp", 0.0)) == "burst" else SAMPLE_S
     )
+    behind = streams_behind(base)
     lags: list[float] = []  # each client process's largest loop lag over the level (s)
     try:
         if children:
@@ -436,7 +451,11 @@ def measure_level(
         summary |= split(level["cloning"], results, lambda part: summarize(part, wall, sample_rate, ramp))
     # The client's own lag: a process that read its streams late added it to the first audio it measured.
     client = {"client_procs": procs, "client_loop_lag_max_ms": round(1000 * max(lags, default=0.0), 1)}
-    return {**summary, **client, "server_during": sampler.summary()}
+    # The level's streams whose audio fell behind playback at the gateway, before the network and
+    # the client's own reading: late requests beyond these are the client's (None: not known)
+    after = streams_behind(base)
+    server = {"server_streams_behind": None if behind is None or after is None else round(after - behind)}
+    return {**summary, **client, **server, "server_during": sampler.summary()}
 
 
 def summarize(results: list[Result], wall_s: float, sample_rate: int, ramp_s: float = 0.0) -> dict:

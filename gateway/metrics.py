@@ -72,6 +72,7 @@ WORKER_METRICS = {
 
 # 85 ms is one 2048-sample chunk at 24 kHz: gaps above it mean slower than real time.
 TTFA_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
+BEHIND_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 GAP_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.085, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
 LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 
@@ -124,6 +125,15 @@ class GatewayMetrics:
             "voxpipe_inter_chunk_gap_seconds",
             "Between consecutive audio chunks of one request, as they leave the gateway.",
             buckets=GAP_BUCKETS,
+            registry=self.registry,
+        )
+        self.stream_behind = Histogram(
+            "voxpipe_stream_behind_seconds",
+            "Streamed requests (chunked audio or SSE) that ended complete and whose audio fell behind "
+            "playback at the gateway: how far the furthest chunk came after the audio before it had "
+            "played out, counted from the first chunk. Its count is the streams a listener heard stall "
+            "for a cause on the server's side.",
+            buckets=BEHIND_BUCKETS,
             registry=self.registry,
         )
         self.text_to_first_audio = Histogram(

@@ -210,6 +210,7 @@ async def _stream(
         await resp.prepare(request)  # no Content-Length: aiohttp sends it chunked (HTTP/1.1)
         event = await _pump(out, synth, coder, event, lambda data: data)
         if isinstance(event, Done) and event.complete:
+            _played(synth)
             tail = await coder.finish()
             if tail:
                 await out.write(tail)
@@ -224,6 +225,13 @@ async def _stream(
     log.warning("[%s] failed after %.2f s of audio: %s; breaking the stream", rid, _seconds(synth), why)
     _break_stream(request)
     return resp, outcome_of(event.status) if isinstance(event, Failed) else "server_error"
+
+
+def _played(synth: Synthesis) -> None:
+    """A streamed request's audio is complete: if it fell behind playback at the gateway, by how far
+    (`voxpipe_stream_behind_seconds`)."""
+    if synth.behind_s > 0:
+        synth.gateway.metrics.stream_behind.observe(synth.behind_s)
 
 
 def _ending(done: Done) -> str:
@@ -267,6 +275,7 @@ async def _sse(
         await resp.prepare(request)
         event = await _pump(out, synth, coder, event, _delta)
         if isinstance(event, Done) and event.complete:
+            _played(synth)
             tail = await coder.finish()
             if tail:
                 await out.write(_delta(tail))

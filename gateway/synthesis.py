@@ -49,6 +49,10 @@ class Synthesis:
         self.n_samples = 0  # sent so far
         self._pending: Pending | None = None
         self._last_audio: float | None = None
+        self._first_audio: float | None = None  # time.monotonic() when its first audio went on
+        # the furthest a piece of its audio came after the audio before it had played out, counted
+        # from the first piece (0.0: never behind)
+        self.behind_s = 0.0
 
     async def next(self) -> Event:
         """The next PCM bytes, or how the whole request ended: Done after the last segment, or the
@@ -165,10 +169,13 @@ class Synthesis:
     def _audio(self, pcm: bytes) -> bytes:
         now = time.monotonic()
         m = self.gateway.metrics
-        if self._last_audio is None:
+        if self._first_audio is None:
+            self._first_audio = now
             m.time_to_first_audio.observe(now - self.started)
         else:
             m.inter_chunk_gap.observe(now - self._last_audio)
+            behind = now - self._first_audio - self.n_samples / self.gateway.sample_rate
+            self.behind_s = max(self.behind_s, behind)
         self._last_audio = now
         self.n_samples += len(pcm) // 2
         return pcm

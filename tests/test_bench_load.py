@@ -80,6 +80,8 @@ def test_load_levels_report_ttfa_viability_and_throughput(server, tmp_path):
         assert 0.0 <= point["on_time_share"] <= 1.0 and point["x_realtime"] > 0
         assert point["late_requests"] <= point["requests"]
         assert 0 <= point["client_loop_lag_max_ms"] < 10_000  # the client's own loop, watched
+        # the streams the gateway saw fall behind playback on its side, read from its /metrics
+        assert 0 <= point["server_streams_behind"] <= point["requests"], point
         # each client opened its connection (a closed loop reuses it) within the level, none retried
         assert point["concurrency"] <= point["connects"] <= point["requests"], point
         assert point["connects_retried"] == 0 and 0 < point["connect_p99_ms"] < 900
