@@ -131,7 +131,8 @@ def test_the_gpu_worker_stamps_each_window_with_its_listeners_slack():
 
 
 def test_the_codec_worker_sends_a_first_chunk_at_once_and_gathers_the_rest(addrs, gateway_inbox):  # noqa: F811
-    proc = start("codec_worker", addrs, codec=CodecSettings(gather_ms=400.0))
+    # A gather long beside the three sends' ~0.1 s, so that a busy host's stalls still land them in it
+    proc = start("codec_worker", addrs, codec=CodecSettings(gather_ms=1000.0))
     try:
         wait_for(gateway_inbox, ready("codec_worker"))
         rng = np.random.default_rng(0)
