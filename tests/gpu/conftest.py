@@ -21,6 +21,15 @@ import torch
 from bench.provenance import commit
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """A GPU test stuck in a kernel (a CUDA call that never returns) is past a signal's reach: its
+    timeout (pytest-timeout's, 300 s) takes the thread method, which prints every thread's stack and
+    ends the run instead of hanging it."""
+    for item in items:
+        if "gpu" in item.path.parts and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(method="thread"))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def cuda_gpu() -> None:
     """Session-scoped, so that it skips before any module fixture loads a model."""
