@@ -43,6 +43,8 @@ class _Wrapper:
         self.idx = bufs.get("paged_kv_indices_buf", bufs.get("paged_kv_indices_buffer"))
         self.last = bufs.get("paged_kv_last_page_len_buf", bufs.get("paged_kv_last_page_len_buffer"))
         self.max_rows = None
+        # FlashInfer's page-locked tile table: torch.empty, so what a reused pinned block held
+        self._pin_memory_int_workspace_buffer = torch.full((64,), 7, dtype=torch.uint8)
 
     def plan(self, *args, **kw) -> None:
         qo, kvp, idx, last = (None, *args[:3]) if self.decode else args[:4]
@@ -52,6 +54,11 @@ class _Wrapper:
             self.qo, self.kvp, self.idx, self.last = qo.clone(), kvp.clone(), idx.clone(), last.clone()
             return
         assert n == len(self.kvp) - 1, "cuda-graph wrappers keep their batch size"
+        # A graph plan leaves the table's entries past its tiles as they were: zeroed first
+        # (`zero_tile_table`), those CTAs compute a tile of the plan's own again.
+        assert not self._pin_memory_int_workspace_buffer.any(), (
+            "a graph wrapper planned over a dirty tile table"
+        )
         self.max_rows = self.max_rows or int(qo[-1])
         assert int(qo[-1]) <= self.max_rows, "more rows than the first plan"
         if self.qo is not None:
@@ -256,3 +263,18 @@ def test_graph_runner_matches_eager_for_prefill_decode_and_mixed_steps(program, 
     # Step 2 (7 rows + 33 rows, 2 decoding): the first in a mixed graph (decode bucket 2, 32 rows),
     # the second in lane 1; step 6 (4 prompts, 6 decoding); step 4's 300 rows fit no mixed graph.
     assert mixed == [(2, 32, 1), (8, 32, 1)]  # (decode bucket, prompt bucket, prompts)
+
+
+def test_a_graph_wrappers_tile_table_is_zeroed_and_one_without_it_is_named(caplog):
+    """`zero_tile_table`: FlashInfer's page-locked tile table set to zeros in place (the buffer its
+    plans copy to the device); a wrapper without one (another FlashInfer) is named in a warning."""
+    from types import SimpleNamespace
+
+    from gpu_worker.attention.flashinfer import zero_tile_table
+
+    table = torch.full((32,), 9, dtype=torch.uint8)
+    zero_tile_table(SimpleNamespace(_pin_memory_int_workspace_buffer=table))
+    assert not table.any()
+    with caplog.at_level("WARNING"):
+        zero_tile_table(SimpleNamespace())
+    assert "_pin_memory_int_workspace_buffer" in caplog.text and "SimpleNamespace" in caplog.text

@@ -15,6 +15,7 @@ copies host indices with a blocking copy, which would wait for the whole stream.
 from __future__ import annotations
 
 import builtins
+import logging
 from types import ModuleType
 
 import numpy as np
@@ -22,6 +23,8 @@ import torch
 
 from common.pinned import ring
 from gpu_worker.attention.interface import StepLayout, page_arrays, write_kv
+
+log = logging.getLogger(__name__)
 
 WORKSPACE_BYTES = 256 << 20
 
@@ -45,6 +48,31 @@ def import_flashinfer() -> ModuleType:
         if isinstance(module, ModuleType):
             module.max = _max
     return flashinfer
+
+
+def zero_tile_table(wrapper) -> None:
+    """A graph wrapper's page-locked plan buffer set to zeros, before its first plan. In a graph,
+    FlashInfer's prefill kernel (and the decode on tensor cores, which is that kernel) runs on a
+    fixed grid, `padded_batch_size` CTAs: at least what a plan split over the KV could use (the SMs
+    times the CTAs each holds, over the KV heads: tens), more than most plans have tiles (a prefill
+    graph of one prompt of 32 rows has 2). A plan writes the tile table (each CTA's request, query tile
+    and KV tile) for its tiles only, and copies the whole table to the device, so the CTAs past them
+    read what the page-locked buffer held before: `torch.empty(pin_memory=True)`, a block torch's
+    host allocator may hand out again with another wrapper's plan in it. An entry of a plan with
+    more requests names a request this wrapper lacks, and its CTA reads past the wrapper's indptr
+    buffers and writes where they point (a kernel that runs for ever, or an illegal address). From
+    zeros, those CTAs take request 0's first tile, and later plans of the wrapper (each with as
+    many requests: a graph's layouts are padded to its bucket) leave entries of its own requests: a
+    CTA past the tiles computes one of them again, the same bits to the same rows.
+    A FlashInfer without that buffer is logged and left as it is."""
+    buf = getattr(wrapper, "_pin_memory_int_workspace_buffer", None)
+    if isinstance(buf, torch.Tensor):
+        buf.zero_()
+    else:
+        log.warning(
+            "flashinfer's %s has no _pin_memory_int_workspace_buffer: its graph plans' unused tile-table "
+            "entries are not zeroed", type(wrapper).__name__,
+        )  # fmt: skip
 
 
 def plan_arrays(indptr: np.ndarray, last: np.ndarray, page_size: int, device: torch.device) -> dict:
@@ -193,6 +221,7 @@ class FlashInferGraphs:
             paged_kv_indices_buf=torch.zeros(max_pages, dtype=torch.int32, device=dev),
             paged_kv_last_page_len_buf=torch.zeros(reqs + 1, dtype=torch.int32, device=dev),
         )
+        zero_tile_table(wrapper)
         # The first plan fixes the wrapper's row total: every later plan has exactly `rows`.
         self.prepare_replay_prefill(wrapper, layout, torch.from_numpy(layout.kv_indices))
         return wrapper
@@ -237,6 +266,7 @@ class FlashInferGraphs:
             paged_kv_indices_buffer=self.kv_indices,
             paged_kv_last_page_len_buffer=self.kv_last[:batch],
         )
+        zero_tile_table(wrapper)
         indptr, indices, last = page_arrays([1] * batch, [[0]] * batch, self.page_size)
         self._plan_decode(wrapper, indptr, torch.from_numpy(indices), last)
         return wrapper
