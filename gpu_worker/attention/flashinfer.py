@@ -63,8 +63,9 @@ def zero_tile_table(wrapper) -> None:
     buffers and writes where they point (a kernel that runs for ever, or an illegal address). From
     zeros, those CTAs take request 0's first tile, and later plans of the wrapper (each with as
     many requests: a graph's layouts are padded to its bucket) leave entries of its own requests: a
-    CTA past the tiles computes one of them again, the same bits to the same rows.
-    A FlashInfer without that buffer is logged and left as it is."""
+    CTA past the tiles computes one of them again, the same bits to the same rows. FlashInfer tracks
+    this as flashinfer-ai/flashinfer#4002; its fix (PR #5176) masks those CTAs off. A FlashInfer
+    without that buffer is logged and left as it is."""
     buf = getattr(wrapper, "_pin_memory_int_workspace_buffer", None)
     if isinstance(buf, torch.Tensor):
         buf.zero_()
