@@ -228,26 +228,35 @@ _AVERAGED = (
 )  # fmt: skip
 
 
+def metric_sums(base: str, wanted: Callable[[str], bool]) -> tuple[dict[str, float], dict[str, int]]:
+    """The gateway's /metrics (with the Bearer key of VOXPIPE_API_KEY when set): each series whose
+    name less "voxpipe_" (up to its labels or its value) is `wanted`, summed over its label sets, and
+    how many label sets each had."""
+    out: dict[str, float] = {}
+    seen: dict[str, int] = {}
+    req = urllib.request.Request(base + "/metrics", headers=auth_headers())
+    with urllib.request.urlopen(req, timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            k = line.split("{", 1)[0].split(" ", 1)[0].removeprefix("voxpipe_")
+            if wanted(k):
+                out[k] = out.get(k, 0.0) + float(line.rsplit(" ", 1)[1])
+                seen[k] = seen.get(k, 0) + 1
+    return out, seen
+
+
 def server_gauges(base: str) -> dict[str, float]:
     """Worker gauges and counters worth keeping next to a load level, from the gateway's /metrics
-    (with the Bearer key of VOXPIPE_API_KEY when set): summed over workers, but the per-step
-    averages averaged."""
+    (`metric_sums`): summed over workers, but the per-step averages averaged."""
     keep = (
         *_AVERAGED, "stream_capacity", "decode_batch_size", "kv_pages_used", "active_streams", "queue_depth",
         "codec_calls_total", "codec_windows_total", "codec_busy_seconds_total", "admission_queue_length",
         "streams_sitting_out", "prompts_started_total", "steps_total", "steps_borrowing_total",
         "steps_withholding_total", "gateway_loop_lag_max_seconds",
     )  # fmt: skip
-    out: dict[str, float] = {}
-    seen: dict[str, int] = {}
-    req = urllib.request.Request(base + "/metrics", headers=auth_headers())
-    with urllib.request.urlopen(req, timeout=5) as r:
-        for line in r.read().decode().splitlines():
-            # the series' name: up to its labels or its value; every admission_stopped_by_* counter
-            k = line.split("{", 1)[0].split(" ", 1)[0].removeprefix("voxpipe_")
-            if k in keep or (k.startswith("admission_stopped_by_") and k.endswith("_total")):
-                out[k] = out.get(k, 0.0) + float(line.rsplit(" ", 1)[1])
-                seen[k] = seen.get(k, 0) + 1
+    # every admission_stopped_by_* counter too
+    out, seen = metric_sums(
+        base, lambda k: k in keep or (k.startswith("admission_stopped_by_") and k.endswith("_total"))
+    )
     for k in _AVERAGED:
         if k in out:
             out[k] /= seen[k]
@@ -259,15 +268,11 @@ def server_gauges(base: str) -> dict[str, float]:
 def streams_behind(base: str) -> float | None:
     """The gateway's count of streamed requests whose audio fell behind playback on its side
     (`voxpipe_stream_behind_seconds_count`), None where it cannot be read."""
-    req = urllib.request.Request(base + "/metrics", headers=auth_headers())
+    name = "stream_behind_seconds_count"
     try:
-        with urllib.request.urlopen(req, timeout=5) as r:
-            for line in r.read().decode().splitlines():
-                if line.startswith("voxpipe_stream_behind_seconds_count "):
-                    return float(line.rsplit(" ", 1)[1])
+        return metric_sums(base, lambda k: k == name)[0].get(name)
     except (OSError, ValueError):
-        pass
-    return None
+        return None
 
 
 # The gauges a level's `timeline` follows (bench results: admission waits against capacity dips).
