@@ -296,7 +296,8 @@ class AudioChunks(msgspec.Struct, tag="audio", **_STRUCT):
 
 
 class RequestError(msgspec.Struct, tag="reqerr", **_STRUCT):
-    """tokenizer_worker or gpu_worker → gateway: a request failed before producing audio."""
+    """tokenizer_worker → gateway: a request failed before its prompt was built (a gpu_worker's refusals
+    travel as `Finished` with reason ERROR, through the codec_worker)."""
 
     rid: str
     status: int  # HTTP status: 4xx for the client's mistakes, 5xx for ours
