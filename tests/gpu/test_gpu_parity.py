@@ -133,6 +133,9 @@ def bf16_rows_kept(program) -> int:
     return buckets[-1] if first is None else max(b for b in buckets if b < first)
 
 
+# Two engines capture their graphs (three, and an eager one, with a report), then five runs of 279
+# steps each: that may take more than the suite's 300 s. The thread method, as conftest.py gives the rest.
+@pytest.mark.timeout(600, method="thread")
 def test_greedy_tokens_alone_equal_those_among_others(fast, greedy, gpu_report):
     """bf16 weights: a request's greedy tokens alone, among 3, 17 and 40 others and three in one
     step. With the decode graphs' GEMMs in tiles of 64 rows (`--decode-row-tile 64`) they are the
