@@ -64,7 +64,7 @@ from gpu_worker.scheduler.pacing import (
     withheld,
 )
 from gpu_worker.scheduler.sit_out import FirstAudioSitOut, SitOut
-from gpu_worker.scheduler.step_cost import Lives
+from gpu_worker.scheduler.step_cost import Lives, PromptRoom
 from gpu_worker.windows import DELIVERY_S
 
 ROWS_PER_S = 82.03  # Orpheus: a row is 1/82.03 s of audio; a frame is 7 rows
@@ -382,17 +382,22 @@ class Worker:
     # the codec worker's passes (`Codec`); None: every chunk reaches its listener CODEC_S after the
     # step that made it
     codec: Codec | None = None
+    # the room the last `prompts_now` had where the fit bounded it, what it may borrow with it
+    fitted: PromptRoom | None = None
 
-    def prompts_now(self, run: dict[int, dict]) -> int:
-        """Prompts the next step may start beside the `run`ning streams."""
+    def prompts_now(self, run: dict[int, dict], waiting: int = 2) -> int:
+        """Prompts the next step may start beside the `run`ning streams, `waiting` prompts waiting
+        (it borrows only where more than the first wait, as the scheduler's `prompt_room`)."""
         k, n = self.prompts_a_step, self.prompt_len
         budget = self.clock.budget
         fit = self.clock.cost.prompt_room(budget, len(run), sum(n + r["gen"] for r in run.values()))
+        self.fitted = None
         if self.room and run and fit is not None:
             borrow, keep = self.allowances(run, budget)
             slow = self.clock.slowness()
-            room = fit.room + (borrowable(borrow, budget, slow) if self.lead_borrow else 0.0)
-            room -= withheld(keep, budget)
+            borrowed = borrowable(borrow, budget, slow) if self.lead_borrow and waiting > 1 else 0.0
+            self.fitted = dataclasses.replace(fit, borrowed=borrowed)
+            room = fit.room + borrowed - withheld(keep, budget)
             g, more = self.gpu, 1  # the first prompt, then as many more as the room leaves
             if not self.gpu_charge:  # as the scheduler: the fitted cost of a prompt and the group it opens
                 spent = fit.cost(n, 1)
@@ -420,13 +425,21 @@ class Worker:
         ]
         return step_allowances(playing, self.clock.rows_time_high, self.first_margin, DELIVERY_S, budget)
 
-    def prompts_next(self, run: dict[int, dict]) -> int:
+    def prompts_next(self, run: dict[int, dict], waiting: int = 2) -> int:
         """`prompts_now`, at most `prompts_while_first` while a running stream waits for its first
         chunk: the steps of its frame then carry no batched prefill pass (nor, at 1, a joiner)."""
-        k = self.prompts_now(run)
+        k = self.prompts_now(run, waiting)
         if self.prompts_while_first and any(r["first"] is None for r in run.values()):
             return min(k, self.prompts_while_first)
         return k
+
+    def expected(self, started: int, left: bool) -> float:
+        """What the next steps may take once a step has started `started` prompts, prompts still
+        waiting or not (`left`): as the scheduler tells its clock after its admission
+        (`PromptRoom.expected`), the prompts at their fitted cost."""
+        fit, n, g = self.fitted or PromptRoom(math.inf), self.prompt_len, self.gpu
+        spent = sum(fit.cost(n, 1 if i == 0 else g.groups(i + 1) - g.groups(i)) for i in range(started))
+        return fit.expected(spent if self.fitted else 0.0, left, self.clock.budget, self.clock.slowness())
 
     def first_period_high(self, rows: int) -> float:
         """The per-row time the first-chunk decision weighs over `rows` steps: the clock's
@@ -633,11 +646,9 @@ def serve(w: Worker, arrivals: Clients | Poisson, t0: float, end: float) -> Serv
         while queue and len(run) + len(waiting) < cap:
             waiting.append(queue.pop(0))
         w.now = t
-        k = w.prompts_next(run)
+        k = w.prompts_next(run, len(waiting))
         new, waiting = waiting[:k], waiting[k:]
-        # prompts left waiting: the next steps are expected as heavy as the budget (the scheduler's
-        # `expect`)
-        clock.expect(clock.budget if waiting else 0.0)
+        clock.expect(w.expected(len(new), bool(waiting)))  # as the scheduler after its admission
         for c, sent in new:
             run[c] = dict(sent=sent, gen=0, first=None, late=0.0, admitted=t, prompt=True, cap=cap)
         admitted_max = max(admitted_max, len(run) + len(waiting))

@@ -388,15 +388,9 @@ class Scheduler:
         # as much slower as the steps served lately run (what `borrowable` allows it), and one that
         # runs past its budget is as heavy for the promises made while it is in flight, whether or
         # not prompts still wait.
-        expected = 0.0
         if fit.borrowed and spent > fit.room:
             self.steps_borrowing += 1
-        if fit.borrowed and (self.waiting or spent > fit.room):
-            expected = self.clock.slowness() * (self.step_budget() - fit.room + spent)
-        elif self.waiting:
-            budget = self.step_budget()
-            expected = budget if math.isinf(room) else min(budget, budget - fit.room + spent)
-        self.clock.expect(expected)
+        self.clock.expect(fit.expected(spent, bool(self.waiting), self.step_budget(), self.clock.slowness()))
 
     def admit_lane(
         self, avoid_slots: set[int], avoid_pages: set[int], fits: Callable[[int], bool], admitting

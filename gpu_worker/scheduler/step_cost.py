@@ -57,6 +57,19 @@ class PromptRoom:
     def cost(self, tokens: int, groups: int) -> float:
         return self.prompt + self.token * tokens + self.group * groups
 
+    def expected(self, spent: float, waiting: bool, budget: float, slowness: float) -> float:
+        """What the steps after this one may take (`StepClock.expect`) once it has started prompts
+        of fitted cost `spent`, prompts still `waiting` or not: first audio promised meanwhile must
+        not count on lighter steps. A step that may borrow, where prompts wait or it runs past its
+        room, at its fitted time as much slower as the steps served lately run (`slowness`); else,
+        while prompts wait, up to the budget (by the fit where it bounds the room); else as the
+        steps go (0)."""
+        if self.borrowed and (waiting or spent > self.room):
+            return slowness * (budget - self.room + spent)
+        if waiting:
+            return budget if math.isinf(self.room) else min(budget, budget - self.room + spent)
+        return 0.0
+
 
 @dataclass(frozen=True)
 class Lives:
