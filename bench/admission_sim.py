@@ -400,8 +400,8 @@ class Worker:
             room = fit.room + borrowed - withheld(keep, budget)
             g, more = self.gpu, 1  # the first prompt, then as many more as the room leaves
             if not self.gpu_charge:  # as the scheduler: the fitted cost of a prompt and the group it opens
-                spent = fit.cost(n, 1)
-                while more < k and spent + (c := fit.cost(n, g.groups(more + 1) - g.groups(more))) <= room:
+                spent = self.prompt_cost(fit, 0)
+                while more < k and spent + (c := self.prompt_cost(fit, more)) <= room:
                     spent, more = spent + c, more + 1
                 return more
             while (
@@ -437,9 +437,15 @@ class Worker:
         """What the next steps may take once a step has started `started` prompts, prompts still
         waiting or not (`left`): as the scheduler tells its clock after its admission
         (`PromptRoom.expected`), the prompts at their fitted cost."""
-        fit, n, g = self.fitted or PromptRoom(math.inf), self.prompt_len, self.gpu
-        spent = sum(fit.cost(n, 1 if i == 0 else g.groups(i + 1) - g.groups(i)) for i in range(started))
-        return fit.expected(spent if self.fitted else 0.0, left, self.clock.budget, self.clock.slowness())
+        fit = self.fitted or PromptRoom(math.inf)  # unbounded: its prompts cost nothing of it
+        spent = sum(self.prompt_cost(fit, i) for i in range(started))
+        return fit.expected(spent, left, self.clock.budget, self.clock.slowness())
+
+    def prompt_cost(self, fit: PromptRoom, i: int) -> float:
+        """The fitted cost of a step's `i`-th prompt (from 0): its tokens and the groups it opens on
+        the simulated GPU's graphs (the first a group of its own)."""
+        g = self.gpu
+        return fit.cost(self.prompt_len, 1 if i == 0 else g.groups(i + 1) - g.groups(i))
 
     def first_period_high(self, rows: int) -> float:
         """The per-row time the first-chunk decision weighs over `rows` steps: the clock's

@@ -41,6 +41,7 @@ from programs import get_spec, load_program_class
 from programs.orpheus.model import LlamaLM
 
 PAGE = 16
+BUCKETS = decode_buckets(256)  # the decode graphs of the greedy checks' engines (parity_checks.greedy_setup)
 
 
 @pytest.fixture(scope="module")
@@ -124,13 +125,12 @@ def bf16_rows_kept(program) -> int:
     first that rounds it otherwise (`bench.op_invariance`: the O projection on the H200 from 56
     rows; the down projection on an H100 from 16). The GEMM library picks its kernel by the row
     count, so that bound is the GPU's."""
-    buckets = decode_buckets(256)
     # (the head rounded to fp8 GEMMs' multiple of 16 rows: gemm_checks times those too)
     shapes = (*GEMMS[:4], ("head", program.lm.vocab_size // 16 * 16, program.lm.hidden_size))
-    firsts = [v["bf16"] for v in gemm_checks("cuda", buckets, shapes).values() if v["bf16"] is not None]
+    firsts = [v["bf16"] for v in gemm_checks("cuda", BUCKETS, shapes).values() if v["bf16"] is not None]
     torch.cuda.empty_cache()  # its weights' memory back before the engines size their KV caches
     first = min(firsts, default=None)
-    return buckets[-1] if first is None else max(b for b in buckets if b < first)
+    return BUCKETS[-1] if first is None else max(b for b in BUCKETS if b < first)
 
 
 # Two engines capture their graphs (three, and an eager one, with a report), then five runs of 279
@@ -155,11 +155,10 @@ def test_greedy_tokens_alone_equal_those_among_others(fast, greedy, gpu_report):
         res["greedy_alone_graphs_vs_eager"] = greedy_graphs_vs_eager(engine, prompt)
     tiled = res["greedy_alone_vs_batched"]["row tiles of 64"]
     assert {k: v["first_difference"] for k, v in tiled.items()} == dict.fromkeys(tiled, None)
-    buckets = decode_buckets(256)
     got = {
         k: v["first_difference"]
         for k, v in res["greedy_alone_vs_batched"]["default (no split-KV)"].items()
-        if bucket_for(buckets, 4 if k == "3_same_step" else int(k) + 1) <= kept
+        if bucket_for(BUCKETS, 4 if k == "3_same_step" else int(k) + 1) <= kept
     }
     assert got and got == dict.fromkeys(got, None)
 
