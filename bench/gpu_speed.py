@@ -45,7 +45,9 @@ def cuda_ms(fn, reps: int) -> float:
     return (time.perf_counter() - t0) * 1000 / reps
 
 
-def decode_steps(program, sizes: list[int], contexts: list[int]) -> dict:
+def decode_steps(program, sizes: list[int], contexts: list[int], row_tile: int = 0) -> dict:
+    """Each batch size's decode step at each context, through the decode graphs; `row_tile` > 0 runs
+    their backbone GEMMs in tiles of that many rows (`--decode-row-tile`)."""
     page = 16
     bmax = max(sizes)
     per = pages_for(max(contexts) + 1, page)
@@ -58,7 +60,8 @@ def decode_steps(program, sizes: list[int], contexts: list[int]) -> dict:
         torch.bfloat16,
         "cuda",
     )
-    runner = GraphRunner(program, kv, GpuWorkerSettings(max_batch_size=bmax, max_context=max(contexts) + 1))
+    limits = GpuWorkerSettings(max_batch_size=bmax, max_context=max(contexts) + 1, decode_row_tile=row_tile)
+    runner = GraphRunner(program, kv, limits)
     out: dict = {}
     for ctx in contexts:
         out[ctx] = {}
@@ -80,7 +83,10 @@ def decode_steps(program, sizes: list[int], contexts: list[int]) -> dict:
                 "graph_only_ms": round(replay_ms, 3),
                 "floor_ms": FLOORS_MS.get(ctx, {}).get(bs),
             }
-            print(f"ctx {ctx} batch {bs}: step {step_ms:.2f} ms, graph {replay_ms:.2f} ms", flush=True)
+            print(
+                f"row tile {row_tile} ctx {ctx} batch {bs}: step {step_ms:.2f} ms, graph {replay_ms:.2f} ms",
+                flush=True,
+            )
     return out
 
 
@@ -246,6 +252,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offline-requests", type=int, default=256)
     ap.add_argument("--offline-tokens", type=int, default=1024)
     ap.add_argument("--baseline-tokens", type=int, default=200)
+    ap.add_argument(
+        "--decode-row-tiles",
+        default="0",
+        help="decode steps timed with each of these --decode-row-tile values (0: one GEMM a step); "
+        "with more than one, decode_step_ms_by_row_tile gives each",
+    )
     ap.add_argument("--prefill-counts", default="1,4,16", help="prompts per prefill step timed")
     ap.add_argument("--prefill-rows", type=int, default=40, help="rows of each prompt (Orpheus: ~20-60)")
     ap.add_argument(
@@ -282,8 +294,15 @@ def main(argv: list[str] | None = None) -> int:
     program.load_lm()
     program.load_codec()
     if "steps" not in skip:
-        res["decode_step_ms"] = decode_steps(program, [int(s) for s in args.sizes.split(",")], [512, 1024])
-        torch.cuda.empty_cache()
+        sizes = [int(s) for s in args.sizes.split(",")]
+        tiles = [int(t) for t in args.decode_row_tiles.split(",")]
+        by_tile = {}
+        for tile in tiles:
+            by_tile[tile] = decode_steps(program, sizes, [512, 1024], tile)
+            torch.cuda.empty_cache()
+        res["decode_step_ms"] = by_tile[tiles[0]]
+        if len(tiles) > 1:
+            res["decode_step_ms_by_row_tile"] = by_tile
         save()
     if "prefill" not in skip:
         counts = [int(s) for s in args.prefill_counts.split(",")]
