@@ -53,6 +53,7 @@ from common.config import CodecSettings, GpuWorkerSettings
 from gpu_worker.runner.graphs import decode_buckets
 from gpu_worker.scheduler.calibrate import step_differences
 from gpu_worker.scheduler.pacing import (
+    BORROW_MAX,
     LEAD_MARGIN,
     MIN_SPANS,
     SPAN_QUANTILE,
@@ -378,6 +379,7 @@ class Worker:
     prompts_while_first: int = 0
     # a step's prompts may take what its playing streams can spare beyond the budget (`--lead-borrow`)
     lead_borrow: bool = False
+    lead_borrow_max: float = BORROW_MAX  # the most a borrowing step takes, in budgets (`--lead-borrow-max`)
     now: float = 0.0  # the time of the next step
     # the codec worker's passes (`Codec`); None: every chunk reaches its listener CODEC_S after the
     # step that made it
@@ -395,7 +397,11 @@ class Worker:
         if self.room and run and fit is not None:
             borrow, keep = self.allowances(run, budget)
             slow = self.clock.slowness()
-            borrowed = borrowable(borrow, budget, slow) if self.lead_borrow and waiting > 1 else 0.0
+            borrowed = (
+                borrowable(borrow, budget, slow, self.lead_borrow_max)
+                if self.lead_borrow and waiting > 1
+                else 0.0
+            )
             self.fitted = dataclasses.replace(fit, borrowed=borrowed)
             room = fit.room + borrowed - withheld(keep, budget)
             g, more = self.gpu, 1  # the first prompt, then as many more as the room leaves
@@ -526,6 +532,7 @@ def new_worker(
     first_margin: float = MARGIN,
     prompts_while_first: int = 0,
     lead_borrow: bool = False,
+    lead_borrow_max: float = BORROW_MAX,
     trust_startup: bool = False,
     codec: bool = False,
     compiled_tails: bool = False,
@@ -537,7 +544,8 @@ def new_worker(
     `gpu_charge`, admission by `life`), streams ahead sit out slow steps (`sit_out`) and, with
     `first_audio`, for first chunks (`FirstAudioSitOut`); the first-chunk decision at
     `first_quantile` and `first_margin`, at most `prompts_while_first` prompts a step while a first
-    chunk waits, a step's prompts taking what the playing streams spare with `lead_borrow`, and the
+    chunk waits, a step's prompts taking what the playing streams spare with `lead_borrow` (up to
+    `lead_borrow_max` budgets a step), and the
     startup steps counted as measured with `trust_startup` (`--trust-startup-steps`); with `codec`,
     the codec worker's passes between the steps and the listeners (`Codec`; `compiled_tails`: its
     full windows' tails compiled, `--codec-compile-tails`; `codec_part_ms`: its `part_ms`)."""
@@ -556,6 +564,7 @@ def new_worker(
         prompts_while_first,
         lead_borrow,
     )
+    w.lead_borrow_max = lead_borrow_max
     w.first_audio = first_audio_sit_out(w) if first_audio else None
     w.codec = None
     if codec:
@@ -935,6 +944,13 @@ def main(argv: list[str] | None = None) -> None:
         "otherwise)",
     )
     ap.add_argument(
+        "--lead-borrow-max",
+        type=float,
+        default=BORROW_MAX,
+        help="every policy with --lead-borrow: a step takes at most this many budgets, as the server's "
+        "--lead-borrow-max",
+    )
+    ap.add_argument(
         "--prompts-while-first",
         default="",
         help="policies besides: at most this many prompts a step while a first chunk waits (e.g. 1,2)",
@@ -960,6 +976,7 @@ def main(argv: list[str] | None = None) -> None:
         tokens=tokens,
         codec=args.codec,
         codec_part_ms=args.codec_part_ms,
+        lead_borrow_max=args.lead_borrow_max,
     )
     if poisson:  # the engine's policy on a fresh worker, as `voxpipe bench ttfa --rate` serves
         policies = [("life", dict(life=True, **common))]

@@ -197,9 +197,10 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     max_lead_s: float = 0.0
     # While prompts wait, a step may take longer than the budget by what every playing stream's
     # listener has in hand beyond its next chunk's wait (gpu_worker.scheduler.pacing.step_allowance),
-    # up to BORROW_MAX budgets: a burst starts more prompts a step where the streams running can
-    # spare it. Off: every step keeps the budget.
+    # up to `lead_borrow_max` budgets in all: a burst starts more prompts a step where the streams
+    # running can spare it. Off: every step keeps the budget.
     lead_borrow: bool = True
+    lead_borrow_max: float = 2.0
     # With progressive first chunks: while a running stream waits for its first chunk or still sends
     # tail windows, streams with --sit-out's audio in hand (0.5 s when it is off) sit out so that a
     # step, by the fitted cost, comes to the pace that sends a first frame alone
@@ -287,6 +288,10 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
             )
         if self.decode_row_tile < 0:
             raise ValueError(f"--decode-row-tile must be >= 0 (0 = off), got {self.decode_row_tile}")
+        if not 1.0 <= self.lead_borrow_max <= 16.0:
+            raise ValueError(
+                f"--lead-borrow-max must be from 1 to 16 step budgets, got {self.lead_borrow_max:g}"
+            )
         if self.max_prefills < 0 or self.max_prefill_rows < 1:
             raise ValueError("--max-prefills must be >= 0 (0 = by the step cost); --max-prefill-rows >= 1")
         if not 0 <= self.gpu_memory_reserve < 1:

@@ -393,6 +393,14 @@ OPTIONS: tuple[Option, ...] = (
         path="gpu.lead_borrow",
     ),
     Option(
+        "lead_borrow_max",
+        "with --lead-borrow, the most a step may take, in step budgets (1: no borrowing); more starts "
+        "more of a burst's prompts a step, and their first chunks wait on those longer steps",
+        ("serve", "gpu_worker"),
+        float,
+        path="gpu.lead_borrow_max",
+    ),
+    Option(
         "first_audio_sit_out",
         "with --first-chunk progressive: while a stream waits for its first chunk or still sends tail "
         "windows, streams with --sit-out's audio in hand sit out so that a step comes to the pace that "

@@ -50,6 +50,12 @@ def test_the_allowance_is_the_least_any_playing_stream_can_spare():
     assert borrowable(0.5 * BUDGET, BUDGET) == 0.0  # less than the budget itself: no borrowing
     assert borrowable(1.5 * BUDGET, BUDGET) == pytest.approx(0.5 * BUDGET)
     assert borrowable(1.5 * BUDGET, BUDGET, slowness=1.5) == 0.0  # steps run 1.5x the fit
+    # --lead-borrow-max: the most a step takes, in budgets; 1 lends nothing
+    assert borrowable(math.inf, BUDGET, most=4.0) == pytest.approx(3 * BUDGET)
+    assert borrowable(3 * BUDGET, BUDGET, most=4.0) == pytest.approx(2 * BUDGET)
+    assert borrowable(math.inf, BUDGET, most=1.0) == 0.0
+    with pytest.raises(ValueError, match="--lead-borrow-max"):
+        GpuWorkerSettings(lead_borrow_max=0.5).check()
     # what a step may not take of its budget: what the streams cannot spare of it, all where short
     assert withheld(math.inf, BUDGET) == 0.0 and withheld(1.5 * BUDGET, BUDGET) == 0.0
     assert withheld(0.25 * BUDGET, BUDGET) == pytest.approx(0.75 * BUDGET)

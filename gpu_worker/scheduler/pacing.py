@@ -475,9 +475,9 @@ def switch_fits(
     return row_period > 0 and lead_fits(wait_rows, ahead_s, max(row_period, budget), margin, latency_s)
 
 
-# `step_allowance` (`--lead-borrow`): a step takes at most this many times its budget, however much
-# audio its streams' listeners have in hand, so that the first audio of the streams not yet playing
-# is not put off for long.
+# `step_allowance` (`--lead-borrow`): by default a step takes at most this many times its budget
+# (`--lead-borrow-max`), however much audio its streams' listeners have in hand, so that the first
+# audio of the streams not yet playing is not put off for long.
 BORROW_MAX = 2.0
 
 
@@ -530,8 +530,8 @@ def withheld(allow: float, budget: float) -> float:
     return max(0.0, budget - allow)
 
 
-def borrowable(allow: float, budget: float, slowness: float = 1.0) -> float:
+def borrowable(allow: float, budget: float, slowness: float = 1.0, most: float = BORROW_MAX) -> float:
     """Seconds a step may take past its `budget` (`--lead-borrow`) where the streams playing allow
     it `allow` seconds by `step_allowance` (a step taken `slowness` times what the fit says): at
-    most BORROW_MAX budgets in all."""
-    return max(0.0, min(allow / max(1.0, slowness), BORROW_MAX * budget) - budget)
+    most `most` budgets in all (`--lead-borrow-max`)."""
+    return max(0.0, min(allow / max(1.0, slowness), most * budget) - budget)

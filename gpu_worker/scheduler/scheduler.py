@@ -475,7 +475,11 @@ class Scheduler:
             slow = self.clock.slowness()
             room = dataclasses.replace(
                 room,
-                borrowed=borrowable(borrow, budget, slow) if self.limits.lead_borrow else 0.0,
+                borrowed=(
+                    borrowable(borrow, budget, slow, self.limits.lead_borrow_max)
+                    if self.limits.lead_borrow
+                    else 0.0
+                ),
                 withheld=withheld(keep, budget),
             )
         return room
