@@ -7,6 +7,7 @@ test_gpu_csm_parity.py.
 
 from __future__ import annotations
 
+import gc
 import time
 
 import numpy as np
@@ -88,9 +89,15 @@ def greedy_setup(program):
     engines: dict[tuple, Engine] = {}
 
     def engine(**kw) -> Engine:
-        """One engine per setting, reused once idle: its graphs are captured once, not per run."""
+        """The engine of this setting, reused while the runs keep to it (its graphs are captured
+        once, not per run); another setting's engine is freed first. Each sizes its KV cache for
+        its whole batch at the full context (~35 GB in bf16), so two or three alive at once would
+        not fit an 80 GB GPU beside the weights."""
         key = tuple(sorted(kw.items()))
         if key not in engines:
+            engines.clear()
+            gc.collect()
+            torch.cuda.empty_cache()
             t0 = time.perf_counter()
             engines[key] = Engine(
                 program,
@@ -152,6 +159,7 @@ def greedy_graphs_vs_eager(engine, prompt) -> dict:
         eng.add(prompt("x", "The same words, again.", 1))
         eng.run_until_idle()
         out[name] = eng.outputs["x"][0]
+        del eng  # freed with the factory's next setting
     a, b = out["graphs"], out["eager"]
     first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
     return {
