@@ -22,7 +22,7 @@ stream; a prefix that fails fails its request alone.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -414,6 +414,23 @@ class Codec:
         if slots is None:
             return part, Pending.later(lambda: self._decode_eager(tokens, keys, tail))
         return part, Pending.later(lambda: self._decode_eager(tokens, keys, tail, slots, fresh))
+
+    def would_wait(self, chunks: list[DetokChunk]) -> bool:
+        """Whether `launch(chunks)` would wait for the GPU before it returns: a window kind of theirs
+        whose graphs hold a launch not yet read out (`DetokGraphs.launch` reads it first), or more
+        windows of a kind than one part holds (its second part waits for its first). Eager decodes
+        run when read and never wait at launch. Merged units and codec streams' rounds may make
+        parts this count does not see: then the launch waits where this says it would not, as every
+        launch may."""
+        if not self.graphs:
+            return False
+        p = self.program
+        counts = Counter(self._kind(len(c.tokens) // (4 * p.n_codebooks), c.tail_rows) for c in chunks)
+        for kind, n in counts.items():
+            graphs = self.graphs.get(kind)
+            if graphs is not None and (graphs.pending is not None or n > self.limits[kind]):
+                return True
+        return False
 
     def collect(self, launched: Launched) -> list[AudioChunk]:
         """Wait for a launch and turn it into AudioChunks, in its chunks' order, leaving out the

@@ -198,15 +198,38 @@ class CodecWorker:
         """One pass: queue every group's decode, then wait for each in turn and send it with its
         ends. The urgent group (first chunks, streams running late or with less audio left than a
         pass takes) goes first and leaves as soon as its own decode is done; the GPU runs the whole
-        pass in one go (see codec_worker/graphs.py on why the waits are what costs)."""
+        pass in one go (see codec_worker/graphs.py on why the waits are what costs). A group whose
+        launch would itself wait for the GPU (`Codec.would_wait`: a window kind the urgent group
+        also holds, more windows of a kind than a part) is launched only once the groups before it
+        are sent: the first chunks of a burst do not wait behind the playing streams' windows."""
+        if not any(chunks for chunks, _ in groups):
+            return
         t0 = time.perf_counter()
         launched: list[tuple[Launched | Exception, list[DetokChunk], list[Finished]]] = []
+        n = 0
         for chunks, finished in groups:  # (pending or the launch's error, chunks, ends), in order
             if chunks:
+                if launched and self.codec.would_wait(chunks):
+                    n += self._send(launched)
+                    launched = []
                 try:
                     launched.append((self.codec.launch(chunks), chunks, finished))
                 except Exception as e:  # fails this group's requests (below, in order), not the process
                     launched.append((e, chunks, finished))
+        n += self._send(launched)
+        took = time.perf_counter() - t0
+        if took > self.slow_pass_s:
+            self._slow(took, groups)
+        self.gather.decoded(took)
+        c = self.counters
+        c["codec_calls_total"] += 1  # passes: each waits for the GPU once per group at most
+        c["codec_windows_total"] += n
+        c["codec_busy_seconds_total"] += took
+        self.status.set_load(0, 0, dict(c))
+
+    def _send(self, launched: list[tuple[Launched | Exception, list[DetokChunk], list[Finished]]]) -> int:
+        """Wait for each launched group in turn and send its audio with its ends (a group whose
+        launch or decode failed: its requests' errors). → the windows sent."""
         n = 0
         for pending, chunks, finished in launched:
             try:
@@ -221,17 +244,7 @@ class CodecWorker:
             ends = list(pending.failed.values()) + self.codec.ended(finished)
             self.to_gateway.send(AudioChunks(chunks=audio, finished=ends))
             n += len(audio)
-        if not launched:
-            return
-        took = time.perf_counter() - t0
-        if took > self.slow_pass_s:
-            self._slow(took, groups)
-        self.gather.decoded(took)
-        c = self.counters
-        c["codec_calls_total"] += 1  # passes: each waits for the GPU once per group at most
-        c["codec_windows_total"] += n
-        c["codec_busy_seconds_total"] += took
-        self.status.set_load(0, 0, dict(c))
+        return n
 
     def _slow(self, took: float, groups: list[tuple[list[DetokChunk], list[Finished]]]) -> None:
         """Log a pass past `slow_pass_s` with its windows by kind (rows, tail rows: count), at most

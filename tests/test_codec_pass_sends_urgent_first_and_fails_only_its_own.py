@@ -1,8 +1,12 @@
 """One codec pass: the urgent group (first chunks) is decoded and sent before the gathered rest is
-decoded, on the eager path too (its decodes run when read); a window that cannot be decoded ends
-its own request with an error, and the other windows and ends held with it go on unchanged."""
+decoded, on the eager path too (its decodes run when read); where the rest's launch would itself
+wait for the GPU (a window kind in flight, more windows of a kind than a part holds), the urgent
+group is sent before the rest is launched; a window that cannot be decoded ends its own request
+with an error, and the other windows and ends held with it go on unchanged."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -69,6 +73,45 @@ def test_the_urgent_group_is_sent_before_the_rest_is_decoded(program):
     assert w.counters["codec_calls_total"] == 1 and w.counters["codec_windows_total"] == 6
 
 
+class Graphs:
+    """What `Codec.would_wait` reads of a kind's DetokGraphs: its launch not yet read out."""
+
+    def __init__(self, pending: object | None = None) -> None:
+        self.pending = pending
+
+
+@pytest.mark.parametrize("waits", [False, True], ids=["launch-free", "launch-would-wait"])
+def test_a_group_whose_launch_would_wait_is_launched_after_the_groups_before_it_are_sent(program, waits):
+    log: list = []
+    w = worker(program, log)
+    launch = w.codec.launch
+    w.codec.launch = lambda chunks: log.append(("launch", len(chunks))) or launch(chunks)
+    w.codec.would_wait = lambda chunks: waits
+    urgent, rest = [window("new", 0)], [window(f"s{i}", 3) for i in range(4)]
+    w._decode_and_send([(urgent, []), (rest, [Finished("s0", FinishReason.STOP)])])
+    sends = [("send", ["new"], []), ("send", [f"s{i}" for i in range(4)], [("s0", FinishReason.STOP)])]
+    if waits:  # the urgent group decoded and sent before the rest is launched at all
+        assert log == [("launch", 1), ("decode", 1), sends[0], ("launch", 4), ("decode", 4), sends[1]]
+    else:  # both launched, then each read and sent in turn
+        assert log == [("launch", 1), ("launch", 4), ("decode", 1), sends[0], ("decode", 4), sends[1]]
+    assert w.counters["codec_calls_total"] == 1 and w.counters["codec_windows_total"] == 5
+
+
+def test_a_launch_would_wait_for_a_kind_in_flight_or_a_second_part(program):
+    codec = Codec(program, max_batch=8, graphs=False)
+    rows = program.detok_lead[0]
+    regular, lead = [window(f"r{i}", 3) for i in range(8)], window("new", 0, rows=rows)
+    assert not codec.would_wait(regular + [lead])  # eager: every decode runs when read
+    # as on a GPU: graphs per kind, 8 regular windows a part and one lead
+    codec.graphs = {(28, 0): Graphs(), (rows, 0): Graphs()}
+    codec.limits = {(28, 0): 8, (rows, 0): 1}
+    assert not codec.would_wait(regular)  # one part, its graphs free
+    assert codec.would_wait(regular + [window("r8", 3)])  # nine regular windows: two parts of 8
+    assert not codec.would_wait([lead])
+    codec.graphs[28, 0].pending = object()  # a regular launch not yet read out
+    assert codec.would_wait(regular[:1]) and not codec.would_wait([lead])
+
+
 def test_a_failed_group_ends_only_its_own_requests(program):
     log: list = []
     w = worker(program, log)
@@ -89,10 +132,13 @@ def test_a_failed_group_ends_only_its_own_requests(program):
     ]
 
 
-def test_a_slow_pass_is_logged_with_its_windows_by_kind(program, caplog):
+def test_a_slow_pass_is_logged_with_its_windows_by_kind(program, caplog, monkeypatch):
+    # the second pass within the log's interval however slowly this host decodes the first
+    monkeypatch.setattr("codec_worker.worker.SLOW_LOG_S", 3600.0)
     log: list = []
     w = worker(program, log)
     w.slow_pass_s = 0.0  # every pass is slow (on a GPU: past SLOW_PASS_S)
+    w._slow_log_at = -math.inf  # nothing logged yet
     with caplog.at_level("WARNING", logger="codec_worker.worker"):
         w._decode_and_send([([window("new", 0)], []), ([window(f"s{i}", 3) for i in range(3)], [])])
         w._decode_and_send([([window("t", 1)], [])])  # within SLOW_LOG_S of the first: counted, not logged
