@@ -43,7 +43,9 @@ log = logging.getLogger(__name__)
 # GPU a full call's fixed cost is already spread thin at 128 (~1 ms over ~7 ms of windows on the
 # H200), and a first chunk arriving during a call waits for it: larger calls buy little.
 GPU_MAX_BATCH, CPU_MAX_BATCH = 128, 64
-LEAD_MAX_BATCH = 16  # lead windows are first chunks only: few per pass; graphs up to this batch
+# Lead windows are first chunks only, and short tails a stream's next few frames: few per pass,
+# graphs up to this batch by default (`--codec-lead-batch`)
+LEAD_MAX_BATCH = 16
 # Windows per decode call (a call of fewer is padded): on a CPU 4 costs a lone window ~1.8x a call
 # of 1, and 16 windows take no longer than in one call of 16. On a GPU a graph runs its calls of 16
 # side by side (codec_worker/graphs.py): large batches cost a tenth to a fifth more than one call
@@ -83,6 +85,7 @@ class Codec:
         merge: int = 1,
         benchmark_graphs: bool = False,
         compile_tails: bool = False,
+        lead_batch: int = 0,
     ) -> None:
         self.program = program
         self.device = program.device
@@ -122,18 +125,9 @@ class Codec:
                 self._compile_failed(e)
             if self.compiled is None and not compile_fallback:
                 raise ValueError(f"--codec-compile on: {program.name} has no compiled codec")
-        # Largest batch decoded at once, per window kind (rows, tail rows): regular windows, lead
-        # windows, and with `tails` (--first-chunk progressive) the tail windows of 1-4 frames (a
-        # tail of all its rows is the whole window: kind (rows, 0), see `_kind`).
-        p, s = program, program.detok_stride
-        kinds = {(p.detok_interval, 0): max_batch}
-        kinds.update({(m * p.detok_interval, 0): max_batch for m in self.merge})
-        kinds.update({(r, 0): LEAD_MAX_BATCH for r in p.detok_lead})
-        if tails and p.detok_tail:
-            kinds.update({self._kind(r, s): LEAD_MAX_BATCH for r in range(s, p.detok_interval + 1, s)})
-            if self.compile_tails:  # decoded as regular windows are: a burst's streams send them together
-                kinds[self._kind(p.detok_interval, s)] = max_batch
-        self.limits = kinds
+        self.limits = self.window_limits(
+            program, max_batch, lead_batch, self.merge, tails, bool(self.compile_tails)
+        )  # fmt: skip
         self.graphs: dict[tuple[int, int], DetokGraphs] = {}
         if graphs and self.device.type == "cuda":
             # `benchmark_graphs`: cuDNN times each captured convolution shape's algorithms in the
@@ -156,7 +150,7 @@ class Codec:
                     streams = {"slots": np.full(n, self.slots.scratch, np.int64), "fresh": np.zeros(n, bool)}
                 for rows, tail in self.limits:  # every kind the compiled decode takes
                     if self._compiles(rows, tail):
-                        tokens = np.zeros((n, rows, p.n_codebooks), np.int64)
+                        tokens = np.zeros((n, rows, program.n_codebooks), np.int64)
                         self._decode_eager(tokens, np.zeros(n, np.int64), tail=tail, **streams)
 
     def _capture(self, progress) -> None:
@@ -224,6 +218,33 @@ class Codec:
         if tail:
             return self.compile_tails and rows == p.detok_interval and tail == p.detok_stride
         return rows in (p.detok_interval, *(m * p.detok_interval for m in self.merge))
+
+    @classmethod
+    def window_limits(
+        cls,
+        program: LMProgram,
+        max_batch: int,
+        lead_batch: int = 0,
+        merge: tuple[int, ...] = (),
+        tails: bool = False,
+        compile_tails: bool = False,
+    ) -> dict[tuple[int, int], int]:
+        """The largest batch decoded at once (on a GPU: the largest graph), per window kind (rows,
+        tail rows): regular windows and merged ones `max_batch`; lead windows, and with `tails`
+        (--first-chunk progressive) the tail windows of 1-4 frames (a tail of all its rows is the
+        whole window: kind (rows, 0), see `_kind`), `lead_batch` (0: LEAD_MAX_BATCH; at most
+        `max_batch`), but a full window's tails with `compile_tails`: decoded as regular windows
+        are, a burst's streams send them together."""
+        p, s = program, program.detok_stride
+        lead = min(lead_batch or LEAD_MAX_BATCH, max_batch)
+        kinds = {(p.detok_interval, 0): max_batch}
+        kinds.update({(m * p.detok_interval, 0): max_batch for m in merge})
+        kinds.update({(r, 0): lead for r in p.detok_lead})
+        if tails and p.detok_tail:
+            kinds.update({cls._kind(r, s): lead for r in range(s, p.detok_interval + 1, s)})
+            if compile_tails:
+                kinds[cls._kind(p.detok_interval, s)] = max_batch
+        return kinds
 
     @staticmethod
     def _kind(rows: int, tail: int) -> tuple[int, int]:

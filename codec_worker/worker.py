@@ -115,6 +115,7 @@ class CodecWorker:
             merge=cfg.codec.merge,
             benchmark_graphs=benchmark_graphs,
             compile_tails=cfg.codec.compile_tails,
+            lead_batch=cfg.codec.lead_batch,
         )
         self.status = status
         self.inbox: PullChannel[CodecInMsg] = PullChannel(cfg.addresses.codec_in, CodecInMsg, bind=True)

@@ -351,6 +351,10 @@ class CodecSettings(msgspec.Struct, kw_only=True):
     # lead windows, uncompiled in graphs of up to 16.
     compile_tails: bool = True
     max_batch: int = 0  # windows per decode call (0 = 128 on GPU, 64 on CPU)
+    # GPU graphs: the largest batch of lead windows (first chunks) and of the tail windows shorter
+    # than a regular window decoded at once (0 = 16; at most max_batch). A burst's first chunks
+    # queue in parts of this many, one after another (codec_worker/codec.py: LEAD_MAX_BATCH).
+    lead_batch: int = 0
     # Windows per codec call inside a decode: -1 = by device (16 GPU, 4 CPU), 0 = a whole batch
     # (codec_worker/codec.py: a window's bits then depend on its batch bucket).
     call_batch: int = -1
@@ -389,6 +393,8 @@ class CodecSettings(msgspec.Struct, kw_only=True):
             raise ValueError(f"--codec-cudnn-benchmark is auto, on or off, not {self.cudnn_benchmark!r}")
         if self.merge < 1:
             raise ValueError(f"--codec-merge must be >= 1 (1 = each window alone), got {self.merge}")
+        if self.lead_batch < 0:
+            raise ValueError(f"--codec-lead-batch must be >= 0 (0 = 16), got {self.lead_batch}")
         if self.max_batch < 0 or not 0 <= self.gather_ms <= 1000:
             raise ValueError("--codec-max-batch must be >= 0 and --codec-gather-ms in 0..1000")
         if not 0 <= self.gpu_share <= 100:

@@ -236,6 +236,15 @@ OPTIONS: tuple[Option, ...] = (
         path="codec.max_batch",
     ),
     Option(
+        "codec_lead_batch",
+        "GPU: the largest batch of lead windows (first chunks) and of tail windows shorter than a "
+        "regular window decoded at once, and their largest codec graph (0 = 16; at most "
+        "--codec-max-batch): a burst's first chunks queue in parts of this many, one after another",
+        ("serve", "codec_worker"),
+        int,
+        path="codec.lead_batch",
+    ),
+    Option(
         "codec_call_batch",
         "windows per codec call inside a decode (padded): one shape for every call, so a window's "
         "audio is the same bits however it is batched (-1 = 16 on GPU, 4 on CPU; 0 = a graph's whole "
