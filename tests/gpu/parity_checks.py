@@ -266,3 +266,14 @@ def bf16_engines(model: str, quantization: str = "none", fused: bool = False):
     )
     eng = Engine(prog, GpuWorkerSettings(max_batch_size=64, max_context=1024))
     return prog, eng, make_runner(prog, kv, GpuWorkerSettings(cuda_graphs=False))
+
+
+def codec_pass_ms(codec, chunks, reps: int = 10) -> float:
+    """A codec's decode of `chunks` (one pass), its mean wall time over `reps` after a warm one."""
+    codec.decode(chunks)  # warm
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        codec.decode(chunks)
+    torch.cuda.synchronize()
+    return 1000 * (time.perf_counter() - t0) / reps

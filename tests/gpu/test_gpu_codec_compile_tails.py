@@ -6,11 +6,10 @@ passes' times."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 import torch
+from parity_checks import codec_pass_ms
 
 from codec_worker.codec import Codec
 from codec_worker.worker import codec_compile_backend
@@ -24,16 +23,6 @@ def tails(n: int, seed: int) -> list[DetokChunk]:
     codes = torch.randint(0, 4096, (n, 28, 1), generator=gen)
     tokens = (128266 + 4096 * (torch.arange(28) % 7)[None, :, None] + codes).int().numpy().astype("<i4")
     return [DetokChunk(f"t{seed}-{i}", 3, 11 + i, tokens[i].tobytes(), 3, tail_rows=7) for i in range(n)]
-
-
-def pass_ms(codec: Codec, chunks: list[DetokChunk], reps: int = 10) -> float:
-    codec.decode(chunks)  # warm
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        codec.decode(chunks)
-    torch.cuda.synchronize()
-    return 1000 * (time.perf_counter() - t0) / reps
 
 
 def codecs(dtype: str) -> tuple[Codec, Codec]:
@@ -61,6 +50,9 @@ def test_full_context_tails_compiled_decode_as_the_graphs_do_and_faster(gpu_repo
     report = gpu_report("codec_compile_tails_orpheus")
     report["pcm_max_lsb_float32"] = worst
     plain, fast = codecs("float16")  # as served
-    report |= {"plain_pass_ms_float16": pass_ms(plain, chunks), "fast_pass_ms_float16": pass_ms(fast, chunks)}
+    report |= {
+        "plain_pass_ms_float16": codec_pass_ms(plain, chunks),
+        "fast_pass_ms_float16": codec_pass_ms(fast, chunks),
+    }
     assert worst <= 1
     assert report["fast_pass_ms_float16"] < report["plain_pass_ms_float16"]

@@ -6,10 +6,9 @@ queue in (bench/results: the burst's tap, where a part of 16 took ~8 ms on an H1
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import torch
+from parity_checks import codec_pass_ms
 
 from codec_worker.codec import LEAD_MAX_BATCH, Codec
 from common.messages import LEAD_NOISE_BASE, DetokChunk
@@ -26,16 +25,6 @@ def leads(n: int, seed: int) -> list[DetokChunk]:
     return [
         DetokChunk(f"l{seed}-{i}", 0, 11 + i, tokens[i].tobytes(), LEAD_NOISE_BASE + ROWS) for i in range(n)
     ]
-
-
-def pass_ms(codec: Codec, chunks: list[DetokChunk], reps: int = 10) -> float:
-    codec.decode(chunks)  # warm
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        codec.decode(chunks)
-    torch.cuda.synchronize()
-    return 1000 * (time.perf_counter() - t0) / reps
 
 
 def test_a_pass_of_first_chunks_decodes_the_same_in_wider_lead_graphs(gpu_report) -> None:
@@ -55,7 +44,7 @@ def test_a_pass_of_first_chunks_decodes_the_same_in_wider_lead_graphs(gpu_report
     report = gpu_report("codec_lead_batch_orpheus")
     report |= {
         "pcm_max_lsb_float16": worst,
-        "parts_of_16_pass_ms_float16": pass_ms(parts, chunks),
-        "one_graph_of_128_pass_ms_float16": pass_ms(wide, chunks),
+        "parts_of_16_pass_ms_float16": codec_pass_ms(parts, chunks),
+        "one_graph_of_128_pass_ms_float16": codec_pass_ms(wide, chunks),
     }
     assert [c.rid for c in a] == [c.rid for c in b] and worst == 0, report
