@@ -9,6 +9,7 @@ Writes one JSON (see --out) with `device`, `model`, `date`, `decode_step_ms`, `t
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -256,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         "--decode-row-tiles",
         default="0",
         help="decode steps timed with each of these --decode-row-tile values (0: one GEMM a step); "
-        "with more than one, decode_step_ms_by_row_tile gives each",
+        "decode_step_ms holds the first's, and with more than one decode_step_ms_by_row_tile each",
     )
     ap.add_argument("--prefill-counts", default="1,4,16", help="prompts per prefill step timed")
     ap.add_argument("--prefill-rows", type=int, default=40, help="rows of each prompt (Orpheus: ~20-60)")
@@ -299,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         by_tile = {}
         for tile in tiles:
             by_tile[tile] = decode_steps(program, sizes, [512, 1024], tile)
+            gc.collect()  # the tile's graphs and KV cache, before the next tile's
             torch.cuda.empty_cache()
         res["decode_step_ms"] = by_tile[tiles[0]]
         if len(tiles) > 1:

@@ -22,7 +22,7 @@ stream; a prefix that fails fails its request alone.
 from __future__ import annotations
 
 import logging
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -127,7 +127,7 @@ class Codec:
                 raise ValueError(f"--codec-compile on: {program.name} has no compiled codec")
         self.limits = self.window_limits(
             program, max_batch, lead_batch, self.merge, tails, bool(self.compile_tails)
-        )  # fmt: skip
+        )
         self.graphs: dict[tuple[int, int], DetokGraphs] = {}
         if graphs and self.device.type == "cuda":
             # `benchmark_graphs`: cuDNN times each captured convolution shape's algorithms in the
@@ -232,11 +232,11 @@ class Codec:
         """The largest batch decoded at once (on a GPU: the largest graph), per window kind (rows,
         tail rows): regular windows and merged ones `max_batch`; lead windows, and with `tails`
         (--first-chunk progressive) the tail windows of 1-4 frames (a tail of all its rows is the
-        whole window: kind (rows, 0), see `_kind`), `lead_batch` (0: LEAD_MAX_BATCH; at most
-        `max_batch`), but a full window's tails with `compile_tails`: decoded as regular windows
+        whole window: kind (rows, 0), see `_kind`), `lead_batch` (at most `max_batch`; 0:
+        LEAD_MAX_BATCH), but a full window's tails with `compile_tails`: decoded as regular windows
         are, a burst's streams send them together."""
         p, s = program, program.detok_stride
-        lead = min(lead_batch or LEAD_MAX_BATCH, max_batch)
+        lead = min(lead_batch, max_batch) if lead_batch else LEAD_MAX_BATCH
         kinds = {(p.detok_interval, 0): max_batch}
         kinds.update({(m * p.detok_interval, 0): max_batch for m in merge})
         kinds.update({(r, 0): lead for r in p.detok_lead})
@@ -437,21 +437,17 @@ class Codec:
         return part, Pending.later(lambda: self._decode_eager(tokens, keys, tail, slots, fresh))
 
     def would_wait(self, chunks: list[DetokChunk]) -> bool:
-        """Whether `launch(chunks)` would wait for the GPU before it returns: a window kind of theirs
-        whose graphs hold a launch not yet read out (`DetokGraphs.launch` reads it first), or more
-        windows of a kind than one part holds (its second part waits for its first). Eager decodes
-        run when read and never wait at launch. Merged units and codec streams' rounds may make
-        parts this count does not see: then the launch waits where this says it would not, as every
-        launch may."""
+        """Whether `launch(chunks)` would first wait for an earlier launch: a window kind of theirs
+        whose graphs hold a launch not yet read out (`DetokGraphs.launch` reads it before it queues
+        another). Reading that launch out first instead costs no more waits. (A kind with more
+        windows than one part holds waits for its own first part as well, whoever goes first: not
+        counted here.) Eager decodes run when read and never wait at launch; merged units, whose
+        kind is not a chunk's own, are not seen."""
         if not self.graphs:
             return False
         p = self.program
-        counts = Counter(self._kind(len(c.tokens) // (4 * p.n_codebooks), c.tail_rows) for c in chunks)
-        for kind, n in counts.items():
-            graphs = self.graphs.get(kind)
-            if graphs is not None and (graphs.pending is not None or n > self.limits[kind]):
-                return True
-        return False
+        kinds = {self._kind(len(c.tokens) // (4 * p.n_codebooks), c.tail_rows) for c in chunks}
+        return any(kind in self.graphs and self.graphs[kind].pending is not None for kind in kinds)
 
     def collect(self, launched: Launched) -> list[AudioChunk]:
         """Wait for a launch and turn it into AudioChunks, in its chunks' order, leaving out the

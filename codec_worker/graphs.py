@@ -15,8 +15,8 @@ on the H200; a window's place within a call changes nothing). `call_batch` 0 dec
 
 `launch` only queues that work and returns a `Pending`: the codec_worker queues every kind of
 window of a pass (and the urgent and the gathered windows) before it waits once, unless a launch of
-the gathered windows would wait anyway (a kind already in flight: `Codec.would_wait`); then the
-urgent windows are read and sent first. Each wait for
+the gathered windows would wait anyway (for a launch of the same kind: `Codec.would_wait`); then
+the urgent windows are read and sent first. Each wait for
 the GPU gives the GPU back to the LM process, and without MPS each return of the codec costs the
 LM a time slice: measured on the H200 under load, ~3-4 ms of LM time per codec call whatever its
 size, when a pass waited once per window kind.

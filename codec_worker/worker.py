@@ -200,9 +200,10 @@ class CodecWorker:
         ends. The urgent group (first chunks, streams running late or with less audio left than a
         pass takes) goes first and leaves as soon as its own decode is done; the GPU runs the whole
         pass in one go (see codec_worker/graphs.py on why the waits are what costs). A group whose
-        launch would itself wait for the GPU (`Codec.would_wait`: a window kind the urgent group
-        also holds, more windows of a kind than a part) is launched only once the groups before it
-        are sent: the first chunks of a burst do not wait behind the playing streams' windows."""
+        launch would first wait for a group before it (`Codec.would_wait`: a window kind the urgent
+        group holds too, such as tails of streams running short beside the playing streams' tails)
+        is launched only once the groups before it are sent, at no more waits: the urgent windows
+        do not wait behind the rest's launches."""
         if not any(chunks for chunks, _ in groups):
             return
         t0 = time.perf_counter()

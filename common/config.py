@@ -348,7 +348,7 @@ class CodecSettings(msgspec.Struct, kw_only=True):
     # frame until it switches to regular windows) decoded as regular windows are, in graphs up to
     # `max_batch`, and compiled where the model's compiled codec takes them and `compile` compiles
     # (else, or after their compile failed under auto, uncompiled in those larger graphs). Off: as
-    # lead windows, uncompiled in graphs of up to 16.
+    # lead windows, uncompiled in graphs of up to `lead_batch`.
     compile_tails: bool = True
     max_batch: int = 0  # windows per decode call (0 = 128 on GPU, 64 on CPU)
     # GPU graphs: the largest batch of lead windows (first chunks) and of the tail windows shorter

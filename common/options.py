@@ -223,7 +223,7 @@ OPTIONS: tuple[Option, ...] = (
         "with --first-chunk progressive: decode the tail windows of a full window (a stream's newest "
         "frame until it switches to regular windows) as regular windows are, in graphs up to "
         "--codec-max-batch and compiled where --codec-compile compiles and the model's compiled codec "
-        "takes them (the default; one more compile at startup); off: uncompiled, in graphs of up to 16",
+        "takes them (the default; one more compile at startup); off: uncompiled, in graphs of up to --codec-lead-batch",
         ("serve", "codec_worker"),
         _parse_bool,
         path="codec.compile_tails",

@@ -1,8 +1,8 @@
 """One codec pass: the urgent group (first chunks) is decoded and sent before the gathered rest is
-decoded, on the eager path too (its decodes run when read); where the rest's launch would itself
-wait for the GPU (a window kind in flight, more windows of a kind than a part holds), the urgent
-group is sent before the rest is launched; a window that cannot be decoded ends its own request
-with an error, and the other windows and ends held with it go on unchanged."""
+decoded, on the eager path too (its decodes run when read); where the rest's launch would first
+wait for the urgent group's (a window kind of both), the urgent group is sent before the rest is
+launched; a window that cannot be decoded ends its own request with an error, and the other
+windows and ends held with it go on unchanged."""
 
 from __future__ import annotations
 
@@ -97,19 +97,16 @@ def test_a_group_whose_launch_would_wait_is_launched_after_the_groups_before_it_
     assert w.counters["codec_calls_total"] == 1 and w.counters["codec_windows_total"] == 5
 
 
-def test_a_launch_would_wait_for_a_kind_in_flight_or_a_second_part(program):
+def test_a_launch_would_wait_for_a_kind_in_flight(program):
     codec = Codec(program, max_batch=8, graphs=False)
     rows = program.detok_lead[0]
     regular, lead = [window(f"r{i}", 3) for i in range(8)], window("new", 0, rows=rows)
     assert not codec.would_wait(regular + [lead])  # eager: every decode runs when read
-    # as on a GPU: graphs per kind, 8 regular windows a part and one lead
-    codec.graphs = {(28, 0): Graphs(), (rows, 0): Graphs()}
-    codec.limits = {(28, 0): 8, (rows, 0): 1}
-    assert not codec.would_wait(regular)  # one part, its graphs free
-    assert codec.would_wait(regular + [window("r8", 3)])  # nine regular windows: two parts of 8
-    assert not codec.would_wait([lead])
+    codec.graphs = {(28, 0): Graphs(), (rows, 0): Graphs()}  # as on a GPU: graphs per kind
+    assert not codec.would_wait(regular + [lead])  # their graphs free
     codec.graphs[28, 0].pending = object()  # a regular launch not yet read out
-    assert codec.would_wait(regular[:1]) and not codec.would_wait([lead])
+    assert codec.would_wait(regular[:1]) and codec.would_wait([lead, *regular[:1]])
+    assert not codec.would_wait([lead])
 
 
 def test_a_failed_group_ends_only_its_own_requests(program):

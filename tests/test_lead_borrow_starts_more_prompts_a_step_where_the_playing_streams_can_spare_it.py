@@ -96,16 +96,17 @@ def test_the_rows_to_a_streams_next_chunk_are_those_after_which_its_next_window_
             assert n + rows == next(s for s in sent_at if s > n), n
 
 
-def engine(program, borrow: bool, in_hand_s: float) -> Engine:
+def engine(program, borrow: bool, in_hand_s: float, borrow_max: float = BORROW_MAX) -> Engine:
     """One stream playing with `in_hand_s` of audio in hand, a fitted step cost of 6 ms of decode,
     0.5 ms a prompt and 1.5 ms a group (a prompt a group: the budget leaves room for two), eleven
-    prompts waiting."""
+    prompts waiting; a borrowing step takes at most `borrow_max` budgets (`--lead-borrow-max`)."""
     eng = Engine(
         program,
         GpuWorkerSettings(
-            max_batch_size=16, max_context=64, max_prefills=8, first_chunk="reference", lead_borrow=borrow
+            max_batch_size=16, max_context=64, max_prefills=8, first_chunk="reference", lead_borrow=borrow,
+            lead_borrow_max=borrow_max,
         ),
-    )
+    )  # fmt: skip
     s = eng.scheduler
     s.real_time = True  # paced as on a GPU
     sampling = SamplingParams(max_tokens=len(ROWS) + 40, temperature=0.0)
@@ -143,6 +144,13 @@ def test_a_stream_well_ahead_lets_a_step_start_more_prompts_and_first_audio_is_p
     assert borrow.metrics()["steps_borrowing_total"] == 1 and keep.metrics()["steps_borrowing_total"] == 0
     # prompts still wait: the next steps are expected to take the heavier step's time
     assert s.clock.rows_time_high(7) == pytest.approx(7 * (0.006 + 7 * 0.002), rel=0.01)
+
+    wide = engine(program, borrow=True, in_hand_s=1.0, borrow_max=3.0).scheduler  # --lead-borrow-max 3
+    assert wide.prompt_room().borrowed == pytest.approx(2 * wide.step_budget())
+    wide.admit(0, lambda rows: len(rows))
+    assert (
+        wide.admitted_last == 8 and wide.admission_stops["cap"] == 1
+    )  # (3 x 10.7 - 6) / 2 ms: 13, the cap 8
 
 
 def test_a_step_past_its_budget_is_expected_heavy_though_no_prompt_waits(program):

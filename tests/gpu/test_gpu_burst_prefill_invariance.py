@@ -37,8 +37,8 @@ def greedy():
     return greedy_setup(p)
 
 
-@pytest.mark.parametrize("max_prefills", [0, 16], ids=["default", "max-prefills-16"])
 @pytest.mark.parametrize("temperature", [0.0, 0.6], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("max_prefills", [0, 16], ids=["default", "max-prefills-16"])
 def test_a_burst_started_in_batched_graphs_samples_what_each_request_samples_alone(
     greedy, gpu_report, temperature, max_prefills
 ):
