@@ -956,10 +956,10 @@ def main(argv: list[str] | None = None) -> None:
         help="policies besides: at most this many prompts a step while a first chunk waits (e.g. 1,2)",
     )
     args = ap.parse_args(argv)
-    if not 1.0 <= args.lead_borrow_max <= 16.0:
-        ap.error(
-            f"--lead-borrow-max is from 1 to 16 step budgets, as the server's; got {args.lead_borrow_max:g}"
-        )
+    try:  # the server's bounds
+        GpuWorkerSettings(lead_borrow_max=args.lead_borrow_max).check()
+    except ValueError as e:
+        ap.error(str(e))
     poisson = bool(args.rate)
     tokens = args.tokens or (360 if poisson else 1024)
     # the simulated GPU: the first of these flags given, else GPU()

@@ -200,7 +200,7 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     # up to `lead_borrow_max` budgets in all: a burst starts more prompts a step where the streams
     # running can spare it. Off: every step keeps the budget.
     lead_borrow: bool = True
-    lead_borrow_max: float = 2.0
+    lead_borrow_max: float = 2.0  # gpu_worker.scheduler.pacing.BORROW_MAX
     # With progressive first chunks: while a running stream waits for its first chunk or still sends
     # tail windows, streams with --sit-out's audio in hand (0.5 s when it is off) sit out so that a
     # step, by the fitted cost, comes to the pace that sends a first frame alone

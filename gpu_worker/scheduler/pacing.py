@@ -478,7 +478,7 @@ def switch_fits(
 # `step_allowance` (`--lead-borrow`): by default a step takes at most this many times its budget
 # (`--lead-borrow-max`), however much audio its streams' listeners have in hand, so that the first
 # audio of the streams not yet playing is not put off for long.
-BORROW_MAX = 2.0
+BORROW_MAX = GpuWorkerSettings().lead_borrow_max
 
 
 def step_allowance(
