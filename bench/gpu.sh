@@ -21,6 +21,9 @@
 #                  window, their times (serve a load with VOXPIPE_SERVE_EXTRA="--codec-merge 8" to compare)
 #   codec-tails    tests/gpu/test_gpu_codec_compile_tails.py: full-context tail windows compiled
 #                  (--codec-compile-tails) against graphed uncompiled, their audio and a pass's time
+#   codec-leads    tests/gpu/test_gpu_codec_compile_leads.py and test_gpu_codec_lead_batch.py: lead windows
+#                  (first chunks) compiled (--codec-compile-leads) or in wider graphs (--codec-lead-batch)
+#                  against graphed uncompiled parts of 16, their audio and a pass's time
 #   chatterbox     tests/gpu/test_gpu_chatterbox_parity.py (T3 with classifier-free guidance) and
 #                  tests/gpu/test_gpu_chatterbox_s3gen.py (S3Gen: the reference, stream graphs, GPU time)
 #   step | speed | offline | options | profile | attention | op-invariance | codec | codec-profile
@@ -115,6 +118,7 @@ for stage in "$@"; do
     higgs) gpu_tests higgs tests/gpu/test_gpu_higgs_tts_parity.py tests/gpu/test_gpu_higgs_tts_clone.py ;;
     codec-merge) gpu_tests codec-merge tests/gpu/test_gpu_codec_merge.py ;;
     codec-tails) gpu_tests codec-tails tests/gpu/test_gpu_codec_compile_tails.py ;;
+    codec-leads) gpu_tests codec-leads tests/gpu/test_gpu_codec_compile_leads.py tests/gpu/test_gpu_codec_lead_batch.py ;;
     chatterbox) gpu_tests chatterbox tests/gpu/test_gpu_chatterbox_parity.py tests/gpu/test_gpu_chatterbox_s3gen.py ;;
     xqa)
         gpu_tests xqa-parity tests/gpu/test_gpu_xqa_parity.py

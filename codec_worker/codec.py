@@ -86,6 +86,7 @@ class Codec:
         benchmark_graphs: bool = False,
         compile_tails: bool = False,
         lead_batch: int = 0,
+        compile_leads: bool = False,
     ) -> None:
         self.program = program
         self.device = program.device
@@ -118,6 +119,9 @@ class Codec:
         # ... and with `compile_tails`, where the program's compiled decode takes them
         # (`codec_compiled_tails`), the tail windows of a regular window's rows (`--codec-compile-tails`)
         self.compile_tails = compile_tails and program.codec_compiled_tails and program.detok_tail
+        # ... and with `compile_leads` (`codec_compiled_leads`), the lead windows: a request's first
+        # chunk (`--codec-compile-leads`)
+        self.compile_leads = compile_leads and program.codec_compiled_leads and bool(program.detok_lead)
         if compile_backend:
             try:
                 self.compiled = program.compiled_detokenize(compile_backend)
@@ -126,7 +130,7 @@ class Codec:
             if self.compiled is None and not compile_fallback:
                 raise ValueError(f"--codec-compile on: {program.name} has no compiled codec")
         self.limits = self.window_limits(
-            program, max_batch, lead_batch, self.merge, tails, bool(self.compile_tails)
+            program, max_batch, lead_batch, self.merge, tails, bool(self.compile_tails), self.compile_leads
         )
         self.graphs: dict[tuple[int, int], DetokGraphs] = {}
         if graphs and self.device.type == "cuda":
@@ -168,7 +172,7 @@ class Codec:
             except Exception as e:
                 if fn is None:
                     raise
-                self._compile_failed(e, tail)
+                self._compile_failed(e, tail, lead=not tail and self._lead(rows))
             if graphs is None:  # captured again uncompiled, the failed attempt released
                 # into a pool of its own: a pool whose graphs were all freed cannot be captured
                 # into again (PyTorch's allocator asserts), as when the first kind's attempt fails
@@ -186,16 +190,23 @@ class Codec:
             self.graphs[rows, tail] = graphs
 
     def _compiled_fn(self, tail: int) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-        """The compiled decode of windows keeping `tail` rows (0: a regular window's)."""
+        """The compiled decode of windows keeping `tail` rows (0: a regular or lead window's)."""
         compiled = self.compiled
         return compiled if not tail else lambda t, k: compiled(t, k, tail_rows=tail)
 
-    def _compile_failed(self, error: Exception, tail: int = 0) -> None:
+    def _compile_failed(self, error: Exception, tail: int = 0, lead: bool = False) -> None:
         """Decode every window uncompiled from here on (a tail window's compile failing: the tail
-        windows only), or (`--codec-compile on`) fail. Running out of GPU memory is no compile
-        failure: it goes on up."""
+        windows only; a lead window's: the lead windows only), or (`--codec-compile on`) fail.
+        Running out of GPU memory is no compile failure: it goes on up."""
         if not self.compile_fallback or isinstance(error, torch.cuda.OutOfMemoryError):
             raise error
+        if lead:
+            log.warning(
+                "codec: the compiled decode of lead windows failed (%s: %s); decoding them uncompiled",
+                type(error).__name__, error,
+            )  # fmt: skip
+            self.compile_leads = False
+            return
         if tail:
             log.warning(
                 "codec: the compiled decode of tail windows failed (%s: %s); decoding them uncompiled",
@@ -210,14 +221,25 @@ class Codec:
 
     def _compiles(self, rows: int, tail: int) -> bool:
         """Whether windows of this kind go through the compiled decode: regular windows, with
-        codec streams merged ones too (a stream's decoder takes any number of frames), and with
-        `compile_tails` the tail windows of a regular window's rows."""
+        codec streams merged ones too (a stream's decoder takes any number of frames), with
+        `compile_tails` the tail windows of a regular window's rows, and with `compile_leads` the
+        lead windows."""
         p = self.program
         if self.compiled is None:
             return False
         if tail:
             return self.compile_tails and rows == p.detok_interval and tail == p.detok_stride
+        if self._lead(rows):
+            return self.compile_leads
         return rows in (p.detok_interval, *(m * p.detok_interval for m in self.merge))
+
+    def _lead(self, rows: int) -> bool:
+        """Whether a window of `rows` rows and no tail is a lead window (not a regular or merged one)."""
+        p = self.program
+        return rows in p.detok_lead and rows not in (
+            p.detok_interval,
+            *(m * p.detok_interval for m in self.merge),
+        )
 
     @classmethod
     def window_limits(
@@ -228,22 +250,24 @@ class Codec:
         merge: tuple[int, ...] = (),
         tails: bool = False,
         compile_tails: bool = False,
+        compile_leads: bool = False,
     ) -> dict[tuple[int, int], int]:
         """The largest batch decoded at once (on a GPU: the largest graph), per window kind (rows,
         tail rows): regular windows and merged ones `max_batch`; lead windows, and with `tails`
         (--first-chunk progressive) the tail windows of 1-4 frames (a tail of all its rows is the
         whole window: kind (rows, 0), see `_kind`), `lead_batch` (at most `max_batch`; 0:
-        LEAD_MAX_BATCH), but a full window's tails with `compile_tails`: decoded as regular windows
-        are, a burst's streams send them together."""
+        LEAD_MAX_BATCH), but a full window's tails with `compile_tails` and lead windows with
+        `compile_leads`: decoded as regular windows are, a burst's streams send them together."""
         p, s = program, program.detok_stride
         lead = min(lead_batch, max_batch) if lead_batch else LEAD_MAX_BATCH
         kinds = {(p.detok_interval, 0): max_batch}
         kinds.update({(m * p.detok_interval, 0): max_batch for m in merge})
-        kinds.update({(r, 0): lead for r in p.detok_lead})
         if tails and p.detok_tail:
             kinds.update({cls._kind(r, s): lead for r in range(s, p.detok_interval + 1, s)})
             if compile_tails:
                 kinds[cls._kind(p.detok_interval, s)] = max_batch
+        # (a tail of all its rows is a lead window: one kind)
+        kinds.update({(r, 0): max_batch if compile_leads else lead for r in p.detok_lead})
         return kinds
 
     @staticmethod
@@ -284,7 +308,7 @@ class Codec:
                     fn = self._compiled_fn(tail)
                     audio, ok = fn(*args) if streams is None else fn(*args, streams=streams)
                 except Exception as e:  # compiled at its first call
-                    self._compile_failed(e, tail)
+                    self._compile_failed(e, tail, lead=not tail and self._lead(t.shape[1]))
             if audio is None:
                 audio, ok = self.program.detokenize(
                     t[lo : lo + k], kt[lo : lo + k], tail_rows=tail, streams=streams

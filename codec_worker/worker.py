@@ -116,6 +116,7 @@ class CodecWorker:
             benchmark_graphs=benchmark_graphs,
             compile_tails=cfg.codec.compile_tails,
             lead_batch=cfg.codec.lead_batch,
+            compile_leads=cfg.codec.compile_leads,
         )
         self.status = status
         self.inbox: PullChannel[CodecInMsg] = PullChannel(cfg.addresses.codec_in, CodecInMsg, bind=True)

@@ -350,6 +350,11 @@ class CodecSettings(msgspec.Struct, kw_only=True):
     # (else, or after their compile failed under auto, uncompiled in those larger graphs). Off: as
     # lead windows, uncompiled in graphs of up to `lead_batch`.
     compile_tails: bool = True
+    # Lead windows (a request's first chunk of 1-3 frames, decoded whole) likewise: compiled where
+    # the model's compiled codec takes them and `compile` compiles, in graphs up to `max_batch` (a
+    # burst's streams send their first chunks together). Off: uncompiled, in graphs of up to
+    # `lead_batch`.
+    compile_leads: bool = True
     max_batch: int = 0  # windows per decode call (0 = 128 on GPU, 64 on CPU)
     # GPU graphs: the largest batch of lead windows (first chunks) and of the tail windows shorter
     # than a regular window decoded at once (0 = 16; at most max_batch). A burst's first chunks

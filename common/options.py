@@ -229,6 +229,16 @@ OPTIONS: tuple[Option, ...] = (
         path="codec.compile_tails",
     ),
     Option(
+        "codec_compile_leads",
+        "decode lead windows (a request's first chunk) as regular windows are, in graphs up to "
+        "--codec-max-batch and compiled where --codec-compile compiles and the model's compiled codec "
+        "takes them (the default; one more compile per lead size at startup); off: uncompiled, in "
+        "graphs of up to --codec-lead-batch",
+        ("serve", "codec_worker"),
+        _parse_bool,
+        path="codec.compile_leads",
+    ),
+    Option(
         "codec_max_batch",
         "windows decoded in one codec call, and the largest codec graph (0 = 128 on GPU, 64 on CPU)",
         ("serve", "codec_worker"),

@@ -43,6 +43,7 @@ class OrpheusProgram(LMProgram):
     # (--codec-dtype bfloat16/float16 trade that for speed; tests/test_codec_precision.py: SNR).
     codec_dtype: torch.dtype = torch.float32
     codec_compiled_tails = True  # SnacCodec.compiled takes a full window's last frame as well
+    codec_compiled_leads = True  # ... and the lead windows (the first chunks), decoded whole
     mixed_prefill = True  # LlamaLM's GEMMs all go through fp8.linear, fused or not
 
     def __init__(self, spec: dict[str, Any], **kwargs: Any) -> None:
@@ -131,8 +132,8 @@ class OrpheusProgram(LMProgram):
         return self.codec.decode_orpheus_window(tokens, keys, tail_rows=tail_rows)
 
     def compiled_detokenize(self, backend: str = "inductor"):
-        """The cropped SNAC decode of regular windows and of their tails under torch.compile
-        (SnacCodec.compiled)."""
+        """The cropped SNAC decode of regular windows, of their tails and of lead windows under
+        torch.compile (SnacCodec.compiled)."""
         return self.codec.compiled(backend) if self.codec.crop else None
 
     # --- prompts (tokenizer_worker) ------------------------------------------------------------

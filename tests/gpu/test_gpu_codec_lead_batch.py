@@ -17,13 +17,13 @@ from programs import get_spec, load_program_class
 ROWS = 21  # a first chunk of 3 frames
 
 
-def leads(n: int, seed: int) -> list[DetokChunk]:
-    """n lead windows of ROWS rows (random codes), each a stream's chunk 0."""
+def leads(n: int, seed: int, rows: int = ROWS) -> list[DetokChunk]:
+    """n lead windows of `rows` rows (random codes), each a stream's chunk 0."""
     gen = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 4096, (n, ROWS, 1), generator=gen)
-    tokens = (128266 + 4096 * (torch.arange(ROWS) % 7)[None, :, None] + codes).int().numpy().astype("<i4")
+    codes = torch.randint(0, 4096, (n, rows, 1), generator=gen)
+    tokens = (128266 + 4096 * (torch.arange(rows) % 7)[None, :, None] + codes).int().numpy().astype("<i4")
     return [
-        DetokChunk(f"l{seed}-{i}", 0, 11 + i, tokens[i].tobytes(), LEAD_NOISE_BASE + ROWS) for i in range(n)
+        DetokChunk(f"l{seed}-{i}", 0, 11 + i, tokens[i].tobytes(), LEAD_NOISE_BASE + rows) for i in range(n)
     ]
 
 

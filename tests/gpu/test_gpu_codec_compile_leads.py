@@ -1,0 +1,65 @@
+"""On a GPU, `--codec-compile-leads`: Orpheus's lead windows (first chunks of 1-3 frames) through
+the compiled SNAC decode, in graphs up to the codec's largest batch, decode in float32 to the
+graphed uncompiled audio within one LSB; and in float16 a burst's pass of first chunks (128 lead
+windows of 3 frames, as 128 young streams send them together) takes less GPU time than uncompiled
+in parts of 16. The report holds both passes' times and each codec's startup (its compiles and
+graph captures)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from parity_checks import codec_pass_ms
+from test_gpu_codec_lead_batch import leads
+
+from codec_worker.codec import LEAD_MAX_BATCH, Codec
+from codec_worker.worker import codec_compile_backend
+from programs import get_spec, load_program_class
+
+
+def codecs(dtype: str) -> tuple[Codec, Codec, dict[str, float]]:
+    """Orpheus's codec (dummy SNAC 24 kHz) in `dtype`: leads graphed uncompiled (regular windows and
+    full-context tails compiled, as served), and leads compiled too; each one's startup seconds."""
+    program = load_program_class("orpheus")(
+        get_spec("orpheus"), load_format="dummy", device="cuda", codec_dtype=dtype
+    )
+    program.load_codec()
+    backend = codec_compile_backend("auto", "cuda", program, True)
+    if backend is None:
+        pytest.skip("no Triton: no compiled codec on this GPU")
+    kw = {"max_batch": 128, "tails": True, "compile_backend": backend, "compile_tails": True}
+    t0 = time.perf_counter()
+    plain = Codec(program, **kw)
+    t1 = time.perf_counter()
+    fast = Codec(program, **kw, compile_leads=True)
+    t2 = time.perf_counter()
+    assert fast.compile_leads and fast.limits[21, 0] == 128 and plain.limits[21, 0] == LEAD_MAX_BATCH
+    return plain, fast, {f"plain_startup_s_{dtype}": t1 - t0, f"fast_startup_s_{dtype}": t2 - t1}
+
+
+def worst_lsb(a, b) -> int:
+    return max(
+        int(np.abs(np.frombuffer(x.pcm, "<i2").astype(int) - np.frombuffer(y.pcm, "<i2").astype(int)).max())
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def test_lead_windows_compiled_decode_as_the_graphs_do_and_faster(gpu_report) -> None:
+    chunks = leads(128, seed=1)
+    mixed = leads(40, 2, rows=7) + leads(40, 3, rows=14) + leads(48, 4, rows=21)
+    plain, fast, startup = codecs("float32")  # TF32 off (conftest): one LSB is the compiled tolerance
+    worst = max(worst_lsb(fast.decode(c), plain.decode(c)) for c in (chunks, mixed))
+    report = gpu_report("codec_compile_leads_orpheus")
+    report |= {"pcm_max_lsb_float32": worst, **startup}
+    plain, fast, startup = codecs("float16")  # as served
+    report |= {
+        **startup,
+        "plain_pass_ms_float16": codec_pass_ms(plain, chunks),
+        "fast_pass_ms_float16": codec_pass_ms(fast, chunks),
+        "plain_mixed_pass_ms_float16": codec_pass_ms(plain, mixed),
+        "fast_mixed_pass_ms_float16": codec_pass_ms(fast, mixed),
+    }
+    assert worst <= 1, report
+    assert report["fast_pass_ms_float16"] < report["plain_pass_ms_float16"], report
