@@ -119,9 +119,9 @@ class Codec:
         # ... and with `compile_tails`, where the program's compiled decode takes them
         # (`codec_compiled_tails`), the tail windows of a regular window's rows (`--codec-compile-tails`)
         self.compile_tails = compile_tails and program.codec_compiled_tails and program.detok_tail
-        # ... and with `compile_leads` (`codec_compiled_leads`), the lead windows: a request's first
-        # chunk (`--codec-compile-leads`)
-        self.compile_leads = compile_leads and program.codec_compiled_leads and bool(program.detok_lead)
+        # ... and with `compile_leads`, the lead windows (a request's first chunk) of the sizes the
+        # program's compiled decode takes (`codec_compiled_leads`) (`--codec-compile-leads`)
+        self.compile_leads = compile_leads and bool(program.codec_compiled_leads)
         if compile_backend:
             try:
                 self.compiled = program.compiled_detokenize(compile_backend)
@@ -230,7 +230,7 @@ class Codec:
         if tail:
             return self.compile_tails and rows == p.detok_interval and tail == p.detok_stride
         if self._lead(rows):
-            return self.compile_leads
+            return self.compile_leads and rows in p.codec_compiled_leads
         return rows in (p.detok_interval, *(m * p.detok_interval for m in self.merge))
 
     def _lead(self, rows: int) -> bool:
@@ -256,8 +256,9 @@ class Codec:
         tail rows): regular windows and merged ones `max_batch`; lead windows, and with `tails`
         (--first-chunk progressive) the tail windows of 1-4 frames (a tail of all its rows is the
         whole window: kind (rows, 0), see `_kind`), `lead_batch` (at most `max_batch`; 0:
-        LEAD_MAX_BATCH), but a full window's tails with `compile_tails` and lead windows with
-        `compile_leads`: decoded as regular windows are, a burst's streams send them together."""
+        LEAD_MAX_BATCH), but a full window's tails with `compile_tails` and with `compile_leads` the
+        lead windows the compiled decode takes (`codec_compiled_leads`): decoded as regular windows
+        are, a burst's streams send them together."""
         p, s = program, program.detok_stride
         lead = min(lead_batch, max_batch) if lead_batch else LEAD_MAX_BATCH
         kinds = {(p.detok_interval, 0): max_batch}
@@ -267,7 +268,8 @@ class Codec:
             if compile_tails:
                 kinds[cls._kind(p.detok_interval, s)] = max_batch
         # (a tail of all its rows is a lead window: one kind)
-        kinds.update({(r, 0): max_batch if compile_leads else lead for r in p.detok_lead})
+        compiled = p.codec_compiled_leads if compile_leads else ()
+        kinds.update({(r, 0): max_batch if r in compiled else lead for r in p.detok_lead})
         return kinds
 
     @staticmethod

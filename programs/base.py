@@ -33,7 +33,7 @@ apart from N/B/Bd, state only in buffers, randomness only from the keys passed i
 | `init_codec_streams(n_slots)` | codec_worker | no | with `codec_streams`: allocates the state of n_slots codec slots on the codec's device (see Codec streams) |
 | `prime_codec_streams(tokens, keys, slots)` | codec_worker | no | with `codec_streams` and a `codec_prefix`: [B, P, C] int64 rows, keys [B], slots [B] int64 → None; starts each slot's stream with its rows, audio dropped (default: one fresh `detokenize` call; see Codec streams) |
 | `set_codec_voice(slot, voice)` | codec_worker | no | with `codec_voices`: writes a stream's conditioning (name → tensor on the codec's device, or None: the default voice) into codec slot `slot` before its first window (see Codec streams) |
-| `compiled_detokenize()` | codec_worker | — | optional: a function equal to `detokenize(tokens, keys)` for regular windows (with `codec_streams`: `detokenize(tokens, keys, streams=…)` for regular and merged windows; with `codec_compiled_tails`: also `detokenize(tokens, keys, tail_rows=detok_stride)` for the tail windows of a regular window's rows; with `codec_compiled_leads`: also lead windows), compiled (`torch.compile`), or None (the default): the codec_worker captures it in those windows' graphs (`--codec-compile`, `--codec-compile-tails`, `--codec-compile-leads`) |
+| `compiled_detokenize()` | codec_worker | — | optional: a function equal to `detokenize(tokens, keys)` for regular windows (with `codec_streams`: `detokenize(tokens, keys, streams=…)` for regular and merged windows; with `codec_compiled_tails`: also `detokenize(tokens, keys, tail_rows=detok_stride)` for the tail windows of a regular window's rows; with `codec_compiled_leads`: also lead windows of those sizes), compiled (`torch.compile`), or None (the default): the codec_worker captures it in those windows' graphs (`--codec-compile`, `--codec-compile-tails`, `--codec-compile-leads`) |
 | `load_encoders()` | codec_worker | no | with `reference_sample_rate`: loads what `encode_references` needs (see Reference audio) |
 | `encode_references(clips)` | codec_worker | no | `Reference`s (mono float32 audio at `reference_sample_rate`, its text) → one `Voice.features` dict per clip, batched |
 | `preprocess(text, model_kwargs, voice=None)` | tokenizer_worker | no | → prompt rows [R, C] int32, or `PromptRows` (rows and state arrays); `voice` a `Voice` (a cloned voice) or None; ValueError → HTTP 400 |
@@ -56,7 +56,7 @@ Attributes a program sets (defaults on LMProgram; any model may use each):
 | `detok_interval`, `detok_overlap`, `detok_samples`, `detok_offset` | codec windows (Audio chunks) |
 | `detok_lead`, `detok_tail` | lead windows, tail windows (below) |
 | `codec_compiled_tails` | `compiled_detokenize`'s function also takes the tail windows of a regular window's rows (`tail_rows = detok_stride`) |
-| `codec_compiled_leads` | `compiled_detokenize`'s function also takes lead windows (`detok_lead` rows, decoded whole) |
+| `codec_compiled_leads` | the lead window sizes (rows of `detok_lead`) that `compiled_detokenize`'s function also takes, decoded whole (each one more compile at startup) |
 | `codec_dtype`, `head_ids` | codec precision, output heads (below) |
 | `codec_call_batch`, `codec_max_batch` | windows per codec call and per codec pass (None: the codec_worker's defaults): a codec whose lone window fills the device decodes in calls of one |
 | `uses_repetition_penalty` | False: the model has none; requests' repetition_penalty is ignored |
@@ -367,8 +367,9 @@ class LMProgram:
     # `compiled_detokenize`'s function also takes the tail windows of a regular window's rows
     # (tail_rows = detok_stride: a progressive stream's newest frame after a full window of context).
     codec_compiled_tails: bool = False
-    # ... and the lead windows (`detok_lead` rows, tail_rows 0: a request's first chunk)
-    codec_compiled_leads: bool = False
+    # ... and the lead windows of these sizes (rows of `detok_lead`, tail_rows 0: a request's first
+    # chunk), each one more compile at startup
+    codec_compiled_leads: tuple[int, ...] = ()
     codec_dtype: torch.dtype = torch.float32  # the codec's weights and activations
     # Windows per codec call (None: the codec_worker's default by device, 16 on a GPU): 1 for a codec
     # whose lone window already fills the device, so that a call of few windows is not padded.

@@ -1,6 +1,7 @@
-"""`--codec-compile-leads`: lead windows (a request's first chunk of 1-3 frames, decoded whole) go
-through the compiled SNAC decode as regular windows do, in graphs up to the codec's largest batch
-(a burst's streams send their first chunks together), and equal the uncompiled lead decode. Off,
+"""`--codec-compile-leads`: Orpheus's lead windows of 2 and 3 frames (a loaded server's first
+chunks, decoded whole) go through the compiled SNAC decode as regular windows do, in graphs up to
+the codec's largest batch (a burst's streams send their first chunks together), and equal the
+uncompiled lead decode; a 1-frame lead decodes uncompiled (a compile less at startup). Off,
 they decode uncompiled in graphs of up to `--codec-lead-batch`. A lead compile that fails falls
 back for the lead windows alone (under `--codec-compile auto`), the regular windows staying
 compiled. On a CPU the compile uses `aot_eager` (as
@@ -36,7 +37,7 @@ def codec(program):
 
 
 def test_the_compiled_decode_of_lead_windows_equals_the_eager_one(program, codec) -> None:
-    assert program.detok_lead == LEADS and codec.compile_leads
+    assert program.detok_lead == LEADS and codec.compile_leads and program.codec_compiled_leads == (14, 21)
     for seed, (rows, n) in enumerate([(7, 3), (14, 1), (21, 5), (21, 17), (14, 2)]):
         with torch.inference_mode():
             tokens, keys = _windows(seed, n, rows)
@@ -65,8 +66,9 @@ def test_the_codec_sends_lead_windows_through_the_compiled_decode(program, codec
     )
     chunks = [_chunk(s, i, rows) for s, (i, rows) in enumerate([(0, 28), (0, 7), (0, 21), (1, 28), (0, 21)])]
     got, want = codec.decode(chunks), plain.decode(chunks)
-    # one call for the regular windows, and with compiled leads one per lead size
-    assert sorted(calls) == ([7, 21, 28] if on else [28])
+    # one call for the regular windows, and with compiled leads one for the 3-frame leads (a
+    # 1-frame lead decodes uncompiled)
+    assert sorted(calls) == ([21, 28] if on else [28])
     assert [(a.rid, a.index, len(a.pcm)) for a in got] == [(a.rid, a.index, len(a.pcm)) for a in want]
     for a, b in zip(_pcm(got), _pcm(want), strict=True):
         np.testing.assert_allclose(a, b, atol=1)
@@ -98,7 +100,7 @@ def test_compiled_lead_windows_take_graphs_up_to_the_largest_batch(program) -> N
     for tails in (False, True):
         on = Codec.window_limits(program, 128, tails=tails, compile_tails=True, compile_leads=True)
         off = Codec.window_limits(program, 128, tails=tails, compile_tails=True)
-        assert {on[r, 0] for r in LEADS} == {128}  # a 7-row tail of all its rows is the 7-row lead
+        assert on[14, 0] == on[21, 0] == 128 and on[7, 0] == LEAD_MAX_BATCH  # 1 frame: uncompiled
         assert {off[r, 0] for r in LEADS} == {LEAD_MAX_BATCH}
         if tails:
             assert {on[k] for k in short_tails} == {off[k] for k in short_tails} == {LEAD_MAX_BATCH}
@@ -106,7 +108,7 @@ def test_compiled_lead_windows_take_graphs_up_to_the_largest_batch(program) -> N
 
 
 def test_a_program_without_compiled_leads_keeps_them_uncompiled(program, monkeypatch) -> None:
-    monkeypatch.setattr(program, "codec_compiled_leads", False)
+    monkeypatch.setattr(program, "codec_compiled_leads", ())
     codec = Codec(program, max_batch=4, graphs=False, compile_backend="aot_eager", compile_leads=True)
     assert codec.compiled is not None and not codec.compile_leads
     assert codec._compiles(28, 0) and not any(codec._compiles(r, 0) for r in LEADS)

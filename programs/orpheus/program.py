@@ -43,7 +43,10 @@ class OrpheusProgram(LMProgram):
     # (--codec-dtype bfloat16/float16 trade that for speed; tests/test_codec_precision.py: SNR).
     codec_dtype: torch.dtype = torch.float32
     codec_compiled_tails = True  # SnacCodec.compiled takes a full window's last frame as well
-    codec_compiled_leads = True  # ... and the lead windows (the first chunks), decoded whole
+    # ... and lead windows (first chunks) of 2 and 3 frames, a loaded server's first chunks, which a
+    # burst's streams send together; a lone stream's 1-frame first chunk decodes uncompiled (a compile
+    # less at startup)
+    codec_compiled_leads = (14, 21)
     mixed_prefill = True  # LlamaLM's GEMMs all go through fp8.linear, fused or not
 
     def __init__(self, spec: dict[str, Any], **kwargs: Any) -> None:
