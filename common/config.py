@@ -350,15 +350,16 @@ class CodecSettings(msgspec.Struct, kw_only=True):
     # (else, or after their compile failed under auto, uncompiled in those larger graphs). Off: as
     # lead windows, uncompiled in graphs of up to `lead_batch`.
     compile_tails: bool = True
-    # Lead windows (a request's first chunk of 1-3 frames, decoded whole) likewise: compiled where
-    # the model's compiled codec takes them and `compile` compiles, in graphs up to `max_batch` (a
-    # burst's streams send their first chunks together). Off: uncompiled, in graphs of up to
-    # `lead_batch`.
-    compile_leads: bool = True
+    # Lead windows (a request's first chunk, decoded whole) of the sizes the model's compiled codec
+    # takes, likewise: compiled where `compile` compiles, in graphs up to `max_batch` (a burst's
+    # streams send their first chunks together); each size one more compile at startup (tens of
+    # seconds, uncached). Off (the default): uncompiled, in graphs of up to `lead_batch`.
+    compile_leads: bool = False
     max_batch: int = 0  # windows per decode call (0 = 128 on GPU, 64 on CPU)
-    # GPU graphs: the largest batch of lead windows (first chunks) and of the tail windows shorter
-    # than a regular window decoded at once (0 = 16; at most max_batch). A burst's first chunks
-    # queue in parts of this many, one after another (codec_worker/codec.py: LEAD_MAX_BATCH).
+    # GPU graphs: the largest batch of lead windows (first chunks; but those `compile_leads`
+    # compiles) and of the tail windows shorter than a regular window decoded at once (0 = 16; at
+    # most max_batch). Such first chunks of a burst queue in parts of this many, one after another
+    # (codec_worker/codec.py: LEAD_MAX_BATCH).
     lead_batch: int = 0
     # Windows per codec call inside a decode: -1 = by device (16 GPU, 4 CPU), 0 = a whole batch
     # (codec_worker/codec.py: a window's bits then depend on its batch bucket).

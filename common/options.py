@@ -232,8 +232,8 @@ OPTIONS: tuple[Option, ...] = (
         "codec_compile_leads",
         "decode lead windows (a request's first chunk) as regular windows are, in graphs up to "
         "--codec-max-batch and compiled where --codec-compile compiles and the model's compiled codec "
-        "takes them (the default; one more compile per lead size at startup); off: uncompiled, in "
-        "graphs of up to --codec-lead-batch",
+        "takes them (one more compile per lead size at startup, tens of seconds uncached); off (the default): "
+        "uncompiled, in graphs of up to --codec-lead-batch",
         ("serve", "codec_worker"),
         _parse_bool,
         path="codec.compile_leads",
@@ -247,9 +247,10 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "codec_lead_batch",
-        "GPU: the largest batch of lead windows (first chunks) and of tail windows shorter than a "
-        "regular window decoded at once, and their largest codec graph (0 = 16; at most "
-        "--codec-max-batch): a burst's first chunks queue in parts of this many, one after another",
+        "GPU: the largest batch of uncompiled lead windows (first chunks, but those that "
+        "--codec-compile-leads compiles) and of tail windows shorter than a regular window decoded at "
+        "once, and their largest codec graph (0 = 16; at most --codec-max-batch): such first chunks "
+        "of a burst queue in parts of this many, one after another",
         ("serve", "codec_worker"),
         int,
         path="codec.lead_batch",

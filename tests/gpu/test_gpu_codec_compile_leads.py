@@ -20,9 +20,10 @@ from programs import get_spec, load_program_class
 
 
 def codecs(dtype: str) -> tuple[Codec, Codec, dict[str, float]]:
-    """Orpheus's codec (dummy SNAC 24 kHz) in `dtype`: leads graphed uncompiled (regular windows
-    compiled, as served), and leads compiled too; each one's startup seconds. No tail windows: a
-    compile less, the lead windows' graphs the same."""
+    """Orpheus's codec (dummy SNAC 24 kHz) in `dtype`: uncompiled (its lead windows graphed as
+    served without --codec-compile-leads), and compiled with its leads; each one's startup seconds
+    (the compiled one's: three compiles, regular windows and leads of 2 and 3 frames). No tail
+    windows: fewer compiles, the lead windows' graphs the same."""
     program = load_program_class("orpheus")(
         get_spec("orpheus"), load_format="dummy", device="cuda", codec_dtype=dtype
     )
@@ -30,11 +31,10 @@ def codecs(dtype: str) -> tuple[Codec, Codec, dict[str, float]]:
     backend = codec_compile_backend("auto", "cuda", program, True)
     if backend is None:
         pytest.skip("no Triton: no compiled codec on this GPU")
-    kw = {"max_batch": 128, "compile_backend": backend}
     t0 = time.perf_counter()
-    plain = Codec(program, **kw)
+    plain = Codec(program, max_batch=128)
     t1 = time.perf_counter()
-    fast = Codec(program, **kw, compile_leads=True)
+    fast = Codec(program, max_batch=128, compile_backend=backend, compile_leads=True)
     t2 = time.perf_counter()
     assert fast.compile_leads and fast.limits[21, 0] == 128 and plain.limits[21, 0] == LEAD_MAX_BATCH
     return plain, fast, {f"plain_startup_s_{dtype}": t1 - t0, f"fast_startup_s_{dtype}": t2 - t1}
