@@ -200,19 +200,15 @@ class Codec:
         Running out of GPU memory is no compile failure: it goes on up."""
         if not self.compile_fallback or isinstance(error, torch.cuda.OutOfMemoryError):
             raise error
-        if lead:
+        if lead or tail:
             log.warning(
-                "codec: the compiled decode of lead windows failed (%s: %s); decoding them uncompiled",
-                type(error).__name__, error,
+                "codec: the compiled decode of %s windows failed (%s: %s); decoding them uncompiled",
+                "lead" if lead else "tail", type(error).__name__, error,
             )  # fmt: skip
-            self.compile_leads = False
-            return
-        if tail:
-            log.warning(
-                "codec: the compiled decode of tail windows failed (%s: %s); decoding them uncompiled",
-                type(error).__name__, error,
-            )  # fmt: skip
-            self.compile_tails = False
+            if lead:
+                self.compile_leads = False
+            else:
+                self.compile_tails = False
             return
         log.warning(
             "codec: the compiled decode failed (%s: %s); decoding uncompiled", type(error).__name__, error

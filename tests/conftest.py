@@ -92,6 +92,15 @@ def tiny_lm_on_one_thread(model: str, **program_kw) -> Iterator:
         torch.set_num_threads(before)
 
 
+def tiny_codec(model: str = "orpheus-tiny"):
+    """`model`'s program (dummy weights) with its codec loaded, for the codec_worker's tests."""
+    from programs import get_spec, load_program_class
+
+    p = load_program_class(model)(get_spec(model), load_format="dummy")
+    p.load_codec()
+    return p
+
+
 def interpreted_kernel(module: str, name: str):
     """`name` of the Triton kernel module `module`, for a test that runs it in Triton's interpreter
     (set above where there is no GPU); skips where triton is missing or the interpreter is off."""

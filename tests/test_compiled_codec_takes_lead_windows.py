@@ -15,7 +15,7 @@ import torch
 
 from codec_worker.codec import LEAD_MAX_BATCH, Codec
 from common.options import parse_role
-from programs import get_spec, load_program_class
+from tests.conftest import tiny_codec
 from tests.test_compiled_codec_equals_the_eager_decode import _chunk, _windows
 
 LEADS = (7, 14, 21)
@@ -23,9 +23,7 @@ LEADS = (7, 14, 21)
 
 @pytest.fixture(scope="module")
 def program():
-    p = load_program_class("orpheus-tiny")(get_spec("orpheus-tiny"), load_format="dummy")
-    p.load_codec()
-    return p
+    return tiny_codec()
 
 
 @pytest.fixture(scope="module")

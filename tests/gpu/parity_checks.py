@@ -1,8 +1,8 @@
 """The GPU tests' shared parts (dummy Orpheus-3B weights, bf16): teacher-forced steps, the greedy
 request alone and among others, the codec graphs against the eager codec.
 
-Used by test_gpu_parity.py, test_gpu_batch_invariance.py, test_gpu_xqa_parity.py and
-test_gpu_csm_parity.py.
+Used by test_gpu_parity.py, test_gpu_batch_invariance.py, test_gpu_xqa_parity.py,
+test_gpu_csm_parity.py and the codec tests (a pass's time, the compiled codec).
 """
 
 from __future__ import annotations
@@ -277,3 +277,21 @@ def codec_pass_ms(codec, chunks, reps: int = 10) -> float:
         codec.decode(chunks)
     torch.cuda.synchronize()
     return 1000 * (time.perf_counter() - t0) / reps
+
+
+def compiled_orpheus_codec(dtype: str):
+    """Orpheus's program (dummy SNAC 24 kHz in `dtype`) on the GPU with its codec loaded, and the
+    codec's compile backend; skips where there is none (no Triton)."""
+    import pytest
+
+    from codec_worker.worker import codec_compile_backend
+    from programs import get_spec, load_program_class
+
+    program = load_program_class("orpheus")(
+        get_spec("orpheus"), load_format="dummy", device="cuda", codec_dtype=dtype
+    )
+    program.load_codec()
+    backend = codec_compile_backend("auto", "cuda", program, True)
+    if backend is None:
+        pytest.skip("no Triton: no compiled codec on this GPU")
+    return program, backend

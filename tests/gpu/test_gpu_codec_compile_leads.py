@@ -10,13 +10,10 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import pytest
-from parity_checks import codec_pass_ms
+from parity_checks import codec_pass_ms, compiled_orpheus_codec
 from test_gpu_codec_lead_batch import leads
 
 from codec_worker.codec import LEAD_MAX_BATCH, Codec
-from codec_worker.worker import codec_compile_backend
-from programs import get_spec, load_program_class
 
 
 def codecs(dtype: str) -> tuple[Codec, Codec, dict[str, float]]:
@@ -24,13 +21,7 @@ def codecs(dtype: str) -> tuple[Codec, Codec, dict[str, float]]:
     served without --codec-compile-leads), and compiled with its leads; each one's startup seconds
     (the compiled one's: three compiles, regular windows and leads of 2 and 3 frames). No tail
     windows: fewer compiles, the lead windows' graphs the same."""
-    program = load_program_class("orpheus")(
-        get_spec("orpheus"), load_format="dummy", device="cuda", codec_dtype=dtype
-    )
-    program.load_codec()
-    backend = codec_compile_backend("auto", "cuda", program, True)
-    if backend is None:
-        pytest.skip("no Triton: no compiled codec on this GPU")
+    program, backend = compiled_orpheus_codec(dtype)
     t0 = time.perf_counter()
     plain = Codec(program, max_batch=128)
     t1 = time.perf_counter()

@@ -7,14 +7,11 @@ passes' times."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
-from parity_checks import codec_pass_ms
+from parity_checks import codec_pass_ms, compiled_orpheus_codec
 
 from codec_worker.codec import Codec
-from codec_worker.worker import codec_compile_backend
 from common.messages import DetokChunk
-from programs import get_spec, load_program_class
 
 
 def tails(n: int, seed: int) -> list[DetokChunk]:
@@ -27,13 +24,7 @@ def tails(n: int, seed: int) -> list[DetokChunk]:
 
 def codecs(dtype: str) -> tuple[Codec, Codec]:
     """Orpheus's codec (dummy SNAC 24 kHz) in `dtype`: tails graphed uncompiled, and compiled."""
-    program = load_program_class("orpheus")(
-        get_spec("orpheus"), load_format="dummy", device="cuda", codec_dtype=dtype
-    )
-    program.load_codec()
-    backend = codec_compile_backend("auto", "cuda", program, True)
-    if backend is None:
-        pytest.skip("no Triton: no compiled codec on this GPU")
+    program, backend = compiled_orpheus_codec(dtype)
     plain = Codec(program, max_batch=128, tails=True)
     fast = Codec(program, max_batch=128, tails=True, compile_backend=backend, compile_tails=True)
     assert fast.compile_tails and fast.limits[28, 7] == 128 and plain.limits[28, 7] == 16
