@@ -119,9 +119,6 @@ class Codec:
         # ... and with `compile_tails`, where the program's compiled decode takes them
         # (`codec_compiled_tails`), the tail windows of a regular window's rows (`--codec-compile-tails`)
         self.compile_tails = compile_tails and program.codec_compiled_tails and program.detok_tail
-        # ... and with `compile_leads`, the lead windows (a request's first chunk) of the sizes the
-        # program's compiled decode takes (`codec_compiled_leads`) (`--codec-compile-leads`)
-        self.compile_leads = compile_leads and bool(program.codec_compiled_leads)
         if compile_backend:
             try:
                 self.compiled = program.compiled_detokenize(compile_backend)
@@ -129,8 +126,19 @@ class Codec:
                 self._compile_failed(e)
             if self.compiled is None and not compile_fallback:
                 raise ValueError(f"--codec-compile on: {program.name} has no compiled codec")
+        # ... and with `compile_leads` (`--codec-compile-leads`), the lead windows (a request's first
+        # chunk) of the sizes the program's compiled decode takes (`codec_compiled_leads`): the sizes
+        # compiled, less any whose compile fails
+        on = compile_leads and self.compiled is not None
+        self.compile_leads = set(program.codec_compiled_leads if on else ())
         self.limits = self.window_limits(
-            program, max_batch, lead_batch, self.merge, tails, bool(self.compile_tails), self.compile_leads
+            program,
+            max_batch,
+            lead_batch,
+            self.merge,
+            tails,
+            bool(self.compile_tails),
+            tuple(self.compile_leads),
         )
         self.graphs: dict[tuple[int, int], DetokGraphs] = {}
         if graphs and self.device.type == "cuda":
@@ -172,7 +180,7 @@ class Codec:
             except Exception as e:
                 if fn is None:
                     raise
-                self._compile_failed(e, tail, lead=not tail and self._lead(rows))
+                self._compile_failed(e, tail, lead=0 if tail or not self._lead(rows) else rows)
             if graphs is None:  # captured again uncompiled, the failed attempt released
                 # into a pool of its own: a pool whose graphs were all freed cannot be captured
                 # into again (PyTorch's allocator asserts), as when the first kind's attempt fails
@@ -194,19 +202,19 @@ class Codec:
         compiled = self.compiled
         return compiled if not tail else lambda t, k: compiled(t, k, tail_rows=tail)
 
-    def _compile_failed(self, error: Exception, tail: int = 0, lead: bool = False) -> None:
+    def _compile_failed(self, error: Exception, tail: int = 0, lead: int = 0) -> None:
         """Decode every window uncompiled from here on (a tail window's compile failing: the tail
-        windows only; a lead window's: the lead windows only), or (`--codec-compile on`) fail.
-        Running out of GPU memory is no compile failure: it goes on up."""
+        windows only; a lead window's of `lead` rows: the lead windows of that size only), or
+        (`--codec-compile on`) fail. Running out of GPU memory is no compile failure: it goes on up."""
         if not self.compile_fallback or isinstance(error, torch.cuda.OutOfMemoryError):
             raise error
         if lead or tail:
             log.warning(
                 "codec: the compiled decode of %s windows failed (%s: %s); decoding them uncompiled",
-                "lead" if lead else "tail", type(error).__name__, error,
+                f"{lead}-row lead" if lead else "tail", type(error).__name__, error,
             )  # fmt: skip
             if lead:
-                self.compile_leads = False
+                self.compile_leads.discard(lead)
             else:
                 self.compile_tails = False
             return
@@ -218,15 +226,15 @@ class Codec:
     def _compiles(self, rows: int, tail: int) -> bool:
         """Whether windows of this kind go through the compiled decode: regular windows, with
         codec streams merged ones too (a stream's decoder takes any number of frames), with
-        `compile_tails` the tail windows of a regular window's rows, and with `compile_leads` the
-        lead windows."""
+        `compile_tails` the tail windows of a regular window's rows, and the lead windows of the
+        sizes in `compile_leads`."""
         p = self.program
         if self.compiled is None:
             return False
         if tail:
             return self.compile_tails and rows == p.detok_interval and tail == p.detok_stride
         if self._lead(rows):
-            return self.compile_leads and rows in p.codec_compiled_leads
+            return rows in self.compile_leads
         return rows in (p.detok_interval, *(m * p.detok_interval for m in self.merge))
 
     def _lead(self, rows: int) -> bool:
@@ -246,15 +254,15 @@ class Codec:
         merge: tuple[int, ...] = (),
         tails: bool = False,
         compile_tails: bool = False,
-        compile_leads: bool = False,
+        compiled_leads: tuple[int, ...] = (),
     ) -> dict[tuple[int, int], int]:
         """The largest batch decoded at once (on a GPU: the largest graph), per window kind (rows,
         tail rows): regular windows and merged ones `max_batch`; lead windows, and with `tails`
         (--first-chunk progressive) the tail windows of 1-4 frames (a tail of all its rows is the
         whole window: kind (rows, 0), see `_kind`), `lead_batch` (at most `max_batch`; 0:
-        LEAD_MAX_BATCH), but a full window's tails with `compile_tails` and with `compile_leads` the
-        lead windows the compiled decode takes (`codec_compiled_leads`): decoded as regular windows
-        are, a burst's streams send them together."""
+        LEAD_MAX_BATCH), but a full window's tails with `compile_tails` and the lead windows of the
+        sizes `compiled_leads`: decoded as regular windows are, a burst's streams send them
+        together (a kind whose compile fails later keeps its larger graphs, uncompiled)."""
         p, s = program, program.detok_stride
         lead = min(lead_batch, max_batch) if lead_batch else LEAD_MAX_BATCH
         kinds = {(p.detok_interval, 0): max_batch}
@@ -264,8 +272,7 @@ class Codec:
             if compile_tails:
                 kinds[cls._kind(p.detok_interval, s)] = max_batch
         # (a tail of all its rows is a lead window: one kind)
-        compiled = p.codec_compiled_leads if compile_leads else ()
-        kinds.update({(r, 0): max_batch if r in compiled else lead for r in p.detok_lead})
+        kinds.update({(r, 0): max_batch if r in compiled_leads else lead for r in p.detok_lead})
         return kinds
 
     @staticmethod
@@ -306,7 +313,8 @@ class Codec:
                     fn = self._compiled_fn(tail)
                     audio, ok = fn(*args) if streams is None else fn(*args, streams=streams)
                 except Exception as e:  # compiled at its first call
-                    self._compile_failed(e, tail, lead=not tail and self._lead(t.shape[1]))
+                    rows = t.shape[1]
+                    self._compile_failed(e, tail, lead=0 if tail or not self._lead(rows) else rows)
             if audio is None:
                 audio, ok = self.program.detokenize(
                     t[lo : lo + k], kt[lo : lo + k], tail_rows=tail, streams=streams

@@ -116,7 +116,8 @@ class CodecWorker:
             benchmark_graphs=benchmark_graphs,
             compile_tails=cfg.codec.compile_tails,
             lead_batch=cfg.codec.lead_batch,
-            compile_leads=cfg.codec.compile_leads,
+            # (no lead windows come with reference first chunks: nothing to compile)
+            compile_leads=cfg.codec.compile_leads and cfg.gpu.first_chunk != "reference",
         )
         self.status = status
         self.inbox: PullChannel[CodecInMsg] = PullChannel(cfg.addresses.codec_in, CodecInMsg, bind=True)

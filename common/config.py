@@ -342,7 +342,7 @@ class CodecSettings(msgspec.Struct, kw_only=True):
     device: str = "auto"  # auto = the gpu_worker's device; a list like --device
     dtype: str = "auto"  # auto = the model's choice (its program's codec_dtype)
     # auto | on | off: torch.compile of regular windows (codec streams' merged ones too; with
-    # `compile_tails`, a full window's tails)
+    # `compile_tails`, a full window's tails; with `compile_leads`, the model's compiled lead sizes)
     compile: str = "auto"
     # With progressive first chunks: the tail windows of a regular window's rows (a stream's newest
     # frame until it switches to regular windows) decoded as regular windows are, in graphs up to

@@ -211,7 +211,8 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "codec_compile",
-        "compile the codec's regular windows (and a codec stream's merged ones) with torch.compile "
+        "compile the codec's regular windows (and a codec stream's merged ones; with "
+        "--codec-compile-tails and --codec-compile-leads, tails and leads) with torch.compile "
         "(fuses its elementwise work; tens of seconds at startup, cached on disk): auto (on a GPU "
         "with Triton, when the model has a compiled codec), on, off",
         ("serve", "codec_worker"),

@@ -35,7 +35,8 @@ def codec(program):
 
 
 def test_the_compiled_decode_of_lead_windows_equals_the_eager_one(program, codec) -> None:
-    assert program.detok_lead == LEADS and codec.compile_leads and program.codec_compiled_leads == (14, 21)
+    assert program.detok_lead == LEADS and program.codec_compiled_leads == (14, 21)
+    assert codec.compile_leads == {14, 21}  # a 1-frame lead: uncompiled
     for seed, (rows, n) in enumerate([(7, 3), (14, 1), (21, 5), (21, 17), (14, 2)]):
         with torch.inference_mode():
             tokens, keys = _windows(seed, n, rows)
@@ -55,7 +56,7 @@ def _pcm(chunks) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("on", [True, False])
 def test_the_codec_sends_lead_windows_through_the_compiled_decode(program, codec, monkeypatch, on) -> None:
-    monkeypatch.setattr(codec, "compile_leads", on)
+    monkeypatch.setattr(codec, "compile_leads", {14, 21} if on else set())
     plain = Codec(program, max_batch=4, graphs=False)
     calls = []
     fn = codec.compiled
@@ -81,7 +82,7 @@ def test_a_failing_lead_compile_falls_back_for_the_lead_windows_alone(program, c
         return fn(t, k, tail_rows)
 
     monkeypatch.setattr(codec, "compiled", failing)
-    monkeypatch.setattr(codec, "compile_leads", True)
+    monkeypatch.setattr(codec, "compile_leads", {14, 21})
     monkeypatch.setattr(codec, "compile_fallback", False)  # --codec-compile on: the request fails
     launched = codec.launch([_chunk(0, 0, 21)])
     assert codec.collect(launched) == [] and "no kernel" in launched.failed["r0"].message
@@ -90,19 +91,30 @@ def test_a_failing_lead_compile_falls_back_for_the_lead_windows_alone(program, c
     got = codec.decode([_chunk(1, 0, 21), _chunk(2, 1, 28)])
     assert [a.pcm for a in got[:1]] == [b.pcm for b in want[:1]]  # the lead: uncompiled, bit for bit
     np.testing.assert_allclose(_pcm(got)[1], _pcm(want)[1], atol=1)
-    assert codec.compile_leads is False and codec.compiled is failing  # the regular windows: compiled still
+    # the 3-frame leads only: the regular windows and the 2-frame leads stay compiled
+    assert codec.compile_leads == {14} and codec.compiled is failing
 
 
 def test_compiled_lead_windows_take_graphs_up_to_the_largest_batch(program) -> None:
     short_tails = {(14, 7), (21, 7)}
     for tails in (False, True):
-        on = Codec.window_limits(program, 128, tails=tails, compile_tails=True, compile_leads=True)
+        on = Codec.window_limits(program, 128, tails=tails, compile_tails=True, compiled_leads=(14, 21))
         off = Codec.window_limits(program, 128, tails=tails, compile_tails=True)
         assert on[14, 0] == on[21, 0] == 128 and on[7, 0] == LEAD_MAX_BATCH  # 1 frame: uncompiled
         assert {off[r, 0] for r in LEADS} == {LEAD_MAX_BATCH}
         if tails:
             assert {on[k] for k in short_tails} == {off[k] for k in short_tails} == {LEAD_MAX_BATCH}
-    assert Codec.window_limits(program, 64, compile_leads=True)[21, 0] == 64
+    assert Codec.window_limits(program, 64, compiled_leads=(14, 21))[21, 0] == 64
+
+
+def test_without_a_compiled_codec_lead_windows_keep_the_lead_batch(program) -> None:
+    for backend in (None, "aot_eager"):  # --codec-compile off; a compile, leads off
+        codec = Codec(
+            program, max_batch=4, graphs=False, compile_backend=backend, compile_leads=backend is None
+        )
+        assert not codec.compile_leads and not any(codec._compiles(r, 0) for r in LEADS)
+    limits = Codec.window_limits(program, 128, compiled_leads=())
+    assert {limits[r, 0] for r in LEADS} == {LEAD_MAX_BATCH}
 
 
 def test_a_program_without_compiled_leads_keeps_them_uncompiled(program, monkeypatch) -> None:

@@ -254,8 +254,9 @@ class SnacCodec:
 
         # Every compiled codec of a process shares `window_taps`'s code object, and dynamo keeps
         # 8 compiles per code object by default, then runs the rest uncompiled: one codec needs 2-3
-        # (batch 1, the dynamic batch, on a CPU also batches of 16+), so a benchmark or a test
-        # building several would run out.
+        # per window kind (batch 1, the dynamic batch, on a CPU also batches of 16+; kinds: regular
+        # windows, full-window tails, each compiled lead size), so a codec with its tails and leads
+        # compiled, or a benchmark or a test building several, would run out.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         fn = torch.compile(
             window_taps,
