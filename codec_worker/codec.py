@@ -180,7 +180,7 @@ class Codec:
             except Exception as e:
                 if fn is None:
                     raise
-                self._compile_failed(e, tail, lead=0 if tail or not self._lead(rows) else rows)
+                self._compile_failed(e, rows, tail)
             if graphs is None:  # captured again uncompiled, the failed attempt released
                 # into a pool of its own: a pool whose graphs were all freed cannot be captured
                 # into again (PyTorch's allocator asserts), as when the first kind's attempt fails
@@ -202,12 +202,14 @@ class Codec:
         compiled = self.compiled
         return compiled if not tail else lambda t, k: compiled(t, k, tail_rows=tail)
 
-    def _compile_failed(self, error: Exception, tail: int = 0, lead: int = 0) -> None:
-        """Decode every window uncompiled from here on (a tail window's compile failing: the tail
-        windows only; a lead window's of `lead` rows: the lead windows of that size only), or
-        (`--codec-compile on`) fail. Running out of GPU memory is no compile failure: it goes on up."""
+    def _compile_failed(self, error: Exception, rows: int = 0, tail: int = 0) -> None:
+        """Decode every window uncompiled from here on (a compile of windows of `rows` rows keeping
+        `tail` failing: of a tail window, the tail windows only; of a lead window, the lead windows
+        of that size only), or (`--codec-compile on`) fail. Running out of GPU memory is no compile
+        failure: it goes on up."""
         if not self.compile_fallback or isinstance(error, torch.cuda.OutOfMemoryError):
             raise error
+        lead = rows if not tail and self._lead(rows) else 0
         if lead or tail:
             log.warning(
                 "codec: the compiled decode of %s windows failed (%s: %s); decoding them uncompiled",
@@ -233,17 +235,15 @@ class Codec:
             return False
         if tail:
             return self.compile_tails and rows == p.detok_interval and tail == p.detok_stride
-        if self._lead(rows):
-            return rows in self.compile_leads
-        return rows in (p.detok_interval, *(m * p.detok_interval for m in self.merge))
+        return self._regular(rows) or rows in self.compile_leads
+
+    def _regular(self, rows: int) -> bool:
+        """Whether a window of `rows` rows and no tail is a regular window or a merged one."""
+        return rows in (self.program.detok_interval, *(m * self.program.detok_interval for m in self.merge))
 
     def _lead(self, rows: int) -> bool:
         """Whether a window of `rows` rows and no tail is a lead window (not a regular or merged one)."""
-        p = self.program
-        return rows in p.detok_lead and rows not in (
-            p.detok_interval,
-            *(m * p.detok_interval for m in self.merge),
-        )
+        return rows in self.program.detok_lead and not self._regular(rows)
 
     @classmethod
     def window_limits(
@@ -274,6 +274,10 @@ class Codec:
         # (a tail of all its rows is a lead window: one kind)
         kinds.update({(r, 0): max_batch if r in compiled_leads else lead for r in p.detok_lead})
         return kinds
+
+    def _chunk_kind(self, c: DetokChunk) -> tuple[int, int]:
+        """A chunk's window kind (its int32 token rows of `n_codebooks` codes, its tail rows)."""
+        return self._kind(len(c.tokens) // (4 * self.program.n_codebooks), c.tail_rows)
 
     @staticmethod
     def _kind(rows: int, tail: int) -> tuple[int, int]:
@@ -313,8 +317,7 @@ class Codec:
                     fn = self._compiled_fn(tail)
                     audio, ok = fn(*args) if streams is None else fn(*args, streams=streams)
                 except Exception as e:  # compiled at its first call
-                    rows = t.shape[1]
-                    self._compile_failed(e, tail, lead=0 if tail or not self._lead(rows) else rows)
+                    self._compile_failed(e, t.shape[1], tail)
             if audio is None:
                 audio, ok = self.program.detokenize(
                     t[lo : lo + k], kt[lo : lo + k], tail_rows=tail, streams=streams
@@ -335,7 +338,7 @@ class Codec:
         out = Launched(chunks)
         kinds: dict[int, tuple[int, int]] = {}  # position → window kind
         for i, c in enumerate(chunks):
-            kind = self._kind(len(c.tokens) // (4 * p.n_codebooks), c.tail_rows)
+            kind = self._chunk_kind(c)
             if c.rid in self.dead:
                 continue  # its request has failed: its later chunks have nowhere to go
             if kind not in self.limits or len(c.tokens) % (4 * p.n_codebooks):
@@ -475,8 +478,7 @@ class Codec:
         kind is not a chunk's own, are not seen."""
         if not self.graphs:
             return False
-        p = self.program
-        kinds = {self._kind(len(c.tokens) // (4 * p.n_codebooks), c.tail_rows) for c in chunks}
+        kinds = {self._chunk_kind(c) for c in chunks}
         return any(kind in self.graphs and self.graphs[kind].pending is not None for kind in kinds)
 
     def collect(self, launched: Launched) -> list[AudioChunk]:
