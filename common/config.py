@@ -150,8 +150,9 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     max_prefills: int = 0
     cuda_graphs: bool = True  # GPU only: replay captured graphs (--disable-cuda-graph: eager steps)
     min_decode_batch: int = 1  # smallest decode graph: smaller batches are padded up to it
-    # > 0: the decode graphs run every backbone GEMM (those through programs.blocks.fp8.linear) in
-    # tiles of exactly this many rows, the last padded (`fp8.row_tiles`), and mixed graphs are off:
+    # > 0: the decode graphs run every backbone and head GEMM (those through
+    # programs.blocks.fp8.linear) in tiles of exactly this many rows, the last padded
+    # (`fp8.row_tiles`), and mixed graphs are off:
     # a decode row's bits then do not depend on its bucket, whatever kernel the GEMM library would
     # pick by row count. Costs a weight read per tile, and a tile's padding at small batches.
     decode_row_tile: int = 0

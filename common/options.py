@@ -333,7 +333,7 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "decode_row_tile",
-        "rows per GEMM in the decode graphs (0 = one GEMM a step): every backbone GEMM in tiles of "
+        "rows per GEMM in the decode graphs (0 = one GEMM a step): every backbone and head GEMM in tiles of "
         "this many rows, so a request's tokens do not depend on its batch bucket whatever kernel "
         "the GEMM library picks by row count (mixed graphs off); a weight read per tile",
         ("serve", "gpu_worker"),

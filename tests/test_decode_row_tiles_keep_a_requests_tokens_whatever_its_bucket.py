@@ -1,5 +1,5 @@
 """`--decode-row-tile N` (programs.blocks.fp8.row_tiles): the decode graphs run every backbone GEMM
-in tiles of exactly N rows, so a decode row's bits do not depend on its bucket, whatever kernel a
+and the head's in tiles of exactly N rows, so a decode row's bits do not depend on its bucket, whatever kernel a
 GEMM library picks by row count. Checked with the graph runner on the CPU stand-ins for FlashInfer
 and CUDA graphs (orpheus-tiny, float32): every GEMM a decode graph runs holds N rows; mixed graphs
 are off; and a sampled request's tokens are the same alone and among staggered others, as they are
@@ -32,12 +32,13 @@ def prompt(rid: str, seed: int, temperature: float = 0.8) -> Prompt:
 
 
 def test_decode_graphs_run_tiles_and_a_request_keeps_its_tokens(program, graph_runner_cls, monkeypatch):  # noqa: F811
-    rows_seen = []
+    rows_seen, weights_seen = [], []
     real = fp8._linear
 
     def spy(x, weight, bias):
         if fp8._row_tile:
             rows_seen.append(x.shape[0])
+            weights_seen.append(weight)
         return real(x, weight, bias)
 
     monkeypatch.setattr(fp8, "_linear", spy)
@@ -49,3 +50,4 @@ def test_decode_graphs_run_tiles_and_a_request_keeps_its_tokens(program, graph_r
     crowd = staggered(eng, [prompt("a", 1), target, *(prompt(f"o{i}", 20 + i) for i in range(5))])["x"]
     assert crowd == alone and len(alone[0]) > 40
     assert rows_seen and set(rows_seen) == {TILE}
+    assert any(w is program._head_weight for w in weights_seen)  # the audio head's GEMMs too

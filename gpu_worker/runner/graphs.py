@@ -249,9 +249,12 @@ class GraphRunner:
 
         def step() -> tuple[torch.Tensor, torch.Tensor]:
             self.attn.in_graph(wrapper)
-            with fp8.row_tiles(self.row_tile):  # --decode-row-tile (0: one GEMM)
+            # --decode-row-tile (0: one GEMM): the backbone's GEMMs and the head's, which rounds a
+            # row by the batch too (the audio head on the H200 from 40 rows)
+            with fp8.row_tiles(self.row_tile):
                 hidden = p.backbone(p.embed(ids, rows_of(where, prompt_rows=0)), pos, attn)  # [n, H]
-            return paired(p, p.head(hidden).float(), hidden, where[:, 0], s)  # [bs, C', V], [bs, H]
+                logits = p.head(hidden).float()
+            return paired(p, logits, hidden, where[:, 0], s)  # [bs, C', V], [bs, H]
 
         graph, out = capture(step, self.pool)
         return graph, wrapper, out

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from programs.base import Attention, LMProgram, Rows, TokenKind, Voice
+from programs.blocks import fp8
 from programs.orpheus.spec import AUDIO_BASE, CODEBOOK, FRAME, STOP_TOKEN
 
 if TYPE_CHECKING:  # torch modules load only in the process that needs them
@@ -98,7 +99,8 @@ class OrpheusProgram(LMProgram):
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.head_ids is not None:  # [B, H] → [B, 1, V'] float32, columns = head_ids
-            logits = torch.nn.functional.linear(hidden, self._head_weight)[:, : len(self.head_ids)]
+            # through fp8.linear as the full head's Linear: in the decode graphs' row tiles
+            logits = fp8.linear(hidden, self._head_weight)[:, : len(self.head_ids)]
             return logits.float()[:, None, :]
         return self.lm.logits(hidden)[:, None, :]  # [B, H] → [B, 1, V] float32
 
