@@ -354,8 +354,8 @@ class CodecSettings(msgspec.Struct, kw_only=True):
     # Lead windows (a request's first chunk, decoded whole) of the sizes the model's compiled codec
     # takes, likewise: compiled where `compile` compiles, in graphs up to `max_batch` (a burst's
     # streams send their first chunks together); each size one more compile at startup (tens of
-    # seconds, uncached). Off (the default): uncompiled, in graphs of up to `lead_batch`.
-    compile_leads: bool = False
+    # seconds, uncached). Off: uncompiled, in graphs of up to `lead_batch`.
+    compile_leads: bool = True
     max_batch: int = 0  # windows per decode call (0 = 128 on GPU, 64 on CPU)
     # GPU graphs: the largest batch of lead windows (first chunks; but those `compile_leads`
     # compiles) and of the tail windows shorter than a regular window decoded at once (0 = 16; at

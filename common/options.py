@@ -233,8 +233,8 @@ OPTIONS: tuple[Option, ...] = (
         "codec_compile_leads",
         "decode lead windows (a request's first chunk) as regular windows are, in graphs up to "
         "--codec-max-batch and compiled where --codec-compile compiles and the model's compiled codec "
-        "takes them (one more compile per lead size at startup, tens of seconds uncached); off (the default): "
-        "uncompiled, in graphs of up to --codec-lead-batch",
+        "takes them (the default; one more compile per lead size at startup, tens of seconds uncached); "
+        "off: uncompiled, in graphs of up to --codec-lead-batch",
         ("serve", "codec_worker"),
         _parse_bool,
         path="codec.compile_leads",

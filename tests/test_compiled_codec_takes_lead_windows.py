@@ -125,9 +125,7 @@ def test_a_program_without_compiled_leads_keeps_them_uncompiled(program, monkeyp
 
 
 def test_the_setting_reaches_the_codec_worker() -> None:
+    assert parse_role("codec_worker", ["--model", "orpheus-tiny"], {}).cfg.codec.compile_leads  # the default
     assert not parse_role(
-        "codec_worker", ["--model", "orpheus-tiny"], {}
-    ).cfg.codec.compile_leads  # the default
-    assert parse_role(
-        "codec_worker", ["--model", "orpheus-tiny", "--codec-compile-leads"], {}
+        "codec_worker", ["--model", "orpheus-tiny", "--no-codec-compile-leads"], {}
     ).cfg.codec.compile_leads
