@@ -12,6 +12,9 @@
 #   parity         tests/gpu/test_gpu_parity.py: logits, prefill graphs, greedy alone vs batched, codec graphs
 #   invariance     tests/gpu batch and op invariance, a burst through batched prefill graphs (fp8 weights and
 #                  cache, what `load` serves)
+#   bf16-invariance  tests/gpu/test_gpu_op_invariance.py (every GEMM way's bits and times, the row-invariant
+#                  kernel's among them), then the bf16 decode step with one cuBLAS GEMM, row tiles of 64
+#                  and the row-invariant kernel (`voxpipe bench step --decode-row-tiles 0,64,invariant`)
 #   xqa            tests/gpu/test_gpu_xqa_parity.py, then `voxpipe bench options` for the XQA configs
 #   csm            tests/gpu/test_gpu_csm_parity.py
 #   qwen3          tests/gpu/test_gpu_qwen3_tts_parity.py
@@ -120,6 +123,11 @@ for stage in "$@"; do
     codec-tails) gpu_tests codec-tails tests/gpu/test_gpu_codec_compile_tails.py ;;
     codec-leads) gpu_tests codec-leads tests/gpu/test_gpu_codec_compile_leads.py tests/gpu/test_gpu_codec_lead_batch.py ;;
     chatterbox) gpu_tests chatterbox tests/gpu/test_gpu_chatterbox_parity.py tests/gpu/test_gpu_chatterbox_s3gen.py ;;
+    bf16-invariance)
+        gpu_tests bf16-invariance tests/gpu/test_gpu_op_invariance.py
+        run bf16-step $bench step --skip prefill,ttfa,offline,baseline --lm-head audio \
+            --sizes "${VOXPIPE_LM_SIZES:-1,64,128,256,384,512}" --decode-row-tiles 0,64,invariant --out "$OUT/bf16-step.json"
+        ;;
     xqa)
         gpu_tests xqa-parity tests/gpu/test_gpu_xqa_parity.py
         run xqa-speed $bench options --configs bf16+audio_head,audio_head+fp8kv,audio_head+fp8kv+flashinfer,audio_head+xqa \

@@ -28,6 +28,7 @@ from gpu_worker.runner.eager import EagerRunner
 from gpu_worker.runner.graphs import GraphRunner
 from gpu_worker.runner.kv_cache import allocate_kv_cache, pages_for
 from programs import get_spec, load_program_class
+from programs.blocks import fp8
 from tokenizer_worker.worker import wire_prompt
 
 TOKENS_PER_SECOND = 82.03  # Orpheus tokens per second of audio
@@ -46,9 +47,18 @@ def cuda_ms(fn, reps: int) -> float:
     return (time.perf_counter() - t0) * 1000 / reps
 
 
-def decode_steps(program, sizes: list[int], contexts: list[int], row_tile: int = 0) -> dict:
+def decode_steps(
+    program, sizes: list[int], contexts: list[int], row_tile: int | str = 0, label: str = ""
+) -> dict:
     """Each batch size's decode step at each context, through the decode graphs; `row_tile` > 0 runs
-    their backbone GEMMs in tiles of that many rows (`--decode-row-tile`)."""
+    their backbone and head GEMMs in tiles of that many rows (`--decode-row-tile`), "invariant" in
+    the row-invariant Triton GEMM (`--invariant-gemm on`)."""
+    if row_tile == "invariant":
+        assert fp8.use_invariant_gemm(True), "the invariant GEMM needs Triton"
+        try:
+            return decode_steps(program, sizes, contexts, 0, "invariant GEMM")
+        finally:
+            fp8.use_invariant_gemm(False)
     page = 16
     bmax = max(sizes)
     per = pages_for(max(contexts) + 1, page)
@@ -85,7 +95,7 @@ def decode_steps(program, sizes: list[int], contexts: list[int], row_tile: int =
                 "floor_ms": FLOORS_MS.get(ctx, {}).get(bs),
             }
             print(
-                f"row tile {row_tile} ctx {ctx} batch {bs}: step {step_ms:.2f} ms, graph {replay_ms:.2f} ms",
+                f"{label or f'row tile {row_tile}'} ctx {ctx} batch {bs}: step {step_ms:.2f} ms, graph {replay_ms:.2f} ms",
                 flush=True,
             )
     return out
@@ -256,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--decode-row-tiles",
         default="0",
-        help="decode steps timed with each of these --decode-row-tile values (0: one GEMM a step); "
+        help="decode steps timed with each of these --decode-row-tile values (0: one GEMM a step; "
+        "'invariant': one GEMM a step in the row-invariant kernel, --invariant-gemm on); "
         "decode_step_ms holds the first's, and with more than one decode_step_ms_by_row_tile each",
     )
     ap.add_argument("--prefill-counts", default="1,4,16", help="prompts per prefill step timed")
@@ -296,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     program.load_codec()
     if "steps" not in skip:
         sizes = [int(s) for s in args.sizes.split(",")]
-        tiles = [int(t) for t in args.decode_row_tiles.split(",")]
+        tiles = [t if t == "invariant" else int(t) for t in args.decode_row_tiles.split(",")]
         by_tile = {}
         for tile in tiles:
             by_tile[tile] = decode_steps(program, sizes, [512, 1024], tile)

@@ -6,10 +6,11 @@ computes the same first row alone and inside batches of the decode buckets' size
 other rows, and reports the first batch size at which that row's output is no longer bit-identical
 to its output alone (None: identical at every size):
 
-- the GEMMs of an Orpheus-3B layer and the audio head, bf16 (`F.linear`) and fp8 (`programs.blocks.fp8`,
-  per-row activation scales, `torch._scaled_mm`); and the same GEMMs over a mixed step's rows (a
-  prompt bucket's, then a decode bucket's) as one GEMM against one per part (`mixed_gemm`: the
-  first such pair of sizes whose rows differ);
+- the GEMMs of an Orpheus-3B layer and the audio head, bf16 (`F.linear`), bf16 in tiles of 64 rows,
+  bf16 in the row-invariant Triton kernel (`programs.blocks.invariant_gemm`, `--invariant-gemm`)
+  and fp8 (`programs.blocks.fp8`, per-row activation scales, `torch._scaled_mm`); and the same
+  GEMMs over a mixed step's rows (a prompt bucket's, then a decode bucket's) as one GEMM against
+  one per part (`mixed_gemm`: the first such pair of sizes whose rows differ);
 - decode attention over a paged cache: FlashInfer without split-KV (bf16 cache), XQA told one SM so
   that it never splits a request's keys (fp8 cache), as the engine runs them;
 - the sampler's row-wise reductions over a row of probabilities (audio head, full vocabulary):
@@ -19,6 +20,7 @@ to its output alone (None: identical at every size):
 
     voxpipe bench op-invariance --out op_invariance.json [--sizes 1,2,...,512]
 
+On a GPU it also times each GEMM per way at a few row counts (`gemm_ms`: what invariance costs).
 On a CPU (no FlashInfer) it checks the GEMMs only; `tests/test_op_invariance_bench.py` runs its
 detector there. tests/gpu/test_gpu_op_invariance.py asserts, on the GPU, the ones the engine relies on.
 """
@@ -65,6 +67,13 @@ def first_variant_size(
     return None
 
 
+def invariant_gemm():
+    """programs.blocks.invariant_gemm (Triton), imported where a GPU uses it."""
+    from programs.blocks import invariant_gemm
+
+    return invariant_gemm
+
+
 def model_gemms(model: str) -> tuple[tuple[str, int, int], ...]:
     """(name, output features, input features) of a served model's backbone projections, from its
     shipped LM config (q/k/v fused as the GPU path fuses them, gate/up likewise)."""
@@ -96,6 +105,7 @@ def gemm_checks(device: str, sizes: list[int], shapes=GEMMS) -> dict:
         # in GEMMs of 64 rows each (fp8.tiled_linear, the heads' way): one shape at every row count
         res["bf16_tiled"] = first_variant_size(lambda a, w=w: fp8.tiled_linear(a, w), x, sizes)
         if device == "cuda":
+            res["bf16_invariant"] = first_variant_size(lambda a, w=w: invariant_gemm().linear(a, w), x, sizes)
             q = fp8.Fp8Weight(w)
             res["fp8"] = first_variant_size(lambda a, q=q: fp8.linear(a, q), x, sizes)
             res["fp8_tiled"] = first_variant_size(lambda a, q=q: fp8.tiled_linear(a, q), x, sizes)
@@ -111,19 +121,23 @@ def mixed_checks(device: str, sizes: list[int], prompt_rows=(32, 48, 64, 96, 128
     runs for the weights that need it."""
     g = torch.Generator(device=device).manual_seed(1)
     out: dict = {}
-    kinds = ("bf16", "fp8") if device == "cuda" else ("bf16",)
+    kinds = ("bf16", "fp8", "bf16_invariant") if device == "cuda" else ("bf16",)
     for name, n, k in shapes:
         w = (torch.randn(n, k, generator=g, device=device) * k**-0.5).to(torch.bfloat16)
         x = torch.randn(max(prompt_rows) + max(sizes), k, generator=g, device=device).to(torch.bfloat16)
-        weights = {"bf16": w, "fp8": fp8.Fp8Weight(w) if device == "cuda" else None}
+        ops = {"bf16": lambda a, w=w: fp8.linear(a, w)}
+        if device == "cuda":
+            q = fp8.Fp8Weight(w)
+            ops["fp8"] = lambda a, q=q: fp8.linear(a, q)
+            ops["bf16_invariant"] = lambda a, w=w: invariant_gemm().linear(a, w)
         res = {}
         for kind in kinds:
-            lin = weights[kind]
+            op = ops[kind]
             first = None
             for r in prompt_rows:
                 for bs in sizes:
-                    whole = fp8.linear(x[: r + bs], lin)
-                    parts = torch.cat([fp8.linear(x[:r], lin), fp8.linear(x[r : r + bs], lin)])
+                    whole = op(x[: r + bs])
+                    parts = torch.cat([op(x[:r]), op(x[r : r + bs])])
                     if not torch.equal(whole.view(torch.uint8), parts.view(torch.uint8)):
                         first = [r, bs]
                         break
@@ -132,6 +146,40 @@ def mixed_checks(device: str, sizes: list[int], prompt_rows=(32, 48, 64, 96, 128
             res[kind] = first
         out[name] = res
         print("mixed", name, res, flush=True)
+    return out
+
+
+def gemm_times(sizes=(1, 16, 64, 128, 256, 384, 512), shapes=GEMMS, reps: int = 50) -> dict:
+    """On a GPU, each GEMM's time (ms, CUDA events over `reps` calls after warm ones) at each row
+    count, per way: bf16 as one GEMM (cuBLAS), bf16 in tiles of 64 rows (`--decode-row-tile 64`),
+    bf16 in the row-invariant kernel (`--invariant-gemm on`) and fp8."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    out: dict = {}
+    for name, n, k in shapes:
+        w = (torch.randn(n, k, generator=g, device="cuda") * k**-0.5).to(torch.bfloat16)
+        q = fp8.Fp8Weight(w)
+        ways = {
+            "bf16": lambda a, w=w: F.linear(a, w),
+            "bf16_tiles_64": lambda a, w=w: fp8.tiled_linear(a, w),
+            "bf16_invariant": lambda a, w=w: invariant_gemm().linear(a, w),
+            "fp8": lambda a, q=q: fp8.linear(a, q),
+        }
+        out[name] = {}
+        for m in sizes:
+            x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+            row = {}
+            for way, op in ways.items():
+                for _ in range(3):
+                    op(x)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(reps):
+                    op(x)
+                end.record()
+                end.synchronize()
+                row[way] = round(start.elapsed_time(end) / reps, 4)
+            out[name][m] = row
+            print("ms", name, m, row, flush=True)
     return out
 
 
@@ -210,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     res["sampling"] = sampling_checks(device, sizes)
     if device == "cuda":
         res["attention"] = attention_checks(sizes)
+        res["gemm_ms"] = gemm_times(shapes=shapes)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
     print(json.dumps(res), flush=True)

@@ -248,6 +248,12 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     # with the codec held to a share of the SMs under MPS the faster steps leave the codec less of
     # the GPU (docs/models/, that model's Serving settings).
     fused_step: str = "off"
+    # "on": every GEMM of a plain (bf16/fp16) weight, in every graph and eager step, in voxpipe's
+    # Triton kernel (programs/blocks/invariant_gemm.py), whose tiles and reduction depend on the
+    # weight's shape alone, so a row's result does not depend on the rows beside it: a request's
+    # tokens are its own in any batch with bf16 weights, as float8 ones give (`--quantization fp8`)
+    # and as `--decode-row-tile` gives at a weight read per tile. GPU only.
+    invariant_gemm: str = "off"
     # "on": the next step is scheduled and launched just before the step on the device ends (by
     # the steps' measured device time, less the host's launch time and a margin that keeps the GPU
     # from idling), not as soon as the step before it was launched: a prompt that arrives meanwhile
@@ -274,6 +280,8 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
             raise ValueError(f"--depth-compile is auto, on or off, not {self.depth_compile!r}")
         if self.fused_step not in ("on", "off"):
             raise ValueError(f"--fused-step is on or off, not {self.fused_step!r}")
+        if self.invariant_gemm not in ("on", "off"):
+            raise ValueError(f"--invariant-gemm is on or off, not {self.invariant_gemm!r}")
         if self.late_launch not in ("on", "off"):
             raise ValueError(f"--late-launch is on or off, not {self.late_launch!r}")
         if self.prompt_lane not in ("on", "off"):

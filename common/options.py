@@ -174,6 +174,15 @@ OPTIONS: tuple[Option, ...] = (
         path="gpu.fused_step",
     ),
     Option(
+        "invariant_gemm",
+        "GPU: every GEMM of a plain (bf16/fp16) weight in voxpipe's Triton kernel, whose result for a "
+        "row does not depend on the rows beside it, so a request's tokens are its own in any batch "
+        "(float8 weights are already; --decode-row-tile does it at a weight read per tile): on, off (default)",
+        ("serve", "gpu_worker"),
+        choices=("on", "off"),
+        path="gpu.invariant_gemm",
+    ),
+    Option(
         "late_launch",
         "GPU: schedule and launch each step just before the step on the device ends (by measured "
         "step times) rather than as soon as the one before it is launched, so a prompt arriving "

@@ -24,6 +24,7 @@ from gpu_worker.runner.sampler import use_tail_kernel
 from gpu_worker.stages import StageReporter
 from gpu_worker.stall import StallWatch
 from programs import get_spec, load_program_class
+from programs.blocks import fp8
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,11 @@ class GpuWorker:
         )
         status.set(ProcState.LOADING, f"loading {spec['name']} LM on {device}")
         program.load_lm()
+        if cfg.gpu.invariant_gemm == "on":
+            if not device.startswith("cuda"):
+                log.warning("--invariant-gemm runs on a CUDA GPU: the CPU's GEMMs stay torch's")
+            elif not fp8.use_invariant_gemm(True):
+                raise RuntimeError("--invariant-gemm on needs Triton, which does not import here")
         if cfg.gpu.fused_step == "on":
             fused = program.fuse_layers()
             sampler_kernel = device.startswith("cuda") and use_tail_kernel(True)

@@ -118,6 +118,22 @@ def rows_apart(rows: int):
 
 
 _row_tile = 0
+_invariant: list = [None]  # invariant_gemm.linear while `use_invariant_gemm(True)`
+
+
+def use_invariant_gemm(on: bool) -> bool:
+    """Run every GEMM of a plain (not float8) weight through `invariant_gemm.linear` (on), whose
+    result for a row does not depend on the row count, or through F.linear (off, the default):
+    process-wide, set before any CUDA graph captures one (`--invariant-gemm`). → whether it is on
+    (False where Triton does not import)."""
+    _invariant[0] = None
+    if on:
+        try:
+            from programs.blocks.invariant_gemm import linear as invariant
+        except ImportError:
+            return False
+        _invariant[0] = invariant
+    return _invariant[0] is not None
 
 
 @contextlib.contextmanager
@@ -162,6 +178,8 @@ def tiled_linear(
 
 def _linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     if not isinstance(weight, Fp8Weight):
+        if _invariant[0] is not None:
+            return _invariant[0](x, weight, bias)
         return F.linear(x, weight, bias)
     if bias is not None:
         raise ValueError("fp8 linear layers have no bias")

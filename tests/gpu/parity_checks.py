@@ -19,6 +19,7 @@ from gpu_worker.engine import Engine
 from gpu_worker.runner.batch import StepBatch
 from gpu_worker.runner.sampler import SamplingRows
 from programs.base import Rows
+from programs.blocks import fp8
 
 PAGE = 16
 
@@ -92,7 +93,10 @@ def greedy_setup(program):
         """The engine of this setting, reused while the runs keep to it (its graphs are captured
         once, not per run); another setting's engine is freed first. Each sizes its KV cache for
         its whole batch at the full context (~35 GB in bf16), so two or three alive at once would
-        not fit an 80 GB GPU beside the weights."""
+        not fit an 80 GB GPU beside the weights. `invariant_gemm="on"` runs the GEMMs of plain
+        weights in the row-invariant kernel, which is process-wide (`fp8.use_invariant_gemm`) as
+        the gpu_worker sets it: the caller turns it off after its runs."""
+        assert fp8.use_invariant_gemm(kw.get("invariant_gemm") == "on") == (kw.get("invariant_gemm") == "on")
         key = tuple(sorted(kw.items()))
         if key not in engines:
             engines.clear()

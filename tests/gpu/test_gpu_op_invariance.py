@@ -3,7 +3,8 @@
 tested on the CPU in tests/test_op_invariance_bench.py):
 
 - every float8 GEMM of Orpheus-3B (and its audio head) alone and as one GEMM over a mixed step's
-  prompt and decode rows;
+  prompt and decode rows, and the same bf16 GEMMs in the row-invariant Triton kernel
+  (`--invariant-gemm on`), within bf16 rounding of cuBLAS's, and each way's time (reported);
 - decode attention as the engine runs it: FlashInfer without split-KV over a bf16 cache, XQA told
   one SM over an fp8 cache;
 - the sampler's softmax.
@@ -13,8 +14,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from bench.op_invariance import GEMMS, attention_checks, gemm_checks, mixed_checks, sampling_checks
+from bench.op_invariance import (
+    GEMMS,
+    attention_checks,
+    gemm_checks,
+    gemm_times,
+    mixed_checks,
+    sampling_checks,
+)
 from gpu_worker.runner.graphs import decode_buckets
 from programs.blocks import fp8
 
@@ -28,13 +37,40 @@ def sizes() -> list[int]:
     return decode_buckets(512)
 
 
-def test_fp8_gemms_give_a_row_the_same_bits_at_any_batch(sizes, gpu_report):
+@pytest.fixture(scope="module")
+def gemms(sizes, gpu_report) -> dict:
     res = gpu_report("op-invariance")
     res["sizes"] = sizes
     res["gemm"] = gemm_checks("cuda", sizes)
     res["mixed_gemm"] = mixed_checks("cuda", sizes)
-    assert {name: v["fp8"] for name, v in res["gemm"].items()} == dict.fromkeys(res["gemm"], None)
-    assert {name: v["fp8"] for name, v in res["mixed_gemm"].items()} == dict.fromkeys(res["mixed_gemm"], None)
+    return res
+
+
+@pytest.mark.parametrize("kind", ["fp8", "bf16_invariant"])
+def test_gemms_of_this_kind_give_a_row_the_same_bits_at_any_batch(gemms, kind):
+    assert {name: v[kind] for name, v in gemms["gemm"].items()} == dict.fromkeys(gemms["gemm"], None)
+    assert {name: v[kind] for name, v in gemms["mixed_gemm"].items()} == dict.fromkeys(
+        gemms["mixed_gemm"], None
+    )
+
+
+def test_the_invariant_gemm_rounds_as_cublas_does_within_bf16_and_its_time_is_reported(gpu_report):
+    from programs.blocks import invariant_gemm
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    worst = {}
+    for name, n, k in GEMMS:
+        w = (torch.randn(n, k, generator=g, device="cuda") * k**-0.5).to(torch.bfloat16)
+        x = torch.randn(384, k, generator=g, device="cuda").to(torch.bfloat16)
+        exact = x.double() @ w.double().T
+        ours = (invariant_gemm.linear(x, w).double() - exact).abs().max().item()
+        cublas = (F.linear(x, w).double() - exact).abs().max().item()
+        worst[name] = {"invariant_max_abs": ours, "cublas_max_abs": cublas}
+    res = gpu_report("op-invariance")
+    res["invariant_gemm_vs_float64"] = worst
+    res["gemm_ms"] = gemm_times()
+    # both round a float32 sum to bf16 once: within a bf16 step of the exact product where cuBLAS is
+    assert all(v["invariant_max_abs"] <= 2 * v["cublas_max_abs"] + 1e-6 for v in worst.values()), worst
 
 
 def test_decode_attention_gives_a_row_the_same_bits_at_any_batch(sizes, gpu_report):

@@ -38,6 +38,7 @@ from gpu_worker.runner.graphs import bucket_for, decode_buckets
 from gpu_worker.runner.kv_cache import allocate_kv_cache
 from gpu_worker.runner.model_runner import make_runner
 from programs import get_spec, load_program_class
+from programs.blocks import fp8
 from programs.orpheus.model import LlamaLM
 
 PAGE = 16
@@ -138,23 +139,32 @@ def bf16_rows_kept(program) -> int:
 @pytest.mark.timeout(600, method="thread")
 def test_greedy_tokens_alone_equal_those_among_others(fast, greedy, gpu_report):
     """bf16 weights: a request's greedy tokens alone, among 3, 17 and 40 others and three in one
-    step. With the decode graphs' GEMMs in tiles of 64 rows (`--decode-row-tile 64`) they are the
-    same in every one on any GPU; as one GEMM a projection, in those whose batch this GPU's bf16
-    GEMMs keep row-invariant (`bf16_rows_kept`). fp8 weights keep every batch
-    (test_gpu_batch_invariance.py)."""
+    step. With the decode graphs' GEMMs in tiles of 64 rows (`--decode-row-tile 64`) or every GEMM
+    in the row-invariant kernel (`--invariant-gemm on`) they are the same in every one on any GPU;
+    as one cuBLAS GEMM a projection, in those whose batch this GPU's bf16 GEMMs keep row-invariant
+    (`bf16_rows_kept`). fp8 weights keep every batch (test_gpu_batch_invariance.py)."""
     prompt, engine = greedy
     res = gpu_report("parity")
     report = bool(os.environ.get("VOXPIPE_GPU_REPORT_DIR"))
     kept = res["bf16_rows_kept"] = bf16_rows_kept(fast)
     res["greedy_alone_vs_batched"] = {}
-    variants = {"default (no split-KV)": {}, "row tiles of 64": {"decode_row_tile": 64}, **VARIANTS}
-    for name, kw in variants.items():
-        if name != "split-KV allowed" or report:  # split-KV: information for the report
-            res["greedy_alone_vs_batched"][name] = greedy_batches(engine, prompt, kw, others=(3, 17, 40))
+    variants = {
+        "default (no split-KV)": {},
+        "row tiles of 64": {"decode_row_tile": 64},
+        "invariant GEMM": {"invariant_gemm": "on"},
+        **VARIANTS,
+    }
+    try:
+        for name, kw in variants.items():
+            if name != "split-KV allowed" or report:  # split-KV: information for the report
+                res["greedy_alone_vs_batched"][name] = greedy_batches(engine, prompt, kw, others=(3, 17, 40))
+    finally:
+        fp8.use_invariant_gemm(False)
     if report:  # information: a padded prefill may round otherwise
         res["greedy_alone_graphs_vs_eager"] = greedy_graphs_vs_eager(engine, prompt)
-    tiled = res["greedy_alone_vs_batched"]["row tiles of 64"]
-    assert {k: v["first_difference"] for k, v in tiled.items()} == dict.fromkeys(tiled, None)
+    for name in ("row tiles of 64", "invariant GEMM"):
+        got = res["greedy_alone_vs_batched"][name]
+        assert {k: v["first_difference"] for k, v in got.items()} == dict.fromkeys(got, None), name
     got = {
         k: v["first_difference"]
         for k, v in res["greedy_alone_vs_batched"]["default (no split-KV)"].items()

@@ -1,0 +1,133 @@
+"""A GEMM whose result for a row does not depend on how many rows it holds (Triton, on a GPU).
+
+A GEMM library picks its kernel, its tile and its split of the reduction by the problem's shape, so
+one row of `x @ w.T` can round differently in a batch of 24 rows than alone: on an H100 cuBLAS's
+bf16 GEMMs of Orpheus-3B's shapes do from 16 rows, and a greedy request's tokens among 17 others
+part from its own at the first decode token (docs/performance.md, "Batch invariance"). Float8
+GEMMs do not, which is why a request's tokens are its own in any batch with `--quantization fp8`;
+this kernel gives plain (bf16, fp16, fp32) weights the same property without reading the weights
+once per tile of rows (`--decode-row-tile`).
+
+How the bits stay a row's own:
+
+- The tile and the reduction are chosen from the weight's shape (N, K) and the GPU alone, never
+  from the row count M (`config`): every row's output element is the same sequence of `tl.dot`
+  steps over the same K chunks, accumulated in float32 in the same order, whatever M is.
+- A program computes one BLOCK_M × BLOCK_N tile over the whole of K (no split of K, so no second
+  reduction whose order could depend on anything); rows past M load zeros and are not stored, and
+  a row's dot products never mix with another row's.
+- M is not specialized (`do_not_specialize`), so one compiled kernel serves every row count.
+
+Speed: consecutive programs take the M tiles of one N tile, so at a large M the weight tile each
+reads comes from L2 after the first (about one pass over the weights per GEMM, where row tiles
+read them once per tile); BLOCK_N narrows for a narrow N so a decode batch of up to BLOCK_M rows
+still spreads over the GPU's SMs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 64  # one Hopper warpgroup's MMA height
+BLOCK_K = 64
+PROGRAMS_PER_SM = 1.5  # how many programs per SM a decode batch (one M tile) should have at least
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemm_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    x_stride_m,
+    x_stride_k,
+    w_stride_n,
+    w_stride_k,
+    out_stride_m,
+    HAS_BIAS: tl.constexpr,
+    IEEE: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BM)
+    pid_n = pid // tiles_m  # the M tiles of one N tile run next to each other: its weights from L2
+    pid_m = pid % tiles_m
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    x_ptrs = x_ptr + rm[:, None] * x_stride_m + rk[None, :] * x_stride_k  # [BM, BK]
+    w_ptrs = w_ptr + rn[None, :] * w_stride_n + rk[:, None] * w_stride_k  # [BK, BN]: w.T's tile
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        a = tl.load(x_ptrs, mask=(rm[:, None] < M) & (k0 + rk[None, :] < K), other=0.0)
+        b = tl.load(w_ptrs, mask=(rn[None, :] < N) & (k0 + rk[:, None] < K), other=0.0)
+        if IEEE:  # float32 weights: float32 products, not TF32
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        x_ptrs += BK * x_stride_k
+        w_ptrs += BK * w_stride_k
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + rm[:, None] * out_stride_m + rn[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def block_n(n: int, sms: int) -> int:
+    """The widest BLOCK_N (128 down to 16) that still gives one M tile of an N-wide output at least
+    PROGRAMS_PER_SM programs per SM; 16 where none does. A function of N and the GPU, not of M."""
+    for bn in (128, 64, 32):
+        if triton.cdiv(n, bn) >= PROGRAMS_PER_SM * sms:
+            return bn
+    return 16
+
+
+@functools.cache
+def _sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # Triton's interpreter on a CPU (tests): an H100's count, so tiles are as served
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K].T (+ bias [N]) → [..., N] in x's dtype, each row's bits its own
+    whatever the row count (F.linear's contract otherwise; float32 accumulation)."""
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} columns, the weight {k}")
+    rows = x.reshape(-1, k)
+    m = rows.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        bn = block_n(n, _sms(x.device))
+        _gemm_kernel[(triton.cdiv(m, BLOCK_M) * triton.cdiv(n, bn),)](
+            rows,
+            weight,
+            bias if bias is not None else weight,  # unread without a bias
+            out,
+            m,
+            n,
+            k,
+            rows.stride(0),
+            rows.stride(1),
+            weight.stride(0),
+            weight.stride(1),
+            out.stride(0),
+            HAS_BIAS=bias is not None,
+            IEEE=weight.dtype == torch.float32,
+            BM=BLOCK_M,
+            BN=bn,
+            BK=BLOCK_K,
+            num_warps=4,
+            num_stages=4,
+        )
+    return out.view(*x.shape[:-1], n)

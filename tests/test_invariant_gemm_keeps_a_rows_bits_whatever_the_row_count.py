@@ -1,0 +1,99 @@
+"""`--invariant-gemm on` (programs/blocks/invariant_gemm.py): the GEMMs of plain weights in a Triton
+kernel whose tiles and reduction depend on the weight's shape alone, so a row's output has the same
+bits whatever rows are beside it. Checked in Triton's interpreter on the CPU (TRITON_INTERPRET=1,
+which tests/conftest.py sets there), in float32 and float16 (the interpreter has no bfloat16 math):
+the product against float64, a row's bits at every row count and position, with a bias, strided and
+batched inputs; the routing of `fp8.linear`; the setting. tests/gpu/test_gpu_op_invariance.py checks
+the kernel's bits on a GPU and times it; tests/gpu/test_gpu_parity.py checks a request's tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.options import parse_role
+from programs.blocks import fp8
+from tests.conftest import interpreted_kernel
+
+
+@pytest.fixture(scope="module")
+def linear():
+    return interpreted_kernel("programs.blocks.invariant_gemm", "linear")
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 70), (5, 130, 200), (70, 33, 64), (130, 300, 129)])
+def test_the_product_is_the_float64_ones_within_float32_rounding(linear, m, n, k) -> None:
+    g = torch.Generator().manual_seed(m + n + k)
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    exact = F.linear(x.double(), w.double(), b.double())
+    assert torch.allclose(linear(x, w, b).double(), exact, rtol=0, atol=1e-4 * exact.abs().max().item())
+    assert torch.allclose(
+        linear(x, w).double(), exact - b.double(), rtol=0, atol=1e-4 * exact.abs().max().item()
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_rows_bits_do_not_depend_on_the_row_count_or_its_place(linear, dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(150, 96, generator=g).to(dtype), torch.randn(200, 96, generator=g).to(dtype)
+    whole = linear(x, w)
+    for m in (1, 2, 3, 17, 63, 64, 65, 129, 150):  # one M tile, a tile's edge, several tiles
+        assert torch.equal(linear(x[:m], w), whole[:m]), m
+    # a row at another place: row 100 as the first of 50 rows, and alone
+    assert torch.equal(linear(x[100:], w)[0], whole[100])
+    assert torch.equal(linear(x[100:101], w)[0], whole[100])
+
+
+def test_strided_and_batched_inputs_give_the_contiguous_rows_bits(linear) -> None:
+    g = torch.Generator().manual_seed(1)
+    wide, w = torch.randn(70, 256, generator=g), torch.randn(48, 128, generator=g)
+    x = wide[:, :128]  # rows 256 apart
+    assert torch.equal(linear(x, w), linear(x.contiguous(), w))
+    batched = x.contiguous().view(7, 10, 128)
+    assert linear(batched, w).shape == (7, 10, 48)
+    assert torch.equal(linear(batched, w).view(70, 48), linear(x, w))
+    assert linear(x[:0], w).shape == (0, 48)
+    with pytest.raises(ValueError, match="columns"):
+        linear(x, torch.randn(48, 100))
+
+
+def test_the_tile_width_depends_on_the_output_width_and_the_gpu_alone(linear) -> None:
+    from programs.blocks.invariant_gemm import PROGRAMS_PER_SM, block_n
+
+    for sms in (66, 114, 132):
+        for n in (48, 1024, 3072, 5120, 16384, 28736, 156940):
+            bn = block_n(n, sms)
+            assert bn in (16, 32, 64, 128)
+            assert bn == 16 or -(-n // bn) >= PROGRAMS_PER_SM * sms  # a decode batch fills the GPU
+            assert bn == 128 or -(-n // (2 * bn)) < PROGRAMS_PER_SM * sms  # the widest that does
+
+
+def test_fp8_linear_takes_the_kernel_for_plain_weights_while_it_is_on(linear, monkeypatch) -> None:
+    calls = []
+    from programs.blocks import invariant_gemm
+
+    def spy(x, weight, bias=None):
+        calls.append(weight)
+        return linear(x, weight, bias)
+
+    monkeypatch.setattr(invariant_gemm, "linear", spy)
+    x, w = torch.randn(5, 64), torch.randn(32, 64)
+    try:
+        assert fp8.use_invariant_gemm(True)
+        got = fp8.linear(x, w)
+        assert calls == [w] and torch.allclose(got, F.linear(x, w), atol=1e-4)
+        fp8.tiled_linear(x, w, 4)  # row tiles through the kernel too: two tiles
+        assert len(calls) == 3
+    finally:
+        assert not fp8.use_invariant_gemm(False)
+    fp8.linear(x, w)
+    assert len(calls) == 3  # off: F.linear
+
+
+def test_the_setting_reaches_the_gpu_worker_and_is_checked() -> None:
+    assert parse_role("gpu_worker", ["--model", "orpheus-tiny"], {}).cfg.gpu.invariant_gemm == "off"
+    on = parse_role("gpu_worker", ["--model", "orpheus-tiny", "--invariant-gemm", "on"], {})
+    assert on.cfg.gpu.invariant_gemm == "on"
+    with pytest.raises(SystemExit):
+        parse_role("gpu_worker", ["--model", "orpheus-tiny", "--invariant-gemm", "yes"], {})
