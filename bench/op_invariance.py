@@ -152,7 +152,8 @@ def mixed_checks(device: str, sizes: list[int], prompt_rows=(32, 48, 64, 96, 128
 def gemm_times(sizes=(1, 16, 64, 128, 256, 384, 512), shapes=GEMMS, reps: int = 50) -> dict:
     """On a GPU, each GEMM's time (ms, CUDA events over `reps` calls after warm ones) at each row
     count, per way: bf16 as one GEMM (cuBLAS), bf16 in tiles of 64 rows (`--decode-row-tile 64`),
-    bf16 in the row-invariant kernel (`--invariant-gemm on`) and fp8."""
+    bf16 in the row-invariant kernel (`--invariant-gemm on`) with the tile width it picks and with
+    each other one (`bf16_invariant_n16` ...: what the pick leaves), and fp8."""
     g = torch.Generator(device="cuda").manual_seed(2)
     out: dict = {}
     for name, n, k in shapes:
@@ -162,6 +163,10 @@ def gemm_times(sizes=(1, 16, 64, 128, 256, 384, 512), shapes=GEMMS, reps: int = 
             "bf16": lambda a, w=w: F.linear(a, w),
             "bf16_tiles_64": lambda a, w=w: fp8.tiled_linear(a, w),
             "bf16_invariant": lambda a, w=w: invariant_gemm().linear(a, w),
+            **{
+                f"bf16_invariant_n{bn}": lambda a, w=w, bn=bn: invariant_gemm().linear(a, w, tile_n=bn)
+                for bn in (16, 32, 64, 128)
+            },
             "fp8": lambda a, q=q: fp8.linear(a, q),
         }
         out[name] = {}

@@ -98,9 +98,12 @@ def _sms(device: torch.device) -> int:
     return 132  # Triton's interpreter on a CPU (tests): an H100's count, so tiles are as served
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tile_n: int = 0
+) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T (+ bias [N]) → [..., N] in x's dtype, each row's bits its own
-    whatever the row count (F.linear's contract otherwise; float32 accumulation)."""
+    whatever the row count (F.linear's contract otherwise; float32 accumulation). `tile_n`: a
+    BLOCK_N other than `block_n`'s (a benchmark's sweep; 0: `block_n`'s)."""
     n, k = weight.shape
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} columns, the weight {k}")
@@ -108,7 +111,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     m = rows.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        bn = block_n(n, _sms(x.device))
+        bn = tile_n or block_n(n, _sms(x.device))
         _gemm_kernel[(triton.cdiv(m, BLOCK_M) * triton.cdiv(n, bn),)](
             rows,
             weight,
