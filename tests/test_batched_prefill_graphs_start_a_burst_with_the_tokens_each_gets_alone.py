@@ -185,9 +185,11 @@ def test_a_burst_through_batched_graphs_samples_what_each_request_samples_alone(
 def test_the_batched_graphs_follow_the_programs_weights_not_the_settings():
     """float8 weights are the program's (its loader quantizes them): a runner built with settings
     that do not repeat `--quantization` (a test's, a bench's) still batches their prompts, and bf16
-    weights never do, whatever the settings say."""
+    weights never do, whatever the settings say, but where their GEMMs run in the row-invariant
+    kernel."""
     from gpu_worker.runner.batched_prefill import batched_prefill_enabled
     from programs import get_spec, load_program_class
+    from programs.blocks import fp8 as fp8_gemms
 
     cls = load_program_class("orpheus")
     fp8, bf16 = cls(get_spec("orpheus"), quantization="fp8"), cls(get_spec("orpheus"))
@@ -195,6 +197,13 @@ def test_the_batched_graphs_follow_the_programs_weights_not_the_settings():
     assert batched_prefill_enabled(fp8, GpuWorkerSettings(quantization="fp8"))
     assert not batched_prefill_enabled(fp8, GpuWorkerSettings(mixed_prefill=False))
     assert not batched_prefill_enabled(bf16, GpuWorkerSettings(quantization="fp8"))
+    assert not batched_prefill_enabled(bf16, GpuWorkerSettings())
+    try:  # bf16 weights whose GEMMs run in the row-invariant kernel (--invariant-gemm on)
+        assert fp8_gemms.use_invariant_gemm(True)
+        assert batched_prefill_enabled(bf16, GpuWorkerSettings())
+        assert not batched_prefill_enabled(bf16, GpuWorkerSettings(mixed_prefill=False))
+    finally:
+        fp8_gemms.use_invariant_gemm(False)
     assert not batched_prefill_enabled(bf16, GpuWorkerSettings())
 
 

@@ -85,10 +85,13 @@ def test_fp8_linear_takes_the_kernel_for_plain_weights_while_it_is_on(linear, mo
         assert calls == [w] and torch.allclose(got, F.linear(x, w), atol=1e-4)
         fp8.tiled_linear(x, w, 4)  # row tiles through the kernel too: two tiles
         assert len(calls) == 3
+        with fp8.rows_apart(2):  # a mixed step's parts: one GEMM, the kernel keeps each row's bits
+            fp8.linear(x, w)
+        assert len(calls) == 4
     finally:
         assert not fp8.use_invariant_gemm(False)
     fp8.linear(x, w)
-    assert len(calls) == 3  # off: F.linear
+    assert len(calls) == 4  # off: F.linear
 
 
 def test_the_setting_reaches_the_gpu_worker_and_is_checked() -> None:

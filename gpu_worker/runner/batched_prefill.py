@@ -15,7 +15,8 @@ Each prompt rounds as it does alone, so a request's tokens do not depend on who 
 - the GEMMs take every segment's rows at once, which leaves each row's bits as they are only where
   the GEMMs are float8 (bench/op_invariance.py: a row the same at any row count on the H200). A
   bf16 GEMM can round a row otherwise at another row count, so these graphs exist only for float8
-  weights (`batched_prefill_enabled`); elsewhere each prompt keeps its own graph (the lanes);
+  weights and for plain ones in the row-invariant kernel (`batched_prefill_enabled`,
+  `--invariant-gemm on`); elsewhere each prompt keeps its own graph (the lanes);
 - each prompt's output head runs on its own last row, as in its prefill graph.
 
 The same segments let prompts join the first one in the step's mixed graph (gpu_worker.runner.graphs:
@@ -55,6 +56,7 @@ from gpu_worker.runner.prefill_graphs import (
     prefill_spans,
 )
 from programs.base import LMProgram
+from programs.blocks import fp8
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +67,13 @@ MAX_BATCHED = 16
 
 
 def batched_prefill_enabled(program: LMProgram, limits) -> bool:
-    """Whether prompts may share a forward pass: every GEMM of the backbone float8 (row-invariant).
-    Read from the program, whose weights the GEMMs use (`program.quantization`), not from the
-    settings: a runner built with other settings than the program's loader runs the same weights."""
-    return bool(program.mixed_prefill and limits.mixed_prefill and program.quantization == "fp8")
+    """Whether prompts may share a forward pass: every GEMM of the backbone row-invariant, float8
+    or in the row-invariant kernel (`--invariant-gemm on`). Read from what runs the GEMMs (the
+    program's weights, `program.quantization`, and the process's kernel, `fp8.invariant_gemm_on`),
+    not from the settings: a runner built with other settings than the program's loader runs the
+    same weights."""
+    invariant = program.quantization == "fp8" or fp8.invariant_gemm_on()
+    return bool(program.mixed_prefill and limits.mixed_prefill and invariant)
 
 
 # Prompts that may join the first one in a mixed graph (gpu_worker.runner.graphs): a mixed graph per

@@ -286,7 +286,7 @@ class GraphRunner:
         arena spans and planned wrappers: → logits and hidden states of each request's last row,
         then of the decode rows. Each row rounds as in the prefill graph and the decode graph it
         replaces, so a request's tokens do not depend on who arrived with it: bf16 GEMMs keep the
-        two parts apart (`fp8.rows_apart`; joiners exist only for float8 weights), float8 ones give
+        two parts apart (`fp8.rows_apart`; joiners exist only for row-invariant GEMMs), float8 ones give
         a row the same bits at any row count, and each prompt and the decode part have heads of
         their own."""
         p, c, a, s = self.program, self.program.n_codebooks, self.arena, self.sequences

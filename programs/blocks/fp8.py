@@ -104,7 +104,8 @@ def rows_apart(rows: int):
     picks its kernel by shape: measured on the H200, a prompt prefilled beside decode rows in one
     GEMM changed a greedy request's tokens), so a step that runs a prompt with decode rows
     (the gpu_worker's mixed graphs) keeps each part in a GEMM of the size it has in a step of its
-    own. The float8 GEMMs give a row the same bits at any row count (bench/op_invariance.py, every
+    own. The float8 GEMMs, and plain ones in the row-invariant kernel (`use_invariant_gemm`), give
+    a row the same bits at any row count (bench/op_invariance.py, every
     Orpheus-3B shape on the H200: 1-512 rows, and one GEMM over a prompt bucket's 32-128 rows with a
     decode bucket's 1-512 against a GEMM per part): they run the step's rows as one, which spares
     reading every weight a second time for the prompt (~1.8 ms of the 3.3 ms a prompt added to a
@@ -136,6 +137,11 @@ def use_invariant_gemm(on: bool) -> bool:
     return _invariant[0] is not None
 
 
+def invariant_gemm_on() -> bool:
+    """Whether the GEMMs of plain weights run in the row-invariant kernel (`use_invariant_gemm`)."""
+    return _invariant[0] is not None
+
+
 @contextlib.contextmanager
 def row_tiles(rows: int):
     """Within (rows > 0): every `linear` runs its input in GEMMs of exactly `rows` rows
@@ -156,7 +162,7 @@ def linear(
     """x [M, K] @ weight.T (+ bias) → [M, N] in x's dtype; weight a plain tensor or an `Fp8Weight`."""
     if _row_tile:
         return tiled_linear(x, weight, _row_tile, bias)
-    if 0 < _rows_apart < x.shape[0] and not isinstance(weight, Fp8Weight):
+    if 0 < _rows_apart < x.shape[0] and not isinstance(weight, Fp8Weight) and _invariant[0] is None:
         s = _rows_apart
         return torch.cat([_linear(x[:s], weight, bias), _linear(x[s:], weight, bias)])
     return _linear(x, weight, bias)

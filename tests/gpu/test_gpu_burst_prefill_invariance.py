@@ -4,11 +4,13 @@ and 4 more two steps later (prompts of the 32- and 64-row buckets), several of t
 or joining a step's first prompt in its mixed graph with the decode rows, and each generates the
 tokens it generates alone, greedy and sampled (its own seed). With `--max-prefills 16` the batched
 graphs take up to 16 prompts: 24 of the 32-row bucket arrive at once, so that a graph of more than
-the default 8 runs. Also records how many steps the burst took to start and the batched and
-mixed graphs replayed."""
+the default 8 runs. The same burst with bf16 weights whose GEMMs run in the row-invariant kernel
+(`--invariant-gemm on`, which turns the batched graphs on for them). Also records how many steps
+the burst took to start and the batched and mixed graphs replayed."""
 
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
@@ -16,6 +18,7 @@ import torch
 from parity_checks import greedy_setup
 
 from programs import get_spec, load_program_class
+from programs.blocks import fp8
 
 TEXTS = [
     "The same words, again.",
@@ -29,12 +32,16 @@ TEXTS = [
 ]
 
 
+def orpheus(quantization: str):
+    p = load_program_class("orpheus")(get_spec("orpheus"), load_format="dummy", device="cuda",
+                                      dtype=torch.bfloat16, lm_head="audio", quantization=quantization)  # fmt: skip
+    p.load_lm()
+    return p
+
+
 @pytest.fixture(scope="module")
 def greedy():
-    p = load_program_class("orpheus")(get_spec("orpheus"), load_format="dummy", device="cuda",
-                                      dtype=torch.bfloat16, lm_head="audio", quantization="fp8")  # fmt: skip
-    p.load_lm()
-    return greedy_setup(p)
+    return greedy_setup(orpheus("fp8"))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.6], ids=["greedy", "sampled"])
@@ -42,9 +49,29 @@ def greedy():
 def test_a_burst_started_in_batched_graphs_samples_what_each_request_samples_alone(
     greedy, gpu_report, temperature, max_prefills
 ):
-    prompt, engine = greedy
     # the serve settings of the program's weights (the runner reads float8 from the program itself)
     kw = {"kv_cache_dtype": "fp8", "quantization": "fp8", "max_prefills": max_prefills}
+    burst(greedy, kw, gpu_report, temperature, max_prefills, "")
+
+
+@pytest.fixture(scope="module")
+def bf16():
+    """bf16 weights; its engines turn the row-invariant kernel on (process-wide), off at the end."""
+    yield greedy_setup(orpheus("none"))
+    fp8.use_invariant_gemm(False)
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.6], ids=["greedy", "sampled"])
+def test_with_the_invariant_gemm_a_bf16_burst_samples_what_each_request_samples_alone(
+    bf16, gpu_report, temperature
+):
+    burst(bf16, {"kv_cache_dtype": "fp8", "invariant_gemm": "on"}, gpu_report, temperature, 0, "bf16, ")
+
+
+def burst(greedy, kw: dict, gpu_report, temperature: float, max_prefills: int, label: str) -> None:
+    prompt, engine = greedy
     # with --max-prefills 16 the burst's prompts share one bucket (the short texts), so that one
     # batched graph takes all but the step's first
     at_once, stride = (24, 2) if max_prefills else (12, 1)
@@ -58,7 +85,7 @@ def test_a_burst_started_in_batched_graphs_samples_what_each_request_samples_alo
         alone[p.rid] = eng.outputs[p.rid][0]
     eng = engine(**kw)
     runner = eng.runner.forward_runner
-    assert runner.batched is not None, "float8 weights: batched prefill graphs are captured"
+    assert runner.batched is not None, "row-invariant GEMMs: batched prefill graphs are captured"
     replayed, graphs = [], [*runner.batched.graphs.items(), *runner.mixed.items()]
     for key, (graph, _) in graphs:
         graph.replay = lambda key=key, replay=graph.replay: replayed.append(key) or replay()
@@ -79,7 +106,7 @@ def test_a_burst_started_in_batched_graphs_samples_what_each_request_samples_alo
         for rid, want in alone.items()
     }
     res = gpu_report("burst-prefill-invariance")
-    res.setdefault("bursts", {})[f"temperature {temperature:g}, max_prefills {max_prefills}"] = {
+    res.setdefault("bursts", {})[f"{label}temperature {temperature:g}, max_prefills {max_prefills}"] = {
         "requests": len(prompts), "rows": sorted({p.n_rows for p in prompts}), "steps_to_start": steps,
         "start_ms": round(admit_ms, 1), "batched_graphs_replayed": [list(k) for k in replayed if len(k) == 2],
         "mixed_graphs_replayed": [list(k) for k in replayed if len(k) == 3], "first_difference": differ,
