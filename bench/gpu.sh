@@ -24,9 +24,10 @@
 #                  window, their times (serve a load with VOXPIPE_SERVE_EXTRA="--codec-merge 8" to compare)
 #   codec-tails    tests/gpu/test_gpu_codec_compile_tails.py: full-context tail windows compiled
 #                  (--codec-compile-tails) against graphed uncompiled, their audio and a pass's time
-#   codec-leads    tests/gpu/test_gpu_codec_compile_leads.py and test_gpu_codec_lead_batch.py: lead windows
-#                  (first chunks) compiled (--codec-compile-leads) or in wider graphs (--codec-lead-batch)
-#                  against graphed uncompiled parts of 16, their audio and a pass's time
+#   codec-leads    tests/gpu/test_gpu_codec_compile_leads.py, test_gpu_codec_lead_batch.py and
+#                  test_gpu_codec_first_lane.py: lead windows (first chunks) compiled (--codec-compile-leads),
+#                  in wider graphs (--codec-lead-batch) or in the first lane (--codec-first-lane) against
+#                  graphed uncompiled parts of 16, their audio and a pass's time
 #   chatterbox     tests/gpu/test_gpu_chatterbox_parity.py (T3 with classifier-free guidance) and
 #                  tests/gpu/test_gpu_chatterbox_s3gen.py (S3Gen: the reference, stream graphs, GPU time)
 #   step | speed | offline | options | profile | attention | op-invariance | codec | codec-profile
@@ -121,7 +122,10 @@ for stage in "$@"; do
     higgs) gpu_tests higgs tests/gpu/test_gpu_higgs_tts_parity.py tests/gpu/test_gpu_higgs_tts_clone.py ;;
     codec-merge) gpu_tests codec-merge tests/gpu/test_gpu_codec_merge.py ;;
     codec-tails) gpu_tests codec-tails tests/gpu/test_gpu_codec_compile_tails.py ;;
-    codec-leads) gpu_tests codec-leads tests/gpu/test_gpu_codec_compile_leads.py tests/gpu/test_gpu_codec_lead_batch.py ;;
+    codec-leads)
+        gpu_tests codec-leads tests/gpu/test_gpu_codec_compile_leads.py tests/gpu/test_gpu_codec_lead_batch.py \
+            tests/gpu/test_gpu_codec_first_lane.py
+        ;;
     chatterbox) gpu_tests chatterbox tests/gpu/test_gpu_chatterbox_parity.py tests/gpu/test_gpu_chatterbox_s3gen.py ;;
     bf16-invariance)
         gpu_tests bf16-invariance tests/gpu/test_gpu_op_invariance.py

@@ -55,6 +55,18 @@ DEAD_KEPT = 4096  # failed requests remembered, to drop their later chunks and t
 
 
 @dataclass
+class FirstLane:
+    """Lead windows (first chunks) decoded while a pass runs (`--codec-first-lane`): graphs of the
+    lead kinds of their own, in a memory pool of their own (the pass's graphs share theirs, replayed
+    one at a time), replayed on a high-priority CUDA stream, so a first chunk that arrives during a
+    pass does not wait for it: the GPU schedules its kernels' blocks ahead of the pass's."""
+
+    graphs: dict[tuple[int, int], DetokGraphs]
+    limits: dict[tuple[int, int], int]
+    stream: torch.cuda.Stream
+
+
+@dataclass
 class Launched:
     """A launched decode: the chunks, per part its positions in them and the pending result, and
     the requests it failed (rid → the error end to send in place of their audio)."""
@@ -87,6 +99,7 @@ class Codec:
         compile_tails: bool = False,
         lead_batch: int = 0,
         compile_leads: bool = False,
+        first_lane: bool = False,
     ) -> None:
         self.program = program
         self.device = program.device
@@ -141,6 +154,7 @@ class Codec:
             tuple(self.compile_leads),
         )
         self.graphs: dict[tuple[int, int], DetokGraphs] = {}
+        self.lane: FirstLane | None = None
         if graphs and self.device.type == "cuda":
             # `benchmark_graphs`: cuDNN times each captured convolution shape's algorithms in the
             # graphs' warm-up and keeps the fastest (not its heuristic's pick); what is met later
@@ -149,6 +163,10 @@ class Codec:
             torch.backends.cudnn.benchmark = serving or benchmark_graphs
             try:
                 self._capture(progress)
+                # ... and with `first_lane`, the lead kinds' graphs of the first lane (not for codec
+                # streams, whose windows of a request decode in order in its slot)
+                if first_lane and self.slots is None:
+                    self.lane = self._capture_lane(progress)
             finally:
                 torch.backends.cudnn.benchmark = serving
         else:
@@ -196,6 +214,31 @@ class Codec:
                     call_batch=self.call_batch,
                 )
             self.graphs[rows, tail] = graphs
+
+    def _capture_lane(self, progress) -> FirstLane:
+        """The first lane's graphs: each lead kind's, up to LEAD_MAX_BATCH windows (a pass's worth
+        of first chunks arriving in one pass), compiled where the pass's are."""
+        pool = torch.cuda.graph_pool_handle()
+        graphs, limits = {}, {}
+        for kind, limit in self.limits.items():
+            rows, tail = kind
+            if tail or not self._lead(rows):
+                continue
+            fn = self._compiled_fn(0) if self._compiles(rows, 0) else None
+            limits[kind] = min(limit, LEAD_MAX_BATCH)
+            graphs[kind] = DetokGraphs(
+                self.program, limits[kind], progress, rows=rows, pool=pool, detokenize=fn, call_batch=self.call_batch
+            )  # fmt: skip
+        return FirstLane(graphs, limits, torch.cuda.Stream(priority=-1))
+
+    def lane_takes(self, c: DetokChunk) -> bool:
+        """Whether the first lane decodes chunk `c`: a request's first chunk, of a lead kind."""
+        return self.lane is not None and c.index == 0 and self._chunk_kind(c) in self.lane.graphs
+
+    @staticmethod
+    def done(launched: Launched) -> bool:
+        """Whether a launch's decode has finished on the device (an eager one: computed when read)."""
+        return all(p.done is None or p.done.query() for _, p in launched.parts)
 
     def _compiled_fn(self, tail: int) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
         """The compiled decode of windows keeping `tail` rows (0: a regular or lead window's)."""
@@ -331,9 +374,22 @@ class Codec:
         decode failed (`launch(...).failed` says why)."""
         return self.collect(self.launch(chunks))
 
-    def launch(self, chunks: list[DetokChunk]) -> Launched:
+    def launch(self, chunks: list[DetokChunk], lane: bool = False) -> Launched:
         """Queue the decode of `chunks` (graphs: nothing waits for the GPU; eager: computed when
-        read). A chunk that cannot be decoded fails its request, and only it."""
+        read). A chunk that cannot be decoded fails its request, and only it. `lane`: in the first
+        lane (chunks it takes, `lane_takes`), on its stream."""
+        if lane:
+            assert self.lane is not None
+            with torch.cuda.stream(self.lane.stream):
+                return self._launch(chunks, self.lane.graphs, self.lane.limits)
+        return self._launch(chunks, self.graphs, self.limits)
+
+    def _launch(
+        self,
+        chunks: list[DetokChunk],
+        graphs: dict[tuple[int, int], DetokGraphs],
+        limits: dict[tuple[int, int], int],
+    ) -> Launched:
         p = self.program
         out = Launched(chunks)
         kinds: dict[int, tuple[int, int]] = {}  # position → window kind
@@ -341,7 +397,7 @@ class Codec:
             kind = self._chunk_kind(c)
             if c.rid in self.dead:
                 continue  # its request has failed: its later chunks have nowhere to go
-            if kind not in self.limits or len(c.tokens) % (4 * p.n_codebooks):
+            if kind not in limits or len(c.tokens) % (4 * p.n_codebooks):
                 self.fail(out, c.rid, self._bad_kind(c, kind))
                 continue
             if c.prefix and (self.slots is None or c.index or len(c.prefix) % (4 * p.n_codebooks)):
@@ -394,9 +450,9 @@ class Codec:
                 kind = kinds[i] if len(unit) == 1 else (len(unit) * p.detok_interval, 0)
                 groups.setdefault(kind, []).append((unit, slot, fresh))
             for kind, entries in groups.items():
-                limit = self.limits[kind]
+                limit = limits[kind]
                 for lo in range(0, len(entries), limit):
-                    out.parts.append(self._launch_part(chunks, kind, entries[lo : lo + limit]))
+                    out.parts.append(self._launch_part(chunks, kind, entries[lo : lo + limit], graphs))
         return out
 
     def _bad_kind(self, c: DetokChunk, kind: tuple[int, int]) -> str:
@@ -444,7 +500,11 @@ class Codec:
         return to_device(t, self.device)
 
     def _launch_part(
-        self, chunks: list[DetokChunk], kind: tuple[int, int], entries: list[tuple[list[int], int, bool]]
+        self,
+        chunks: list[DetokChunk],
+        kind: tuple[int, int],
+        entries: list[tuple[list[int], int, bool]],
+        graphs: dict[tuple[int, int], DetokGraphs],
     ) -> tuple[list[list[int]], Pending]:
         """Queue one batch of windows of one kind: (unit, slot, fresh) each, a unit's chunks' rows
         as one window (its noise key its first chunk's)."""
@@ -461,10 +521,10 @@ class Codec:
         if self.slots is not None:
             slots = np.array([s for _, s, _ in entries], dtype=np.int64)
             fresh = np.array([f for _, _, f in entries], dtype=bool)
-        if kind in self.graphs:
+        if kind in graphs:
             if slots is None:
-                return part, self.graphs[kind].launch(tokens, keys)
-            return part, self.graphs[kind].launch(tokens, keys, slots, fresh)
+                return part, graphs[kind].launch(tokens, keys)
+            return part, graphs[kind].launch(tokens, keys, slots, fresh)
         if slots is None:
             return part, Pending.later(lambda: self._decode_eager(tokens, keys, tail))
         return part, Pending.later(lambda: self._decode_eager(tokens, keys, tail, slots, fresh))

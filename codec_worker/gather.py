@@ -23,6 +23,8 @@ after them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from common.messages import DetokBatch, DetokChunk, Finished
 
 # Transport to the gateway and the client, and jitter (10 ms left chunks a few ms late under load
@@ -95,6 +97,23 @@ class Gather:
         out = first, rest, self.finished
         self.chunks, self._arrived, self.finished, self.deadline = [], [], [], float("inf")
         return out
+
+    def take_where(self, takes: Callable[[DetokChunk], bool]) -> tuple[list[DetokChunk], list[Finished]]:
+        """The waiting windows `takes` picks (the first chunks the codec's first lane decodes while
+        a pass runs), in arrival order, and the held ends of the requests that have no window
+        waiting after them; the rest keep waiting."""
+        picked = [takes(c) for c in self.chunks]
+        if not any(picked):
+            return [], []
+        out = [c for c, p in zip(self.chunks, picked, strict=True) if p]
+        kept = [(c, at) for c, at, p in zip(self.chunks, self._arrived, picked, strict=True) if not p]
+        self.chunks, self._arrived = [c for c, _ in kept], [at for _, at in kept]
+        waiting = {c.rid for c in self.chunks}
+        ends = [f for f in self.finished if f.rid not in waiting]
+        self.finished = [f for f in self.finished if f.rid in waiting]
+        if not self.chunks:
+            self.deadline = float("inf")
+        return out, ends
 
     def decoded(self, seconds: float) -> None:
         """A decode call took `seconds`."""

@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 # On a GPU, a decode pass past this is logged with its windows (a pass of 128 regular windows takes
 # a few ms on the H200); at most one line every SLOW_LOG_S.
 SLOW_PASS_S, SLOW_LOG_S = 0.04, 1.0
+# With the first lane (--codec-first-lane), how often a pass's wait for the device looks for first
+# chunks that arrived: a first chunk waits up to this long before its lane decode starts.
+LANE_POLL_MS = 1
 
 
 def cudnn_benchmark(choice: str) -> tuple[bool, bool]:
@@ -118,6 +121,7 @@ class CodecWorker:
             lead_batch=cfg.codec.lead_batch,
             # (no lead windows come with reference first chunks: nothing to compile)
             compile_leads=cfg.codec.compile_leads and cfg.gpu.first_chunk != "reference",
+            first_lane=cfg.codec.first_lane,
         )
         self.status = status
         self.inbox: PullChannel[CodecInMsg] = PullChannel(cfg.addresses.codec_in, CodecInMsg, bind=True)
@@ -131,6 +135,7 @@ class CodecWorker:
             "codec_busy_seconds_total": 0.0,
             "encode_clips_total": 0,
             "encode_busy_seconds_total": 0.0,
+            "codec_first_lane_windows_total": 0,
         }
         status.set_load(0, 0, dict(self.counters))
         if self.codec.device.type == "cuda":
@@ -165,14 +170,16 @@ class CodecWorker:
             self.decoded_last = self.encodes.waiting  # clips waited out this pass: they go next
         return drained
 
-    def receive(self, msgs: list[CodecInMsg], arrived: float) -> None:
-        """Gather the batches' windows (the ends of requests with no window waiting go at once) and
-        queue the clips to encode."""
+    def receive(self, msgs: list[CodecInMsg], arrived: float, held: list[Finished] | None = None) -> None:
+        """Gather the batches' windows (the ends of requests with no window waiting go at once, or
+        into `held` during a pass: their last windows may be in it) and queue the clips to encode."""
         for msg in msgs:
             match msg:
                 case DetokBatch():
                     ends = self.codec.ended(self.gather.add(msg, arrived))
-                    if ends:
+                    if ends and held is not None:
+                        held.extend(ends)
+                    elif ends:
                         self.to_gateway.send(AudioChunks(chunks=[], finished=ends))
                 case EncodeRequest():
                     refused = self.encodes.add(msg)
@@ -210,6 +217,7 @@ class CodecWorker:
             return
         t0 = time.perf_counter()
         launched: list[tuple[Launched | Exception, list[DetokChunk], list[Finished]]] = []
+        self._held: list[Finished] = []  # ends that come during the pass (`_first_lane`), sent after it
         n = 0
         for chunks, finished in groups:  # (pending or the launch's error, chunks, ends), in order
             if chunks:
@@ -221,6 +229,8 @@ class CodecWorker:
                 except Exception as e:  # fails this group's requests (below, in order), not the process
                     launched.append((e, chunks, finished))
         n += self._send(launched)
+        if self._held:  # after the pass's audio: a request's last windows may have been in it
+            self.to_gateway.send(AudioChunks(chunks=[], finished=self._held))
         took = time.perf_counter() - t0
         if took > self.slow_pass_s:
             self._slow(took, groups)
@@ -231,11 +241,19 @@ class CodecWorker:
         c["codec_busy_seconds_total"] += took
         self.status.set_load(0, 0, dict(c))
 
-    def _send(self, launched: list[tuple[Launched | Exception, list[DetokChunk], list[Finished]]]) -> int:
+    def _send(
+        self,
+        launched: list[tuple[Launched | Exception, list[DetokChunk], list[Finished]]],
+        lane: bool = False,
+    ) -> int:
         """Wait for each launched group in turn and send its audio with its ends (a group whose
-        launch or decode failed: its requests' errors). → the windows sent."""
+        launch or decode failed: its requests' errors); while a pass's group decodes, the first
+        chunks that arrive meanwhile go through the first lane (`_first_lane`; `lane`: this is
+        the lane's own group). → the windows sent."""
         n = 0
         for pending, chunks, finished in launched:
+            if self.codec.lane is not None and not lane and not isinstance(pending, Exception):
+                n += self._first_lane(pending)
             try:
                 if isinstance(pending, Exception):
                     raise pending
@@ -248,6 +266,27 @@ class CodecWorker:
             ends = list(pending.failed.values()) + self.codec.ended(finished)
             self.to_gateway.send(AudioChunks(chunks=audio, finished=ends))
             n += len(audio)
+        return n
+
+    def _first_lane(self, pending: Launched) -> int:
+        """While `pending` decodes on the device: take what arrives (polling every LANE_POLL_MS),
+        and decode the first chunks among it at once in the codec's first lane, each lane group
+        sent with its requests' held ends as soon as it is done. → the windows sent."""
+        n = 0
+        while not self.codec.done(pending):
+            arrived = time.monotonic()
+            msgs = self.inbox.drain(timeout_ms=LANE_POLL_MS)
+            if msgs:
+                self.receive(msgs, arrived, self._held)
+            firsts, ends = self.gather.take_where(self.codec.lane_takes)
+            if firsts:
+                try:
+                    group: Launched | Exception = self.codec.launch(firsts, lane=True)
+                except Exception as e:  # fails these requests (in `_send`), not the process
+                    group = e
+                sent = self._send([(group, firsts, ends)], lane=True)
+                self.counters["codec_first_lane_windows_total"] += sent
+                n += sent
         return n
 
     def _slow(self, took: float, groups: list[tuple[list[DetokChunk], list[Finished]]]) -> None:

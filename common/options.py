@@ -249,6 +249,15 @@ OPTIONS: tuple[Option, ...] = (
         path="codec.compile_leads",
     ),
     Option(
+        "codec_first_lane",
+        "GPU: decode the first chunks that arrive while a codec pass runs at once, in graphs of their "
+        "own on a high-priority CUDA stream, rather than after the pass (a model without codec "
+        "streams); off (the default): they wait for the pass and go first in the next",
+        ("serve", "codec_worker"),
+        _parse_bool,
+        path="codec.first_lane",
+    ),
+    Option(
         "codec_max_batch",
         "windows decoded in one codec call, and the largest codec graph (0 = 128 on GPU, 64 on CPU)",
         ("serve", "codec_worker"),

@@ -1,0 +1,66 @@
+"""On a GPU, `--codec-first-lane`: Orpheus's first chunks decoded in the first lane (graphs of the
+lead kinds of their own, on a high-priority CUDA stream) give the pass's audio bit for bit, and a
+first chunk launched while a large pass of regular windows runs is done before that pass is: the
+report holds how long after its launch each finished, and the lane alone for comparison."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+from parity_checks import compiled_orpheus_codec
+from test_gpu_codec_lead_batch import leads
+
+from codec_worker.codec import Codec
+from common.messages import DetokChunk
+
+
+def regular(n: int, seed: int) -> list[DetokChunk]:
+    """n regular windows (28 rows) of playing streams (chunk 3 each)."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 4096, (n, 28, 1), generator=gen)
+    tokens = (128266 + 4096 * (torch.arange(28) % 7)[None, :, None] + codes).int().numpy().astype("<i4")
+    return [DetokChunk(f"s{seed}-{i}", 3, 7 + i, tokens[i].tobytes(), 3) for i in range(n)]
+
+
+def finished_ms(codec: Codec, launched, t0: float) -> float:
+    """Poll a launch until its decode is done on the device: ms after t0."""
+    while not codec.done(launched):
+        pass
+    return 1000 * (time.perf_counter() - t0)
+
+
+def test_first_chunks_in_the_lane_decode_as_in_a_pass_and_overtake_it(gpu_report) -> None:
+    program, backend = compiled_orpheus_codec("float16")
+    codec = Codec(
+        program, max_batch=128, tails=True, compile_backend=backend, compile_leads=True, first_lane=True
+    )
+    assert codec.lane is not None and set(codec.lane.graphs) == {(7, 0), (14, 0), (21, 0)}
+    firsts = leads(4, 1, rows=7) + leads(4, 2, rows=14) + leads(4, 3, rows=21)
+    assert all(codec.lane_takes(c) for c in firsts) and not any(codec.lane_takes(c) for c in regular(2, 0))
+    in_pass = codec.collect(codec.launch(firsts))
+    in_lane = codec.collect(codec.launch(firsts, lane=True))
+    assert [a.pcm for a in in_lane] == [a.pcm for a in in_pass]
+    report = gpu_report("codec_first_lane_orpheus")
+    # The lane alone, then beside a pass of 128 regular windows launched just before it.
+    big = regular(128, 0)
+    for _ in range(3):  # warm
+        codec.collect(codec.launch(firsts, lane=True))
+    t0 = time.perf_counter()
+    alone = codec.launch(firsts, lane=True)
+    report["lane_alone_ms"] = finished_ms(codec, alone, t0)
+    codec.collect(alone)
+    rows = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        in_flight = codec.launch(big)
+        t0 = time.perf_counter()
+        lane = codec.launch(firsts, lane=True)
+        rows.append((finished_ms(codec, lane, t0), finished_ms(codec, in_flight, t0)))
+        codec.collect(lane)
+        codec.collect(in_flight)
+    report["beside_a_pass_ms"] = [{"lane": round(a, 2), "pass": round(b, 2)} for a, b in rows]
+    lane_med, pass_med = np.median([a for a, _ in rows]), np.median([b for _, b in rows])
+    report["lane_median_ms"], report["pass_median_ms"] = float(lane_med), float(pass_med)
+    assert lane_med < pass_med, report

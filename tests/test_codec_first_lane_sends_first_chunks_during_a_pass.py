@@ -1,0 +1,137 @@
+"""`--codec-first-lane`: while a codec pass decodes on the device, the worker takes what arrives,
+and the first chunks among it are decoded at once in the codec's first lane (on a GPU, graphs of
+the lead kinds of their own on a high-priority stream) and sent as soon as they are done, before
+the pass's own audio; an end that arrives meanwhile waits for the pass's audio (the request's last
+windows may be in it). The pass logic is checked with stand-ins for the device's progress and the
+inbox; the lane's graphs on a GPU in tests/gpu/test_gpu_codec_first_lane.py."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from codec_worker.gather import Gather
+from codec_worker.worker import Codec, CodecWorker
+from common.messages import AudioChunks, DetokBatch, DetokChunk, Finished, FinishReason
+from common.options import parse_role
+from programs import get_spec, load_program_class
+
+
+@pytest.fixture(scope="module")
+def program():
+    p = load_program_class("orpheus-tiny")(get_spec("orpheus-tiny"), load_format="dummy")
+    p.load_codec()
+    return p
+
+
+def window(rid: str, index: int, rows: int = 28, slack_ms: float = 0.0) -> DetokChunk:
+    codes = torch.randint(0, 4096, (rows,), generator=torch.Generator().manual_seed(index))
+    tokens = (128266 + 4096 * (torch.arange(rows) % 7) + codes).int().numpy().astype("<i4")
+    return DetokChunk(rid, index, 5, tokens.tobytes(), index, slack_ms=slack_ms)
+
+
+class Recorder:
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def send(self, msg: AudioChunks) -> None:
+        self.log.append(("send", [c.rid for c in msg.chunks], [f.rid for f in msg.finished]))
+
+
+class Status:
+    def set_load(self, *args) -> None:
+        pass
+
+
+class Inbox:
+    """What the worker drains: each drain the next list of messages (then none)."""
+
+    def __init__(self, batches: list[list]) -> None:
+        self.batches = batches
+
+    def drain(self, timeout_ms: int = 0) -> list:
+        return self.batches.pop(0) if self.batches else []
+
+
+def worker(program, log: list, arrivals: list[list]) -> CodecWorker:
+    w = CodecWorker.__new__(CodecWorker)  # no sockets: the pass logic alone
+    w.codec = Codec(program, max_batch=8, graphs=False)
+    # as on a GPU with --codec-first-lane: graphs of the lead kinds (stand-ins: the decode is eager)
+    w.codec.lane = types.SimpleNamespace(graphs={(r, 0): None for r in program.detok_lead})
+    launch = w.codec.launch
+    w.codec.launch = lambda chunks, lane=False: log.append(("launch", len(chunks), lane)) or launch(chunks)
+    polls: dict[int, int] = {}
+
+    def done(launched) -> bool:  # each group still decoding at its first two polls
+        polls[id(launched)] = polls.get(id(launched), 0) + 1
+        return polls[id(launched)] > 2
+
+    w.codec.done = done
+    w.gather, w.to_gateway, w.status, w.inbox = Gather(0.03, 8), Recorder(log), Status(), Inbox(arrivals)
+    w.counters = {"codec_calls_total": 0, "codec_windows_total": 0, "codec_busy_seconds_total": 0.0,
+                  "codec_first_lane_windows_total": 0}  # fmt: skip
+    return w
+
+
+def test_a_first_chunk_arriving_during_a_pass_is_sent_before_the_pass_and_ends_wait_for_it(program):
+    log: list = []
+    rest = [window(f"s{i}", 3, slack_ms=500) for i in range(4)]
+    arrivals = [
+        # during the urgent group: a new stream's first chunk, the end of s1 (its last window is in
+        # the pass), and s2's next window (it keeps waiting for the next pass)
+        [
+            DetokBatch(
+                chunks=[window("late", 0, rows=7), window("s2", 4, slack_ms=500)],
+                finished=[Finished("s1", FinishReason.STOP)],
+            )
+        ],
+        [],
+        [DetokBatch(chunks=[window("later", 0, rows=7)], finished=[])],  # during the rest's decode
+    ]
+    w = worker(program, log, arrivals)
+    w._decode_and_send([([window("new", 0)], []), (rest, [Finished("s0", FinishReason.STOP)])])
+    sends = [e for e in log if e[0] == "send"]
+    assert sends == [
+        ("send", ["late"], []),  # the lane's, while the urgent group decodes
+        ("send", ["new"], []),
+        ("send", ["later"], []),  # while the rest decodes
+        ("send", ["s0", "s1", "s2", "s3"], ["s0"]),
+        ("send", [], ["s1"]),  # after the pass's audio
+    ]
+    launches = [e for e in log if e[0] == "launch"]
+    assert launches == [("launch", 1, False), ("launch", 4, False), ("launch", 1, True), ("launch", 1, True)]
+    assert [c.rid for c in w.gather.chunks] == ["s2"]  # not a first chunk: the next pass's
+    assert w.counters["codec_first_lane_windows_total"] == 2 and w.counters["codec_windows_total"] == 7
+
+
+def test_without_the_lane_a_pass_reads_nothing_while_it_decodes(program):
+    log: list = []
+    w = worker(program, log, [[DetokBatch(chunks=[window("late", 0, rows=7)], finished=[])]])
+    w.codec.lane = None
+    w._decode_and_send([([window("new", 0)], [])])
+    assert [e for e in log if e[0] == "send"] == [("send", ["new"], [])]
+    assert w.inbox.batches and not w.gather.chunks  # left in the inbox for the next turn
+
+
+def test_the_gather_gives_up_what_the_lane_takes_and_the_ends_of_requests_left_with_nothing():
+    g = Gather(0.03, 8)
+    g.add(DetokBatch(chunks=[window("a", 0), window("b", 2, slack_ms=300), window("c", 0)],
+                     finished=[Finished("a", FinishReason.STOP), Finished("b", FinishReason.STOP)]), 0.0)  # fmt: skip
+    assert g.take_where(lambda c: False) == ([], [])
+    firsts, ends = g.take_where(lambda c: c.index == 0)
+    assert [c.rid for c in firsts] == ["a", "c"] and [f.rid for f in ends] == ["a"]
+    assert [c.rid for c in g.chunks] == ["b"] and [f.rid for f in g.finished] == ["b"] and g.deadline < 1
+    taken, ends = g.take_where(lambda c: True)
+    assert [c.rid for c in taken] == ["b"] and [f.rid for f in ends] == ["b"]
+    assert not g.chunks and not g.due(10.0) and g.deadline == float("inf")
+
+
+def test_the_lane_exists_with_graphs_only_and_takes_first_chunks_of_lead_kinds(program):
+    codec = Codec(program, max_batch=8, graphs=False, first_lane=True)
+    assert codec.lane is None and not codec.lane_takes(window("a", 0, rows=program.detok_lead[0]))
+    assert not parse_role("codec_worker", ["--model", "orpheus-tiny"], {}).cfg.codec.first_lane
+    assert parse_role(
+        "codec_worker", ["--model", "orpheus-tiny", "--codec-first-lane"], {}
+    ).cfg.codec.first_lane
