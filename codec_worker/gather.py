@@ -111,8 +111,15 @@ class Gather:
         waiting = {c.rid for c in self.chunks}
         ends = [f for f in self.finished if f.rid not in waiting]
         self.finished = [f for f in self.finished if f.rid in waiting]
-        if not self.chunks:
-            self.deadline = float("inf")
+        # the deadline of the windows left, as `add` set it for them alone
+        self.deadline = min(
+            [at + self.max_wait_s for at in self._arrived[:1]]
+            + [
+                urgent_at(at, c.slack_ms / 1000, self.decode_s)
+                for c, at in zip(self.chunks, self._arrived, strict=True)
+            ],
+            default=float("inf"),
+        )
         return out, ends
 
     def decoded(self, seconds: float) -> None:

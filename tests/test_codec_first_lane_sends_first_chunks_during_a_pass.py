@@ -122,7 +122,8 @@ def test_the_gather_gives_up_what_the_lane_takes_and_the_ends_of_requests_left_w
     assert g.take_where(lambda c: False) == ([], [])
     firsts, ends = g.take_where(lambda c: c.index == 0)
     assert [c.rid for c in firsts] == ["a", "c"] and [f.rid for f in ends] == ["a"]
-    assert [c.rid for c in g.chunks] == ["b"] and [f.rid for f in g.finished] == ["b"] and g.deadline < 1
+    assert [c.rid for c in g.chunks] == ["b"] and [f.rid for f in g.finished] == ["b"]
+    assert g.deadline == 0.03  # b's own: the gather's wait (its slack lasts longer), not a first chunk's now
     taken, ends = g.take_where(lambda c: True)
     assert [c.rid for c in taken] == ["b"] and [f.rid for f in ends] == ["b"]
     assert not g.chunks and not g.due(10.0) and g.deadline == float("inf")
