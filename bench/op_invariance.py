@@ -149,11 +149,13 @@ def mixed_checks(device: str, sizes: list[int], prompt_rows=(32, 48, 64, 96, 128
     return out
 
 
-def gemm_times(sizes=(1, 16, 64, 128, 256, 384, 512), shapes=GEMMS, reps: int = 50) -> dict:
-    """On a GPU, each GEMM's time (ms, CUDA events over `reps` calls after warm ones) at each row
-    count, per way: bf16 as one GEMM (cuBLAS), bf16 in tiles of 64 rows (`--decode-row-tile 64`),
-    bf16 in the row-invariant kernel (`--invariant-gemm on`) with the tile width it picks and with
-    each other one (`bf16_invariant_n16` ...: what the pick leaves), and fp8."""
+def gemm_times(sizes=(1, 16, 64, 128, 256, 384, 512, 2048, 8192), shapes=GEMMS, reps: int = 50) -> dict:
+    """On a GPU, each GEMM's time (ms: `reps` calls captured in one CUDA graph, as the steps run
+    them, replayed after a warm replay; CUDA events) at each row count (decode batches, and a
+    prefill's rows), per way: bf16 as one GEMM (cuBLAS), bf16 in tiles of 64 rows
+    (`--decode-row-tile 64`), bf16 in the row-invariant kernel (`--invariant-gemm on`) with the
+    tile width it picks and with each other one (`bf16_invariant_n16` ...: what the pick leaves),
+    and fp8."""
     g = torch.Generator(device="cuda").manual_seed(2)
     out: dict = {}
     for name, n, k in shapes:
@@ -173,16 +175,21 @@ def gemm_times(sizes=(1, 16, 64, 128, 256, 384, 512), shapes=GEMMS, reps: int = 
         for m in sizes:
             x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
             row = {}
+            n_calls = reps if m <= 512 else max(1, reps // 10)  # a prefill's outputs: fewer held at once
             for way, op in ways.items():
-                for _ in range(3):
-                    op(x)
+                op(x)  # compiles and picks kernels outside the capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(n_calls):
+                        op(x)
+                graph.replay()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                for _ in range(reps):
-                    op(x)
+                graph.replay()
                 end.record()
                 end.synchronize()
-                row[way] = round(start.elapsed_time(end) / reps, 4)
+                row[way] = round(start.elapsed_time(end) / n_calls, 4)
+                del graph
             out[name][m] = row
             print("ms", name, m, row, flush=True)
     return out

@@ -166,7 +166,12 @@ class Codec:
                 # ... and with `first_lane`, the lead kinds' graphs of the first lane (not for codec
                 # streams, whose windows of a request decode in order in its slot)
                 if first_lane and self.slots is None:
-                    self.lane = self._capture_lane(progress)
+                    try:
+                        self.lane = self._capture_lane(progress)
+                    except Exception:  # serve without it rather than not at all
+                        log.exception(
+                            "--codec-first-lane: capturing its graphs failed; first chunks wait for passes"
+                        )
             finally:
                 torch.backends.cudnn.benchmark = serving
         else:
@@ -218,7 +223,7 @@ class Codec:
     def _capture_lane(self, progress) -> FirstLane:
         """The first lane's graphs: each lead kind's, up to LEAD_MAX_BATCH windows (a pass's worth
         of first chunks arriving in one pass), compiled where the pass's are."""
-        pool = torch.cuda.graph_pool_handle()
+        pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(priority=-1)
         graphs, limits = {}, {}
         for kind, limit in self.limits.items():
             rows, tail = kind
@@ -226,14 +231,29 @@ class Codec:
                 continue
             fn = self._compiled_fn(0) if self._compiles(rows, 0) else None
             limits[kind] = min(limit, LEAD_MAX_BATCH)
+            # captured on the lane's stream: a captured GEMM keeps its capture stream's cuBLAS
+            # workspace, and the pass's graphs, captured on torch's capture stream, run beside these
             graphs[kind] = DetokGraphs(
-                self.program, limits[kind], progress, rows=rows, pool=pool, detokenize=fn, call_batch=self.call_batch
+                self.program, limits[kind], progress, rows=rows, pool=pool, detokenize=fn, call_batch=self.call_batch,
+                stream=stream,
             )  # fmt: skip
-        return FirstLane(graphs, limits, torch.cuda.Stream(priority=-1))
+        return FirstLane(graphs, limits, stream)
 
     def lane_takes(self, c: DetokChunk) -> bool:
         """Whether the first lane decodes chunk `c`: a request's first chunk, of a lead kind."""
         return self.lane is not None and c.index == 0 and self._chunk_kind(c) in self.lane.graphs
+
+    def lane_taker(self) -> Callable[[DetokChunk], bool]:
+        """`lane_takes`, up to one lane graph's worth of each kind (the predicate of one take)."""
+        left = dict(self.lane.limits) if self.lane is not None else {}
+
+        def takes(c: DetokChunk) -> bool:
+            if not self.lane_takes(c) or left[kind := self._chunk_kind(c)] <= 0:
+                return False
+            left[kind] -= 1
+            return True
+
+        return takes
 
     @staticmethod
     def done(launched: Launched) -> bool:

@@ -67,9 +67,12 @@ class DetokGraphs:
         detokenize: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
         scratch: int | None = None,
         call_batch: int = 0,
+        stream: torch.cuda.Stream | None = None,
     ) -> None:
         """`scratch`: the program's scratch slot, for a program with codec streams (None: none).
-        `call_batch`: windows per detokenize call inside a graph (0: the whole bucket)."""
+        `call_batch`: windows per detokenize call inside a graph (0: the whole bucket). `stream`:
+        the stream to capture on (None: torch's capture stream; `common.graphs.capture`)."""
+        self.capture_stream = stream
         self.program = program
         self.call_batch = call_batch
         self.scratch = scratch
@@ -153,7 +156,7 @@ class DetokGraphs:
             audio, valid = torch.cat([a for a, _ in parts]), torch.cat([v for _, v in parts])
             return pcm16(audio), valid
 
-        graph, (pcm, valid) = capture(step, self.pool)
+        graph, (pcm, valid) = capture(step, self.pool, self.capture_stream)
         return graph, pcm, valid
 
     def launch(

@@ -49,8 +49,8 @@ log = logging.getLogger(__name__)
 # a few ms on the H200); at most one line every SLOW_LOG_S.
 SLOW_PASS_S, SLOW_LOG_S = 0.04, 1.0
 # With the first lane (--codec-first-lane), how often a pass's wait for the device looks for first
-# chunks that arrived: a first chunk waits up to this long before its lane decode starts.
-LANE_POLL_MS = 1
+# chunks that arrived and for the group's end: either is seen at most this late.
+LANE_POLL_S = 0.0002
 
 
 def cudnn_benchmark(choice: str) -> tuple[bool, bool]:
@@ -176,10 +176,10 @@ class CodecWorker:
         for msg in msgs:
             match msg:
                 case DetokBatch():
-                    ends = self.codec.ended(self.gather.add(msg, arrived))
-                    if ends and held is not None:
+                    ends = self.gather.add(msg, arrived)
+                    if held is not None:  # `ended` when they go: the pass may yet fail their request
                         held.extend(ends)
-                    elif ends:
+                    elif ends := self.codec.ended(ends):
                         self.to_gateway.send(AudioChunks(chunks=[], finished=ends))
                 case EncodeRequest():
                     refused = self.encodes.add(msg)
@@ -229,8 +229,10 @@ class CodecWorker:
                 except Exception as e:  # fails this group's requests (below, in order), not the process
                     launched.append((e, chunks, finished))
         n += self._send(launched)
-        if self._held:  # after the pass's audio: a request's last windows may have been in it
-            self.to_gateway.send(AudioChunks(chunks=[], finished=self._held))
+        # after the pass's audio (a request's last windows may have been in it), and not the end of a
+        # request the pass failed (its error went out instead)
+        if ends := self.codec.ended(self._held):
+            self.to_gateway.send(AudioChunks(chunks=[], finished=ends))
         took = time.perf_counter() - t0
         if took > self.slow_pass_s:
             self._slow(took, groups)
@@ -269,24 +271,28 @@ class CodecWorker:
         return n
 
     def _first_lane(self, pending: Launched) -> int:
-        """While `pending` decodes on the device: take what arrives (polling every LANE_POLL_MS),
-        and decode the first chunks among it at once in the codec's first lane, each lane group
-        sent with its requests' held ends as soon as it is done. → the windows sent."""
+        """While `pending` decodes on the device: take what arrives (polling every LANE_POLL_S),
+        and decode the first chunks among it at once in the codec's first lane, at most a lane
+        graph's worth of a kind at a time (a burst's flood waits for the pass's larger graphs),
+        each lane group sent with its requests' held ends as soon as it is done. → the windows
+        sent."""
         n = 0
         while not self.codec.done(pending):
             arrived = time.monotonic()
-            msgs = self.inbox.drain(timeout_ms=LANE_POLL_MS)
+            msgs = self.inbox.drain()
             if msgs:
                 self.receive(msgs, arrived, self._held)
-            firsts, ends = self.gather.take_where(self.codec.lane_takes)
-            if firsts:
-                try:
-                    group: Launched | Exception = self.codec.launch(firsts, lane=True)
-                except Exception as e:  # fails these requests (in `_send`), not the process
-                    group = e
-                sent = self._send([(group, firsts, ends)], lane=True)
-                self.counters["codec_first_lane_windows_total"] += sent
-                n += sent
+            firsts, ends = self.gather.take_where(self.codec.lane_taker())
+            if not firsts:
+                time.sleep(LANE_POLL_S)
+                continue
+            try:
+                group: Launched | Exception = self.codec.launch(firsts, lane=True)
+            except Exception as e:  # fails these requests (in `_send`), not the process
+                group = e
+            sent = self._send([(group, firsts, ends)], lane=True)
+            self.counters["codec_first_lane_windows_total"] += sent
+            n += sent
         return n
 
     def _slow(self, took: float, groups: list[tuple[list[DetokChunk], list[Finished]]]) -> None:

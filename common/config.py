@@ -248,11 +248,12 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     # with the codec held to a share of the SMs under MPS the faster steps leave the codec less of
     # the GPU (docs/models/, that model's Serving settings).
     fused_step: str = "off"
-    # "on": every GEMM of a plain (bf16/fp16) weight, in every graph and eager step, in voxpipe's
-    # Triton kernel (programs/blocks/invariant_gemm.py), whose tiles and reduction depend on the
-    # weight's shape alone, so a row's result does not depend on the rows beside it: a request's
-    # tokens are its own in any batch with bf16 weights, as float8 ones give (`--quantization fp8`)
-    # and as `--decode-row-tile` gives at a weight read per tile. GPU only.
+    # "on": every GEMM of a plain (bf16/fp16) weight through programs.blocks.fp8.linear (a model's
+    # backbone and heads; all of a program's with `mixed_prefill`), in every graph and eager step,
+    # in voxpipe's Triton kernel (programs/blocks/invariant_gemm.py), whose tiles and reduction
+    # depend on the weight's shape alone, so a row's result does not depend on the rows beside it:
+    # a request's tokens are its own in any batch with bf16 weights, as float8 ones give
+    # (`--quantization fp8`) and as `--decode-row-tile` gives at a weight read per tile. GPU only.
     invariant_gemm: str = "off"
     # "on": the next step is scheduled and launched just before the step on the device ends (by
     # the steps' measured device time, less the host's launch time and a margin that keeps the GPU

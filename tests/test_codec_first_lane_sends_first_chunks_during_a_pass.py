@@ -37,7 +37,7 @@ class Recorder:
         self.log = log
 
     def send(self, msg: AudioChunks) -> None:
-        self.log.append(("send", [c.rid for c in msg.chunks], [f.rid for f in msg.finished]))
+        self.log.append(("send", [c.rid for c in msg.chunks], [(f.rid, f.reason) for f in msg.finished]))
 
 
 class Status:
@@ -59,7 +59,8 @@ def worker(program, log: list, arrivals: list[list]) -> CodecWorker:
     w = CodecWorker.__new__(CodecWorker)  # no sockets: the pass logic alone
     w.codec = Codec(program, max_batch=8, graphs=False)
     # as on a GPU with --codec-first-lane: graphs of the lead kinds (stand-ins: the decode is eager)
-    w.codec.lane = types.SimpleNamespace(graphs={(r, 0): None for r in program.detok_lead})
+    lead = {(r, 0): None for r in program.detok_lead}
+    w.codec.lane = types.SimpleNamespace(graphs=lead, limits=dict.fromkeys(lead, 2))
     launch = w.codec.launch
     w.codec.launch = lambda chunks, lane=False: log.append(("launch", len(chunks), lane)) or launch(chunks)
     polls: dict[int, int] = {}
@@ -97,8 +98,8 @@ def test_a_first_chunk_arriving_during_a_pass_is_sent_before_the_pass_and_ends_w
         ("send", ["late"], []),  # the lane's, while the urgent group decodes
         ("send", ["new"], []),
         ("send", ["later"], []),  # while the rest decodes
-        ("send", ["s0", "s1", "s2", "s3"], ["s0"]),
-        ("send", [], ["s1"]),  # after the pass's audio
+        ("send", ["s0", "s1", "s2", "s3"], [("s0", FinishReason.STOP)]),
+        ("send", [], [("s1", FinishReason.STOP)]),  # after the pass's audio
     ]
     launches = [e for e in log if e[0] == "launch"]
     assert launches == [("launch", 1, False), ("launch", 4, False), ("launch", 1, True), ("launch", 1, True)]
@@ -106,12 +107,42 @@ def test_a_first_chunk_arriving_during_a_pass_is_sent_before_the_pass_and_ends_w
     assert w.counters["codec_first_lane_windows_total"] == 2 and w.counters["codec_windows_total"] == 7
 
 
+def test_an_end_that_comes_during_the_pass_of_a_request_it_fails_is_not_sent_after_its_error(program):
+    log: list = []
+    w = worker(program, log, [[], [], [DetokBatch(chunks=[], finished=[Finished("bad", FinishReason.STOP)])]])
+    collect = w.codec.collect
+
+    def failing(launched):  # the group with "bad" fails when read back, after its end came
+        if any(c.rid == "bad" for c in launched.chunks):
+            raise RuntimeError("device fault")
+        return collect(launched)
+
+    w.codec.collect = failing
+    w._decode_and_send([([window("new", 0)], []), ([window("bad", 3, slack_ms=500)], [])])
+    ends = [(rid, reason) for e in log if e[0] == "send" for rid, reason in e[2]]
+    assert ends == [("bad", FinishReason.ERROR)]  # its error alone, once
+    assert "bad" not in w.codec.dead  # its own end came and went: nothing left to drop
+
+
+def test_the_lane_takes_a_graphs_worth_of_a_kind_at_a_time_and_the_rest_waits_for_the_pass(program):
+    log: list = []
+    firsts = [window(f"f{i}", 0, rows=7) for i in range(5)]
+    w = worker(program, log, [[DetokBatch(chunks=firsts, finished=[])]])
+    w._decode_and_send([([window("new", 0)], [])])
+    assert [e for e in log if e[0] == "launch"] == [
+        ("launch", 1, False),
+        ("launch", 2, True),
+        ("launch", 2, True),
+    ]
+    assert [c.rid for c in w.gather.chunks] == ["f4"]  # the group ended before the lane took it
+
+
 def test_without_the_lane_a_pass_reads_nothing_while_it_decodes(program):
     log: list = []
     w = worker(program, log, [[DetokBatch(chunks=[window("late", 0, rows=7)], finished=[])]])
     w.codec.lane = None
     w._decode_and_send([([window("new", 0)], [])])
-    assert [e for e in log if e[0] == "send"] == [("send", ["new"], [])]
+    assert [e for e in log if e[0] == "send"] == [("send", ["new"], [])]  # nothing read meanwhile
     assert w.inbox.batches and not w.gather.chunks  # left in the inbox for the next turn
 
 

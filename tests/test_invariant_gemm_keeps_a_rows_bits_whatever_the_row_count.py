@@ -50,6 +50,8 @@ def test_strided_and_batched_inputs_give_the_contiguous_rows_bits(linear) -> Non
     wide, w = torch.randn(70, 256, generator=g), torch.randn(48, 128, generator=g)
     x = wide[:, :128]  # rows 256 apart
     assert torch.equal(linear(x, w), linear(x.contiguous(), w))
+    bias = torch.randn(96, generator=g)[::2]  # every other element
+    assert torch.equal(linear(x, w, bias), linear(x, w, bias.contiguous()))
     batched = x.contiguous().view(7, 10, 128)
     assert linear(batched, w).shape == (7, 10, 48)
     assert torch.equal(linear(batched, w).view(70, 48), linear(x, w))

@@ -1,4 +1,7 @@
 """A GEMM whose result for a row does not depend on how many rows it holds (Triton, on a GPU).
+It serves every GEMM that goes through `programs.blocks.fp8.linear` (a model's backbone and heads;
+a program whose GEMMs all do says so with `mixed_prefill`); a program's own `F.linear` calls, such
+as a code predictor's, stay the library's.
 
 A GEMM library picks its kernel, its tile and its split of the reduction by the problem's shape, so
 one row of `x @ w.T` can round differently in a batch of 24 rows than alone: on an H100 cuBLAS's
@@ -51,6 +54,7 @@ def _gemm_kernel(
     w_stride_n,
     w_stride_k,
     out_stride_m,
+    bias_stride,
     HAS_BIAS: tl.constexpr,
     IEEE: tl.constexpr,
     BM: tl.constexpr,
@@ -61,8 +65,9 @@ def _gemm_kernel(
     tiles_m = tl.cdiv(M, BM)
     pid_n = pid // tiles_m  # the M tiles of one N tile run next to each other: its weights from L2
     pid_m = pid % tiles_m
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
+    # int64: a row's or a weight's offset passes 2^31 elements in a large GEMM (a vocabulary's head)
+    rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+    rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     rk = tl.arange(0, BK)
     x_ptrs = x_ptr + rm[:, None] * x_stride_m + rk[None, :] * x_stride_k  # [BM, BK]
     w_ptrs = w_ptr + rn[None, :] * w_stride_n + rk[:, None] * w_stride_k  # [BK, BN]: w.T's tile
@@ -77,7 +82,7 @@ def _gemm_kernel(
         x_ptrs += BK * x_stride_k
         w_ptrs += BK * w_stride_k
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(bias_ptr + rn * bias_stride, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + rm[:, None] * out_stride_m + rn[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
@@ -125,6 +130,7 @@ def linear(
             weight.stride(0),
             weight.stride(1),
             out.stride(0),
+            bias.stride(0) if bias is not None else 0,
             HAS_BIAS=bias is not None,
             IEEE=weight.dtype == torch.float32,
             BM=BLOCK_M,

@@ -51,6 +51,7 @@ def test_first_chunks_in_the_lane_decode_as_in_a_pass_and_overtake_it(gpu_report
     alone = codec.launch(firsts, lane=True)
     report["lane_alone_ms"] = finished_ms(codec, alone, t0)
     codec.collect(alone)
+    big_alone = [a.pcm for a in codec.collect(codec.launch(big))]
     rows = []
     for _ in range(5):
         torch.cuda.synchronize()
@@ -58,8 +59,9 @@ def test_first_chunks_in_the_lane_decode_as_in_a_pass_and_overtake_it(gpu_report
         t0 = time.perf_counter()
         lane = codec.launch(firsts, lane=True)
         rows.append((finished_ms(codec, lane, t0), finished_ms(codec, in_flight, t0)))
-        codec.collect(lane)
-        codec.collect(in_flight)
+        # side by side on the device, each its own audio still (no buffer or pool shared)
+        assert [a.pcm for a in codec.collect(lane)] == [a.pcm for a in in_pass]
+        assert [a.pcm for a in codec.collect(in_flight)] == big_alone
     report["beside_a_pass_ms"] = [{"lane": round(a, 2), "pass": round(b, 2)} for a, b in rows]
     lane_med, pass_med = np.median([a for a, _ in rows]), np.median([b for _, b in rows])
     report["lane_median_ms"], report["pass_median_ms"] = float(lane_med), float(pass_med)
