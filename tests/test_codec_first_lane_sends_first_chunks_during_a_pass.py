@@ -14,9 +14,10 @@ import torch
 
 from codec_worker.gather import Gather
 from codec_worker.worker import Codec, CodecWorker
-from common.messages import AudioChunks, DetokBatch, DetokChunk, Finished, FinishReason
+from common.messages import DetokBatch, DetokChunk, Finished, FinishReason
 from common.options import parse_role
 from programs import get_spec, load_program_class
+from tests.test_codec_pass_sends_urgent_first_and_fails_only_its_own import Recorder, Status
 
 
 @pytest.fixture(scope="module")
@@ -30,19 +31,6 @@ def window(rid: str, index: int, rows: int = 28, slack_ms: float = 0.0) -> Detok
     codes = torch.randint(0, 4096, (rows,), generator=torch.Generator().manual_seed(index))
     tokens = (128266 + 4096 * (torch.arange(rows) % 7) + codes).int().numpy().astype("<i4")
     return DetokChunk(rid, index, 5, tokens.tobytes(), index, slack_ms=slack_ms)
-
-
-class Recorder:
-    def __init__(self, log: list) -> None:
-        self.log = log
-
-    def send(self, msg: AudioChunks) -> None:
-        self.log.append(("send", [c.rid for c in msg.chunks], [(f.rid, f.reason) for f in msg.finished]))
-
-
-class Status:
-    def set_load(self, *args) -> None:
-        pass
 
 
 class Inbox:
