@@ -8,6 +8,10 @@ the kernel's bits on a GPU and times it; tests/gpu/test_gpu_parity.py checks a r
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -102,3 +106,50 @@ def test_the_setting_reaches_the_gpu_worker_and_is_checked() -> None:
     assert on.cfg.gpu.invariant_gemm == "on"
     with pytest.raises(SystemExit):
         parse_role("gpu_worker", ["--model", "orpheus-tiny", "--invariant-gemm", "yes"], {})
+
+
+AOT_COMPILE = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from programs.blocks import invariant_gemm
+
+tile_n = int(sys.argv[1])
+names = ["x_ptr", "w_ptr", "bias_ptr", "out_ptr", "M", "N", "K", "x_stride_m", "w_stride_n", "out_stride_m", "bias_stride"]
+sig = {n: "*bf16" if n.endswith("ptr") else "i32" for n in names}
+sig |= dict.fromkeys(("HAS_BIAS", "IEEE", "BM", "BN", "BK"), "constexpr")
+aligned = [i for i, n in enumerate(names) if n not in ("M", "bias_stride")]  # as the JIT sees them
+src = ASTSource(
+    fn=invariant_gemm._gemm_kernel,
+    signature=sig,
+    constexprs={"HAS_BIAS": False, "IEEE": False, "BM": 64, "BN": tile_n, "BK": invariant_gemm.BLOCK_K},
+    attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
+)
+compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
+ptx = compiled.asm["ptx"]
+print("wgmma.mma_async" in ptx, "cp.async" in ptx, compiled.metadata.shared)
+"""
+
+
+@pytest.mark.parametrize("tile_n", [16, 128])
+def test_the_kernel_compiles_for_hopper_with_tensor_cores_and_pipelined_loads(tile_n) -> None:
+    """Compiled ahead of time for sm90 (Triton's own ptxas, no GPU needed; in a process of its own,
+    away from the interpreter this one runs), as the JIT compiles it for aligned bf16 tensors:
+    warpgroup MMAs, and loads copied asynchronously over four stages (the rows' unit stride known
+    to the compiler: an unknown one leaves a single buffer)."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    run = subprocess.run(
+        [sys.executable, "-c", AOT_COMPILE, str(tile_n)], env=env, capture_output=True, text=True, timeout=120
+    )
+    if run.returncode and ("ptxas" in run.stderr or "No such file" in run.stderr):
+        pytest.skip(f"no CUDA toolchain in this Triton: {run.stderr[-300:]}")
+    assert run.returncode == 0, run.stderr[-2000:]
+    wgmma, pipelined, shared = run.stdout.split()
+    assert wgmma == "True" and pipelined == "True"
+    assert int(shared) >= 4 * 64 * (64 + tile_n) * 2  # four stages of an x and a w tile

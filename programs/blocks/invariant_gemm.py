@@ -50,9 +50,7 @@ def _gemm_kernel(
     N,
     K,
     x_stride_m,
-    x_stride_k,
     w_stride_n,
-    w_stride_k,
     out_stride_m,
     bias_stride,
     HAS_BIAS: tl.constexpr,
@@ -69,8 +67,10 @@ def _gemm_kernel(
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     rk = tl.arange(0, BK)
-    x_ptrs = x_ptr + rm[:, None] * x_stride_m + rk[None, :] * x_stride_k  # [BM, BK]
-    w_ptrs = w_ptr + rn[None, :] * w_stride_n + rk[:, None] * w_stride_k  # [BK, BN]: w.T's tile
+    # Rows of x and of the weight are contiguous (`linear` sees to it): loads the compiler knows are
+    # contiguous, vectorized and pipelined over `num_stages` (an unknown stride serializes them)
+    x_ptrs = x_ptr + rm[:, None] * x_stride_m + rk[None, :]  # [BM, BK]
+    w_ptrs = w_ptr + rn[None, :] * w_stride_n + rk[:, None]  # [BK, BN]: w.T's tile
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
         a = tl.load(x_ptrs, mask=(rm[:, None] < M) & (k0 + rk[None, :] < K), other=0.0)
@@ -79,8 +79,8 @@ def _gemm_kernel(
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
-        x_ptrs += BK * x_stride_k
-        w_ptrs += BK * w_stride_k
+        x_ptrs += BK
+        w_ptrs += BK
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn * bias_stride, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + rm[:, None] * out_stride_m + rn[None, :]
@@ -113,6 +113,10 @@ def linear(
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} columns, the weight {k}")
     rows = x.reshape(-1, k)
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
     m = rows.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
@@ -126,9 +130,7 @@ def linear(
             n,
             k,
             rows.stride(0),
-            rows.stride(1),
             weight.stride(0),
-            weight.stride(1),
             out.stride(0),
             bias.stride(0) if bias is not None else 0,
             HAS_BIAS=bias is not None,
