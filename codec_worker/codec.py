@@ -75,6 +75,7 @@ class Launched:
     # per part: its units (positions of chunks decoded as one window each) and the pending result
     parts: list[tuple[list[list[int]], Pending]] = field(default_factory=list)
     failed: dict[str, Finished] = field(default_factory=dict)
+    lane: bool = False  # launched in the first lane (a failed part is decoded again there)
 
 
 class Codec:
@@ -401,7 +402,9 @@ class Codec:
         if lane:
             assert self.lane is not None
             with torch.cuda.stream(self.lane.stream):
-                return self._launch(chunks, self.lane.graphs, self.lane.limits)
+                out = self._launch(chunks, self.lane.graphs, self.lane.limits)
+            out.lane = True
+            return out
         return self._launch(chunks, self.graphs, self.limits)
 
     def _launch(
@@ -592,7 +595,7 @@ class Codec:
                 self.fail(launched, chunks[unit[0]].rid, f"codec error: {type(error).__name__}: {error}")
             return
         for (i,) in part:  # without codec streams every unit is one chunk
-            alone = self.launch([chunks[i]])
+            alone = self.launch([chunks[i]], lane=launched.lane)
             audio = self.collect(alone)
             launched.failed.update(alone.failed)
             if audio:

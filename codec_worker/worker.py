@@ -218,6 +218,7 @@ class CodecWorker:
         t0 = time.perf_counter()
         launched: list[tuple[Launched | Exception, list[DetokChunk], list[Finished]]] = []
         self._held: list[Finished] = []  # ends that come during the pass (`_first_lane`), sent after it
+        self._lane_s = 0.0  # the first lane's decodes during the pass, seconds
         n = 0
         for chunks, finished in groups:  # (pending or the launch's error, chunks, ends), in order
             if chunks:
@@ -229,11 +230,12 @@ class CodecWorker:
                 except Exception as e:  # fails this group's requests (below, in order), not the process
                     launched.append((e, chunks, finished))
         n += self._send(launched)
+        lane_s, self._lane_s = self._lane_s, 0.0
         # after the pass's audio (a request's last windows may have been in it), and not the end of a
         # request the pass failed (its error went out instead)
         if ends := self.codec.ended(self._held):
             self.to_gateway.send(AudioChunks(chunks=[], finished=ends))
-        took = time.perf_counter() - t0
+        took = time.perf_counter() - t0 - lane_s  # the pass's own time, not the lane's decodes in it
         if took > self.slow_pass_s:
             self._slow(took, groups)
         self.gather.decoded(took)
@@ -286,11 +288,13 @@ class CodecWorker:
             if not firsts:
                 time.sleep(LANE_POLL_S)
                 continue
+            t0 = time.perf_counter()
             try:
                 group: Launched | Exception = self.codec.launch(firsts, lane=True)
             except Exception as e:  # fails these requests (in `_send`), not the process
                 group = e
             sent = self._send([(group, firsts, ends)], lane=True)
+            self._lane_s += time.perf_counter() - t0
             self.counters["codec_first_lane_windows_total"] += sent
             n += sent
         return n

@@ -7,6 +7,7 @@ inbox; the lane's graphs on a GPU in tests/gpu/test_gpu_codec_first_lane.py."""
 
 from __future__ import annotations
 
+import time
 import types
 
 import pytest
@@ -155,3 +156,19 @@ def test_the_lane_exists_with_graphs_only_and_takes_first_chunks_of_lead_kinds(p
     assert parse_role(
         "codec_worker", ["--model", "orpheus-tiny", "--codec-first-lane"], {}
     ).cfg.codec.first_lane
+
+
+def test_the_lanes_decodes_do_not_count_in_the_pass_time_the_gather_plans_with(program):
+    log: list = []
+    w = worker(program, log, [[DetokBatch(chunks=[window("late", 0, rows=7)], finished=[])]])
+    launch = w.codec.launch
+
+    def slow_lane(chunks, lane=False):
+        if lane:
+            time.sleep(0.2)  # a lane decode far longer than this pass
+        return launch(chunks, lane)
+
+    w.codec.launch = slow_lane
+    w._decode_and_send([([window("new", 0)], [])])
+    assert [e[1] for e in log if e[0] == "send"] == [["late"], ["new"]]
+    assert w.gather.decode_s < 0.1
