@@ -230,12 +230,11 @@ class CodecWorker:
                 except Exception as e:  # fails this group's requests (below, in order), not the process
                     launched.append((e, chunks, finished))
         n += self._send(launched)
-        lane_s, self._lane_s = self._lane_s, 0.0
         # after the pass's audio (a request's last windows may have been in it), and not the end of a
         # request the pass failed (its error went out instead)
         if ends := self.codec.ended(self._held):
             self.to_gateway.send(AudioChunks(chunks=[], finished=ends))
-        took = time.perf_counter() - t0 - lane_s  # the pass's own time, not the lane's decodes in it
+        took = time.perf_counter() - t0 - self._lane_s  # the pass's own time, not the lane's decodes in it
         if took > self.slow_pass_s:
             self._slow(took, groups)
         self.gather.decoded(took)
@@ -245,18 +244,14 @@ class CodecWorker:
         c["codec_busy_seconds_total"] += took
         self.status.set_load(0, 0, dict(c))
 
-    def _send(
-        self,
-        launched: list[tuple[Launched | Exception, list[DetokChunk], list[Finished]]],
-        lane: bool = False,
-    ) -> int:
+    def _send(self, launched: list[tuple[Launched | Exception, list[DetokChunk], list[Finished]]]) -> int:
         """Wait for each launched group in turn and send its audio with its ends (a group whose
-        launch or decode failed: its requests' errors); while a pass's group decodes, the first
-        chunks that arrive meanwhile go through the first lane (`_first_lane`; `lane`: this is
-        the lane's own group). → the windows sent."""
+        launch or decode failed: its requests' errors); while a pass's group (not a lane's own)
+        decodes, the first chunks that arrive meanwhile go through the first lane (`_first_lane`).
+        → the windows sent."""
         n = 0
         for pending, chunks, finished in launched:
-            if self.codec.lane is not None and not lane and not isinstance(pending, Exception):
+            if self.codec.lane is not None and isinstance(pending, Launched) and not pending.lane:
                 n += self._first_lane(pending)
             try:
                 if isinstance(pending, Exception):
@@ -293,7 +288,7 @@ class CodecWorker:
                 group: Launched | Exception = self.codec.launch(firsts, lane=True)
             except Exception as e:  # fails these requests (in `_send`), not the process
                 group = e
-            sent = self._send([(group, firsts, ends)], lane=True)
+            sent = self._send([(group, firsts, ends)])
             self._lane_s += time.perf_counter() - t0
             self.counters["codec_first_lane_windows_total"] += sent
             n += sent

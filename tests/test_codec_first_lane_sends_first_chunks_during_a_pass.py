@@ -51,7 +51,14 @@ def worker(program, log: list, arrivals: list[list]) -> CodecWorker:
     lead = {(r, 0): None for r in program.detok_lead}
     w.codec.lane = types.SimpleNamespace(graphs=lead, limits=dict.fromkeys(lead, 2))
     launch = w.codec.launch
-    w.codec.launch = lambda chunks, lane=False: log.append(("launch", len(chunks), lane)) or launch(chunks)
+
+    def launched(chunks, lane=False):  # eager, marked as the lane's as Codec.launch marks it
+        log.append(("launch", len(chunks), lane))
+        out = launch(chunks)
+        out.lane = lane
+        return out
+
+    w.codec.launch = launched
     polls: dict[int, int] = {}
 
     def done(launched) -> bool:  # each group still decoding at its first two polls

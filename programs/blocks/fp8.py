@@ -134,7 +134,7 @@ def use_invariant_gemm(on: bool) -> bool:
         except ImportError:
             return False
         _invariant[0] = invariant
-    return _invariant[0] is not None
+    return invariant_gemm_on()
 
 
 def invariant_gemm_on() -> bool:

@@ -14,7 +14,7 @@ once per tile of rows (`--decode-row-tile`).
 How the bits stay a row's own:
 
 - The tile and the reduction are chosen from the weight's shape (N, K) and the GPU alone, never
-  from the row count M (`config`): every row's output element is the same sequence of `tl.dot`
+  from the row count M (`block_n`): every row's output element is the same sequence of `tl.dot`
   steps over the same K chunks, accumulated in float32 in the same order, whatever M is.
 - A program computes one BLOCK_M × BLOCK_N tile over the whole of K (no split of K, so no second
   reduction whose order could depend on anything); rows past M load zeros and are not stored, and
