@@ -280,7 +280,9 @@ async def test_a_slow_encode_does_not_hold_up_another_requests_stream(clone_rig)
         last = now
         await asyncio.sleep(0.02)
     assert not cloning.done(), "the clip is still being encoded"
-    assert max(gaps) < 0.2, f"the stream kept its cadence while the clip was encoded: {max(gaps):.3f} s"
+    # an encode on the event loop would stop the stream for its 0.8 s; half that leaves room for a
+    # busy 2-core machine's scheduling
+    assert max(gaps) < 0.4, f"the stream kept its cadence while the clip was encoded: {max(gaps):.3f} s"
     await rig.workers.audio(req.rid, finish=FinishReason.STOP)
     [cloned] = await answer(rig, 1)
     assert cloned.voice is not None and (await cloning).status == 200
