@@ -61,3 +61,34 @@ def test_a_position_step_matches_the_eager_position() -> None:
         got, k1, v1 = position_step(lm, x, lm.predictor_positions[t], k1, v1)
         assert (got - want).abs().max() <= 1e-5 * want.abs().max(), t
         assert torch.allclose(k1[:, :, :, : t + 1], keys[:, :, :, : t + 1], atol=1e-6)
+
+
+def test_every_predictor_gemm_goes_through_fp8_linear(monkeypatch) -> None:
+    """So `--decode-row-tile` and `--invariant-gemm` reach the predictor's joint q/k/v and gate/up
+    GEMMs as they do its o/down projections and heads: under row tiles every GEMM of the eager and
+    the one-shape step holds the tile's rows, and every joint weight is among them."""
+    from programs.blocks import fp8
+
+    program = load_program_class("qwen3-tts-tiny")(get_spec("qwen3-tts-tiny"), load_format="dummy")
+    program.load_lm()
+    lm = program.lm
+    lm.fuse_predictor()
+    real, rows_seen, weights_seen = fp8._linear, [], []
+
+    def spy(x, weight, bias):
+        rows_seen.append(x.shape[0])
+        weights_seen.append(weight)
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(fp8, "_linear", spy)
+    hidden, c0 = torch.randn(3, program.hidden_size), torch.randint(0, 2048, (3,))
+    for one_shape in (False, True):
+        lm.compile_predictor(one_shape, compiler=lambda fn: fn)
+        rows_seen.clear()
+        weights_seen.clear()
+        with fp8.row_tiles(4):
+            lm.predict(hidden, c0, depth_sampler(rows(3, 0.0), 16))
+        assert set(rows_seen) == {4}, one_shape
+        joint = [*lm._qkv, *lm._gate_up]
+        assert all(any(w is j for w in weights_seen) for j in joint), one_shape
+    lm.compile_predictor(False)

@@ -1,7 +1,7 @@
 """A GEMM whose result for a row does not depend on how many rows it holds (Triton, on a GPU).
 It serves every GEMM that goes through `programs.blocks.fp8.linear` (a model's backbone and heads;
-a program whose GEMMs all do says so with `mixed_prefill`); a program's own `F.linear` calls, such
-as a code predictor's, stay the library's.
+Qwen3-TTS's code predictor too; a program whose GEMMs all do says so with `mixed_prefill`); a
+program's own `F.linear` calls stay the library's.
 
 A GEMM library picks its kernel, its tile and its split of the reduction by the problem's shape, so
 one row of `x @ w.T` can round differently in a batch of 24 rows than alone: on an H100 cuBLAS's

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from programs.blocks import fp8
+
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS norm over the last dim in float32, scaled by weight, in x's dtype."""
@@ -46,7 +48,7 @@ def position_step(
         a = layer.self_attn
         hq, hkv = a.num_heads, a.num_kv_heads
         ln = layer.input_layernorm
-        qkv = F.linear(_rms(h, ln.weight, ln.eps), lm._qkv[i])  # [B, (Hq + 2 Hkv) D]
+        qkv = fp8.linear(_rms(h, ln.weight, ln.eps), lm._qkv[i])  # [B, (Hq + 2 Hkv) D]
         q, k, v = qkv.split((hq * dh, hkv * dh, hkv * dh), dim=-1)
         q = _rms(q.view(b, hq, dh), a.q_norm.weight, a.q_norm.eps)
         k = _rms(k.view(b, hkv, dh), a.k_norm.weight, a.k_norm.eps)
@@ -62,6 +64,6 @@ def position_step(
         o = torch.matmul(probs, vc).reshape(b, hq * dh)  # [B, Hq D]
         h = h + a.o_proj(o)
         pn = layer.post_attention_layernorm
-        gate, up = F.linear(_rms(h, pn.weight, pn.eps), lm._gate_up[i]).chunk(2, dim=-1)
+        gate, up = fp8.linear(_rms(h, pn.weight, pn.eps), lm._gate_up[i]).chunk(2, dim=-1)
         h = h + layer.mlp.down_proj(F.silu(gate) * up)
     return h, torch.stack(new_keys), torch.stack(new_values)

@@ -248,7 +248,7 @@ class Qwen3TtsLM(nn.Module):
         for i, layer in enumerate(m.layers):
             a = layer.self_attn
             hq, hkv = a.num_heads, a.num_kv_heads
-            qkv = F.linear(_norm(layer.input_layernorm, h), self._qkv[i])  # [B, (Hq + 2 Hkv) D]
+            qkv = fp8.linear(_norm(layer.input_layernorm, h), self._qkv[i])  # [B, (Hq + 2 Hkv) D]
             q, k, v = qkv.split((hq * dh, hkv * dh, hkv * dh), dim=-1)
             q = _norm(a.q_norm, q.view(b, hq, dh))
             k = _norm(a.k_norm, k.view(b, hkv, dh))
@@ -260,7 +260,7 @@ class Qwen3TtsLM(nn.Module):
                 q[:, :, None, :], kk, vv, enable_gqa=hq != hkv
             )  # [B, Hq, 1, D]
             h = h + a.o_proj(o.reshape(b, hq * dh))
-            gate, up = F.linear(_norm(layer.post_attention_layernorm, h), self._gate_up[i]).chunk(2, dim=-1)
+            gate, up = fp8.linear(_norm(layer.post_attention_layernorm, h), self._gate_up[i]).chunk(2, dim=-1)
             h = h + layer.mlp.down_proj(F.silu(gate) * up)
         return h
 
@@ -281,7 +281,7 @@ class Qwen3TtsLM(nn.Module):
         h = flashinfer.rmsnorm(x, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
         for i, layer in enumerate(layers):
             a = layer.self_attn
-            qkv = F.linear(h, self._qkv[i])  # [B, (Hq + 2 Hkv) D]
+            qkv = fp8.linear(h, self._qkv[i])  # [B, (Hq + 2 Hkv) D]
             qn, kn = a.q_norm, a.k_norm  # one eps: both from the config's rms_norm_eps
             o = depth_attention(
                 qkv, qn.weight, kn.weight, qn.eps, self.predictor_cos_sin, keys[i], values[i], t
@@ -289,7 +289,7 @@ class Qwen3TtsLM(nn.Module):
             h = a.o_proj(o)  # o [B, Hq D]
             pn = layer.post_attention_layernorm
             flashinfer.fused_add_rmsnorm(h, residual, pn.weight, pn.eps)  # residual += h; h = norm
-            h = layer.mlp.down_proj(flashinfer.silu_and_mul(F.linear(h, self._gate_up[i])))
+            h = layer.mlp.down_proj(flashinfer.silu_and_mul(fp8.linear(h, self._gate_up[i])))
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else m.norm
             flashinfer.fused_add_rmsnorm(h, residual, nxt.weight, nxt.eps)
         return h
