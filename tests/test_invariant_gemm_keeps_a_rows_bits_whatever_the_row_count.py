@@ -1,5 +1,5 @@
 """`--invariant-gemm on` (programs/blocks/invariant_gemm.py): the GEMMs of plain weights in a Triton
-kernel whose tiles and reduction depend on the weight's shape alone, so a row's output has the same
+kernel whose reduction order depends on the weight's shape alone, so a row's output has the same
 bits whatever rows are beside it. Checked in Triton's interpreter on the CPU (TRITON_INTERPRET=1,
 which tests/conftest.py sets there), in float32 and float16 (the interpreter has no bfloat16 math):
 the product against float64, a row's bits at every row count and position, with a bias, strided and
@@ -64,15 +64,28 @@ def test_strided_and_batched_inputs_give_the_contiguous_rows_bits(linear) -> Non
         linear(x, torch.randn(48, 100))
 
 
-def test_the_tile_width_depends_on_the_output_width_and_the_gpu_alone(linear) -> None:
-    from programs.blocks.invariant_gemm import PROGRAMS_PER_SM, block_n
+def test_the_tile_widens_with_the_rows_and_narrows_for_a_narrow_output() -> None:
+    from programs.blocks.invariant_gemm import BLOCK_M, MIN_PROGRAMS_PER_SM, block_n
 
     for sms in (66, 114, 132):
         for n in (48, 1024, 3072, 5120, 16384, 28736, 156940):
-            bn = block_n(n, sms)
-            assert bn in (16, 32, 64, 128)
-            assert bn == 16 or -(-n // bn) >= PROGRAMS_PER_SM * sms  # a decode batch fills the GPU
-            assert bn == 128 or -(-n // (2 * bn)) < PROGRAMS_PER_SM * sms  # the widest that does
+            widths = [block_n(n, m, sms) for m in (1, 64, 65, 128, 129, 512, 513, 8192)]
+            assert set(widths) <= {16, 32, 64, 128}
+            assert widths == sorted(widths), (n, sms)  # never narrower for more rows
+            for m, bn in zip((1, 64, 65, 128, 129, 512, 513, 8192), widths, strict=True):
+                programs = -(-m // BLOCK_M) * -(-n // bn)
+                assert bn == 16 or programs >= MIN_PROGRAMS_PER_SM * sms, (n, m, sms)
+    # an H100's (132 SMs) Orpheus-3B shapes: 32 wide for a decode batch, 64 to 512 rows, then 128
+    assert [block_n(3072, m, 132) for m in (1, 128, 129, 512, 513)] == [32, 32, 64, 64, 128]
+
+
+def test_every_tile_width_gives_a_row_the_same_bits(linear) -> None:
+    g = torch.Generator().manual_seed(2)
+    for dtype in (torch.float32, torch.float16):
+        x, w = torch.randn(70, 192, generator=g).to(dtype), torch.randn(200, 192, generator=g).to(dtype)
+        narrow = linear(x, w, tile_n=16)
+        for bn in (32, 64, 128):
+            assert torch.equal(linear(x, w, tile_n=bn), narrow), (dtype, bn)
 
 
 def test_fp8_linear_takes_the_kernel_for_plain_weights_while_it_is_on(linear, monkeypatch) -> None:

@@ -13,18 +13,23 @@ once per tile of rows (`--decode-row-tile`).
 
 How the bits stay a row's own:
 
-- The tile and the reduction are chosen from the weight's shape (N, K) and the GPU alone, never
-  from the row count M (`block_n`): every row's output element is the same sequence of `tl.dot`
-  steps over the same K chunks, accumulated in float32 in the same order, whatever M is.
+- Every output element is the same sequence of `tl.dot` steps over the same BLOCK_K chunks of K,
+  accumulated in float32 in the same order, whatever M is: the reduction is chosen from K alone.
 - A program computes one BLOCK_M × BLOCK_N tile over the whole of K (no split of K, so no second
   reduction whose order could depend on anything); rows past M load zeros and are not stored, and
   a row's dot products never mix with another row's.
-- M is not specialized (`do_not_specialize`), so one compiled kernel serves every row count.
+- The tile's width, BLOCK_N, follows M (`block_n`): it decides which outputs a program computes,
+  not how any one of them is summed (each element's MMA k-steps are its own), so a row has the
+  same bits at every BLOCK_N: checked in the interpreter and on a GPU (tests/gpu/
+  test_gpu_op_invariance.py), where the served shapes' rows are compared across row counts that
+  take different widths.
+- M is not specialized (`do_not_specialize`), so one compiled kernel per width serves every row count.
 
 Speed: consecutive programs take the M tiles of one N tile, so at a large M the weight tile each
 reads comes from L2 after the first (about one pass over the weights per GEMM, where row tiles
-read them once per tile); BLOCK_N narrows for a narrow N so a decode batch of up to BLOCK_M rows
-still spreads over the GPU's SMs.
+read them once per tile). A decode batch of one or two M tiles reads the weights in narrow N tiles
+(many programs, each a short stream of loads), a larger batch in wider ones (fewer loads of x per
+weight, more MMA work per load); an N too narrow to give the SMs enough programs narrows further.
 """
 
 from __future__ import annotations
@@ -37,7 +42,6 @@ import triton.language as tl
 
 BLOCK_M = 64  # one Hopper warpgroup's MMA height
 BLOCK_K = 64
-PROGRAMS_PER_SM = 1.5  # how many programs per SM a decode batch (one M tile) should have at least
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -87,13 +91,21 @@ def _gemm_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def block_n(n: int, sms: int) -> int:
-    """The widest BLOCK_N (128 down to 16) that still gives one M tile of an N-wide output at least
-    PROGRAMS_PER_SM programs per SM; 16 where none does. A function of N and the GPU, not of M."""
-    for bn in (128, 64, 32):
-        if triton.cdiv(n, bn) >= PROGRAMS_PER_SM * sms:
-            return bn
-    return 16
+# BLOCK_N by the row count's M tiles: up to 2 tiles (128 rows) 32, up to 8 (512 rows) 64, then 128
+# (measured on an H100 against the other widths, `gemm_ms` in `voxpipe bench op-invariance`)
+WIDTH_BY_M_TILES = ((2, 32), (8, 64))
+MIN_PROGRAMS_PER_SM = 0.5  # narrower than its width where an N tile row would leave SMs idle
+
+
+def block_n(n: int, m: int, sms: int) -> int:
+    """BLOCK_N for an [m, K] @ [K, n] product on a GPU of `sms` SMs: by m's M tiles
+    (`WIDTH_BY_M_TILES`; 128 past them), halved (down to 16) while the programs of the output,
+    ⌈m / BLOCK_M⌉ × ⌈n / BLOCK_N⌉, number fewer than MIN_PROGRAMS_PER_SM per SM."""
+    tiles_m = triton.cdiv(max(m, 1), BLOCK_M)
+    bn = next((w for most, w in WIDTH_BY_M_TILES if tiles_m <= most), 128)
+    while bn > 16 and tiles_m * triton.cdiv(n, bn) < MIN_PROGRAMS_PER_SM * sms:
+        bn //= 2
+    return bn
 
 
 @functools.cache
@@ -120,7 +132,7 @@ def linear(
     m = rows.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        bn = tile_n or block_n(n, _sms(x.device))
+        bn = tile_n or block_n(n, m, _sms(x.device))
         _gemm_kernel[(triton.cdiv(m, BLOCK_M) * triton.cdiv(n, bn),)](
             rows,
             weight,

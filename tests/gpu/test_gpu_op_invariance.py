@@ -54,6 +54,24 @@ def test_gemms_of_this_kind_give_a_row_the_same_bits_at_any_batch(gemms, kind):
     )
 
 
+def test_the_invariant_gemms_tile_width_leaves_a_rows_bits(gpu_report):
+    """`invariant_gemm.block_n` widens the tile with the row count (beyond the sizes the test above
+    takes, to 128 past 512 rows): every width gives every row of the served shapes the same bits."""
+    from programs.blocks import invariant_gemm
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    differ = {}
+    for name, n, k in GEMMS:
+        w = (torch.randn(n, k, generator=g, device="cuda") * k**-0.5).to(torch.bfloat16)
+        x = torch.randn(640, k, generator=g, device="cuda").to(torch.bfloat16)
+        outs = {bn: invariant_gemm.linear(x, w, tile_n=bn) for bn in (16, 32, 64, 128)}
+        differ[name] = [
+            bn for bn, o in outs.items() if not torch.equal(o.view(torch.uint8), outs[16].view(torch.uint8))
+        ]
+    gpu_report("op-invariance")["invariant_gemm_widths_differing_from_16"] = differ
+    assert differ == {name: [] for name, _, _ in GEMMS}, differ
+
+
 def test_the_invariant_gemm_rounds_as_cublas_does_within_bf16_and_its_time_is_reported(gpu_report):
     from programs.blocks import invariant_gemm
 
