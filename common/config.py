@@ -250,8 +250,8 @@ class GpuWorkerSettings(msgspec.Struct, kw_only=True):
     fused_step: str = "off"
     # "on": every GEMM of a plain (bf16/fp16) weight through programs.blocks.fp8.linear (a model's
     # backbone and heads; all of a program's with `mixed_prefill`), in every graph and eager step,
-    # in voxpipe's Triton kernel (programs/blocks/invariant_gemm.py), whose tiles and reduction
-    # depend on the weight's shape alone, so a row's result does not depend on the rows beside it:
+    # in voxpipe's Triton kernel (programs/blocks/invariant_gemm.py), whose reduction order
+    # depends on the weight's shape alone, so a row's result does not depend on the rows beside it:
     # a request's tokens are its own in any batch with bf16 weights, as float8 ones give
     # (`--quantization fp8`) and as `--decode-row-tile` gives at a weight read per tile. GPU only.
     invariant_gemm: str = "off"

@@ -102,6 +102,10 @@ def greedy_setup(program):
             engines.clear()
             gc.collect()
             torch.cuda.empty_cache()
+            free, _ = torch.cuda.mem_get_info()
+            # what an engine before it still holds shows here (its KV cache sizes to the free memory)
+            print(f"  engine {dict(key)}: {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated, "
+                  f"{free / 2**30:.1f} GiB free before it", flush=True)  # fmt: skip
             t0 = time.perf_counter()
             engines[key] = Engine(
                 program,
