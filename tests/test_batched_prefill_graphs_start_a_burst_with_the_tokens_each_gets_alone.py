@@ -73,6 +73,10 @@ def test_a_steps_prompts_run_in_lanes_batched_and_mixed_graphs_as_eagerly(
     assert sorted(graphs.batched.joined) == (sorted(graphs.batched.graphs) if batched else [])
     assert sorted(graphs.batched.wrappers) == ([] if batched else buckets)
     assert all(len(w) == 3 for w in graphs.batched.wrappers.values())
+    # every mixed graph writes its decode rows' logits to the start of one buffer (one replays a step)
+    shared, dec_logits = graphs._mixed_dec_logits, [out[2] for _, out in graphs.mixed.values()]
+    assert len(dec_logits) > 10 and {t.data_ptr() for t in dec_logits} == {shared.data_ptr()}
+    assert max(t.shape[0] for t in dec_logits) == shared.shape[0]
     replayed = []
     for key, (graph, _) in graphs.batched.graphs.items():
         graph.replay = lambda key=key, replay=graph.replay: replayed.append(key) or replay()

@@ -207,6 +207,8 @@ class GraphRunner:
         # (decode bucket, prefill rows, prompts) → (graph, the prompts' logits [k, C', V] and hidden
         # [k, H], then the decode rows' [bs, C', V] and [bs, H])
         self.mixed: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
+        # Every mixed graph's decode rows' logits, in one buffer (`_capture_mixed`)
+        self._mixed_dec_logits: torch.Tensor | None = None
         # With row tiles the decode rows run in decode graphs only (a mixed graph's rows are untiled).
         self._capture_all_mixed(mixed, progress)
         self.depth = None
@@ -326,9 +328,25 @@ class GraphRunner:
                 pre_logits = torch.cat([pre_logits, segment_heads(p, pre[s:])])
                 first = torch.cat([first, pre[s:]])
             dec_logits, dec = paired(p, p.head(dec).float(), dec, w[k * rows :, 0], s)
-            return pre_logits, first, dec_logits, dec
+            return pre_logits, first, self._shared_dec_logits(dec_logits), dec
 
         return capture(step, self.pool)
+
+    def _shared_dec_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` [n, C', V] copied into the first n rows of the buffer every mixed graph writes its
+        decode rows' logits to. A step replays one mixed graph and `forward` reads its outputs on
+        the stream before anything replays again, so one buffer serves them all; a graph's own
+        output would stay allocated in the pool for each (decode bucket, prompt bucket, joiners):
+        with the full head (156,940 columns, float32) some 10 GB at a batch of 256. The buffer is
+        made at the first (largest) graph's warm-up, outside the capture."""
+        buf = self._mixed_dec_logits
+        if buf is None or buf.shape[0] < logits.shape[0] or buf.shape[1:] != logits.shape[1:]:
+            if logits.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("the mixed graphs' logits buffer is made at a warm-up, not in a capture")
+            buf = self._mixed_dec_logits = torch.empty_like(logits)
+        out = buf[: logits.shape[0]]
+        out.copy_(logits)
+        return out
 
     # --- a step --------------------------------------------------------------------------------
     @torch.inference_mode()
