@@ -273,13 +273,16 @@ class CodecWorker:
         graph's worth of a kind at a time (a burst's flood waits for the pass's larger graphs),
         each lane group sent with its requests' held ends as soon as it is done. → the windows
         sent."""
-        n = 0
+        n, look = 0, True  # look: what waits may hold first chunks the lane has not been offered
         while not self.codec.done(pending):
             arrived = time.monotonic()
             msgs = self.inbox.drain()
             if msgs:
                 self.receive(msgs, arrived, self._held)
-            firsts, ends = self.gather.take_where(self.codec.lane_taker())
+            # the waiting windows are scanned again only when some arrived or the last take took
+            # some (the rest of a kind past a lane graph's worth), not at every poll
+            firsts, ends = self.gather.take_where(self.codec.lane_taker()) if msgs or look else ([], [])
+            look = bool(firsts)
             if not firsts:
                 time.sleep(LANE_POLL_S)
                 continue
