@@ -75,9 +75,10 @@ FRAME, LEADS = 7, (7, 14, 21)
 MARGIN = LEAD_MARGIN  # lead_fits's margin
 
 
-def one_frame_s(margin: float = MARGIN) -> float:
-    """The per-row time up to which `lead_fits` with `margin` sends a first frame alone."""
-    return (FRAME / ROWS_PER_S - DELIVERY_S) / (FRAME * margin)
+def one_frame_s(margin: float = MARGIN, delivery_s: float = DELIVERY_S) -> float:
+    """The per-row time up to which `lead_fits` with `margin` (and `delivery_s` for the second
+    chunk's trip) sends a first frame alone."""
+    return (FRAME / ROWS_PER_S - delivery_s) / (FRAME * margin)
 
 
 ONE_FRAME_S = one_frame_s()
@@ -232,6 +233,11 @@ class Codec:
     # `--codec-compile-tails`: a full window's tail (28 rows, its last frame kept) decodes as a
     # regular window does (compiled, in graphs up to the codec's largest batch)
     compiled_tails: bool = False
+    # `--codec-first-lane`: a first chunk (lane 1), and a second chunk too (lane 2), arriving while
+    # a pass decodes is decoded at once beside it in `lane_ms` (an H100 runs a lane graph of first
+    # chunks beside a pass of 128 windows in ~6.6 ms: tests/gpu/test_gpu_codec_first_lane.py)
+    lane: int = 0
+    lane_ms: float = 6.6
     max_wait_s: float = CodecSettings().gather_ms / 1000  # --codec-gather-ms
     margin_s: float = MARGIN_S
     full_batch: int = GPU_MAX_BATCH  # the codec's largest batch on a GPU
@@ -253,10 +259,15 @@ class Codec:
         audio_before_s: float,
         kind: tuple[int, int],
         first: bool = False,
+        second: bool = False,
     ) -> None:
         """A window of request `r` leaving the gpu_worker at `t` (its listener's slack then, the audio
         its listener has before it, its kind as the codec worker's `_kind`: (rows, tail rows kept or
-        0); `first`: the request's first chunk)."""
+        0); `first`: the request's first chunk, `second`: its second). The first lane takes what it
+        decodes at once while a pass runs."""
+        if t < self.busy_until and (self.lane >= 1 and first or self.lane >= 2 and second):
+            self._heard(t, t + self.lane_ms / 1000, r, audio_before_s, first)
+            return
         self.waiting.append((t, max(0.0, slack_s), r, audio_before_s, kind, first))
 
     def _due(self) -> float:
@@ -305,15 +316,20 @@ class Codec:
             windows = self.window_ms * regular + self.graph_window_ms * (len(group) - regular)
             t += (self.launch_ms * len(counts) + self.part_ms * parts + windows) / 1000
             for arrival, _, r, before, _, first in group:
-                heard = t + self.trip_s
-                if first:
-                    r["heard"] = heard
-                    self.first_waits.append((arrival, heard - arrival))
-                else:
-                    r["late"] = max(r["late"], heard - (r["heard"] + before))
+                self._heard(arrival, t, r, before, first)
         self.decode_s = max(t - start, 0.95 * self.decode_s)
         self.passes.append((start, t - start, len(taken)))
         self.busy_until = t
+
+    def _heard(self, arrival: float, decoded: float, r: dict, before: float, first: bool) -> None:
+        """A window of `r` that arrived at `arrival` decoded at `decoded`: its listener hears it a
+        trip later (a first chunk starts the playback; a later one is late past the audio before it)."""
+        heard = decoded + self.trip_s
+        if first:
+            r["heard"] = heard
+            self.first_waits.append((arrival, heard - arrival))
+        else:
+            r["late"] = max(r["late"], heard - (r["heard"] + before))
 
     def figures(self, t0: float, t1: float) -> dict:
         """The codec's passes from `t0` to `t1`: a second's passes and busy share, windows a pass,
@@ -384,6 +400,9 @@ class Worker:
     # the codec worker's passes (`Codec`); None: every chunk reaches its listener CODEC_S after the
     # step that made it
     codec: Codec | None = None
+    # what the first-chunk decision allows for a second chunk's trip beyond the first's (the
+    # engine's DELIVERY_S; less where the first lane decodes second chunks at once)
+    delivery_s: float = DELIVERY_S
     # the room the last `prompts_now` had where the fit bounded it, what it may borrow with it
     fitted: PromptRoom | None = None
 
@@ -429,7 +448,7 @@ class Worker:
             for r in run.values()
             if r["first"] is not None
         ]
-        return step_allowances(playing, self.clock.rows_time_high, self.first_margin, DELIVERY_S, budget)
+        return step_allowances(playing, self.clock.rows_time_high, self.first_margin, self.delivery_s, budget)
 
     def prompts_next(self, run: dict[int, dict], waiting: int = 2) -> int:
         """`prompts_now`, at most `prompts_while_first` while a running stream waits for its first
@@ -511,7 +530,9 @@ def first_audio_sit_out(w: Worker) -> FirstAudioSitOut:
     """The first-audio policy on `w`'s clock, streams with the sit-out's audio in hand sitting out,
     steps held under the one-frame pace of `w`'s first-chunk margin."""
     lead = GpuWorkerSettings().sit_out_lead_s
-    return FirstAudioSitOut(w.clock, decode_buckets(512), lead, bound=one_frame_s(w.first_margin))
+    return FirstAudioSitOut(
+        w.clock, decode_buckets(512), lead, bound=one_frame_s(w.first_margin, w.delivery_s)
+    )
 
 
 def new_worker(
@@ -537,6 +558,8 @@ def new_worker(
     codec: bool = False,
     compiled_tails: bool = False,
     codec_part_ms: float | None = None,
+    codec_lane: int = 0,
+    delivery_s: float = DELIVERY_S,
 ) -> Worker:
     """A fresh worker on `gpu` (default `GPU()`), its clock `calibrate`d from startup steps timed on
     `startup` (default `gpu`), its steps' noise drawn from `seed`, its requests `tokens` rows after
@@ -548,7 +571,9 @@ def new_worker(
     `lead_borrow_max` budgets a step), and the
     startup steps counted as measured with `trust_startup` (`--trust-startup-steps`); with `codec`,
     the codec worker's passes between the steps and the listeners (`Codec`; `compiled_tails`: its
-    full windows' tails compiled, `--codec-compile-tails`; `codec_part_ms`: its `part_ms`)."""
+    full windows' tails compiled, `--codec-compile-tails`; `codec_part_ms`: its `part_ms`;
+    `codec_lane`: its first lane, `Codec.lane`), the first-chunk decision allowing `delivery_s` for
+    a second chunk's trip."""
     gpu = gpu or GPU()
     clock = StepClock(ROWS_PER_S, 512, trust_startup=trust_startup)
     if calibrate:
@@ -564,12 +589,12 @@ def new_worker(
         prompts_while_first,
         lead_borrow,
     )
-    w.lead_borrow_max = lead_borrow_max
+    w.lead_borrow_max, w.delivery_s = lead_borrow_max, delivery_s
     w.first_audio = first_audio_sit_out(w) if first_audio else None
     w.codec = None
     if codec:
         part = {} if codec_part_ms is None else {"part_ms": codec_part_ms}
-        w.codec = Codec(compiled_tails=compiled_tails, **part)
+        w.codec = Codec(compiled_tails=compiled_tails, lane=codec_lane, **part)
     return w
 
 
@@ -771,10 +796,10 @@ def open_level(w: Worker, rate: float, t0: float, duration_s: float, rng: np.ran
         "worst_late_ms": ms(late.max()),
         "second_slack_min_ms": ms(slack.min()) if len(slack) else None,
         "second_slack_p1_ms": ms(np.percentile(slack, 1)) if len(slack) else None,
-        "second_under_delivery_share": round(float((slack < DELIVERY_S).mean()), 4) if len(slack) else None,
+        "second_under_delivery_share": round(float((slack < w.delivery_s).mean()), 4) if len(slack) else None,
         "first_frames": {f: round(float((frames == f).mean()), 3) for f in (1, 2, 3)},
         "first_period_high_p50_ms": ms(np.median(high)) if len(high) else None,
-        "one_frame_period_ms": ms(one_frame_s(w.first_margin)),
+        "one_frame_period_ms": ms(one_frame_s(w.first_margin, w.delivery_s)),
         "streams_mean": round(float((streams * dts).sum() / dts.sum()), 1),
         "sitting_out_mean": round(float(((streams - rows) * dts).sum() / dts.sum()), 1),
         "row_period_mean_ms": ms(dts.mean()),
@@ -828,7 +853,7 @@ def step(w: Worker, run: dict, t: float) -> float:
             high = w.first_period_high(FRAME)
             if n == FRAME:
                 r["high"] = high
-            fits = lead_fits(FRAME, n * period, high, w.first_margin, latency_s=DELIVERY_S)
+            fits = lead_fits(FRAME, n * period, high, w.first_margin, latency_s=w.delivery_s)
             if fits or n >= LEADS[-1] or n >= w.tokens:
                 r["first"], r["sent_audio"], r["first_rows"] = t + CODEC_S, n * period, n
                 if w.codec is not None:  # every frame so far, decoded whole
@@ -839,10 +864,10 @@ def step(w: Worker, run: dict, t: float) -> float:
                 slack = before - (t - (r["first"] - CODEC_S))
                 # a tail window: the newest frame after up to a regular window's rows of context
                 kind = REGULAR_KIND if r.get("switched") else (min(n, REGULAR_ROWS), FRAME)
-                w.codec.add(r, t, slack, before, kind=kind)
+                w.codec.add(r, t, slack, before, kind=kind, second=n == r["first_rows"] + FRAME)
             if n == r["first_rows"] + FRAME:
                 # the first chunk's audio left when the second is made: what a second chunk's trip
-                # may take beyond the first's (lead_fits's promise: DELIVERY_S)
+                # may take beyond the first's (lead_fits's promise: the worker's delivery_s)
                 r["second_slack"] = r["first_rows"] * period - (t - (r["first"] - CODEC_S))
         if r["first"] is not None and n % FRAME == 0 and not r.get("switched"):
             # progressive tail windows until the audio in hand (by the engine's clock, from when the
@@ -850,7 +875,7 @@ def step(w: Worker, run: dict, t: float) -> float:
             # pace or the step budget, whichever is slower (windows.py: `switches`)
             ahead, wait = r["sent_audio"] - (t - r["first"] + CODEC_S), REGULAR_WAIT
             pace, margin = clock.rows_time_high(wait) / wait, max(MARGIN, w.first_margin)
-            r["switched"] = switch_fits(wait, ahead, pace, clock.budget, margin, DELIVERY_S)
+            r["switched"] = switch_fits(wait, ahead, pace, clock.budget, margin, w.delivery_s)
     return dt
 
 
@@ -930,6 +955,19 @@ def main(argv: list[str] | None = None) -> None:
         help=f"with --codec: each further replay of a small codec graph (Codec.part_ms, {Codec.part_ms})",
     )
     ap.add_argument(
+        "--codec-first-lane",
+        action="store_true",
+        help="with --codec: beside each policy, first chunks arriving during a pass decoded at once in the "
+        "first lane (Codec.lane 1, the server's --codec-first-lane)",
+    )
+    ap.add_argument(
+        "--second-lane-delivery-ms",
+        default="",
+        help="with --codec: beside each policy, first and second chunks in the first lane (Codec.lane 2) "
+        f"and the first-chunk decision allowing these ms for a second chunk's trip (the engine's "
+        f"{1000 * DELIVERY_S:g}), e.g. 12,15",
+    )
+    ap.add_argument(
         "--trust-startup-steps",
         action="store_true",
         help="beside each policy: the startup steps count as measured (StepClock's trust_startup)",
@@ -1005,6 +1043,16 @@ def main(argv: list[str] | None = None) -> None:
         policies += [(f"{name}, first-audio sit-out", dict(kw, first_audio=True)) for name, kw in weighed]
     if args.trust_startup_steps:
         policies += [(f"{name}, trusted startup steps", dict(kw, trust_startup=True)) for name, kw in weighed]
+    if args.codec_first_lane:
+        policies += [(f"{name}, first lane", dict(kw, codec_lane=1)) for name, kw in weighed]
+    policies += [
+        (
+            f"{name}, first lane with second chunks, delivery {d} ms",
+            dict(kw, codec_lane=2, delivery_s=float(d) / 1000),
+        )
+        for d in split(args.second_lane_delivery_ms)
+        for name, kw in weighed
+    ]
     if args.codec_compile_tails:
         policies += [
             (f"{name}, compiled tails", dict(kw, compiled_tails=True)) for name, kw in list(policies)

@@ -56,10 +56,13 @@ DEAD_KEPT = 4096  # failed requests remembered, to drop their later chunks and t
 
 @dataclass
 class FirstLane:
-    """Lead windows (first chunks) decoded while a pass runs (`--codec-first-lane`): graphs of the
-    lead kinds of their own, in a memory pool of their own (the pass's graphs share theirs, replayed
-    one at a time), replayed on a high-priority CUDA stream, so a first chunk that arrives during a
-    pass does not wait for it: the GPU schedules its kernels' blocks ahead of the pass's."""
+    """A request's first two chunks decoded while a pass runs (`--codec-first-lane`): graphs of the
+    lead kinds and of the tail kinds a second chunk has (`Codec.second_kinds`) of their own, in a
+    memory pool of their own (the pass's graphs share theirs, replayed one at a time), replayed on a
+    high-priority CUDA stream, so such a chunk that arrives during a pass does not wait for it: the
+    GPU schedules its kernels' blocks ahead of the pass's. The second chunk is a stream's tightest
+    deadline (its first chunk's audio, often one frame, is all its listener has), so the gpu_worker
+    sends first chunks after one frame with less allowed for its trip (`windows.LANE_DELIVERY_S`)."""
 
     graphs: dict[tuple[int, int], DetokGraphs]
     limits: dict[tuple[int, int], int]
@@ -222,27 +225,44 @@ class Codec:
             self.graphs[rows, tail] = graphs
 
     def _capture_lane(self, progress) -> FirstLane:
-        """The first lane's graphs: each lead kind's, up to LEAD_MAX_BATCH windows (a pass's worth
-        of first chunks arriving in one pass), compiled where the pass's are."""
+        """The first lane's graphs: each lead kind's and each second chunk's tail kind's, up to
+        LEAD_MAX_BATCH windows (a pass's worth of first chunks arriving in one pass), compiled
+        where the pass's are."""
         pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(priority=-1)
         graphs, limits = {}, {}
+        seconds = self.second_kinds()
         for kind, limit in self.limits.items():
             rows, tail = kind
-            if tail or not self._lead(rows):
+            if not (kind in seconds or not tail and self._lead(rows)):
                 continue
-            fn = self._compiled_fn(0) if self._compiles(rows, 0) else None
+            fn = self._compiled_fn(tail) if self._compiles(rows, tail) else None
             limits[kind] = min(limit, LEAD_MAX_BATCH)
             # captured on the lane's stream: a captured GEMM keeps its capture stream's cuBLAS
             # workspace, and the pass's graphs, captured on torch's capture stream, run beside these
             graphs[kind] = DetokGraphs(
-                self.program, limits[kind], progress, rows=rows, pool=pool, detokenize=fn, call_batch=self.call_batch,
-                stream=stream,
+                self.program, limits[kind], progress, rows=rows, tail=tail, pool=pool, detokenize=fn,
+                call_batch=self.call_batch, stream=stream,
             )  # fmt: skip
         return FirstLane(graphs, limits, stream)
 
+    def second_kinds(self) -> set[tuple[int, int]]:
+        """The window kinds of a second chunk in progressive mode (gpu_worker/windows.py `_tail`):
+        after a lead of n rows, the newest frame as a tail window of up to a regular window's rows,
+        for each lead size the program has (those among the kinds this codec decodes)."""
+        p, s = self.program, self.program.detok_stride
+        if not p.detok_tail:
+            return set()
+        kinds = {self._kind(min(n + s, p.detok_interval), s) for n in p.detok_lead}
+        return {k for k in kinds if k[1] and k in self.limits}
+
     def lane_takes(self, c: DetokChunk) -> bool:
-        """Whether the first lane decodes chunk `c`: a request's first chunk, of a lead kind."""
-        return self.lane is not None and c.index == 0 and self._chunk_kind(c) in self.lane.graphs
+        """Whether the first lane decodes chunk `c`: a request's first chunk of a lead kind, or its
+        second of a tail kind the lane has graphs of."""
+        return (
+            self.lane is not None
+            and (c.index == 0 or c.index == 1 and c.tail_rows > 0)
+            and self._chunk_kind(c) in self.lane.graphs
+        )
 
     def lane_taker(self) -> Callable[[DetokChunk], bool]:
         """`lane_takes`, up to one lane graph's worth of each kind (the predicate of one take)."""

@@ -250,10 +250,12 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "codec_first_lane",
-        "GPU: decode the first chunks that arrive while a codec pass runs at once, in graphs of their "
-        "own on a high-priority CUDA stream, rather than after the pass (a model without codec "
-        "streams); off (the default): they wait for the pass and go first in the next",
-        ("serve", "codec_worker"),
+        "GPU: decode a request's first and second chunks that arrive while a codec pass runs at once, "
+        "in graphs of their own on a high-priority CUDA stream, rather than after the pass (a model "
+        "without codec streams), and let the gpu_worker send a first chunk after one frame with 15 ms "
+        "allowed for the second's trip instead of 25; give it to both workers; off (the default): they "
+        "wait for the pass and go first in the next",
+        ("serve", "gpu_worker", "codec_worker"),
         _parse_bool,
         path="codec.first_lane",
     ),

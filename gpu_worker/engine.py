@@ -52,7 +52,7 @@ from gpu_worker.scheduler.request import Request
 from gpu_worker.scheduler.scheduler import Scheduler, step_clock
 from gpu_worker.scheduler.sit_out import SitOut
 from gpu_worker.scheduler.step_cost import Lives
-from gpu_worker.windows import AudioWindows
+from gpu_worker.windows import DELIVERY_S, LANE_DELIVERY_S, AudioWindows
 from programs.base import LMProgram, TokenKind
 
 __all__ = ["Engine", "GpuWorkerSettings"]
@@ -97,16 +97,23 @@ def gc_timer() -> GcTimer:
 
 
 class Engine:
-    def __init__(self, program: LMProgram, limits: GpuWorkerSettings, progress=None) -> None:
+    def __init__(
+        self, program: LMProgram, limits: GpuWorkerSettings, progress=None, codec_lane: bool = False
+    ) -> None:
+        """`codec_lane`: the codec decodes a request's first two chunks in its first lane
+        (`--codec-first-lane` on a GPU): a first chunk goes out after one frame with less allowed for
+        the second's trip (windows.LANE_DELIVERY_S)."""
         limits = limits.filled(program.device.type, program.spec["max_tokens"])
         self.program = program
         self.limits = limits
         self.device = program.device
         self.runner = ModelRunner(program, limits, progress)
         clock = step_clock(program, limits)
+        lane = codec_lane and not program.codec_streams  # (the lane is not for codec streams)
         self.windows = AudioWindows(
-            program, limits.first_chunk, clock, first_margin=limits.first_chunk_margin
-        )
+            program, limits.first_chunk, clock, first_margin=limits.first_chunk_margin,
+            second_delivery_s=LANE_DELIVERY_S if lane else DELIVERY_S,
+        )  # fmt: skip
         self.scheduler = Scheduler(
             program, limits, self.runner.num_pages, self.runner.slots, clock, self.windows,
             getattr(self.runner.forward_runner, "sizes", None), real_time=self.device.type == "cuda",

@@ -11,7 +11,8 @@ the lead covers are then skipped.
 
 Progressive mode (`--first-chunk progressive`, programs with `detok_tail`): the first chunk goes
 out after one frame when, at that step rate, the next frame will reach the listener before that
-one has played out (`DELIVERY_S` allowed for the trip), else after as many frames as that takes (a
+one has played out (`DELIVERY_S` allowed for the trip, `LANE_DELIVERY_S` where the codec's first
+lane decodes second chunks at once), else after as many frames as that takes (a
 lead window, up to the largest `detok_lead`). Each new frame then goes out at once as a tail window
 (the frame decoded after up to detok_interval - s rows of context, nothing after it), until the
 audio sent and not yet played covers the wait for the next regular window, its steps taken at the
@@ -39,6 +40,11 @@ FIRST_CHUNK_MODES = ("reference", "adaptive", "fastest", "progressive")
 # pass, the decode, the gateway, the network). On the H200 at 128 streams, with a frame's worth of
 # steps as the only allowance, the second frame comes ~6 ms late for 1 stream in 5.
 DELIVERY_S = 0.025
+# ... for the second chunk, where the codec's first lane decodes it at once beside a pass
+# (`--codec-first-lane`, codec_worker/codec.py FirstLane): the lane's decode beside a pass of 128
+# windows takes ~6.6 ms on an H100, and at Poisson 80 req/s there first chunks in the lane took
+# 3.7 / 8.8 ms (p50 / p90) from ready to decoded; the trip to the listener besides.
+LANE_DELIVERY_S = 0.015
 
 
 def clock_window(program: LMProgram) -> int:
@@ -83,7 +89,10 @@ class AudioWindows:
         clock: StepClock,
         now: Callable[[], float] = time.monotonic,
         first_margin: float = LEAD_MARGIN,
+        second_delivery_s: float = DELIVERY_S,
     ) -> None:
+        """`second_delivery_s`: what the first-chunk decision allows for the second chunk's trip
+        (DELIVERY_S; LANE_DELIVERY_S where the codec's first lane decodes second chunks)."""
         if first_chunk not in FIRST_CHUNK_MODES:
             raise ValueError(
                 f"first_chunk must be one of {', '.join(FIRST_CHUNK_MODES)}, not {first_chunk!r}"
@@ -114,6 +123,7 @@ class AudioWindows:
         self.clock = clock
         self.now = now
         self.first_margin = first_margin  # the first chunk's decision (`_first_now`, `lead_now`)
+        self.second_delivery_s = second_delivery_s  # ... and its allowance for the second's trip
         # The switch to regular windows (`switches`) at no less margin than `step_allowances` takes
         self.switch_margin = max(LEAD_MARGIN, first_margin)
         # The rows n (mod stride) at which after_row may make a window (it returns None at any other):
@@ -198,8 +208,8 @@ class AudioWindows:
     def one_frame_row_s(self) -> float:
         """Progressive mode: the pessimistic seconds per row up to which a first chunk goes out
         after one frame (`_first_now`: the next frame's steps, with the first chunk's margin, and
-        the trip, within the frame's audio)."""
-        return (self._audio_s(self.stride) - DELIVERY_S) / (self.stride * self.first_margin)
+        the second chunk's trip, within the frame's audio)."""
+        return (self._audio_s(self.stride) - self.second_delivery_s) / (self.stride * self.first_margin)
 
     def spare(self, req, now: float) -> tuple[float, int]:
         """(seconds of audio its listener has in hand, audio rows until its first chunk that waits for
@@ -299,12 +309,14 @@ class AudioWindows:
     def _first_now(self, n: int) -> bool:
         """Progressive mode: may the first chunk go out with the n rows there are? Yes when the
         next frame, s rows later, will reach the listener before these have played out (else one
-        more frame first), and always at the largest lead size."""
+        more frame first; its trip `second_delivery_s`), and always at the largest lead size."""
         leads = self.program.detok_lead
         if not leads or n >= max(leads):
             return True
         period = self._period_high(self.stride)
-        return lead_fits(self.stride, self._audio_s(n), period, self.first_margin, latency_s=DELIVERY_S)
+        return lead_fits(
+            self.stride, self._audio_s(n), period, self.first_margin, latency_s=self.second_delivery_s
+        )
 
     def _tail(self, req, n: int = -1) -> DetokChunk:
         """The newest frame as a tail window (a first chunk: every frame so far, decoded whole as a

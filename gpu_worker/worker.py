@@ -41,6 +41,13 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def codec_lane(cfg: ServeConfig, device: str) -> bool:
+    """Whether the codec worker decodes first and second chunks in its first lane: with
+    `--codec-first-lane`, its graphs, on a GPU (`device`: this gpu_worker's, the codec's by default)."""
+    codec_device = device if cfg.codec.device == "auto" else cfg.codec.device
+    return cfg.codec.first_lane and cfg.codec.cuda_graphs and codec_device.startswith("cuda")
+
+
 def engine_limits(cfg: ServeConfig, spec: dict, device: str) -> GpuWorkerSettings:
     """The engine's settings: the worker's, with the batch size and context that default to the
     device's and the model's (`GpuWorkerSettings.resolved`)."""
@@ -73,7 +80,10 @@ class GpuWorker:
             log.info("--fused-step on: fused layers %s, sampler kernel %s", fused, sampler_kernel)
         limits = engine_limits(cfg, spec, device)
         status.set(ProcState.LOADING, "allocating KV cache")
-        self.engine = Engine(program, limits, progress=lambda msg: status.set(ProcState.LOADING, msg))
+        self.engine = Engine(
+            program, limits, progress=lambda msg: status.set(ProcState.LOADING, msg),
+            codec_lane=codec_lane(cfg, device),
+        )  # fmt: skip
         log.info(
             "engine ready: %s on %s, batch %d, context %d, %d KV pages of %d",
             spec["name"],

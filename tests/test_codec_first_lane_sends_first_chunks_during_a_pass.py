@@ -17,6 +17,7 @@ from codec_worker.gather import Gather
 from codec_worker.worker import Codec, CodecWorker
 from common.messages import DetokBatch, DetokChunk, Finished, FinishReason
 from common.options import parse_role
+from gpu_worker.worker import codec_lane
 from programs import get_spec, load_program_class
 from tests.test_codec_pass_sends_urgent_first_and_fails_only_its_own import Recorder, Status
 
@@ -28,10 +29,10 @@ def program():
     return p
 
 
-def window(rid: str, index: int, rows: int = 28, slack_ms: float = 0.0) -> DetokChunk:
+def window(rid: str, index: int, rows: int = 28, slack_ms: float = 0.0, tail: int = 0) -> DetokChunk:
     codes = torch.randint(0, 4096, (rows,), generator=torch.Generator().manual_seed(index))
     tokens = (128266 + 4096 * (torch.arange(rows) % 7) + codes).int().numpy().astype("<i4")
-    return DetokChunk(rid, index, 5, tokens.tobytes(), index, slack_ms=slack_ms)
+    return DetokChunk(rid, index, 5, tokens.tobytes(), index, slack_ms=slack_ms, tail_rows=tail)
 
 
 class Inbox:
@@ -46,9 +47,10 @@ class Inbox:
 
 def worker(program, log: list, arrivals: list[list]) -> CodecWorker:
     w = CodecWorker.__new__(CodecWorker)  # no sockets: the pass logic alone
-    w.codec = Codec(program, max_batch=8, graphs=False)
-    # as on a GPU with --codec-first-lane: graphs of the lead kinds (stand-ins: the decode is eager)
-    lead = {(r, 0): None for r in program.detok_lead}
+    w.codec = Codec(program, max_batch=8, graphs=False, tails=True)
+    # as on a GPU with --codec-first-lane: graphs of the lead kinds and the second chunks' tail
+    # kinds (stand-ins: the decode is eager)
+    lead = {(r, 0): None for r in program.detok_lead} | dict.fromkeys(w.codec.second_kinds())
     w.codec.lane = types.SimpleNamespace(graphs=lead, limits=dict.fromkeys(lead, 2))
     launch = w.codec.launch
 
@@ -133,6 +135,29 @@ def test_the_lane_takes_a_graphs_worth_of_a_kind_at_a_time_and_the_rest_waits_fo
     assert [c.rid for c in w.gather.chunks] == ["f4"]  # the group ended before the lane took it
 
 
+def test_the_lane_takes_second_chunks_of_tail_kinds_and_no_later_tail(program):
+    log: list = []
+    arrivals = [
+        [
+            DetokBatch(
+                chunks=[
+                    window("a", 1, rows=14, tail=7),  # a second chunk after a one-frame lead
+                    window("b", 1, rows=28, tail=7),  # ... after a three-frame lead
+                    window("c", 2, rows=21, tail=7, slack_ms=500),  # a third: the next pass's
+                    window("d", 1, rows=28, slack_ms=500),  # a regular window (switched at once)
+                ],
+                finished=[],
+            )
+        ]
+    ]
+    w = worker(program, log, arrivals)
+    assert w.codec.second_kinds() == {(14, 7), (21, 7), (28, 7)}
+    w._decode_and_send([([window("new", 0)], [])])
+    assert [e for e in log if e[0] == "launch"] == [("launch", 1, False), ("launch", 2, True)]
+    assert [e[1] for e in log if e[0] == "send"][0] == ["a", "b"]
+    assert sorted(c.rid for c in w.gather.chunks) == ["c", "d"]
+
+
 def test_without_the_lane_a_pass_reads_nothing_while_it_decodes(program):
     log: list = []
     w = worker(program, log, [[DetokBatch(chunks=[window("late", 0, rows=7)], finished=[])]])
@@ -160,9 +185,13 @@ def test_the_lane_exists_with_graphs_only_and_takes_first_chunks_of_lead_kinds(p
     codec = Codec(program, max_batch=8, graphs=False, first_lane=True)
     assert codec.lane is None and not codec.lane_takes(window("a", 0, rows=program.detok_lead[0]))
     assert not parse_role("codec_worker", ["--model", "orpheus-tiny"], {}).cfg.codec.first_lane
-    assert parse_role(
-        "codec_worker", ["--model", "orpheus-tiny", "--codec-first-lane"], {}
-    ).cfg.codec.first_lane
+    cfg = parse_role("codec_worker", ["--model", "orpheus-tiny", "--codec-first-lane"], {}).cfg
+    assert cfg.codec.first_lane
+    # the gpu_worker counts on the lane for second chunks where the codec has graphs on a GPU
+    assert codec_lane(cfg, "cuda") and codec_lane(cfg, "cuda:1") and not codec_lane(cfg, "cpu")
+    gpu_cfg = parse_role("gpu_worker", ["--model", "orpheus-tiny", "--codec-first-lane"], {}).cfg
+    assert codec_lane(gpu_cfg, "cuda")
+    assert not codec_lane(parse_role("gpu_worker", ["--model", "orpheus-tiny"], {}).cfg, "cuda")
 
 
 def test_the_lanes_decodes_do_not_count_in_the_pass_time_the_gather_plans_with(program):

@@ -35,11 +35,13 @@ def program():
     return p
 
 
-def chunks_of(program, first_chunk: str, step_s: float, margin: float = 1.15) -> list[DetokChunk]:
+def chunks_of(
+    program, first_chunk: str, step_s: float, margin: float = 1.15, codec_lane: bool = False
+) -> list[DetokChunk]:
     settings = GpuWorkerSettings(
         max_batch_size=4, max_context=200, first_chunk=first_chunk, first_chunk_margin=margin
     )
-    eng = Engine(program, settings)
+    eng = Engine(program, settings, codec_lane=codec_lane)
     for _ in range(10):
         eng.clock.record(1, step_s)  # the pace the engine believes it steps at
     # Keep it there, and let the listener's clock run at that pace (the CPU's real pace would vary).
@@ -66,6 +68,18 @@ def test_a_lower_first_chunk_margin_sends_one_frame_where_the_default_waits_for_
     assert np.frombuffer(got[0].tokens, "<i4").tolist() == full[:first_rows].tolist()
     late = [(c.tokens, c.noise_id) for c in got if not c.tail_rows]  # the reference's, at the end
     assert late == [(c.tokens, c.noise_id) for c in ref[len(ref) - len(late) :]]
+
+
+def test_with_the_codecs_first_lane_one_frame_goes_where_the_default_trip_waits_for_two(program):
+    # 8 ms steps at 1.15: 7 of them plus DELIVERY_S (25 ms) is 89 ms, past a frame's 85 ms; where the
+    # codec's first lane decodes second chunks at once, plus LANE_DELIVERY_S (15 ms), 79 ms
+    from gpu_worker.windows import DELIVERY_S, LANE_DELIVERY_S
+
+    assert (DELIVERY_S, LANE_DELIVERY_S) == (0.025, 0.015)
+    got = chunks_of(program, "progressive", 0.008, codec_lane=True)
+    assert (len(got[0].tokens) // 4, got[0].tail_rows) == (7, 7)
+    assert (len(got[1].tokens) // 4, got[1].tail_rows) == (14, 7)  # the lane's second chunk
+    assert (len(chunks_of(program, "progressive", 0.008)[0].tokens) // 4) == 14
 
 
 def test_the_first_chunk_margin_is_checked():

@@ -1,7 +1,8 @@
-"""On a GPU, `--codec-first-lane`: Orpheus's first chunks decoded in the first lane (graphs of the
-lead kinds of their own, on a high-priority CUDA stream) give the pass's audio bit for bit, and a
-first chunk launched while a large pass of regular windows runs is done before that pass is: the
-report holds how long after its launch each finished, and the lane alone for comparison."""
+"""On a GPU, `--codec-first-lane`: Orpheus's first and second chunks decoded in the first lane
+(graphs of the lead kinds and the second chunks' tail kinds of their own, on a high-priority CUDA
+stream) give the pass's audio bit for bit, and first chunks launched while a large pass of regular
+windows runs are done before that pass is: the report holds how long after its launch each
+finished, and the lane alone for comparison."""
 
 from __future__ import annotations
 
@@ -24,6 +25,14 @@ def regular(n: int, seed: int) -> list[DetokChunk]:
     return [DetokChunk(f"s{seed}-{i}", 3, 7 + i, tokens[i].tobytes(), 3) for i in range(n)]
 
 
+def seconds(n: int, seed: int, rows: int) -> list[DetokChunk]:
+    """n second chunks: the newest frame after `rows` - 7 rows as a tail window (chunk 1 each)."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 4096, (n, rows, 1), generator=gen)
+    tokens = (128266 + 4096 * (torch.arange(rows) % 7)[None, :, None] + codes).int().numpy().astype("<i4")
+    return [DetokChunk(f"t{seed}-{i}", 1, 31 + i, tokens[i].tobytes(), 0, tail_rows=7) for i in range(n)]
+
+
 def finished_ms(codec: Codec, launched, t0: float) -> float:
     """Poll a launch until its decode is done on the device: ms after t0."""
     while not codec.done(launched):
@@ -36,8 +45,10 @@ def test_first_chunks_in_the_lane_decode_as_in_a_pass_and_overtake_it(gpu_report
     codec = Codec(
         program, max_batch=128, tails=True, compile_backend=backend, compile_leads=True, first_lane=True
     )
-    assert codec.lane is not None and set(codec.lane.graphs) == {(7, 0), (14, 0), (21, 0)}
+    kinds = {(7, 0), (14, 0), (21, 0), (14, 7), (21, 7), (28, 7)}
+    assert codec.lane is not None and set(codec.lane.graphs) == kinds
     firsts = leads(4, 1, rows=7) + leads(4, 2, rows=14) + leads(4, 3, rows=21)
+    firsts += seconds(3, 4, rows=14) + seconds(3, 5, rows=21) + seconds(3, 6, rows=28)
     assert all(codec.lane_takes(c) for c in firsts) and not any(codec.lane_takes(c) for c in regular(2, 0))
     in_pass = codec.collect(codec.launch(firsts))
     in_lane = codec.collect(codec.launch(firsts, lane=True))
