@@ -59,10 +59,11 @@ class FirstLane:
     """A request's first two chunks decoded while a pass runs (`--codec-first-lane`): graphs of the
     lead kinds and of the tail kinds a second chunk has (`Codec.second_kinds`) of their own, in a
     memory pool of their own (the pass's graphs share theirs, replayed one at a time), replayed on a
-    high-priority CUDA stream, so such a chunk that arrives during a pass does not wait for it: the
-    GPU schedules its kernels' blocks ahead of the pass's. The second chunk is a stream's tightest
-    deadline (its first chunk's audio, often one frame, is all its listener has), so the gpu_worker
-    sends first chunks after one frame with less allowed for its trip (`windows.LANE_DELIVERY_S`)."""
+    high-priority CUDA stream beside the pass, so such a chunk does not wait for the next pass (on
+    an H100 the lane's graphs end with the pass they run beside, not before it). The second chunk is
+    a stream's tightest deadline (its first chunk's audio, often one frame, is all its listener
+    has), so the gpu_worker sends first chunks after one frame with less allowed for its trip
+    (`windows.LANE_DELIVERY_S`)."""
 
     graphs: dict[tuple[int, int], DetokGraphs]
     limits: dict[tuple[int, int], int]

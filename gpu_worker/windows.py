@@ -40,10 +40,11 @@ FIRST_CHUNK_MODES = ("reference", "adaptive", "fastest", "progressive")
 # pass, the decode, the gateway, the network). On the H200 at 128 streams, with a frame's worth of
 # steps as the only allowance, the second frame comes ~6 ms late for 1 stream in 5.
 DELIVERY_S = 0.025
-# ... for the second chunk, where the codec's first lane decodes it at once beside a pass
-# (`--codec-first-lane`, codec_worker/codec.py FirstLane): the lane's decode beside a pass of 128
-# windows takes ~6.6 ms on an H100, and at Poisson 80 req/s there first chunks in the lane took
-# 3.7 / 8.8 ms (p50 / p90) from ready to decoded; the trip to the listener besides.
+# ... for the second chunk, where the codec's first lane decodes it beside a pass rather than after
+# it (`--codec-first-lane`, codec_worker/codec.py FirstLane): at Poisson 80 req/s on an H100 first
+# chunks in the lane took 3.7 / 8.8 ms (p50 / p90) from ready to decoded. Near capacity, where
+# passes are long and the load grows under a first chunk just sent, it is too little: 7 of 1,180
+# requests late there (bench/results/h100-orpheus-poisson-second-lane.json), none at 60 req/s.
 LANE_DELIVERY_S = 0.015
 
 
