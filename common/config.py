@@ -368,8 +368,8 @@ class CodecSettings(msgspec.Struct, kw_only=True):
     # GPU graphs, a model without codec streams: a request's first and second chunks that arrive
     # while a pass decodes are decoded at once in graphs of their own on a high-priority CUDA stream
     # (codec_worker/codec.py, FirstLane), not after the pass, and the gpu_worker allows less for a
-    # second chunk's trip (gpu_worker/windows.py, LANE_DELIVERY_S); off: they wait for the pass and go
-    # first in the next.
+    # second chunk's trip while its streams are at most half its capacity (gpu_worker/windows.py,
+    # LANE_DELIVERY_S, LANE_ROOM); off: they wait for the pass and go first in the next.
     first_lane: bool = False
     max_batch: int = 0  # windows per decode call (0 = 128 on GPU, 64 on CPU)
     # GPU graphs: the largest batch of lead windows (first chunks; but those `compile_leads`

@@ -253,8 +253,8 @@ OPTIONS: tuple[Option, ...] = (
         "GPU: decode a request's first and second chunks that arrive while a codec pass runs at once, "
         "in graphs of their own on a high-priority CUDA stream, rather than after the pass (a model "
         "without codec streams), and let the gpu_worker send a first chunk after one frame with 15 ms "
-        "allowed for the second's trip instead of 25; give it to both workers; off (the default): they "
-        "wait for the pass and go first in the next",
+        "allowed for the second's trip instead of 25 while its streams are at most half its capacity; "
+        "give it to both workers; off (the default): they wait for the pass and go first in the next",
         ("serve", "gpu_worker", "codec_worker"),
         _parse_bool,
         path="codec.first_lane",

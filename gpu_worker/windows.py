@@ -44,8 +44,12 @@ DELIVERY_S = 0.025
 # it (`--codec-first-lane`, codec_worker/codec.py FirstLane): at Poisson 80 req/s on an H100 first
 # chunks in the lane took 3.7 / 8.8 ms (p50 / p90) from ready to decoded. Near capacity, where
 # passes are long and the load grows under a first chunk just sent, it is too little: 7 of 1,180
-# requests late there (bench/results/h100-orpheus-poisson-second-lane.json), none at 60 req/s.
+# requests late there (the first lane's second-chunk record in bench/results), none at 60 req/s.
 LANE_DELIVERY_S = 0.015
+# ... and only while the streams running are at most this share of the capacity the worker reports:
+# nearer it, the codec's passes are long and a growing load slows the steps after the decision, and
+# the trip is allowed DELIVERY_S (the 7 late requests above were sent at 0.53-0.62 of it).
+LANE_ROOM = 0.5
 
 
 def clock_window(program: LMProgram) -> int:
@@ -125,6 +129,9 @@ class AudioWindows:
         self.now = now
         self.first_margin = first_margin  # the first chunk's decision (`_first_now`, `lead_now`)
         self.second_delivery_s = second_delivery_s  # ... and its allowance for the second's trip
+        # the streams running over the capacity the worker reports (the engine's scheduler sets it):
+        # past LANE_ROOM the second chunk's trip is allowed DELIVERY_S whatever `second_delivery_s`
+        self.load: Callable[[], float] = lambda: 0.0
         # The switch to regular windows (`switches`) at no less margin than `step_allowances` takes
         self.switch_margin = max(LEAD_MARGIN, first_margin)
         # The rows n (mod stride) at which after_row may make a window (it returns None at any other):
@@ -210,7 +217,14 @@ class AudioWindows:
         """Progressive mode: the pessimistic seconds per row up to which a first chunk goes out
         after one frame (`_first_now`: the next frame's steps, with the first chunk's margin, and
         the second chunk's trip, within the frame's audio)."""
-        return (self._audio_s(self.stride) - self.second_delivery_s) / (self.stride * self.first_margin)
+        return (self._audio_s(self.stride) - self.second_trip_s()) / (self.stride * self.first_margin)
+
+    def second_trip_s(self) -> float:
+        """What a first chunk sent now allows for the second chunk's trip: `second_delivery_s` while
+        the load is within LANE_ROOM of the capacity, else no less than DELIVERY_S."""
+        if self.load() <= LANE_ROOM:
+            return self.second_delivery_s
+        return max(self.second_delivery_s, DELIVERY_S)
 
     def spare(self, req, now: float) -> tuple[float, int]:
         """(seconds of audio its listener has in hand, audio rows until its first chunk that waits for
@@ -316,7 +330,7 @@ class AudioWindows:
             return True
         period = self._period_high(self.stride)
         return lead_fits(
-            self.stride, self._audio_s(n), period, self.first_margin, latency_s=self.second_delivery_s
+            self.stride, self._audio_s(n), period, self.first_margin, latency_s=self.second_trip_s()
         )
 
     def _tail(self, req, n: int = -1) -> DetokChunk:

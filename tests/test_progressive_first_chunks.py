@@ -36,12 +36,14 @@ def program():
 
 
 def chunks_of(
-    program, first_chunk: str, step_s: float, margin: float = 1.15, codec_lane: bool = False
+    program, first_chunk: str, step_s: float, margin: float = 1.15, codec_lane: bool = False, load=None
 ) -> list[DetokChunk]:
     settings = GpuWorkerSettings(
         max_batch_size=4, max_context=200, first_chunk=first_chunk, first_chunk_margin=margin
     )
     eng = Engine(program, settings, codec_lane=codec_lane)
+    if load is not None:  # the streams running over the capacity, as the scheduler reports them
+        eng.windows.load = lambda: load
     for _ in range(10):
         eng.clock.record(1, step_s)  # the pace the engine believes it steps at
     # Keep it there, and let the listener's clock run at that pace (the CPU's real pace would vary).
@@ -80,6 +82,13 @@ def test_with_the_codecs_first_lane_one_frame_goes_where_the_default_trip_waits_
     assert (len(got[0].tokens) // 4, got[0].tail_rows) == (7, 7)
     assert (len(got[1].tokens) // 4, got[1].tail_rows) == (14, 7)  # the lane's second chunk
     assert (len(chunks_of(program, "progressive", 0.008)[0].tokens) // 4) == 14
+    # past LANE_ROOM of the capacity the trip is allowed DELIVERY_S again: two frames
+    from gpu_worker.windows import LANE_ROOM
+
+    assert (
+        len(chunks_of(program, "progressive", 0.008, codec_lane=True, load=LANE_ROOM)[0].tokens) // 4
+    ) == 7
+    assert (len(chunks_of(program, "progressive", 0.008, codec_lane=True, load=0.6)[0].tokens) // 4) == 14
 
 
 def test_the_first_chunk_margin_is_checked():
