@@ -109,10 +109,9 @@ class Engine:
         self.device = program.device
         self.runner = ModelRunner(program, limits, progress)
         clock = step_clock(program, limits)
-        lane = codec_lane and not program.codec_streams  # (the lane is not for codec streams)
         self.windows = AudioWindows(
             program, limits.first_chunk, clock, first_margin=limits.first_chunk_margin,
-            second_delivery_s=LANE_DELIVERY_S if lane else DELIVERY_S,
+            second_delivery_s=LANE_DELIVERY_S if codec_lane else DELIVERY_S,
         )  # fmt: skip
         self.scheduler = Scheduler(
             program, limits, self.runner.num_pages, self.runner.slots, clock, self.windows,

@@ -24,6 +24,7 @@ from gpu_worker.runner.sampler import use_tail_kernel
 from gpu_worker.stages import StageReporter
 from gpu_worker.stall import StallWatch
 from programs import get_spec, load_program_class
+from programs.base import LMProgram
 from programs.blocks import fp8
 
 log = logging.getLogger(__name__)
@@ -41,11 +42,17 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def codec_lane(cfg: ServeConfig, device: str) -> bool:
+def codec_lane(cfg: ServeConfig, device: str, program: LMProgram) -> bool:
     """Whether the codec worker decodes first and second chunks in its first lane: with
-    `--codec-first-lane`, its graphs, on a GPU (`device`: this gpu_worker's, the codec's by default)."""
+    `--codec-first-lane`, its graphs, on a GPU (`device`: this gpu_worker's, the codec's by default),
+    for a `program` without codec streams (codec_worker/codec.py captures the lane for no other)."""
     codec_device = device if cfg.codec.device == "auto" else cfg.codec.device
-    return cfg.codec.first_lane and cfg.codec.cuda_graphs and codec_device.startswith("cuda")
+    return (
+        cfg.codec.first_lane
+        and cfg.codec.cuda_graphs
+        and codec_device.startswith("cuda")
+        and not program.codec_streams
+    )
 
 
 def engine_limits(cfg: ServeConfig, spec: dict, device: str) -> GpuWorkerSettings:
@@ -82,7 +89,7 @@ class GpuWorker:
         status.set(ProcState.LOADING, "allocating KV cache")
         self.engine = Engine(
             program, limits, progress=lambda msg: status.set(ProcState.LOADING, msg),
-            codec_lane=codec_lane(cfg, device),
+            codec_lane=codec_lane(cfg, device, program),
         )  # fmt: skip
         log.info(
             "engine ready: %s on %s, batch %d, context %d, %d KV pages of %d",

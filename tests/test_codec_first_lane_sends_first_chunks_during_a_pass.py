@@ -188,10 +188,12 @@ def test_the_lane_exists_with_graphs_only_and_takes_first_chunks_of_lead_kinds(p
     cfg = parse_role("codec_worker", ["--model", "orpheus-tiny", "--codec-first-lane"], {}).cfg
     assert cfg.codec.first_lane
     # the gpu_worker counts on the lane for second chunks where the codec has graphs on a GPU
-    assert codec_lane(cfg, "cuda") and codec_lane(cfg, "cuda:1") and not codec_lane(cfg, "cpu")
+    assert codec_lane(cfg, "cuda", program) and codec_lane(cfg, "cuda:1", program)
+    assert not codec_lane(cfg, "cpu", program)
+    assert not codec_lane(cfg, "cuda", types.SimpleNamespace(codec_streams=True))  # not for codec streams
     gpu_cfg = parse_role("gpu_worker", ["--model", "orpheus-tiny", "--codec-first-lane"], {}).cfg
-    assert codec_lane(gpu_cfg, "cuda")
-    assert not codec_lane(parse_role("gpu_worker", ["--model", "orpheus-tiny"], {}).cfg, "cuda")
+    assert codec_lane(gpu_cfg, "cuda", program)
+    assert not codec_lane(parse_role("gpu_worker", ["--model", "orpheus-tiny"], {}).cfg, "cuda", program)
 
 
 def test_the_lanes_decodes_do_not_count_in_the_pass_time_the_gather_plans_with(program):
