@@ -117,8 +117,6 @@ class Engine:
             program, limits, self.runner.num_pages, self.runner.slots, clock, self.windows,
             getattr(self.runner.forward_runner, "sizes", None), real_time=self.device.type == "cuda",
         )  # fmt: skip
-        sched = self.scheduler  # the load the first-chunk decision weighs (windows.LANE_ROOM)
-        self.windows.load = lambda: sched.num_active / max(sched.last_capacity, 1.0)
         self._inflight: InFlight | None = None
         self._lanes: list[InFlight] = []  # prompts' first steps in the prompt lanes, in flight
         # Events of lane or step work that `fail_all` drops unfinished while it puts the slots and

@@ -214,11 +214,10 @@ class AudioWindows:
         return max(1, j * s + interval - n, self.rows_to_group_end(req))
 
     def one_frame_row_s(self) -> float:
-        """Progressive mode: the pessimistic seconds per row up to which a first chunk goes out
-        after one frame within LANE_ROOM of the capacity (`_first_now`: the next frame's steps,
-        with the first chunk's margin, and `second_delivery_s` for the second chunk's trip, within
-        the frame's audio)."""
-        return (self._audio_s(self.stride) - self.second_delivery_s) / (self.stride * self.first_margin)
+        """Progressive mode: the pessimistic seconds per row up to which a first chunk sent now goes
+        out after one frame (`_first_now`: the next frame's steps, with the first chunk's margin,
+        and `second_trip_s()` for the second chunk's trip, within the frame's audio)."""
+        return (self._audio_s(self.stride) - self.second_trip_s()) / (self.stride * self.first_margin)
 
     def second_trip_s(self) -> float:
         """What a first chunk sent now allows for the second chunk's trip: `second_delivery_s` while

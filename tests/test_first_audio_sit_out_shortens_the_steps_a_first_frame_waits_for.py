@@ -27,12 +27,14 @@ def program():
     return p
 
 
-def engine(program, interval_s: float = 0.005, young: bool = True, **limits) -> tuple[Engine, list]:
+def engine(
+    program, interval_s: float = 0.005, young: bool = True, codec_lane: bool = False, **limits
+) -> tuple[Engine, list]:
     """N streams running, a step cost fitted as 3.9 ms + 0.2 ms a row, steps every `interval_s`; every
     stream playing with 1 s of audio in hand or more (the later, the more), its tail windows over,
     but the first (with `young`), which still sends tail windows."""
     settings = {"max_batch_size": 32, "max_context": 64, "first_chunk": "progressive", **limits}
-    eng = Engine(program, GpuWorkerSettings(**settings))
+    eng = Engine(program, GpuWorkerSettings(**settings), codec_lane=codec_lane)
     sampling = SamplingParams(max_tokens=len(ROWS) + 40, temperature=0.0)
     for i in range(N):
         eng.add(Prompt(rid=f"r{i}", tokens=ROWS.tobytes(), n_rows=len(ROWS), sampling=sampling))
@@ -65,6 +67,23 @@ def test_the_streams_most_ahead_sit_out_until_the_step_comes_to_the_one_frame_pa
     assert bound == pytest.approx(admission_sim.one_frame_s(), rel=1e-3)  # the simulation's, for Orpheus
     # 3.9 + 0.2 x rows ms within 7.49 / 1.1 ms: 14 rows, so the six most ahead sit out
     assert left_out(eng, reqs) == [f"r{i}" for i in range(14, N)]
+
+
+def test_with_the_codec_lane_the_pace_follows_the_second_chunks_allowance_at_the_load_of_the_moment(program):
+    eng, reqs = engine(program, first_audio_sit_out=True, codec_lane=True)
+    s = eng.scheduler
+    # 20 streams of the 32 the worker reports: past LANE_ROOM, the second chunk's trip is allowed
+    # 25 ms and the pace is the default's (six sit out, as above)
+    assert eng.windows.second_trip_s() == pytest.approx(0.025)
+    assert eng.windows.one_frame_row_s() == pytest.approx(admission_sim.one_frame_s(), rel=1e-3)
+    assert left_out(eng, reqs) == [f"r{i}" for i in range(14, N)]
+    # of 64: within it, 15 ms, a pace of 8.7 ms a row (7.9 ms a step by the margin): 19 rows, so
+    # only the stream most ahead sits out
+    s.last_capacity = 64.0
+    assert eng.windows.one_frame_row_s() == pytest.approx(
+        admission_sim.one_frame_s(delivery_s=0.015), rel=1e-3
+    )
+    assert left_out(eng, reqs) == [f"r{N - 1}"]
 
 
 @pytest.mark.parametrize(

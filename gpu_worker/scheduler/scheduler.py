@@ -139,10 +139,12 @@ class Scheduler:
         self.sitting_out = 0.0  # streams left out of a step (SitOut), averaged
         self.first_audio = None  # `FirstAudioSitOut` (--first-audio-sit-out)
         check_first_audio_sit_out(limits.first_audio_sit_out, limits.first_chunk)
+        self.last_capacity = float(limits.max_batch_size)  # as `capacity` last said
+        # the load the first-chunk decision weighs (windows.LANE_ROOM), and with it the sit-out's pace
+        windows.load = lambda: self.num_active / max(self.last_capacity, 1.0)
         if limits.first_audio_sit_out:
             spare = limits.sit_out_lead_s or GpuWorkerSettings().sit_out_lead_s
-            self.first_audio = FirstAudioSitOut(clock, sizes, spare, windows.one_frame_row_s())
-        self.last_capacity = float(limits.max_batch_size)  # as `capacity` last said
+            self.first_audio = FirstAudioSitOut(clock, sizes, spare, windows.one_frame_row_s)
         # Rows a request generates before it ends (stop or budget), and their square, averaged over
         # the last ~100 that ended of themselves: what running requests grow to (`lives`).
         self.gen_rows, self.gen_rows2, self.n_ended = 0.0, 0.0, 0

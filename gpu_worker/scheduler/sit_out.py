@@ -5,6 +5,7 @@ pace that sends them alone (`FirstAudioSitOut`)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from common.config import GpuWorkerSettings
 from gpu_worker.scheduler.pacing import StepClock
@@ -92,9 +93,10 @@ class FirstAudioSitOut:
     """First-audio sit-out (`--first-audio-sit-out`): while a running stream waits for its first
     chunk or still sends tail windows (progressive first chunks), streams with `spare_s` of audio in
     hand sit out so that each step, by the clock's fitted cost (`StepCost`, times its `slowness`),
-    comes to at most `bound` / `margin`: `bound` is the pace per row at which a first frame goes out
-    alone (`lead_fits` on `rows_time_high`, the high quantile of a frame's step spans, hence the
-    margin for the steps' spread). Those with the most audio in hand sit out first, no more than
+    comes to at most `bound()` / `margin`: `bound()` is the pace per row at which a first frame goes
+    out alone now (`lead_fits` on `rows_time_high`, the high quantile of a frame's step spans, hence
+    the margin for the steps' spread; `AudioWindows.one_frame_row_s`, which follows the trip the
+    first-chunk decision allows the second chunk at the load of the moment), or a constant. Those with the most audio in hand sit out first, no more than
     SIT_OUT_MAX of the streams a step serves, the rows left rounded down to a decode graph's bucket
     (its padding is paid anyway), as `SitOut` leaves them; beside `SitOut`, whose streams it counts
     as out. It changes no token, as `SitOut` does not.
@@ -122,14 +124,15 @@ class FirstAudioSitOut:
         clock: StepClock,
         sizes: list[int] | None,
         spare_s: float,
-        bound: float,
+        bound: float | Callable[[], float],
         margin: float = 1.1,
         room: float = 0.85,
     ) -> None:
         if not spare_s > 0:
             raise ValueError(f"a stream sits out steps only with audio in hand: spare_s > 0, got {spare_s}")
         self.clock, self.sizes, self.spare_s, self.margin = clock, sorted(sizes or []), spare_s, margin
-        self.room, self.bound = room, bound
+        self.room = room
+        self.bound: Callable[[], float] = bound if callable(bound) else (lambda: bound)
         self.period = 0.0  # the step interval over the last ~100 steps (`tick`)
 
     def tick(self) -> None:
@@ -153,10 +156,11 @@ class FirstAudioSitOut:
         besides (none once the streams pass `room` of the capacity)."""
         cost = self.clock.cost
         fit = cost.coefficients()
-        if fit is None or len(leads) > self.room * capacity or self.period > self.bound:
+        bound = self.bound()
+        if fit is None or len(leads) > self.room * capacity or self.period > bound:
             return []
         _, b, c, _, _ = fit
-        slow, target = self.clock.slowness(), self.bound / self.margin
+        slow, target = self.clock.slowness(), bound / self.margin
         rows = [i for i in range(len(leads)) if i not in out]
         tokens = len(rows) - prompts + prompt_tokens
         step = slow * cost.predict(tokens, sum(context[i] for i in rows), prompts, groups)
