@@ -66,7 +66,7 @@ from gpu_worker.scheduler.pacing import (
 )
 from gpu_worker.scheduler.sit_out import FirstAudioSitOut, SitOut
 from gpu_worker.scheduler.step_cost import Lives, PromptRoom
-from gpu_worker.windows import DELIVERY_S
+from gpu_worker.windows import DELIVERY_S, LANE_ROOM
 
 ROWS_PER_S = 82.03  # Orpheus: a row is 1/82.03 s of audio; a frame is 7 rows
 FRAME, LEADS = 7, (7, 14, 21)
@@ -402,10 +402,17 @@ class Worker:
     # step that made it
     codec: Codec | None = None
     # what the first-chunk decision allows for a second chunk's trip beyond the first's (the
-    # engine's DELIVERY_S; less where the first lane decodes second chunks at once)
+    # engine's DELIVERY_S; less where the first lane decodes second chunks at once, and only while
+    # the streams are within LANE_ROOM of the capacity: `trip_s`)
     delivery_s: float = DELIVERY_S
+    load: float = 0.0  # the streams admitted over the capacity the worker last reported
     # the room the last `prompts_now` had where the fit bounded it, what it may borrow with it
     fitted: PromptRoom | None = None
+
+    def trip_s(self) -> float:
+        """What a first chunk sent now allows for the second's trip (windows.second_trip_s):
+        `delivery_s` within LANE_ROOM of the capacity, else no less than DELIVERY_S."""
+        return self.delivery_s if self.load <= LANE_ROOM else max(self.delivery_s, DELIVERY_S)
 
     def prompts_now(self, run: dict[int, dict], waiting: int = 2) -> int:
         """Prompts the next step may start beside the `run`ning streams, `waiting` prompts waiting
@@ -449,7 +456,7 @@ class Worker:
             for r in run.values()
             if r["first"] is not None
         ]
-        return step_allowances(playing, self.clock.rows_time_high, self.first_margin, self.delivery_s, budget)
+        return step_allowances(playing, self.clock.rows_time_high, self.first_margin, DELIVERY_S, budget)
 
     def prompts_next(self, run: dict[int, dict], waiting: int = 2) -> int:
         """`prompts_now`, at most `prompts_while_first` while a running stream waits for its first
@@ -529,10 +536,10 @@ def simulate_poisson(
 
 def first_audio_sit_out(w: Worker) -> FirstAudioSitOut:
     """The first-audio policy on `w`'s clock, streams with the sit-out's audio in hand sitting out,
-    steps held under the one-frame pace of `w`'s first-chunk margin."""
+    steps held under the one-frame pace of `w`'s first-chunk margin and the trip it allows now."""
     lead = GpuWorkerSettings().sit_out_lead_s
     return FirstAudioSitOut(
-        w.clock, decode_buckets(512), lead, bound=one_frame_s(w.first_margin, w.delivery_s)
+        w.clock, decode_buckets(512), lead, bound=lambda: one_frame_s(w.first_margin, w.trip_s())
     )
 
 
@@ -686,7 +693,7 @@ def serve(w: Worker, arrivals: Clients | Poisson, t0: float, end: float) -> Serv
                 caps.append(cap)
         while queue and len(run) + len(waiting) < cap:
             waiting.append(queue.pop(0))
-        w.now = t
+        w.now, w.load = t, (len(run) + len(waiting)) / max(cap, 1.0)
         k = w.prompts_next(run, len(waiting))
         new, waiting = waiting[:k], waiting[k:]
         clock.expect(w.expected(len(new), bool(waiting)))  # as the scheduler after its admission
@@ -762,7 +769,8 @@ def open_level(w: Worker, rate: float, t0: float, duration_s: float, rng: np.ran
     where a first frame was ready (`StepClock.rows_time_high` over a frame's rows: at most
     `ONE_FRAME_S` sends it alone); and the second chunks' slack: the first chunk's audio left when
     the second is made, the most its trip may take beyond the first's (the least, the 1st
-    percentile, and the share below DELIVERY_S, what `lead_fits` promises it). The sim's trip is a
+    percentile, and the share below the trip `lead_fits` promised it, `Worker.trip_s`; and the share
+    of first chunks sent on the first lane's shorter trip, within LANE_ROOM). The sim's trip is a
     constant CODEC_S, so a second chunk comes late only where the slack is negative; the GPU's trips
     jitter. Streams and steps are averaged over the last three quarters of the arrivals, the first
     quarter filling the worker."""
@@ -776,6 +784,7 @@ def open_level(w: Worker, rate: float, t0: float, duration_s: float, rng: np.ran
     frames = np.array([r["first_rows"] // FRAME for r in done])
     high = np.array([r["high"] for r in done if "high" in r])
     slack = np.array([r["second_slack"] for r in done if "second_slack" in r])
+    promised = np.array([r["trip"] for r in done if "second_slack" in r])
     steady = [
         (dt, n)
         for (start, dt, _), n in zip(s.steps, s.served, strict=True)
@@ -797,7 +806,8 @@ def open_level(w: Worker, rate: float, t0: float, duration_s: float, rng: np.ran
         "worst_late_ms": ms(late.max()),
         "second_slack_min_ms": ms(slack.min()) if len(slack) else None,
         "second_slack_p1_ms": ms(np.percentile(slack, 1)) if len(slack) else None,
-        "second_under_delivery_share": round(float((slack < w.delivery_s).mean()), 4) if len(slack) else None,
+        "second_under_delivery_share": round(float((slack < promised).mean()), 4) if len(slack) else None,
+        "second_lane_trip_share": round(float((promised < DELIVERY_S).mean()), 3) if len(slack) else None,
         "first_frames": {f: round(float((frames == f).mean()), 3) for f in (1, 2, 3)},
         "first_period_high_p50_ms": ms(np.median(high)) if len(high) else None,
         "one_frame_period_ms": ms(one_frame_s(w.first_margin, w.delivery_s)),
@@ -854,9 +864,10 @@ def step(w: Worker, run: dict, t: float) -> float:
             high = w.first_period_high(FRAME)
             if n == FRAME:
                 r["high"] = high
-            fits = lead_fits(FRAME, n * period, high, w.first_margin, latency_s=w.delivery_s)
+            trip = w.trip_s()
+            fits = lead_fits(FRAME, n * period, high, w.first_margin, latency_s=trip)
             if fits or n >= LEADS[-1] or n >= w.tokens:
-                r["first"], r["sent_audio"], r["first_rows"] = t + CODEC_S, n * period, n
+                r["first"], r["sent_audio"], r["first_rows"], r["trip"] = t + CODEC_S, n * period, n, trip
                 if w.codec is not None:  # every frame so far, decoded whole
                     w.codec.add(r, t, 0.0, 0.0, kind=(n, 0), first=True)
         elif r["first"] is not None and n % FRAME == 0:
@@ -868,7 +879,7 @@ def step(w: Worker, run: dict, t: float) -> float:
                 w.codec.add(r, t, slack, before, kind=kind, second=n == r["first_rows"] + FRAME)
             if n == r["first_rows"] + FRAME:
                 # the first chunk's audio left when the second is made: what a second chunk's trip
-                # may take beyond the first's (lead_fits's promise: the worker's delivery_s)
+                # may take beyond the first's (lead_fits's promise: the trip the worker allowed it)
                 r["second_slack"] = r["first_rows"] * period - (t - (r["first"] - CODEC_S))
         if r["first"] is not None and n % FRAME == 0 and not r.get("switched"):
             # progressive tail windows until the audio in hand (by the engine's clock, from when the
@@ -876,7 +887,7 @@ def step(w: Worker, run: dict, t: float) -> float:
             # pace or the step budget, whichever is slower (windows.py: `switches`)
             ahead, wait = r["sent_audio"] - (t - r["first"] + CODEC_S), REGULAR_WAIT
             pace, margin = clock.rows_time_high(wait) / wait, max(MARGIN, w.first_margin)
-            r["switched"] = switch_fits(wait, ahead, pace, clock.budget, margin, w.delivery_s)
+            r["switched"] = switch_fits(wait, ahead, pace, clock.budget, margin, DELIVERY_S)
     return dt
 
 

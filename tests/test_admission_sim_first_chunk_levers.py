@@ -6,9 +6,11 @@ and while a first chunk waits, a step starts no more prompts than the cap."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from bench.admission_sim import H200_RATE, new_worker, simulate_poisson, span_high
+from bench.admission_sim import H200_RATE, new_worker, one_frame_s, simulate_poisson, span_high
 from gpu_worker.scheduler.pacing import SPAN_QUANTILE, StepClock
+from gpu_worker.windows import DELIVERY_S, LANE_ROOM
 
 
 def test_the_span_high_at_the_engines_quantile_is_the_clocks():
@@ -41,3 +43,15 @@ def test_a_less_pessimistic_first_frame_sends_more_first_chunks_alone_and_spends
         assert r["ttfa_p50_ms"] <= base["ttfa_p50_ms"]
         assert 0.0 < r["second_slack_p1_ms"] < base["second_slack_p1_ms"]
         assert r["on_time_share"] == 1.0  # the sim's trip is constant: no jitter to spend the slack
+
+
+def test_the_simulated_lanes_trip_holds_within_the_lanes_room_as_the_engines_does():
+    # the first-chunk decision and the first-audio sit-out's pace follow windows.second_trip_s
+    w = new_worker(gpu=H200_RATE, tokens=360, delivery_s=0.015, first_audio=True, first_margin=1.0)
+    w.load = LANE_ROOM
+    assert w.trip_s() == 0.015
+    assert w.first_audio.bound() == pytest.approx(one_frame_s(1.0, 0.015))
+    w.load = LANE_ROOM + 0.01
+    assert w.trip_s() == DELIVERY_S
+    assert w.first_audio.bound() == pytest.approx(one_frame_s(1.0, DELIVERY_S))
+    assert new_worker(gpu=H200_RATE, tokens=360).trip_s() == DELIVERY_S  # without the lane: any load
