@@ -170,13 +170,16 @@ class Codec:
                 self._capture(progress)
                 # ... and with `first_lane`, the lead kinds' graphs of the first lane (not for codec
                 # streams, whose windows of a request decode in order in its slot)
+                # (a lane that fails to capture stops the startup: the gpu_worker, which cannot
+                # see it, sends first chunks on the promise of its shorter trip for the second)
                 if first_lane and self.slots is None:
                     try:
                         self.lane = self._capture_lane(progress)
-                    except Exception:  # serve without it rather than not at all
-                        log.exception(
-                            "--codec-first-lane: capturing its graphs failed; first chunks wait for passes"
-                        )
+                    except Exception as e:
+                        raise RuntimeError(
+                            f"--codec-first-lane: capturing its graphs failed ({e}); the gpu_worker "
+                            "allows second chunks the lane's shorter trip, so serve without the flag"
+                        ) from e
             finally:
                 torch.backends.cudnn.benchmark = serving
         else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 import torch
 from parity_checks import compiled_orpheus_codec
 from test_gpu_codec_lead_batch import leads
@@ -80,3 +81,14 @@ def test_first_and_second_chunks_in_the_lane_decode_as_in_a_pass_and_beside_one(
     report["beside_a_pass_ms"] = [{"lane": round(a, 2), "pass": round(b, 2)} for a, b in rows]
     lane_med, pass_med = np.median([a for a, _ in rows]), np.median([b for _, b in rows])
     report["lane_median_ms"], report["pass_median_ms"] = float(lane_med), float(pass_med)
+
+
+def test_a_lane_that_fails_to_capture_stops_the_codecs_startup(monkeypatch) -> None:
+    program, _ = compiled_orpheus_codec("float16")
+
+    def fail(self, progress):
+        raise torch.cuda.OutOfMemoryError("no room for the lane's graphs")
+
+    monkeypatch.setattr(Codec, "_capture_lane", fail)
+    with pytest.raises(RuntimeError, match="--codec-first-lane: capturing its graphs failed .*no room"):
+        Codec(program, max_batch=16, tails=True, first_lane=True)
