@@ -6,7 +6,8 @@
 For requests whose arrival the tap saw, the first audio split by stage (gateway → prompt built →
 admitted → first token → first chunk ready → decoded → first byte sent), as p50/p90/p99 ms, and
 each stage's median among the slowest 5 % of them (where a tail's time goes); for
-every chunk, the codec's part (ready at the gpu_worker → decoded at the codec_worker); the gaps
+every chunk, the codec's part (ready at the gpu_worker → decoded at the codec_worker), also by the
+chunk's place in its request, and for second chunks against the slack they left with; the gaps
 between a request's consecutive chunks leaving the gpu_worker; the chunks that fell behind their
 listener and where (`chunks_behind`); given the client's own TTFA per request id (bench/ttfa_http.py
 --tap-level), what the client saw beyond the server's part; from the gpu_worker's step events
@@ -145,6 +146,26 @@ def _behind(chunks: dict[str, dict[int, dict[str, float]]]) -> dict:
     }
 
 
+def _second(chunks: dict[str, dict[int, dict[str, float]]]) -> dict:
+    """A request's second chunk (index 1): a progressive stream's tightest deadline, whose trip the
+    first-chunk decision allowed (gpu_worker/windows.py `DELIVERY_S`, `LANE_DELIVERY_S`). Its
+    `slack_ms` (the listener's audio in hand when it left the gpu_worker), the codec's time on it,
+    and what the slack left past the codec (`spare_ms`; the gateway's part comes out of it): the
+    trip it needed, against the one allowed."""
+    slack, codec, spare = [], [], []
+    for by_index in chunks.values():
+        c = by_index.get(1, {})
+        if "ready" in c and "decoded" in c and "slack_ms" in c:
+            took = c["decoded"] - c["ready"]
+            slack.append(c["slack_ms"])
+            codec.append(took)
+            spare.append(c["slack_ms"] - took)
+    if not slack:
+        return {}
+    return {"slack_ms": _pct(slack), "codec_ms": _pct(codec), "spare_ms": _pct(spare),
+            "spare_ms_min": round(min(spare), 2)}  # fmt: skip
+
+
 def _opener(path: str):
     """A tap file is gzipped where its name ends in .gz, plain JSON lines otherwise."""
     return gzip.open if path.endswith(".gz") else open
@@ -239,6 +260,15 @@ def stats(
     out["ready_gap_ms_by_chunk_index"] = {
         ("10+" if i == 10 else str(i)): _pct(g) for i, g in sorted(gaps.items())
     }
+    codec_by_index: dict[int, list[float]] = defaultdict(list)  # chunk index -> its codec ms
+    for by_index in chunks.values():
+        for i, c in by_index.items():
+            if "ready" in c and "decoded" in c:
+                codec_by_index[min(i, 3)].append(c["decoded"] - c["ready"])
+    out["codec_ms_by_chunk_index"] = {
+        ("3+" if i == 3 else str(i)): _pct(v) for i, v in sorted(codec_by_index.items())
+    }
+    out["second_chunks"] = _second(chunks)
     out["chunks_behind"] = _behind(chunks)
     if steps:
         out["steps"] = _steps(steps)

@@ -42,6 +42,21 @@ def test_chunks_behind_at_the_gpu_worker_and_at_the_codec_are_told_apart():
     assert out["slack_ms"]["max"] == 80.0
 
 
+def test_second_chunks_codec_time_against_the_slack_they_left_with():
+    events = []
+    for i in range(10):  # the second chunk leaves with 40 ms in hand; the codec takes 3 to 21 ms
+        events += chunk(f"r{i}", 0, 1.0 + i, 0.0, 5.0)
+        events += chunk(f"r{i}", 1, 1.06 + i, 40.0, 3.0 + 2 * i, tail=7)
+        events += chunk(f"r{i}", 2, 1.12 + i, 70.0, 4.0)
+    out = stats(events)
+    second = out["second_chunks"]
+    assert second["slack_ms"]["p50"] == 40.0 and second["codec_ms"]["max"] == 21.0
+    assert second["spare_ms_min"] == 19.0 and second["spare_ms"]["max"] == 37.0
+    by_index = out["codec_ms_by_chunk_index"]
+    assert set(by_index) == {"0", "1", "2"} and by_index["0"]["p50"] == 5.0 and by_index["2"]["max"] == 4.0
+    assert stats(chunk("a", 0, 1.0, 0.0, 5.0))["second_chunks"] == {}
+
+
 def test_windows_that_leave_with_the_first_audible_one_are_not_counted():
     # a silent window first (no samples), then held windows leaving with the first audible one
     events = chunk("h", 0, 1.0, 0.0, 5.0, samples=0)
