@@ -95,16 +95,17 @@ class FirstAudioSitOut:
     hand sit out so that each step, by the clock's fitted cost (`StepCost`, times its `slowness`),
     comes to at most `bound()` / `margin`: `bound()` is the pace per row at which a first frame goes
     out alone now (`lead_fits` on `rows_time_high`, the high quantile of a frame's step spans, hence
-    the margin for the steps' spread; `AudioWindows.one_frame_row_s`, which follows the trip the
-    first-chunk decision allows the second chunk at the load of the moment), or a constant. Those with the most audio in hand sit out first, no more than
-    SIT_OUT_MAX of the streams a step serves, the rows left rounded down to a decode graph's bucket
-    (its padding is paid anyway), as `SitOut` leaves them; beside `SitOut`, whose streams it counts
-    as out. It changes no token, as `SitOut` does not.
+    the margin for the steps' spread): `AudioWindows.one_frame_row_s`, which follows the trip the
+    first-chunk decision allows the second chunk at the load of the moment (or a constant). Those
+    with the most audio in hand sit out first, no more than SIT_OUT_MAX of the streams a step serves,
+    the rows left rounded down to a decode graph's bucket (its padding is paid anyway), as `SitOut`
+    leaves them; beside `SitOut`, whose streams it counts as out. It changes no token, as `SitOut`
+    does not.
 
     Sitting out moves a step's rows to later steps, it does not take them away: under a steady
     load the steps' mean interval stays what the load makes it, and only its spread shrinks (the
     steps with prompts give rows to those without). So the policy acts only while the mean
-    interval (over ~100 steps) is within `bound`, and while the streams are within `room` of the
+    interval (over ~100 steps) is within `bound()`, and while the streams are within `room` of the
     capacity (a stream sitting out lives longer, so more streams run at once, and near the capacity
     they would hold new requests at admission).
 
