@@ -2,7 +2,8 @@
 (graphs of the lead kinds and the second chunks' tail kinds of their own, on a high-priority CUDA
 stream) give the pass's audio bit for bit, and first chunks launched while a large pass of regular
 windows runs: the report holds when each of the two finished after the lane's launch (polled
-side by side), and the lane alone for comparison. No order is asserted: the GPU has run the lane's
+side by side), and the lane alone for comparison; the same for one first chunk of one frame, what a
+lane launch holds while serving. No order is asserted: the GPU has run the lane's
 graphs to the end of the pass they run beside (see the results of record)."""
 
 from __future__ import annotations
@@ -81,6 +82,29 @@ def test_first_and_second_chunks_in_the_lane_decode_as_in_a_pass_and_beside_one(
     report["beside_a_pass_ms"] = [{"lane": round(a, 2), "pass": round(b, 2)} for a, b in rows]
     lane_med, pass_med = np.median([a for a, _ in rows]), np.median([b for _, b in rows])
     report["lane_median_ms"], report["pass_median_ms"] = float(lane_med), float(pass_med)
+    # What a lane launch holds while serving: one first chunk of one frame, alone and beside the
+    # pass (one graph replay: how far the stream's priority carries it past the pass's kernels)
+    one = leads(1, 7, rows=7)
+    for _ in range(3):
+        codec.collect(codec.launch(one, lane=True))
+    single = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        alone = codec.launch(one, lane=True)
+        t_alone = finished_ms(codec, [alone], t0)[0]
+        codec.collect(alone)
+        torch.cuda.synchronize()
+        in_flight = codec.launch(big)
+        t0 = time.perf_counter()
+        lane = codec.launch(one, lane=True)
+        single.append((t_alone, *finished_ms(codec, [lane, in_flight], t0)))
+        codec.collect(lane)
+        assert [a.pcm for a in codec.collect(in_flight)] == big_alone
+    report["one_frame_lead"] = {
+        key: float(np.median([r[i] for r in single]))
+        for i, key in enumerate(("alone_ms", "beside_a_pass_ms", "pass_ms"))
+    }
 
 
 def test_a_lane_that_fails_to_capture_stops_the_codecs_startup(monkeypatch) -> None:
