@@ -406,13 +406,14 @@ class Worker:
     # the streams are within LANE_ROOM of the capacity: `trip_s`)
     delivery_s: float = DELIVERY_S
     load: float = 0.0  # the streams admitted over the capacity the worker last reported
+    lane_room: float = LANE_ROOM  # ... up to which `delivery_s` holds (`--codec-first-lane-room`)
     # the room the last `prompts_now` had where the fit bounded it, what it may borrow with it
     fitted: PromptRoom | None = None
 
     def trip_s(self) -> float:
         """What a first chunk sent now allows for the second's trip (windows.second_trip_s):
-        `delivery_s` within LANE_ROOM of the capacity, else no less than DELIVERY_S."""
-        return self.delivery_s if self.load <= LANE_ROOM else max(self.delivery_s, DELIVERY_S)
+        `delivery_s` within `lane_room` of the capacity, else no less than DELIVERY_S."""
+        return self.delivery_s if self.load <= self.lane_room else max(self.delivery_s, DELIVERY_S)
 
     def prompts_now(self, run: dict[int, dict], waiting: int = 2) -> int:
         """Prompts the next step may start beside the `run`ning streams, `waiting` prompts waiting
@@ -568,6 +569,7 @@ def new_worker(
     codec_part_ms: float | None = None,
     codec_lane: int = 0,
     delivery_s: float = DELIVERY_S,
+    lane_room: float = LANE_ROOM,
 ) -> Worker:
     """A fresh worker on `gpu` (default `GPU()`), its clock `calibrate`d from startup steps timed on
     `startup` (default `gpu`), its steps' noise drawn from `seed`, its requests `tokens` rows after
@@ -581,7 +583,7 @@ def new_worker(
     the codec worker's passes between the steps and the listeners (`Codec`; `compiled_tails`: its
     full windows' tails compiled, `--codec-compile-tails`; `codec_part_ms`: its `part_ms`;
     `codec_lane`: its first lane, `Codec.lane`), the first-chunk decision allowing `delivery_s` for
-    a second chunk's trip."""
+    a second chunk's trip while the streams are at most `lane_room` of the capacity."""
     gpu = gpu or GPU()
     clock = StepClock(ROWS_PER_S, 512, trust_startup=trust_startup)
     if calibrate:
@@ -597,7 +599,7 @@ def new_worker(
         prompts_while_first,
         lead_borrow,
     )
-    w.lead_borrow_max, w.delivery_s = lead_borrow_max, delivery_s
+    w.lead_borrow_max, w.delivery_s, w.lane_room = lead_borrow_max, delivery_s, lane_room
     w.first_audio = first_audio_sit_out(w) if first_audio else None
     w.codec = None
     if codec:
@@ -980,6 +982,13 @@ def main(argv: list[str] | None = None) -> None:
         f"{1000 * DELIVERY_S:g}), e.g. 12,15",
     )
     ap.add_argument(
+        "--lane-room",
+        type=float,
+        default=LANE_ROOM,
+        help="every policy with --second-lane-delivery-ms: that trip only while the streams are at most "
+        f"this share of the capacity, as the server's --codec-first-lane-room ({LANE_ROOM:g})",
+    )
+    ap.add_argument(
         "--trust-startup-steps",
         action="store_true",
         help="beside each policy: the startup steps count as measured (StepClock's trust_startup)",
@@ -1008,6 +1017,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     try:  # the server's bounds
         GpuWorkerSettings(lead_borrow_max=args.lead_borrow_max).check()
+        CodecSettings(first_lane_room=args.lane_room).check()
     except ValueError as e:
         ap.error(str(e))
     poisson = bool(args.rate)
@@ -1031,6 +1041,7 @@ def main(argv: list[str] | None = None) -> None:
         codec=args.codec,
         codec_part_ms=args.codec_part_ms,
         lead_borrow_max=args.lead_borrow_max,
+        lane_room=args.lane_room,
     )
     if poisson:  # the engine's policy on a fresh worker, as `voxpipe bench ttfa --rate` serves
         policies = [("life", dict(life=True, **common))]

@@ -368,9 +368,13 @@ class CodecSettings(msgspec.Struct, kw_only=True):
     # GPU graphs, a model without codec streams: a request's first and second chunks that arrive
     # while a pass decodes are decoded at once in graphs of their own on a high-priority CUDA stream
     # (codec_worker/codec.py, FirstLane), not after the pass, and the gpu_worker allows less for a
-    # second chunk's trip while its streams are at most half its capacity (gpu_worker/windows.py,
-    # LANE_DELIVERY_S, LANE_ROOM); off: they wait for the pass and go first in the next.
+    # second chunk's trip while its streams are at most `first_lane_room` of its capacity
+    # (gpu_worker/windows.py, LANE_DELIVERY_S, LANE_ROOM); off: they wait for the pass and go first
+    # in the next.
     first_lane: bool = False
+    # With `first_lane`: the share of the capacity it reports up to which the gpu_worker allows the
+    # lane's shorter trip (0: never, 1: at any load; LANE_ROOM by default, gpu_worker/windows.py)
+    first_lane_room: float = 0.5
     max_batch: int = 0  # windows per decode call (0 = 128 on GPU, 64 on CPU)
     # GPU graphs: the largest batch of lead windows (first chunks; but those `compile_leads`
     # compiles) and of the tail windows shorter than a regular window decoded at once (0 = 16; at
@@ -421,6 +425,10 @@ class CodecSettings(msgspec.Struct, kw_only=True):
             raise ValueError("--codec-max-batch must be >= 0 and --codec-gather-ms in 0..1000")
         if not 0 <= self.gpu_share <= 100:
             raise ValueError(f"--codec-gpu-share must be a percent in 0..100 (0 = all), got {self.gpu_share}")
+        if not 0.0 <= self.first_lane_room <= 1.0:
+            raise ValueError(
+                f"--codec-first-lane-room is a share of the capacity in [0, 1], got {self.first_lane_room}"
+            )
 
 
 class ServeConfig(msgspec.Struct, kw_only=True):

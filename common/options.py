@@ -253,11 +253,21 @@ OPTIONS: tuple[Option, ...] = (
         "GPU: decode a request's first and second chunks that arrive while a codec pass runs at once, "
         "in graphs of their own on a high-priority CUDA stream, rather than after the pass (a model "
         "without codec streams), and let the gpu_worker send a first chunk after one frame with 15 ms "
-        "allowed for the second's trip instead of 25 while its streams are at most half its capacity; "
-        "give it to both workers; off (the default): they wait for the pass and go first in the next",
+        "allowed for the second's trip instead of 25 while its streams are at most "
+        "--codec-first-lane-room of its capacity; give it to both workers; off (the default): they "
+        "wait for the pass and go first in the next",
         ("serve", "gpu_worker", "codec_worker"),
         _parse_bool,
         path="codec.first_lane",
+    ),
+    Option(
+        "codec_first_lane_room",
+        "with --codec-first-lane: the share of its capacity up to which the gpu_worker allows a second "
+        "chunk the lane's 15 ms (0.5; 0: never, 1: at any load); nearer the capacity the codec's "
+        "passes are long and the load grows under first chunks just sent",
+        ("serve", "gpu_worker"),
+        float,
+        path="codec.first_lane_room",
     ),
     Option(
         "codec_max_batch",

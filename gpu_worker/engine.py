@@ -52,7 +52,7 @@ from gpu_worker.scheduler.request import Request
 from gpu_worker.scheduler.scheduler import Scheduler, step_clock
 from gpu_worker.scheduler.sit_out import SitOut
 from gpu_worker.scheduler.step_cost import Lives
-from gpu_worker.windows import DELIVERY_S, LANE_DELIVERY_S, AudioWindows
+from gpu_worker.windows import DELIVERY_S, LANE_DELIVERY_S, LANE_ROOM, AudioWindows
 from programs.base import LMProgram, TokenKind
 
 __all__ = ["Engine", "GpuWorkerSettings"]
@@ -98,11 +98,17 @@ def gc_timer() -> GcTimer:
 
 class Engine:
     def __init__(
-        self, program: LMProgram, limits: GpuWorkerSettings, progress=None, codec_lane: bool = False
+        self,
+        program: LMProgram,
+        limits: GpuWorkerSettings,
+        progress=None,
+        codec_lane: bool = False,
+        lane_room: float = LANE_ROOM,
     ) -> None:
         """`codec_lane`: the codec decodes a request's first two chunks in its first lane
         (`--codec-first-lane` on a GPU): a first chunk goes out after one frame with less allowed for
-        the second's trip (windows.LANE_DELIVERY_S)."""
+        the second's trip (windows.LANE_DELIVERY_S) while the streams are at most `lane_room` of the
+        capacity (`--codec-first-lane-room`)."""
         limits = limits.filled(program.device.type, program.spec["max_tokens"])
         self.program = program
         self.limits = limits
@@ -111,7 +117,7 @@ class Engine:
         clock = step_clock(program, limits)
         self.windows = AudioWindows(
             program, limits.first_chunk, clock, first_margin=limits.first_chunk_margin,
-            second_delivery_s=LANE_DELIVERY_S if codec_lane else DELIVERY_S,
+            second_delivery_s=LANE_DELIVERY_S if codec_lane else DELIVERY_S, lane_room=lane_room,
         )  # fmt: skip
         self.scheduler = Scheduler(
             program, limits, self.runner.num_pages, self.runner.slots, clock, self.windows,

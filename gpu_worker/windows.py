@@ -31,6 +31,7 @@ from collections.abc import Callable
 import numpy as np
 
 from common.arrays import wire_array
+from common.config import CodecSettings
 from common.messages import LEAD_NOISE_BASE, Array, DetokChunk
 from gpu_worker.scheduler.pacing import LEAD_MARGIN, StepClock, lead_fits, step_allowances, switch_fits
 from programs.base import LMProgram
@@ -46,10 +47,11 @@ DELIVERY_S = 0.025
 # passes are long and the load grows under a first chunk just sent, it is too little: 7 of 1,180
 # requests late there (the first lane's second-chunk record in bench/results), none at 60 req/s.
 LANE_DELIVERY_S = 0.015
-# ... and only while the streams running are at most this share of the capacity the worker reports:
-# nearer it, the codec's passes are long and a growing load slows the steps after the decision, and
-# the trip is allowed DELIVERY_S (the 7 late requests above were sent at 0.53-0.62 of it).
-LANE_ROOM = 0.5
+# ... and only while the streams running are at most this share of the capacity the worker reports
+# (`--codec-first-lane-room`): nearer it, the codec's passes are long and a growing load slows the
+# steps after the decision, and the trip is allowed DELIVERY_S (the 7 late requests above were sent
+# at 0.53-0.62 of it).
+LANE_ROOM = CodecSettings().first_lane_room
 
 
 def clock_window(program: LMProgram) -> int:
@@ -95,9 +97,11 @@ class AudioWindows:
         now: Callable[[], float] = time.monotonic,
         first_margin: float = LEAD_MARGIN,
         second_delivery_s: float = DELIVERY_S,
+        lane_room: float = LANE_ROOM,
     ) -> None:
         """`second_delivery_s`: what the first-chunk decision allows for the second chunk's trip
-        (DELIVERY_S; LANE_DELIVERY_S where the codec's first lane decodes second chunks)."""
+        (DELIVERY_S; LANE_DELIVERY_S where the codec's first lane decodes second chunks), while the
+        streams are at most `lane_room` of the capacity (`second_trip_s`)."""
         if first_chunk not in FIRST_CHUNK_MODES:
             raise ValueError(
                 f"first_chunk must be one of {', '.join(FIRST_CHUNK_MODES)}, not {first_chunk!r}"
@@ -130,8 +134,9 @@ class AudioWindows:
         self.first_margin = first_margin  # the first chunk's decision (`_first_now`, `lead_now`)
         self.second_delivery_s = second_delivery_s  # ... and its allowance for the second's trip
         # the streams running over the capacity the worker reports (the engine's scheduler sets it):
-        # past LANE_ROOM the second chunk's trip is allowed DELIVERY_S whatever `second_delivery_s`
+        # past `lane_room` the second chunk's trip is allowed DELIVERY_S whatever `second_delivery_s`
         self.load: Callable[[], float] = lambda: 0.0
+        self.lane_room = lane_room
         # The switch to regular windows (`switches`) at no less margin than `step_allowances` takes
         self.switch_margin = max(LEAD_MARGIN, first_margin)
         # The rows n (mod stride) at which after_row may make a window (it returns None at any other):
@@ -221,8 +226,8 @@ class AudioWindows:
 
     def second_trip_s(self) -> float:
         """What a first chunk sent now allows for the second chunk's trip: `second_delivery_s` while
-        the load is within LANE_ROOM of the capacity, else no less than DELIVERY_S."""
-        if self.load() <= LANE_ROOM:
+        the load is within `lane_room` of the capacity, else no less than DELIVERY_S."""
+        if self.load() <= self.lane_room:
             return self.second_delivery_s
         return max(self.second_delivery_s, DELIVERY_S)
 

@@ -90,6 +90,7 @@ class GpuWorker:
         self.engine = Engine(
             program, limits, progress=lambda msg: status.set(ProcState.LOADING, msg),
             codec_lane=codec_lane(cfg, device, program),
+            lane_room=cfg.codec.first_lane_room,
         )  # fmt: skip
         log.info(
             "engine ready: %s on %s, batch %d, context %d, %d KV pages of %d",

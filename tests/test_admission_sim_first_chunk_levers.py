@@ -55,3 +55,6 @@ def test_the_simulated_lanes_trip_holds_within_the_lanes_room_as_the_engines_doe
     assert w.trip_s() == DELIVERY_S
     assert w.first_audio.bound() == pytest.approx(one_frame_s(1.0, DELIVERY_S))
     assert new_worker(gpu=H200_RATE, tokens=360).trip_s() == DELIVERY_S  # without the lane: any load
+    w = new_worker(gpu=H200_RATE, tokens=360, delivery_s=0.015, lane_room=1.0)  # --lane-room
+    w.load = 0.9
+    assert w.trip_s() == 0.015

@@ -15,8 +15,10 @@ import torch
 
 from codec_worker.gather import Gather
 from codec_worker.worker import Codec, CodecWorker
+from common.config import CodecSettings
 from common.messages import DetokBatch, DetokChunk, Finished, FinishReason
 from common.options import parse_role
+from gpu_worker.windows import LANE_ROOM
 from gpu_worker.worker import codec_lane
 from programs import get_spec, load_program_class
 from tests.test_codec_pass_sends_urgent_first_and_fails_only_its_own import Recorder, Status
@@ -194,6 +196,12 @@ def test_the_lane_exists_with_graphs_only_and_takes_first_chunks_of_lead_kinds(p
     gpu_cfg = parse_role("gpu_worker", ["--model", "orpheus-tiny", "--codec-first-lane"], {}).cfg
     assert codec_lane(gpu_cfg, "cuda", program)
     assert not codec_lane(parse_role("gpu_worker", ["--model", "orpheus-tiny"], {}).cfg, "cuda", program)
+    # the share of the capacity up to which the gpu_worker allows the lane's trip
+    assert gpu_cfg.codec.first_lane_room == LANE_ROOM == 0.5
+    room = parse_role("gpu_worker", ["--model", "orpheus-tiny", "--codec-first-lane-room", "0.8"], {})
+    assert room.cfg.codec.first_lane_room == 0.8
+    with pytest.raises(ValueError, match="--codec-first-lane-room is a share of the capacity"):
+        CodecSettings(first_lane_room=1.5).check()
 
 
 def test_the_lanes_decodes_do_not_count_in_the_pass_time_the_gather_plans_with(program):

@@ -36,12 +36,18 @@ def program():
 
 
 def chunks_of(
-    program, first_chunk: str, step_s: float, margin: float = 1.15, codec_lane: bool = False, load=None
+    program,
+    first_chunk: str,
+    step_s: float,
+    margin: float = 1.15,
+    codec_lane: bool = False,
+    load=None,
+    **engine,
 ) -> list[DetokChunk]:
     settings = GpuWorkerSettings(
         max_batch_size=4, max_context=200, first_chunk=first_chunk, first_chunk_margin=margin
     )
-    eng = Engine(program, settings, codec_lane=codec_lane)
+    eng = Engine(program, settings, codec_lane=codec_lane, **engine)
     if load is not None:  # the streams running over the capacity, as the scheduler reports them
         eng.windows.load = lambda: load
     for _ in range(10):
@@ -89,6 +95,14 @@ def test_with_the_codecs_first_lane_one_frame_goes_where_the_default_trip_waits_
         len(chunks_of(program, "progressive", 0.008, codec_lane=True, load=LANE_ROOM)[0].tokens) // 4
     ) == 7
     assert (len(chunks_of(program, "progressive", 0.008, codec_lane=True, load=0.6)[0].tokens) // 4) == 14
+    # ... a room the operator sets (--codec-first-lane-room): at 1, any load; at 0, never
+    lane = dict(codec_lane=True, load=0.6)
+    assert len(chunks_of(program, "progressive", 0.008, lane_room=1.0, **lane)[0].tokens) // 4 == 7
+    assert (
+        len(chunks_of(program, "progressive", 0.008, lane_room=0.0, codec_lane=True, load=0.01)[0].tokens)
+        // 4
+        == 14
+    )
 
 
 def test_the_first_chunk_margin_is_checked():

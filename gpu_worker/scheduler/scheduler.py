@@ -140,7 +140,7 @@ class Scheduler:
         self.first_audio = None  # `FirstAudioSitOut` (--first-audio-sit-out)
         check_first_audio_sit_out(limits.first_audio_sit_out, limits.first_chunk)
         self.last_capacity = float(limits.max_batch_size)  # as `capacity` last said
-        # the load the first-chunk decision weighs (windows.LANE_ROOM), and with it the sit-out's pace
+        # the load the first-chunk decision weighs (its lane room), and with it the sit-out's pace
         windows.load = lambda: self.num_active / max(self.last_capacity, 1.0)
         if limits.first_audio_sit_out:
             spare = limits.sit_out_lead_s or GpuWorkerSettings().sit_out_lead_s
