@@ -66,7 +66,7 @@ from gpu_worker.scheduler.pacing import (
 )
 from gpu_worker.scheduler.sit_out import FirstAudioSitOut, SitOut
 from gpu_worker.scheduler.step_cost import Lives, PromptRoom
-from gpu_worker.windows import DELIVERY_S, LANE_ROOM
+from gpu_worker.windows import DELIVERY_S, LANE_ROOM, second_trip_s
 
 ROWS_PER_S = 82.03  # Orpheus: a row is 1/82.03 s of audio; a frame is 7 rows
 FRAME, LEADS = 7, (7, 14, 21)
@@ -411,9 +411,9 @@ class Worker:
     fitted: PromptRoom | None = None
 
     def trip_s(self) -> float:
-        """What a first chunk sent now allows for the second's trip (windows.second_trip_s):
+        """What a first chunk sent now allows for the second's trip, as the engine's windows weigh it:
         `delivery_s` within `lane_room` of the capacity, else no less than DELIVERY_S."""
-        return self.delivery_s if self.load <= self.lane_room else max(self.delivery_s, DELIVERY_S)
+        return second_trip_s(self.load, self.lane_room, self.delivery_s)
 
     def prompts_now(self, run: dict[int, dict], waiting: int = 2) -> int:
         """Prompts the next step may start beside the `run`ning streams, `waiting` prompts waiting

@@ -54,6 +54,13 @@ LANE_DELIVERY_S = 0.015
 LANE_ROOM = CodecSettings().first_lane_room
 
 
+def second_trip_s(load: float, lane_room: float, second_delivery_s: float) -> float:
+    """What a first chunk sent at `load` (the streams over the capacity reported) allows for the
+    second chunk's trip: `second_delivery_s` within `lane_room` of the capacity, else no less than
+    DELIVERY_S."""
+    return second_delivery_s if load <= lane_room else max(second_delivery_s, DELIVERY_S)
+
+
 def clock_window(program: LMProgram) -> int:
     """The window whose leaving starts the listener's clock: the last of the first audible ones."""
     return program.detok_silent + program.detok_first_windows - 1
@@ -225,11 +232,8 @@ class AudioWindows:
         return (self._audio_s(self.stride) - self.second_trip_s()) / (self.stride * self.first_margin)
 
     def second_trip_s(self) -> float:
-        """What a first chunk sent now allows for the second chunk's trip: `second_delivery_s` while
-        the load is within `lane_room` of the capacity, else no less than DELIVERY_S."""
-        if self.load() <= self.lane_room:
-            return self.second_delivery_s
-        return max(self.second_delivery_s, DELIVERY_S)
+        """What a first chunk sent now allows for the second chunk's trip (`second_trip_s`)."""
+        return second_trip_s(self.load(), self.lane_room, self.second_delivery_s)
 
     def spare(self, req, now: float) -> tuple[float, int]:
         """(seconds of audio its listener has in hand, audio rows until its first chunk that waits for
@@ -329,7 +333,7 @@ class AudioWindows:
     def _first_now(self, n: int) -> bool:
         """Progressive mode: may the first chunk go out with the n rows there are? Yes when the
         next frame, s rows later, will reach the listener before these have played out (else one
-        more frame first; its trip `second_delivery_s`), and always at the largest lead size."""
+        more frame first; its trip `second_trip_s()`), and always at the largest lead size."""
         leads = self.program.detok_lead
         if not leads or n >= max(leads):
             return True
